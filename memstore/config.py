@@ -1,0 +1,215 @@
+"""The store server's typed configuration.
+
+Precedence: CLI flags > environment variables (``MEMSTORE_<FIELD>``) > config file (TOML) > defaults.
+Every field is documented once, here; ``memstore serve --help`` shows the same text.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from memstore.core.sizes import parse_size
+from memstore.errors import ConfigError
+from memstore.v1.integrity import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+from memstore.v1.keys import HOST_ID_PATTERN
+
+
+def parse_address(text: str, what: str = "address") -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{what} {text!r} is invalid: expected HOST:PORT, e.g. 127.0.0.1:7070")
+    return text
+
+
+def parse_peers(text: str | list[Any] | tuple[Any, ...]) -> tuple[tuple[str, str], ...]:
+    """``'h0=127.0.0.1:7070,h1=127.0.0.1:7071'`` -> ((h0, addr), (h1, addr)), order kept."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    peers: list[tuple[str, str]] = []
+    for item in items:
+        if isinstance(item, (list, tuple)) and len(item) == 2:
+            host_id, address = str(item[0]), str(item[1])
+        else:
+            host_id, sep, address = str(item).strip().partition("=")
+            if not sep:
+                raise ConfigError(f"--peers entry {item!r} is invalid: expected ID=HOST:PORT")
+        if not HOST_ID_PATTERN.fullmatch(host_id):
+            raise ConfigError(f"--peers host id {host_id!r} is invalid: expected 1-64 characters of [A-Za-z0-9._-]")
+        peers.append((host_id, parse_address(address, f"--peers address of {host_id}")))
+    ids = [p[0] for p in peers]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise ConfigError(f"--peers lists host ids more than once: {', '.join(dupes)}")
+    return tuple(peers)
+
+
+def parse_domains(text: str | Mapping[str, str]) -> dict[str, str]:
+    if isinstance(text, Mapping):
+        return {str(k): str(v) for k, v in text.items()}
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        host_id, sep, label = item.partition("=")
+        if not sep or not host_id or not label:
+            raise ConfigError(f"--failure-domains entry {item!r} is invalid: expected ID=LABEL")
+        out[host_id] = label
+    return out
+
+
+def _positive_int(name: str) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} {value!r} is invalid: expected an integer") from None
+        if number < 1:
+            raise ConfigError(f"{name} {number} is invalid: expected >= 1")
+        return number
+
+    return parse
+
+
+def _positive_float(name: str) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} {value!r} is invalid: expected a number of seconds") from None
+        if not number > 0:
+            raise ConfigError(f"{name} {number} is invalid: expected > 0")
+        return number
+
+    return parse
+
+
+def _size(name: str) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+
+    return parse
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if value not in choices:
+            raise ConfigError(f"{name} {value!r} is invalid: expected one of {', '.join(choices)}")
+        return str(value)
+
+    return parse
+
+
+def _opt(help: str, parse: Callable[[Any], Any] | None = None, **kw: Any) -> Any:
+    return field(metadata={"help": help, "parse": parse}, **kw)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    host_id: str = _opt("Stable id of this host; a store restarted with the same id and --listen replaces it.", default="")
+    listen: str = _opt(
+        "HOST:PORT the gRPC server binds (port 0 picks a free port).", lambda v: parse_address(v, "--listen"), default="127.0.0.1:7070"
+    )
+    peers: tuple[tuple[str, str], ...] = _opt(
+        "Every host of the cluster including this one, ID=HOST:PORT,...; the order fixes placement.", parse_peers, default=()
+    )
+    replicas: int = _opt("Replication factor R: copies of each shard in RAM, counting the owner's.", _positive_int("--replicas"), default=2)
+    capacity: int = _opt("RAM budget for shard bytes (bytes or 512MiB, 8GiB, ...).", _size("--capacity"), default=4 << 30)
+    keep: int = _opt("Newest committed steps kept per job in RAM.", _positive_int("--keep"), default=2)
+    placement: str = _opt("Placement strategy: mixed (GEMINI) or ring.", _choice("--placement", ("mixed", "ring")), default="mixed")
+    failure_domain: str = _opt("This host's failure-domain label (rack, zone, node pool).", str, default="")
+    failure_domains: dict[str, str] = _opt(
+        "Failure-domain label of every host, ID=LABEL,...; groups then span domains where possible.", parse_domains, default_factory=dict
+    )
+    chunk_bytes: int = _opt("Chunk size of shard streams and checksums.", _size("--chunk-bytes"), default=DEFAULT_CHUNK_BYTES)
+    shm_dir: str = _opt(
+        "Directory on a tmpfs for shared-memory segments ('' disables the local fast path).", str, default="/dev/shm/memstore"
+    )
+    repair_interval: float = _opt(
+        "Seconds between anti-entropy passes that restore missing replicas.", _positive_float("--repair-interval"), default=2.0
+    )
+    peer_timeout: float = _opt("Deadline in seconds of control RPCs to peers.", _positive_float("--peer-timeout"), default=5.0)
+    transfer_min_rate: int = _opt(
+        "Slowest acceptable replication rate (bytes/s); a transfer's deadline is 10 s plus its size at this rate.",
+        _size("--transfer-min-rate"),
+        default=50 << 20,
+    )
+    log_level: str = _opt("Logging level.", _choice("--log-level", ("DEBUG", "INFO", "WARNING", "ERROR")), default="INFO")
+
+    # ------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        cli: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        config_file: str | Path | None = None,
+    ) -> StoreConfig:
+        """Merge the sources (CLI > env > file > defaults), parse and validate every value."""
+        env = os.environ if env is None else env
+        merged: dict[str, Any] = {}
+        path = config_file or env.get("MEMSTORE_CONFIG")
+        if path:
+            merged.update(_read_config_file(Path(path)))
+        for f in fields(cls):
+            env_value = env.get(f"MEMSTORE_{f.name.upper()}")
+            if env_value is not None and env_value != "":
+                merged[f.name] = env_value
+        merged.update({k: v for k, v in (cli or {}).items() if v is not None})
+        unknown = sorted(set(merged) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown configuration keys: {', '.join(unknown)}")
+        parsed: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name in merged:
+                parse = f.metadata["parse"]
+                parsed[f.name] = parse(merged[f.name]) if parse else merged[f.name]
+        return cls(**parsed).validated()
+
+    def validated(self) -> StoreConfig:
+        if not HOST_ID_PATTERN.fullmatch(self.host_id or ""):
+            raise ConfigError(f"--host-id {self.host_id!r} is invalid: expected 1-64 characters of [A-Za-z0-9._-]")
+        peers = self.peers or ((self.host_id, self.listen),)
+        ids = [p[0] for p in peers]
+        if self.host_id not in ids:
+            raise ConfigError(f"--peers must list every host including this one; {self.host_id!r} is missing from {', '.join(ids)}")
+        if self.replicas > len(peers):
+            raise ConfigError(f"--replicas {self.replicas} is larger than the number of hosts ({len(peers)}) in --peers")
+        if not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ConfigError(f"--chunk-bytes {self.chunk_bytes} is invalid: expected 1..{MAX_CHUNK_BYTES}")
+        domains = dict(self.failure_domains)
+        if self.failure_domain:
+            if domains.get(self.host_id, self.failure_domain) != self.failure_domain:
+                raise ConfigError(
+                    f"--failure-domain {self.failure_domain!r} contradicts --failure-domains {self.host_id}={domains[self.host_id]}"
+                )
+            domains.setdefault(self.host_id, self.failure_domain)
+        return replace(self, peers=peers, failure_domains=domains)
+
+    @property
+    def host_ids(self) -> tuple[str, ...]:
+        return tuple(p[0] for p in self.peers)
+
+    def address_of(self, host_id: str) -> str:
+        return dict(self.peers)[host_id]
+
+    @classmethod
+    def help_of(cls, name: str) -> str:
+        return str({f.name: f.metadata["help"] for f in fields(cls)}[name])
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    section = data.get("store", data)
+    if not isinstance(section, dict):
+        raise ConfigError(f"config file {path}: [store] must be a table")
+    return {k.replace("-", "_"): v for k, v in section.items()}

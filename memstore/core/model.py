@@ -1,0 +1,54 @@
+"""Plain data types of the store: shard keys, manifests and the states a held copy goes through."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, order=True)
+class ShardKey:
+    job_id: str
+    step: int
+    rank: int
+
+    def __str__(self) -> str:
+        return f"{self.job_id}/step={self.step}/rank={self.rank}"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Layout and integrity data of one shard, fixed when the shard is captured."""
+
+    key: ShardKey
+    world_size: int
+    nbytes: int
+    chunk_size: int
+    checksums: tuple[int, ...]
+    owner_host: str
+    format_version: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    created_unix: float = 0.0
+
+
+class ShardState(enum.Enum):
+    CAPTURED = "captured"  # owner holds the bytes, checksums not yet computed
+    REPLICATING = "replicating"  # verified locally, being pushed to group peers
+    COMMITTED = "committed"  # R verified copies acknowledged
+    UNDER_REPLICATED = "under_replicated"  # push failed; the local copy stays, repair may fix it
+    REPLICA = "replica"  # verified copy held for another host, or pulled back by repair
+
+    @property
+    def settled(self) -> bool:
+        """True once the copy is verified and no longer in flight on this store."""
+        return self in (ShardState.COMMITTED, ShardState.UNDER_REPLICATED, ShardState.REPLICA)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One copy of one shard as reported by one store (input to 'latest restorable step')."""
+
+    host: str
+    key: ShardKey
+    world_size: int
+    verified: bool

@@ -1,0 +1,201 @@
+"""N store processes on 127.0.0.1: for development, the demo, benchmarks and integration tests.
+
+Each store is a real ``python -m memstore serve`` child. ``kill()`` SIGKILLs and reaps one;
+``restart()`` starts its replacement (same host id and address, empty RAM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from memstore.v1 import store_pb2 as pb
+from memstore.v1 import store_pb2_grpc as pb_grpc
+from memstore.v1.channel import insecure_channel
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports the kernel hands out for port 0, held open together so they are distinct."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):  # type: ignore[no-untyped-def]
+    """Poll ``predicate`` on a monotonic clock until it returns a truthy value or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class StoreProcess:
+    host_id: str
+    address: str
+    args: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class LocalCluster:
+    hosts: int = 4
+    replicas: int = 2
+    capacity: str = "2GiB"
+    base_port: int = 0
+    keep: int = 2
+    extra_args: list[str] = field(default_factory=list)
+    workdir: Path | None = None
+    env: dict[str, str] | None = None
+    stores: dict[str, StoreProcess] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1:
+            raise ValueError(f"hosts must be >= 1, got {self.hosts}")
+        if not 1 <= self.replicas <= self.hosts:
+            raise ValueError(f"replicas must be in 1..{self.hosts}, got {self.replicas}")
+        self._own_workdir = self.workdir is None
+        self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="memstore-cluster-"))
+        self.shm_dir = f"/dev/shm/memstore-{os.getpid()}-{self.workdir.name}"
+        ports = [self.base_port + i for i in range(self.hosts)] if self.base_port else free_ports(self.hosts)
+        ids = [f"h{i}" for i in range(self.hosts)]
+        peers = ",".join(f"{h}=127.0.0.1:{p}" for h, p in zip(ids, ports, strict=True))
+        for h, p in zip(ids, ports, strict=True):
+            args = [
+                sys.executable,
+                "-m",
+                "memstore",
+                "serve",
+                "--host-id",
+                h,
+                "--listen",
+                f"127.0.0.1:{p}",
+                "--peers",
+                peers,
+                "--replicas",
+                str(self.replicas),
+                "--capacity",
+                str(self.capacity),
+                "--keep",
+                str(self.keep),
+                "--shm-dir",
+                self.shm_dir,
+                *self.extra_args,
+            ]
+            self.stores[h] = StoreProcess(h, f"127.0.0.1:{p}", args, self.workdir / f"{h}.log")
+
+    # -- lifecycle ----------------------------------------------------------------
+    def start(self, timeout: float = 30.0) -> LocalCluster:
+        for h in self.stores:
+            self._spawn(h)
+        for h in self.stores:
+            self.wait_healthy(h, timeout)
+        return self
+
+    def _spawn(self, host_id: str) -> None:
+        sp = self.stores[host_id]
+        log = open(sp.log_path, "ab")  # noqa: SIM115 - owned by the child's lifetime
+        env = {**os.environ, **(self.env or {})}
+        sp.proc = subprocess.Popen(sp.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+
+    def health(self, host_id: str, timeout: float = 1.0) -> pb.HealthResponse | None:
+        with insecure_channel(self.stores[host_id].address) as ch:
+            try:
+                return pb_grpc.StoreStub(ch).Health(pb.HealthRequest(), timeout=timeout)
+            except grpc.RpcError:
+                return None
+
+    def wait_healthy(self, host_id: str, timeout: float = 30.0) -> None:
+        sp = self.stores[host_id]
+
+        def ready() -> bool:
+            if not sp.alive:
+                raise RuntimeError(f"store {host_id} exited with {sp.proc.returncode if sp.proc else None}:\n{self.log_tail(host_id)}")
+            h = self.health(host_id)
+            return h is not None and h.serving
+
+        wait_for(ready, timeout, what=f"store {host_id} to serve")
+
+    def kill(self, host_id: str) -> None:
+        """SIGKILL the store and reap it."""
+        sp = self.stores[host_id]
+        if sp.proc is not None and sp.proc.poll() is None:
+            sp.proc.send_signal(signal.SIGKILL)
+            sp.proc.wait(timeout=10)
+
+    def restart(self, host_id: str, timeout: float = 30.0) -> None:
+        """Start the replacement of ``host_id``: same id and address, empty RAM."""
+        self.kill(host_id)
+        self.stores[host_id].restarts += 1
+        self._spawn(host_id)
+        self.wait_healthy(host_id, timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for sp in self.stores.values():
+            if sp.alive:
+                assert sp.proc is not None
+                sp.proc.send_signal(signal.SIGTERM)
+        for sp in self.stores.values():
+            if sp.proc is not None:
+                try:
+                    sp.proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    sp.proc.kill()
+                    sp.proc.wait(timeout=5)
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        if self._own_workdir and self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- info -----------------------------------------------------------------------
+    @property
+    def endpoints(self) -> dict[str, str]:
+        return {h: sp.address for h, sp in self.stores.items()}
+
+    def address(self, host_id: str) -> str:
+        return self.stores[host_id].address
+
+    def write_endpoints(self, path: str | Path) -> None:
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(json.dumps({"hosts": self.endpoints}, indent=2) + "\n")
+        tmp.replace(path)
+
+    def log_tail(self, host_id: str, lines: int = 40) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.stores[host_id].log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""

@@ -1,0 +1,86 @@
+"""Run one store server: bind the gRPC port, start background tasks, stop cleanly on a signal."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from types import FrameType
+
+import grpc
+
+from memstore.config import StoreConfig
+from memstore.errors import ConfigError
+from memstore.server.servicer import StoreServicer
+from memstore.server.store import Store
+from memstore.v1 import store_pb2_grpc as pb_grpc
+from memstore.v1.channel import SERVER_OPTIONS
+
+log = logging.getLogger(__name__)
+
+# Enough threads for every rank's blocking WaitCommitted plus concurrent pushes, pulls and reads.
+SERVER_THREADS = 64
+
+
+class StoreServer:
+    """A store engine behind a gRPC server. ``address`` is the bound HOST:PORT (port 0 resolved)."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="rpc"), options=SERVER_OPTIONS)
+        host, _, port = config.listen.rpartition(":")
+        bound = self._server.add_insecure_port(config.listen)
+        if bound == 0:
+            raise ConfigError(f"--listen {config.listen}: cannot bind (address in use or not local)")
+        self.address = f"{host}:{bound}"
+        if port == "0":
+            # The cluster knows this host by its real port: rewrite our own entry in the peer list.
+            peers = tuple((h, self.address if h == config.host_id else a) for h, a in config.peers)
+            config = replace(config, listen=self.address, peers=peers)
+        self.config = config
+        self.store = Store(config, advertised_address=self.address)
+        pb_grpc.add_StoreServicer_to_server(StoreServicer(self.store), self._server)
+
+    def start(self) -> None:
+        self._server.start()
+        self.store.start()
+        log.info(
+            "store %s serving on %s (R=%d, capacity=%d, placement=%s)",
+            self.config.host_id,
+            self.address,
+            self.config.replicas,
+            self.config.capacity,
+            self.config.placement,
+        )
+
+    def stop(self, grace: float = 2.0) -> None:
+        self._server.stop(grace).wait(grace + 1)
+        self.store.close()
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+
+def serve(config: StoreConfig, ready_file: str | None = None) -> int:
+    """Run until SIGINT/SIGTERM. Prints ``READY <host_id> <address>`` once serving."""
+    server = StoreServer(config)
+    server.start()
+    done = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("store %s: signal %d, shutting down", config.host_id, signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"READY {config.host_id} {server.address}", flush=True)
+    if ready_file:
+        with open(ready_file, "w") as fh:
+            fh.write(server.address)
+    sys.stdout.flush()
+    while not done.wait(0.5):
+        pass
+    server.stop()
+    return 0

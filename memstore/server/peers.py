@@ -1,0 +1,152 @@
+"""Calls from this store to its peers: push a shard, pull a shard, list holdings, handshake.
+
+One channel per peer address, created lazily and reused. Every call has a deadline; a failure
+becomes PeerUnavailable (or the peer's typed answer, such as RESOURCE_EXHAUSTED) naming the peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import grpc
+
+from memstore.errors import CapacityExceeded, ChecksumMismatch, IdentityMismatch, PeerUnavailable, StoreError
+from memstore.v1 import store_pb2 as pb
+from memstore.v1 import store_pb2_grpc as pb_grpc
+from memstore.v1.channel import insecure_channel
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _peer_error(host_id: str, what: str, err: grpc.RpcError) -> StoreError:
+    code = err.code() if hasattr(err, "code") else None
+    detail = err.details() if hasattr(err, "details") else str(err)
+    message = f"{what} on peer {host_id} failed: {code.name if code else 'error'}: {detail}"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        meta = dict(err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else {}
+        return CapacityExceeded(
+            message,
+            needed=int(meta.get("memstore-needed-bytes", 0)),
+            used=int(meta.get("memstore-used-bytes", 0)),
+            capacity=int(meta.get("memstore-capacity-bytes", 0)),
+        )
+    if code == grpc.StatusCode.DATA_LOSS:
+        return ChecksumMismatch(message)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return IdentityMismatch(message)
+    return PeerUnavailable(message)
+
+
+# A peer that just (re)started is reachable a moment after its channel first failed; a dead one keeps
+# refusing connections. Retrying UNAVAILABLE for this long tells the two apart without hanging.
+RETRY_BUDGET_SECONDS = 1.5
+
+
+def _retrying(fn: Callable[[], T], budget: float = RETRY_BUDGET_SECONDS) -> T:
+    deadline = time.monotonic() + budget
+    delay = 0.05
+    while True:
+        try:
+            return fn()
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(0.5, delay * 2)
+
+
+class Peer:
+    def __init__(self, host_id: str, address: str) -> None:
+        self.host_id = host_id
+        self.address = address
+        self._channel = insecure_channel(address)
+        self.stub = pb_grpc.StoreStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def hello(self, timeout: float) -> pb.HelloResponse:
+        try:
+            return _retrying(lambda: self.stub.Hello(pb.HelloRequest(), timeout=timeout))
+        except grpc.RpcError as err:
+            raise _peer_error(self.host_id, "Hello", err) from None
+
+    def list(self, job_id: str, timeout: float) -> pb.ListResponse:
+        try:
+            resp = _retrying(lambda: self.stub.List(pb.ListRequest(job_id=job_id), timeout=timeout))
+        except grpc.RpcError as err:
+            raise _peer_error(self.host_id, "List", err) from None
+        if resp.host_id != self.host_id:
+            raise IdentityMismatch(
+                f"the store at {self.address} says it is host {resp.host_id!r}, but --peers names it {self.host_id!r}; "
+                "fix --peers or restart that store with the right --host-id"
+            )
+        return resp
+
+    def push(self, requests: Callable[[], Iterator[pb.PutRequest]], timeout: float) -> pb.PutResponse:
+        """Stream a shard to the peer. ``requests`` makes a fresh stream per attempt (Put is idempotent)."""
+        try:
+            return _retrying(lambda: self.stub.Put(requests(), timeout=timeout))
+        except grpc.RpcError as err:
+            raise _peer_error(self.host_id, "Put", err) from None
+
+    def get(self, key: pb.ShardKey, timeout: float) -> tuple[pb.Manifest, Iterator[bytes], grpc.Future]:
+        """Start a Get stream: returns (manifest, iterator over chunk bytes, call to cancel)."""
+        call = self.stub.Get(pb.GetRequest(key=key), timeout=timeout)
+        try:
+            first = next(call)
+        except grpc.RpcError as err:
+            raise _peer_error(self.host_id, "Get", err) from None
+        except StopIteration:
+            raise PeerUnavailable(f"Get on peer {self.host_id} returned an empty stream") from None
+        if first.WhichOneof("body") != "manifest":
+            call.cancel()
+            raise PeerUnavailable(f"Get on peer {self.host_id} did not start with a manifest")
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                for msg in call:
+                    yield msg.chunk
+            except grpc.RpcError as err:
+                raise _peer_error(self.host_id, "Get", err) from None
+
+        return first.manifest, chunks(), call
+
+
+class PeerDirectory:
+    """The cluster's other stores, addressed by host id."""
+
+    def __init__(self, self_id: str, peers: Iterable[tuple[str, str]]) -> None:
+        self.self_id = self_id
+        self._peers = {hid: Peer(hid, addr) for hid, addr in peers if hid != self_id}
+        self._pool = ThreadPoolExecutor(max_workers=max(4, min(32, len(self._peers))), thread_name_prefix="peer-list")
+        self._lock = threading.Lock()
+
+    def __getitem__(self, host_id: str) -> Peer:
+        return self._peers[host_id]
+
+    def ids(self) -> list[str]:
+        return list(self._peers)
+
+    def list_all(self, job_id: str, timeout: float, hosts: Iterable[str] | None = None) -> dict[str, pb.ListResponse | StoreError]:
+        """List every (or the given) peer in parallel; failures are returned, not raised."""
+        targets = [h for h in (hosts if hosts is not None else self._peers) if h in self._peers]
+
+        def one(h: str) -> pb.ListResponse | StoreError:
+            try:
+                return self._peers[h].list(job_id, timeout)
+            except StoreError as exc:
+                return exc
+
+        return dict(zip(targets, self._pool.map(one, targets), strict=True))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for p in self._peers.values():
+            p.close()

@@ -1,0 +1,135 @@
+"""The gRPC servicer: validate, delegate to the Store engine, map typed errors to status codes.
+
+Known errors (``memstore.errors``) become their status with the message; anything else becomes
+INTERNAL and is logged with its traceback. No logic lives here.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from memstore.errors import InvalidArgument, StoreError
+from memstore.server.convert import key_from_pb, key_to_pb, manifest_to_pb
+from memstore.server.store import Store
+from memstore.v1 import store_pb2 as pb
+from memstore.v1 import store_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+    if isinstance(exc, StoreError):
+        if exc.trailing_metadata():
+            context.set_trailing_metadata(exc.trailing_metadata())
+        context.abort(getattr(grpc.StatusCode, exc.status), str(exc))
+    log.error("internal error", exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def rpc(method: F) -> F:
+    """Wrap a unary handler: typed errors -> status."""
+
+    @functools.wraps(method)
+    def wrapper(self: StoreServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as exc:
+            _abort(context, exc)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def stream_rpc(method: F) -> F:
+    """Wrap a server-streaming handler the same way."""
+
+    @functools.wraps(method)
+    def wrapper(self: StoreServicer, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from method(self, request, context)
+        except Exception as exc:
+            _abort(context, exc)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class StoreServicer(pb_grpc.StoreServicer):
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @rpc
+    def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
+        return self.store.hello()
+
+    @rpc
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
+        return self.store.health()
+
+    @rpc
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
+        lease_id, segment = self.store.allocate(key_from_pb(request.key), request.world_size, request.nbytes)
+        return pb.AllocateResponse(lease_id=lease_id, segment_path=segment.path or "", segment_bytes=segment.size)
+
+    @rpc
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        key = self.store.commit(request.lease_id, dict(request.metrics), request.format_version)
+        return pb.CommitResponse(key=key_to_pb(key))
+
+    @rpc
+    def Put(self, request_iterator: Iterator[pb.PutRequest], context: grpc.ServicerContext) -> pb.PutResponse:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("body") != "header":
+            raise InvalidArgument("Put stream must start with a PutHeader message")
+
+        def chunks() -> Iterator[bytes]:
+            for msg in request_iterator:
+                if msg.WhichOneof("body") != "chunk":
+                    raise InvalidArgument("Put stream carries a second header; expected only chunks after the first message")
+                yield msg.chunk
+
+        return self.store.receive(first.header, chunks())
+
+    @rpc
+    def WaitCommitted(self, request: pb.WaitCommittedRequest, context: grpc.ServicerContext) -> pb.WaitCommittedResponse:
+        info, done = self.store.wait_committed(key_from_pb(request.key), request.timeout_seconds)
+        return pb.WaitCommittedResponse(info=info, done=done)
+
+    @rpc
+    def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
+        lease_id, entry = self.store.open(key_from_pb(request.key))
+        assert entry.manifest is not None
+        return pb.OpenResponse(lease_id=lease_id, segment_path=entry.segment.path or "", manifest=manifest_to_pb(entry.manifest))
+
+    @rpc
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        self.store.release(request.lease_id)
+        return pb.ReleaseResponse()
+
+    @stream_rpc
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
+        from memstore.v1.streams import get_responses
+
+        for manifest, view in self.store.read(key_from_pb(request.key)):
+            yield from get_responses(manifest, view)
+
+    @rpc
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchResponse:
+        manifest, source = self.store.fetch(key_from_pb(request.key), request.discard_local)
+        return pb.FetchResponse(manifest=manifest, source_host=source)
+
+    @rpc
+    def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
+        return self.store.list(request.job_id)
+
+    @rpc
+    def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
+        return pb.DeleteResponse(deleted=self.store.delete(request.job_id, request.step, request.rank))
+
+    @rpc
+    def LatestStep(self, request: pb.LatestStepRequest, context: grpc.ServicerContext) -> pb.LatestStepResponse:
+        return self.store.latest_step(request.job_id)

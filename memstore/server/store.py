@@ -1,0 +1,697 @@
+"""The store engine: shards in RAM, their life cycle, replication to group peers and repair.
+
+Life of a shard owned by this host (a trainer rank runs here):
+
+    allocate -> trainer copies into the segment -> commit            (save() returns here)
+      -> checksums computed (CAPTURED -> REPLICATING)
+      -> pushed to the R-1 group peers, each verifies every chunk
+      -> COMMITTED when all acknowledged, else UNDER_REPLICATED (local copy kept; repair retries)
+
+A copy received from a peer is verified chunk by chunk before it is registered (REPLICA).
+The repair loop pulls, from group peers, every recent shard this host should hold but lacks, so a
+replacement host (same host id, empty RAM) returns the group to R copies by itself.
+
+The gRPC servicer is a thin adapter over this class; the pure decisions (placement, retention,
+latest restorable step) live in ``memstore.core``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from memstore import __version__
+from memstore.config import StoreConfig
+from memstore.core.model import Holding, Manifest, ShardKey, ShardState
+from memstore.core.placement import Placement, make_placement
+from memstore.core.placement import PlacementError as _CorePlacementError
+from memstore.core.restorable import latest_restorable_step, sources_for
+from memstore.core.retention import retention_victims, superseded_in_flight
+from memstore.errors import (
+    CapacityExceeded,
+    ChecksumMismatch,
+    InvalidArgument,
+    LeaseError,
+    PeerUnavailable,
+    PlacementError,
+    ShardNotFound,
+    StoreError,
+    UnknownJob,
+)
+from memstore.server.convert import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, state_from_pb, state_to_pb
+from memstore.server.peers import PeerDirectory
+from memstore.server.segments import Segment, SegmentPool
+from memstore.v1 import store_pb2 as pb
+from memstore.v1.integrity import compute_checksums, first_mismatch
+from memstore.v1.keys import job_id_problem, key_problem
+from memstore.v1.streams import StreamError, manifest_problem, put_requests, receive_chunks
+
+log = logging.getLogger(__name__)
+
+ALLOCATE_LEASE_SECONDS = 600.0  # a trainer that allocated but never committed (it crashed) frees the segment after this
+READ_LEASE_SECONDS = 600.0
+MAX_WAIT_SECONDS = 10.0  # WaitCommitted blocks a server thread at most this long; clients loop
+
+
+@dataclass
+class Entry:
+    key: ShardKey
+    world_size: int
+    nbytes: int
+    segment: Segment
+    owner_host: str
+    state: ShardState
+    manifest: Manifest | None = None  # None until checksums are computed
+    error: str = ""
+    copies: int = 1
+    pins: int = 0
+    dropped: bool = False  # removed from the catalog while pinned; segment freed at last unpin
+    metrics: dict[str, float] = field(default_factory=dict)
+    format_version: int = 0
+    created_unix: float = field(default_factory=time.time)
+
+    @property
+    def verified(self) -> bool:
+        return self.manifest is not None and self.state is not ShardState.CAPTURED
+
+
+@dataclass
+class _Lease:
+    entry: Entry
+    expires: float
+
+
+def _ensure(problem: str | None) -> None:
+    if problem:
+        raise InvalidArgument(problem)
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+class Store:
+    def __init__(self, config: StoreConfig, advertised_address: str | None = None) -> None:
+        self.config = config
+        self.host_id = config.host_id
+        self.started = time.monotonic()
+        try:
+            self.placement: Placement = make_placement(config.placement, config.host_ids, config.replicas, config.failure_domains or None)
+        except (_CorePlacementError, ValueError) as exc:
+            raise PlacementError(f"invalid placement: {exc}") from None
+        self.pool = SegmentPool(os.path.join(config.shm_dir, self.host_id) if config.shm_dir else None, config.capacity)
+        self.peers = PeerDirectory(self.host_id, config.peers)
+        self._lock = threading.Condition()
+        self._entries: dict[ShardKey, Entry] = {}
+        self._alloc_leases: dict[str, _Lease] = {}
+        self._read_leases: dict[str, _Lease] = {}
+        self._receiving: set[ShardKey] = set()
+        self._protected: dict[str, int] = {}  # job -> newest restorable step, protected from eviction
+        self._replication = ThreadPoolExecutor(max_workers=4, thread_name_prefix="replicate")
+        self._push = ThreadPoolExecutor(max_workers=max(2, 2 * (config.replicas - 1)), thread_name_prefix="push")
+        self._in_flight = 0
+        self._repairs_in_flight = 0
+        self._stop = threading.Event()
+        self._retention_due = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._repair_loop, name="repair", daemon=True),
+            threading.Thread(target=self._janitor_loop, name="janitor", daemon=True),
+        ]
+        self.boot_id = _boot_id()
+        self.advertised_address = advertised_address or config.listen
+        self.last_repair_error = ""
+
+    # -- lifecycle --------------------------------------------------------------
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._retention_due.set()
+        with self._lock:
+            self._lock.notify_all()
+        self._replication.shutdown(wait=False, cancel_futures=True)
+        self._push.shutdown(wait=False, cancel_futures=True)
+        self.peers.close()
+        for t in self._threads:
+            if t.is_alive():
+                t.join(timeout=2)
+        self.pool.close()
+
+    # -- handshake / health -------------------------------------------------------
+    def hello(self) -> pb.HelloResponse:
+        return pb.HelloResponse(
+            host_id=self.host_id,
+            version=__version__,
+            replicas=self.config.replicas,
+            peer_ids=[h for h, _ in self.config.peers],
+            peer_addresses=[a for _, a in self.config.peers],
+            shm_dir=str(self.pool.directory or ""),
+            boot_id=self.boot_id,
+            capacity_bytes=self.config.capacity,
+            max_chunk_bytes=self.config.chunk_bytes,
+            placement=self.config.placement,
+        )
+
+    def health(self) -> pb.HealthResponse:
+        with self._lock:
+            shards = sum(1 for e in self._entries.values() if not e.dropped)
+        return pb.HealthResponse(
+            serving=not self._stop.is_set(),
+            host_id=self.host_id,
+            used_bytes=self.pool.used_bytes,
+            capacity_bytes=self.config.capacity,
+            shards=shards,
+            replications_in_flight=self._in_flight,
+            repairs_in_flight=self._repairs_in_flight,
+            uptime_seconds=time.monotonic() - self.started,
+        )
+
+    # -- save, local fast path ------------------------------------------------------
+    def allocate(self, key: ShardKey, world_size: int, nbytes: int) -> tuple[str, Segment]:
+        _ensure(key_problem(key.job_id, key.step, key.rank, world_size))
+        if nbytes <= 0:
+            raise InvalidArgument(f"nbytes {nbytes} is invalid: expected > 0")
+        if self.pool.directory is None:
+            raise InvalidArgument(f"store {self.host_id} has no shared-memory dir (--shm-dir ''); send the shard with Put")
+        segment = self._acquire(key, nbytes)
+        entry = Entry(key, world_size, nbytes, segment, self.host_id, ShardState.CAPTURED)
+        lease_id = secrets.token_hex(16)
+        with self._lock:
+            self._alloc_leases[lease_id] = _Lease(entry, time.monotonic() + ALLOCATE_LEASE_SECONDS)
+        return lease_id, segment
+
+    def commit(self, lease_id: str, metrics: dict[str, float], format_version: int) -> ShardKey:
+        with self._lock:
+            lease = self._alloc_leases.pop(lease_id, None)
+            if lease is None:
+                raise LeaseError(f"allocation lease {lease_id!r} is unknown or expired; allocate again")
+            entry = lease.entry
+            entry.metrics = dict(metrics)
+            entry.format_version = format_version
+            self._register(entry)
+        self._in_flight_add(1)
+        self._replication.submit(self._capture_and_replicate, entry)
+        return entry.key
+
+    def _acquire(self, key: ShardKey, nbytes: int) -> Segment:
+        """A segment for ``key``; under memory pressure first drop older in-flight saves of the same rank."""
+        try:
+            return self.pool.acquire(nbytes, key.job_id, what=f"shard {key}")
+        except CapacityExceeded:
+            with self._lock:
+                held = [(e.key, e.state) for e in self._entries.values() if not e.dropped]
+                victims = superseded_in_flight(held, key)
+                for victim in victims:
+                    log.warning("dropping in-flight %s under memory pressure: newer step %d arrived", victim, key.step)
+                    self._drop(self._entries[victim], reason=f"superseded by step {key.step} under memory pressure")
+            if not victims:
+                raise
+            return self.pool.acquire(nbytes, key.job_id, what=f"shard {key}")
+
+    def _register(self, entry: Entry) -> None:
+        """Put ``entry`` in the catalog (caller holds the lock), replacing an older copy of the same key."""
+        old = self._entries.get(entry.key)
+        if old is not None and old is not entry:
+            self._drop(old, reason="replaced by a newer copy of the same shard")
+        self._entries[entry.key] = entry
+        self._lock.notify_all()
+
+    def _drop(self, entry: Entry, reason: str) -> None:
+        """Remove from the catalog (caller holds the lock); free the segment once nobody reads it."""
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+        if not entry.error and not entry.state.settled:
+            entry.error = reason
+        entry.dropped = True
+        if entry.pins == 0:
+            self.pool.release(entry.segment)
+        self._lock.notify_all()
+
+    # -- capture, replication ----------------------------------------------------------
+    def _in_flight_add(self, n: int) -> None:
+        with self._lock:
+            self._in_flight += n
+
+    def _capture_and_replicate(self, entry: Entry) -> None:
+        try:
+            if entry.manifest is None:
+                checksums = compute_checksums(entry.segment.view(), entry.nbytes, self.config.chunk_bytes)
+                manifest = Manifest(
+                    key=entry.key,
+                    world_size=entry.world_size,
+                    nbytes=entry.nbytes,
+                    chunk_size=self.config.chunk_bytes,
+                    checksums=tuple(checksums),
+                    owner_host=self.host_id,
+                    format_version=entry.format_version,
+                    metrics=entry.metrics,
+                    created_unix=entry.created_unix,
+                )
+                with self._lock:
+                    entry.manifest = manifest
+                    entry.state = ShardState.REPLICATING
+                    self._lock.notify_all()
+            self._replicate(entry)
+        except Exception as exc:  # never lose the local copy because replication broke
+            log.exception("replication of %s failed", entry.key)
+            self._settle(entry, copies=1, errors=[f"internal error: {exc}"])
+        finally:
+            self._in_flight_add(-1)
+
+    def _replicate(self, entry: Entry) -> None:
+        peers = self.placement.peers_of(self.host_id)
+        if not peers:
+            self._settle(entry, copies=1, errors=[])
+            return
+        assert entry.manifest is not None
+        header_manifest = manifest_to_pb(entry.manifest)
+        deadline = 10.0 + entry.nbytes / self.config.transfer_min_rate
+
+        def push(peer_id: str) -> str | None:
+            if entry.dropped:
+                return f"{entry.key} was dropped before it reached {peer_id}: {entry.error}"
+            newer = self._newer_settled_or_inflight(entry.key)
+            if newer is not None:
+                return f"superseded by step {newer} before it was sent to {peer_id}"
+            header = pb.PutHeader(manifest=header_manifest, origin=pb.PUT_ORIGIN_REPLICA, sender_host=self.host_id)
+            pinned = self._pin(entry)
+            if not pinned:
+                return f"{entry.key} was dropped before it reached {peer_id}"
+            try:
+                self.peers[peer_id].push(lambda: put_requests(header, entry.segment.view(entry.nbytes)), timeout=deadline)
+                return None
+            except StoreError as exc:
+                return str(exc)
+            finally:
+                self._unpin(entry)
+
+        futures: list[Future[str | None]] = [self._push.submit(push, p) for p in peers]
+        errors = [e for e in (f.result() for f in futures) if e]
+        self._settle(entry, copies=1 + len(peers) - len(errors), errors=errors)
+
+    def _newer_settled_or_inflight(self, key: ShardKey) -> int | None:
+        with self._lock:
+            newer = [k.step for k in self._entries if k.job_id == key.job_id and k.rank == key.rank and k.step > key.step]
+        return max(newer) if newer else None
+
+    def _settle(self, entry: Entry, copies: int, errors: list[str]) -> None:
+        with self._lock:
+            entry.copies = copies
+            if copies >= self.config.replicas:
+                entry.state = ShardState.COMMITTED
+                entry.error = ""
+            else:
+                entry.state = ShardState.UNDER_REPLICATED
+                entry.error = f"{copies} of {self.config.replicas} copies: " + "; ".join(errors)
+                log.warning("shard %s under-replicated: %s", entry.key, entry.error)
+            self._lock.notify_all()
+        self._retention_due.set()
+
+    def wait_committed(self, key: ShardKey, timeout: float) -> tuple[pb.ShardInfo, bool]:
+        _ensure(key_problem(key.job_id, key.step, key.rank))
+        deadline = time.monotonic() + max(0.0, min(timeout, MAX_WAIT_SECONDS))
+        with self._lock:
+            while True:
+                entry = self._entries.get(key)
+                if entry is None:
+                    raise ShardNotFound(f"shard {key} is not held by store {self.host_id}")
+                if entry.state.settled:
+                    return self._info(entry), True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stop.is_set():
+                    return self._info(entry), False
+                self._lock.wait(remaining)
+
+    # -- save over the wire (remote client, replication, repair) ------------------------
+    def receive(self, header: pb.PutHeader, chunks: Iterable[bytes]) -> pb.PutResponse:
+        m = header.manifest
+        _ensure(key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size))
+        _ensure(manifest_problem(m))
+        key = key_from_pb(m.key)
+        origin = header.origin
+        if origin == pb.PUT_ORIGIN_UNSPECIFIED:
+            raise InvalidArgument("PutHeader.origin is unspecified: expected CLIENT, REPLICA or REPAIR")
+        segment = self._acquire(key, max(1, m.nbytes))
+        with self._lock:
+            self._receiving.add(key)
+        try:
+            receive_chunks(chunks, m, segment.view())
+        except StreamError as exc:
+            self.pool.release(segment)
+            if exc.kind == "checksum":
+                raise ChecksumMismatch(f"{exc}; the copy was discarded, the sender should retry") from None
+            raise InvalidArgument(str(exc)) from None
+        except BaseException:
+            self.pool.release(segment)
+            raise
+        finally:
+            with self._lock:
+                self._receiving.discard(key)
+        manifest = manifest_from_pb(m)
+        if origin == pb.PUT_ORIGIN_CLIENT:
+            manifest = replace(manifest, owner_host=self.host_id)
+            entry = Entry(
+                key,
+                m.world_size,
+                m.nbytes,
+                segment,
+                self.host_id,
+                ShardState.REPLICATING,
+                manifest=manifest,
+                metrics=dict(m.metrics),
+                format_version=m.format_version,
+            )
+            with self._lock:
+                self._register(entry)
+            self._in_flight_add(1)
+            self._replication.submit(self._capture_and_replicate, entry)
+        else:
+            entry = Entry(
+                key,
+                m.world_size,
+                m.nbytes,
+                segment,
+                manifest.owner_host,
+                ShardState.REPLICA,
+                manifest=manifest,
+                metrics=dict(m.metrics),
+                format_version=m.format_version,
+                copies=0,
+            )
+            with self._lock:
+                self._register(entry)
+            self._retention_due.set()
+        return pb.PutResponse(key=m.key, bytes_received=m.nbytes)
+
+    # -- reads ---------------------------------------------------------------------------
+    def _pin(self, entry: Entry) -> bool:
+        with self._lock:
+            if entry.dropped:
+                return False
+            entry.pins += 1
+            return True
+
+    def _unpin(self, entry: Entry) -> None:
+        with self._lock:
+            entry.pins -= 1
+            if entry.pins == 0 and entry.dropped:
+                self.pool.release(entry.segment)
+
+    def _readable(self, key: ShardKey, wait: float = 30.0) -> Entry:
+        """The verified local copy of ``key`` (waits briefly while its checksums are computed)."""
+        _ensure(key_problem(key.job_id, key.step, key.rank))
+        deadline = time.monotonic() + wait
+        with self._lock:
+            while True:
+                entry = self._entries.get(key)
+                if entry is None:
+                    if not any(k.job_id == key.job_id for k in self._entries):
+                        raise UnknownJob(f"job {key.job_id!r} is unknown to store {self.host_id}")
+                    raise ShardNotFound(f"shard {key} is not held by store {self.host_id}")
+                if entry.verified:
+                    return entry
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ShardNotFound(f"shard {key} on store {self.host_id} is still being captured")
+                self._lock.wait(remaining)
+
+    def open(self, key: ShardKey) -> tuple[str, Entry]:
+        entry = self._readable(key)
+        if entry.segment.path is None:
+            raise InvalidArgument(f"store {self.host_id} has no shared-memory dir; read the shard with Get")
+        if not self._pin(entry):
+            raise ShardNotFound(f"shard {key} was evicted while opening it")
+        lease_id = secrets.token_hex(16)
+        with self._lock:
+            self._read_leases[lease_id] = _Lease(entry, time.monotonic() + READ_LEASE_SECONDS)
+        return lease_id, entry
+
+    def release(self, lease_id: str) -> None:
+        with self._lock:
+            lease = self._read_leases.pop(lease_id, None)
+            alloc = self._alloc_leases.pop(lease_id, None)
+        if lease is not None:
+            self._unpin(lease.entry)
+        elif alloc is not None:
+            self.pool.release(alloc.entry.segment)
+
+    def read(self, key: ShardKey) -> Iterator[tuple[pb.Manifest, memoryview]]:
+        """Context-style generator: yields (manifest, view) once with the entry pinned."""
+        entry = self._readable(key)
+        if not self._pin(entry):
+            raise ShardNotFound(f"shard {key} was evicted while reading it")
+        try:
+            assert entry.manifest is not None
+            yield manifest_to_pb(entry.manifest), entry.segment.view(entry.nbytes)
+        finally:
+            self._unpin(entry)
+
+    def fetch(self, key: ShardKey, discard_local: bool) -> tuple[pb.Manifest, str]:
+        """Make sure this store holds a verified copy of ``key``, pulling it from a peer if needed."""
+        _ensure(key_problem(key.job_id, key.step, key.rank))
+        with self._lock:
+            local = self._entries.get(key)
+        if local is not None and discard_local:
+            if (
+                local.manifest is not None
+                and first_mismatch(local.segment.view(), local.nbytes, local.manifest.chunk_size, local.manifest.checksums) is None
+            ):
+                log.warning("client reported %s corrupt but the local copy verifies; keeping it", key)
+            else:
+                log.warning("discarding corrupt local copy of %s", key)
+                with self._lock:
+                    self._drop(local, reason="local copy failed verification")
+                local = None
+        if local is not None:
+            entry = self._readable(key)
+            assert entry.manifest is not None
+            return manifest_to_pb(entry.manifest), ""
+        source = self._pull(key, origin_note="fetch")
+        entry = self._readable(key)
+        assert entry.manifest is not None
+        return manifest_to_pb(entry.manifest), source
+
+    def _pull(self, key: ShardKey, origin_note: str, candidates: list[str] | None = None) -> str:
+        """Copy ``key`` from the first peer that has a verified copy. Returns that peer's id."""
+        if candidates is None:
+            listings = self.peers.list_all(key.job_id, self.config.peer_timeout)
+            holdings = [h for host, resp in listings.items() if not isinstance(resp, StoreError) for h in _holdings(host, resp)]
+            candidates = sources_for(holdings, key, prefer=self.placement.hosts)
+            unreachable = [h for h, r in listings.items() if isinstance(r, StoreError)]
+            if not candidates:
+                if not any(h.key.job_id == key.job_id for h in holdings) and not unreachable:
+                    raise UnknownJob(f"job {key.job_id!r} is unknown to every store")
+                extra = f" ({len(unreachable)} unreachable: {', '.join(unreachable)})" if unreachable else ""
+                raise ShardNotFound(f"no reachable store holds a verified copy of {key}{extra}")
+        errors: list[str] = []
+        for host in candidates:
+            try:
+                self._pull_from(host, key)
+                log.info("%s: pulled %s from %s", origin_note, key, host)
+                return host
+            except StoreError as exc:
+                errors.append(str(exc))
+        if errors and all("checksum" in e for e in errors):
+            raise ChecksumMismatch(f"every copy of {key} failed verification: " + "; ".join(errors))
+        raise PeerUnavailable(f"could not pull {key}: " + "; ".join(errors))
+
+    def _pull_from(self, host: str, key: ShardKey) -> None:
+        peer = self.peers[host]
+        manifest, chunks, call = peer.get(key_to_pb(key), timeout=self.config.peer_timeout + 600)
+        try:
+            problem = manifest_problem(manifest)
+            if problem or key_from_pb(manifest.key) != key:
+                raise PeerUnavailable(f"peer {host} sent an invalid manifest for {key}: {problem or 'wrong key'}")
+            segment = self._acquire(key, max(1, manifest.nbytes))
+            try:
+                receive_chunks(chunks, manifest, segment.view())
+            except StreamError as exc:
+                self.pool.release(segment)
+                if exc.kind == "checksum":
+                    raise ChecksumMismatch(f"copy from {host}: {exc}") from None
+                raise PeerUnavailable(f"copy from {host}: {exc}") from None
+            except BaseException:
+                self.pool.release(segment)
+                raise
+        finally:
+            call.cancel()
+        m = manifest_from_pb(manifest)
+        entry = Entry(
+            key,
+            m.world_size,
+            m.nbytes,
+            segment,
+            m.owner_host,
+            ShardState.REPLICA,
+            manifest=m,
+            metrics=dict(m.metrics),
+            format_version=m.format_version,
+            copies=0,
+        )
+        with self._lock:
+            current = self._entries.get(key)
+            if current is not None and current.verified:
+                self.pool.release(segment)  # somebody else brought it in meanwhile
+                return
+            self._register(entry)
+        self._retention_due.set()
+
+    # -- listing, deletion, restorable step -------------------------------------------------
+    def _info(self, entry: Entry) -> pb.ShardInfo:
+        m = entry.manifest
+        manifest = (
+            manifest_to_pb(m)
+            if m is not None
+            else pb.Manifest(key=key_to_pb(entry.key), world_size=entry.world_size, nbytes=entry.nbytes, owner_host=entry.owner_host)
+        )
+        return pb.ShardInfo(
+            manifest=manifest, state=state_to_pb(entry.state), verified=entry.verified, error=entry.error, copies=entry.copies
+        )
+
+    def list(self, job_id: str) -> pb.ListResponse:
+        if job_id:
+            _ensure(job_id_problem(job_id))
+        with self._lock:
+            infos = [self._info(e) for k, e in sorted(self._entries.items()) if not job_id or k.job_id == job_id]
+        return pb.ListResponse(host_id=self.host_id, shards=infos)
+
+    def delete(self, job_id: str, step: int, rank: int) -> int:
+        _ensure(job_id_problem(job_id))
+        with self._lock:
+            victims = [e for k, e in self._entries.items() if k.job_id == job_id and step in (-1, k.step) and rank in (-1, k.rank)]
+            if not victims and not any(k.job_id == job_id for k in self._entries):
+                raise UnknownJob(f"job {job_id!r} is unknown to store {self.host_id}")
+            for e in victims:
+                self._drop(e, reason="deleted")
+        return len(victims)
+
+    def cluster_holdings(self, job_id: str) -> tuple[list[Holding], list[str]]:
+        """What every reachable store (this one included) holds of ``job_id``, and who did not answer."""
+        mine = _holdings(self.host_id, self.list(job_id))
+        listings = self.peers.list_all(job_id, self.config.peer_timeout)
+        unreachable = sorted(h for h, r in listings.items() if isinstance(r, StoreError))
+        theirs = [h for host, r in listings.items() if not isinstance(r, StoreError) for h in _holdings(host, r)]
+        return mine + theirs, unreachable
+
+    def latest_step(self, job_id: str) -> pb.LatestStepResponse:
+        _ensure(job_id_problem(job_id))
+        holdings, unreachable = self.cluster_holdings(job_id)
+        if not holdings and not unreachable:
+            raise UnknownJob(f"job {job_id!r} is unknown to every store")
+        found = latest_restorable_step(holdings, job_id)
+        if found is None:
+            return pb.LatestStepResponse(found=False, unreachable_hosts=unreachable)
+        return pb.LatestStepResponse(found=True, step=found[0], world_size=found[1], unreachable_hosts=unreachable)
+
+    # -- background: retention + lease expiry ------------------------------------------------
+    def _janitor_loop(self) -> None:
+        while not self._stop.is_set():
+            self._retention_due.wait(timeout=1.0)
+            if self._stop.is_set():
+                return
+            self._retention_due.clear()
+            try:
+                self._expire_leases()
+                self._apply_retention()
+            except Exception:
+                log.exception("janitor pass failed")
+            self._stop.wait(0.05)  # debounce bursts of settles into one pass
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stale_alloc = [k for k, lease in self._alloc_leases.items() if lease.expires < now]
+            stale_read = [k for k, lease in self._read_leases.items() if lease.expires < now]
+        for lease_id in stale_alloc + stale_read:
+            log.warning("lease %s expired; releasing it", lease_id)
+            self.release(lease_id)
+
+    def _apply_retention(self) -> None:
+        with self._lock:
+            jobs = {k.job_id for k in self._entries}
+        for job in sorted(jobs):
+            with self._lock:
+                held = [(e.key, e.state) for e in self._entries.values() if e.key.job_id == job]
+            if len({k.step for k, _ in held}) <= self.config.keep:
+                continue
+            if not retention_victims(held, self.config.keep):
+                continue
+            # Something would go: first learn the newest step restorable across the cluster, and keep it.
+            holdings, _ = self.cluster_holdings(job)
+            latest = latest_restorable_step(holdings, job)
+            protected = [latest[0]] if latest else []
+            with self._lock:
+                held = [(e.key, e.state) for e in self._entries.values() if e.key.job_id == job]
+                for key in retention_victims(held, self.config.keep, protected):
+                    entry = self._entries.get(key)
+                    if entry is not None:
+                        log.debug("retention: evicting %s", key)
+                        self._drop(entry, reason="evicted by retention")
+
+    # -- background: repair ---------------------------------------------------------------------
+    def _repair_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.repair_once()
+            except Exception as exc:
+                self.last_repair_error = str(exc)
+                log.exception("repair pass failed")
+            self._stop.wait(self.config.repair_interval)
+
+    def repair_once(self) -> int:
+        """Pull every recent shard this host should hold but lacks. Returns how many were pulled."""
+        owners = set(self.placement.owners_held_by(self.host_id))
+        sources = sorted({h for o in owners for h in self.placement.holders(o)} - {self.host_id})
+        if not sources:
+            return 0
+        listings = self.peers.list_all("", self.config.peer_timeout, hosts=sources)
+        wanted: dict[ShardKey, list[str]] = {}
+        newest_steps: dict[str, set[int]] = {}
+        for host, resp in listings.items():
+            if isinstance(resp, StoreError):
+                continue
+            for info in resp.shards:
+                state = state_from_pb(info.state)
+                if not info.verified or state is None or not state.settled or info.manifest.owner_host not in owners:
+                    continue
+                key = key_from_pb(info.manifest.key)
+                wanted.setdefault(key, []).append(host)
+                newest_steps.setdefault(key.job_id, set()).add(key.step)
+        recent = {job: set(sorted(steps, reverse=True)[: self.config.keep]) for job, steps in newest_steps.items()}
+        pulled = 0
+        for key in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank)):
+            if self._stop.is_set() or key.step not in recent[key.job_id]:
+                continue
+            with self._lock:
+                have = key in self._entries or key in self._receiving
+                if not have:
+                    newest_local = max((k.step for k in self._entries if k.job_id == key.job_id and k.rank == key.rank), default=-1)
+            if have or newest_local > key.step:
+                continue
+            with self._lock:
+                self._repairs_in_flight += 1
+            try:
+                self._pull(key, origin_note="repair", candidates=wanted[key])
+                pulled += 1
+            except StoreError as exc:
+                log.warning("repair of %s failed: %s", key, exc)
+            finally:
+                with self._lock:
+                    self._repairs_in_flight -= 1
+        return pulled
+
+
+def _holdings(host: str, resp: pb.ListResponse) -> list[Holding]:
+    return [Holding(host, key_from_pb(i.manifest.key), i.manifest.world_size, i.verified) for i in resp.shards]

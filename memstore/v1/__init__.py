@@ -1,0 +1,5 @@
+"""The memstore.v1 wire contract: generated protobuf/gRPC code plus the hand-written rules both
+sides of the wire must agree on (checksums, chunking, shard-key validation).
+
+``trainer_client`` depends on this package only, never on server internals.
+"""

@@ -1,0 +1,42 @@
+"""gRPC channel and server options every memstore endpoint uses, one comment per option."""
+
+from __future__ import annotations
+
+import grpc
+
+from memstore.v1.integrity import MAX_CHUNK_BYTES
+
+# A message is one chunk plus a little framing; anything larger is refused by gRPC itself
+# (RESOURCE_EXHAUSTED) before our code sees it.
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 20)
+
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Detect a dead peer on an idle connection within ~20 s instead of the kernel's hours.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # Reconnect quickly after a peer restarts (a replacement store comes back on the same address).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    # Large flow-control windows: bulk chunks are MiB-sized.
+    ("grpc.http2.lookahead_bytes", 16 << 20),
+    # Each channel gets its own TCP connection, so bulk pushes don't share one with control calls.
+    ("grpc.use_local_subchannel_pool", 1),
+)
+
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Accept client keepalive pings at the rate the channels above send them.
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # Refuse reuse of a port another live store holds (a replacement must wait for the old one to die).
+    ("grpc.so_reuseport", 0),
+)
+
+
+def insecure_channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

@@ -1,0 +1,49 @@
+"""Checksums and chunking rules of the wire contract.
+
+A shard's bytes are cut into fixed-size chunks (the last may be shorter); each chunk's xxh3-64 is
+computed once, when the shard is captured, and verified on every hop: replica write, restore, spill.
+xxh3 runs at ~14 GB/s per core here, several times faster than zlib.crc32, so verification costs far
+less than the copy it protects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import xxhash
+
+CHECKSUM_ALGO = "xxh3_64"
+DEFAULT_CHUNK_BYTES = 4 << 20
+MAX_CHUNK_BYTES = 64 << 20
+
+
+def chunk_count(nbytes: int, chunk_size: int) -> int:
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    return max(1, -(-nbytes // chunk_size)) if nbytes else 0
+
+
+def chunk_spans(nbytes: int, chunk_size: int) -> Iterator[tuple[int, int]]:
+    """Yield (offset, length) of every chunk of a buffer of ``nbytes``."""
+    for offset in range(0, nbytes, chunk_size):
+        yield offset, min(chunk_size, nbytes - offset)
+
+
+def checksum(data: memoryview | bytes | bytearray) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def compute_checksums(buf: memoryview, nbytes: int, chunk_size: int) -> list[int]:
+    mv = memoryview(buf)
+    return [checksum(mv[off : off + length]) for off, length in chunk_spans(nbytes, chunk_size)]
+
+
+def first_mismatch(buf: memoryview, nbytes: int, chunk_size: int, expected: Sequence[int]) -> int | None:
+    """Index of the first chunk whose checksum differs from ``expected``, or None if all match."""
+    if len(expected) != chunk_count(nbytes, chunk_size):
+        return -1
+    mv = memoryview(buf)
+    for index, (off, length) in enumerate(chunk_spans(nbytes, chunk_size)):
+        if checksum(mv[off : off + length]) != expected[index]:
+            return index
+    return None

@@ -1,0 +1,332 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ShardState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SHARD_STATE_UNSPECIFIED: _ClassVar[ShardState]
+    SHARD_STATE_CAPTURED: _ClassVar[ShardState]
+    SHARD_STATE_REPLICATING: _ClassVar[ShardState]
+    SHARD_STATE_COMMITTED: _ClassVar[ShardState]
+    SHARD_STATE_UNDER_REPLICATED: _ClassVar[ShardState]
+    SHARD_STATE_REPLICA: _ClassVar[ShardState]
+
+class PutOrigin(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUT_ORIGIN_UNSPECIFIED: _ClassVar[PutOrigin]
+    PUT_ORIGIN_CLIENT: _ClassVar[PutOrigin]
+    PUT_ORIGIN_REPLICA: _ClassVar[PutOrigin]
+    PUT_ORIGIN_REPAIR: _ClassVar[PutOrigin]
+SHARD_STATE_UNSPECIFIED: ShardState
+SHARD_STATE_CAPTURED: ShardState
+SHARD_STATE_REPLICATING: ShardState
+SHARD_STATE_COMMITTED: ShardState
+SHARD_STATE_UNDER_REPLICATED: ShardState
+SHARD_STATE_REPLICA: ShardState
+PUT_ORIGIN_UNSPECIFIED: PutOrigin
+PUT_ORIGIN_CLIENT: PutOrigin
+PUT_ORIGIN_REPLICA: PutOrigin
+PUT_ORIGIN_REPAIR: PutOrigin
+
+class ShardKey(_message.Message):
+    __slots__ = ("job_id", "step", "rank")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    rank: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("key", "world_size", "nbytes", "chunk_size", "chunk_checksums", "checksum_algo", "owner_host", "format_version", "metrics", "created_unix")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
+    OWNER_HOST_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    world_size: int
+    nbytes: int
+    chunk_size: int
+    chunk_checksums: _containers.RepeatedScalarFieldContainer[int]
+    checksum_algo: str
+    owner_host: str
+    format_version: int
+    metrics: _containers.ScalarMap[str, float]
+    created_unix: float
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum_algo: _Optional[str] = ..., owner_host: _Optional[str] = ..., format_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_unix: _Optional[float] = ...) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("manifest", "state", "verified", "error", "copies")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    state: ShardState
+    verified: bool
+    error: str
+    copies: int
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., state: _Optional[_Union[ShardState, str]] = ..., verified: _Optional[bool] = ..., error: _Optional[str] = ..., copies: _Optional[int] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HelloResponse(_message.Message):
+    __slots__ = ("host_id", "version", "replicas", "peer_ids", "peer_addresses", "shm_dir", "boot_id", "capacity_bytes", "max_chunk_bytes", "placement")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PEER_IDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    SHM_DIR_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    version: str
+    replicas: int
+    peer_ids: _containers.RepeatedScalarFieldContainer[str]
+    peer_addresses: _containers.RepeatedScalarFieldContainer[str]
+    shm_dir: str
+    boot_id: str
+    capacity_bytes: int
+    max_chunk_bytes: int
+    placement: str
+    def __init__(self, host_id: _Optional[str] = ..., version: _Optional[str] = ..., replicas: _Optional[int] = ..., peer_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., boot_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., placement: _Optional[str] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("serving", "host_id", "used_bytes", "capacity_bytes", "shards", "replications_in_flight", "repairs_in_flight", "uptime_seconds")
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATIONS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REPAIRS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    serving: bool
+    host_id: str
+    used_bytes: int
+    capacity_bytes: int
+    shards: int
+    replications_in_flight: int
+    repairs_in_flight: int
+    uptime_seconds: float
+    def __init__(self, serving: _Optional[bool] = ..., host_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., replications_in_flight: _Optional[int] = ..., repairs_in_flight: _Optional[int] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("key", "world_size", "nbytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    world_size: int
+    nbytes: int
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class AllocateResponse(_message.Message):
+    __slots__ = ("lease_id", "segment_path", "segment_bytes")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    segment_path: str
+    segment_bytes: int
+    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("lease_id", "metrics", "format_version")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    metrics: _containers.ScalarMap[str, float]
+    format_version: int
+    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ...) -> None: ...
+
+class PutHeader(_message.Message):
+    __slots__ = ("manifest", "origin", "sender_host")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    SENDER_HOST_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    origin: PutOrigin
+    sender_host: str
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., origin: _Optional[_Union[PutOrigin, str]] = ..., sender_host: _Optional[str] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PutHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("key", "bytes_received")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    bytes_received: int
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class WaitCommittedRequest(_message.Message):
+    __slots__ = ("key", "timeout_seconds")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    timeout_seconds: float
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class WaitCommittedResponse(_message.Message):
+    __slots__ = ("info", "done")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    info: ShardInfo
+    done: bool
+    def __init__(self, info: _Optional[_Union[ShardInfo, _Mapping]] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class OpenRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ...) -> None: ...
+
+class OpenResponse(_message.Message):
+    __slots__ = ("lease_id", "segment_path", "manifest")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    segment_path: str
+    manifest: Manifest
+    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("key", "chunk_size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    chunk_size: int
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    chunk: bytes
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("key", "discard_local")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    discard_local: bool
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., discard_local: _Optional[bool] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("manifest", "source_host")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_HOST_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    source_host: str
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., source_host: _Optional[str] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("host_id", "shards")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    def __init__(self, host_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("job_id", "step", "rank")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    rank: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class LatestStepRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class LatestStepResponse(_message.Message):
+    __slots__ = ("found", "step", "world_size", "unreachable_hosts")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    step: int
+    world_size: int
+    unreachable_hosts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, found: _Optional[bool] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., unreachable_hosts: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,82 @@
+"""Chunked byte streams of the wire contract, shared by stores and trainer clients.
+
+Senders slice a shard buffer into ``manifest.chunk_size`` pieces; receivers copy each piece straight
+into a preallocated destination and verify its checksum as it lands, so a corrupt or short stream is
+rejected before anything is registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from memstore.v1 import store_pb2 as pb
+from memstore.v1.integrity import MAX_CHUNK_BYTES, checksum, chunk_count, chunk_spans
+
+
+class StreamError(Exception):
+    """A byte stream broke the contract: wrong size, bad checksum, missing header. ``kind`` says which."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # "invalid" | "checksum" | "oversized"
+
+
+def manifest_problem(m: pb.Manifest) -> str | None:
+    """Why a manifest can't describe a valid stream, or None."""
+    if m.chunk_size <= 0 or m.chunk_size > MAX_CHUNK_BYTES:
+        return f"manifest chunk_size {m.chunk_size} is invalid: expected 1..{MAX_CHUNK_BYTES}"
+    expected = chunk_count(m.nbytes, m.chunk_size)
+    if len(m.chunk_checksums) != expected:
+        return f"manifest has {len(m.chunk_checksums)} checksums for {m.nbytes} bytes in chunks of {m.chunk_size}; expected {expected}"
+    return None
+
+
+def iter_chunks(buf: memoryview, nbytes: int, chunk_size: int) -> Iterator[bytes]:
+    """The shard's bytes as protobuf-ready chunks (one copy each: protobuf needs ``bytes``)."""
+    mv = memoryview(buf)
+    for off, length in chunk_spans(nbytes, chunk_size):
+        yield bytes(mv[off : off + length])
+
+
+def put_requests(header: pb.PutHeader, buf: memoryview) -> Iterator[pb.PutRequest]:
+    yield pb.PutRequest(header=header)
+    m = header.manifest
+    for chunk in iter_chunks(buf, m.nbytes, m.chunk_size):
+        yield pb.PutRequest(chunk=chunk)
+
+
+def get_responses(manifest: pb.Manifest, buf: memoryview, chunk_size: int = 0) -> Iterator[pb.GetResponse]:
+    yield pb.GetResponse(manifest=manifest)
+    for chunk in iter_chunks(buf, manifest.nbytes, manifest.chunk_size):
+        yield pb.GetResponse(chunk=chunk)
+
+
+def receive_chunks(chunks: Iterable[bytes], manifest: pb.Manifest, dest: memoryview, on_chunk: Callable[[int], None] | None = None) -> int:
+    """Copy ``chunks`` into ``dest`` verifying each against the manifest. Returns bytes received.
+
+    Raises StreamError on an oversized chunk, a checksum mismatch, or a stream of the wrong length.
+    """
+    out = memoryview(dest)
+    spans = list(chunk_spans(manifest.nbytes, manifest.chunk_size))
+    index = 0
+    for chunk in chunks:
+        if index >= len(spans):
+            raise StreamError("invalid", f"stream has more than the {len(spans)} chunks its manifest declares")
+        off, length = spans[index]
+        if len(chunk) != length:
+            kind = "oversized" if len(chunk) > length else "invalid"
+            raise StreamError(kind, f"chunk {index} has {len(chunk)} bytes; the manifest expects {length}")
+        got = checksum(chunk)
+        if got != manifest.chunk_checksums[index]:
+            raise StreamError(
+                "checksum",
+                f"chunk {index} of {manifest.key.job_id}/step={manifest.key.step}/rank={manifest.key.rank} "
+                f"failed its checksum (got {got:016x}, expected {manifest.chunk_checksums[index]:016x})",
+            )
+        out[off : off + length] = chunk
+        index += 1
+        if on_chunk:
+            on_chunk(index)
+    if index != len(spans):
+        raise StreamError("invalid", f"stream ended after {index} of {len(spans)} chunks")
+    return manifest.nbytes

@@ -1,0 +1,373 @@
+"""``CheckpointClient``: save a rank's state into the host's store and restore it.
+
+Save path on the same machine as the store (the common case): the store hands out a shared-memory
+segment it owns, the client copies the state straight into it, and ``commit`` transfers ownership.
+``save()`` returns then: the only stall is that copy, and a trainer crash afterwards loses nothing.
+Checksums and replication happen in the store, in the background. Without shared memory (a store on
+another machine) the bytes go over a gRPC stream instead, checksummed here.
+
+Load path: the local store first makes sure it holds a verified copy (pulling from a peer if not),
+then the client maps it read-only, verifies every chunk and decodes. Bytes are never unpickled.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import mmap
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import grpc
+
+from memstore.v1 import store_pb2 as pb
+from memstore.v1 import store_pb2_grpc as pb_grpc
+from memstore.v1.channel import insecure_channel
+from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, compute_checksums, first_mismatch
+from memstore.v1.keys import job_id_problem, key_problem
+from memstore.v1.streams import StreamError, manifest_problem, put_requests, receive_chunks
+from trainer_client import serialization
+from trainer_client.errors import (
+    CapacityExceededError,
+    CorruptShardError,
+    InvalidArgumentError,
+    MemstoreClientError,
+    NoCheckpointError,
+    NotFoundError,
+    ReplicationError,
+    StoreUnavailableError,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_MAPPING_CACHE = 4  # segments kept mapped between saves: the store recycles them, so re-saves skip page faults
+
+
+def _raise_typed(err: grpc.RpcError, what: str) -> None:
+    code = err.code()
+    detail = err.details() or ""
+    message = f"{what}: {detail}" if detail else f"{what}: {code.name}"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        meta = dict(err.trailing_metadata() or ())
+        raise CapacityExceededError(
+            message,
+            needed=int(meta.get("memstore-needed-bytes", 0)),
+            used=int(meta.get("memstore-used-bytes", 0)),
+            capacity=int(meta.get("memstore-capacity-bytes", 0)),
+        ) from None
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        raise InvalidArgumentError(message) from None
+    if code == grpc.StatusCode.NOT_FOUND:
+        raise NotFoundError(message) from None
+    if code == grpc.StatusCode.DATA_LOSS:
+        raise CorruptShardError(message) from None
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        raise StoreUnavailableError(message) from None
+    raise MemstoreClientError(f"{message} ({code.name})") from None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+class SaveHandle:
+    """Tracks one save. ``wait()`` returns once R verified copies exist, or raises why not."""
+
+    def __init__(self, client: CheckpointClient, step: int, skipped_reason: str = "") -> None:
+        self._client = client
+        self.step = step
+        self.skipped_reason = skipped_reason
+        self._info: pb.ShardInfo | None = None
+        self.stall_seconds = 0.0
+
+    @property
+    def skipped(self) -> bool:
+        """True when the store had no room and the client was told to skip rather than raise."""
+        return bool(self.skipped_reason)
+
+    def done(self) -> bool:
+        if self.skipped:
+            return True
+        info, done = self._client._wait_committed(self.step, 0.0)
+        self._info = info
+        return done
+
+    def wait(self, timeout: float | None = None) -> pb.ShardInfo:
+        """Block until the shard is committed (returns its info) or replication failed (raises ReplicationError)."""
+        if self.skipped:
+            raise ReplicationError(f"step {self.step} was skipped: {self.skipped_reason}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = 10.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            info, done = self._client._wait_committed(self.step, min(10.0, remaining))
+            self._info = info
+            if done:
+                if info.state == pb.SHARD_STATE_COMMITTED:
+                    return info
+                raise ReplicationError(
+                    f"step {self.step} of rank {self._client.rank} did not reach R copies: {info.error or pb.ShardState.Name(info.state)}"
+                )
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"step {self.step} of rank {self._client.rank} not committed after {timeout}s "
+                    f"(state {pb.ShardState.Name(info.state)}, {info.copies} copies)"
+                )
+
+
+class CheckpointClient:
+    """One trainer rank's connection to its host's store.
+
+    Args:
+        job_id: the training run, ``[A-Za-z0-9._-]{1,128}``.
+        rank, world_size: this trainer's rank and the number of ranks of the job.
+        store: address of the store on this host.
+        timeout: deadline in seconds of each control call (and of the initial connection).
+        on_capacity: ``"raise"`` (default) raises CapacityExceededError when the store is full;
+            ``"skip"`` logs it and returns a handle with ``skipped=True`` so training goes on.
+        use_shared_memory: force the shared-memory path on/off; default: on when the store is on this machine.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        rank: int,
+        world_size: int,
+        store: str = "127.0.0.1:7070",
+        *,
+        timeout: float = 60.0,
+        on_capacity: str = "raise",
+        use_shared_memory: bool | None = None,
+    ) -> None:
+        problem = key_problem(job_id, 0, rank, world_size)
+        if problem:
+            raise InvalidArgumentError(problem)
+        if on_capacity not in ("raise", "skip"):
+            raise InvalidArgumentError(f"on_capacity {on_capacity!r} is invalid: expected 'raise' or 'skip'")
+        self.job_id = job_id
+        self.rank = rank
+        self.world_size = world_size
+        self.address = store
+        self.timeout = timeout
+        self.on_capacity = on_capacity
+        self._channel = insecure_channel(store)
+        self._stub = pb_grpc.StoreStub(self._channel)
+        self._mappings: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise StoreUnavailableError(f"store at {store} not reachable within {timeout}s; is `memstore serve` running there?") from None
+        self.hello = self._call(lambda t: self._stub.Hello(pb.HelloRequest(), timeout=t), "connect to store")
+        same_machine = bool(self.hello.shm_dir) and self.hello.boot_id == _boot_id() and os.path.isdir(self.hello.shm_dir)
+        if use_shared_memory and not same_machine:
+            raise InvalidArgumentError(f"store at {store} shares no memory with this process (different machine or no --shm-dir)")
+        self.shared_memory = same_machine if use_shared_memory is None else use_shared_memory
+        self.last_load_source = ""
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _call(self, fn: Callable[[float], T], what: str, retries: int = 0) -> T:
+        attempt = 0
+        while True:
+            try:
+                return fn(self.timeout)
+            except grpc.RpcError as err:
+                if attempt < retries and err.code() == grpc.StatusCode.UNAVAILABLE:
+                    attempt += 1
+                    time.sleep(min(1.0, 0.1 * 2**attempt))
+                    continue
+                _raise_typed(err, what)
+                raise  # unreachable
+
+    def _key(self, step: int) -> pb.ShardKey:
+        problem = key_problem(self.job_id, step, self.rank, self.world_size)
+        if problem:
+            raise InvalidArgumentError(problem)
+        return pb.ShardKey(job_id=self.job_id, step=step, rank=self.rank)
+
+    def _map(self, path: str, size: int) -> mmap.mmap:
+        mm = self._mappings.pop(path, None)
+        if mm is None or mm.closed or len(mm) < size:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            finally:
+                os.close(fd)
+        self._mappings[path] = mm
+        while len(self._mappings) > _MAPPING_CACHE:
+            _, old = self._mappings.popitem(last=False)
+            old.close()
+        return mm
+
+    # -- save ---------------------------------------------------------------------------
+    def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> SaveHandle:
+        """Capture ``state`` for ``step`` into the store's memory; returns once the store owns the bytes."""
+        key = self._key(step)
+        clean_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
+        t0 = time.perf_counter()
+        layout = serialization.plan(state)
+        try:
+            if self.shared_memory:
+                self._save_shared(key, layout, clean_metrics)
+            else:
+                self._save_streamed(key, layout, clean_metrics)
+        except CapacityExceededError as exc:
+            if self.on_capacity == "skip":
+                log.warning("skipping checkpoint of step %d (rank %d): %s", step, self.rank, exc)
+                return SaveHandle(self, step, skipped_reason=str(exc))
+            raise
+        handle = SaveHandle(self, step)
+        handle.stall_seconds = time.perf_counter() - t0
+        return handle
+
+    def _save_shared(self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float]) -> None:
+        alloc = self._call(
+            lambda t: self._stub.Allocate(pb.AllocateRequest(key=key, world_size=self.world_size, nbytes=layout.nbytes), timeout=t),
+            f"allocate step {key.step}",
+        )
+        try:
+            mm = self._map(alloc.segment_path, alloc.segment_bytes)
+            layout.write_into(memoryview(mm)[: layout.nbytes])
+        except BaseException:
+            self._stub.Release(pb.ReleaseRequest(lease_id=alloc.lease_id), timeout=self.timeout)
+            raise
+        self._call(
+            lambda t: self._stub.Commit(
+                pb.CommitRequest(lease_id=alloc.lease_id, metrics=metrics, format_version=serialization.FORMAT_VERSION), timeout=t
+            ),
+            f"commit step {key.step}",
+        )
+
+    def _save_streamed(self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float]) -> None:
+        buf = bytearray(layout.nbytes)
+        layout.write_into(memoryview(buf))
+        chunk = min(DEFAULT_CHUNK_BYTES, self.hello.max_chunk_bytes or DEFAULT_CHUNK_BYTES)
+        manifest = pb.Manifest(
+            key=key,
+            world_size=self.world_size,
+            nbytes=layout.nbytes,
+            chunk_size=chunk,
+            chunk_checksums=compute_checksums(memoryview(buf), layout.nbytes, chunk),
+            checksum_algo=CHECKSUM_ALGO,
+            format_version=serialization.FORMAT_VERSION,
+            metrics=metrics,
+            created_unix=time.time(),
+        )
+        header = pb.PutHeader(manifest=manifest, origin=pb.PUT_ORIGIN_CLIENT, sender_host=f"client-rank-{self.rank}")
+        deadline = self.timeout + layout.nbytes / (50 << 20)
+        try:
+            self._stub.Put(put_requests(header, memoryview(buf)), timeout=deadline)
+        except grpc.RpcError as err:
+            _raise_typed(err, f"put step {key.step}")
+
+    def _wait_committed(self, step: int, timeout: float) -> tuple[pb.ShardInfo, bool]:
+        key = self._key(step)
+        resp = self._call(
+            lambda t: self._stub.WaitCommitted(pb.WaitCommittedRequest(key=key, timeout_seconds=timeout), timeout=t + timeout),
+            f"status of step {step}",
+            retries=3,
+        )
+        return resp.info, resp.done
+
+    # -- restore ------------------------------------------------------------------------
+    def latest_step(self) -> int | None:
+        """Newest step restorable for every rank of the job, or None if there is none."""
+        problem = job_id_problem(self.job_id)
+        if problem:
+            raise InvalidArgumentError(problem)
+        try:
+            resp = self._call(
+                lambda t: self._stub.LatestStep(pb.LatestStepRequest(job_id=self.job_id), timeout=t), "latest_step", retries=3
+            )
+        except NotFoundError:
+            return None
+        if resp.found and resp.world_size != self.world_size:
+            raise InvalidArgumentError(
+                f"step {resp.step} of job {self.job_id} was saved by {resp.world_size} ranks but this client has world_size "
+                f"{self.world_size}; resharding needs trainer_client.dcp"
+            )
+        return int(resp.step) if resp.found else None
+
+    def load(self, step: int | None = None) -> Any:
+        """Restore this rank's state at ``step`` (default: the latest restorable step); bytes verified first."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise NoCheckpointError(
+                    f"job {self.job_id!r} has no restorable step: no step has a verified copy for all {self.world_size} ranks"
+                )
+        key = self._key(step)
+        for attempt in range(2):
+            request = pb.FetchRequest(key=key, discard_local=attempt > 0)
+            fetched = self._call(
+                lambda t, request=request: self._stub.Fetch(request, timeout=t + 600),  # type: ignore[misc]
+                f"load step {step}",
+                retries=3,
+            )
+            self.last_load_source = fetched.source_host or self.hello.host_id
+            try:
+                return self._read_shared(key) if self.shared_memory else self._read_streamed(key)
+            except CorruptShardError as exc:
+                log.warning("rank %d: copy of step %d failed verification (%s); asking the store for another", self.rank, step, exc)
+                if attempt == 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _read_shared(self, key: pb.ShardKey) -> Any:
+        opened = self._call(lambda t: self._stub.Open(pb.OpenRequest(key=key), timeout=t), f"open step {key.step}", retries=3)
+        try:
+            m = opened.manifest
+            problem = manifest_problem(m)
+            if problem:
+                raise CorruptShardError(f"store sent a bad manifest for step {key.step}: {problem}")
+            fd = os.open(opened.segment_path, os.O_RDONLY)
+            try:
+                mm = mmap.mmap(fd, max(1, m.nbytes), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            try:
+                view = memoryview(mm)[: m.nbytes]
+                bad = first_mismatch(view, m.nbytes, m.chunk_size, m.chunk_checksums)
+                if bad is not None:
+                    raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
+                state = serialization.decode(view)
+                view.release()
+            finally:
+                mm.close()
+            return state
+        finally:
+            self._stub.Release(pb.ReleaseRequest(lease_id=opened.lease_id), timeout=self.timeout)
+
+    def _read_streamed(self, key: pb.ShardKey) -> Any:
+        call = self._stub.Get(pb.GetRequest(key=key), timeout=self.timeout + 600)
+        try:
+            first = next(call)
+            m = first.manifest
+            problem = manifest_problem(m)
+            if problem:
+                raise CorruptShardError(f"store sent a bad manifest for step {key.step}: {problem}")
+            buf = bytearray(m.nbytes)
+            receive_chunks((msg.chunk for msg in call), m, memoryview(buf))
+        except grpc.RpcError as err:
+            _raise_typed(err, f"read step {key.step}")
+        except StreamError as exc:
+            raise CorruptShardError(str(exc)) from None
+        return serialization.decode(memoryview(buf))
+
+    def close(self) -> None:
+        for mm in self._mappings.values():
+            mm.close()
+        self._mappings.clear()
+        self._channel.close()
+
+    def __enter__(self) -> CheckpointClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -145,6 +145,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from memstore.bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memstore", description="In-memory replicated checkpoint store for PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -170,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kill-at", type=int, default=3, help="kill a store after this step")
     p.add_argument("--size-mib", type=float, default=4.0, help="state size per rank")
     p.set_defaults(func=cmd_demo)
+
+    # The bench parses its own flags (memstore bench --help): importing it here would load torch for every command.
+    p = sub.add_parser("bench", help="measure save stall, replication and restore against the hardware floors", add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
 
     for name, func, helptext in (("status", cmd_status, "health of every store of a cluster"), ("ls", cmd_ls, "list shards on a store")):
         p = sub.add_parser(name, help=helptext)

@@ -84,18 +84,12 @@ class Placement:
     replicas: int
     holders_by_owner: Mapping[str, tuple[str, ...]] = field(hash=False)
     # Derived: owner lists per holder, and a cache for recovery_probability's component analysis.
-    _held_by: Mapping[str, tuple[str, ...]] = field(
-        init=False, repr=False, compare=False, hash=False, default_factory=dict
-    )
-    _cache: dict[str, Any] = field(
-        init=False, repr=False, compare=False, hash=False, default_factory=dict
-    )
+    _held_by: Mapping[str, tuple[str, ...]] = field(init=False, repr=False, compare=False, hash=False, default_factory=dict)
+    _cache: dict[str, Any] = field(init=False, repr=False, compare=False, hash=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
-            raise PlacementError(
-                f"unknown placement strategy {self.strategy!r}; expected one of {', '.join(STRATEGIES)}"
-            )
+            raise PlacementError(f"unknown placement strategy {self.strategy!r}; expected one of {', '.join(STRATEGIES)}")
         hosts = _validate_hosts(self.hosts)
         replicas = _validate_replicas(self.replicas, len(hosts))
         host_set = set(hosts)
@@ -104,27 +98,17 @@ class Placement:
         unknown = sorted(repr(o) for o in given if o not in host_set)
         if missing or unknown:
             raise PlacementError(
-                "holders_by_owner must have exactly one entry per host; "
-                f"missing owners: {missing}, unknown owners: {unknown}"
+                f"holders_by_owner must have exactly one entry per host; missing owners: {missing}, unknown owners: {unknown}"
             )
         normalized: dict[str, tuple[str, ...]] = {}
         held_by: dict[str, list[str]] = {h: [h] for h in hosts}
         for owner in hosts:
             holders = tuple(given[owner])
-            if (
-                len(holders) != replicas
-                or holders[0] != owner
-                or len(set(holders)) != replicas
-            ):
-                raise PlacementError(
-                    f"holders of {owner!r} must be {replicas} distinct hosts starting with the owner, "
-                    f"got {holders!r}"
-                )
+            if len(holders) != replicas or holders[0] != owner or len(set(holders)) != replicas:
+                raise PlacementError(f"holders of {owner!r} must be {replicas} distinct hosts starting with the owner, got {holders!r}")
             strangers = [h for h in holders if h not in host_set]
             if strangers:
-                raise PlacementError(
-                    f"holders of {owner!r} include unknown hosts {strangers!r}"
-                )
+                raise PlacementError(f"holders of {owner!r} include unknown hosts {strangers!r}")
             normalized[owner] = holders
             for holder in holders[1:]:
                 held_by[holder].append(owner)
@@ -148,9 +132,7 @@ class Placement:
         try:
             return self.holders_by_owner[owner]
         except KeyError:
-            raise PlacementError(
-                f"unknown host {owner!r}; not in this placement"
-            ) from None
+            raise PlacementError(f"unknown host {owner!r}; not in this placement") from None
 
     def peers_of(self, owner: str) -> tuple[str, ...]:
         """The hosts ``owner`` replicates its shards to (its holders minus itself)."""
@@ -161,9 +143,7 @@ class Placement:
         try:
             return self._held_by[host]
         except KeyError:
-            raise PlacementError(
-                f"unknown host {host!r}; not in this placement"
-            ) from None
+            raise PlacementError(f"unknown host {host!r}; not in this placement") from None
 
     def groups(self) -> tuple[tuple[str, ...], ...]:
         """The distinct holder sets (for docs and status).
@@ -190,9 +170,7 @@ class Placement:
 
 def _validate_hosts(hosts: Sequence[str]) -> tuple[str, ...]:
     if isinstance(hosts, (str, bytes)):
-        raise PlacementError(
-            "hosts must be a sequence of host id strings, not a single string"
-        )
+        raise PlacementError("hosts must be a sequence of host id strings, not a single string")
     out = tuple(hosts)
     if not out:
         raise PlacementError("hosts must not be empty")
@@ -214,30 +192,21 @@ def _validate_replicas(replicas: int, n: int) -> int:
     if isinstance(replicas, bool) or not isinstance(replicas, int):
         raise PlacementError(f"replicas must be an int, got {replicas!r}")
     if not 1 <= replicas <= n:
-        raise PlacementError(
-            f"replicas (which counts the owner's own copy) must be between 1 and the number of hosts "
-            f"{n}, got {replicas}"
-        )
+        raise PlacementError(f"replicas (which counts the owner's own copy) must be between 1 and the number of hosts {n}, got {replicas}")
     return replicas
 
 
-def _validate_domains(
-    hosts: Sequence[str], domains: Mapping[str, str]
-) -> dict[str, str]:
+def _validate_domains(hosts: Sequence[str], domains: Mapping[str, str]) -> dict[str, str]:
     host_set = set(hosts)
     missing = [h for h in hosts if h not in domains]
     unknown = sorted(repr(h) for h in domains if h not in host_set)
     if missing:
         raise PlacementError(f"failure-domain labels missing for hosts {missing!r}")
     if unknown:
-        raise PlacementError(
-            f"failure-domain labels given for unknown hosts {', '.join(unknown)}"
-        )
+        raise PlacementError(f"failure-domain labels given for unknown hosts {', '.join(unknown)}")
     bad = [h for h in hosts if not isinstance(domains[h], str)]
     if bad:
-        raise PlacementError(
-            f"failure-domain labels must be strings; bad labels for hosts {bad!r}"
-        )
+        raise PlacementError(f"failure-domain labels must be strings; bad labels for hosts {bad!r}")
     return {h: domains[h] for h in hosts}
 
 
@@ -259,9 +228,7 @@ class _DomainPicker:
         self._queues: dict[str, deque[str]] = {}
         for h in hosts:
             self._queues.setdefault(labels[h], deque()).append(h)
-        self._heap: list[tuple[int, str]] = [
-            (-len(q), lab) for lab, q in self._queues.items()
-        ]
+        self._heap: list[tuple[int, str]] = [(-len(q), lab) for lab, q in self._queues.items()]
         heapq.heapify(self._heap)
 
     def take(self, avoid: set[str] | frozenset[str]) -> tuple[str, str]:
@@ -286,11 +253,38 @@ class _DomainPicker:
         return host, label
 
 
-def _domain_ring_order(
-    hosts: Sequence[str], replicas: int, labels: Mapping[str, str]
-) -> list[str]:
-    """Order ``hosts`` as a cycle in which every ``replicas`` cyclically consecutive hosts should
-    come from distinct domains (greedy: largest remaining domain not used in the window)."""
+def _window_violations(order: Sequence[str], replicas: int, labels: Mapping[str, str]) -> int:
+    """Cyclic windows of ``replicas`` consecutive hosts in ``order`` that repeat a domain."""
+    n = len(order)
+    seq = [labels[h] for h in order]
+    return sum(1 for i in range(n) if len({seq[(i + j) % n] for j in range(replicas)}) < replicas)
+
+
+def _striped_ring_order(hosts: Sequence[str], replicas: int, labels: Mapping[str, str]) -> list[str]:
+    """Cycle order by striping: list hosts grouped by domain (largest domain first, ties by
+    label, original order inside a domain), deal that list column by column into
+    ``q = N // replicas`` rows and read the rows one after another.
+
+    Every row has at least ``replicas`` hosts and a domain's consecutive hosts land in
+    consecutive rows, so any two hosts of one domain end up at least ``replicas`` apart around the
+    cycle whenever every domain has at most ``q`` hosts -- which is also necessary (a domain with
+    ``c`` hosts spaced ``replicas`` apart needs ``c * replicas <= N``). So this order has no
+    violating window whenever one exists. Equal-size domains come out round-robin (a b c a b c).
+    """
+    rows_n = max(1, len(hosts) // replicas)
+    by_domain: dict[str, list[str]] = {}
+    for h in hosts:
+        by_domain.setdefault(labels[h], []).append(h)
+    ranked = sorted(by_domain, key=lambda lab: (-len(by_domain[lab]), lab))
+    rows: list[list[str]] = [[] for _ in range(rows_n)]
+    for t, h in enumerate(h for lab in ranked for h in by_domain[lab]):
+        rows[t % rows_n].append(h)
+    return [h for row in rows for h in row]
+
+
+def _greedy_ring_order(hosts: Sequence[str], replicas: int, labels: Mapping[str, str]) -> list[str]:
+    """Cycle order built position by position from the largest remaining domain not used in the
+    current window (nor, near the end, in the window wrapping round to the start)."""
     n = len(hosts)
     picker = _DomainPicker(hosts, labels)
     order: list[str] = []
@@ -307,9 +301,22 @@ def _domain_ring_order(
     return order
 
 
-def _domain_blocks(
-    hosts: Sequence[str], sizes: Sequence[int], labels: Mapping[str, str]
-) -> list[list[str]]:
+def _domain_ring_order(hosts: Sequence[str], replicas: int, labels: Mapping[str, str]) -> list[str]:
+    """Order ``hosts`` as a cycle in which every ``replicas`` cyclically consecutive hosts come
+    from distinct domains where possible.
+
+    Striping is violation-free whenever that is possible at all; when it is not, the greedy order
+    sometimes does better, so the one with fewer violating windows wins (striping on a tie).
+    """
+    striped = _striped_ring_order(hosts, replicas, labels)
+    worst = _window_violations(striped, replicas, labels)
+    if worst == 0:
+        return striped
+    greedy = _greedy_ring_order(hosts, replicas, labels)
+    return greedy if _window_violations(greedy, replicas, labels) < worst else striped
+
+
+def _domain_blocks(hosts: Sequence[str], sizes: Sequence[int], labels: Mapping[str, str]) -> list[list[str]]:
     """Partition ``hosts`` into blocks of the given sizes, each drawing from distinct domains."""
     picker = _DomainPicker(hosts, labels)
     blocks: list[list[str]] = []
@@ -331,18 +338,14 @@ def _domain_blocks(
 
 def _ring_holders(order: Sequence[str], replicas: int) -> dict[str, tuple[str, ...]]:
     n = len(order)
-    return {
-        order[i]: tuple(order[(i + j) % n] for j in range(replicas)) for i in range(n)
-    }
+    return {order[i]: tuple(order[(i + j) % n] for j in range(replicas)) for i in range(n)}
 
 
 def _group_holders(group: Sequence[str]) -> dict[str, tuple[str, ...]]:
     return {o: (o, *(h for h in group if h != o)) for o in group}
 
 
-def mixed_placement(
-    hosts: Sequence[str], replicas: int, domains: Mapping[str, str] | None = None
-) -> Placement:
+def mixed_placement(hosts: Sequence[str], replicas: int, domains: Mapping[str, str] | None = None) -> Placement:
     """GEMINI's mixed placement: disjoint groups of ``replicas`` consecutive hosts, ring tail.
 
     With ``N = q*m + r`` hosts and ``r > 0``, the first ``(q-1)*m`` hosts form ``q-1`` disjoint groups
@@ -381,9 +384,7 @@ def mixed_placement(
     return Placement("mixed", host_tuple, m, {h: holders[h] for h in host_tuple})
 
 
-def ring_placement(
-    hosts: Sequence[str], replicas: int, domains: Mapping[str, str] | None = None
-) -> Placement:
+def ring_placement(hosts: Sequence[str], replicas: int, domains: Mapping[str, str] | None = None) -> Placement:
     """Ring placement: host ``i`` is held by hosts ``i, i+1, ..., i+m-1`` (indices mod ``N``).
 
     With ``domains`` the ring order is rearranged so that every window of ``replicas`` consecutive
@@ -394,9 +395,7 @@ def ring_placement(
     if domains is None:
         order: Sequence[str] = host_tuple
     else:
-        order = _domain_ring_order(
-            host_tuple, m, _validate_domains(host_tuple, domains)
-        )
+        order = _domain_ring_order(host_tuple, m, _validate_domains(host_tuple, domains))
     holders = _ring_holders(order, m)
     return Placement("ring", host_tuple, m, {h: holders[h] for h in host_tuple})
 
@@ -412,9 +411,7 @@ def make_placement(
         return mixed_placement(hosts, replicas, domains)
     if strategy == "ring":
         return ring_placement(hosts, replicas, domains)
-    raise PlacementError(
-        f"unknown placement strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}"
-    )
+    raise PlacementError(f"unknown placement strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
 
 
 def domain_violations(placement: Placement, domains: Mapping[str, str]) -> int:
@@ -439,9 +436,7 @@ def _check_k(placement: Placement, k: int) -> int:
     if k < 0:
         raise ValueError(f"k (number of failed hosts) must be >= 0, got {k}")
     if k > n:
-        raise ValueError(
-            f"k={k} failed hosts is more than the {n} hosts in the placement"
-        )
+        raise ValueError(f"k={k} failed hosts is more than the {n} hosts in the placement")
     return k
 
 
@@ -497,9 +492,7 @@ def _ring_survivors(length: int, window: int, j: int) -> int:
     return result
 
 
-def _component_polynomial_by_enumeration(
-    members: Sequence[str], holder_sets: Sequence[frozenset[str]], degree: int
-) -> list[int]:
+def _component_polynomial_by_enumeration(members: Sequence[str], holder_sets: Sequence[frozenset[str]], degree: int) -> list[int]:
     index = {h: i for i, h in enumerate(members)}
     masks = sorted({sum(1 << index[h] for h in s) for s in holder_sets})
     counts = [0] * (len(members) + 1)
@@ -609,25 +602,17 @@ def recovery_probability_exact(placement: Placement, k: int) -> Fraction:
     for members, sets in others:
         if len(members) > _ENUMERATE_MAX_COMPONENT:
             raise PlacementError(
-                f"cannot compute recovery probability: a component of {len(members)} hosts is neither "
-                "a disjoint group nor a ring"
+                f"cannot compute recovery probability: a component of {len(members)} hosts is neither a disjoint group nor a ring"
             )
-        acc = _multiply_truncated(
-            acc, _component_polynomial_by_enumeration(members, sets, k), k
-        )
+        acc = _multiply_truncated(acc, _component_polynomial_by_enumeration(members, sets, k), k)
     for length in rings[:-1]:
-        ring_poly = [
-            _ring_survivors(length, m, j) for j in range(min(k, length - 1) + 1)
-        ]
+        ring_poly = [_ring_survivors(length, m, j) for j in range(min(k, length - 1) + 1)]
         acc = _multiply_truncated(acc, ring_poly, k)
     if rings:
         # Only the x^k coefficient is needed: pair the last (largest) ring's s_t with acc[k - t].
         length = rings[-1]
         lo = max(0, k - (len(acc) - 1))
-        survivors = sum(
-            _ring_survivors(length, m, t) * acc[k - t]
-            for t in range(lo, min(k, length - 1) + 1)
-        )
+        survivors = sum(_ring_survivors(length, m, t) * acc[k - t] for t in range(lo, min(k, length - 1) + 1))
     else:
         survivors = acc[k] if k < len(acc) else 0
     return Fraction(survivors, math.comb(n, k))
@@ -646,13 +631,9 @@ def brute_force_recovery_probability(placement: Placement, k: int) -> Fraction:
     k = _check_k(placement, k)
     n = len(placement.hosts)
     if n > BRUTE_FORCE_MAX_HOSTS:
-        raise ValueError(
-            f"brute force enumerates C(N, k) sets; N={n} > {BRUTE_FORCE_MAX_HOSTS}"
-        )
+        raise ValueError(f"brute force enumerates C(N, k) sets; N={n} > {BRUTE_FORCE_MAX_HOSTS}")
     index = {h: i for i, h in enumerate(placement.hosts)}
-    masks = {
-        sum(1 << index[h] for h in hs) for hs in placement.holders_by_owner.values()
-    }
+    masks = {sum(1 << index[h] for h in hs) for hs in placement.holders_by_owner.values()}
     survived = 0
     total = 0
     for failed in itertools.combinations(range(n), k):
@@ -678,9 +659,7 @@ def gemini_mixed_closed_form(n: int, m: int, k: int) -> float:
     if n % m:
         raise ValueError(f"closed form needs m | n (no ring tail), got n={n}, m={m}")
     if not 0 <= k <= n or k >= 2 * m:
-        raise ValueError(
-            f"closed form is exact only for 0 <= k < 2m and k <= n, got k={k}, m={m}"
-        )
+        raise ValueError(f"closed form is exact only for 0 <= k < 2m and k <= n, got k={k}, m={m}")
     if k < m:
         return 1.0
     return float(1 - Fraction(n // m * math.comb(n - m, k - m), math.comb(n, k)))

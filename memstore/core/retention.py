@@ -39,3 +39,26 @@ def superseded_in_flight(held: Iterable[tuple[ShardKey, ShardState]], newer: Sha
     return sorted(
         key for key, state in held if key.job_id == newer.job_id and key.rank == newer.rank and key.step < newer.step and not state.settled
     )
+
+
+def pressure_victims(
+    held: Iterable[tuple[ShardKey, ShardState]],
+    newer: ShardKey,
+    protected_steps: Iterable[int] = (),
+) -> list[ShardKey]:
+    """What to drop, in order, when ``newer`` does not fit in RAM.
+
+    First the in-flight older copies of the same rank (``superseded_in_flight``), then whole settled
+    steps of the job older than its newest settled step, oldest first, sparing the protected ones.
+    The newest settled step is never offered: a new save must not cost the last good checkpoint.
+    """
+    held = list(held)
+    first = superseded_in_flight(held, newer)
+    by_step: dict[int, list[tuple[ShardKey, ShardState]]] = defaultdict(list)
+    for key, state in held:
+        if key.job_id == newer.job_id and key.step < newer.step:
+            by_step[key.step].append((key, state))
+    settled = sorted(s for s, copies in by_step.items() if all(st.settled for _, st in copies))
+    protected = set(protected_steps)
+    older = [key for step in settled[:-1] if step not in protected for key, _ in sorted(by_step[step])]
+    return first + [k for k in older if k not in first]

@@ -32,7 +32,7 @@ from memstore.core.model import Holding, Manifest, ShardKey, ShardState
 from memstore.core.placement import Placement, make_placement
 from memstore.core.placement import PlacementError as _CorePlacementError
 from memstore.core.restorable import latest_restorable_step, sources_for
-from memstore.core.retention import retention_victims, superseded_in_flight
+from memstore.core.retention import pressure_victims, retention_victims
 from memstore.errors import (
     CapacityExceeded,
     ChecksumMismatch,
@@ -206,19 +206,20 @@ class Store:
         return entry.key
 
     def _acquire(self, key: ShardKey, nbytes: int) -> Segment:
-        """A segment for ``key``; under memory pressure first drop older in-flight saves of the same rank."""
-        try:
-            return self.pool.acquire(nbytes, key.job_id, what=f"shard {key}")
-        except CapacityExceeded:
-            with self._lock:
-                held = [(e.key, e.state) for e in self._entries.values() if not e.dropped]
-                victims = superseded_in_flight(held, key)
-                for victim in victims:
-                    log.warning("dropping in-flight %s under memory pressure: newer step %d arrived", victim, key.step)
-                    self._drop(self._entries[victim], reason=f"superseded by step {key.step} under memory pressure")
-            if not victims:
-                raise
-            return self.pool.acquire(nbytes, key.job_id, what=f"shard {key}")
+        """A segment for ``key``. Under memory pressure, drop what ``pressure_victims`` offers, one at a time."""
+        while True:
+            try:
+                return self.pool.acquire(nbytes, key.job_id, what=f"shard {key}")
+            except CapacityExceeded:
+                with self._lock:
+                    held = [(e.key, e.state) for e in self._entries.values() if e.key.job_id == key.job_id]
+                    protected = [self._protected[key.job_id]] if key.job_id in self._protected else []
+                    victims = pressure_victims(held, key, protected)
+                    if not victims:
+                        raise
+                    victim = self._entries[victims[0]]
+                    log.warning("memory pressure: dropping %s (%s) to fit %s", victim.key, victim.state.value, key)
+                    self._drop(victim, reason=f"dropped under memory pressure for step {key.step}")
 
     def _register(self, entry: Entry) -> None:
         """Put ``entry`` in the catalog (caller holds the lock), replacing an older copy of the same key."""
@@ -633,6 +634,8 @@ class Store:
             latest = latest_restorable_step(holdings, job)
             protected = [latest[0]] if latest else []
             with self._lock:
+                if latest:
+                    self._protected[job] = latest[0]
                 held = [(e.key, e.state) for e in self._entries.values() if e.key.job_id == job]
                 for key in retention_victims(held, self.config.keep, protected):
                     entry = self._entries.get(key)

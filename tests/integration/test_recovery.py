@@ -1,0 +1,133 @@
+"""Host loss, replacement, repair and whole-group loss against real store processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from memstore.local_cluster import LocalCluster, wait_for
+from memstore.v1 import store_pb2 as pb
+from tests.states import assert_same, rank_state
+from trainer_client import CheckpointClient
+from trainer_client.errors import NoCheckpointError
+
+pytestmark = pytest.mark.integration
+
+JOB = "recovery-job"
+HOSTS, R, WORLD = 4, 2, 8
+
+
+def host_of(rank: int) -> str:
+    return f"h{rank // (WORLD // HOSTS)}"
+
+
+def clients(cluster: LocalCluster, ranks: range | list[int], host: str | None = None) -> list[CheckpointClient]:
+    return [CheckpointClient(JOB, r, WORLD, store=cluster.address(host or host_of(r)), timeout=20) for r in ranks]
+
+
+def save_steps(cluster: LocalCluster, steps: range, ranks: range | list[int] = range(WORLD)) -> None:
+    cs = clients(cluster, ranks)
+    try:
+        for step in steps:
+            handles = [c.save(step, rank_state(c.rank, step)) for c in cs]
+            for h in handles:
+                info = h.wait(timeout=30)
+                assert info.copies == R
+    finally:
+        for c in cs:
+            c.close()
+
+
+def held_keys(cluster: LocalCluster, host: str) -> set[tuple[int, int]]:
+    from memstore.v1 import store_pb2_grpc as pb_grpc
+    from memstore.v1.channel import insecure_channel
+
+    with insecure_channel(cluster.address(host)) as ch:
+        resp = pb_grpc.StoreStub(ch).List(pb.ListRequest(job_id=JOB), timeout=5)
+    return {(s.manifest.key.step, s.manifest.key.rank) for s in resp.shards if s.verified}
+
+
+def test_host_loss_replacement_and_repair(make_cluster) -> None:
+    cluster = make_cluster(hosts=HOSTS, replicas=R, capacity="256MiB", keep=3)
+    save_steps(cluster, range(1, 4))
+
+    # Placement check: every rank's shards live on both members of its group (h0,h1) / (h2,h3).
+    assert {(3, r) for r in range(4)} <= held_keys(cluster, "h0") and {(3, r) for r in range(4)} <= held_keys(cluster, "h1")
+
+    cluster.kill("h1")
+    survivors = [r for r in range(WORLD) if host_of(r) != "h1"]
+    cs = clients(cluster, survivors)
+    try:
+        assert {c.latest_step() for c in cs} == {3}
+        for c in cs:
+            assert_same(c.load(), rank_state(c.rank, 3))
+    finally:
+        for c in cs:
+            c.close()
+
+    # The replacement (same id and address, empty RAM) serves its ranks step 3 ...
+    cluster.restart("h1")
+    cs = clients(cluster, [2, 3])
+    try:
+        for c in cs:
+            assert_same(c.load(3), rank_state(c.rank, 3))
+    finally:
+        for c in cs:
+            c.close()
+
+    # ... and repairs itself back to R copies of its group's newest steps without any client action.
+    wanted = {(step, r) for step in (2, 3) for r in range(4)}
+    wait_for(lambda: wanted <= held_keys(cluster, "h1"), timeout=30, what="h1 to repair its group's shards")
+
+    # Now losing the other member of the group loses nothing.
+    cluster.kill("h0")
+    cs = clients(cluster, range(WORLD), host="h1")
+    try:
+        assert cs[0].latest_step() == 3
+        for c in cs:
+            assert_same(c.load(3), rank_state(c.rank, 3))
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_whole_group_loss_never_reports_a_partial_step(make_cluster) -> None:
+    cluster = make_cluster(hosts=HOSTS, replicas=R, capacity="256MiB", keep=3)
+    save_steps(cluster, range(1, 3))
+    save_steps(cluster, range(3, 4), ranks=range(0, 4))  # step 3 is partial: ranks 4..7 never saved it
+
+    cs = clients(cluster, range(WORLD))
+    try:
+        with ThreadPoolExecutor(WORLD) as pool:
+            answers = list(pool.map(lambda c: c.latest_step(), cs))
+        assert answers == [2] * WORLD  # all ranks agree, and the partial step 3 is never reported
+    finally:
+        for c in cs:
+            c.close()
+
+    # Both hosts of group (h2, h3) die; there is no durable tier, so no step is complete any more.
+    cluster.kill("h2")
+    cluster.kill("h3")
+    c = CheckpointClient(JOB, 0, WORLD, store=cluster.address("h0"), timeout=20)
+    try:
+        assert c.latest_step() is None
+        with pytest.raises(NoCheckpointError):
+            c.load()
+    finally:
+        c.close()
+
+
+def test_all_ranks_agree_while_a_host_dies(make_cluster) -> None:
+    cluster = make_cluster(hosts=HOSTS, replicas=R, capacity="256MiB", keep=3)
+    save_steps(cluster, range(1, 3))
+    cs = clients(cluster, [r for r in range(WORLD) if host_of(r) != "h3"])
+    try:
+        with ThreadPoolExecutor(len(cs) + 1) as pool:
+            futures = [pool.submit(c.latest_step) for c in cs]
+            pool.submit(cluster.kill, "h3").result()
+            answers = [f.result() for f in futures]
+        assert set(answers) == {2}
+    finally:
+        for c in cs:
+            c.close()

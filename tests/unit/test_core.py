@@ -1,0 +1,102 @@
+"""Pure core logic: latest restorable step, retention, sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from memstore.core.model import Holding, ShardKey, ShardState
+from memstore.core.restorable import latest_restorable_step, restorable_steps, sources_for
+from memstore.core.retention import pressure_victims, retention_victims, superseded_in_flight
+from memstore.core.sizes import format_size, parse_size
+
+pytestmark = pytest.mark.unit
+
+C, Rp, CAP = ShardState.COMMITTED, ShardState.REPLICA, ShardState.CAPTURED
+
+
+def h(host: str, step: int, rank: int, world: int = 2, verified: bool = True, job: str = "j") -> Holding:
+    return Holding(host, ShardKey(job, step, rank), world, verified)
+
+
+class TestRestorable:
+    def test_newest_step_with_every_rank(self) -> None:
+        hs = [h("a", 1, 0), h("b", 1, 1), h("a", 2, 0), h("b", 2, 1), h("a", 3, 0)]
+        assert latest_restorable_step(hs, "j") == (2, 2)
+        assert restorable_steps(hs, "j") == {1: 2, 2: 2}
+
+    def test_unverified_copies_do_not_count(self) -> None:
+        hs = [h("a", 1, 0), h("b", 1, 1), h("a", 2, 0), h("b", 2, 1, verified=False)]
+        assert latest_restorable_step(hs, "j") == (1, 2)
+
+    def test_nothing_restorable_is_none(self) -> None:
+        assert latest_restorable_step([h("a", 5, 0)], "j") is None
+        assert latest_restorable_step([], "j") is None
+
+    def test_other_jobs_ignored(self) -> None:
+        assert latest_restorable_step([h("a", 1, 0, job="x"), h("a", 1, 1, job="x")], "j") is None
+
+    def test_world_size_disagreement_is_not_restorable(self) -> None:
+        hs = [h("a", 1, 0, world=2), h("b", 1, 1, world=2), h("a", 2, 0, world=1), h("b", 2, 1, world=2)]
+        assert latest_restorable_step(hs, "j") == (1, 2)
+
+    def test_duplicate_copies_and_answer_independent_of_order(self) -> None:
+        hs = [h("a", 4, 0), h("b", 4, 0), h("c", 4, 1), h("b", 3, 1), h("a", 3, 0)]
+        assert latest_restorable_step(hs, "j") == latest_restorable_step(list(reversed(hs)), "j") == (4, 2)
+
+    def test_sources_prefer_given_order(self) -> None:
+        key = ShardKey("j", 1, 0)
+        hs = [h("c", 1, 0), h("a", 1, 0), h("b", 1, 0, verified=False)]
+        assert sources_for(hs, key, prefer=["c"]) == ["c", "a"]
+        assert sources_for(hs, key) == ["a", "c"]
+
+
+def k(step: int, rank: int = 0, job: str = "j") -> ShardKey:
+    return ShardKey(job, step, rank)
+
+
+class TestRetention:
+    def test_keeps_newest_k_settled_steps(self) -> None:
+        held = [(k(s, r), C) for s in (1, 2, 3, 4) for r in (0, 1)]
+        assert retention_victims(held, keep=2) == [k(1, 0), k(1, 1), k(2, 0), k(2, 1)]
+
+    def test_in_flight_steps_do_not_count_toward_k(self) -> None:
+        held = [(k(1), C), (k(2), C), (k(3), CAP)]
+        assert retention_victims(held, keep=2) == []
+        held = [(k(1), C), (k(2), C), (k(3), C), (k(4), CAP)]
+        assert retention_victims(held, keep=2) == [k(1)]
+
+    def test_step_with_any_unsettled_copy_is_not_settled(self) -> None:
+        held = [(k(1), C), (k(2), C), (k(3, 0), C), (k(3, 1), ShardState.REPLICATING)]
+        assert retention_victims(held, keep=2) == []
+
+    def test_protected_step_survives(self) -> None:
+        held = [(k(s), Rp) for s in (1, 2, 3, 4)]
+        assert retention_victims(held, keep=2, protected_steps=[1]) == [k(2)]
+
+    def test_superseded_in_flight_same_rank_only(self) -> None:
+        held = [(k(1), C), (k(2), ShardState.REPLICATING), (k(2, rank=1), CAP), (k(3), CAP)]
+        assert superseded_in_flight(held, k(4)) == [k(2), k(3)]
+
+    def test_pressure_never_offers_newest_settled_step(self) -> None:
+        held = [(k(1), C), (k(2), C), (k(3), C), (k(4), ShardState.REPLICATING)]
+        assert pressure_victims(held, k(5)) == [k(4), k(1), k(2)]
+        assert pressure_victims([(k(1), C)], k(2)) == []
+        assert pressure_victims(held, k(5), protected_steps=[1]) == [k(4), k(2)]
+
+
+class TestSizes:
+    @pytest.mark.parametrize(
+        ("text", "value"),
+        [("0", 0), ("512", 512), ("512MiB", 512 << 20), ("8GiB", 8 << 30), ("2GB", 2 * 10**9), ("1.5KiB", 1536), (4096, 4096)],
+    )
+    def test_parse(self, text: str | int, value: int) -> None:
+        assert parse_size(text) == value
+
+    @pytest.mark.parametrize("text", ["", "MiB", "12XB", "-1", "1 2", "1e9"])
+    def test_parse_rejects(self, text: str) -> None:
+        with pytest.raises(ValueError, match="size"):
+            parse_size(text)
+
+    def test_format(self) -> None:
+        assert format_size(512) == "512 B"
+        assert format_size(3 << 30) == "3.00 GiB"

@@ -1,0 +1,129 @@
+"""The store engine in-process (one host, R=1): life cycle, capacity, retention, leases."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from memstore.config import StoreConfig
+from memstore.core.model import ShardKey, ShardState
+from memstore.errors import CapacityExceeded, InvalidArgument, LeaseError, ShardNotFound, UnknownJob
+from memstore.local_cluster import wait_for
+from memstore.server.store import Store
+
+pytestmark = pytest.mark.unit
+MiB = 1 << 20
+
+
+@pytest.fixture
+def store(tmp_path) -> Iterator[Store]:  # type: ignore[no-untyped-def]
+    config = StoreConfig.load(
+        {"host_id": "solo", "replicas": "1", "capacity": "10MiB", "keep": "2", "shm_dir": str(tmp_path / "shm"), "chunk_bytes": "1MiB"},
+        env={},
+    )
+    s = Store(config)
+    s.start()
+    yield s
+    s.close()
+
+
+def save(store: Store, step: int, nbytes: int = 3 * MiB, rank: int = 0, world: int = 1, fill: int = 7) -> ShardKey:
+    key = ShardKey("job", step, rank)
+    lease, seg = store.allocate(key, world, nbytes)
+    seg.view(nbytes)[:] = bytes([fill]) * nbytes
+    store.commit(lease, {"loss": 1.0}, 1)
+    info, done = store.wait_committed(key, 5)
+    assert done and info.state == 3  # SHARD_STATE_COMMITTED
+    return key
+
+
+def steps_held(store: Store) -> list[int]:
+    return sorted({s.manifest.key.step for s in store.list("job").shards})
+
+
+def test_commit_computes_checksums_and_commits_with_r1(store: Store) -> None:
+    key = save(store, 1)
+    (info,) = store.list("job").shards
+    assert info.verified and len(info.manifest.chunk_checksums) == 3 and info.copies == 1
+    for manifest, view in store.read(key):
+        assert manifest.nbytes == 3 * MiB and bytes(view[:4]) == b"\x07" * 4
+
+
+def test_retention_keeps_newest_k(store: Store) -> None:
+    for step in range(1, 6):
+        save(store, step, nbytes=1 * MiB)
+    wait_for(lambda: steps_held(store) == [4, 5], timeout=5, what="retention to evict old steps")
+
+
+def test_capacity_error_carries_numbers_and_keeps_newest_committed(store: Store) -> None:
+    save(store, 1)
+    with pytest.raises(CapacityExceeded) as err:
+        store.allocate(ShardKey("job", 2, 0), 1, 11 * MiB)
+    assert err.value.needed == 11 * MiB and err.value.capacity == 10 * MiB
+    assert "raise --capacity" in str(err.value)
+    assert steps_held(store) == [1]  # nothing lost, store still serves
+    assert store.health().serving
+
+
+def test_pressure_drops_older_steps_but_never_the_newest_committed(store: Store) -> None:
+    save(store, 1)
+    save(store, 2)
+    save(store, 3)  # 9 MiB of 10: the 4th save only fits by dropping step 1 or 2 early
+    save(store, 4)
+    held = steps_held(store)
+    assert 3 in held and 4 in held
+    with pytest.raises(CapacityExceeded):
+        store.allocate(ShardKey("job", 5, 0), 1, 8 * MiB)  # would need dropping step 4, the newest committed
+    assert 4 in steps_held(store)
+
+
+def test_invalid_keys_are_rejected(store: Store) -> None:
+    for key, world in [(ShardKey("job", -1, 0), 1), (ShardKey("job", 1, 2), 2), (ShardKey("../etc", 1, 0), 1), (ShardKey("", 1, 0), 1)]:
+        with pytest.raises(InvalidArgument):
+            store.allocate(key, world, 10)
+    with pytest.raises(InvalidArgument):
+        store.allocate(ShardKey("job", 1, 0), 1, 0)
+
+
+def test_unknown_job_and_missing_shard(store: Store) -> None:
+    with pytest.raises(UnknownJob):
+        store.open(ShardKey("nojob", 1, 0))
+    save(store, 1)
+    with pytest.raises(ShardNotFound):
+        store.open(ShardKey("job", 9, 0))
+    with pytest.raises(UnknownJob):
+        store.delete("nojob", -1, -1)
+
+
+def test_leases(store: Store) -> None:
+    with pytest.raises(LeaseError):
+        store.commit("nope", {}, 1)
+    lease, _ = store.allocate(ShardKey("job", 1, 0), 1, MiB)
+    store.release(lease)  # abandoned allocation gives the memory back
+    assert store.pool.in_use_bytes == 0
+    key = save(store, 2)
+    read_lease, entry = store.open(key)
+    assert entry.pins == 1
+    store.delete("job", -1, -1)
+    assert entry.dropped and store.pool.in_use_bytes == entry.segment.size  # still pinned by the reader
+    store.release(read_lease)
+    assert store.pool.in_use_bytes == 0
+
+
+def test_segments_are_recycled(store: Store) -> None:
+    for step in range(1, 8):
+        save(store, step, nbytes=2 * MiB)
+    paths = {s.segment.path for s in store._entries.values()}
+    files = {p.name for p in store.pool.directory.iterdir() if p.name.startswith("seg-")}  # type: ignore[union-attr]
+    assert len(files) <= 5, files  # bounded by capacity / size (10 MiB / 2 MiB), not one file per save
+    assert {p.rsplit("/", 1)[1] for p in paths if p} <= files
+
+
+def test_overwrite_same_key_replaces(store: Store) -> None:
+    save(store, 1, fill=1)
+    key = save(store, 1, fill=2)
+    for _, view in store.read(key):
+        assert view[0] == 2
+    assert len(store.list("job").shards) == 1
+    assert store._entries[key].state is ShardState.COMMITTED

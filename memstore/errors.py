@@ -26,7 +26,7 @@ class ConfigError(InvalidArgument):
     """A flag, environment variable or config file value is wrong."""
 
 
-class PlacementError(ConfigError):
+class PlacementError(ConfigError, ValueError):
     """The host list, replication factor or failure-domain labels don't form a valid placement."""
 
 

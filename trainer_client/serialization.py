@@ -67,6 +67,7 @@ What is and is not preserved:
 from __future__ import annotations
 
 import collections
+import ctypes
 import gc
 import json
 import re
@@ -113,6 +114,9 @@ _PRELUDE: Final = struct.Struct("<8sIQ")
 _PRELUDE_SIZE: Final = _PRELUDE.size  # 20
 _DOUBLE: Final = struct.Struct("<d")
 _ZEROS: Final = bytes(ALIGNMENT)
+_SMALL_COPY: Final = 64 << 10
+"""Blobs up to this size are copied with one memmove; larger ones with torch's
+multi-threaded ``copy_``, whose fixed overhead (~5 us) only pays off for big tensors."""
 _INT64_MIN: Final = -(1 << 63)
 _UINT64_END: Final = 1 << 64
 _MAX_DIM: Final = 1 << 62
@@ -389,7 +393,7 @@ class _Planner:
         if t is float:
             return ["f", _DOUBLE.pack(k).hex()]
         if t is tuple:
-            if depth > MAX_DEPTH:
+            if depth >= MAX_DEPTH:
                 self.fail(f"nesting deeper than {MAX_DEPTH} levels", path)
             return ["t", *(self.enc_key(item, path, depth + 1) for item in k)]  # type: ignore[attr-defined]
         self.fail(
@@ -399,7 +403,7 @@ class _Planner:
         )
 
     def enter(self, v: object, path: _Path, depth: int) -> int:
-        if depth > MAX_DEPTH:
+        if depth >= MAX_DEPTH:
             self.fail(f"nesting deeper than {MAX_DEPTH} levels", path)
         vid = id(v)
         if vid in self.active:
@@ -435,7 +439,7 @@ class _Planner:
         return out
 
     def enc_set(self, v: set[Any] | frozenset[Any], path: _Path, depth: int) -> list[Any]:
-        if depth > MAX_DEPTH:
+        if depth >= MAX_DEPTH:
             self.fail(f"nesting deeper than {MAX_DEPTH} levels", path)
         out: list[Any] = ["s" if type(v) is set else "F"]
         for item in v:
@@ -493,11 +497,14 @@ class _Planner:
         return self.add_blob(v, len(v), None, (len(v),), {"kind": kind, "offset": 0, "nbytes": len(v)})
 
     def enc_np_scalar(self, v: np.generic, path: _Path) -> list[Any]:
+        # Via a 0-d array: np.str_("") has itemsize-0 dtype "<U0" yet 4 bytes of data;
+        # its array form ("<U1") describes the bytes exactly and indexes back to np.str_.
+        arr = np.asarray(v)
         try:
-            desc = _np_dtype_desc(v.dtype)
+            desc = _np_dtype_desc(arr.dtype)
         except ValueError as exc:
             self.fail(f"{exc}; {_HINT}", path)
-        return ["n", desc, v.tobytes().hex()]
+        return ["n", desc, arr.tobytes().hex()]
 
 
 def _dumps(header: dict[str, Any]) -> bytes:
@@ -563,6 +570,7 @@ class ShardLayout:
         mv = _as_byte_view(buf)
         # Everything aliasing ``mv`` must be dropped before mv.release() in ``finally``.
         base: torch.Tensor | None = None
+        base_addr = 0
         dst: torch.Tensor | None = None
         arr: np.ndarray[Any, Any] | None = None
         try:
@@ -594,6 +602,18 @@ class ShardLayout:
                             continue
                         if base is None:
                             base = torch.frombuffer(mv, dtype=torch.uint8, count=self.nbytes)
+                            base_addr = base.data_ptr()
+                        if (
+                            n <= _SMALL_COPY
+                            and src.is_cpu
+                            and src.is_contiguous()
+                            and not src.is_conj()
+                            and not src.is_neg()
+                        ):
+                            # Its n bytes are contiguous at data_ptr(); the slot lies inside
+                            # buf (checked above). ~6x less overhead than three torch ops.
+                            ctypes.memmove(base_addr + offset, src.data_ptr(), n)
+                            continue
                         dst = base[offset:pos]
                         if _needs_raw_copy(dtype):
                             dst.view(*shape, src.element_size()).copy_(_raw_byte_view(src))
@@ -844,6 +864,7 @@ class _Decoder:
         self.specs = specs
         self.objects: dict[int, Any] = {}
         self.base: torch.Tensor | None = None
+        self.base_addr = 0
         self.np_base: np.ndarray[Any, Any] | None = None
         self.handlers: dict[str, Callable[[list[Any], int], Any]] = {
             "f": self.dec_float,
@@ -1009,7 +1030,13 @@ class _Decoder:
                         # tensors it cannot protect; this alias is only ever read from.
                         warnings.simplefilter("ignore", UserWarning)
                         self.base = torch.frombuffer(self.mv, dtype=torch.uint8)
-                tensor.reshape(-1).view(torch.uint8).copy_(self.base[start:end])
+                        self.base_addr = self.base.data_ptr()
+                if spec.nbytes <= _SMALL_COPY:
+                    # Fresh contiguous tensor of exactly nbytes; the source range was
+                    # bounds-checked against the buffer by _read_header.
+                    ctypes.memmove(tensor.data_ptr(), self.base_addr + start, spec.nbytes)
+                else:
+                    tensor.reshape(-1).view(torch.uint8).copy_(self.base[start:end])
             if spec.parameter:
                 return torch.nn.Parameter(tensor, requires_grad=spec.requires_grad)
             if spec.requires_grad:

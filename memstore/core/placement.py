@@ -47,10 +47,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-
-# moved to memstore/errors.py by integrator
-class PlacementError(ValueError):
-    """The placement request is invalid (bad hosts, replication factor, strategy or domain labels)."""
+from memstore.errors import PlacementError
 
 
 STRATEGIES: tuple[str, ...] = ("mixed", "ring")

@@ -62,24 +62,40 @@ def _retrying(fn: Callable[[], T], budget: float = RETRY_BUDGET_SECONDS) -> T:
 
 
 class Peer:
+    # After a peer failed a call despite retries, later calls try once only for this long, so a dead
+    # peer costs one refused connection per call rather than a full retry budget.
+    SUSPECT_SECONDS = 5.0
+
     def __init__(self, host_id: str, address: str) -> None:
         self.host_id = host_id
         self.address = address
         self._channel = insecure_channel(address)
         self.stub = pb_grpc.StoreStub(self._channel)
+        self._suspect_until = 0.0
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        budget = 0.0 if time.monotonic() < self._suspect_until else RETRY_BUDGET_SECONDS
+        try:
+            result = _retrying(fn, budget)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAVAILABLE:
+                self._suspect_until = time.monotonic() + self.SUSPECT_SECONDS
+            raise
+        self._suspect_until = 0.0
+        return result
 
     def close(self) -> None:
         self._channel.close()
 
     def hello(self, timeout: float) -> pb.HelloResponse:
         try:
-            return _retrying(lambda: self.stub.Hello(pb.HelloRequest(), timeout=timeout))
+            return self._call(lambda: self.stub.Hello(pb.HelloRequest(), timeout=timeout))
         except grpc.RpcError as err:
             raise _peer_error(self.host_id, "Hello", err) from None
 
     def list(self, job_id: str, timeout: float) -> pb.ListResponse:
         try:
-            resp = _retrying(lambda: self.stub.List(pb.ListRequest(job_id=job_id), timeout=timeout))
+            resp = self._call(lambda: self.stub.List(pb.ListRequest(job_id=job_id), timeout=timeout))
         except grpc.RpcError as err:
             raise _peer_error(self.host_id, "List", err) from None
         if resp.host_id != self.host_id:
@@ -92,7 +108,7 @@ class Peer:
     def push(self, requests: Callable[[], Iterator[pb.PutRequest]], timeout: float) -> pb.PutResponse:
         """Stream a shard to the peer. ``requests`` makes a fresh stream per attempt (Put is idempotent)."""
         try:
-            return _retrying(lambda: self.stub.Put(requests(), timeout=timeout))
+            return self._call(lambda: self.stub.Put(requests(), timeout=timeout))
         except grpc.RpcError as err:
             raise _peer_error(self.host_id, "Put", err) from None
 

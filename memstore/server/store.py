@@ -39,7 +39,6 @@ from memstore.errors import (
     InvalidArgument,
     LeaseError,
     PeerUnavailable,
-    PlacementError,
     ShardNotFound,
     StoreError,
     UnknownJob,
@@ -105,10 +104,7 @@ class Store:
         self.config = config
         self.host_id = config.host_id
         self.started = time.monotonic()
-        try:
-            self.placement: Placement = make_placement(config.placement, config.host_ids, config.replicas, config.failure_domains or None)
-        except (_CorePlacementError, ValueError) as exc:
-            raise PlacementError(f"invalid placement: {exc}") from None
+        self.placement: Placement = make_placement(config.placement, config.host_ids, config.replicas, config.failure_domains or None)
         self.pool = SegmentPool(os.path.join(config.shm_dir, self.host_id) if config.shm_dir else None, config.capacity)
         self.peers = PeerDirectory(self.host_id, config.peers)
         self._lock = threading.Condition()
@@ -678,11 +674,8 @@ class Store:
             if self._stop.is_set() or key.step not in recent[key.job_id]:
                 continue
             with self._lock:
-                have = key in self._entries or key in self._receiving
-                if not have:
-                    newest_local = max((k.step for k in self._entries if k.job_id == key.job_id and k.rank == key.rank), default=-1)
-            if have or newest_local > key.step:
-                continue
+                if key in self._entries or key in self._receiving:
+                    continue
             with self._lock:
                 self._repairs_in_flight += 1
             try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import random
+from collections import Counter
 from fractions import Fraction
 from math import comb
 
@@ -184,12 +186,8 @@ def test_hand_built_placement_is_validated() -> None:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize(
-    ("n_racks", "per_rack", "r"), [(3, 4, 3), (2, 4, 2), (4, 3, 2), (3, 5, 3)]
-)
-def test_groups_span_distinct_racks(
-    strategy: str, n_racks: int, per_rack: int, r: int
-) -> None:
+@pytest.mark.parametrize(("n_racks", "per_rack", "r"), [(3, 4, 3), (2, 4, 2), (4, 3, 2), (3, 5, 3)])
+def test_groups_span_distinct_racks(strategy: str, n_racks: int, per_rack: int, r: int) -> None:
     hs, dom = racks(n_racks, per_rack)
     p = make_placement(strategy, hs, r, dom)
     assert_well_formed(p)
@@ -222,9 +220,7 @@ def test_mixed_tail_with_domains() -> None:
     p = mixed_placement(hs, 2, dom)
     assert_well_formed(p)
     assert domain_violations(p, dom) == 0
-    assert recovery_probability_exact(p, 3) == recovery_probability_exact(
-        mixed_placement(hs, 2), 3
-    )
+    assert recovery_probability_exact(p, 3) == recovery_probability_exact(mixed_placement(hs, 2), 3)
 
 
 def test_unbalanced_domains_minimise_violations() -> None:
@@ -243,6 +239,32 @@ def test_ring_with_uneven_domains_alternates() -> None:
     assert domain_violations(p, dom) == 0
 
 
+def test_ring_small_skewed_domains() -> None:
+    dom = {"a0": "a", "b0": "b", "c0": "c", "c1": "c"}
+    p = ring_placement(list(dom), 2, dom)
+    assert domain_violations(p, dom) == 0
+    assert p.holders("c0")[1] != "c1" and p.holders("c1")[1] != "c0"
+
+
+def test_domains_separated_whenever_sizes_allow() -> None:
+    """Randomised (seeded): if no domain has more hosts than there are holder sets it could be spread
+    over (N // R), ring and divisible mixed placement must have zero violations."""
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(2, 120)
+        r = rng.randint(1, min(n, 5))
+        n_dom = rng.randint(r, 30)
+        hs = hosts(n)
+        dom = {h: f"d{rng.randrange(n_dom)}" for h in hs}
+        fits = max(Counter(dom.values()).values()) <= n // r
+        strategies = ["ring"] + (["mixed"] if n % r == 0 else [])
+        for strategy in strategies:
+            p = make_placement(strategy, hs, r, dom)
+            assert_well_formed(p)
+            if fits:
+                assert domain_violations(p, dom) == 0, (strategy, n, r, dom)
+
+
 # --- recovery probability --------------------------------------------------------------------------
 
 
@@ -250,29 +272,19 @@ def test_gemini_example_n16_r2_k2() -> None:
     p = mixed_placement(hosts(16), 2)
     assert recovery_probability_exact(p, 2) == Fraction(14, 15)
     assert recovery_probability(p, 2) == pytest.approx(0.9333, abs=1e-4)
-    assert recovery_probability(p, 2) == pytest.approx(
-        gemini_mixed_closed_form(16, 2, 2)
-    )
+    assert recovery_probability(p, 2) == pytest.approx(gemini_mixed_closed_form(16, 2, 2))
     # Ring loses data on any of the 16 adjacent pairs instead of the 8 groups.
-    assert recovery_probability_exact(ring_placement(hosts(16), 2), 2) == 1 - Fraction(
-        16, comb(16, 2)
-    )
+    assert recovery_probability_exact(ring_placement(hosts(16), 2), 2) == 1 - Fraction(16, comb(16, 2))
 
 
-@pytest.mark.parametrize(
-    ("n", "m"), [(16, 2), (12, 3), (12, 4), (20, 5), (9, 3), (4, 4), (1000, 2)]
-)
+@pytest.mark.parametrize(("n", "m"), [(16, 2), (12, 3), (12, 4), (20, 5), (9, 3), (4, 4), (1000, 2)])
 def test_closed_form_matches_exact(n: int, m: int) -> None:
     p = mixed_placement(hosts(n), m)
     for k in range(min(2 * m, n + 1)):
-        assert recovery_probability(p, k) == pytest.approx(
-            gemini_mixed_closed_form(n, m, k), rel=1e-12
-        )
+        assert recovery_probability(p, k) == pytest.approx(gemini_mixed_closed_form(n, m, k), rel=1e-12)
 
 
-@pytest.mark.parametrize(
-    ("n", "m", "k"), [(16, 2, 4), (15, 2, 2), (16, 0, 1), (4, 2, -1), (4, 5, 1)]
-)
+@pytest.mark.parametrize(("n", "m", "k"), [(16, 2, 4), (15, 2, 2), (16, 0, 1), (4, 2, -1), (4, 5, 1)])
 def test_closed_form_domain(n: int, m: int, k: int) -> None:
     with pytest.raises(ValueError):
         gemini_mixed_closed_form(n, m, k)
@@ -300,9 +312,7 @@ def test_fast_matches_brute_force_with_domains() -> None:
         for r in (2, 3, 4):
             p = make_placement(strategy, hs, r, dom)
             for k in range(len(hs) + 1):
-                assert recovery_probability_exact(
-                    p, k
-                ) == brute_force_recovery_probability(p, k)
+                assert recovery_probability_exact(p, k) == brute_force_recovery_probability(p, k)
 
 
 def _ring_survivors_dp(n: int, r: int, k: int) -> int:
@@ -337,9 +347,7 @@ def _ring_survivors_dp(n: int, r: int, k: int) -> int:
 def test_ring_matches_independent_dp(n: int, r: int) -> None:
     p = ring_placement(hosts(n), r)
     for k in range(n + 1):
-        assert recovery_probability_exact(p, k) == Fraction(
-            _ring_survivors_dp(n, r, k), comb(n, k)
-        )
+        assert recovery_probability_exact(p, k) == Fraction(_ring_survivors_dp(n, r, k), comb(n, k))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -357,9 +365,7 @@ def test_mixed_beats_ring_when_r_divides_n() -> None:
     for n, r in [(16, 2), (12, 3), (24, 4)]:
         mixed, ring = mixed_placement(hosts(n), r), ring_placement(hosts(n), r)
         for k in range(n + 1):
-            assert recovery_probability_exact(mixed, k) >= recovery_probability_exact(
-                ring, k
-            )
+            assert recovery_probability_exact(mixed, k) >= recovery_probability_exact(ring, k)
 
 
 def test_k_bounds() -> None:

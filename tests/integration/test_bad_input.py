@@ -1,0 +1,161 @@
+"""Bad input from the network: typed errors, the store keeps serving, nothing stored is lost."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from memstore.local_cluster import LocalCluster
+from memstore.v1 import store_pb2 as pb
+from memstore.v1 import store_pb2_grpc as pb_grpc
+from memstore.v1.channel import insecure_channel
+from memstore.v1.integrity import MAX_CHUNK_BYTES, compute_checksums
+from tests.states import assert_same, rank_state
+from trainer_client import CheckpointClient
+from trainer_client.errors import CapacityExceededError, InvalidArgumentError, NoCheckpointError, NotFoundError
+
+pytestmark = pytest.mark.integration
+JOB = "bad-input"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
+    c = LocalCluster(hosts=2, replicas=2, capacity="64MiB", workdir=tmp_path_factory.mktemp("bad-input")).start()
+    client = CheckpointClient(JOB, 0, 1, store=c.address("h0"))
+    client.save(1, rank_state(0, 1)).wait(timeout=30)
+    client.close()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def stub(cluster: LocalCluster) -> Iterator[pb_grpc.StoreStub]:
+    with insecure_channel(cluster.address("h0")) as ch:
+        yield pb_grpc.StoreStub(ch)
+
+
+@pytest.fixture(autouse=True)
+def nothing_lost(cluster: LocalCluster) -> Iterator[None]:
+    yield
+    client = CheckpointClient(JOB, 0, 1, store=cluster.address("h0"))
+    try:
+        assert client.latest_step() == 1
+        assert_same(client.load(1), rank_state(0, 1))
+    finally:
+        client.close()
+    assert cluster.health("h0").serving  # type: ignore[union-attr]
+
+
+def code_of(fn) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as err:
+        fn()
+    return err.value.code()
+
+
+def key(job: str = JOB, step: int = 2, rank: int = 0) -> pb.ShardKey:
+    return pb.ShardKey(job_id=job, step=step, rank=rank)
+
+
+def test_unknown_job(cluster: LocalCluster, stub: pb_grpc.StoreStub) -> None:
+    assert code_of(lambda: stub.Open(pb.OpenRequest(key=key(job="nope", step=1)), timeout=5)) == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: list(stub.Get(pb.GetRequest(key=key(job="nope", step=1)), timeout=5))) == grpc.StatusCode.NOT_FOUND
+    client = CheckpointClient("nope", 0, 1, store=cluster.address("h0"))
+    try:
+        assert client.latest_step() is None
+        with pytest.raises(NoCheckpointError):
+            client.load()
+        with pytest.raises(NotFoundError, match="unknown"):
+            client.load(1)
+    finally:
+        client.close()
+
+
+def test_negative_step_and_rank_out_of_range(cluster: LocalCluster, stub: pb_grpc.StoreStub) -> None:
+    bad = [
+        pb.AllocateRequest(key=key(step=-1), world_size=1, nbytes=10),
+        pb.AllocateRequest(key=key(rank=2), world_size=2, nbytes=10),
+        pb.AllocateRequest(key=key(rank=-1), world_size=2, nbytes=10),
+        pb.AllocateRequest(key=key(job="../../etc"), world_size=1, nbytes=10),
+        pb.AllocateRequest(key=key(), world_size=0, nbytes=10),
+    ]
+    for request in bad:
+        assert code_of(lambda r=request: stub.Allocate(r, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+    client = CheckpointClient(JOB, 0, 1, store=cluster.address("h0"))
+    try:
+        with pytest.raises(InvalidArgumentError, match="step -1"):
+            client.save(-1, {})
+    finally:
+        client.close()
+    with pytest.raises(InvalidArgumentError, match="rank 4"):
+        CheckpointClient(JOB, 4, 4, store=cluster.address("h0"))
+
+
+def put_stream(manifest: pb.Manifest, chunks: list[bytes]) -> Iterator[pb.PutRequest]:
+    yield pb.PutRequest(header=pb.PutHeader(manifest=manifest, origin=pb.PUT_ORIGIN_REPLICA, sender_host="test"))
+    for c in chunks:
+        yield pb.PutRequest(chunk=c)
+
+
+def manifest_for(data: bytes, chunk: int) -> pb.Manifest:
+    return pb.Manifest(key=key(step=7), world_size=1, nbytes=len(data), chunk_size=chunk,
+                       chunk_checksums=compute_checksums(memoryview(data), len(data), chunk), owner_host="h0")
+
+
+def test_oversized_chunk(stub: pb_grpc.StoreStub) -> None:
+    data = bytes(range(256)) * 8192  # 2 MiB
+    m = manifest_for(data, 1 << 20)
+    # A chunk larger than the manifest's chunk size is refused by our check ...
+    assert code_of(lambda: stub.Put(put_stream(m, [data]), timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+    # ... and a message larger than any chunk may be is refused by gRPC's own limit.
+    huge = b"\0" * (MAX_CHUNK_BYTES + (2 << 20))
+    assert code_of(lambda: stub.Put(put_stream(manifest_for(huge, MAX_CHUNK_BYTES), [huge]), timeout=20)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A manifest whose chunk size exceeds the maximum is invalid.
+    m2 = pb.Manifest(key=key(step=7), world_size=1, nbytes=10, chunk_size=MAX_CHUNK_BYTES + 1, chunk_checksums=[0], owner_host="h0")
+    assert code_of(lambda: stub.Put(put_stream(m2, [b"x" * 10]), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_checksum_mismatch_is_refused(stub: pb_grpc.StoreStub) -> None:
+    data = b"a" * 3000
+    m = manifest_for(data, 1024)
+    assert code_of(lambda: stub.Put(put_stream(m, [data[:1024], b"b" * 1024, data[2048:]]), timeout=5)) == grpc.StatusCode.DATA_LOSS
+    assert not any(s.manifest.key.step == 7 for s in stub.List(pb.ListRequest(job_id=JOB), timeout=5).shards)
+    # short stream, and a stream with no header
+    assert code_of(lambda: stub.Put(put_stream(m, [data[:1024]]), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: stub.Put(iter([pb.PutRequest(chunk=b"x")]), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_capacity_exhausted_is_clear(cluster: LocalCluster, stub: pb_grpc.StoreStub) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Allocate(pb.AllocateRequest(key=key(step=9), world_size=1, nbytes=100 << 20), timeout=5)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    meta = dict(err.value.trailing_metadata())
+    assert int(meta["memstore-needed-bytes"]) == 100 << 20 and int(meta["memstore-capacity-bytes"]) == 64 << 20
+    client = CheckpointClient(JOB, 0, 1, store=cluster.address("h0"))
+    skipper = CheckpointClient(JOB, 0, 1, store=cluster.address("h0"), on_capacity="skip")
+    try:
+        import torch
+
+        big = {"w": torch.zeros(100 << 18)}  # 100 MiB
+        with pytest.raises(CapacityExceededError) as cerr:
+            client.save(9, big)
+        assert cerr.value.needed >= 100 << 20 and cerr.value.capacity == 64 << 20
+        handle = skipper.save(9, big)
+        assert handle.skipped and "capacity" in handle.skipped_reason
+    finally:
+        client.close()
+        skipper.close()
+
+
+def test_garbage_bytes_to_the_port(cluster: LocalCluster) -> None:
+    host, port = cluster.address("h0").rsplit(":", 1)
+    for payload in (b"\x00" * 64, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", bytes(range(256)) * 64, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xff" * 100):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(payload)
+            s.settimeout(2)
+            try:
+                s.recv(1024)
+            except (TimeoutError, ConnectionResetError):
+                pass

@@ -138,8 +138,11 @@ def run_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="memstore bench", description="Measure memstore's save stall, replication and restore.")
     add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # `memstore bench -- --size 1GiB`: the CLI hands its REMAINDER over with the separator
+        argv = argv[1:]
     args = parser.parse_args(argv)
-    return run_from_args(args, argv=list(sys.argv[1:] if argv is None else argv))
+    return run_from_args(args, argv=argv)
 
 
 # --------------------------------------------------------------------------------------------------

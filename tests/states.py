@@ -17,7 +17,10 @@ def rank_state(rank: int, step: int, scale: int = 1) -> dict[str, Any]:
         empty=torch.zeros(0, 3),
         mask=torch.rand(10, generator=g) > 0.5,
     )
-    optim = {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(64 * scale, 32, generator=g)}}, "param_groups": [{"lr": 1e-3, "params": [0]}]}
+    optim = {
+        "state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(64 * scale, 32, generator=g)}},
+        "param_groups": [{"lr": 1e-3, "params": [0]}],
+    }
     return {"model": model, "optim": optim, "step": step, "rank": rank, "name": f"r{rank}", "blob": bytes([rank, step % 256])}
 
 

@@ -24,7 +24,7 @@ import grpc
 
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
-from memstore.v1.channel import insecure_channel
+from memstore.v1.channel import capacity_numbers, insecure_channel
 from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import StreamError, manifest_problem, put_requests, receive_chunks
@@ -51,13 +51,7 @@ def _raise_typed(err: grpc.RpcError, what: str) -> None:
     detail = err.details() or ""
     message = f"{what}: {detail}" if detail else f"{what}: {code.name}"
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        meta = dict(err.trailing_metadata() or ())
-        raise CapacityExceededError(
-            message,
-            needed=int(meta.get("memstore-needed-bytes", 0)),
-            used=int(meta.get("memstore-used-bytes", 0)),
-            capacity=int(meta.get("memstore-capacity-bytes", 0)),
-        ) from None
+        raise CapacityExceededError(message, **capacity_numbers(err)) from None
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         raise InvalidArgumentError(message) from None
     if code == grpc.StatusCode.NOT_FOUND:

@@ -49,7 +49,6 @@ from typing import Any
 
 from memstore.errors import PlacementError
 
-
 STRATEGIES: tuple[str, ...] = ("mixed", "ring")
 
 #: Largest host count :func:`brute_force_recovery_probability` accepts (it enumerates ``C(N, k)`` sets).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from memstore.core.model import Manifest, ShardKey, ShardState
 from memstore.v1 import store_pb2 as pb
 
-_STATE_TO_PB = {
+_STATE_TO_PB: dict[ShardState, int] = {
     ShardState.CAPTURED: pb.SHARD_STATE_CAPTURED,
     ShardState.REPLICATING: pb.SHARD_STATE_REPLICATING,
     ShardState.COMMITTED: pb.SHARD_STATE_COMMITTED,
@@ -54,9 +54,9 @@ def manifest_from_pb(m: pb.Manifest) -> Manifest:
     )
 
 
-def state_to_pb(state: ShardState) -> pb.ShardState.ValueType:
-    return _STATE_TO_PB[state]
+def state_to_pb(state: ShardState) -> pb.ShardState:
+    return _STATE_TO_PB[state]  # type: ignore[return-value]
 
 
-def state_from_pb(state: pb.ShardState.ValueType) -> ShardState | None:
+def state_from_pb(state: int) -> ShardState | None:
     return _STATE_FROM_PB.get(state)

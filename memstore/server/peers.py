@@ -18,7 +18,7 @@ import grpc
 from memstore.errors import CapacityExceeded, ChecksumMismatch, IdentityMismatch, PeerUnavailable, StoreError
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
-from memstore.v1.channel import insecure_channel
+from memstore.v1.channel import capacity_numbers, insecure_channel
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -29,13 +29,7 @@ def _peer_error(host_id: str, what: str, err: grpc.RpcError) -> StoreError:
     detail = err.details() if hasattr(err, "details") else str(err)
     message = f"{what} on peer {host_id} failed: {code.name if code else 'error'}: {detail}"
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        meta = dict(err.trailing_metadata() or ()) if hasattr(err, "trailing_metadata") else {}
-        return CapacityExceeded(
-            message,
-            needed=int(meta.get("memstore-needed-bytes", 0)),
-            used=int(meta.get("memstore-used-bytes", 0)),
-            capacity=int(meta.get("memstore-capacity-bytes", 0)),
-        )
+        return CapacityExceeded(message, **capacity_numbers(err))
     if code == grpc.StatusCode.DATA_LOSS:
         return ChecksumMismatch(message)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -64,7 +58,7 @@ def _retrying(fn: Callable[[], T], budget: float = RETRY_BUDGET_SECONDS) -> T:
 class Peer:
     # After a peer failed a call despite retries, later calls try once only for this long, so a dead
     # peer costs one refused connection per call rather than a full retry budget.
-    SUSPECT_SECONDS = 5.0
+    SUSPECT_SECONDS = 30.0
 
     def __init__(self, host_id: str, address: str) -> None:
         self.host_id = host_id

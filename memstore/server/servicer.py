@@ -124,7 +124,7 @@ class StoreServicer(pb_grpc.StoreServicer):
 
     @rpc
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
-        return self.store.list(request.job_id)
+        return self.store.list_shards(request.job_id)
 
     @rpc
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:

@@ -30,7 +30,6 @@ from memstore import __version__
 from memstore.config import StoreConfig
 from memstore.core.model import Holding, Manifest, ShardKey, ShardState
 from memstore.core.placement import Placement, make_placement
-from memstore.core.placement import PlacementError as _CorePlacementError
 from memstore.core.restorable import latest_restorable_step, sources_for
 from memstore.core.retention import pressure_victims, retention_victims
 from memstore.errors import (
@@ -557,7 +556,7 @@ class Store:
             manifest=manifest, state=state_to_pb(entry.state), verified=entry.verified, error=entry.error, copies=entry.copies
         )
 
-    def list(self, job_id: str) -> pb.ListResponse:
+    def list_shards(self, job_id: str) -> pb.ListResponse:
         if job_id:
             _ensure(job_id_problem(job_id))
         with self._lock:
@@ -576,7 +575,7 @@ class Store:
 
     def cluster_holdings(self, job_id: str) -> tuple[list[Holding], list[str]]:
         """What every reachable store (this one included) holds of ``job_id``, and who did not answer."""
-        mine = _holdings(self.host_id, self.list(job_id))
+        mine = _holdings(self.host_id, self.list_shards(job_id))
         listings = self.peers.list_all(job_id, self.config.peer_timeout)
         unreachable = sorted(h for h, r in listings.items() if isinstance(r, StoreError))
         theirs = [h for host, r in listings.items() if not isinstance(r, StoreError) for h in _holdings(host, r)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from memstore.v1.integrity import MAX_CHUNK_BYTES
@@ -40,3 +42,21 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 
 def insecure_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+# Trailing-metadata keys of a RESOURCE_EXHAUSTED answer: the byte counts behind a refused write.
+CAPACITY_METADATA = ("memstore-needed-bytes", "memstore-used-bytes", "memstore-capacity-bytes")
+
+
+def capacity_numbers(err: grpc.RpcError) -> dict[str, int]:
+    """``{"needed": .., "used": .., "capacity": ..}`` from a RESOURCE_EXHAUSTED error (0 where absent)."""
+    raw: Any = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    found = {str(item[0]): str(item[1]) for item in (raw or ())}
+    out: dict[str, int] = {}
+    for key in CAPACITY_METADATA:
+        name = key.removeprefix("memstore-").removesuffix("-bytes")
+        try:
+            out[name] = int(found.get(key, 0))
+        except ValueError:
+            out[name] = 0
+    return out

@@ -100,8 +100,14 @@ def put_stream(manifest: pb.Manifest, chunks: list[bytes]) -> Iterator[pb.PutReq
 
 
 def manifest_for(data: bytes, chunk: int) -> pb.Manifest:
-    return pb.Manifest(key=key(step=7), world_size=1, nbytes=len(data), chunk_size=chunk,
-                       chunk_checksums=compute_checksums(memoryview(data), len(data), chunk), owner_host="h0")
+    return pb.Manifest(
+        key=key(step=7),
+        world_size=1,
+        nbytes=len(data),
+        chunk_size=chunk,
+        chunk_checksums=compute_checksums(memoryview(data), len(data), chunk),
+        owner_host="h0",
+    )
 
 
 def test_oversized_chunk(stub: pb_grpc.StoreStub) -> None:
@@ -111,7 +117,9 @@ def test_oversized_chunk(stub: pb_grpc.StoreStub) -> None:
     assert code_of(lambda: stub.Put(put_stream(m, [data]), timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
     # ... and a message larger than any chunk may be is refused by gRPC's own limit.
     huge = b"\0" * (MAX_CHUNK_BYTES + (2 << 20))
-    assert code_of(lambda: stub.Put(put_stream(manifest_for(huge, MAX_CHUNK_BYTES), [huge]), timeout=20)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (
+        code_of(lambda: stub.Put(put_stream(manifest_for(huge, MAX_CHUNK_BYTES), [huge]), timeout=20)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
     # A manifest whose chunk size exceeds the maximum is invalid.
     m2 = pb.Manifest(key=key(step=7), world_size=1, nbytes=10, chunk_size=MAX_CHUNK_BYTES + 1, chunk_checksums=[0], owner_host="h0")
     assert code_of(lambda: stub.Put(put_stream(m2, [b"x" * 10]), timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT
@@ -151,7 +159,12 @@ def test_capacity_exhausted_is_clear(cluster: LocalCluster, stub: pb_grpc.StoreS
 
 def test_garbage_bytes_to_the_port(cluster: LocalCluster) -> None:
     host, port = cluster.address("h0").rsplit(":", 1)
-    for payload in (b"\x00" * 64, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", bytes(range(256)) * 64, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xff" * 100):
+    for payload in (
+        b"\x00" * 64,
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        bytes(range(256)) * 64,
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xff" * 100,
+    ):
         with socket.create_connection((host, int(port)), timeout=5) as s:
             s.sendall(payload)
             s.settimeout(2)

@@ -27,7 +27,6 @@ from trainer_client.serialization import (
     FORMAT_VERSION,
     MAGIC,
     ShardLayout,
-    decode,
     encode,
     peek_header,
     plan,
@@ -36,6 +35,12 @@ from trainer_client.serialization import (
 pytestmark = pytest.mark.unit
 
 SMALL = ser._SMALL_COPY  # blobs up to this size take the memmove path, larger ones torch copy_
+UINT4: torch.dtype = getattr(torch, "uint4")  # noqa: B009 - missing from torch's type stubs
+
+
+def decode(buf: Any) -> Any:
+    """``serialization.decode`` typed ``-> Any`` so tests can index the result."""
+    return ser.decode(buf)
 
 
 # --------------------------------------------------------------------------------------
@@ -63,7 +68,7 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
     elif isinstance(a, np.ndarray):
         assert b.dtype == a.dtype and b.shape == a.shape, path
         assert a.tobytes() == b.tobytes(), path
-        assert b.flags.owndata or b.base is not None and b.base.flags.owndata, path
+        assert b.flags.owndata or (b.base is not None and b.base.flags.owndata), path
     elif isinstance(a, np.generic):
         assert b.dtype == a.dtype and a.tobytes() == b.tobytes(), path
     elif isinstance(a, float):
@@ -149,9 +154,7 @@ def test_layout_matches_the_documented_format() -> None:
     assert header["nbytes"] == layout.nbytes
     assert all(blob["offset"] % 64 == 0 for blob in header["blobs"])
     assert {blob["kind"] for blob in header["blobs"]} == {"tensor", "ndarray", "bytes"}
-    assert bytes(buf[20 + header_len : header["data_offset"]]) == bytes(
-        header["data_offset"] - 20 - header_len
-    )
+    assert bytes(buf[20 + header_len : header["data_offset"]]) == bytes(header["data_offset"] - 20 - header_len)
 
 
 def test_plan_copies_nothing_and_write_into_is_deterministic() -> None:
@@ -214,9 +217,25 @@ ALL_DTYPES = sorted(ser._TENSOR_DTYPES.values(), key=str)
 
 def test_every_interesting_dtype_is_covered() -> None:
     names = set(ser._TENSOR_DTYPES)
-    for name in ("float32", "float64", "float16", "bfloat16", "complex64", "complex128", "int8",
-                 "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
-                 "float8_e4m3fn", "float8_e5m2"):
+    for name in (
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "complex64",
+        "complex128",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    ):
         assert name in names
     assert "qint8" not in names
 
@@ -263,23 +282,25 @@ def test_non_contiguous_tensors(size: int) -> None:
 @pytest.mark.parametrize("size", [8, 300], ids=["small", "large"])
 def test_non_contiguous_tensor_of_dtype_without_copy_kernel(size: int) -> None:
     raw = torch.randint(0, 256, (size, size), dtype=torch.uint8)
-    view = raw.view(torch.uint4).t()  # copy_ has no uint4 kernel: uses the raw-byte path
+    view = raw.view(UINT4).t()  # copy_ has no uint4 kernel: uses the raw-byte path
     out = decode(encode({"u4": view}))["u4"]
-    assert out.dtype == torch.uint4 and out.shape == view.shape and out.is_contiguous()
+    assert out.dtype == UINT4 and out.shape == view.shape and out.is_contiguous()
     assert torch.equal(out.view(torch.uint8), raw.t().contiguous())
 
 
 def test_zero_size_and_zero_dim_tensors() -> None:
-    roundtrip({
-        "empty": torch.empty(0),
-        "empty2": torch.empty(3, 0, dtype=torch.int64),
-        "empty_bf16": torch.empty(0, 4, dtype=torch.bfloat16),
-        "scalar": torch.tensor(2.5),
-        "int_scalar": torch.tensor(-7, dtype=torch.int64),
-        "bool_scalar": torch.tensor(True),
-        "grad_scalar": torch.tensor(1.0, requires_grad=True),
-        "size": torch.Size([]),
-    })
+    roundtrip(
+        {
+            "empty": torch.empty(0),
+            "empty2": torch.empty(3, 0, dtype=torch.int64),
+            "empty_bf16": torch.empty(0, 4, dtype=torch.bfloat16),
+            "scalar": torch.tensor(2.5),
+            "int_scalar": torch.tensor(-7, dtype=torch.int64),
+            "bool_scalar": torch.tensor(True),
+            "grad_scalar": torch.tensor(1.0, requires_grad=True),
+            "size": torch.Size([]),
+        }
+    )
 
 
 def test_parameters_and_requires_grad() -> None:
@@ -347,7 +368,7 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def test_adamw_state_dict_with_int_keys_round_trips_and_loads() -> None:
-    model, opt = _trained()
+    _, opt = _trained()
     sd = opt.state_dict()
     assert sorted(sd["state"]) == [0, 1, 2, 3, 4, 5]
     out = roundtrip(sd)
@@ -366,11 +387,11 @@ def test_model_state_dict_keeps_ordered_dict_and_metadata() -> None:
     assert isinstance(sd, collections.OrderedDict) and hasattr(sd, "_metadata")
     out = roundtrip(sd)
     assert type(out) is collections.OrderedDict
-    assert out._metadata == sd._metadata
+    assert out._metadata == sd._metadata  # type: ignore[attr-defined]
     assert list(out) == list(sd)
     fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
     fresh.load_state_dict(out)
-    assert torch.equal(fresh[1].running_mean, model[1].running_mean)
+    assert torch.equal(fresh[1].running_mean, model[1].running_mean)  # type: ignore[index,arg-type]
 
 
 def test_full_checkpoint_with_rng_states() -> None:
@@ -400,22 +421,24 @@ def test_full_checkpoint_with_rng_states() -> None:
 
 def test_python_scalars_and_containers() -> None:
     nan_payload = struct.unpack("<d", struct.pack("<Q", 0x7FF8000000ABCDEF))[0]
-    roundtrip({
-        "none": None,
-        "bools": [True, False],
-        "ints": [0, -1, 2**63 - 1, -(2**63), 2**64 - 1, 2**64, -(2**64) - 1, 10**5000, -(10**5000)],
-        "floats": [0.0, -0.0, 1.5, float("inf"), float("-inf"), float("nan"), nan_payload, 5e-324],
-        "strs": ["", "héllo ✓ \U0001f600", "\ud800 lone surrogate", "\x00nul"],
-        "bytes": [b"", b"\x00\xff" * 10],
-        "bytearray": bytearray(b"mutable"),
-        "list": [1, [2, [3]]],
-        "tuple": (1, (2, 3), []),
-        "empty": [(), [], {}, collections.OrderedDict()],
-        "size": torch.Size([2, 3, 4]),
-        "dtypes": [torch.bfloat16, torch.float8_e4m3fn, torch.qint8, torch.bool],
-        "devices": [torch.device("cpu"), torch.device("cuda", 1), torch.device("meta")],
-        "sets": [{1, "a", (2, 3.5)}, frozenset({None, False})],
-    })
+    roundtrip(
+        {
+            "none": None,
+            "bools": [True, False],
+            "ints": [0, -1, 2**63 - 1, -(2**63), 2**64 - 1, 2**64, -(2**64) - 1, 10**5000, -(10**5000)],
+            "floats": [0.0, -0.0, 1.5, float("inf"), float("-inf"), float("nan"), nan_payload, 5e-324],
+            "strs": ["", "héllo ✓ \U0001f600", "\ud800 lone surrogate", "\x00nul"],
+            "bytes": [b"", b"\x00\xff" * 10],
+            "bytearray": bytearray(b"mutable"),
+            "list": [1, [2, [3]]],
+            "tuple": (1, (2, 3), []),
+            "empty": [(), [], {}, collections.OrderedDict()],
+            "size": torch.Size([2, 3, 4]),
+            "dtypes": [torch.bfloat16, torch.float8_e4m3fn, torch.qint8, torch.bool],
+            "devices": [torch.device("cpu"), torch.device("cuda", 1), torch.device("meta")],
+            "sets": [{1, "a", (2, 3.5)}, frozenset({None, False})],
+        }
+    )
 
 
 def test_tuple_and_list_stay_distinct() -> None:
@@ -431,7 +454,6 @@ def test_non_str_dict_keys() -> None:
         -5: "neg",
         2**70: "bigint",
         1.5: "float",
-        -0.0: "negzero",
         True: "bool",
         None: "none",
         ("a", 1, (2.5, None)): "tuple",
@@ -439,12 +461,29 @@ def test_non_str_dict_keys() -> None:
     }
     out = roundtrip(state)
     assert list(out) == list(state)
+    neg_zero = decode(encode({-0.0: 1}))
+    assert math.copysign(1.0, next(iter(neg_zero))) == -1.0
 
 
 @pytest.mark.parametrize(
     "dtype",
-    ["<f4", ">f4", "<f2", "<f8", ">i8", "u1", "<u2", "?", "<c16", "<U5", "S3", "<M8[ns]", "<m8[s]", "V4",
-     [("a", "<f4"), ("b", ">i2", (2,))]],
+    [
+        "<f4",
+        ">f4",
+        "<f2",
+        "<f8",
+        ">i8",
+        "u1",
+        "<u2",
+        "?",
+        "<c16",
+        "<U5",
+        "S3",
+        "<M8[ns]",
+        "<m8[s]",
+        "V4",
+        [("a", "<f4"), ("b", ">i2", (2,))],
+    ],
     ids=str,
 )
 def test_numpy_arrays(dtype: Any) -> None:
@@ -455,16 +494,29 @@ def test_numpy_arrays(dtype: Any) -> None:
     if dt.kind == "U":
         data = np.frombuffer("abcde".encode("utf-32-le") * 24, dtype=np.uint8)
     arr = data.view(dt).reshape(4, 6)
-    out = roundtrip({"arr": arr, "nc": arr[:, ::2], "t": arr.T, "zero_d": arr[1, 1].reshape(()),
-                     "empty": arr[:0], "scalar": arr[2, 3]})
+    out = roundtrip({"arr": arr, "nc": arr[:, ::2], "t": arr.T, "zero_d": arr[1, 1].reshape(()), "empty": arr[:0], "scalar": arr[2, 3]})
     assert out["arr"].dtype == dt
 
 
 def test_numpy_scalars_and_dtypes() -> None:
-    values = [np.float32(1.5), np.float64(-0.0), np.float16(3), np.int8(-3), np.uint64(2**64 - 1),
-              np.int64(-(2**63)), np.bool_(True), np.complex64(1 + 2j), np.str_("héllo"), np.str_(""),
-              np.bytes_(b"ab"), np.datetime64("2020-01-01T00:00"), np.timedelta64(5, "s"),
-              np.dtype("<f4"), np.dtype(">i2"), np.dtype([("x", "<u1"), ("y", "<f8")])]
+    values = [
+        np.float32(1.5),
+        np.float64(-0.0),
+        np.float16(3),
+        np.int8(-3),
+        np.uint64(2**64 - 1),
+        np.int64(-(2**63)),
+        np.bool_(True),
+        np.complex64(1 + 2j),
+        np.str_("héllo"),
+        np.str_(""),
+        np.bytes_(b"ab"),
+        np.datetime64("2020-01-01T00:00"),
+        np.timedelta64(5, "s"),
+        np.dtype("<f4"),
+        np.dtype(">i2"),
+        np.dtype([("x", "<u1"), ("y", "<f8")]),
+    ]
     out = roundtrip(values)
     assert [type(v) for v in out] == [type(v) for v in values]
 
@@ -577,8 +629,7 @@ def test_too_deep_for_the_stack_is_a_serialization_error() -> None:
 
 def test_decode_never_unpickles_or_evals(monkeypatch: pytest.MonkeyPatch) -> None:
     model, opt = _trained()
-    state = {"model": model.state_dict(), "optim": opt.state_dict(), "np": np.random.get_state(),
-             "scalar": np.float32(2), "set": {1, 2}}
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "np": np.random.get_state(), "scalar": np.float32(2), "set": {1, 2}}
     buf = encode(state)
 
     def forbidden(*args: Any, **kwargs: Any) -> Any:
@@ -596,16 +647,14 @@ def test_decode_never_unpickles_or_evals(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_module_source_has_no_code_executing_deserializers() -> None:
     source = Path(ser.__file__).read_text()
-    for needle in ("import pickle", "from pickle", "torch.load(", "eval(", "exec(", "allow_pickle=True",
-                   "import marshal", "import shelve"):
+    for needle in ("import pickle", "from pickle", "torch.load(", "eval(", "exec(", "allow_pickle=True", "import marshal", "import shelve"):
         assert needle not in source
 
 
 def test_truncated_buffers() -> None:
     buf = bytes(encode(_sample_state()))
     header = peek_header(buf)
-    cuts = {0, 1, 7, 8, 12, 19, 20, 21, 50, header["data_offset"] - 1, header["data_offset"],
-            header["blobs"][-1]["offset"], len(buf) - 1}
+    cuts = {0, 1, 7, 8, 12, 19, 20, 21, 50, header["data_offset"] - 1, header["data_offset"], header["blobs"][-1]["offset"], len(buf) - 1}
     for cut in sorted(cuts):
         with pytest.raises(CorruptShardError):
             decode(buf[:cut])
@@ -632,8 +681,13 @@ def test_bad_magic_version_and_header_length() -> None:
 def test_garbage_header_json() -> None:
     buf = encode(_sample_state())
     header_len = struct.unpack_from("<Q", buf, 12)[0]
-    for garbage in (b"{" * header_len, b"\xff" * header_len, b"[]".ljust(header_len),
-                    b'{"version":NaN}'.ljust(header_len), b"null".ljust(header_len)):
+    for garbage in (
+        b"{" * header_len,
+        b"\xff" * header_len,
+        b"[]".ljust(header_len),
+        b'{"version":NaN}'.ljust(header_len),
+        b"null".ljust(header_len),
+    ):
         bad = bytearray(buf)
         bad[20 : 20 + header_len] = garbage
         with pytest.raises(CorruptShardError):
@@ -746,3 +800,21 @@ def test_non_buffer_argument_is_a_type_error() -> None:
         decode("not bytes")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         plan({}).write_into([0] * 100)  # type: ignore[arg-type]
+
+
+def test_gc_state_is_restored_after_success_and_failure() -> None:
+    import gc
+
+    assert gc.isenabled()
+    decode(encode(_sample_state()))
+    with pytest.raises(SerializationError):
+        plan({"x": Custom()})
+    with pytest.raises(CorruptShardError):
+        decode(b"MSTSHRD1" + b"\x01\x00\x00\x00" + struct.pack("<Q", 2) + b"{]")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        decode(encode(_sample_state()))
+        assert not gc.isenabled()  # left as the caller had it
+    finally:
+        gc.enable()

@@ -39,12 +39,12 @@ def save(store: Store, step: int, nbytes: int = 3 * MiB, rank: int = 0, world: i
 
 
 def steps_held(store: Store) -> list[int]:
-    return sorted({s.manifest.key.step for s in store.list("job").shards})
+    return sorted({s.manifest.key.step for s in store.list_shards("job").shards})
 
 
 def test_commit_computes_checksums_and_commits_with_r1(store: Store) -> None:
     key = save(store, 1)
-    (info,) = store.list("job").shards
+    (info,) = store.list_shards("job").shards
     assert info.verified and len(info.manifest.chunk_checksums) == 3 and info.copies == 1
     for manifest, view in store.read(key):
         assert manifest.nbytes == 3 * MiB and bytes(view[:4]) == b"\x07" * 4
@@ -125,5 +125,5 @@ def test_overwrite_same_key_replaces(store: Store) -> None:
     key = save(store, 1, fill=2)
     for _, view in store.read(key):
         assert view[0] == 2
-    assert len(store.list("job").shards) == 1
+    assert len(store.list_shards("job").shards) == 1
     assert store._entries[key].state is ShardState.COMMITTED

@@ -325,16 +325,15 @@ class CheckpointClient:
                 mm = mmap.mmap(fd, max(1, m.nbytes), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
+            view = memoryview(mm)[: m.nbytes]
             try:
-                view = memoryview(mm)[: m.nbytes]
                 bad = first_mismatch(view, m.nbytes, m.chunk_size, m.chunk_checksums)
-                if bad is not None:
-                    raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
-                state = serialization.decode(view)
-                view.release()
+                if bad is None:
+                    return serialization.decode(view)
             finally:
+                view.release()
                 mm.close()
-            return state
+            raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
         finally:
             self._stub.Release(pb.ReleaseRequest(lease_id=opened.lease_id), timeout=self.timeout)
 

@@ -1,0 +1,73 @@
+"""The memstore CLI as users run it: serve, local-cluster, status, ls."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from memstore.local_cluster import free_ports, wait_for
+from tests.states import rank_state
+from trainer_client import CheckpointClient
+
+pytestmark = pytest.mark.integration
+
+
+def memstore(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "memstore", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--host-id", "h0", "--capacity", "lots"], "--capacity"),
+        (["--host-id", "h0", "--peers", "h1=127.0.0.1:1"], "missing"),
+        (["--host-id", "h0", "--replicas", "3"], "larger than the number of hosts"),
+        (["--host-id", "h/0"], "--host-id"),
+        (["--host-id", "h0", "--replicas", "1", "--listen", "127.0.0.1:99999"], "--listen"),
+        (["--host-id", "h0", "--replicas", "1", "--failure-domains", "h9=rack1"], "failure-domain labels"),
+    ],
+)
+def test_serve_rejects_bad_flags(args: list[str], message: str) -> None:
+    proc = memstore("serve", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+
+
+def test_local_cluster_endpoints_status_ls_and_clean_stop(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    endpoints = tmp_path / "endpoints.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memstore", "local-cluster", "--hosts", "3", "--replicas", "2", "--capacity", "64MiB",
+         "--endpoints-file", str(endpoints)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(endpoints.exists, timeout=60, what="endpoints file")
+        hosts = json.loads(endpoints.read_text())["hosts"]
+        assert sorted(hosts) == ["h0", "h1", "h2"] and all(a.startswith("127.0.0.1:") for a in hosts.values())
+        with CheckpointClient("cli-job", 0, 1, store=hosts["h2"]) as c:
+            c.save(4, rank_state(0, 4)).wait(timeout=30)
+        status = memstore("status", "--store", hosts["h0"], "--json")
+        assert status.returncode == 0, status.stderr
+        assert {h["host"] for h in json.loads(status.stdout)["hosts"] if h["serving"]} == {"h0", "h1", "h2"}
+        ls = memstore("ls", "--store", hosts["h2"], "--job", "cli-job")
+        assert "step=4" in ls.stdout and "committed" in ls.stdout
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
+    # every child store is gone: its port can be bound again
+    port = int(hosts["h0"].rsplit(":", 1)[1])
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_status_of_unreachable_store() -> None:
+    (port,) = free_ports(1)
+    proc = memstore("status", "--store", f"127.0.0.1:{port}", "--timeout", "1")
+    assert proc.returncode == 1 and "unreachable" in proc.stderr

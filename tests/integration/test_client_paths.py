@@ -1,0 +1,103 @@
+"""Client paths against real stores: trainer crash after save, corrupt local copy, no shared memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from memstore.local_cluster import wait_for
+from tests.states import assert_same, rank_state
+from trainer_client import CheckpointClient
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_trainer_killed_right_after_save_loses_nothing(make_cluster) -> None:
+    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.states import rank_state
+        from trainer_client import CheckpointClient
+        c = CheckpointClient("crash", 0, 1, store={cluster.address("h0")!r})
+        c.save(5, rank_state(0, 5, scale=64))   # returns once the store owns the bytes
+        os.kill(os.getpid(), signal.SIGKILL)     # the trainer dies before waiting for replication
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    c = CheckpointClient("crash", 0, 1, store=cluster.address("h0"))
+    try:
+        wait_for(lambda: c.latest_step() == 5, timeout=20, what="step 5 restorable")
+        assert_same(c.load(), rank_state(0, 5, scale=64))
+        # ... and replication finished without the trainer: the peer holds a verified copy too.
+        c2 = CheckpointClient("crash", 0, 1, store=cluster.address("h1"))
+        cluster.kill("h0")
+        assert_same(c2.load(5), rank_state(0, 5, scale=64))
+        c2.close()
+    finally:
+        c.close()
+
+
+def test_corrupt_local_copy_is_discarded_and_peer_copy_used(make_cluster) -> None:
+    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
+    c = CheckpointClient("corrupt", 0, 1, store=cluster.address("h0"))
+    try:
+        c.save(1, rank_state(0, 1, scale=16)).wait(timeout=30)
+        # Flip bytes in h0's RAM copy: the segment file the store maps (test-only access to its shm dir).
+        segs = sorted((Path(cluster.shm_dir) / "h0").glob("seg-*"), key=lambda p: p.stat().st_mtime)
+        assert segs
+        for seg in segs:
+            with open(seg, "r+b") as fh:
+                fh.seek(4096)
+                fh.write(b"\xde\xad\xbe\xef" * 16)
+        assert_same(c.load(1), rank_state(0, 1, scale=16))
+        assert c.last_load_source == "h1"  # the verified copy came from the peer
+    finally:
+        c.close()
+
+
+def test_streamed_path_without_shared_memory(make_cluster) -> None:
+    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
+    c = CheckpointClient("remote", 0, 1, store=cluster.address("h0"), use_shared_memory=False)
+    try:
+        assert not c.shared_memory
+        info = c.save(3, rank_state(0, 3, scale=8)).wait(timeout=30)
+        assert info.copies == 2 and info.manifest.owner_host == "h0"
+        assert_same(c.load(), rank_state(0, 3, scale=8))
+    finally:
+        c.close()
+
+
+def test_newer_save_does_not_wait_for_older_replication(make_cluster) -> None:
+    cluster = make_cluster(hosts=2, replicas=2, capacity="256MiB")
+    c = CheckpointClient("burst", 0, 1, store=cluster.address("h0"))
+    try:
+        handles = [c.save(step, rank_state(0, step, scale=32)) for step in range(1, 6)]  # no waits in between
+        assert handles[-1].wait(timeout=60).copies == 2
+        assert c.latest_step() == 5
+        assert_same(c.load(), rank_state(0, 5, scale=32))
+    finally:
+        c.close()
+
+
+def test_stale_segments_of_a_dead_store_are_wiped_by_its_replacement(make_cluster) -> None:
+    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
+    c = CheckpointClient("wipe", 0, 1, store=cluster.address("h0"))
+    c.save(1, rank_state(0, 1)).wait(timeout=30)
+    c.close()
+    shm = Path(cluster.shm_dir) / "h0"
+    before = set(shm.glob("seg-*"))
+    assert before
+    cluster.kill("h0")
+    cluster.restart("h0")
+    assert not (before & set(shm.glob("seg-*")))
+    assert os.path.exists(shm / ".lock")

@@ -59,12 +59,14 @@ def test_local_cluster_endpoints_status_ls_and_clean_stop(tmp_path) -> None:  # 
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
     assert proc.returncode == 0
-    # every child store is gone: its port can be bound again
-    port = int(hosts["h0"].rsplit(":", 1)[1])
+    # every child store is gone: nothing listens on their ports any more (REUSEADDR tolerates TIME_WAIT)
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+    for address in hosts.values():
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", int(address.rsplit(":", 1)[1])))
+            s.listen()
 
 
 def test_status_of_unreachable_store() -> None:

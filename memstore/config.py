@@ -126,6 +126,10 @@ class StoreConfig:
         "Failure-domain label of every host, ID=LABEL,...; groups then span domains where possible.", parse_domains, default_factory=dict
     )
     chunk_bytes: int = _opt("Chunk size of shard streams and checksums.", _size("--chunk-bytes"), default=DEFAULT_CHUNK_BYTES)
+    data_plane: str = _opt(
+        "How bulk bytes travel between stores: tcp (a raw data channel, ticketed over gRPC) or grpc (chunked gRPC streams).",
+        _choice("--data-plane", ("tcp", "grpc")), default="tcp",
+    )  # fmt: skip
     shm_dir: str = _opt(
         "Directory on a tmpfs for shared-memory segments ('' disables the local fast path).", str, default="/dev/shm/memstore"
     )

@@ -14,6 +14,7 @@ import grpc
 
 from memstore.config import StoreConfig
 from memstore.errors import ConfigError
+from memstore.server.dataserver import DataServer
 from memstore.server.servicer import StoreServicer
 from memstore.server.store import Store
 from memstore.v1 import store_pb2_grpc as pb_grpc
@@ -41,10 +42,13 @@ class StoreServer:
             config = replace(config, listen=self.address, peers=peers)
         self.config = config
         self.store = Store(config, advertised_address=self.address)
+        self.data_server = DataServer(host, self.store)
+        self.store.data_port = self.data_server.port
         pb_grpc.add_StoreServicer_to_server(StoreServicer(self.store), self._server)
 
     def start(self) -> None:
         self._server.start()
+        self.data_server.start()
         self.store.start()
         log.info(
             "store %s serving on %s (R=%d, capacity=%d, placement=%s)",
@@ -57,6 +61,7 @@ class StoreServer:
 
     def stop(self, grace: float = 2.0) -> None:
         self._server.stop(grace).wait(grace + 1)
+        self.data_server.close()
         self.store.close()
 
     def wait(self) -> None:

@@ -16,9 +16,11 @@ from typing import TypeVar
 import grpc
 
 from memstore.errors import CapacityExceeded, ChecksumMismatch, IdentityMismatch, PeerUnavailable, StoreError
+from memstore.v1 import datachannel
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import capacity_numbers, insecure_channel
+from memstore.v1.streams import StreamError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,6 +55,10 @@ def _retrying(fn: Callable[[], T], budget: float = RETRY_BUDGET_SECONDS) -> T:
                 raise
         time.sleep(delay)
         delay = min(0.5, delay * 2)
+
+
+class DataChannelUnsupported(Exception):
+    """The peer has no bulk data channel; use the gRPC stream instead."""
 
 
 class Peer:
@@ -105,6 +111,54 @@ class Peer:
             return self._call(lambda: self.stub.Put(requests(), timeout=timeout))
         except grpc.RpcError as err:
             raise _peer_error(self.host_id, "Put", err) from None
+
+    @property
+    def host(self) -> str:
+        return self.address.rpartition(":")[0].strip("[]")
+
+    def push_data(self, header: pb.PutHeader, view: memoryview, timeout: float, control_timeout: float) -> None:
+        """Push a shard over the bulk data channel. UNIMPLEMENTED peers raise DataChannelUnsupported."""
+        try:
+            ticket = self._call(lambda: self.stub.PrepareReceive(header, timeout=control_timeout))
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise DataChannelUnsupported(self.host_id) from None
+            raise _peer_error(self.host_id, "PrepareReceive", err) from None
+        deadline = time.monotonic() + timeout
+        try:
+            with datachannel.connect(self.host, ticket.data_port, control_timeout) as sock:
+                sock.sendall(ticket.ticket)
+                datachannel.send_all(sock, view, deadline)
+                error = datachannel.read_status(sock, deadline)
+        except datachannel.DataChannelError as exc:
+            raise PeerUnavailable(f"push to peer {self.host_id}: {exc}") from None
+        if error is not None:
+            status, _, detail = error.partition(": ")
+            message = f"peer {self.host_id} refused the shard: {detail or status}"
+            raise ChecksumMismatch(message) if status == "DATA_LOSS" else PeerUnavailable(message)
+
+    def pull_data(self, key: pb.ShardKey, into: Callable[[pb.Manifest], memoryview], timeout: float, control_timeout: float) -> pb.Manifest:
+        """Pull a shard over the bulk data channel into the view ``into(manifest)`` returns; verified per chunk."""
+        try:
+            prepared = self._call(lambda: self.stub.PrepareSend(pb.GetRequest(key=key), timeout=control_timeout))
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise DataChannelUnsupported(self.host_id) from None
+            raise _peer_error(self.host_id, "PrepareSend", err) from None
+        manifest = prepared.manifest
+        dest = into(manifest)
+        deadline = time.monotonic() + timeout
+        try:
+            with datachannel.connect(self.host, prepared.data_port, control_timeout) as sock:
+                sock.sendall(prepared.ticket)
+                datachannel.receive_verified(sock, manifest, dest, deadline)
+        except datachannel.DataChannelError as exc:
+            raise PeerUnavailable(f"pull from peer {self.host_id}: {exc}") from None
+        except StreamError as exc:
+            if exc.kind == "checksum":
+                raise ChecksumMismatch(f"copy from {self.host_id}: {exc}") from None
+            raise PeerUnavailable(f"copy from {self.host_id}: {exc}") from None
+        return manifest
 
     def get(self, key: pb.ShardKey, timeout: float) -> tuple[pb.Manifest, Iterator[bytes], grpc.Future]:
         """Start a Get stream: returns (manifest, iterator over chunk bytes, call to cancel)."""

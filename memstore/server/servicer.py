@@ -131,5 +131,14 @@ class StoreServicer(pb_grpc.StoreServicer):
         return pb.DeleteResponse(deleted=self.store.delete(request.job_id, request.step, request.rank))
 
     @rpc
+    def PrepareReceive(self, request: pb.PutHeader, context: grpc.ServicerContext) -> pb.DataTicket:
+        return pb.DataTicket(ticket=self.store.prepare_receive(request), data_port=self.store.data_port)
+
+    @rpc
+    def PrepareSend(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.PrepareSendResponse:
+        manifest, ticket = self.store.prepare_send(key_from_pb(request.key))
+        return pb.PrepareSendResponse(manifest=manifest, ticket=ticket, data_port=self.store.data_port)
+
+    @rpc
     def LatestStep(self, request: pb.LatestStepRequest, context: grpc.ServicerContext) -> pb.LatestStepResponse:
         return self.store.latest_step(request.job_id)

@@ -17,9 +17,11 @@ latest restorable step) live in ``memstore.core``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -43,9 +45,10 @@ from memstore.errors import (
     UnknownJob,
 )
 from memstore.server.convert import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, state_from_pb, state_to_pb
-from memstore.server.peers import PeerDirectory
+from memstore.server.peers import DataChannelUnsupported, PeerDirectory
 from memstore.server.segments import Segment, SegmentPool
 from memstore.v1 import store_pb2 as pb
+from memstore.v1.datachannel import TICKET_BYTES, DataChannelError, receive_verified, send_all, send_status
 from memstore.v1.integrity import compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import StreamError, manifest_problem, put_requests, receive_chunks
@@ -80,6 +83,32 @@ class Entry:
 
 
 @dataclass
+class _Inbound:
+    key: ShardKey
+    manifest: pb.Manifest
+    origin: int
+    segment: Segment
+
+
+@dataclass
+class _Ticket:
+    deadline: float
+    inbound: _Inbound | None = None
+    outbound: Entry | None = None
+
+
+def _stream_error(exc: BaseException) -> BaseException:
+    """Map a failed transfer to the typed error the sender sees."""
+    if isinstance(exc, StreamError):
+        if exc.kind == "checksum":
+            return ChecksumMismatch(f"{exc}; the copy was discarded, the sender should retry")
+        return InvalidArgument(str(exc))
+    if isinstance(exc, DataChannelError):
+        return PeerUnavailable(str(exc))
+    return exc
+
+
+@dataclass
 class _Lease:
     entry: Entry
     expires: float
@@ -111,6 +140,7 @@ class Store:
         self._alloc_leases: dict[str, _Lease] = {}
         self._read_leases: dict[str, _Lease] = {}
         self._receiving: set[ShardKey] = set()
+        self._tickets: dict[bytes, _Ticket] = {}
         self._protected: dict[str, int] = {}  # job -> newest restorable step, protected from eviction
         self._replication = ThreadPoolExecutor(max_workers=4, thread_name_prefix="replicate")
         self._push = ThreadPoolExecutor(max_workers=max(2, 2 * (config.replicas - 1)), thread_name_prefix="push")
@@ -125,6 +155,7 @@ class Store:
         self.boot_id = _boot_id()
         self.advertised_address = advertised_address or config.listen
         self.last_repair_error = ""
+        self.data_port = 0  # set by the server once the data channel listens
 
     # -- lifecycle --------------------------------------------------------------
     def start(self) -> None:
@@ -157,6 +188,7 @@ class Store:
             capacity_bytes=self.config.capacity,
             max_chunk_bytes=self.config.chunk_bytes,
             placement=self.config.placement,
+            data_port=self.data_port,
         )
 
     def health(self) -> pb.HealthResponse:
@@ -286,7 +318,7 @@ class Store:
             if not pinned:
                 return f"{entry.key} was dropped before it reached {peer_id}"
             try:
-                self.peers[peer_id].push(lambda: put_requests(header, entry.segment.view(entry.nbytes)), timeout=deadline)
+                self._push_to(peer_id, header, entry.segment.view(entry.nbytes), deadline)
                 return None
             except StoreError as exc:
                 return str(exc)
@@ -296,6 +328,16 @@ class Store:
         futures: list[Future[str | None]] = [self._push.submit(push, p) for p in peers]
         errors = [e for e in (f.result() for f in futures) if e]
         self._settle(entry, copies=1 + len(peers) - len(errors), errors=errors)
+
+    def _push_to(self, peer_id: str, header: pb.PutHeader, view: memoryview, deadline: float) -> None:
+        peer = self.peers[peer_id]
+        if self.config.data_plane == "tcp":
+            try:
+                peer.push_data(header, view, deadline, self.config.peer_timeout)
+                return
+            except DataChannelUnsupported:
+                log.info("peer %s has no data channel; falling back to gRPC streams", peer_id)
+        peer.push(lambda: put_requests(header, view), timeout=deadline)
 
     def _newer_settled_or_inflight(self, key: ShardKey) -> int | None:
         with self._lock:
@@ -332,64 +374,110 @@ class Store:
 
     # -- save over the wire (remote client, replication, repair) ------------------------
     def receive(self, header: pb.PutHeader, chunks: Iterable[bytes]) -> pb.PutResponse:
+        """Store a shard arriving as a gRPC chunk stream (remote client, replication fallback)."""
+        inbound = self._begin_receive(header)
+        try:
+            receive_chunks(chunks, inbound.manifest, inbound.segment.view())
+        except BaseException as exc:
+            self._abort_receive(inbound)
+            raise _stream_error(exc) from None
+        return self._finish_receive(inbound)
+
+    def _begin_receive(self, header: pb.PutHeader) -> _Inbound:
+        """Validate an incoming shard and reserve its memory."""
         m = header.manifest
         _ensure(key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size))
         _ensure(manifest_problem(m))
-        key = key_from_pb(m.key)
-        origin = header.origin
-        if origin == pb.PUT_ORIGIN_UNSPECIFIED:
+        if header.origin == pb.PUT_ORIGIN_UNSPECIFIED:
             raise InvalidArgument("PutHeader.origin is unspecified: expected CLIENT, REPLICA or REPAIR")
+        key = key_from_pb(m.key)
         segment = self._acquire(key, max(1, m.nbytes))
         with self._lock:
             self._receiving.add(key)
-        try:
-            receive_chunks(chunks, m, segment.view())
-        except StreamError as exc:
-            self.pool.release(segment)
-            if exc.kind == "checksum":
-                raise ChecksumMismatch(f"{exc}; the copy was discarded, the sender should retry") from None
-            raise InvalidArgument(str(exc)) from None
-        except BaseException:
-            self.pool.release(segment)
-            raise
-        finally:
-            with self._lock:
-                self._receiving.discard(key)
+        return _Inbound(key, m, header.origin, segment)
+
+    def _abort_receive(self, inbound: _Inbound) -> None:
+        self.pool.release(inbound.segment)
+        with self._lock:
+            self._receiving.discard(inbound.key)
+
+    def _finish_receive(self, inbound: _Inbound) -> pb.PutResponse:
+        """Register a fully received and verified shard."""
+        m = inbound.manifest
         manifest = manifest_from_pb(m)
-        if origin == pb.PUT_ORIGIN_CLIENT:
+        if inbound.origin == pb.PUT_ORIGIN_CLIENT:
             manifest = replace(manifest, owner_host=self.host_id)
-            entry = Entry(
-                key,
-                m.world_size,
-                m.nbytes,
-                segment,
-                self.host_id,
-                ShardState.REPLICATING,
-                manifest=manifest,
-                metrics=dict(m.metrics),
-                format_version=m.format_version,
-            )
-            with self._lock:
-                self._register(entry)
+            state, owner, copies = ShardState.REPLICATING, self.host_id, 1
+        else:
+            state, owner, copies = ShardState.REPLICA, manifest.owner_host, 0
+        entry = Entry(inbound.key, m.world_size, m.nbytes, inbound.segment, owner, state, manifest=manifest,
+                      metrics=dict(m.metrics), format_version=m.format_version, copies=copies)  # fmt: skip
+        with self._lock:
+            self._receiving.discard(inbound.key)
+            self._register(entry)
+        if inbound.origin == pb.PUT_ORIGIN_CLIENT:
             self._in_flight_add(1)
             self._replication.submit(self._capture_and_replicate, entry)
         else:
-            entry = Entry(
-                key,
-                m.world_size,
-                m.nbytes,
-                segment,
-                manifest.owner_host,
-                ShardState.REPLICA,
-                manifest=manifest,
-                metrics=dict(m.metrics),
-                format_version=m.format_version,
-                copies=0,
-            )
-            with self._lock:
-                self._register(entry)
             self._retention_due.set()
         return pb.PutResponse(key=m.key, bytes_received=m.nbytes)
+
+    # -- bulk data channel ------------------------------------------------------------------
+    def prepare_receive(self, header: pb.PutHeader) -> bytes:
+        """Reserve memory for a shard that will arrive on the data channel; returns its one-time ticket."""
+        inbound = self._begin_receive(header)
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        deadline = time.monotonic() + 10.0 + inbound.manifest.nbytes / self.config.transfer_min_rate
+        with self._lock:
+            self._tickets[ticket] = _Ticket(deadline, inbound=inbound)
+        return ticket
+
+    def prepare_send(self, key: ShardKey) -> tuple[pb.Manifest, bytes]:
+        """Pin a verified copy to be read from the data channel; returns (manifest, ticket)."""
+        entry = self._readable(key)
+        if not self._pin(entry):
+            raise ShardNotFound(f"shard {key} was evicted while preparing to send it")
+        assert entry.manifest is not None
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        with self._lock:
+            self._tickets[ticket] = _Ticket(time.monotonic() + 10.0 + entry.nbytes / self.config.transfer_min_rate, outbound=entry)
+        return manifest_to_pb(entry.manifest), ticket
+
+    def serve_ticket(self, ticket: bytes, sock: socket.socket) -> None:
+        """Run the transfer a ticket was issued for, on an accepted data connection."""
+        with self._lock:
+            t = self._tickets.pop(ticket, None)
+        if t is None:
+            log.warning("data channel: unknown or expired ticket; closing the connection")
+            return
+        if t.outbound is not None:
+            try:
+                send_all(sock, t.outbound.segment.view(t.outbound.nbytes), t.deadline)
+            finally:
+                self._unpin(t.outbound)
+            return
+        assert t.inbound is not None
+        try:
+            receive_verified(sock, t.inbound.manifest, t.inbound.segment.view(), t.deadline)
+        except BaseException as exc:
+            self._abort_receive(t.inbound)
+            err = _stream_error(exc)
+            with contextlib.suppress(OSError):
+                send_status(sock, f"{getattr(err, 'status', 'UNAVAILABLE')}: {err}")
+            return
+        self._finish_receive(t.inbound)
+        send_status(sock, None)
+
+    def _expire_tickets(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stale = [k for k, t in self._tickets.items() if t.deadline < now]
+            expired = [self._tickets.pop(k) for k in stale]
+        for t in expired:
+            if t.inbound is not None:
+                self._abort_receive(t.inbound)
+            if t.outbound is not None:
+                self._unpin(t.outbound)
 
     # -- reads ---------------------------------------------------------------------------
     def _pin(self, entry: Entry) -> bool:
@@ -505,37 +593,41 @@ class Store:
 
     def _pull_from(self, host: str, key: ShardKey) -> None:
         peer = self.peers[host]
-        manifest, chunks, call = peer.get(key_to_pb(key), timeout=self.config.peer_timeout + 600)
-        try:
+        timeout = self.config.peer_timeout + 600
+        segments: list[Segment] = []
+
+        def into(manifest: pb.Manifest) -> memoryview:
             problem = manifest_problem(manifest)
             if problem or key_from_pb(manifest.key) != key:
                 raise PeerUnavailable(f"peer {host} sent an invalid manifest for {key}: {problem or 'wrong key'}")
-            segment = self._acquire(key, max(1, manifest.nbytes))
-            try:
-                receive_chunks(chunks, manifest, segment.view())
-            except StreamError as exc:
-                self.pool.release(segment)
-                if exc.kind == "checksum":
-                    raise ChecksumMismatch(f"copy from {host}: {exc}") from None
-                raise PeerUnavailable(f"copy from {host}: {exc}") from None
-            except BaseException:
-                self.pool.release(segment)
-                raise
-        finally:
-            call.cancel()
+            segments.append(self._acquire(key, max(1, manifest.nbytes)))
+            return segments[-1].view()
+
+        try:
+            manifest = None
+            if self.config.data_plane == "tcp":
+                try:
+                    manifest = peer.pull_data(key_to_pb(key), into, timeout, self.config.peer_timeout)
+                except DataChannelUnsupported:
+                    log.info("peer %s has no data channel; falling back to gRPC streams", host)
+            if manifest is None:
+                manifest, chunks, call = peer.get(key_to_pb(key), timeout=timeout)
+                try:
+                    receive_chunks(chunks, manifest, into(manifest))
+                except StreamError as exc:
+                    raise ChecksumMismatch(f"copy from {host}: {exc}") if exc.kind == "checksum" else PeerUnavailable(
+                        f"copy from {host}: {exc}"
+                    ) from None
+                finally:
+                    call.cancel()
+        except BaseException:
+            for seg in segments:
+                self.pool.release(seg)
+            raise
+        (segment,) = segments
         m = manifest_from_pb(manifest)
-        entry = Entry(
-            key,
-            m.world_size,
-            m.nbytes,
-            segment,
-            m.owner_host,
-            ShardState.REPLICA,
-            manifest=m,
-            metrics=dict(m.metrics),
-            format_version=m.format_version,
-            copies=0,
-        )
+        entry = Entry(key, m.world_size, m.nbytes, segment, m.owner_host, ShardState.REPLICA, manifest=m,
+                      metrics=dict(m.metrics), format_version=m.format_version, copies=0)  # fmt: skip
         with self._lock:
             current = self._entries.get(key)
             if current is not None and current.verified:
@@ -600,6 +692,7 @@ class Store:
             self._retention_due.clear()
             try:
                 self._expire_leases()
+                self._expire_tickets()
                 self._apply_retention()
             except Exception:
                 log.exception("janitor pass failed")

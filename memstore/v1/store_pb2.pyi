@@ -93,7 +93,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("host_id", "version", "replicas", "peer_ids", "peer_addresses", "shm_dir", "boot_id", "capacity_bytes", "max_chunk_bytes", "placement")
+    __slots__ = ("host_id", "version", "replicas", "peer_ids", "peer_addresses", "shm_dir", "boot_id", "capacity_bytes", "max_chunk_bytes", "placement", "data_port")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class HelloResponse(_message.Message):
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     version: str
     replicas: int
@@ -114,7 +115,8 @@ class HelloResponse(_message.Message):
     capacity_bytes: int
     max_chunk_bytes: int
     placement: str
-    def __init__(self, host_id: _Optional[str] = ..., version: _Optional[str] = ..., replicas: _Optional[int] = ..., peer_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., boot_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., placement: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, host_id: _Optional[str] = ..., version: _Optional[str] = ..., replicas: _Optional[int] = ..., peer_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., boot_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., placement: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -330,3 +332,21 @@ class LatestStepResponse(_message.Message):
     world_size: int
     unreachable_hosts: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, found: _Optional[bool] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., unreachable_hosts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DataTicket(_message.Message):
+    __slots__ = ("ticket", "data_port")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    data_port: int
+    def __init__(self, ticket: _Optional[bytes] = ..., data_port: _Optional[int] = ...) -> None: ...
+
+class PrepareSendResponse(_message.Message):
+    __slots__ = ("manifest", "ticket", "data_port")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    ticket: bytes
+    data_port: int
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., ticket: _Optional[bytes] = ..., data_port: _Optional[int] = ...) -> None: ...

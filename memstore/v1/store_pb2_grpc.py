@@ -99,6 +99,16 @@ class StoreStub:
                 request_serializer=memstore_dot_v1_dot_store__pb2.LatestStepRequest.SerializeToString,
                 response_deserializer=memstore_dot_v1_dot_store__pb2.LatestStepResponse.FromString,
                 _registered_method=True)
+        self.PrepareReceive = channel.unary_unary(
+                '/memstore.v1.Store/PrepareReceive',
+                request_serializer=memstore_dot_v1_dot_store__pb2.PutHeader.SerializeToString,
+                response_deserializer=memstore_dot_v1_dot_store__pb2.DataTicket.FromString,
+                _registered_method=True)
+        self.PrepareSend = channel.unary_unary(
+                '/memstore.v1.Store/PrepareSend',
+                request_serializer=memstore_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
+                response_deserializer=memstore_dot_v1_dot_store__pb2.PrepareSendResponse.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -182,6 +192,18 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareReceive(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrepareSend(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +271,16 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.LatestStep,
                     request_deserializer=memstore_dot_v1_dot_store__pb2.LatestStepRequest.FromString,
                     response_serializer=memstore_dot_v1_dot_store__pb2.LatestStepResponse.SerializeToString,
+            ),
+            'PrepareReceive': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareReceive,
+                    request_deserializer=memstore_dot_v1_dot_store__pb2.PutHeader.FromString,
+                    response_serializer=memstore_dot_v1_dot_store__pb2.DataTicket.SerializeToString,
+            ),
+            'PrepareSend': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareSend,
+                    request_deserializer=memstore_dot_v1_dot_store__pb2.GetRequest.FromString,
+                    response_serializer=memstore_dot_v1_dot_store__pb2.PrepareSendResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -602,6 +634,60 @@ class Store:
             '/memstore.v1.Store/LatestStep',
             memstore_dot_v1_dot_store__pb2.LatestStepRequest.SerializeToString,
             memstore_dot_v1_dot_store__pb2.LatestStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareReceive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memstore.v1.Store/PrepareReceive',
+            memstore_dot_v1_dot_store__pb2.PutHeader.SerializeToString,
+            memstore_dot_v1_dot_store__pb2.DataTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareSend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memstore.v1.Store/PrepareSend',
+            memstore_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
+            memstore_dot_v1_dot_store__pb2.PrepareSendResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -172,3 +172,44 @@ def test_garbage_bytes_to_the_port(cluster: LocalCluster) -> None:
                 s.recv(1024)
             except (TimeoutError, ConnectionResetError):
                 pass
+
+
+def closed_by_peer(s: socket.socket) -> bool:
+    """The store hung up: EOF, or a reset because it closed with our bytes unread."""
+    s.settimeout(5)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_data_channel_refuses_bad_tickets_and_corrupt_bytes(cluster: LocalCluster, stub: pb_grpc.StoreStub) -> None:
+    from memstore.v1 import datachannel
+
+    host = cluster.address("h0").rsplit(":", 1)[0]
+    data = bytes(range(256)) * 4096  # 1 MiB
+    m = manifest_for(data, 256 << 10)
+    m.key.step = 11
+    # An unknown ticket gets the connection closed and nothing else.
+    port = stub.Hello(pb.HelloRequest(), timeout=5).data_port
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.sendall(b"\x00" * datachannel.TICKET_BYTES + data[:1000])
+        assert closed_by_peer(s)
+    # A valid ticket with corrupted payload is refused with DATA_LOSS and nothing is stored.
+    ticket = stub.PrepareReceive(pb.PutHeader(manifest=m, origin=pb.PUT_ORIGIN_REPLICA, sender_host="test"), timeout=5)
+    corrupt = bytearray(data)
+    corrupt[300_000] ^= 0x01
+    with socket.create_connection((host, ticket.data_port), timeout=5) as s:
+        s.sendall(ticket.ticket + bytes(corrupt))
+        import time
+
+        error = datachannel.read_status(s, time.monotonic() + 10)
+    assert error is not None and error.startswith("DATA_LOSS") and "chunk 1" in error
+    assert not any(i.manifest.key.step == 11 for i in stub.List(pb.ListRequest(job_id=JOB), timeout=5).shards)
+    # The same ticket cannot be used twice.
+    with socket.create_connection((host, ticket.data_port), timeout=5) as s:
+        try:
+            s.sendall(ticket.ticket + data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert closed_by_peer(s)

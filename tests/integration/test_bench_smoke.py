@@ -23,7 +23,7 @@ def test_bench_quick_writes_json(tmp_path: Path) -> None:
     assert main(["--quick", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
 
-    for key in ("command", "config", "machine", "state", "floors", "cluster", "ratios", "targets", "method", "replication_cost_model"):
+    for key in ("command", "config", "machine", "state", "floors", "cluster", "ratios", "targets", "method", "diagnosis", "conditions"):
         assert key in data, key
     assert data["ok"] is True
     assert data["config"]["quick"] is True
@@ -38,24 +38,39 @@ def test_bench_quick_writes_json(tmp_path: Path) -> None:
     assert _positive(floors["memcpy"]["torch_copy_seconds"]["p50"])
     assert _positive(floors["memcpy"]["memmove_single_thread_seconds"]["p50"])
     assert _positive(floors["tcp"]["bytes_per_second"]["p50"])
-    for key in ("save_fsync_seconds", "load_cold_seconds", "load_warm_seconds"):
-        assert _positive(floors["disk"][key]), key
+    assert _positive(floors["disk"]["save_fsync_seconds"])
+    for key in ("load_cold_seconds", "load_warm_seconds"):
+        assert _positive(floors["disk"][key]["p50"]), key
+
+    for key in ("grpc_bytes", "grpc_protobuf"):
+        assert _positive(floors[key]["bytes_per_second"]["p50"]), key
 
     cluster = data["cluster"]
     phases = [s["phase"] for s in cluster["saves"]]
-    assert phases[0] == "cold" and phases.count("measured") == 2
+    assert phases == ["cold"] * (data["config"]["keep"] + 1) + ["measured"] * 2
     assert all(s["copies"] == 2 for s in cluster["saves"])
-    for key in ("stall_seconds", "committed_seconds", "replication_seconds", "replication_bytes_per_second"):
+    for key in ("stall_seconds", "paired_memcpy_seconds", "committed_seconds", "replication_seconds", "replication_bytes_per_second"):
         assert _positive(cluster[key]["p50"]), key
         assert _positive(cluster[key]["p95"]), key
-    assert _positive(cluster["cold_save"]["save_wall_seconds"])
-    assert cluster["restore_local"]["source_host"] == "h0"
-    assert cluster["restore_peer"]["source_host"] == "h1"
-    for key in ("restore_local", "restore_peer", "restore_replacement"):
-        assert _positive(cluster[key]["load_seconds"]), key
+    assert _positive(cluster["first_save"]["save_wall_seconds"])
+    assert cluster["restore_local"]["source_hosts"] == ["h0"]
+    assert cluster["restore_peer"]["source_hosts"] == ["h1"]
+    assert cluster["restore_replacement"]["source_host"] in ("h0", "h1")
+    for key in ("restore_local", "restore_peer"):
+        assert _positive(cluster[key]["load_seconds"]["p50"]), key
         assert cluster[key]["verified_equal"] is True, key
+    assert _positive(cluster["restore_replacement"]["load_seconds"])
+    assert cluster["restore_replacement"]["verified_equal"] is True
+    assert _positive(data["conditions"]["memory_peak_pss_bytes"])
 
     for key, value in data["ratios"].items():
-        assert _positive(value), key
+        assert value is None or _positive(value), key
+    for key in (
+        "stall_p50_over_memcpy",
+        "replication_over_raw_tcp",
+        "restore_local_over_torch_load_warm",
+        "restore_peer_over_torch_load_warm",
+    ):
+        assert _positive(data["ratios"][key]), key
     for key in ("stall_p50_le_2x_memcpy", "replication_ge_half_raw_tcp"):
         assert isinstance(data["targets"][key]["pass"], bool), key

@@ -48,8 +48,9 @@ def held_keys(cluster: LocalCluster, host: str) -> set[tuple[int, int]]:
     return {(s.manifest.key.step, s.manifest.key.rank) for s in resp.shards if s.verified}
 
 
-def test_host_loss_replacement_and_repair(make_cluster) -> None:
-    cluster = make_cluster(hosts=HOSTS, replicas=R, capacity="256MiB", keep=3)
+@pytest.mark.parametrize("data_plane", ["tcp", "grpc"])
+def test_host_loss_replacement_and_repair(make_cluster, data_plane: str) -> None:
+    cluster = make_cluster(hosts=HOSTS, replicas=R, capacity="256MiB", keep=3, extra_args=["--data-plane", data_plane])
     save_steps(cluster, range(1, 4))
 
     # Placement check: every rank's shards live on both members of its group (h0,h1) / (h2,h3).

@@ -77,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-dir", default=None, help="directory on local disk for the torch.save floor (default: the temp dir)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random state")
     p.add_argument(
+        "--data-plane",
+        choices=("tcp", "grpc"),
+        default=None,
+        help="passed to the stores as --data-plane (how replicas and pulls travel); default: the store's default",
+    )
+    p.add_argument(
         "--store-env",
         action="append",
         default=[],
@@ -99,6 +105,7 @@ class BenchConfig:
     seed: int
     quick: bool
     store_env: dict[str, str]
+    data_plane: str | None
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -135,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         quick=bool(args.quick),
         store_env=store_env,
+        data_plane=args.data_plane,
     )
 
 
@@ -935,6 +943,8 @@ def measure_cluster(
     # --repair-interval 3600: after the startup pass (when the stores are still empty) no anti-entropy pass
     # runs during the measurements, so the peer restore below is the Fetch path and nothing else.
     extra = ["--repair-interval", "3600"]
+    if config.data_plane:
+        extra += ["--data-plane", config.data_plane]
     cluster = LocalCluster(
         hosts=config.hosts,
         replicas=config.replicas,
@@ -967,6 +977,9 @@ def measure_cluster(
         client = CheckpointClient(JOB_ID, 0, 1, store=cluster.address("h0"))
         try:
             out["shared_memory"] = client.shared_memory
+            out["store_version"] = client.hello.version
+            out["store_data_port"] = int(getattr(client.hello, "data_port", 0))  # 0: replicas and pulls travel over gRPC
+            out["data_plane"] = _data_plane(asdict(config), out)
             total = config.warmup + config.saves
             for i in range(total):
                 step = i + 1
@@ -1253,14 +1266,15 @@ _METHOD: dict[str, str] = {
     "replication_throughput": "shard bytes / (time to committed - save() wall time); includes the owner's xxh3 pass over the shard",
     "tcp_floor": "child python sendall of 4 MiB memoryview slices, this process recv_into a pre-faulted buffer; median of 3",
     "grpc_floors": (
-        "diagnosis, not a target: gRPC-Python client stream from a child process, 4 MiB messages, memstore's channel and "
-        "server options; raw bytes messages and PutRequest protobuf messages; receiver copies into a pre-faulted buffer"
+        "diagnosis of the gRPC data plane (--data-plane grpc, and the fallback), not a target: gRPC-Python client stream from "
+        "a child process, 4 MiB messages, memstore's channel and server options; raw bytes messages and PutRequest protobuf "
+        "messages; receiver copies into a pre-faulted buffer"
     ),
     "restore_local": "new CheckpointClient on h0 (a restarted trainer), load() of the latest step; connect excluded; median",
     "restore_peer": (
         "the newest step is deleted on h0 (Delete RPC, h0 stays up), then a new client on h0 load()s it: h0's Fetch pulls it "
-        "from the group peer over gRPC (into h0's pooled segment) and the client maps, verifies and decodes it; connect "
-        "excluded; median. Background repair is off (--repair-interval 3600) so nothing else brings the shard back"
+        "from the group peer over the stores' data plane (into h0's pooled segment) and the client maps, verifies and decodes "
+        "it; connect excluded; median. Background repair is off (--repair-interval 3600) so nothing else brings the shard back"
     ),
     "restore_replacement": (
         "h0 SIGKILLed and restarted (empty RAM; its startup repair pass pulls the newest keep steps from the peer at once); "
@@ -1297,6 +1311,12 @@ def _fmt_bytes(n: int) -> str:
     return format_size(n)
 
 
+def _data_plane(cfg: dict[str, Any], cl: dict[str, Any]) -> str:
+    if cl.get("store_data_port"):
+        return "raw TCP data channel" if cfg.get("data_plane") != "grpc" else "gRPC streams"
+    return "gRPC streams"
+
+
 def render(result: dict[str, Any], console: Console) -> None:
     from rich.table import Table
 
@@ -1316,7 +1336,7 @@ def render(result: dict[str, Any], console: Console) -> None:
 
     title = (
         f"memstore bench: {_fmt_bytes(st['bytes'])} of float32 state ({st['tensors']} tensors) on 1 rank, "
-        f"{cfg['hosts']} hosts, R={cfg['replicas']}, 127.0.0.1"
+        f"{cfg['hosts']} hosts, R={cfg['replicas']}, 127.0.0.1, data plane: {_data_plane(cfg, cl)}"
     )
     t = Table(title=title)
     t.add_column("figure")
@@ -1454,7 +1474,7 @@ def render(result: dict[str, Any], console: Console) -> None:
     console.print(f)
 
     cm = result["diagnosis"]
-    c = Table(title="diagnosis: CPU cost of the save and replication steps (this process, one thread, same bytes)")
+    c = Table(title="diagnosis: CPU cost of the save path and of the gRPC data plane's per-chunk steps (this process, same bytes)")
     c.add_column("step")
     c.add_column("time", justify="right")
     c.add_column("throughput", justify="right")
@@ -1468,7 +1488,7 @@ def render(result: dict[str, Any], console: Console) -> None:
     c.add_row("replication: sender CPU estimate (xxh3 + build + serialize)", _fmt_s(cm["sender_cpu_seconds_estimate"]), "")
     c.add_row("replication: receiver CPU estimate (parse + xxh3 + copy)", _fmt_s(cm["receiver_cpu_seconds_estimate"]), "")
     if cfg["replicas"] >= 2:
-        c.add_row("replication: measured (committed - stall) p50", _fmt_s(cl["replication_seconds"]["p50"]), "")
+        c.add_row(f"replication: measured (committed - stall) p50, {_data_plane(cfg, cl)}", _fmt_s(cl["replication_seconds"]["p50"]), "")
     console.print(c)
 
     cond = result["conditions"]

@@ -195,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        # argparse's REMAINDER can't start with a flag (`memstore bench --quick`): hand the rest over as-is.
+        from memstore.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -76,6 +76,7 @@ class Entry:
     metrics: dict[str, float] = field(default_factory=dict)
     format_version: int = 0
     created_unix: float = field(default_factory=time.time)
+    source: str = ""  # peer a pulled copy came from
 
     @property
     def verified(self) -> bool:
@@ -141,6 +142,7 @@ class Store:
         self._read_leases: dict[str, _Lease] = {}
         self._receiving: set[ShardKey] = set()
         self._tickets: dict[bytes, _Ticket] = {}
+        self._pulls: dict[ShardKey, threading.Event] = {}  # in-flight pulls, shared by fetch and repair
         self._protected: dict[str, int] = {}  # job -> newest restorable step, protected from eviction
         self._replication = ThreadPoolExecutor(max_workers=4, thread_name_prefix="replicate")
         self._push = ThreadPoolExecutor(max_workers=max(2, 2 * (config.replicas - 1)), thread_name_prefix="push")
@@ -579,6 +581,26 @@ class Store:
                     raise UnknownJob(f"job {key.job_id!r} is unknown to every store")
                 extra = f" ({len(unreachable)} unreachable: {', '.join(unreachable)})" if unreachable else ""
                 raise ShardNotFound(f"no reachable store holds a verified copy of {key}{extra}")
+        with self._lock:
+            pending = self._pulls.get(key)
+            if pending is None:
+                self._pulls[key] = threading.Event()
+        if pending is not None:
+            # Another path (fetch or repair) is already pulling this shard: wait for it instead of pulling twice.
+            pending.wait(timeout=self.config.peer_timeout + 600)
+            with self._lock:
+                entry = self._entries.get(key)
+            if entry is not None and entry.verified:
+                return entry.source
+            raise PeerUnavailable(f"a concurrent pull of {key} did not produce a verified copy")
+        try:
+            return self._pull_candidates(key, candidates, origin_note)
+        finally:
+            with self._lock:
+                done = self._pulls.pop(key)
+            done.set()
+
+    def _pull_candidates(self, key: ShardKey, candidates: list[str], origin_note: str) -> str:
         errors: list[str] = []
         for host in candidates:
             try:
@@ -627,7 +649,7 @@ class Store:
         (segment,) = segments
         m = manifest_from_pb(manifest)
         entry = Entry(key, m.world_size, m.nbytes, segment, m.owner_host, ShardState.REPLICA, manifest=m,
-                      metrics=dict(m.metrics), format_version=m.format_version, copies=0)  # fmt: skip
+                      metrics=dict(m.metrics), format_version=m.format_version, copies=0, source=host)  # fmt: skip
         with self._lock:
             current = self._entries.get(key)
             if current is not None and current.verified:
@@ -766,7 +788,7 @@ class Store:
             if self._stop.is_set() or key.step not in recent[key.job_id]:
                 continue
             with self._lock:
-                if key in self._entries or key in self._receiving:
+                if key in self._entries or key in self._receiving or key in self._pulls:
                     continue
             with self._lock:
                 self._repairs_in_flight += 1

@@ -477,21 +477,27 @@ def floor_memcpy(tensors: list[torch.Tensor], reps: int = MEMCPY_REPS) -> dict[s
     return result
 
 
+def _shared_mapping(nbytes: int, directory: str | None) -> Any:
+    """An unlinked, pre-populated MAP_SHARED file mapping: the kind of memory a save writes into."""
+    import mmap
+
+    fd, path = tempfile.mkstemp(prefix="memstore-bench-", dir=directory)
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def _shm_copy(tensors: list[torch.Tensor], nbytes: int, reps: int) -> dict[str, Any] | None:
     """The same copy into a pre-faulted MAP_SHARED file mapping on /dev/shm (what a save writes into)."""
-    import mmap
 
     import torch
 
     if not os.path.isdir("/dev/shm"):
         return None
-    fd, path = tempfile.mkstemp(prefix="memstore-bench-", dir="/dev/shm")
-    try:
-        os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-        os.unlink(path)
+    mm = _shared_mapping(nbytes, "/dev/shm")
     times = []
     try:
         dst = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
@@ -812,7 +818,6 @@ def replication_cost_model(tensors: list[torch.Tensor], nbytes: int) -> dict[str
 def save_path_model(state: Any, reps: int = 3) -> dict[str, Any]:
     """The client side of save() without the store: serialization.plan() and ShardLayout.write_into() a
     pre-faulted /dev/shm mapping. save() minus these two is the Allocate/Commit RPCs and the mapping lookup."""
-    import mmap
 
     from trainer_client import serialization
 
@@ -824,13 +829,7 @@ def save_path_model(state: Any, reps: int = 3) -> dict[str, Any]:
         plan_times.append(time.perf_counter() - t0)
     nbytes = layout.nbytes
     shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    fd, path = tempfile.mkstemp(prefix="memstore-bench-", dir=shm_dir)
-    try:
-        os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-        os.unlink(path)
+    mm = _shared_mapping(nbytes, shm_dir)
     write_times = []
     try:
         layout.write_into(mm)  # first touch

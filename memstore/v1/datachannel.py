@@ -16,8 +16,8 @@ import struct
 import time
 
 from memstore.v1 import store_pb2 as pb
-from memstore.v1.integrity import checksum, chunk_spans
-from memstore.v1.streams import StreamError
+from memstore.v1.integrity import chunk_spans
+from memstore.v1.streams import verify_chunk
 
 TICKET_BYTES = 16
 STATUS_OK = 0
@@ -82,13 +82,7 @@ def receive_verified(sock: socket.socket, manifest: pb.Manifest, dest: memoryvie
     for index, (off, length) in enumerate(chunk_spans(manifest.nbytes, manifest.chunk_size)):
         piece = out[off : off + length]
         recv_exact(sock, piece, deadline)
-        got = checksum(piece)
-        if got != manifest.chunk_checksums[index]:
-            raise StreamError(
-                "checksum",
-                f"chunk {index} of {manifest.key.job_id}/step={manifest.key.step}/rank={manifest.key.rank} failed its checksum "
-                f"on the data channel (got {got:016x}, expected {manifest.chunk_checksums[index]:016x})",
-            )
+        verify_chunk(manifest, index, piece, where=" on the data channel")
 
 
 def send_status(sock: socket.socket, error: str | None) -> None:

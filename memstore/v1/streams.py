@@ -51,6 +51,18 @@ def get_responses(manifest: pb.Manifest, buf: memoryview, chunk_size: int = 0) -
         yield pb.GetResponse(chunk=chunk)
 
 
+def verify_chunk(manifest: pb.Manifest, index: int, data: memoryview | bytes, where: str = "") -> None:
+    """Raise StreamError("checksum") unless ``data`` is chunk ``index`` of the manifest's shard."""
+    got = checksum(data)
+    if got != manifest.chunk_checksums[index]:
+        k = manifest.key
+        raise StreamError(
+            "checksum",
+            f"chunk {index} of {k.job_id}/step={k.step}/rank={k.rank} failed its checksum{where} "
+            f"(got {got:016x}, expected {manifest.chunk_checksums[index]:016x})",
+        )
+
+
 def receive_chunks(chunks: Iterable[bytes], manifest: pb.Manifest, dest: memoryview, on_chunk: Callable[[int], None] | None = None) -> int:
     """Copy ``chunks`` into ``dest`` verifying each against the manifest. Returns bytes received.
 
@@ -66,13 +78,7 @@ def receive_chunks(chunks: Iterable[bytes], manifest: pb.Manifest, dest: memoryv
         if len(chunk) != length:
             kind = "oversized" if len(chunk) > length else "invalid"
             raise StreamError(kind, f"chunk {index} has {len(chunk)} bytes; the manifest expects {length}")
-        got = checksum(chunk)
-        if got != manifest.chunk_checksums[index]:
-            raise StreamError(
-                "checksum",
-                f"chunk {index} of {manifest.key.job_id}/step={manifest.key.step}/rank={manifest.key.rank} "
-                f"failed its checksum (got {got:016x}, expected {manifest.chunk_checksums[index]:016x})",
-            )
+        verify_chunk(manifest, index, chunk)
         out[off : off + length] = chunk
         index += 1
         if on_chunk:

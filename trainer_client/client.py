@@ -43,6 +43,7 @@ from trainer_client.errors import (
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+_VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 _MAPPING_CACHE = 4  # segments kept mapped between saves: the store recycles them, so re-saves skip page faults
 
 
@@ -288,8 +289,13 @@ class CheckpointClient:
             )
         return int(resp.step) if resp.found else None
 
-    def load(self, step: int | None = None) -> Any:
-        """Restore this rank's state at ``step`` (default: the latest restorable step); bytes verified first."""
+    def load(self, step: int | None = None, *, zero_copy: bool = True) -> Any:
+        """Restore this rank's state at ``step`` (default: the latest restorable step); bytes verified first.
+
+        With shared memory and ``zero_copy`` (the default), large tensors are copy-on-write views of the
+        store's segment: no copy, no fresh page faults. Pass ``zero_copy=False`` for tensors with
+        memory of their own.
+        """
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -306,14 +312,14 @@ class CheckpointClient:
             )
             self.last_load_source = fetched.source_host or self.hello.host_id
             try:
-                return self._read_shared(key) if self.shared_memory else self._read_streamed(key)
+                return self._read_shared(key, zero_copy) if self.shared_memory else self._read_streamed(key)
             except CorruptShardError as exc:
                 log.warning("rank %d: copy of step %d failed verification (%s); asking the store for another", self.rank, step, exc)
                 if attempt == 1:
                     raise
         raise AssertionError("unreachable")
 
-    def _read_shared(self, key: pb.ShardKey) -> Any:
+    def _read_shared(self, key: pb.ShardKey, zero_copy: bool) -> Any:
         opened = self._call(lambda t: self._stub.Open(pb.OpenRequest(key=key), timeout=t), f"open step {key.step}", retries=3)
         try:
             m = opened.manifest
@@ -322,18 +328,26 @@ class CheckpointClient:
                 raise CorruptShardError(f"store sent a bad manifest for step {key.step}: {problem}")
             fd = os.open(opened.segment_path, os.O_RDONLY)
             try:
-                mm = mmap.mmap(fd, max(1, m.nbytes), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                # A private (copy-on-write) mapping: the trainer may modify restored tensors freely and
+                # the store's copy never changes; the store never reuses a segment it let a reader map.
+                flags = mmap.MAP_PRIVATE | (getattr(mmap, "MAP_POPULATE", 0) if zero_copy else 0)
+                mm = mmap.mmap(fd, max(1, m.nbytes), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
             view = memoryview(mm)[: m.nbytes]
             try:
-                bad = first_mismatch(view, m.nbytes, m.chunk_size, m.chunk_checksums)
-                if bad is None:
-                    return serialization.decode(view)
+                bad = first_mismatch(view, m.nbytes, m.chunk_size, m.chunk_checksums, workers=_VERIFY_THREADS)
             finally:
                 view.release()
+            if bad is not None:
                 mm.close()
-            raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
+                raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
+            if zero_copy:
+                return serialization.decode(mm, zero_copy=True)  # tensors keep the mapping alive
+            try:
+                return serialization.decode(mm)
+            finally:
+                mm.close()
         finally:
             self._stub.Release(pb.ReleaseRequest(lease_id=opened.lease_id), timeout=self.timeout)
 

@@ -860,9 +860,12 @@ def _read_header(mv: memoryview) -> tuple[dict[str, Any], list[_BlobSpec]]:
 class _Decoder:
     """Rebuilds the state tree, copying each referenced blob out of the shard once."""
 
-    def __init__(self, mv: memoryview, specs: list[_BlobSpec]) -> None:
+    def __init__(self, mv: memoryview, specs: list[_BlobSpec], share: object = None) -> None:
         self.mv = mv
         self.specs = specs
+        # zero-copy decode: large tensors and arrays become views of this writable buffer object
+        self.share = share
+        self.share_base: torch.Tensor | None = None
         self.objects: dict[int, Any] = {}
         self.base: torch.Tensor | None = None
         self.base_addr = 0
@@ -892,6 +895,7 @@ class _Decoder:
         # Drop every alias of the shard buffer so the caller can release/close it.
         self.base = None
         self.np_base = None
+        self.share_base = None
 
     # -- tree -------------------------------------------------------------------------
 
@@ -1020,8 +1024,28 @@ class _Decoder:
             self.objects[index] = obj
         return obj
 
+    def shared_view(self, spec: _BlobSpec) -> Any:
+        """A tensor/array aliasing the shared buffer, or None where a copy is needed (odd dtypes)."""
+        start, end = spec.offset, spec.offset + spec.nbytes
+        if spec.kind == _BLOB_NDARRAY:
+            return np.frombuffer(self.share, dtype=spec.dtype, count=spec.nbytes // spec.dtype.itemsize, offset=start).reshape(spec.shape)  # type: ignore[call-overload]
+        if _needs_raw_copy(spec.dtype):
+            return None
+        if self.share_base is None:
+            self.share_base = torch.frombuffer(self.share, dtype=torch.uint8)  # type: ignore[call-overload]
+        tensor = self.share_base[start:end].view(spec.dtype).view(spec.shape)
+        if spec.parameter:
+            return torch.nn.Parameter(tensor, requires_grad=spec.requires_grad)
+        if spec.requires_grad:
+            tensor.requires_grad_(True)
+        return tensor
+
     def materialize(self, spec: _BlobSpec) -> Any:
         start, end = spec.offset, spec.offset + spec.nbytes
+        if self.share is not None and spec.nbytes > _SMALL_COPY and spec.kind in (_BLOB_TENSOR, _BLOB_NDARRAY):
+            shared = self.shared_view(spec)
+            if shared is not None:
+                return shared
         if spec.kind == _BLOB_TENSOR:
             tensor = torch.empty(spec.shape, dtype=spec.dtype)
             if spec.nbytes:
@@ -1057,21 +1081,28 @@ class _Decoder:
             data.release()
 
 
-def decode(buf: Buffer) -> object:
+def decode(buf: Buffer, *, zero_copy: bool = False) -> object:
     """Rebuild the state from shard bytes without executing anything from them.
 
     ``buf`` may be bytes, bytearray, memoryview or mmap, read-only included, and may be
-    longer than the shard. Every tensor, array and bytes object is copied out, so the
-    caller may release or overwrite ``buf`` afterwards. Any inconsistency raises
-    :class:`CorruptShardError`; a non-buffer argument raises TypeError.
+    longer than the shard. By default every tensor, array and bytes object is copied out, so
+    the caller may release or overwrite ``buf`` afterwards.
+
+    ``zero_copy=True`` (``buf`` must be writable and must never change afterwards, e.g. a
+    private copy-on-write file mapping) makes large tensors and arrays views of ``buf``
+    instead: no copy and no page faults for fresh memory. The views keep ``buf`` alive.
+    Any inconsistency raises :class:`CorruptShardError`; a non-buffer argument raises TypeError.
     """
     mv = _as_byte_view(buf)
+    if zero_copy and mv.readonly:
+        mv.release()
+        raise TypeError("decode(zero_copy=True) needs a writable buffer (e.g. an mmap with MAP_PRIVATE)")
     decoder: _Decoder | None = None
     try:
         try:
             with _GcPaused():
                 header, specs = _read_header(mv)
-                decoder = _Decoder(mv, specs)
+                decoder = _Decoder(mv, specs, share=buf if zero_copy else None)
                 return decoder.dec(header["root"], 0)
         except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError,
                 RuntimeError, struct.error) as exc:

@@ -38,11 +38,13 @@ def _round_up(n: int) -> int:
 class Segment:
     """One mapped region. ``path`` is None for anonymous memory (no shm dir configured)."""
 
-    __slots__ = ("_closed", "mm", "owner", "path", "size")
+    __slots__ = ("_closed", "exported", "mm", "owner", "path", "size")
 
     def __init__(self, path: str | None, size: int, mm: mmap.mmap) -> None:
         self.path = path
         self.owner = ""  # job whose bytes the segment last held; pooled segments are reused by that job only
+        # A reader mapped it (copy-on-write): its bytes must never change, so it is unlinked, not recycled.
+        self.exported = False
         self.size = size
         self.mm = mm
         self._closed = False
@@ -214,7 +216,7 @@ class SegmentPool:
         """Return a segment to the pool (kept mapped and faulted for the next save) or free it."""
         with self._lock:
             self._in_use_bytes -= seg.size
-            if self._pooled_bytes + seg.size <= self.max_pooled_bytes:
+            if not seg.exported and self._pooled_bytes + seg.size <= self.max_pooled_bytes:
                 self._free.append(seg)
                 self._pooled_bytes += seg.size
                 return

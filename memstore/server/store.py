@@ -519,6 +519,7 @@ class Store:
             raise InvalidArgument(f"store {self.host_id} has no shared-memory dir; read the shard with Get")
         if not self._pin(entry):
             raise ShardNotFound(f"shard {key} was evicted while opening it")
+        entry.segment.exported = True
         lease_id = secrets.token_hex(16)
         with self._lock:
             self._read_leases[lease_id] = _Lease(entry, time.monotonic() + READ_LEASE_SECONDS)

@@ -9,6 +9,7 @@ less than the copy it protects.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
@@ -38,12 +39,29 @@ def compute_checksums(buf: memoryview, nbytes: int, chunk_size: int) -> list[int
     return [checksum(mv[off : off + length]) for off, length in chunk_spans(nbytes, chunk_size)]
 
 
-def first_mismatch(buf: memoryview, nbytes: int, chunk_size: int, expected: Sequence[int]) -> int | None:
-    """Index of the first chunk whose checksum differs from ``expected``, or None if all match."""
+def first_mismatch(buf: memoryview, nbytes: int, chunk_size: int, expected: Sequence[int], workers: int = 1) -> int | None:
+    """Index of the first chunk whose checksum differs from ``expected``, or None if all match.
+
+    xxhash releases the GIL, so ``workers > 1`` hashes chunks on that many threads (restores
+    verify a whole shard at once and are otherwise idle).
+    """
     if len(expected) != chunk_count(nbytes, chunk_size):
         return -1
     mv = memoryview(buf)
-    for index, (off, length) in enumerate(chunk_spans(nbytes, chunk_size)):
-        if checksum(mv[off : off + length]) != expected[index]:
-            return index
-    return None
+    spans = list(chunk_spans(nbytes, chunk_size))
+
+    def bad_in(indexes: range) -> int | None:
+        for index in indexes:
+            off, length = spans[index]
+            if checksum(mv[off : off + length]) != expected[index]:
+                return index
+        return None
+
+    workers = max(1, min(workers, len(spans)))
+    if workers == 1:
+        return bad_in(range(len(spans)))
+    step = -(-len(spans) // workers)
+    parts = [range(i, min(i + step, len(spans))) for i in range(0, len(spans), step)]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        found = [i for i in pool.map(bad_in, parts) if i is not None]
+    return min(found) if found else None

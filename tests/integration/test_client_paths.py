@@ -101,3 +101,25 @@ def test_stale_segments_of_a_dead_store_are_wiped_by_its_replacement(make_cluste
     cluster.restart("h0")
     assert not (before & set(shm.glob("seg-*")))
     assert os.path.exists(shm / ".lock")
+
+
+def test_zero_copy_restore_is_private_and_stable(make_cluster) -> None:
+    cluster = make_cluster(hosts=1, replicas=1, capacity="64MiB", keep=1)
+    c = CheckpointClient("zc", 0, 1, store=cluster.address("h0"))
+    try:
+        c.save(1, rank_state(0, 1, scale=64)).wait(timeout=30)
+        first = c.load(1)
+        weight = first["model"]["weight"]
+        assert weight.untyped_storage().nbytes() > weight.numel() * 4  # a view into the shared mapping, not a copy
+        weight.add_(1.0)  # copy-on-write: the store's bytes are untouched
+        assert_same(c.load(1), rank_state(0, 1, scale=64))
+        # Newer saves evict step 1 and recycle segments; what the trainer restored must not change.
+        for step in range(2, 6):
+            c.save(step, rank_state(0, step, scale=64)).wait(timeout=30)
+        expected = rank_state(0, 1, scale=64)
+        expected["model"]["weight"].add_(1.0)
+        assert_same(first, expected)
+        copied = c.load(5, zero_copy=False)
+        assert copied["model"]["weight"].untyped_storage().nbytes() == copied["model"]["weight"].numel() * 4
+    finally:
+        c.close()

@@ -818,3 +818,18 @@ def test_gc_state_is_restored_after_success_and_failure() -> None:
         assert not gc.isenabled()  # left as the caller had it
     finally:
         gc.enable()
+
+
+def test_zero_copy_decode_views_the_buffer() -> None:
+    state = {"w": torch.arange(100_000, dtype=torch.float32), "a": np.arange(50_000, dtype=np.int64), "small": torch.ones(3)}
+    data = ser.encode(state)
+    mm = mmap.mmap(-1, len(data))
+    mm[:] = bytes(data)
+    out = ser.decode(mm, zero_copy=True)
+    assert torch.equal(out["w"], state["w"]) and np.array_equal(out["a"], state["a"]) and torch.equal(out["small"], state["small"])
+    out["w"][0] = 42.0  # the views alias the buffer: a fresh decode of it sees the write
+    out["a"][1] = 7
+    again = ser.decode(mm)
+    assert again["w"][0].item() == 42.0 and again["a"][1] == 7 and again["small"][0].item() == 1.0
+    with pytest.raises(TypeError, match="writable"):
+        ser.decode(bytes(data), zero_copy=True)

@@ -64,6 +64,22 @@ def _raise_typed(err: grpc.RpcError, what: str) -> None:
     raise MemstoreClientError(f"{message} ({code.name})") from None
 
 
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+
+
+def _populate_for_reading(mm: mmap.mmap) -> None:
+    """Map every page of a private mapping readable in one call, without breaking copy-on-write.
+
+    MAP_POPULATE on a private writable mapping would copy every page (it populates for writing);
+    MADV_POPULATE_READ maps the shared pages as they are. On older kernels the verification pass
+    faults them in instead.
+    """
+    try:
+        mm.madvise(_MADV_POPULATE_READ)
+    except (OSError, ValueError):
+        pass
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as fh:
@@ -330,10 +346,10 @@ class CheckpointClient:
             try:
                 # A private (copy-on-write) mapping: the trainer may modify restored tensors freely and
                 # the store's copy never changes; the store never reuses a segment it let a reader map.
-                flags = mmap.MAP_PRIVATE | (getattr(mmap, "MAP_POPULATE", 0) if zero_copy else 0)
-                mm = mmap.mmap(fd, max(1, m.nbytes), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                mm = mmap.mmap(fd, max(1, m.nbytes), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
+            _populate_for_reading(mm)
             view = memoryview(mm)[: m.nbytes]
             try:
                 bad = first_mismatch(view, m.nbytes, m.chunk_size, m.chunk_checksums, workers=_VERIFY_THREADS)

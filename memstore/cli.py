@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size-mib", type=float, default=4.0, help="state size per rank")
     p.set_defaults(func=cmd_demo)
 
+    p = sub.add_parser("simulate", help="scale simulator: ETTR and wasted GPU-hours, memstore vs storage checkpoints", add_help=False)
+    p.add_argument("sim_args", nargs=argparse.REMAINDER)
+
     # The bench parses its own flags (memstore bench --help): importing it here would load torch for every command.
     p = sub.add_parser("bench", help="measure save stall, replication and restore against the hardware floors", add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -201,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         from memstore.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["simulate"]:
+        from memstore.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -196,11 +196,12 @@ class CheckpointClient:
                 _raise_typed(err, what)
                 raise  # unreachable
 
-    def _key(self, step: int) -> pb.ShardKey:
-        problem = key_problem(self.job_id, step, self.rank, self.world_size)
+    def _key(self, step: int, rank: int | None = None) -> pb.ShardKey:
+        rank = self.rank if rank is None else rank
+        problem = key_problem(self.job_id, step, rank, self.world_size)
         if problem:
             raise InvalidArgumentError(problem)
-        return pb.ShardKey(job_id=self.job_id, step=step, rank=self.rank)
+        return pb.ShardKey(job_id=self.job_id, step=step, rank=rank)
 
     def _map(self, path: str, size: int) -> mmap.mmap:
         mm = self._mappings.pop(path, None)
@@ -305,9 +306,10 @@ class CheckpointClient:
             )
         return int(resp.step) if resp.found else None
 
-    def load(self, step: int | None = None, *, zero_copy: bool = True) -> Any:
+    def load(self, step: int | None = None, *, rank: int | None = None, zero_copy: bool = True) -> Any:
         """Restore this rank's state at ``step`` (default: the latest restorable step); bytes verified first.
 
+        ``rank`` reads another rank's shard of the same step instead (resharding readers need it).
         With shared memory and ``zero_copy`` (the default), large tensors are copy-on-write views of the
         store's segment: no copy, no fresh page faults. Pass ``zero_copy=False`` for tensors with
         memory of their own.
@@ -318,7 +320,7 @@ class CheckpointClient:
                 raise NoCheckpointError(
                     f"job {self.job_id!r} has no restorable step: no step has a verified copy for all {self.world_size} ranks"
                 )
-        key = self._key(step)
+        key = self._key(step, rank)
         for attempt in range(2):
             request = pb.FetchRequest(key=key, discard_local=attempt > 0)
             fetched = self._call(

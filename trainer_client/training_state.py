@@ -60,7 +60,9 @@ def restore_rng(rng: Mapping[str, Any]) -> None:
     if "cuda" in rng and torch.cuda.is_available():
         states = rng["cuda"]
         if len(states) != torch.cuda.device_count():
-            raise InvalidArgumentError(f"checkpoint has RNG states of {len(states)} CUDA devices; this process sees {torch.cuda.device_count()}")
+            raise InvalidArgumentError(
+                f"checkpoint has RNG states of {len(states)} CUDA devices; this process sees {torch.cuda.device_count()}"
+            )
         torch.cuda.set_rng_state_all(states)
 
 
@@ -104,8 +106,9 @@ class ResumableDataLoader:
     Counts the batches it has handed to the training loop (not the ones workers prefetched), so
     ``state_dict()`` is exact at any point. Randomness inside ``Dataset.__getitem__`` resumes exactly
     with ``num_workers=0`` (it draws from the global RNGs, which are checkpointed); with worker
-    processes, derive it from the sample index and epoch instead, since worker RNG streams restart. ``**loader_kwargs`` go to ``DataLoader`` (num_workers,
-    collate_fn, pin_memory, ...). Iterating past the end of an epoch starts the next one.
+    processes, derive it from the sample index and epoch instead, since worker RNG streams restart.
+    ``**loader_kwargs`` go to ``DataLoader`` (num_workers, collate_fn, pin_memory, ...). Iterating past
+    the end of an epoch starts the next one.
     """
 
     def __init__(self, dataset: Dataset[Any], batch_size: int, *, shuffle: bool = True, seed: int = 0, rank: int = 0,
@@ -115,7 +118,9 @@ class ResumableDataLoader:
         if not 0 <= rank < world_size:
             raise InvalidArgumentError(f"rank {rank} is invalid: expected 0 <= rank < world_size ({world_size})")
         if {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(loader_kwargs):
-            raise InvalidArgumentError("ResumableDataLoader chooses the batches itself: pass batch_size/shuffle/drop_last to it, not a sampler")
+            raise InvalidArgumentError(
+                "ResumableDataLoader chooses the batches itself: pass batch_size/shuffle/drop_last to it, not a sampler"
+            )
         self.dataset = dataset
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
@@ -166,7 +171,13 @@ class TrainingState:
 
     def capture(self, *, step: int, epoch: int = 0, extras: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """A state for ``CheckpointClient.save``: the tensors are referenced, not copied."""
-        state: dict[str, Any] = {"format": FORMAT, "step": int(step), "epoch": int(epoch), "rng": capture_rng(), "extras": dict(extras or {})}
+        state: dict[str, Any] = {
+            "format": FORMAT,
+            "step": int(step),
+            "epoch": int(epoch),
+            "rng": capture_rng(),
+            "extras": dict(extras or {}),
+        }
         if self.model is not None:
             state["model"] = self.model.state_dict()
         if self.optimizer is not None:

@@ -1,23 +1,31 @@
-"""``memstore bench``: save stall, replication and restore of memstore against hardware floors.
+"""``memstore bench``: save stall, replication, restore and memory of memstore against baselines.
 
-One run measures, on an embedded :class:`~memstore.local_cluster.LocalCluster` on 127.0.0.1:
+A run measures one or more *scenarios* (state size x hosts x replication factor R). Each runs on an
+embedded :class:`~memstore.local_cluster.LocalCluster` on 127.0.0.1 (or, with ``--endpoints``, on an
+already running cluster addressed by a JSON endpoints file) and measures:
 
 * the trainer's stall per ``save()`` (the cold first saves, then p50/p95 over warm saves),
 * the time until the save is committed (R copies) and the replication throughput derived from it,
-* restore from local RAM (a new client, i.e. a restarted trainer, on the owner's store),
-* restore from peer RAM (the owner's store lacks the shard and its Fetch pulls it from a group peer),
-* restore on a replacement host (owner store SIGKILLed and restarted with empty RAM),
+* restore from local RAM after a trainer-process crash: a NEW process connects and loads,
+* restore from peer RAM after a host loss: the owner store is SIGKILLed and replaced (empty RAM) and a
+  new process on the replacement loads; and, for diagnosis, the pure pull path (owner up, its copy
+  deleted) and the store's pull timed alone,
+* restore from durable storage: n/a until the spill tier exists,
+* the memory of every store process (RSS, PSS, shared/anonymous parts) against the shard bytes it holds,
 
-and, in the same run and on the same bytes, the floors they are compared with: a torch ``copy_`` into
-pre-faulted memory (also measured right before every measured save, so both see the same background
-load), raw TCP between two Python processes on loopback, ``torch.save`` + fsync / ``torch.load`` on
-local disk. For diagnosis it also measures gRPC-Python streaming between two processes (raw bytes
-messages, then memstore's ``PutRequest`` protobuf) and an in-process cost model of the save and
-replication paths (checksum, per-chunk copies, protobuf), and samples the memory footprint (PSS of this
-process and its children: the stores and the floor helpers) and the machine's CPU pressure.
+and, once per run, the RSS growth of the stores and of the saving client over ``--leak-saves`` (100)
+consecutive saves. In the same run and on the same bytes it measures the baselines they are compared with:
+a torch ``copy_`` into pre-faulted memory (also right before every measured save, so both see the same
+background load), raw TCP between two Python processes on loopback, ``torch.save`` + fsync /
+``torch.load``, and ``torch.distributed.checkpoint.async_save`` (blocking part and total, fsynced). For
+diagnosis it also measures gRPC-Python streaming and an in-process cost model of the save and
+replication paths, and records the machine's CPU pressure and the CPU time other processes took.
 
-This module is imported by ``memstore.cli``, so it only imports the standard library at module level;
-torch, numpy, grpc and rich are imported where used.
+Results: rich tables, ``--json PATH`` (every raw number) and ``--plot PATH.png`` (matplotlib; written next
+to the JSON by default).
+
+This module is imported by ``memstore.cli`` and by the bench's helper processes, so it only imports the
+standard library at module level; torch, numpy, grpc, rich and matplotlib are imported where used.
 """
 
 from __future__ import annotations
@@ -30,15 +38,18 @@ import json
 import os
 import platform
 import re
+import select
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,18 +57,40 @@ if TYPE_CHECKING:
     import torch
     from rich.console import Console
 
+    from memstore.local_cluster import LocalCluster
+
 MiB = 1 << 20
 GiB = 1 << 30
 JOB_ID = "bench"
 CHUNK = 4 * MiB  # TCP/gRPC floor message size and cost-model chunk (= memstore's default chunk size)
 CAPACITY_SLACK = 64 * MiB
-STALL_TARGET = 2.0  # save stall <= 2x memcpy
-REPLICATION_TARGET = 0.5  # replication throughput >= 0.5x raw TCP
 MEMCPY_REPS = 5
 TCP_REPS = 3
 GRPC_REPS = 3
 FLOOR_TIMEOUT = 300.0
-PHASES = 12  # progress steps besides the saves and restores
+MAX_HOSTS = 8
+DEFAULT_MAX_RAM = "18GiB"
+BENCH_COPIES = 3  # state + up to two transient copies of it in this process (floor buffers, torch.load, DCP staging, a restore)
+
+# Targets (issue 3), evaluated per scenario; the headline scenario is 1 GiB on one rank, 2 hosts, R=2.
+STALL_MEMCPY_MAX = 1.5  # save() stall p50 <= 1.5x torch copy_ into pre-faulted memory
+STALL_DISK_MIN = 20.0  # torch.save + fsync >= 20x the stall
+STALL_DCP_MAX = 0.2  # stall <= 1/5 of DCP async_save's blocking time
+REPLICATION_MIN = 0.7  # replication throughput >= 0.7x raw TCP
+PEER_RESTORE_TCP_MIN = 0.7  # restore from peer RAM >= 0.7x raw TCP throughput
+PEER_RESTORE_LOAD_MIN = 3.0  # ... and >= 3x faster than torch.load
+LOCAL_RESTORE_LOAD_MIN = 10.0  # restore from local RAM after a trainer crash >= 10x faster than torch.load
+STORE_RSS_MAX = 1.15  # store RSS <= 1.15x the shard bytes it holds
+LEAK_MAX_PERCENT = 5.0  # < 5% RSS growth over the leak-check saves
+
+# --matrix: a sweep that fits ~10 min on a 2-core, 24 GiB machine. The headline scenario (1 GiB, 2 hosts,
+# R=2) runs with the full --saves/--restores, the others with fewer.
+MATRIX_SIZES = "64MiB,256MiB,1GiB,4GiB"
+MATRIX_COMBOS: tuple[tuple[int, int], ...] = ((2, 1), (2, 2), (3, 2), (3, 3), (4, 2), (4, 3))
+MATRIX_SAVES = 3
+MATRIX_RESTORES = 1
+HEADLINE = (GiB, 2, 2)
+DURABLE_NOTE = "n/a until the spill tier exists"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -66,15 +99,48 @@ PHASES = 12  # progress steps besides the saves and restores
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", default=None, help="state bytes on the one benchmarked rank (e.g. 64MiB, 256MiB, 1GiB; default 1GiB)")
-    p.add_argument("--hosts", type=int, default=2, help="stores in the local cluster (default 2)")
-    p.add_argument("--replicas", type=int, default=2, help="replication factor R (default 2)")
+    p.add_argument(
+        "--size",
+        default=None,
+        help="state bytes on the one benchmarked rank, a comma-separated list (e.g. 64MiB,256MiB,1GiB,4GiB; default 1GiB); "
+        "sizes whose RAM need exceeds --max-ram are skipped with the reason",
+    )
+    p.add_argument("--hosts", default=None, help=f"stores in the local cluster, a comma-separated list of 1..{MAX_HOSTS} (default 2)")
+    p.add_argument("--replicas", default=None, help="replication factor R, a comma-separated list (default 2); R > hosts is skipped")
+    p.add_argument(
+        "--matrix",
+        action="store_true",
+        help=f"preset sweep: sizes {MATRIX_SIZES} x (hosts, R) in {', '.join(f'({h},{r})' for h, r in MATRIX_COMBOS)}; "
+        f"the headline 1GiB/2 hosts/R=2 with full --saves/--restores, the rest with {MATRIX_SAVES} saves / {MATRIX_RESTORES} restore",
+    )
+    p.add_argument(
+        "--endpoints",
+        default=None,
+        metavar="PATH",
+        help='JSON endpoints file {"hosts": {"<id>": "HOST:PORT", ...}} of an already running cluster: bench those stores '
+        "(the rank saves to the first host); parts that kill/restart local store processes are skipped",
+    )
     p.add_argument("--saves", type=int, default=None, help="measured (warm) saves after the warm-up ones (default 5; --quick 2)")
-    p.add_argument("--restores", type=int, default=None, help="repetitions of each restore and of torch.load (default 3; --quick 1)")
+    p.add_argument(
+        "--restores", type=int, default=None, help="repetitions of each restore and of the disk/DCP baselines (default 3; --quick 1)"
+    )
     p.add_argument("--keep", type=int, default=2, help="steps each store keeps (default 2); warm-up is keep+1 saves")
+    p.add_argument("--leak-saves", type=int, default=None, help="consecutive saves of the RSS leak check (default 100; 0 = skip)")
+    p.add_argument("--leak-size", default=None, help="state size of the leak check (default 64MiB; --quick 16MiB)")
+    p.add_argument(
+        "--max-ram", default=DEFAULT_MAX_RAM, help=f"skip scenarios whose estimated RAM need exceeds this (default {DEFAULT_MAX_RAM})"
+    )
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write every raw number, ratio and machine info here")
-    p.add_argument("--quick", action="store_true", help="64MiB, 2 saves, 1 restore unless given explicitly (smoke test)")
-    p.add_argument("--disk-dir", default=None, help="directory on local disk for the torch.save floor (default: the temp dir)")
+    p.add_argument(
+        "--plot",
+        dest="plot_path",
+        default=None,
+        metavar="PATH.png",
+        help="write the figures here (default: next to --json, same name .png)",
+    )
+    p.add_argument("--no-plot", action="store_true", help="do not write the figures")
+    p.add_argument("--quick", action="store_true", help="64MiB, 2 saves, 1 restore, 16MiB leak check unless given explicitly (smoke test)")
+    p.add_argument("--disk-dir", default=None, help="directory on local disk for the torch.save and DCP baselines (default: the temp dir)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random state")
     p.add_argument(
         "--data-plane",
@@ -92,58 +158,214 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class BenchConfig:
+class Scenario:
     size: int
     hosts: int
     replicas: int
     saves: int
     restores: int
+    headline: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{_short_size(self.size)}-{self.hosts}h-R{self.replicas}"
+
+
+@dataclass
+class BenchConfig:
+    sizes: list[int]
+    hosts: list[int]
+    replicas: list[int]
+    saves: int
+    restores: int
     keep: int
     warmup: int
     json_path: str | None
+    plot_path: str | None
     disk_dir: str | None
     seed: int
     quick: bool
+    matrix: bool
     store_env: dict[str, str]
     data_plane: str | None
+    endpoints: str | None
+    leak_saves: int
+    leak_size: int
+    max_ram: int
+    combos: list[tuple[int, int]] = field(default_factory=list)  # (hosts, R) pairs to run
+    # the headline scenario, for the JSON's readers of issue 2 (one scenario per run)
+    size: int = 0
+    hosts_headline: int = 0
+    replicas_headline: int = 0
+
+
+def _short_size(n: int) -> str:
+    if n % GiB == 0:
+        return f"{n // GiB}GiB"
+    if n % MiB == 0:
+        return f"{n // MiB}MiB"
+    return f"{n}B"
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            out.append(int(item))
+        except ValueError:
+            raise ValueError(f"{what} {text!r} is invalid: expected a comma-separated list of integers") from None
+    if not out:
+        raise ValueError(f"{what} {text!r} is empty")
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     from memstore.core.sizes import parse_size
 
-    size_text = args.size or ("64MiB" if args.quick else "1GiB")
-    size = parse_size(size_text)
+    size_text = args.size or (MATRIX_SIZES if args.matrix else "64MiB" if args.quick else "1GiB")
+    sizes = []
+    for item in filter(None, (s.strip() for s in size_text.split(","))):
+        n = parse_size(item)
+        if n < MiB:
+            raise ValueError(f"--size {item} is too small: expected at least 1MiB")
+        sizes.append(n)
+    if not sizes:
+        raise ValueError(f"--size {size_text!r} is empty")
+    sizes = sorted(set(sizes))
     saves = args.saves if args.saves is not None else (2 if args.quick else 5)
     restores = args.restores if args.restores is not None else (1 if args.quick else 3)
-    if size < MiB:
-        raise ValueError(f"--size {size_text} is too small: expected at least 1MiB")
     if saves < 1 or restores < 1:
         raise ValueError(f"--saves {saves} / --restores {restores} are invalid: expected >= 1")
-    if args.hosts < 1 or not 1 <= args.replicas <= args.hosts:
-        raise ValueError(f"--hosts {args.hosts} / --replicas {args.replicas} are invalid: expected 1 <= replicas <= hosts")
     if args.keep < 1:
         raise ValueError(f"--keep {args.keep} is invalid: expected >= 1")
+    hosts = _int_list(args.hosts, "--hosts") if args.hosts else [2]
+    replicas = _int_list(args.replicas, "--replicas") if args.replicas else [2]
+    for h in hosts:
+        if not 1 <= h <= MAX_HOSTS:
+            raise ValueError(f"--hosts {h} is invalid: expected 1..{MAX_HOSTS} stores on loopback")
+    for r in replicas:
+        if r < 1:
+            raise ValueError(f"--replicas {r} is invalid: expected >= 1")
+    if args.matrix and not args.hosts and not args.replicas:
+        combos = list(MATRIX_COMBOS)
+    else:
+        combos = [(h, r) for h in sorted(set(hosts)) for r in sorted(set(replicas))]
+    leak_saves = args.leak_saves if args.leak_saves is not None else 100
+    if leak_saves != 0 and leak_saves < 10:
+        raise ValueError(f"--leak-saves {leak_saves} is invalid: expected 0 (skip) or >= 10 (RSS after save 10 is the reference)")
+    leak_size = parse_size(args.leak_size or ("16MiB" if args.quick else "64MiB"))
+    if leak_size < MiB:
+        raise ValueError(f"--leak-size {args.leak_size} is too small: expected at least 1MiB")
     store_env = {}
     for item in args.store_env or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--store-env {item!r} is invalid: expected KEY=VALUE")
         store_env[key] = value
+    if args.endpoints and not os.path.isfile(args.endpoints):
+        raise ValueError(f"--endpoints {args.endpoints} does not exist")
+    plot_path = None
+    if not args.no_plot:
+        plot_path = args.plot_path or (str(Path(args.json_path).with_suffix(".png")) if args.json_path else None)
     return BenchConfig(
-        size=size,
-        hosts=args.hosts,
-        replicas=args.replicas,
+        sizes=sizes,
+        hosts=sorted(set(hosts)),
+        replicas=sorted(set(replicas)),
         saves=saves,
         restores=restores,
         keep=args.keep,
         warmup=args.keep + 1,
         json_path=args.json_path,
+        plot_path=plot_path,
         disk_dir=args.disk_dir,
         seed=args.seed,
         quick=bool(args.quick),
+        matrix=bool(args.matrix),
         store_env=store_env,
         data_plane=args.data_plane,
+        endpoints=args.endpoints,
+        leak_saves=leak_saves,
+        leak_size=leak_size,
+        max_ram=parse_size(args.max_ram),
+        combos=combos,
     )
+
+
+def ram_need(size: int, replicas: int, hosts: int, keep: int) -> dict[str, int]:
+    """Estimated RAM a scenario needs on this machine.
+
+    The stores: keep steps plus one pooled segment of the one benchmarked rank on each of its R holders,
+    (keep+1) x size x R. With one rank per host (a real job) that would be x hosts more, reported as
+    ``one_rank_per_host_bytes`` for reference. The bench process: the state plus up to two transient copies.
+    """
+    segment = _round_page(size + 64 * 1024)  # the shard adds a small header
+    stores = (keep + 1) * segment * replicas
+    bench = BENCH_COPIES * size
+    return {
+        "stores_bytes": stores,
+        "bench_bytes": bench,
+        "total_bytes": stores + bench,
+        "one_rank_per_host_bytes": stores * hosts + bench,
+    }
+
+
+def plan_scenarios(config: BenchConfig, endpoints: dict[str, Any] | None) -> tuple[list[Scenario], list[dict[str, Any]]]:
+    """The scenarios to run, and the ones skipped with their reason."""
+    scenarios: list[Scenario] = []
+    skipped: list[dict[str, Any]] = []
+    if endpoints is not None:
+        combos = [(len(endpoints["hosts"]), int(endpoints["replicas"]))]
+    else:
+        combos = []
+        for h, r in config.combos:
+            if r > h:
+                skipped.append({"size": None, "hosts": h, "replicas": r, "reason": f"R={r} needs at least {r} hosts"})
+            else:
+                combos.append((h, r))
+    for size in config.sizes:
+        for h, r in combos:
+            need = ram_need(size, r, h, config.keep)
+            if endpoints is not None:
+                # The stores are not ours to budget; the cluster's capacity is.
+                cap = int(endpoints["capacity_bytes"])
+                if (config.keep + 1) * _round_page(size + 64 * 1024) > cap:
+                    skipped.append(
+                        {
+                            "size": size,
+                            "hosts": h,
+                            "replicas": r,
+                            "reason": f"keep+1 shards of {_short_size(size)} exceed the store capacity {_fmt_bytes(cap)}",
+                        }
+                    )
+                    continue
+                total = need["bench_bytes"]
+            else:
+                total = need["total_bytes"]
+            if total > config.max_ram:
+                skipped.append(
+                    {
+                        "size": size,
+                        "hosts": h,
+                        "replicas": r,
+                        "ram_need": need,
+                        "reason": f"needs ~{_fmt_bytes(total)} of RAM ((keep+1)={config.keep + 1} x {_short_size(size)} x R={r} in the "
+                        f"stores + {BENCH_COPIES} x {_short_size(size)} in the bench) > --max-ram {_fmt_bytes(config.max_ram)}",
+                    }
+                )
+                continue
+            scenarios.append(Scenario(size, h, r, config.saves, config.restores))
+    if scenarios:
+        head = next((s for s in scenarios if (s.size, s.hosts, s.replicas) == HEADLINE), None)
+        if head is None:
+            head = max(scenarios, key=lambda s: (s.size, s.replicas >= 2, -s.hosts))
+        head.headline = True
+        if config.matrix:
+            for s in scenarios:
+                if not s.headline:
+                    s.saves = min(config.saves, MATRIX_SAVES)
+                    s.restores = min(config.restores, MATRIX_RESTORES)
+        config.size, config.hosts_headline, config.replicas_headline = head.size, head.hosts, head.replicas
+    return scenarios, skipped
 
 
 def run_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> int:
@@ -156,26 +378,46 @@ def run_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> in
         return 2
     console = Console()
     if not console.is_terminal:
-        console = Console(width=150)  # logs and pipes: don't squeeze the tables into 80 columns
-    result = run(config, shlex.join([sys.executable, *sys.argv]), console)
+        console = Console(width=160)  # logs and pipes: don't squeeze the tables into 80 columns
+    try:
+        result = run(config, shlex.join([sys.executable, *sys.argv]), console)
+    except BenchSetupError as exc:
+        print(f"memstore bench: error: {exc}", file=sys.stderr)
+        return 2
     result["bench_argv"] = argv
     render(result, console)
     if config.json_path:
         path = Path(config.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        path.write_text(json.dumps(result, indent=2, default=_json_default) + "\n")
         console.print(f"raw numbers written to {path}")
+    if config.plot_path and result.get("scenarios"):
+        try:
+            write_plot(result, config.plot_path)
+            console.print(f"figures written to {config.plot_path}")
+        except ImportError as exc:
+            console.print(f"[yellow]no figures: {exc} (install matplotlib)[/]")
     return 0 if result["ok"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="memstore bench", description="Measure memstore's save stall, replication and restore.")
+    parser = argparse.ArgumentParser(prog="memstore bench", description="Measure memstore's save stall, replication, restore and memory.")
     add_arguments(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # `memstore bench -- --size 1GiB`: the CLI hands its REMAINDER over with the separator
         argv = argv[1:]
     args = parser.parse_args(argv)
     return run_from_args(args, argv=argv)
+
+
+class BenchSetupError(Exception):
+    """The bench cannot run as asked (an unreachable --endpoints cluster, nothing fits in RAM)."""
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, set | tuple):
+        return list(value)
+    return str(value)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,6 +453,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def _round_page(n: int) -> int:
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    return -(-n // page) * page
+
+
 def _mem_total() -> int:
     with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -237,6 +484,61 @@ def cpu_pressure() -> dict[str, float] | None:
     return None
 
 
+def _cpu_busy_seconds() -> tuple[float, float] | None:
+    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+        hz = os.sysconf("SC_CLK_TCK")
+        return (user + nice + system + irq + softirq) / hz, steal / hz
+    return None
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its reaped children (stores, helpers, restore processes)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class CpuWindow:
+    """CPU conditions over a stretch of the run: PSI pressure, load average, and the CPU time taken by
+    processes other than this bench and its children (other work on the machine)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.pressure0 = cpu_pressure()
+        self.busy0 = _cpu_busy_seconds()
+        self.own0 = _own_cpu_seconds()
+        self.load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
+
+    def report(self) -> dict[str, Any]:
+        elapsed = time.monotonic() - self.t0
+        pressure = cpu_pressure()
+        busy = _cpu_busy_seconds()
+        own = _own_cpu_seconds() - self.own0
+        ncpu = os.cpu_count() or 1
+        out: dict[str, Any] = {
+            "seconds": elapsed,
+            "cpu_pressure_start": self.pressure0,
+            "cpu_pressure_end": pressure,
+            "cpu_pressure_some_share": None,
+            "loadavg_start": self.load0,
+            "loadavg_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "bench_cpu_seconds": own,
+            "other_cpu_seconds": None,
+            "other_cpu_share_of_machine": None,
+            "steal_seconds": None,
+        }
+        if self.pressure0 and pressure and elapsed > 0:
+            out["cpu_pressure_some_share"] = (pressure["total_us"] - self.pressure0["total_us"]) / 1e6 / elapsed
+        if self.busy0 and busy and elapsed > 0:
+            other = max(0.0, (busy[0] - self.busy0[0]) - own)
+            out["other_cpu_seconds"] = other
+            out["other_cpu_share_of_machine"] = other / (elapsed * ncpu)
+            out["steal_seconds"] = busy[1] - self.busy0[1]
+        return out
+
+
 def machine_info() -> dict[str, Any]:
     import grpc
     import numpy as np
@@ -246,11 +548,13 @@ def machine_info() -> dict[str, Any]:
     for name in ("enabled", "shmem_enabled"):
         with contextlib.suppress(OSError):
             thp[name] = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text().strip()
+    shm = shutil.disk_usage("/dev/shm") if os.path.isdir("/dev/shm") else None
     return {
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "cpu_model": _cpu_model(),
         "ram_bytes": _mem_total(),
+        "dev_shm_bytes": shm.total if shm else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -262,66 +566,30 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-class Monitor:
-    """Samples, every ``interval`` s, the memory of this process and its children (PSS, so pages
-    shared by a store and the client count once) and remembers the peak and the phase it happened in."""
-
-    def __init__(self, interval: float = 0.5) -> None:
-        self.interval = interval
-        self.phase = "start"
-        self.peak_bytes = 0
-        self.peak_phase = ""
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="bench-monitor", daemon=True)
-        self.pressure_start = cpu_pressure()
-        self.load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
-        self.t_start = time.monotonic()
-
-    def __enter__(self) -> Monitor:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def sample(self) -> None:
-        total = sum(_pss(pid) for pid in [os.getpid(), *_children(os.getpid())])
-        self.samples += 1
-        if total > self.peak_bytes:
-            self.peak_bytes = total
-            self.peak_phase = self.phase
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            with contextlib.suppress(Exception):
-                self.sample()
-
-    def report(self) -> dict[str, Any]:
-        end = cpu_pressure()
-        elapsed = time.monotonic() - self.t_start
-        busy = None
-        if self.pressure_start and end and elapsed > 0:
-            busy = (end["total_us"] - self.pressure_start["total_us"]) / 1e6 / elapsed
-        return {
-            "memory_peak_pss_bytes": self.peak_bytes,
-            "memory_peak_phase": self.peak_phase,
-            "memory_samples": self.samples,
-            "cpu_pressure_start": self.pressure_start,
-            "cpu_pressure_end": end,
-            "cpu_pressure_some_share_during_run": busy,
-            "loadavg_start": self.load_start,
-            "loadavg_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        }
+def proc_memory(pid: int) -> dict[str, int] | None:
+    """RSS (VmRSS and its RssAnon / RssFile / RssShmem parts, VmHWM) from /proc/<pid>/status and PSS (and its
+    anonymous / file / shmem parts) from /proc/<pid>/smaps_rollup, in bytes; None if the process is gone."""
+    out: dict[str, int] = {}
+    keys = {"VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "RssShmem": "rss_shmem", "VmHWM": "rss_peak"}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name in keys:
+                out[keys[name]] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    pss_keys = {"Pss": "pss", "Pss_Anon": "pss_anon", "Pss_File": "pss_file", "Pss_Shmem": "pss_shmem"}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name in pss_keys:
+                out[pss_keys[name]] = int(rest.split()[0]) * 1024
+    return out
 
 
 def _pss(pid: int) -> int:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    mem = proc_memory(pid)
+    return mem.get("pss", 0) if mem else 0
 
 
 def _children(ppid: int) -> list[int]:
@@ -335,6 +603,99 @@ def _children(ppid: int) -> list[int]:
                 if int(stat.rsplit(")", 1)[1].split()[1]) == ppid:
                     out.append(int(entry.name))
     return out
+
+
+def _listening_pid(address: str) -> int | None:
+    """The pid of the local process listening on ``address`` (a loopback or local HOST:PORT), or None."""
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    local = {"127.0.0.1", "localhost", "::1", "0.0.0.0", socket.gethostname()}
+    with contextlib.suppress(OSError):
+        local.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    if host not in local or not port_text.isdigit():
+        return None
+    port = int(port_text)
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
+                    inodes.add(f"socket:[{f[9]}]")
+    if not inodes:
+        return None
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                    with contextlib.suppress(OSError):
+                        if os.readlink(fd.path) in inodes:
+                            return int(entry.name)
+    return None
+
+
+class Monitor:
+    """Samples, every ``interval`` s, the memory of this process and its children (PSS, so pages
+    shared by a store and the client count once); remembers the peak, overall and since ``reset_window``."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval = interval
+        self.phase = "start"
+        self.peak_bytes = 0
+        self.peak_phase = ""
+        self.window_peak_bytes = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bench-monitor", daemon=True)
+        self.cpu = CpuWindow()
+
+    def __enter__(self) -> Monitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def reset_window(self) -> None:
+        self.window_peak_bytes = 0
+
+    def sample(self) -> None:
+        total = sum(_pss(pid) for pid in [os.getpid(), *_children(os.getpid())])
+        self.samples += 1
+        self.window_peak_bytes = max(self.window_peak_bytes, total)
+        if total > self.peak_bytes:
+            self.peak_bytes = total
+            self.peak_phase = self.phase
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            with contextlib.suppress(Exception):
+                self.sample()
+
+    def report(self) -> dict[str, Any]:
+        cpu = self.cpu.report()
+        return {
+            "memory_peak_pss_bytes": self.peak_bytes,
+            "memory_peak_phase": self.peak_phase,
+            "memory_samples": self.samples,
+            "cpu_pressure_start": cpu["cpu_pressure_start"],
+            "cpu_pressure_end": cpu["cpu_pressure_end"],
+            "cpu_pressure_some_share_during_run": cpu["cpu_pressure_some_share"],
+            "loadavg_start": cpu["loadavg_start"],
+            "loadavg_end": cpu["loadavg_end"],
+            "bench_cpu_seconds": cpu["bench_cpu_seconds"],
+            "other_cpu_seconds": cpu["other_cpu_seconds"],
+            "other_cpu_share_of_machine": cpu["other_cpu_share_of_machine"],
+            "steal_seconds": cpu["steal_seconds"],
+        }
+
+
+# --------------------------------------------------------------------------------------------------
+# the state
+# --------------------------------------------------------------------------------------------------
 
 
 def make_state(nbytes: int, seed: int) -> dict[str, Any]:
@@ -389,6 +750,36 @@ def states_equal(a: Any, b: Any) -> bool:
     if isinstance(a, list | tuple):
         return type(a) is type(b) and len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
+
+
+def state_fingerprint(state: Any) -> str:
+    """xxh3-128 over the state's structure, every non-tensor leaf and every tensor's dtype, shape and bytes: a
+    restore in another process is verified by comparing fingerprints, without shipping the tensors back."""
+    import torch
+    import xxhash
+
+    h = xxhash.xxh3_128()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            t = v.detach().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        elif isinstance(v, dict):
+            h.update(f"{type(v).__name__}{{{len(v)};".encode())
+            for k, x in v.items():
+                h.update(f"{type(k).__name__}:{k!r}=".encode())
+                walk(x)
+        elif isinstance(v, list | tuple):
+            h.update(f"{type(v).__name__}[{len(v)};".encode())
+            for x in v:
+                walk(x)
+        else:
+            h.update(f"{type(v).__name__}:{v!r};".encode())
+
+    walk(state)
+    return h.hexdigest()
 
 
 def _byte_views(tensors: list[torch.Tensor]) -> list[memoryview]:
@@ -755,6 +1146,69 @@ def _filesystem_of(path: str) -> str:
     return best[1]
 
 
+def floor_dcp(state: Any, disk_dir: str | None, reps: int) -> dict[str, Any]:
+    """``torch.distributed.checkpoint.async_save`` of the state to a local directory with ``FileSystemWriter``
+    (``sync_files=True``, its default: every file is fsynced before the future completes), in this single process:
+    torch 2.13 needs no process group for that (``no_dist=True``). Blocking = until async_save returns (DCP stages
+    the state into CPU memory and plans); total = until the returned future completes (written and fsynced).
+
+    Two stagings: ``default`` as documented (async_save makes a new DefaultStager per call, so each call stages into
+    fresh memory), and ``reused_stager``, a caller-owned DefaultStager kept across calls (it caches its staging
+    storages, so after a first call it copies into memory already faulted in: DCP's best case)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "writer": "FileSystemWriter(sync_files=True, thread_count=1)",
+        "process_group": "none: async_save(no_dist=True) in one process",
+        "reps": reps,
+    }
+
+    def one(directory: str, stager: Any) -> tuple[float, float, int]:
+        writer = FileSystemWriter(directory, sync_files=True)
+        t0 = time.perf_counter()
+        fut: Any = dcp.async_save(state, storage_writer=writer, no_dist=True, async_stager=stager)
+        t1 = time.perf_counter()
+        done = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse (async staging) or a Future
+        done.result(timeout=FLOOR_TIMEOUT)
+        t2 = time.perf_counter()
+        nbytes = sum(p.stat().st_size for p in Path(directory).iterdir())
+        return t1 - t0, t2 - t0, nbytes
+
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="memstore-bench-dcp-", dir=disk_dir) as d:
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming the intent is to save in a single process"
+        out["dir"] = d
+        out["filesystem"] = _filesystem_of(d)
+        for mode in ("default", "reused_stager"):
+            stager = DefaultStager(StagingOptions(False, False, False, False)) if mode == "reused_stager" else None
+            blocking: list[float] = []
+            total: list[float] = []
+            first: dict[str, float] = {}
+            try:
+                for i in range(reps + (1 if stager is not None else 0)):
+                    path = os.path.join(d, f"{mode}-{i}")
+                    b, t, nbytes = one(path, stager)
+                    shutil.rmtree(path, ignore_errors=True)
+                    if stager is not None and i == 0:
+                        first = {"blocking_seconds": b, "total_seconds": t}  # fills the stager's cache: reported apart
+                        continue
+                    blocking.append(b)
+                    total.append(t)
+                    out["file_bytes"] = nbytes
+                    gc.collect()
+            finally:
+                if stager is not None:
+                    stager.close()
+            out[mode] = {"blocking_seconds": _summary(blocking), "total_seconds": _summary(total)}
+            if first:
+                out[mode]["first_call"] = first
+            gc.collect()
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # cost model of the save and replication paths (in process)
 # --------------------------------------------------------------------------------------------------
@@ -844,7 +1298,486 @@ def save_path_model(state: Any, reps: int = 3) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
-# the cluster part
+# store RPCs (a fresh channel per call: a replaced store comes back on the same address)
+# --------------------------------------------------------------------------------------------------
+
+
+def _rpc(address: str, call: Callable[[Any, float], Any], timeout: float = 5.0) -> Any:
+    import grpc
+
+    from memstore.v1 import store_pb2_grpc as pb_grpc
+    from memstore.v1.channel import insecure_channel
+
+    with insecure_channel(address) as ch:
+        try:
+            return call(pb_grpc.StoreStub(ch), timeout)
+        except grpc.RpcError:
+            return None
+
+
+def _hello(address: str, timeout: float = 10.0) -> Any:
+    from memstore.v1 import store_pb2 as pb
+
+    return _rpc(address, lambda s, t: s.Hello(pb.HelloRequest(), timeout=t), timeout)
+
+
+def _health(address: str, timeout: float = 5.0) -> Any:
+    from memstore.v1 import store_pb2 as pb
+
+    return _rpc(address, lambda s, t: s.Health(pb.HealthRequest(), timeout=t), timeout)
+
+
+def _listing(address: str, job: str = "", timeout: float = 5.0) -> Any:
+    from memstore.v1 import store_pb2 as pb
+
+    return _rpc(address, lambda s, t: s.List(pb.ListRequest(job_id=job), timeout=t), timeout)
+
+
+def _delete(address: str, job: str, step: int = -1) -> int:
+    from memstore.v1 import store_pb2 as pb
+
+    resp = _rpc(address, lambda s, t: s.Delete(pb.DeleteRequest(job_id=job, step=step, rank=-1 if step == -1 else 0), timeout=t), 30.0)
+    return int(resp.deleted) if resp is not None else 0
+
+
+def _fetch(address: str, job: str, step: int, timeout: float) -> tuple[float, str]:
+    """Time the store's Fetch RPC alone (it returns once the store holds a verified copy): its pull from a peer."""
+    import grpc
+
+    from memstore.v1 import store_pb2 as pb
+    from memstore.v1 import store_pb2_grpc as pb_grpc
+    from memstore.v1.channel import insecure_channel
+
+    with insecure_channel(address) as ch:
+        stub = pb_grpc.StoreStub(ch)
+        grpc.channel_ready_future(ch).result(timeout=30)
+        t0 = time.perf_counter()
+        resp = stub.Fetch(pb.FetchRequest(key=pb.ShardKey(job_id=job, step=step, rank=0)), timeout=timeout)
+        return time.perf_counter() - t0, resp.source_host
+
+
+def _job_steps(address: str, job: str) -> set[int] | None:
+    resp = _listing(address, job)
+    return None if resp is None else {int(s.manifest.key.step) for s in resp.shards}
+
+
+def _settled(addresses: list[str], job: str, keep: int) -> bool:
+    """Retention has dropped the oldest steps of ``job`` everywhere (so the next save reuses a pooled segment)."""
+    for a in addresses:
+        steps = _job_steps(a, job)
+        if steps is None or len(steps) > keep:
+            return False
+    return True
+
+
+def _wait(predicate: Callable[[], Any], timeout: float, interval: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _held(address: str) -> dict[str, Any] | None:
+    """Shard bytes a store holds (sum of nbytes over its List, every job) and its accounted bytes (Health)."""
+    listing = _listing(address)
+    health = _health(address)
+    if listing is None or health is None:
+        return None
+    held = sum(int(s.manifest.nbytes) for s in listing.shards)
+    held_pages = sum(_round_page(max(1, int(s.manifest.nbytes))) for s in listing.shards)
+    used = int(health.used_bytes)
+    return {
+        "shards": len(listing.shards),
+        "shard_bytes_held": held,
+        "used_bytes": used,  # in-use segments + pooled free segments, as the store accounts them against capacity
+        "pooled_bytes_estimate": max(0, used - held_pages),
+        "capacity_bytes": int(health.capacity_bytes),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# helper processes: a restarted trainer that restores, the leak check's saving trainer
+# --------------------------------------------------------------------------------------------------
+
+
+def _emitter() -> Callable[[dict[str, Any]], None]:
+    """stdout is the JSON-lines channel to the bench; anything else printing to stdout goes to stderr."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def emit(obj: dict[str, Any]) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    return emit
+
+
+def _wait_accepting(address: str, timeout: float) -> None:
+    """Poll until ``address`` accepts TCP connections (a replacement store may still be starting)."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
+
+
+def restore_worker() -> None:
+    """A restarted trainer process: imports, reports ready, waits for one command on stdin, then (timed) connects
+    to the store and ``load()``s the latest step, and reports timings, its memory and the state's fingerprint."""
+    emit = _emitter()
+    t0 = time.perf_counter()
+    import torch  # noqa: F401 - a trainer has torch loaded before it restores
+
+    from trainer_client import CheckpointClient
+
+    emit({"ready": True, "pid": os.getpid(), "import_seconds": time.perf_counter() - t0})
+    cmd = json.loads(sys.stdin.readline())
+    address = cmd["address"]
+    _wait_accepting(address, float(cmd.get("wait_seconds", 120)))
+    w_accept = time.time()
+    t_accept = time.perf_counter()
+    client = CheckpointClient(cmd["job"], 0, 1, store=address, timeout=60.0)
+    t_connected = time.perf_counter()
+    state = client.load(zero_copy=bool(cmd["zero_copy"]))
+    t_loaded = time.perf_counter()
+    w_loaded = time.time()
+    source = client.last_load_source or ""
+    shared = client.shared_memory
+    client.close()
+    mem = proc_memory(os.getpid())
+    fingerprint = state_fingerprint(state)
+    emit(
+        {
+            "accept_unix": w_accept,
+            "loaded_unix": w_loaded,
+            "connect_seconds": t_connected - t_accept,
+            "load_seconds": t_loaded - t_connected,
+            "connect_load_seconds": t_loaded - t_accept,
+            "source_host": source,
+            "shared_memory": shared,
+            "zero_copy": bool(cmd["zero_copy"]),
+            "memory_after_load": mem,
+            "fingerprint": fingerprint,
+        }
+    )
+
+
+def leak_worker() -> None:
+    """The leak check's trainer: ``saves`` consecutive saves of one state; after each (committed, retention settled)
+    it samples its own memory and that of the stores (pids given), one JSON line per save."""
+    emit = _emitter()
+    cfg = json.loads(sys.stdin.readline())
+    from trainer_client import CheckpointClient
+
+    state = make_state(int(cfg["size"]), int(cfg["seed"]))
+    addresses = list(cfg["addresses"])
+    pids = {h: p for h, p in cfg["pids"].items() if p}
+    commit_timeout = 60.0 + int(cfg["size"]) / (10 * MiB)
+    emit({"ready": True, "pid": os.getpid()})
+    client = CheckpointClient(cfg["job"], 0, 1, store=addresses[0], timeout=60.0)
+    try:
+        for i in range(int(cfg["saves"])):
+            t0 = time.perf_counter()
+            handle = client.save(i + 1, state)
+            t1 = time.perf_counter()
+            info = handle.wait(timeout=commit_timeout)
+            _wait(lambda: _settled(addresses, cfg["job"], int(cfg["keep"])), 60.0, 0.01, "retention to drop old steps")
+            emit(
+                {
+                    "save": i + 1,
+                    "stall_seconds": t1 - t0,
+                    "copies": int(info.copies),
+                    "client": proc_memory(os.getpid()),
+                    "stores": {h: proc_memory(int(p)) for h, p in pids.items()},
+                }
+            )
+    finally:
+        client.close()
+    emit({"done": True})
+
+
+class Child:
+    """A helper process speaking JSON lines on stdin/stdout, with bounded reads."""
+
+    def __init__(self, entry: str, what: str) -> None:
+        self.what = what
+        self._err = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close(), lives as long as the process
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", f"from memstore.bench import {entry}; {entry}()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            env=_child_env(),
+        )
+        self._buf = b""
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.what}: no answer within {timeout:.0f}s; stderr: {self.stderr_tail()}")
+            ready, _, _ = select.select([fd], [], [], min(remaining, 1.0))
+            if not ready:
+                continue
+            data = os.read(fd, 1 << 16)
+            if not data:
+                self.proc.wait(timeout=10)
+                raise RuntimeError(f"{self.what} exited with {self.proc.returncode}: {self.stderr_tail()}")
+            self._buf += data
+        line, _, self._buf = self._buf.partition(b"\n")
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(obj) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def stderr_tail(self, n: int = 3000) -> str:
+        with contextlib.suppress(OSError, ValueError):
+            self._err.seek(0)
+            return self._err.read().decode(errors="replace")[-n:]
+        return ""
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError, ValueError):
+                if stream is not None:
+                    stream.close()
+        self._err.close()
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None and self.proc.poll() is None:
+            self.proc.kill()
+        self.close()
+
+
+def _restore_in_new_process(
+    address: str,
+    job: str,
+    zero_copy: bool,
+    timeout: float,
+    before: Callable[[], object] | None = None,
+    during: Callable[[], object] | None = None,
+) -> dict[str, Any]:
+    """Start a restore process and wait until it has imported torch; then run ``before`` (e.g. kill a store), tell it
+    to restore, run ``during`` (e.g. start the replacement store) and collect its report."""
+    with Child("restore_worker", "restore process") as child:
+        ready = child.read(timeout=120.0)
+        if before is not None:
+            before()
+        child.send({"address": address, "job": job, "zero_copy": zero_copy, "wait_seconds": timeout})
+        t0 = time.perf_counter()
+        if during is not None:
+            during()
+        result = child.read(timeout=timeout)
+        result["bench_wall_seconds"] = time.perf_counter() - t0
+        result["import_seconds"] = ready["import_seconds"]
+        result["pid"] = ready["pid"]
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# the stores: an embedded local cluster, or an already running one (--endpoints)
+# --------------------------------------------------------------------------------------------------
+
+
+class Stores:
+    """The stores a scenario runs on. ``local``: this bench started them and may kill and restart them."""
+
+    local = False
+    hosts: list[str]
+    job: str
+
+    def address(self, host: str) -> str:
+        raise NotImplementedError
+
+    def addresses(self) -> list[str]:
+        return [self.address(h) for h in self.hosts]
+
+    def pid(self, host: str) -> int | None:
+        raise NotImplementedError
+
+    def kill(self, host: str) -> None:
+        raise NotImplementedError
+
+    def restart(self, host: str) -> None:
+        raise NotImplementedError
+
+    def log_text(self, host: str) -> str:
+        return ""
+
+    def dump_logs(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+
+class LocalStores(Stores):
+    local = True
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.hosts = list(cluster.stores)
+        self.job = JOB_ID
+
+    def address(self, host: str) -> str:
+        return self.cluster.address(host)
+
+    def pid(self, host: str) -> int | None:
+        proc = self.cluster.stores[host].proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def kill(self, host: str) -> None:
+        self.cluster.kill(host)
+
+    def restart(self, host: str) -> None:
+        self.cluster.restart(host, timeout=60)
+
+    def log_text(self, host: str) -> str:
+        with contextlib.suppress(OSError):
+            return self.cluster.stores[host].log_path.read_text(errors="replace")
+        return ""
+
+    def dump_logs(self) -> None:
+        for h in self.hosts:
+            tail = self.cluster.log_tail(h, lines=30)
+            if tail:
+                print(f"--- log of store {h} ---\n{tail}", file=sys.stderr)
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+class RemoteStores(Stores):
+    """An already running cluster; the bench's shards go to a job of its own, deleted at the end."""
+
+    def __init__(self, endpoints: dict[str, str], job: str) -> None:
+        self.endpoints = dict(endpoints)
+        self.hosts = list(endpoints)
+        self.job = job
+        self._pids = {h: _listening_pid(a) for h, a in endpoints.items()}
+
+    def address(self, host: str) -> str:
+        return self.endpoints[host]
+
+    def pid(self, host: str) -> int | None:
+        return self._pids.get(host)
+
+    def stop(self) -> None:
+        for a in self.addresses():
+            with contextlib.suppress(Exception):
+                _delete(a, self.job)
+
+
+def load_endpoints(path: str) -> dict[str, Any]:
+    """Read an endpoints file and ask its first store for R and the capacity."""
+    try:
+        data = json.loads(Path(path).read_text())
+        hosts = {str(k): str(v) for k, v in data["hosts"].items()}
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        raise BenchSetupError(f'--endpoints {path}: expected JSON {{"hosts": {{"<id>": "HOST:PORT", ...}}}}: {exc}') from None
+    if not hosts:
+        raise BenchSetupError(f"--endpoints {path} lists no hosts")
+    first = next(iter(hosts.values()))
+    hello = _hello(first)
+    if hello is None:
+        raise BenchSetupError(f"--endpoints {path}: the store at {first} does not answer")
+    unreachable = [h for h, a in hosts.items() if _health(a) is None]
+    if unreachable:
+        raise BenchSetupError(f"--endpoints {path}: stores {', '.join(unreachable)} do not answer")
+    return {
+        "path": path,
+        "hosts": hosts,
+        "replicas": int(hello.replicas),
+        "capacity_bytes": int(hello.capacity_bytes),
+        "version": hello.version,
+        "placement": hello.placement,
+        "data_port": int(hello.data_port),
+        "local_pids": {h: _listening_pid(a) for h, a in hosts.items()},
+    }
+
+
+def _start_stores(config: BenchConfig, hosts: int, replicas: int, shard_bytes: int, endpoints: dict[str, Any] | None) -> Stores:
+    if endpoints is not None:
+        return RemoteStores(endpoints["hosts"], job=f"bench-{os.getpid()}-{int(time.time())}")
+    from memstore.local_cluster import LocalCluster
+
+    capacity = (config.keep + 1) * _round_page(shard_bytes) + CAPACITY_SLACK
+    # --repair-interval 3600: after the startup pass (when the stores are still empty) no anti-entropy pass runs during
+    # the measurements, so the peer restore of a deleted copy is the Fetch path and nothing else. A replacement store
+    # still runs its startup pass (that is how it gets back to R copies after a host loss).
+    extra = ["--repair-interval", "3600"]
+    if config.data_plane:
+        extra += ["--data-plane", config.data_plane]
+    cluster = LocalCluster(
+        hosts=hosts, replicas=replicas, capacity=str(capacity), keep=config.keep, extra_args=extra, env=dict(config.store_env) or None
+    )
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    return LocalStores(cluster)
+
+
+_PULLED = re.compile(r"(fetch|repair): pulled (\S+) from (\S+)")
+_SERVING = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*store \S+ serving on", re.MULTILINE)
+
+
+def _pull_notes(log_text: str) -> dict[str, Any]:
+    """The store's 'fetch: pulled' / 'repair: pulled' log lines since its last start."""
+    start = log_text.rfind("serving on")
+    tail = log_text[start:] if start >= 0 else log_text
+    pulls = [{"by": m.group(1), "key": m.group(2), "from": m.group(3)} for m in _PULLED.finditer(tail)]
+    by_key: dict[str, set[str]] = {}
+    for p in pulls:
+        by_key.setdefault(p["key"], set()).add(p["by"])
+    return {
+        "pulls": pulls,
+        "fetch_pulls": sum(1 for p in pulls if p["by"] == "fetch"),
+        "repair_pulls": sum(1 for p in pulls if p["by"] == "repair"),
+        "pulled_twice": sorted(k for k, who in by_key.items() if len(who) > 1),
+    }
+
+
+def _serving_unix(log_text: str) -> float | None:
+    """Wall-clock time of the store's last 'serving on' log line (logging's asctime, local time, ms)."""
+    matches = list(_SERVING.finditer(log_text))
+    if not matches:
+        return None
+    m = matches[-1]
+    return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000.0
+
+
+# --------------------------------------------------------------------------------------------------
+# one scenario: saves, store memory, restores
 # --------------------------------------------------------------------------------------------------
 
 
@@ -861,125 +1794,112 @@ class SaveSample:
     paired_memcpy_seconds: float | None  # torch copy_ into pre-faulted memory, right before this save
 
 
-def _round_page(n: int) -> int:
-    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-    return -(-n // page) * page
-
-
-def _delete_shard(address: str, step: int) -> int:
-    from memstore.v1 import store_pb2 as pb
-    from memstore.v1 import store_pb2_grpc as pb_grpc
-    from memstore.v1.channel import insecure_channel
-
-    with insecure_channel(address) as ch:
-        resp = pb_grpc.StoreStub(ch).Delete(pb.DeleteRequest(job_id=JOB_ID, step=step, rank=0), timeout=30)
-    return int(resp.deleted)
-
-
-_PULLED = re.compile(r"(fetch|repair): pulled (\S+) from (\S+)")
-
-
-def _pull_notes(log_text: str) -> dict[str, Any]:
-    """The replacement store's 'fetch: pulled' / 'repair: pulled' log lines since its last start."""
-    start = log_text.rfind("serving on")
-    tail = log_text[start:] if start >= 0 else log_text
-    pulls = [{"by": m.group(1), "key": m.group(2), "from": m.group(3)} for m in _PULLED.finditer(tail)]
-    by_key: dict[str, set[str]] = {}
-    for p in pulls:
-        by_key.setdefault(p["key"], set()).add(p["by"])
+def _store_memory(stores: Stores) -> dict[str, Any]:
+    """Per store: its process's RSS/PSS (when it is a local process) against the shard bytes it holds."""
+    per: dict[str, Any] = {}
+    for h in stores.hosts:
+        held = _held(stores.address(h)) or {}
+        pid = stores.pid(h)
+        mem = proc_memory(pid) if pid else None
+        entry: dict[str, Any] = {"pid": pid, "memory": mem, **held}
+        if mem and held.get("shard_bytes_held"):
+            entry["rss_over_held"] = _ratio(mem["rss"], held["shard_bytes_held"])
+            entry["rss_over_held_plus_pooled"] = _ratio(mem["rss"], held["used_bytes"])
+            entry["pss_over_held"] = _ratio(mem.get("pss"), held["shard_bytes_held"])
+        per[h] = entry
+    holding = {h: e for h, e in per.items() if e.get("rss_over_held") is not None}
+    worst = max(holding, key=lambda h: holding[h]["rss_over_held"]) if holding else None
     return {
-        "pulls": pulls,
-        "fetch_pulls": sum(1 for p in pulls if p["by"] == "fetch"),
-        "repair_pulls": sum(1 for p in pulls if p["by"] == "repair"),
-        "pulled_twice": sorted(k for k, who in by_key.items() if len(who) > 1),
+        "stores": per,
+        "worst_host": worst,
+        "rss_over_held_max": holding[worst]["rss_over_held"] if worst else None,
+        "rss_over_held_plus_pooled_max": max((e["rss_over_held_plus_pooled"] for e in holding.values()), default=None),
+        "available": bool(holding),
+        "note": "" if holding else "no local store process to read (remote --endpoints) or no store holds shards",
     }
 
 
-def _timed_load(address: str, state: Any, include_connect: bool = False) -> dict[str, Any]:
-    from trainer_client import CheckpointClient
-
-    t0 = time.perf_counter()
-    client = CheckpointClient(JOB_ID, 0, 1, store=address)
-    try:
-        t1 = time.perf_counter()
-        restored = client.load()
-        t2 = time.perf_counter()
-        source = client.last_load_source
-        shm = client.shared_memory
-    finally:
-        client.close()
-    ok = states_equal(state, restored)
-    del restored
-    gc.collect()
+def _restore_summary(runs: list[dict[str, Any]], fingerprint: str, key: str = "connect_load_seconds") -> dict[str, Any]:
+    for r in runs:
+        r["verified_equal"] = r.pop("fingerprint", None) == fingerprint
     return {
-        "load_seconds": (t2 - t0) if include_connect else (t2 - t1),
-        "connect_seconds": t1 - t0,
-        "source_host": source,
-        "shared_memory": shm,
-        "verified_equal": ok,
-    }
-
-
-def _restore_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
+        "seconds": _summary([r[key] for r in runs]),
+        "timed": key,
         "load_seconds": _summary([r["load_seconds"] for r in runs]),
+        "connect_seconds": _summary([r["connect_seconds"] for r in runs]),
         "source_hosts": sorted({r["source_host"] for r in runs}),
         "verified_equal": all(r["verified_equal"] for r in runs),
         "runs": runs,
     }
 
 
-def measure_cluster(
-    config: BenchConfig, state: Any, shard_bytes: int, step_done: Callable[[str], None], monitor: Monitor
+def _caught_up(stores: Stores, host: str, keep: int) -> bool:
+    """``host`` holds the newest ``keep`` steps of the job that any store holds, and runs no repair."""
+    union: set[int] = set()
+    for h in stores.hosts:
+        steps = _job_steps(stores.address(h), stores.job)
+        if steps is None:
+            return False
+        union |= steps
+    mine = _job_steps(stores.address(host), stores.job)
+    health = _health(stores.address(host))
+    return mine is not None and health is not None and mine >= set(sorted(union)[-keep:]) and health.repairs_in_flight == 0
+
+
+def measure_scenario(
+    config: BenchConfig,
+    scn: Scenario,
+    state: Any,
+    fingerprint: str,
+    shard_bytes: int,
+    endpoints: dict[str, Any] | None,
+    step_done: Callable[[str], None],
+    monitor: Monitor,
 ) -> dict[str, Any]:
     import torch
 
-    from memstore.local_cluster import LocalCluster, wait_for
     from trainer_client import CheckpointClient
 
-    capacity = (config.keep + 1) * _round_page(shard_bytes) + CAPACITY_SLACK
-    hosts = [f"h{i}" for i in range(config.hosts)]
-    # --repair-interval 3600: after the startup pass (when the stores are still empty) no anti-entropy pass
-    # runs during the measurements, so the peer restore below is the Fetch path and nothing else.
-    extra = ["--repair-interval", "3600"]
-    if config.data_plane:
-        extra += ["--data-plane", config.data_plane]
-    cluster = LocalCluster(
-        hosts=config.hosts,
-        replicas=config.replicas,
-        capacity=str(capacity),
-        keep=config.keep,
-        extra_args=extra,
-        env=dict(config.store_env) or None,
-    )
-    out: dict[str, Any] = {"capacity_bytes_per_store": capacity, "store_extra_args": extra}
+    name = scn.name
+    out: dict[str, Any] = {
+        "name": name,
+        "size": scn.size,
+        "hosts": scn.hosts,
+        "replicas": scn.replicas,
+        "saves_measured": scn.saves,
+        "restores": scn.restores,
+        "headline": scn.headline,
+        "ram_need": ram_need(scn.size, scn.replicas, scn.hosts, config.keep),
+    }
+    cpu = CpuWindow()
+    monitor.reset_window()
+    monitor.phase = f"{name}: cluster start"
     commit_timeout = 60.0 + shard_bytes / (10 * MiB)
+    restore_timeout = 120.0 + shard_bytes / (20 * MiB)
     tensors = state_tensors(state)
     t0 = time.perf_counter()
-    cluster.start()
+    stores = _start_stores(config, scn.hosts, scn.replicas, shard_bytes, endpoints)
     out["cluster_start_seconds"] = time.perf_counter() - t0
+    out["local_cluster"] = stores.local
+    out["job"] = stores.job
+    owner = stores.hosts[0]
+    owner_addr = stores.address(owner)
+    addresses = stores.addresses()
     try:
-        step_done("cluster started")
-
-        def retention_settled() -> bool:
-            for h in hosts:
-                hh = cluster.health(h, timeout=5)
-                if hh is None or hh.shards > config.keep:
-                    return False
-            return True
+        step_done(f"{name}: cluster started")
 
         # -- saves ------------------------------------------------------------------------------
-        monitor.phase = "saves"
+        monitor.phase = f"{name}: saves"
         samples: list[SaveSample] = []
         floor_dst = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8)
         floor_dst.fill_(1)
-        client = CheckpointClient(JOB_ID, 0, 1, store=cluster.address("h0"))
+        client = CheckpointClient(stores.job, 0, 1, store=owner_addr)
         try:
             out["shared_memory"] = client.shared_memory
             out["store_version"] = client.hello.version
             out["store_data_port"] = int(getattr(client.hello, "data_port", 0))  # 0: replicas and pulls travel over gRPC
-            out["data_plane"] = _data_plane(asdict(config), out)
-            total = config.warmup + config.saves
+            out["data_plane"] = _data_plane(config.data_plane, out)
+            total = config.warmup + scn.saves
             for i in range(total):
                 step = i + 1
                 measured = i >= config.warmup
@@ -1008,9 +1928,9 @@ def measure_cluster(
                     )
                 )
                 # Let retention evict the oldest step so the next save reuses its (pre-faulted) segment.
-                wait_for(retention_settled, 60.0, interval=0.02, what="retention to drop old steps")
+                _wait(lambda: _settled(addresses, stores.job, config.keep), 60.0, 0.02, "retention to drop old steps")
                 monitor.sample()
-                step_done(f"save {step}/{total}")
+                step_done(f"{name}: save {step}/{total}")
         finally:
             client.close()
             del floor_dst
@@ -1028,203 +1948,443 @@ def measure_cluster(
         out["replication_bytes_per_second"] = _summary([s.replication_bytes_per_second for s in measured_saves])
         out["first_save"] = asdict(samples[0])
         out["cold_saves_stall_seconds"] = _summary([s.save_wall_seconds for s in cold_saves])
-        out["health_after_saves"] = {h: _health_dict(cluster.health(h, timeout=5)) for h in hosts}
 
-        # -- restore from local RAM: a new client (restarted trainer) on the owner's store ----------------
-        monitor.phase = "restore_local"
+        # -- store memory, steady state after the saves ---------------------------------------------
+        monitor.phase = f"{name}: store memory"
+        out["store_memory"] = _store_memory(stores)
+        step_done(f"{name}: store memory")
+
+        # -- restore from local RAM after a trainer crash: a new process on the owner's store ------------
+        monitor.phase = f"{name}: restore local"
         runs = []
-        for i in range(config.restores):
-            runs.append(_timed_load(cluster.address("h0"), state))
+        for i in range(scn.restores):
+            runs.append(_restore_in_new_process(owner_addr, stores.job, True, restore_timeout))
             monitor.sample()
-            step_done(f"restore from local RAM {i + 1}/{config.restores}")
-        out["restore_local"] = _restore_summary(runs)
+            step_done(f"{name}: restore from local RAM, new process {i + 1}/{scn.restores}")
+        out["restore_local"] = _restore_summary(runs, fingerprint)
+        r = _restore_in_new_process(owner_addr, stores.job, False, restore_timeout)
+        monitor.sample()
+        out["restore_local_copy"] = _restore_summary([r], fingerprint)
+        step_done(f"{name}: restore from local RAM, zero_copy=False")
 
-        if config.replicas >= 2:
-            # -- restore from peer RAM: the owner store lacks the shard (deleted there), a group peer holds it.
-            monitor.phase = "restore_peer"
+        if scn.replicas >= 2:
+            # -- the store's pull alone: delete the owner's copy, time its Fetch RPC ----------------------
+            monitor.phase = f"{name}: peer pull"
+            pulls: list[dict[str, Any]] = []
+            for i in range(scn.restores):
+                deleted = _delete(owner_addr, stores.job, last_step)
+                seconds, source = _fetch(owner_addr, stores.job, last_step, restore_timeout)
+                pulls.append(
+                    {"seconds": seconds, "source_host": source, "deleted_on_owner": deleted, "bytes_per_second": shard_bytes / seconds}
+                )
+                step_done(f"{name}: pull from peer RAM (Fetch RPC) {i + 1}/{scn.restores}")
+            out["peer_pull"] = {
+                "seconds": _summary([p["seconds"] for p in pulls]),
+                "bytes_per_second": _summary([p["bytes_per_second"] for p in pulls]),
+                "source_hosts": sorted({p["source_host"] for p in pulls}),
+                "runs": pulls,
+            }
+
+            # -- restore from peer RAM, owner store up but its copy gone: a new process ------------------
+            monitor.phase = f"{name}: restore peer (copy deleted)"
             runs = []
-            for i in range(config.restores):
-                deleted = _delete_shard(cluster.address("h0"), last_step)
-                r = _timed_load(cluster.address("h0"), state)
-                r["deleted_on_owner"] = deleted
+            for i in range(scn.restores):
+                r = _restore_in_new_process(
+                    owner_addr, stores.job, True, restore_timeout, before=lambda: _delete(owner_addr, stores.job, last_step)
+                )
                 runs.append(r)
                 monitor.sample()
-                step_done(f"restore from peer RAM {i + 1}/{config.restores}")
-            peer = _restore_summary(runs)
-            pull = peer["load_seconds"]["p50"] - out["restore_local"]["load_seconds"]["p50"]
-            peer["pull_seconds_estimate"] = pull
-            peer["pull_bytes_per_second_estimate"] = shard_bytes / pull if pull > 0 else None
-            out["restore_peer"] = peer
+                step_done(f"{name}: restore from peer RAM, owner's copy deleted {i + 1}/{scn.restores}")
+            out["restore_peer_deleted"] = _restore_summary(runs, fingerprint)
 
-            # -- replacement host: SIGKILL the owner store, start its replacement (empty RAM), restore there.
-            monitor.phase = "restore_replacement"
-            cluster.kill("h0")
-            t0 = time.perf_counter()
-            cluster.restart("h0", timeout=60)
-            t1 = time.perf_counter()
-            r = _timed_load(cluster.address("h0"), state, include_connect=True)
-            r["restart_seconds"] = t1 - t0
-            monitor.sample()
-            # Let the startup repair pass finish so its pulls are in the log.
-            wait_for(lambda: _repairs_idle(cluster), 120.0, interval=0.1, what="the replacement's repair pass")
-            r.update(_pull_notes(cluster.log_tail("h0", lines=400)))
-            out["restore_replacement"] = r
-            step_done("restore on a replacement host")
+            # -- restore from peer RAM after a host loss: SIGKILL the owner store, start its replacement ----
+            if stores.local:
+                monitor.phase = f"{name}: restore after host loss"
+                runs = []
+                for i in range(scn.restores):
+                    _wait(lambda: _caught_up(stores, owner, config.keep), restore_timeout, 0.05, f"{owner} to hold the newest steps")
+                    timing: dict[str, float] = {}
+
+                    def replace_owner(timing: dict[str, float] = timing) -> None:
+                        t = time.perf_counter()
+                        stores.restart(owner)
+                        timing["restart_seconds"] = time.perf_counter() - t
+
+                    r = _restore_in_new_process(
+                        owner_addr, stores.job, True, restore_timeout, before=lambda: stores.kill(owner), during=replace_owner
+                    )
+                    serving = _serving_unix(stores.log_text(owner))
+                    start = min(r["accept_unix"], serving) if serving else r["accept_unix"]
+                    r["restart_seconds"] = timing.get("restart_seconds")
+                    r["serving_unix"] = serving
+                    r["restore_seconds"] = r["loaded_unix"] - start
+                    r["serving_to_loaded_seconds"] = r["loaded_unix"] - serving if serving else None
+                    _wait(lambda: _caught_up(stores, owner, config.keep), restore_timeout, 0.05, f"the replacement {owner}'s repair pass")
+                    r.update(_pull_notes(stores.log_text(owner)))
+                    runs.append(r)
+                    monitor.sample()
+                    step_done(f"{name}: restore from peer RAM after host loss {i + 1}/{scn.restores}")
+                peer = _restore_summary(runs, fingerprint, key="restore_seconds")
+                peer["bytes_per_second"] = shard_bytes / peer["seconds"]["p50"]
+                peer["pulled_by"] = sorted({p["by"] for r in runs for p in r["pulls"]})
+                out["restore_peer"] = peer
+            else:
+                out["restore_peer"] = None
+                out["restore_peer_note"] = (
+                    "host loss skipped: with --endpoints the stores are not processes of this bench, so it cannot kill and "
+                    "replace one; the peer-restore targets use the restore with the owner's copy deleted instead"
+                )
+                for i in range(scn.restores):
+                    step_done(f"{name}: host loss skipped (--endpoints) {i + 1}/{scn.restores}")
         else:
-            step_done("restore from peer RAM (skipped: R=1)")
-            step_done("restore on a replacement host (skipped: R=1)")
+            out["restore_peer"] = None
+            out["restore_peer_note"] = "R=1: no peer holds a copy, so a lost host's state is not restorable from RAM"
+            for i in range(3 * scn.restores):
+                step_done(f"{name}: restore from peer RAM skipped (R=1) {i + 1}")
+        out["restore_durable"] = {"available": False, "note": DURABLE_NOTE}
+        out["store_memory_end"] = _store_memory(stores)
     except BaseException:
-        for h in hosts:
-            tail = cluster.log_tail(h, lines=30)
-            if tail:
-                print(f"--- log of store {h} ---\n{tail}", file=sys.stderr)
+        stores.dump_logs()
         raise
     finally:
-        monitor.phase = "cluster_stop"
-        cluster.stop()
+        monitor.phase = f"{name}: stop"
+        stores.stop()
+    out["conditions"] = {**cpu.report(), "memory_peak_pss_bytes": monitor.window_peak_bytes}
+    step_done(f"{name}: done")
     return out
 
 
-def _repairs_idle(cluster: Any) -> bool:
-    h = cluster.health("h0", timeout=5)
-    return h is not None and h.repairs_in_flight == 0
+# --------------------------------------------------------------------------------------------------
+# leak check: RSS over many consecutive saves
+# --------------------------------------------------------------------------------------------------
 
 
-def _health_dict(h: Any) -> dict[str, Any] | None:
-    if h is None:
-        return None
-    return {"used_bytes": int(h.used_bytes), "capacity_bytes": int(h.capacity_bytes), "shards": int(h.shards)}
+def measure_leak(
+    config: BenchConfig, hosts: int, replicas: int, endpoints: dict[str, Any] | None, step_done: Callable[[str], None], monitor: Monitor
+) -> dict[str, Any]:
+    if config.leak_saves == 0:
+        return {"skipped": "--leak-saves 0"}
+    size = config.leak_size
+    ref = 10
+    monitor.phase = "leak check"
+    cpu = CpuWindow()
+    stores = _start_stores(config, hosts, replicas, size + MiB, endpoints)
+    samples: list[dict[str, Any]] = []
+    try:
+        cfg = {
+            "addresses": stores.addresses(),
+            "pids": {h: stores.pid(h) for h in stores.hosts},
+            "job": stores.job,
+            "size": size,
+            "seed": config.seed,
+            "saves": config.leak_saves,
+            "keep": config.keep,
+        }
+        with Child("leak_worker", "leak-check process") as child:
+            child.send(cfg)
+            child.read(timeout=120.0)
+            per_save = 120.0 + size / (10 * MiB)
+            for i in range(config.leak_saves):
+                samples.append(child.read(timeout=per_save))
+                if (i + 1) % 10 == 0:
+                    monitor.sample()
+                step_done(f"leak check: save {i + 1}/{config.leak_saves}")
+            child.read(timeout=60.0)
+    except BaseException:
+        stores.dump_logs()
+        raise
+    finally:
+        stores.stop()
+    procs: dict[str, list[dict[str, int] | None]] = {"client": [s["client"] for s in samples]}
+    for h in samples[0]["stores"]:
+        procs[f"store {h}"] = [s["stores"].get(h) for s in samples]
+    result: dict[str, Any] = {}
+    for label, series in procs.items():
+        a, b = series[ref - 1], series[-1]
+        if not a or not b:
+            continue
+        result[label] = {
+            "rss_after_save_ref": a["rss"],
+            "rss_after_last_save": b["rss"],
+            "growth_percent": (b["rss"] - a["rss"]) / a["rss"] * 100.0,
+            "rss_anon_growth_bytes": b.get("rss_anon", 0) - a.get("rss_anon", 0),
+            "rss_shmem_growth_bytes": b.get("rss_shmem", 0) - a.get("rss_shmem", 0),
+            "pss_growth_percent": _ratio((b.get("pss", 0) - a.get("pss", 0)) * 100.0, a.get("pss")),
+            "rss_series": [m["rss"] if m else None for m in series],
+        }
+    worst = max(result, key=lambda k: result[k]["growth_percent"]) if result else None
+    return {
+        "size": size,
+        "saves": config.leak_saves,
+        "hosts": hosts,
+        "replicas": replicas,
+        "reference_save": ref,
+        "processes": result,
+        "max_growth_percent": result[worst]["growth_percent"] if worst else None,
+        "worst": worst,
+        "stall_seconds": _summary([s["stall_seconds"] for s in samples]),
+        "copies": sorted({s["copies"] for s in samples}),
+        "stores_measured": bool(len(result) > 1),
+        "conditions": cpu.report(),
+    }
 
 
 # --------------------------------------------------------------------------------------------------
 # the run
 # --------------------------------------------------------------------------------------------------
 
+FLOOR_STEPS = 8
+
+
+def measure_floors(
+    state: Any, tensors: list[torch.Tensor], shard_bytes: int, state_bytes: int, config: BenchConfig, reps: int,
+    step_done: Callable[[str], None], monitor: Monitor, label: str,
+) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """The baselines of one state size, and the diagnosis cost model."""
+    monitor.phase = f"{label}: floor memcpy"
+    memcpy = floor_memcpy(tensors)
+    gc.collect()
+    step_done(f"{label}: baseline raw TCP on loopback")
+    monitor.phase = f"{label}: floor tcp"
+    recv_buf = _prefaulted(shard_bytes)
+    tcp = floor_tcp(shard_bytes, recv_buf)
+    step_done(f"{label}: diagnosis gRPC streaming, raw bytes messages")
+    monitor.phase = f"{label}: floor grpc"
+    grpc_bytes = floor_grpc(shard_bytes, recv_buf, "bytes")
+    step_done(f"{label}: diagnosis gRPC streaming, PutRequest messages")
+    grpc_pb = floor_grpc(shard_bytes, recv_buf, "protobuf")
+    del recv_buf
+    gc.collect()
+    step_done(f"{label}: baseline torch.save + fsync / torch.load")
+    monitor.phase = f"{label}: floor disk"
+    disk = floor_disk(state, config.disk_dir, reps)
+    gc.collect()
+    step_done(f"{label}: baseline DCP async_save")
+    monitor.phase = f"{label}: floor dcp"
+    dcp = floor_dcp(state, config.disk_dir, reps)
+    gc.collect()
+    step_done(f"{label}: diagnosis cost model of the save and replication paths")
+    monitor.phase = f"{label}: cost model"
+    cost = replication_cost_model(tensors, state_bytes)
+    cost["save_path"] = save_path_model(state)
+    gc.collect()
+    step_done(f"{label}: baselines done")
+    return {"memcpy": memcpy, "tcp": tcp, "grpc_bytes": grpc_bytes, "grpc_protobuf": grpc_pb, "disk": disk, "dcp": dcp}, cost
+
+
+def _scenario_steps(config: BenchConfig, scn: Scenario) -> int:
+    return 4 + config.warmup + scn.saves + scn.restores + 3 * scn.restores
+
 
 def run(config: BenchConfig, command: str, console: Console | None = None) -> dict[str, Any]:
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from trainer_client import serialization
 
-    total_phases = PHASES + config.warmup + config.saves + 2 * config.restores
+    console = console or Console()
     started = time.time()
+    endpoints = load_endpoints(config.endpoints) if config.endpoints else None
+    scenarios, skipped = plan_scenarios(config, endpoints)
+    for s in skipped:
+        what = f"{_short_size(s['size'])}, " if s.get("size") else ""
+        console.print(f"[yellow]skipped {what}{s['hosts']} hosts, R={s['replicas']}: {s['reason']}[/]")
+    if not scenarios:
+        raise BenchSetupError("no scenario to run: " + "; ".join(s["reason"] for s in skipped))
+    if endpoints is not None:
+        console.print(
+            f"[yellow]--endpoints {endpoints['path']}: {len(endpoints['hosts'])} stores, R={endpoints['replicas']}; the restore after a "
+            "host loss (SIGKILL and replace a store) is skipped: the stores are not processes of this bench[/]"
+        )
+    console.print(f"restore from durable storage: {DURABLE_NOTE}")
+    head = next(s for s in scenarios if s.headline)
+    total = sum(_scenario_steps(config, s) for s in scenarios) + FLOOR_STEPS * len({s.size for s in scenarios}) + config.leak_saves + 1
+    results: list[dict[str, Any]] = []
+    sizes_out: dict[str, Any] = {}
     with (
         Monitor() as monitor,
         Progress(
             SpinnerColumn(),
             TextColumn("[progress.description]{task.description}"),
             BarColumn(),
+            MofNCompleteColumn(),
             TimeElapsedColumn(),
             console=console,
             transient=True,
         ) as progress,
     ):
-        task = progress.add_task("generating the state", total=total_phases)
+        task = progress.add_task("starting", total=total)
 
         def step_done(what: str) -> None:
             progress.update(task, advance=1, description=what)
 
-        monitor.phase = "generate"
-        t0 = time.perf_counter()
-        state = make_state(config.size, config.seed)
-        tensors = state_tensors(state)
-        state_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        shard_bytes = serialization.plan(state).nbytes
-        gen_seconds = time.perf_counter() - t0
-        step_done("floor: memcpy")
-
-        monitor.phase = "floor_memcpy"
-        memcpy = floor_memcpy(tensors)
-        gc.collect()
-        step_done("floor: raw TCP on loopback")
-        monitor.phase = "floor_tcp"
-        recv_buf = _prefaulted(shard_bytes)
-        tcp = floor_tcp(shard_bytes, recv_buf)
-        step_done("diagnosis: gRPC streaming, raw bytes messages")
-        monitor.phase = "floor_grpc"
-        grpc_bytes = floor_grpc(shard_bytes, recv_buf, "bytes")
-        step_done("diagnosis: gRPC streaming, PutRequest messages")
-        grpc_pb = floor_grpc(shard_bytes, recv_buf, "protobuf")
-        del recv_buf
-        gc.collect()
-        step_done("floor: torch.save + fsync / torch.load")
-        monitor.phase = "floor_disk"
-        disk = floor_disk(state, config.disk_dir, config.restores)
-        gc.collect()
-        step_done("diagnosis: cost model of the save and replication paths")
-        monitor.phase = "cost_model"
-        cost = replication_cost_model(tensors, state_bytes)
-        cost["save_path"] = save_path_model(state)
-        gc.collect()
-        step_done("starting the local cluster")
-        monitor.phase = "cluster"
-        cluster = measure_cluster(config, state, shard_bytes, step_done, monitor)
+        for size in config.sizes:
+            todo = [s for s in scenarios if s.size == size]
+            if not todo:
+                continue
+            label = _short_size(size)
+            monitor.phase = f"{label}: generate"
+            progress.update(task, description=f"{label}: generating the state")
+            t0 = time.perf_counter()
+            state = make_state(size, config.seed)
+            tensors = state_tensors(state)
+            state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+            shard_bytes = serialization.plan(state).nbytes
+            gen_seconds = time.perf_counter() - t0
+            fingerprint = state_fingerprint(state)
+            step_done(f"{label}: baseline memcpy")
+            floors, cost = measure_floors(
+                state, tensors, shard_bytes, state_bytes, config, max(s.restores for s in todo), step_done, monitor, label
+            )
+            sizes_out[str(size)] = {
+                "state": {
+                    "bytes": state_bytes,
+                    "shard_bytes": shard_bytes,
+                    "tensors": len(tensors),
+                    "dtype": "float32",
+                    "layout": "4 layers x (weight, exp_avg, exp_avg_sq) + 4 scalar step tensors, torch.rand; one rank of world size 1",
+                    "generate_seconds": gen_seconds,
+                    "fingerprint": fingerprint,
+                },
+                "floors": floors,
+                "diagnosis": cost,
+            }
+            for scn in todo:
+                results.append(measure_scenario(config, scn, state, fingerprint, shard_bytes, endpoints, step_done, monitor))
+            del state, tensors
+            gc.collect()
+        leak = measure_leak(config, head.hosts, head.replicas, endpoints, step_done, monitor)
         step_done("done")
+        conditions = monitor.report()
+    return assemble(config, command, started, sizes_out, results, skipped, leak, conditions, endpoints)
 
-    floors = {"memcpy": memcpy, "tcp": tcp, "grpc_bytes": grpc_bytes, "grpc_protobuf": grpc_pb, "disk": disk}
-    return assemble(config, command, started, gen_seconds, state_bytes, shard_bytes, len(tensors), floors, cost, cluster, monitor.report())
+
+def evaluate(scn: dict[str, Any], size_info: dict[str, Any], leak: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Ratios and targets (PASS/MISS) of one scenario against the baselines of its state size."""
+    fl = size_info["floors"]
+    nb = size_info["state"]["shard_bytes"]
+    memcpy, tcp, disk, dcp = fl["memcpy"], fl["tcp"], fl["disk"], fl["dcp"]
+    stall = scn["stall_seconds"]["p50"]
+    stall95 = scn["stall_seconds"]["p95"]
+    paired = scn["paired_memcpy_seconds"]["p50"]
+    repl_bps = scn["replication_bytes_per_second"]["p50"] if scn["replicas"] >= 2 else None
+    tcp_bps = tcp["bytes_per_second"]["p50"]
+    load_warm = disk["load_warm_seconds"]["p50"]
+    load_cold = disk["load_cold_seconds"]["p50"]
+    dcp_block = dcp["default"]["blocking_seconds"]["p50"]
+    dcp_block_reused = dcp["reused_stager"]["blocking_seconds"]["p50"]
+    dcp_total = dcp["default"]["total_seconds"]["p50"]
+    local = scn["restore_local"]["seconds"]["p50"]
+    local_copy = scn["restore_local_copy"]["seconds"]["p50"]
+    peer_deleted = scn["restore_peer_deleted"]["seconds"]["p50"] if scn.get("restore_peer_deleted") else None
+    peer_host_loss = scn["restore_peer"]["seconds"]["p50"] if scn.get("restore_peer") else None
+    peer = peer_host_loss if peer_host_loss is not None else peer_deleted
+    peer_bps = nb / peer if peer else None
+    pull_bps = scn["peer_pull"]["bytes_per_second"]["p50"] if scn.get("peer_pull") else None
+    mem = scn["store_memory"]
+    ratios = {
+        "stall_p50_over_memcpy": _ratio(stall, paired),
+        "stall_p95_over_memcpy": _ratio(stall95, paired),
+        "stall_p50_over_memcpy_standalone": _ratio(stall, memcpy["torch_copy_seconds"]["p50"]),
+        "stall_p50_over_shm_memcpy": _ratio(stall, (memcpy.get("shm_torch_copy_seconds") or {}).get("p50")),
+        "first_save_over_memcpy_fresh": _ratio(scn["first_save"]["save_wall_seconds"], memcpy["torch_copy_fresh_seconds"]["p50"]),
+        "stall_p50_over_torch_save_fsync": _ratio(stall, disk["save_fsync_seconds"]),
+        "torch_save_fsync_over_stall_p50": _ratio(disk["save_fsync_seconds"], stall),
+        "stall_p50_over_dcp_async_blocking": _ratio(stall, dcp_block),
+        "stall_p50_over_dcp_async_blocking_reused_stager": _ratio(stall, dcp_block_reused),
+        "committed_p50_over_dcp_async_total": _ratio(scn["committed_seconds"]["p50"], dcp_total),
+        "committed_p50_over_torch_save_fsync": _ratio(scn["committed_seconds"]["p50"], disk["save_fsync_seconds"]),
+        "replication_over_raw_tcp": _ratio(repl_bps, tcp_bps),
+        "replication_over_grpc_bytes": _ratio(repl_bps, fl["grpc_bytes"]["bytes_per_second"]["p50"]),
+        "replication_over_grpc_protobuf": _ratio(repl_bps, fl["grpc_protobuf"]["bytes_per_second"]["p50"]),
+        "grpc_bytes_over_raw_tcp": _ratio(fl["grpc_bytes"]["bytes_per_second"]["p50"], tcp_bps),
+        "grpc_protobuf_over_raw_tcp": _ratio(fl["grpc_protobuf"]["bytes_per_second"]["p50"], tcp_bps),
+        "torch_load_warm_over_restore_local": _ratio(load_warm, local),
+        "torch_load_cold_over_restore_local": _ratio(load_cold, local),
+        "torch_load_warm_over_restore_local_copy": _ratio(load_warm, local_copy),
+        "restore_peer_over_raw_tcp": _ratio(peer_bps, tcp_bps),
+        "torch_load_warm_over_restore_peer": _ratio(load_warm, peer),
+        "torch_load_cold_over_restore_peer": _ratio(load_cold, peer),
+        "restore_peer_deleted_over_raw_tcp": _ratio(nb / peer_deleted if peer_deleted else None, tcp_bps),
+        "torch_load_warm_over_restore_peer_deleted": _ratio(load_warm, peer_deleted),
+        "peer_pull_over_raw_tcp": _ratio(pull_bps, tcp_bps),
+        "store_rss_over_held_max": mem["rss_over_held_max"],
+        "store_rss_over_held_plus_pooled_max": mem["rss_over_held_plus_pooled_max"],
+    }
+    peer_what = "after a host loss (replacement store serving -> loaded in a new process)"
+    if peer_host_loss is None and peer_deleted is not None:
+        peer_what = "with the owner's copy deleted (no host loss possible with --endpoints)"
+
+    def target(text: str, value: float | None, ok: Callable[[float], bool], note: str = "") -> dict[str, Any]:
+        return {"target": text, "value": value, "pass": None if value is None else bool(ok(value)), "note": note}
+
+    r1 = scn["replicas"] < 2
+    targets = {
+        "stall_vs_memcpy": target(
+            f"save() stall p50 <= {STALL_MEMCPY_MAX}x torch copy_ of the same bytes into pre-faulted memory (paired p50)",
+            ratios["stall_p50_over_memcpy"], lambda v: v <= STALL_MEMCPY_MAX,
+        ),
+        "stall_vs_torch_save_fsync": target(
+            f"save() stall p50 >= {STALL_DISK_MIN:.0f}x lower than torch.save + fsync", ratios["torch_save_fsync_over_stall_p50"],
+            lambda v: v >= STALL_DISK_MIN,
+        ),
+        "stall_vs_dcp_async_save": target(
+            f"save() stall p50 <= 1/{1 / STALL_DCP_MAX:.0f} of DCP async_save's blocking time (default staging)",
+            ratios["stall_p50_over_dcp_async_blocking"], lambda v: v <= STALL_DCP_MAX,
+        ),
+        "replication_vs_raw_tcp": target(
+            f"replication throughput p50 >= {REPLICATION_MIN}x raw TCP on loopback", ratios["replication_over_raw_tcp"],
+            lambda v: v >= REPLICATION_MIN, "n/a: R=1 replicates nothing" if r1 else "",
+        ),
+        "restore_peer_vs_raw_tcp": target(
+            f"restore from peer RAM {peer_what} >= {PEER_RESTORE_TCP_MIN}x raw TCP throughput", ratios["restore_peer_over_raw_tcp"],
+            lambda v: v >= PEER_RESTORE_TCP_MIN, "n/a: R=1 keeps no peer copy" if r1 else "",
+        ),
+        "restore_peer_vs_torch_load": target(
+            f"restore from peer RAM {peer_what} >= {PEER_RESTORE_LOAD_MIN:.0f}x faster than torch.load (page cache warm)",
+            ratios["torch_load_warm_over_restore_peer"], lambda v: v >= PEER_RESTORE_LOAD_MIN, "n/a: R=1 keeps no peer copy" if r1 else "",
+        ),
+        "restore_local_vs_torch_load": target(
+            f"restore from local RAM after a trainer crash (new process, zero-copy) >= {LOCAL_RESTORE_LOAD_MIN:.0f}x faster than "
+            "torch.load (page cache warm)", ratios["torch_load_warm_over_restore_local"], lambda v: v >= LOCAL_RESTORE_LOAD_MIN,
+        ),
+        "store_rss_vs_held": target(
+            f"store RSS <= {STORE_RSS_MAX}x the shard bytes it holds (worst store holding shards)", ratios["store_rss_over_held_max"],
+            lambda v: v <= STORE_RSS_MAX, mem["note"],
+        ),
+        "rss_growth_over_saves": target(
+            f"RSS growth < {LEAK_MAX_PERCENT:.0f}% from save {leak.get('reference_save', 10)} to save {leak.get('saves', '-')} "
+            f"(stores and client; {_short_size(leak['size']) if leak.get('size') else '-'} state, {leak.get('hosts', '-')} hosts, "
+            f"R={leak.get('replicas', '-')}; percent)", leak.get("max_growth_percent"), lambda v: v < LEAK_MAX_PERCENT,
+            leak.get("skipped", ""),
+        ),
+    }  # fmt: skip
+    return ratios, targets
 
 
 def assemble(
     config: BenchConfig,
     command: str,
     started: float,
-    gen_seconds: float,
-    state_bytes: int,
-    shard_bytes: int,
-    n_tensors: int,
-    floors: dict[str, Any],
-    cost: dict[str, Any],
-    cluster: dict[str, Any],
-    monitor: dict[str, Any],
+    sizes: dict[str, Any],
+    results: list[dict[str, Any]],
+    skipped: list[dict[str, Any]],
+    leak: dict[str, Any],
+    conditions: dict[str, Any],
+    endpoints: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    memcpy, tcp, disk = floors["memcpy"], floors["tcp"], floors["disk"]
-    stall = cluster["stall_seconds"]["p50"]
-    stall95 = cluster["stall_seconds"]["p95"]
-    paired = cluster["paired_memcpy_seconds"]["p50"]
-    repl_bps = cluster["replication_bytes_per_second"]["p50"] if config.replicas >= 2 else None
-    tcp_bps = tcp["bytes_per_second"]["p50"]
-    load_warm = disk["load_warm_seconds"]["p50"]
-    load_cold = disk["load_cold_seconds"]["p50"]
-    local = cluster["restore_local"]["load_seconds"]["p50"]
-    peer = cluster["restore_peer"]["load_seconds"]["p50"] if "restore_peer" in cluster else None
-    repl_host = cluster["restore_replacement"]["load_seconds"] if "restore_replacement" in cluster else None
-    ratios = {
-        "stall_p50_over_memcpy": _ratio(stall, paired),
-        "stall_p95_over_memcpy": _ratio(stall95, paired),
-        "stall_p50_over_memcpy_standalone": _ratio(stall, memcpy["torch_copy_seconds"]["p50"]),
-        "stall_p50_over_shm_memcpy": _ratio(stall, (memcpy.get("shm_torch_copy_seconds") or {}).get("p50")),
-        "first_save_over_memcpy_fresh": _ratio(cluster["first_save"]["save_wall_seconds"], memcpy["torch_copy_fresh_seconds"]["p50"]),
-        "stall_p50_over_torch_save_fsync": _ratio(stall, disk["save_fsync_seconds"]),
-        "committed_p50_over_torch_save_fsync": _ratio(cluster["committed_seconds"]["p50"], disk["save_fsync_seconds"]),
-        "replication_over_raw_tcp": _ratio(repl_bps, tcp_bps),
-        "replication_over_grpc_bytes": _ratio(repl_bps, floors["grpc_bytes"]["bytes_per_second"]["p50"]),
-        "replication_over_grpc_protobuf": _ratio(repl_bps, floors["grpc_protobuf"]["bytes_per_second"]["p50"]),
-        "grpc_bytes_over_raw_tcp": _ratio(floors["grpc_bytes"]["bytes_per_second"]["p50"], tcp_bps),
-        "grpc_protobuf_over_raw_tcp": _ratio(floors["grpc_protobuf"]["bytes_per_second"]["p50"], tcp_bps),
-        "restore_local_over_torch_load_warm": _ratio(local, load_warm),
-        "restore_local_over_torch_load_cold": _ratio(local, load_cold),
-        "restore_peer_over_torch_load_warm": _ratio(peer, load_warm),
-        "restore_peer_over_torch_load_cold": _ratio(peer, load_cold),
-        "restore_replacement_over_torch_load_warm": _ratio(repl_host, load_warm),
-        "restore_replacement_over_torch_load_cold": _ratio(repl_host, load_cold),
-    }
-    s_ratio = ratios["stall_p50_over_memcpy"]
-    r_ratio = ratios["replication_over_raw_tcp"]
-    targets = {
-        "stall_p50_le_2x_memcpy": {
-            "target": f"save() stall p50 <= {STALL_TARGET}x torch copy_ of the same bytes into pre-faulted memory (paired p50)",
-            "ratio": s_ratio,
-            "pass": s_ratio is not None and s_ratio <= STALL_TARGET,
-        },
-        "replication_ge_half_raw_tcp": {
-            "target": f"replication throughput p50 >= {REPLICATION_TARGET}x raw TCP on loopback",
-            "ratio": r_ratio,
-            "pass": None if r_ratio is None else r_ratio >= REPLICATION_TARGET,
-        },
-    }
-    verified = [cluster["restore_local"]["verified_equal"], disk["load_verified"]]
-    verified += [cluster[k]["verified_equal"] for k in ("restore_peer", "restore_replacement") if k in cluster]
+    verified = []
+    for scn in results:
+        info = sizes[str(scn["size"])]
+        scn["ratios"], scn["targets"] = evaluate(scn, info, leak)
+        scn["targets_passed"] = sum(1 for t in scn["targets"].values() if t["pass"] is True)
+        scn["targets_missed"] = sum(1 for t in scn["targets"].values() if t["pass"] is False)
+        for key in ("restore_local", "restore_local_copy", "restore_peer_deleted", "restore_peer"):
+            if scn.get(key):
+                verified.append(scn[key]["verified_equal"])
+        verified.append(info["floors"]["disk"]["load_verified"])
+    head = next(s for s in results if s["headline"])
+    head_size = sizes[str(head["size"])]
     return {
         "ok": all(verified),
         "command": command,
@@ -1232,25 +2392,35 @@ def assemble(
         "duration_seconds": time.time() - started,
         "config": asdict(config),
         "machine": machine_info(),
-        "conditions": monitor,
-        "state": {
-            "bytes": state_bytes,
-            "shard_bytes": shard_bytes,
-            "tensors": n_tensors,
-            "dtype": "float32",
-            "layout": "4 layers x (weight, exp_avg, exp_avg_sq) + 4 scalar step tensors, torch.rand; one rank of world size 1",
-            "generate_seconds": gen_seconds,
-        },
-        "floors": floors,
-        "cluster": cluster,
-        "diagnosis": cost,
-        "ratios": ratios,
-        "targets": targets,
+        "conditions": conditions,
+        "endpoints": endpoints,
+        "headline": head["name"],
+        "scenarios": results,
+        "skipped": skipped,
+        "sizes": sizes,
+        "leak_check": leak,
+        "restore_durable": {"available": False, "note": DURABLE_NOTE},
+        # The headline scenario at the top level, as issue 2's JSON had it.
+        "state": head_size["state"],
+        "floors": head_size["floors"],
+        "diagnosis": head_size["diagnosis"],
+        "cluster": head,
+        "ratios": head["ratios"],
+        "targets": head["targets"],
         "method": _METHOD | {"warmup": f"{config.warmup} saves (keep+1={config.keep}+1): {_METHOD['warmup']}"},
     }
 
 
 _METHOD: dict[str, str] = {
+    "scenarios": (
+        "state size x hosts x R; the baselines are measured once per state size, on the same bytes, before its scenarios; every "
+        "scenario starts its own local cluster (1 rank on h0, world size 1) and stops it at the end"
+    ),
+    "ram_need": (
+        "(keep+1) x size x R in the stores (one benchmarked rank: keep steps plus one pooled segment on each of its R holders; a "
+        "job with a rank on every host needs x hosts as much, ram_need.one_rank_per_host_bytes) + 3 x size in the bench; "
+        "scenarios above --max-ram are skipped; the measured peak PSS is conditions.memory_peak_pss_bytes"
+    ),
     "warmup": (
         "each of the first keep+1 saves gets a new segment (the store pools a segment only once retention evicts the oldest "
         "of keep steps), so save keep+2 is the first into a recycled, pre-faulted segment; those cold saves are reported apart"
@@ -1269,19 +2439,43 @@ _METHOD: dict[str, str] = {
         "a child process, 4 MiB messages, memstore's channel and server options; raw bytes messages and PutRequest protobuf "
         "messages; receiver copies into a pre-faulted buffer"
     ),
-    "restore_local": "new CheckpointClient on h0 (a restarted trainer), load() of the latest step; connect excluded; median",
-    "restore_peer": (
-        "the newest step is deleted on h0 (Delete RPC, h0 stays up), then a new client on h0 load()s it: h0's Fetch pulls it "
-        "from the group peer over the stores' data plane (into h0's pooled segment) and the client maps, verifies and decodes "
-        "it; connect excluded; median. Background repair is off (--repair-interval 3600) so nothing else brings the shard back"
-    ),
-    "restore_replacement": (
-        "h0 SIGKILLed and restarted (empty RAM; its startup repair pass pulls the newest keep steps from the peer at once); "
-        "timed from restart() returning (store serving) through client connect and load(); once. source_host and the "
-        "store's log (pulls) say whether the client's Fetch, the repair pass, or both pulled the shard"
-    ),
     "disk_floor": "torch.save to a file, flush + fsync; torch.load(weights_only=True) after POSIX_FADV_DONTNEED (cold) and again (warm)",
-    "memory": "peak of the summed PSS of this process and its children (stores, floor helpers), sampled every 0.5 s and per step",
+    "dcp_floor": (
+        "torch.distributed.checkpoint.async_save(state, storage_writer=FileSystemWriter(dir, sync_files=True), no_dist=True) "
+        "in this process, no process group; blocking = until it returns, total = until its future completes (files fsynced); "
+        "default staging (a new stager per call: fresh staging memory) and a reused caller-owned DefaultStager (cached, "
+        "pre-faulted staging memory; its first call reported apart); the targets use the default"
+    ),
+    "restore_local": (
+        "after a trainer-process crash: a NEW process (torch and trainer_client imported before the clock starts) connects to "
+        "the owner's store and load()s the latest step, zero-copy (the default); timed from the store port accepting to "
+        "load() returned (connect + LatestStep + Fetch + Open + map + xxh3 verify of every chunk + decode); verified by a "
+        "fingerprint (xxh3-128 over structure and bytes) against the saved state; zero_copy=False once for reference"
+    ),
+    "peer_pull": "Delete of the newest step on h0 (h0 stays up), then h0's Fetch RPC timed alone: the store's pull from peer RAM",
+    "restore_peer_deleted": "as restore_local, after the newest step was deleted on h0: h0's Fetch pulls it from the group peer",
+    "restore_peer": (
+        "after a host loss: h0 SIGKILLed, a new restore process waiting, h0's replacement started (empty RAM; its startup "
+        "repair pass pulls the newest keep steps and the client's Fetch joins the pull of the newest); timed from the "
+        "replacement accepting connections (or its 'serving on' log line, if earlier) to load() returned in the new process; "
+        "the store's log says whether the repair pass, the Fetch, or both pulled"
+    ),
+    "restore_durable": DURABLE_NOTE,
+    "store_memory": (
+        "after the measured saves: /proc/<pid>/status VmRSS (RssAnon, RssFile, RssShmem) and /proc/<pid>/smaps_rollup Pss of "
+        "each store process; shard bytes held = sum of nbytes over its List RPC; used_bytes (Health) = held segments + pooled "
+        "free segments; the target uses RSS / shard bytes held of the worst store holding shards"
+    ),
+    "leak_check": (
+        "a separate cluster (the headline's hosts and R) and a saving process: --leak-saves consecutive save() + wait() of a "
+        "--leak-size state, each followed by retention settling; VmRSS of each store and of the saving process after save 10 "
+        "vs after the last save"
+    ),
+    "conditions": (
+        "per scenario and run: PSI CPU pressure (share of time some task waited for a CPU, this bench's included), load "
+        "average, and the CPU seconds other processes took (machine busy time from /proc/stat minus this bench and its children)"
+    ),
+    "memory": "peak of the summed PSS of this process and its children (stores, helpers), sampled every 0.5 s and per step",
 }
 
 
@@ -1304,144 +2498,263 @@ def _fmt_ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_faster(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}x faster" if v >= 1 else f"{1 / v:.1f}x slower"
+
+
+def _fmt_pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.1f}%"
+
+
+def _fmt_bytes(n: int | None) -> str:
     from memstore.core.sizes import format_size
 
-    return format_size(n)
+    return "-" if n is None else format_size(n)
 
 
-def _data_plane(cfg: dict[str, Any], cl: dict[str, Any]) -> str:
+def _data_plane(flag: str | None, cl: dict[str, Any]) -> str:
     if cl.get("store_data_port"):
-        return "raw TCP data channel" if cfg.get("data_plane") != "grpc" else "gRPC streams"
+        return "raw TCP data channel" if flag != "grpc" else "gRPC streams"
     return "gRPC streams"
 
 
+def _verdict(t: dict[str, Any]) -> str:
+    if t["pass"] is None:
+        return "n/a"
+    return "[bold green]PASS[/]" if t["pass"] else "[bold red]MISS[/]"
+
+
 def render(result: dict[str, Any], console: Console) -> None:
+    head = result["cluster"]
+    info = result["sizes"][str(head["size"])]
+    _render_headline(result, head, info, console)
+    _render_floors(head, info, console)
+    _render_memory(head, result["leak_check"], console)
+    _render_diagnosis(result, head, info, console)
+    if len(result["scenarios"]) > 1 or result["skipped"]:
+        _render_matrix(result, console)
+    m = result["machine"]
+    cfg = result["config"]
+    cond = result["conditions"]
+    busy = cond.get("cpu_pressure_some_share_during_run")
+    other = cond.get("other_cpu_share_of_machine")
+    console.print(
+        f"[dim]{m['cpu_count']} CPUs ({m['cpu_model']}), {_fmt_bytes(m['ram_bytes'])} RAM, Python {m['python']}, torch {m['torch']} "
+        f"({m['torch_threads']} threads), grpcio {m['grpcio']}. Warm-up: {cfg['warmup']} cold saves (keep+1) so the store's "
+        f"segment pool is warm, then the measured saves. Peak memory (PSS, this process + stores + helpers): "
+        f"{_fmt_bytes(cond['memory_peak_pss_bytes'])} during {cond['memory_peak_phase']}. CPU pressure during the run: "
+        f"{'-' if busy is None else f'{busy * 100:.0f}%'} of the time some task (this bench's own included) waited for a CPU; "
+        f"other processes took {'-' if other is None else f'{other * 100:.0f}%'} of the machine's CPU time. "
+        f"Run took {result['duration_seconds']:.0f} s.[/]"
+    )
+    if cfg["store_env"]:
+        console.print(f"[yellow]store processes ran with extra environment: {' '.join(f'{k}={v}' for k, v in cfg['store_env'].items())}[/]")
+    if not result["ok"]:
+        console.print("[bold red]a restored state differed from the saved one[/]")
+
+
+def _render_headline(result: dict[str, Any], cl: dict[str, Any], info: dict[str, Any], console: Console) -> None:
     from rich.table import Table
 
     cfg = result["config"]
-    m = result["machine"]
-    st = result["state"]
-    fl = result["floors"]
-    cl = result["cluster"]
-    ra = result["ratios"]
-    tg = result["targets"]
+    st = info["state"]
+    fl = info["floors"]
+    ra = cl["ratios"]
+    tg = cl["targets"]
     nb = st["shard_bytes"]
-
-    def verdict(t: dict[str, Any]) -> str:
-        if t["pass"] is None:
-            return "n/a"
-        return "[bold green]PASS[/]" if t["pass"] else "[bold red]MISS[/]"
-
+    where = f"--endpoints {cfg['endpoints']}" if cfg["endpoints"] else "127.0.0.1"
     title = (
-        f"memstore bench: {_fmt_bytes(st['bytes'])} of float32 state ({st['tensors']} tensors) on 1 rank, "
-        f"{cfg['hosts']} hosts, R={cfg['replicas']}, 127.0.0.1, data plane: {_data_plane(cfg, cl)}"
+        f"memstore bench [{cl['name']}{', headline' if len(result['scenarios']) > 1 else ''}]: {_fmt_bytes(st['bytes'])} of float32 state "
+        f"({st['tensors']} tensors) on 1 rank, {cl['hosts']} hosts, R={cl['replicas']}, {where}, data plane: {cl['data_plane']}"
     )
     t = Table(title=title)
     t.add_column("figure")
     t.add_column("memstore", justify="right")
-    t.add_column("floor (same run)")
+    t.add_column("baseline (same run)")
     t.add_column("ratio", justify="right")
     t.add_column("target", justify="right")
     t.add_column("", justify="center")
 
     stall = cl["stall_seconds"]
     paired = cl["paired_memcpy_seconds"]["p50"]
-    fresh_s = fl["memcpy"]["torch_copy_fresh_seconds"]["p50"]
     t.add_row(
         f"save() stall p50 (warm, n={stall['n']})",
         f"{_fmt_s(stall['p50'])} ({_fmt_bps(nb / stall['p50'])})",
         f"torch copy_ pre-faulted {_fmt_s(paired)} ({_fmt_bps(nb / paired)})",
         _fmt_ratio(ra["stall_p50_over_memcpy"]),
-        f"<= {STALL_TARGET:.1f}x",
-        verdict(tg["stall_p50_le_2x_memcpy"]),
+        f"<= {STALL_MEMCPY_MAX}x",
+        _verdict(tg["stall_vs_memcpy"]),
     )
     t.add_row("save() stall p95 (warm)", _fmt_s(stall["p95"]), "same", _fmt_ratio(ra["stall_p95_over_memcpy"]), "", "")
     cold = cl["cold_saves_stall_seconds"]
     t.add_row(
         f"first save / cold saves p50, max (n={cold['n']})",
         f"{_fmt_s(cl['first_save']['save_wall_seconds'])} / {_fmt_s(cold['p50'])}, {_fmt_s(cold['max'])}",
-        f"torch copy_ into fresh memory {_fmt_s(fresh_s)}",
+        f"torch copy_ into fresh memory {_fmt_s(fl['memcpy']['torch_copy_fresh_seconds']['p50'])}",
         _fmt_ratio(ra["first_save_over_memcpy_fresh"]),
         "",
         "",
     )
     disk = fl["disk"]
+    low = ra["torch_save_fsync_over_stall_p50"]
     t.add_row(
-        "save() stall p50 vs disk",
+        "save() stall p50 vs torch.save",
         _fmt_s(stall["p50"]),
         f"torch.save + fsync {_fmt_s(disk['save_fsync_seconds'])}",
-        _fmt_ratio(ra["stall_p50_over_torch_save_fsync"]),
+        "-" if low is None else f"{low:.1f}x lower",
+        f">= {STALL_DISK_MIN:.0f}x lower",
+        _verdict(tg["stall_vs_torch_save_fsync"]),
+    )
+    dcp = fl["dcp"]
+    t.add_row(
+        "save() stall p50 vs DCP async_save (blocking)",
+        _fmt_s(stall["p50"]),
+        f"DCP async_save returns after {_fmt_s(dcp['default']['blocking_seconds']['p50'])} (default staging, n={dcp['reps']})",
+        _fmt_ratio(ra["stall_p50_over_dcp_async_blocking"]),
+        f"<= {STALL_DCP_MAX:.2f}x",
+        _verdict(tg["stall_vs_dcp_async_save"]),
+    )
+    t.add_row(
+        "  same, DCP with a reused stager (reference)",
+        _fmt_s(stall["p50"]),
+        f"DCP async_save returns after {_fmt_s(dcp['reused_stager']['blocking_seconds']['p50'])} (cached staging memory)",
+        _fmt_ratio(ra["stall_p50_over_dcp_async_blocking_reused_stager"]),
         "",
         "",
     )
     com = cl["committed_seconds"]
     t.add_row(
-        "time to committed p50 / p95",
+        f"time to committed p50 / p95 (R={cl['replicas']} copies)",
         f"{_fmt_s(com['p50'])} / {_fmt_s(com['p95'])}",
-        f"torch.save + fsync {_fmt_s(disk['save_fsync_seconds'])}",
-        _fmt_ratio(ra["committed_p50_over_torch_save_fsync"]),
+        f"DCP async_save done (fsynced) {_fmt_s(dcp['default']['total_seconds']['p50'])}; torch.save + fsync "
+        f"{_fmt_s(disk['save_fsync_seconds'])}",
+        _fmt_ratio(ra["committed_p50_over_dcp_async_total"]),
         "",
         "",
     )
     tcp_bps = fl["tcp"]["bytes_per_second"]["p50"]
-    if cfg["replicas"] >= 2:
+    if cl["replicas"] >= 2:
         t.add_row(
             "replication throughput p50",
             f"{_fmt_bps(cl['replication_bytes_per_second']['p50'])} ({_fmt_s(cl['replication_seconds']['p50'])})",
             f"raw TCP loopback {_fmt_bps(tcp_bps)}",
             _fmt_ratio(ra["replication_over_raw_tcp"]),
-            f">= {REPLICATION_TARGET:.1f}x",
-            verdict(tg["replication_ge_half_raw_tcp"]),
+            f">= {REPLICATION_MIN}x",
+            _verdict(tg["replication_vs_raw_tcp"]),
         )
+    else:
+        t.add_row("replication throughput", "n/a (R=1)", "", "", "", "n/a")
     warm = disk["load_warm_seconds"]["p50"]
     cold_load = disk["load_cold_seconds"]["p50"]
     load_floor = f"torch.load cached {_fmt_s(warm)} / evicted {_fmt_s(cold_load)}"
     loc = cl["restore_local"]
     t.add_row(
-        f"restore from local RAM p50 (src {','.join(loc['source_hosts'])}, n={loc['load_seconds']['n']})",
-        f"{_fmt_s(loc['load_seconds']['p50'])} ({_fmt_bps(nb / loc['load_seconds']['p50'])})",
+        f"restore from local RAM after a trainer crash: new process, zero-copy (n={loc['seconds']['n']})",
+        f"{_fmt_s(loc['seconds']['p50'])} ({_fmt_bps(nb / loc['seconds']['p50'])})",
         load_floor,
-        f"{_fmt_ratio(ra['restore_local_over_torch_load_warm'])} / {_fmt_ratio(ra['restore_local_over_torch_load_cold'])}",
+        f"{_fmt_faster(ra['torch_load_warm_over_restore_local'])} / {_fmt_faster(ra['torch_load_cold_over_restore_local'])}",
+        f">= {LOCAL_RESTORE_LOAD_MIN:.0f}x faster",
+        _verdict(tg["restore_local_vs_torch_load"]),
+    )
+    lc = cl["restore_local_copy"]
+    t.add_row(
+        "  same, load(zero_copy=False) (reference)",
+        f"{_fmt_s(lc['seconds']['p50'])} ({_fmt_bps(nb / lc['seconds']['p50'])})",
+        load_floor,
+        _fmt_faster(ra["torch_load_warm_over_restore_local_copy"]),
         "",
         "",
     )
-    if "restore_peer" in cl:
-        p = cl["restore_peer"]
+    peer = cl.get("restore_peer")
+    if peer:
+        who = "+".join(peer.get("pulled_by") or []) or "?"
         t.add_row(
-            f"restore from peer RAM p50 (src {','.join(p['source_hosts'])}, n={p['load_seconds']['n']})",
-            f"{_fmt_s(p['load_seconds']['p50'])} ({_fmt_bps(nb / p['load_seconds']['p50'])})",
-            load_floor,
-            f"{_fmt_ratio(ra['restore_peer_over_torch_load_warm'])} / {_fmt_ratio(ra['restore_peer_over_torch_load_cold'])}",
-            "",
-            "",
-        )
-        t.add_row(
-            "  of which the peer pull (peer - local)",
-            f"{_fmt_s(p['pull_seconds_estimate'])} ({_fmt_bps(p['pull_bytes_per_second_estimate'])})",
+            f"restore from peer RAM after a host loss: replacement serving -> loaded, new process (n={peer['seconds']['n']}, "
+            f"src {','.join(peer['source_hosts'])}, pulled by {who})",
+            f"{_fmt_s(peer['seconds']['p50'])} ({_fmt_bps(peer['bytes_per_second'])})",
             f"raw TCP loopback {_fmt_bps(tcp_bps)}",
-            _fmt_ratio(_ratio(p["pull_bytes_per_second_estimate"], tcp_bps)),
-            "",
-            "",
+            _fmt_ratio(ra["restore_peer_over_raw_tcp"]),
+            f">= {PEER_RESTORE_TCP_MIN}x",
+            _verdict(tg["restore_peer_vs_raw_tcp"]),
         )
-    if "restore_replacement" in cl:
-        r = cl["restore_replacement"]
-        who = "+".join(k for k in ("fetch", "repair") if r[f"{k}_pulls"]) or "?"
         t.add_row(
-            f"replacement h0: serving -> loaded (src {r['source_host']}; pulls: {who})",
-            _fmt_s(r["load_seconds"]),
+            "  same, vs torch.load",
+            _fmt_s(peer["seconds"]["p50"]),
             load_floor,
-            f"{_fmt_ratio(ra['restore_replacement_over_torch_load_warm'])} / {_fmt_ratio(ra['restore_replacement_over_torch_load_cold'])}",
+            f"{_fmt_faster(ra['torch_load_warm_over_restore_peer'])} / {_fmt_faster(ra['torch_load_cold_over_restore_peer'])}",
+            f">= {PEER_RESTORE_LOAD_MIN:.0f}x faster",
+            _verdict(tg["restore_peer_vs_torch_load"]),
+        )
+    elif cl["replicas"] >= 2:
+        t.add_row("restore from peer RAM after a host loss", "skipped", cl.get("restore_peer_note", ""), "", "", "")
+    else:
+        t.add_row("restore from peer RAM", "n/a (R=1)", cl.get("restore_peer_note", ""), "", "", "n/a")
+    pd = cl.get("restore_peer_deleted")
+    if pd:
+        deleted_targets = not peer
+        t.add_row(
+            f"{'restore from peer RAM' if deleted_targets else '  owner store up'}, its copy deleted: new process "
+            f"(n={pd['seconds']['n']}, src {','.join(pd['source_hosts'])})",
+            f"{_fmt_s(pd['seconds']['p50'])} ({_fmt_bps(nb / pd['seconds']['p50'])})",
+            f"raw TCP {_fmt_bps(tcp_bps)}; torch.load cached {_fmt_s(warm)}",
+            f"{_fmt_ratio(ra['restore_peer_deleted_over_raw_tcp'])}; {_fmt_faster(ra['torch_load_warm_over_restore_peer_deleted'])}",
+            f">= {PEER_RESTORE_TCP_MIN}x; >= {PEER_RESTORE_LOAD_MIN:.0f}x" if deleted_targets else "",
+            f"{_verdict(tg['restore_peer_vs_raw_tcp'])} {_verdict(tg['restore_peer_vs_torch_load'])}" if deleted_targets else "",
+        )
+    pp = cl.get("peer_pull")
+    if pp:
+        t.add_row(
+            f"  of which the store's pull (Fetch RPC alone, n={pp['seconds']['n']})",
+            f"{_fmt_s(pp['seconds']['p50'])} ({_fmt_bps(pp['bytes_per_second']['p50'])})",
+            f"raw TCP loopback {_fmt_bps(tcp_bps)}",
+            _fmt_ratio(ra["peer_pull_over_raw_tcp"]),
             "",
             "",
         )
+    t.add_row("restore from durable storage", DURABLE_NOTE, "", "", "", "n/a")
+    mem = cl["store_memory"]
+    worst = mem.get("worst_host")
+    if worst:
+        w = mem["stores"][worst]
+        t.add_row(
+            f"store RSS / shard bytes held (worst: {worst}, {w['shards']} shards)",
+            f"{_fmt_bytes(w['memory']['rss'])} / {_fmt_bytes(w['shard_bytes_held'])}",
+            f"RSS / (held + pooled free segments {_fmt_bytes(w['pooled_bytes_estimate'])}) = {_fmt_ratio(w['rss_over_held_plus_pooled'])}",
+            _fmt_ratio(ra["store_rss_over_held_max"]),
+            f"<= {STORE_RSS_MAX}x",
+            _verdict(tg["store_rss_vs_held"]),
+        )
+    else:
+        t.add_row("store RSS / shard bytes held", "n/a", mem.get("note", ""), "", "", "n/a")
+    leak = result["leak_check"]
+    if leak.get("processes"):
+        t.add_row(
+            f"RSS growth, save {leak['reference_save']} -> {leak['saves']} ({_short_size(leak['size'])} state; worst: {leak['worst']})",
+            _fmt_pct(leak["max_growth_percent"]),
+            ", ".join(f"{k} {_fmt_pct(v['growth_percent'])}" for k, v in leak["processes"].items()),
+            "",
+            f"< {LEAK_MAX_PERCENT:.0f}%",
+            _verdict(tg["rss_growth_over_saves"]),
+        )
+    else:
+        t.add_row("RSS growth over consecutive saves", "skipped", leak.get("skipped", ""), "", "", "n/a")
     console.print(t)
+    passed = sum(1 for x in tg.values() if x["pass"] is True)
+    missed = [k for k, x in tg.items() if x["pass"] is False]
+    console.print(f"targets: {passed} PASS, {len(missed)} MISS{': ' + ', '.join(missed) if missed else ''}")
 
-    f = Table(title="floors and references (same run)")
+
+def _render_floors(cl: dict[str, Any], info: dict[str, Any], console: Console) -> None:
+    from rich.table import Table
+
+    fl = info["floors"]
+    nb = info["state"]["shard_bytes"]
+    f = Table(title=f"baselines and references ({_short_size(cl['size'])}, same run)")
     f.add_column("measurement")
     f.add_column("time", justify="right")
     f.add_column("throughput", justify="right")
     mc = fl["memcpy"]
+    paired = cl["paired_memcpy_seconds"]["p50"]
     f.add_row(
         f"torch copy_ pre-faulted, paired with the saves (p50 of {cl['paired_memcpy_seconds']['n']})", _fmt_s(paired), _fmt_bps(nb / paired)
     )
@@ -1452,7 +2765,9 @@ def render(result: dict[str, Any], console: Console) -> None:
     if mc.get("shm_torch_copy_seconds"):
         shm = mc["shm_torch_copy_seconds"]["p50"]
         f.add_row("torch copy_ into a pre-faulted /dev/shm MAP_SHARED mapping (p50 of 5)", _fmt_s(shm), _fmt_bps(nb / shm))
+    fresh_s = mc["torch_copy_fresh_seconds"]["p50"]
     f.add_row("torch copy_ into fresh memory (incl. page faults, p50 of 2)", _fmt_s(fresh_s), _fmt_bps(nb / fresh_s))
+    tcp_bps = fl["tcp"]["bytes_per_second"]["p50"]
     f.add_row(f"raw TCP loopback, 4 MiB sendall / recv_into (p50 of {TCP_REPS})", _fmt_s(fl["tcp"]["seconds"]["p50"]), _fmt_bps(tcp_bps))
     for key, label in (("grpc_bytes", "raw bytes messages"), ("grpc_protobuf", "PutRequest protobuf messages")):
         g = fl[key]
@@ -1461,6 +2776,7 @@ def render(result: dict[str, Any], console: Console) -> None:
             _fmt_s(g["seconds"]["p50"]),
             f"{_fmt_bps(g['bytes_per_second']['p50'])} = {_fmt_ratio(_ratio(g['bytes_per_second']['p50'], tcp_bps))} TCP",
         )
+    disk = fl["disk"]
     f.add_row(
         f"torch.save + fsync ({disk['filesystem'] or 'local disk'})",
         _fmt_s(disk["save_fsync_seconds"]),
@@ -1468,11 +2784,80 @@ def render(result: dict[str, Any], console: Console) -> None:
     )
     f.add_row("  of which fsync", _fmt_s(disk["fsync_seconds"]), "")
     n_loads = disk["load_cold_seconds"]["n"]
+    cold_load = disk["load_cold_seconds"]["p50"]
+    warm = disk["load_warm_seconds"]["p50"]
     f.add_row(f"torch.load, page cache evicted (p50 of {n_loads})", _fmt_s(cold_load), _fmt_bps(nb / cold_load))
     f.add_row(f"torch.load, page cache warm (p50 of {n_loads})", _fmt_s(warm), _fmt_bps(nb / warm))
+    dcp = fl["dcp"]
+    for mode, label in (("default", "default staging"), ("reused_stager", "reused DefaultStager")):
+        d = dcp[mode]
+        f.add_row(
+            f"DCP async_save, {label}: blocking / total incl. fsync (p50 of {d['blocking_seconds']['n']})",
+            f"{_fmt_s(d['blocking_seconds']['p50'])} / {_fmt_s(d['total_seconds']['p50'])}",
+            f"{_fmt_bps(nb / d['blocking_seconds']['p50'])} / {_fmt_bps(nb / d['total_seconds']['p50'])}",
+        )
+    if dcp["reused_stager"].get("first_call"):
+        fc = dcp["reused_stager"]["first_call"]
+        f.add_row(
+            "  reused DefaultStager, first call (fills its cache)", f"{_fmt_s(fc['blocking_seconds'])} / {_fmt_s(fc['total_seconds'])}", ""
+        )
     console.print(f)
 
-    cm = result["diagnosis"]
+
+def _render_memory(cl: dict[str, Any], leak: dict[str, Any], console: Console) -> None:
+    from rich.table import Table
+
+    mem = cl["store_memory"]
+    t = Table(title=f"store memory after the saves [{cl['name']}] (RSS from /proc/<pid>/status, PSS from smaps_rollup)")
+    for col in ("store", "pid", "shards", "held", "pooled", "VmRSS", "RssShmem", "RssAnon", "Pss", "RSS/held", "RSS/(held+pooled)"):
+        t.add_column(col, justify="left" if col == "store" else "right")
+    for h, e in mem["stores"].items():
+        m = e.get("memory") or {}
+        t.add_row(
+            h,
+            str(e.get("pid") or "-"),
+            str(e.get("shards", "-")),
+            _fmt_bytes(e.get("shard_bytes_held")),
+            _fmt_bytes(e.get("pooled_bytes_estimate")),
+            _fmt_bytes(m.get("rss")),
+            _fmt_bytes(m.get("rss_shmem")),
+            _fmt_bytes(m.get("rss_anon")),
+            _fmt_bytes(m.get("pss")),
+            _fmt_ratio(e.get("rss_over_held")),
+            _fmt_ratio(e.get("rss_over_held_plus_pooled")),
+        )
+    console.print(t)
+    if leak.get("processes"):
+        lt = Table(
+            title=f"RSS over {leak['saves']} consecutive saves of {_short_size(leak['size'])} ({leak['hosts']} hosts, R={leak['replicas']})"
+        )
+        for col in (
+            "process",
+            f"RSS after save {leak['reference_save']}",
+            f"after save {leak['saves']}",
+            "growth",
+            "RssAnon growth",
+            "PSS growth",
+        ):
+            lt.add_column(col, justify="left" if col == "process" else "right")
+        for k, v in leak["processes"].items():
+            lt.add_row(
+                k,
+                _fmt_bytes(v["rss_after_save_ref"]),
+                _fmt_bytes(v["rss_after_last_save"]),
+                _fmt_pct(v["growth_percent"]),
+                f"{v['rss_anon_growth_bytes'] / MiB:+.1f} MiB",
+                _fmt_pct(v["pss_growth_percent"]),
+            )
+        console.print(lt)
+
+
+def _render_diagnosis(result: dict[str, Any], cl: dict[str, Any], info: dict[str, Any], console: Console) -> None:
+    from rich.table import Table
+
+    cm = info["diagnosis"]
+    nb = info["state"]["shard_bytes"]
+    stall = cl["stall_seconds"]
     c = Table(title="diagnosis: CPU cost of the save path and of the gRPC data plane's per-chunk steps (this process, same bytes)")
     c.add_column("step")
     c.add_column("time", justify="right")
@@ -1486,20 +2871,268 @@ def render(result: dict[str, Any], console: Console) -> None:
         c.add_row(f"replication: {k}", _fmt_s(v), _fmt_bps(cm["bytes"] / v if v > 0 else None))
     c.add_row("replication: sender CPU estimate (xxh3 + build + serialize)", _fmt_s(cm["sender_cpu_seconds_estimate"]), "")
     c.add_row("replication: receiver CPU estimate (parse + xxh3 + copy)", _fmt_s(cm["receiver_cpu_seconds_estimate"]), "")
-    if cfg["replicas"] >= 2:
-        c.add_row(f"replication: measured (committed - stall) p50, {_data_plane(cfg, cl)}", _fmt_s(cl["replication_seconds"]["p50"]), "")
+    if cl["replicas"] >= 2:
+        c.add_row(f"replication: measured (committed - stall) p50, {cl['data_plane']}", _fmt_s(cl["replication_seconds"]["p50"]), "")
+    loc = cl["restore_local"]
+    c.add_row("restore (local, new process): connect p50", _fmt_s(loc["connect_seconds"]["p50"]), "")
+    c.add_row(
+        "restore (local, new process): load() p50 (LatestStep + Fetch + Open + map + verify + decode)",
+        _fmt_s(loc["load_seconds"]["p50"]),
+        "",
+    )
+    peer = cl.get("restore_peer")
+    if peer:
+        runs = peer["runs"]
+        c.add_row(
+            "restore (host loss): replacement store start -> serving p50 (not in the figure)",
+            _fmt_s(_percentile([r["restart_seconds"] for r in runs if r.get("restart_seconds")], 50)),
+            "",
+        )
+        c.add_row(
+            "restore (host loss): connect p50 / load() p50",
+            f"{_fmt_s(peer['connect_seconds']['p50'])} / {_fmt_s(peer['load_seconds']['p50'])}",
+            "",
+        )
     console.print(c)
 
+
+def _render_matrix(result: dict[str, Any], console: Console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"all scenarios ({len(result['scenarios'])} run, {len(result['skipped'])} skipped); headline marked *")
+    for col in (
+        "scenario",
+        "stall p50 (x memcpy)",
+        "stall / DCP blocking",
+        "committed p50",
+        "replication (x TCP)",
+        "local restore (vs torch.load)",
+        "peer restore, host loss (x TCP)",
+        "RSS/held (/held+pooled)",
+        "targets",
+        "other CPU / pressure",
+    ):
+        t.add_column(col, justify="left" if col == "scenario" else "right")
+    for s in result["scenarios"]:
+        info = result["sizes"][str(s["size"])]
+        nb = info["state"]["shard_bytes"]
+        ra = s["ratios"]
+        cond = s["conditions"]
+        peer = s.get("restore_peer")
+        peer_txt = "-"
+        if peer:
+            peer_txt = f"{_fmt_s(peer['seconds']['p50'])} ({_fmt_ratio(ra['restore_peer_over_raw_tcp'])})"
+        elif s.get("restore_peer_deleted"):
+            peer_txt = (
+                f"deleted copy: {_fmt_s(s['restore_peer_deleted']['seconds']['p50'])} ({_fmt_ratio(ra['restore_peer_over_raw_tcp'])})"
+            )
+        repl = (
+            "-"
+            if s["replicas"] < 2
+            else f"{_fmt_bps(s['replication_bytes_per_second']['p50'])} ({_fmt_ratio(ra['replication_over_raw_tcp'])})"
+        )
+        missed = [k for k, v in s["targets"].items() if v["pass"] is False]
+        other = cond.get("other_cpu_share_of_machine")
+        pres = cond.get("cpu_pressure_some_share")
+        t.add_row(
+            s["name"] + (" *" if s["headline"] else ""),
+            f"{_fmt_s(s['stall_seconds']['p50'])} ({_fmt_ratio(ra['stall_p50_over_memcpy'])})",
+            _fmt_ratio(ra["stall_p50_over_dcp_async_blocking"]),
+            _fmt_s(s["committed_seconds"]["p50"]),
+            repl,
+            f"{_fmt_s(s['restore_local']['seconds']['p50'])} ({_fmt_faster(ra['torch_load_warm_over_restore_local'])})",
+            peer_txt,
+            f"{_fmt_ratio(ra['store_rss_over_held_max'])} ({_fmt_ratio(ra['store_rss_over_held_plus_pooled_max'])})",
+            f"{s['targets_passed']} PASS, {s['targets_missed']} MISS" + (f" ({', '.join(missed)})" if missed else ""),
+            f"{'-' if other is None else f'{other * 100:.0f}%'} / {'-' if pres is None else f'{pres * 100:.0f}%'}",
+        )
+        del nb
+    console.print(t)
+    for s in result["skipped"]:
+        what = f"{_short_size(s['size'])}, " if s.get("size") else ""
+        console.print(f"[yellow]skipped {what}{s['hosts']} hosts, R={s['replicas']}: {s['reason']}[/]")
+
+
+# --------------------------------------------------------------------------------------------------
+# figures
+# --------------------------------------------------------------------------------------------------
+
+
+def write_plot(result: dict[str, Any], path: str) -> None:
+    """Bars of memstore vs the baselines for stall and restore (headline), throughput and stall vs size, store
+    memory vs bytes held, and RSS over the leak check's saves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    head = result["cluster"]
+    info = result["sizes"][str(head["size"])]
+    fl = info["floors"]
+    nb = info["state"]["shard_bytes"]
+    fig, axes = plt.subplots(2, 3, figsize=(19, 10.5))
+    ms, base, ref = "#1f77b4", "#ff7f0e", "#7f7f7f"
+
+    seconds_fmt = FuncFormatter(lambda v, _pos: _fmt_s(v))
+
+    def log_seconds(axis: Any) -> None:
+        axis.set_major_formatter(seconds_fmt)
+        axis.set_minor_formatter(NullFormatter())
+
+    sizes = sorted(int(k) for k in result["sizes"])
+
+    def size_axis(ax: Any) -> None:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([x / MiB for x in sizes], [_short_size(x) for x in sizes])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlim(sizes[0] / MiB / 1.5, sizes[-1] / MiB * 1.5)
+        ax.set_xlabel("state size")
+
+    def bars(ax: Any, items: list[tuple[str, float | None, str]], title: str) -> None:
+        shown = [(n, float(v), c) for n, v, c in items if v]
+        ys = list(range(len(shown)))
+        ax.barh(ys, [v for _, v, _ in shown], color=[c for _, _, c in shown])
+        ax.set_yticks(ys, [n for n, _, _ in shown], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        log_seconds(ax.xaxis)
+        ax.set_xlim(min(v for _, v, _ in shown) / 2, max(v for _, v, _ in shown) * 4)
+        ax.set_xlabel("seconds (log); blue: memstore, orange: baselines, grey: hardware floor")
+        ax.set_title(title, fontsize=10)
+        for y, (_, v, _) in zip(ys, shown, strict=True):
+            ax.text(v, y, f" {_fmt_s(v)}", va="center", fontsize=7)
+
+    dcp = fl["dcp"]
+    bars(
+        axes[0][0],
+        [
+            ("memstore save() stall p50", head["stall_seconds"]["p50"], ms),
+            ("memstore save() stall p95", head["stall_seconds"]["p95"], ms),
+            ("torch copy_ pre-faulted (paired)", head["paired_memcpy_seconds"]["p50"], ref),
+            ("DCP async_save blocking (default)", dcp["default"]["blocking_seconds"]["p50"], base),
+            ("DCP async_save blocking (reused stager)", dcp["reused_stager"]["blocking_seconds"]["p50"], base),
+            ("torch.save + fsync", fl["disk"]["save_fsync_seconds"], base),
+            ("memstore time to committed p50", head["committed_seconds"]["p50"], ms),
+            ("DCP async_save total (fsynced)", dcp["default"]["total_seconds"]["p50"], base),
+        ],
+        f"trainer stall [{head['name']}]",
+    )
+    peer = head.get("restore_peer") or {}
+    bars(
+        axes[0][1],
+        [
+            ("local RAM, new process, zero-copy", head["restore_local"]["seconds"]["p50"], ms),
+            ("local RAM, new process, copy", head["restore_local_copy"]["seconds"]["p50"], ms),
+            ("peer RAM after host loss", (peer.get("seconds") or {}).get("p50"), ms),
+            ("peer RAM, owner's copy deleted", ((head.get("restore_peer_deleted") or {}).get("seconds") or {}).get("p50"), ms),
+            ("store pull alone (Fetch)", ((head.get("peer_pull") or {}).get("seconds") or {}).get("p50"), ms),
+            ("raw TCP, same bytes", fl["tcp"]["seconds"]["p50"], ref),
+            ("torch.load, page cache warm", fl["disk"]["load_warm_seconds"]["p50"], base),
+            ("torch.load, page cache evicted", fl["disk"]["load_cold_seconds"]["p50"], base),
+        ],
+        f"restore [{head['name']}] (durable tier: n/a)",
+    )
+
+    # throughput vs size, per (hosts, R)
+    ax = axes[0][2]
+    series: dict[str, list[tuple[int, float, float | None]]] = {}
+    for s in result["scenarios"]:
+        snb = result["sizes"][str(s["size"])]["state"]["shard_bytes"]
+        repl = s["replication_bytes_per_second"]["p50"] if s["replicas"] >= 2 else None
+        p = s.get("restore_peer")
+        series.setdefault(f"{s['hosts']}h R={s['replicas']}", []).append((s["size"], repl or 0.0, snb / p["seconds"]["p50"] if p else None))
+    for label, pts in sorted(series.items()):
+        pts.sort()
+        if any(r for _, r, _ in pts):
+            line = ax.plot([x / MiB for x, _, _ in pts], [r / GiB for _, r, _ in pts], marker="o", label=f"replication {label}")[0]
+            peer_pts = [(x, pr) for x, _, pr in pts if pr]
+            if peer_pts:
+                ax.plot([x / MiB for x, _ in peer_pts], [v / GiB for _, v in peer_pts], marker="x", ls="--", color=line.get_color(),
+                        label=f"peer restore {label}")  # fmt: skip
+    ax.plot([x / MiB for x in sizes], [result["sizes"][str(x)]["floors"]["tcp"]["bytes_per_second"]["p50"] / GiB for x in sizes],
+            color="k", marker="s", lw=2, label="raw TCP loopback")  # fmt: skip
+    size_axis(ax)
+    ax.set_ylabel("GiB/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title("throughput vs size", fontsize=10)
+    ax.legend(fontsize=7)
+
+    # stall vs size
+    ax = axes[1][0]
+    stall_series: dict[str, list[tuple[int, float]]] = {}
+    for s in result["scenarios"]:
+        stall_series.setdefault(f"{s['hosts']}h R={s['replicas']}", []).append((s["size"], s["stall_seconds"]["p50"]))
+    for label, spts in sorted(stall_series.items()):
+        spts.sort()
+        ax.plot([x / MiB for x, _ in spts], [v for _, v in spts], marker="o", label=f"memstore stall {label}")
+    for key, label, color in (
+        (lambda f: f["memcpy"]["torch_copy_seconds"]["p50"], "torch copy_ pre-faulted", ref),
+        (lambda f: f["dcp"]["default"]["blocking_seconds"]["p50"], "DCP async_save blocking", base),
+        (lambda f: f["disk"]["save_fsync_seconds"], "torch.save + fsync", "#d62728"),
+    ):
+        ax.plot(
+            [x / MiB for x in sizes], [key(result["sizes"][str(x)]["floors"]) for x in sizes], color=color, marker="s", lw=2, label=label
+        )
+    size_axis(ax)
+    ax.set_yscale("log")
+    log_seconds(ax.yaxis)
+    ax.set_ylabel("seconds (log)")
+    ax.set_title("stall vs size", fontsize=10)
+    ax.legend(fontsize=7)
+
+    # store memory
+    ax = axes[1][1]
+    mem = head["store_memory"]["stores"]
+    hosts = list(mem)
+    xs = list(range(len(hosts)))
+    w = 0.2
+    for i, (kind, label, color) in enumerate(
+        (
+            ("held", "shard bytes held", "#2ca02c"),
+            ("used", "held + pooled (used_bytes)", "#98df8a"),
+            ("rss", "VmRSS", ms),
+            ("pss", "Pss", "#aec7e8"),
+        )
+    ):
+        vals = []
+        for h in hosts:
+            e = mem[h]
+            m = e.get("memory") or {}
+            v = {"held": e.get("shard_bytes_held"), "used": e.get("used_bytes"), "rss": m.get("rss"), "pss": m.get("pss")}[kind]
+            vals.append((v or 0) / GiB)
+        ax.bar([x + (i - 1.5) * w for x in xs], vals, w, label=label, color=color)
+    ax.set_xticks(xs, hosts)
+    ax.set_ylabel("GiB")
+    ax.set_title(f"store memory after the saves [{head['name']}]", fontsize=10)
+    ax.legend(fontsize=7, loc="lower center")
+
+    # leak check
+    ax = axes[1][2]
+    leak = result["leak_check"]
+    if leak.get("processes"):
+        for label, v in leak["processes"].items():
+            ys = [(x or 0) / MiB for x in v["rss_series"]]
+            ax.plot(range(1, len(ys) + 1), ys, label=f"{label} ({_fmt_pct(v['growth_percent'])})")
+        ax.axvline(leak["reference_save"], color=ref, ls=":")
+        ax.set_xlabel("save #")
+        ax.set_ylabel("VmRSS (MiB)")
+        ax.set_title(f"RSS over {leak['saves']} saves of {_short_size(leak['size'])} (leak check)", fontsize=10)
+        ax.legend(fontsize=7)
+    else:
+        ax.set_axis_off()
+        ax.set_title("leak check skipped", fontsize=10)
+
+    m = result["machine"]
     cond = result["conditions"]
     busy = cond.get("cpu_pressure_some_share_during_run")
-    console.print(
-        f"[dim]{m['cpu_count']} CPUs ({m['cpu_model']}), {_fmt_bytes(m['ram_bytes'])} RAM, Python {m['python']}, torch {m['torch']} "
-        f"({m['torch_threads']} threads), grpcio {m['grpcio']}. Warm-up: {cfg['warmup']} cold saves (keep+1) so the store's "
-        f"segment pool is warm, then {cfg['saves']} measured saves. Peak memory (PSS, this process + stores): "
-        f"{_fmt_bytes(cond['memory_peak_pss_bytes'])} during {cond['memory_peak_phase']}. CPU pressure during the run: "
-        f"{'-' if busy is None else f'{busy * 100:.0f}%'} of the time some task (this bench's own included) waited for a CPU.[/]"
+    fig.suptitle(
+        f"memstore bench: headline {head['name']} ({_fmt_bytes(nb)} shard), {len(result['scenarios'])} scenario(s); "
+        f"{m['cpu_count']} CPUs, {_fmt_bytes(m['ram_bytes'])} RAM, torch {m['torch']}; CPU pressure "
+        f"{'-' if busy is None else f'{busy * 100:.0f}%'}",
+        fontsize=11,
     )
-    if cfg["store_env"]:
-        console.print(f"[yellow]store processes ran with extra environment: {' '.join(f'{k}={v}' for k, v in cfg['store_env'].items())}[/]")
-    if not result["ok"]:
-        console.print("[bold red]a restored state differed from the saved one[/]")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -141,7 +141,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from memstore.demo import run_demo
 
     return run_demo(
-        hosts=args.hosts, replicas=args.replicas, ranks=args.ranks, steps=args.steps, kill_at=args.kill_at, size_mib=args.size_mib
+        hosts=args.hosts, replicas=args.replicas, ranks=args.ranks, steps=args.steps, kill_at=args.kill_at, model_size=args.model_size
     )
 
 
@@ -168,13 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoints-file", default=None, help='write {"hosts": {"<host_id>": "127.0.0.1:<port>"}} here')
     p.set_defaults(func=cmd_local_cluster)
 
-    p = sub.add_parser("demo", help="end-to-end showcase on an embedded local cluster")
-    p.add_argument("--hosts", type=int, default=4)
+    p = sub.add_parser("demo", help="end-to-end showcase: DDP training survives a host loss bit-exactly")
+    p.add_argument("--hosts", type=int, default=4, help="stores on 127.0.0.1 (one trainer rank each by default)")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--kill-at", type=int, default=3, help="kill a store after this step")
-    p.add_argument("--size-mib", type=float, default=4.0, help="state size per rank")
+    p.add_argument("--ranks", type=int, default=None, help="DDP ranks (default: one per host)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--kill-at", type=int, default=20, help="SIGKILL a host after this step")
+    p.add_argument("--model-size", choices=["tiny", "small", "medium"], default="small")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("simulate", help="scale simulator: ETTR and wasted GPU-hours, memstore vs storage checkpoints", add_help=False)

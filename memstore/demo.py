@@ -1,121 +1,261 @@
-"""``memstore demo``: save, kill a host, restore from survivors, verify bit-exactness.
+"""``memstore demo``: a real DDP training job survives the loss of a host, bit for bit.
 
-Runs on an embedded local cluster (real store processes on 127.0.0.1). Ranks are simulated by
-clients in this process, spread evenly over the hosts; each saves a model-and-optimizer-like state
-every step. After step ``kill_at`` the demo SIGKILLs one store, checks that every rank still restores
-the latest step bit-exactly (from local RAM or a peer), starts the replacement store, and checks that
-it serves its ranks again. Exit status is non-zero if any check fails.
+1. Starts a local cluster (default 4 stores, R=2) on 127.0.0.1.
+2. Trains a tiny transformer language model with DDP over gloo, one rank per host, once without
+   any fault: the reference.
+3. Trains the same job again, checkpointing every step into memstore. Mid-run it SIGKILLs one host:
+   its store and its trainer rank. Like a cluster scheduler, it then restarts the job: a replacement
+   store comes up for the lost host (same id and address, empty RAM) and every rank restarts,
+   restores the newest step restorable for all ranks (the lost host's rank through the replacement,
+   from peer RAM) and trains to the end.
+4. Checks that the loss curve and the final weights of every rank are bit-identical to the
+   reference, prints a summary, and exits non-zero if not.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from memstore.local_cluster import LocalCluster, wait_for
+from memstore.local_cluster import LocalCluster, free_ports
 
 
-def _state(rank: int, step: int, size_mib: float) -> dict[str, Any]:
-    import torch
+class DemoFailure(Exception):
+    pass
 
-    g = torch.Generator().manual_seed(rank * 7919 + step)
-    n = max(1, int(size_mib * (1 << 20) / 4 / 3))
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class _Job:
+    """The trainer processes of one launch of the job."""
+
+    def __init__(self, workdir: Path, name: str, ranks: int, steps: int, model_size: str, stores: list[str] | None, resume: bool) -> None:
+        self.workdir = workdir / name
+        self.workdir.mkdir(parents=True)
+        self.progress = self.workdir / "progress.jsonl"
+        self.progress.touch()
+        (port,) = free_ports(1)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        for r in range(ranks):
+            args = [sys.executable, "-m", "memstore.demo_worker", "--rank", str(r), "--world", str(ranks), "--master-port", str(port),
+                    "--steps", str(steps), "--model-size", model_size, "--progress", str(self.progress),
+                    "--out", str(self.workdir / f"rank{r}.json")]  # fmt: skip
+            if stores is not None:
+                args += ["--store", stores[r]]
+            if resume:
+                args.append("--resume")
+            log = open(self.workdir / f"rank{r}.log", "wb")  # noqa: SIM115
+            self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env))
+            log.close()
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.progress.read_text().splitlines() if line.strip()]
+
+    def last_step(self) -> int:
+        return max((e["step"] for e in self.events() if e.get("event") == "step"), default=0)
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for r, p in enumerate(self.procs):
+            try:
+                code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise DemoFailure(f"rank {r} did not finish within {timeout:.0f}s; log: {self.workdir / f'rank{r}.log'}") from None
+            if code != 0:
+                self.kill()
+                tail = (self.workdir / f"rank{r}.log").read_text(errors="replace")[-2000:]
+                raise DemoFailure(f"rank {r} exited with {code}:\n{tail}")
+
+    def check_alive(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.poll() not in (None, 0):
+                tail = (self.workdir / f"rank{r}.log").read_text(errors="replace")[-2000:]
+                self.kill()
+                raise DemoFailure(f"rank {r} exited with {p.returncode}:\n{tail}")
+
+    def kill(self, ranks: list[int] | None = None) -> None:
+        for r, p in enumerate(self.procs):
+            if (ranks is None or r in ranks) and p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait(timeout=10)
+
+    def results(self) -> list[dict[str, Any]]:
+        return [json.loads((self.workdir / f"rank{r}.json").read_text()) for r in range(len(self.procs))]
+
+
+def _progress_until(job: _Job, target: int, total: int, label: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    shown = 0
+    tty = sys.stdout.isatty()
+    while True:
+        job.check_alive()
+        step = job.last_step()
+        if step > shown and (tty or step >= target or step // 10 > shown // 10):
+            shown = step
+            bar = "#" * int(30 * step / total)
+            print(f"\r  {label} step {step:>4}/{total} [{bar:<30}]", end="" if tty else "\n", flush=True)
+        if step >= target or all(p.poll() is not None for p in job.procs):
+            if tty:
+                print(flush=True)
+            return
+        if time.monotonic() > deadline:
+            job.kill()
+            raise DemoFailure(f"{label}: no progress to step {target} within {timeout:.0f}s")
+        time.sleep(0.1)
+
+
+def run_demo(hosts: int = 4, replicas: int = 2, ranks: int | None = None, steps: int = 40, kill_at: int = 20,
+             model_size: str = "small", timeout: float = 600.0) -> int:  # fmt: skip
+    ranks = ranks or hosts
+    if hosts < 2:
+        _say("memstore demo needs --hosts >= 2 (one host is killed)")
+        return 2
+    if not 1 <= replicas <= hosts:
+        _say(f"--replicas {replicas} must be within 1..--hosts ({hosts})")
+        return 2
+    if ranks < 1:
+        _say("--ranks must be >= 1")
+        return 2
+    if not 1 <= kill_at < steps:
+        _say(f"--kill-at {kill_at} must be within 1..--steps-1 ({steps - 1})")
+        return 2
+    host_of = [f"h{r * hosts // ranks}" for r in range(ranks)]
+    victim = host_of[-1] if ranks > 1 else "h1"
+    victim_ranks = [r for r in range(ranks) if host_of[r] == victim]
+    started = time.monotonic()
+    _say(f"memstore demo: {hosts} stores on 127.0.0.1 (R={replicas}), {ranks} DDP ranks (gloo), {model_size} transformer LM, {steps} steps")
+    with tempfile.TemporaryDirectory(prefix="memstore-demo-") as tmp:
+        work = Path(tmp)
+        try:
+            with LocalCluster(hosts=hosts, replicas=replicas, capacity="1GiB", workdir=work / "cluster") as cluster:
+                stores = [cluster.address(h) for h in host_of]
+
+                _say("[1/3] reference run, no faults")
+                reference = _Job(work, "reference", ranks, steps, model_size, None, resume=False)
+                _progress_until(reference, steps, steps, "reference", timeout)
+                reference.wait(timeout)
+
+                _say(f"[2/3] checkpointed run: every step saved to memstore; SIGKILL of host {victim} after step {kill_at}")
+                first = _Job(work, "run", ranks, steps, model_size, stores, resume=False)
+                _progress_until(first, kill_at, steps, "training ", timeout)
+                killed_at = first.last_step()
+                t_kill = time.monotonic()
+                cluster.kill(victim)
+                first.kill(victim_ranks)
+                first.kill()  # the other ranks lost their DDP peer: the scheduler restarts the whole job
+                _say(f"  host {victim} (store + rank {victim_ranks}) SIGKILLed at step {killed_at}; job restarted by the scheduler")
+
+                _say(f"[3/3] replacement store for {victim} (empty RAM); every rank restores and trains on")
+                cluster.restart(victim)
+                resumed = _Job(work, "resumed", ranks, steps, model_size, stores, resume=True)
+                _progress_until(resumed, steps, steps, "resumed  ", timeout)
+                resumed.wait(timeout)
+                recovery = time.monotonic() - t_kill
+                summary = _compare(reference, first, resumed, victim_ranks)
+                summary["host_of"] = host_of
+                summary["replicas"] = replicas
+                baseline = _torch_baseline_of(cluster.address("h0"), ranks, steps)
+        except DemoFailure as exc:
+            _say(f"FAILED: {exc}")
+            return 1
+    _print_summary(summary, baseline, recovery, time.monotonic() - started, victim)
+    return 0 if summary["ok"] else 1
+
+
+def _compare(reference: _Job, first: _Job, resumed: _Job, victim_ranks: list[int]) -> dict[str, Any]:
+    ref = reference.results()
+    res = resumed.results()
+    run_events = [e for e in first.events() if e.get("event") == "step"]
+    restored = res[0]["restore"]
+    resumed_from = int(restored["step"])
+    curve = {e["step"]: e["loss"] for e in run_events if e["step"] <= resumed_from}
+    curve.update({int(k): v for k, v in res[0]["losses"].items()})
+    ref_curve = {int(k): v for k, v in ref[0]["losses"].items()}
+    mismatched_weights = [r["rank"] for r, q in zip(res, ref, strict=True) if r["digest"] != q["digest"]]
+    stalls = [s for e in run_events if (s := e.get("stall")) is not None] + [s for r in res for s in r["stalls"]]
     return {
-        "model": {"weight": torch.randn(n, generator=g), "bias": torch.randn(16, generator=g).to(torch.bfloat16)},
-        "optim": {"state": {0: {"exp_avg": torch.randn(n, generator=g), "exp_avg_sq": torch.rand(n, generator=g)}}, "lr": 1e-3},
-        "step": step,
-        "rng": torch.get_rng_state(),
+        "ok": curve == ref_curve and not mismatched_weights,
+        "curve_equal": curve == ref_curve,
+        "mismatched_weights": mismatched_weights,
+        "resumed_from": resumed_from,
+        "restore": {r["rank"]: r["restore"] for r in res},
+        "victim_ranks": victim_ranks,
+        "stall_p50": statistics.median(stalls) if stalls else 0.0,
+        "commit": statistics.median([r["last_commit_seconds"] for r in res]),
+        "model_bytes": res[0]["model_bytes"],
+        "final_loss": ref_curve[max(ref_curve)],
+        "first_loss": ref_curve[min(ref_curve)],
     }
 
 
-def _equal(a: Any, b: Any) -> bool:
+def _torch_baseline_of(store: str, ranks: int, step: int) -> dict[str, float]:
+    """Rank 0's final training state saved and loaded by memstore and by torch.save/torch.load, idle machine."""
     import torch
 
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    return bool(a == b)
-
-
-def run_demo(hosts: int = 4, replicas: int = 2, ranks: int = 8, steps: int = 3, kill_at: int = 3, size_mib: float = 4.0) -> int:
     from trainer_client import CheckpointClient
 
-    if not 1 <= kill_at <= steps:
-        print(f"--kill-at {kill_at} must be within 1..--steps ({steps})")
-        return 2
-    if ranks < hosts:
-        print(f"--ranks {ranks} must be >= --hosts {hosts}")
-        return 2
-    per_host = -(-ranks // hosts)
-    host_of = {r: f"h{r // per_host}" for r in range(ranks)}
-    capacity = f"{int(size_mib * per_host * replicas * 4 + 64)}MiB"
-    job = "demo"
-    victim = "h1" if hosts > 1 else "h0"
-    failures: list[str] = []
-    print(f"memstore demo: {hosts} stores on 127.0.0.1, R={replicas}, {ranks} ranks, {size_mib:g} MiB state per rank")
-    with LocalCluster(hosts=hosts, replicas=replicas, capacity=capacity) as cluster:
-        clients = {r: CheckpointClient(job, r, ranks, store=cluster.address(host_of[r])) for r in range(ranks)}
-        stalls: list[float] = []
-        commits: list[float] = []
-        for step in range(1, kill_at + 1):
-            t0 = time.perf_counter()
-            handles = [(r, clients[r].save(step, _state(r, step, size_mib))) for r in range(ranks)]
-            stalls += [h.stall_seconds for _, h in handles]
-            for _, h in handles:
-                h.wait(timeout=60)
-            commits.append(time.perf_counter() - t0)
-            print(f"  step {step}: {ranks} shards saved and committed with {replicas} copies ({commits[-1] * 1e3:.0f} ms)")
-        for c in clients.values():
-            c.close()
-
-        print(f"  SIGKILL store {victim} (ranks {[r for r in range(ranks) if host_of[r] == victim]})")
-        cluster.kill(victim)
-        survivors = [r for r in range(ranks) if host_of[r] != victim]
+    with CheckpointClient("demo", 0, ranks, store=store) as client:
+        state = client.load(step, zero_copy=False)
+        timings = []
+        for extra in range(1, 4):  # the same save as in training, now without 2x{ranks} processes competing for 2 cores
+            handle = client.save(step + extra, state)
+            timings.append(handle.stall_seconds)
+            handle.wait(timeout=60)
         t0 = time.perf_counter()
-        restored: dict[int, str] = {}
-        for r in survivors:
-            with CheckpointClient(job, r, ranks, store=cluster.address(host_of[r])) as c:
-                latest = c.latest_step()
-                if latest != kill_at:
-                    failures.append(f"rank {r}: latest_step() = {latest}, expected {kill_at}")
-                    continue
-                if not _equal(c.load(latest), _state(r, latest, size_mib)):
-                    failures.append(f"rank {r}: restored state differs from what was saved")
-                restored[r] = c.last_load_source
-        survivor_restore = time.perf_counter() - t0
-
-        cluster.restart(victim)
+        client.load(step)
+        memstore_load = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(
+        prefix="memstore-demo-disk-", dir=os.path.expanduser("~") if os.access(os.path.expanduser("~"), os.W_OK) else None
+    ) as d:
+        path = Path(d) / "state.pt"
         t0 = time.perf_counter()
-        for r in (r for r in range(ranks) if host_of[r] == victim):
-            with CheckpointClient(job, r, ranks, store=cluster.address(victim)) as c:
-                if not _equal(c.load(kill_at), _state(r, kill_at, size_mib)):
-                    failures.append(f"rank {r}: state restored through the replacement store differs")
-                restored[r] = c.last_load_source
-        replacement_restore = time.perf_counter() - t0
-        try:
-            wait_for(lambda: (cluster.health(victim) or _NoHealth).shards >= per_host * replicas, timeout=30, what="repair")
-            print(f"  replacement {victim} repaired: back to {replicas} copies of its group's shards")
-        except TimeoutError as exc:
-            failures.append(str(exc))
+        with open(path, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        save = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        torch.load(path, weights_only=False)
+        load = time.perf_counter() - t0
+    return {"torch_save_fsync": save, "torch_load": load, "memstore_local_load": memstore_load, "memstore_save_idle": min(timings)}
 
-    print()
-    print(f"  save stall per rank:     p50 {statistics.median(stalls) * 1e3:.1f} ms (max {max(stalls) * 1e3:.1f} ms)")
-    print(f"  step committed (all {ranks} ranks, {replicas} copies): p50 {statistics.median(commits) * 1e3:.0f} ms")
-    print(
-        f"  restore of {len(survivors)} surviving ranks: {survivor_restore * 1e3:.0f} ms; "
-        f"{len(restored) - len(survivors)} ranks through the replacement: {replacement_restore * 1e3:.0f} ms"
+
+def _print_summary(s: dict[str, Any], baseline: dict[str, float], recovery: float, total: float, victim: str) -> None:
+    ms = 1e3
+    _say("")
+    _say("summary")
+    weights = s["model_bytes"] / 2**20
+    _say(f"  loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}; training state per rank {weights:.1f} MiB of weights (+ AdamW)")
+    _say(f"  stall per save during training (p50): {s['stall_p50'] * ms:8.2f} ms")
+    _say(
+        f"  same state, idle machine: memstore save {baseline['memstore_save_idle'] * ms:.2f} ms vs torch.save + fsync "
+        f"{baseline['torch_save_fsync'] * ms:.2f} ms (local disk, 1 copy; memstore: {s['replicas']} copies in RAM)"
     )
-    print(f"  restore sources: {dict(sorted(restored.items()))}")
-    if failures:
-        print("FAILED:")
-        for f in failures:
-            print(f"  - {f}")
-        return 1
-    print(f"OK: every rank restored step {kill_at} bit-exactly after losing store {victim}")
-    return 0
-
-
-class _NoHealth:
-    shards = -1
+    _say(f"  time to committed ({s['replicas']} copies):  {s['commit'] * ms:8.2f} ms")
+    _say(f"  resumed from step {s['resumed_from']}; recovery (kill -> job finished again) {recovery:.1f} s")
+    for rank, r in sorted(s["restore"].items(), key=lambda kv: int(kv[0])):
+        own = s["host_of"][int(rank)]
+        tier = "local RAM" if r["source"] == own else f"peer RAM of {r['source']}"
+        note = f" (rank of the lost host, through the replacement {own})" if int(rank) in s["victim_ranks"] else ""
+        _say(f"  rank {rank}: restored in {r['seconds'] * ms:7.1f} ms from {tier}{note}")
+    _say(
+        f"  same state, idle machine: memstore load (local RAM) {baseline['memstore_local_load'] * ms:.2f} ms vs torch.load "
+        f"{baseline['torch_load'] * ms:.2f} ms"
+    )
+    _say(f"  total demo time {total:.0f} s")
+    if s["ok"]:
+        _say(f"OK: loss curve and final weights of every rank are bit-identical to the uninterrupted run, after losing host {victim}")
+    else:
+        _say(f"FAILED: loss curve equal: {s['curve_equal']}; ranks with different final weights: {s['mismatched_weights']}")

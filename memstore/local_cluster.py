@@ -85,6 +85,7 @@ class LocalCluster:
             raise ValueError(f"replicas must be in 1..{self.hosts}, got {self.replicas}")
         self._own_workdir = self.workdir is None
         self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="memstore-cluster-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.shm_dir = f"/dev/shm/memstore-{os.getpid()}-{self.workdir.name}"
         ports = [self.base_port + i for i in range(self.hosts)] if self.base_port else free_ports(self.hosts)
         ids = [f"h{i}" for i in range(self.hosts)]

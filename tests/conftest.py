@@ -17,7 +17,6 @@ def make_cluster(tmp_path) -> Iterator[Callable[..., LocalCluster]]:  # type: ig
 
     def make(**kwargs: Any) -> LocalCluster:
         cluster = LocalCluster(workdir=tmp_path / f"cluster{len(started)}", **kwargs)
-        cluster.workdir.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
         started.append(cluster)
         return cluster.start()
 

@@ -564,7 +564,7 @@ class Store:
         if local is not None:
             entry = self._readable(key)
             assert entry.manifest is not None
-            return manifest_to_pb(entry.manifest), ""
+            return manifest_to_pb(entry.manifest), entry.source  # "" unless repair pulled it from a peer
         source = self._pull(key, origin_note="fetch")
         entry = self._readable(key)
         assert entry.manifest is not None

@@ -1,0 +1,361 @@
+"""``memstore simulate``: ETTR and wasted GPU-hours of memstore vs remote-storage checkpoints at scale.
+
+Wired into ``memstore.cli`` as ``memstore simulate ...`` -> :func:`main` with the remaining arguments.
+Bad flags print ``memstore simulate: error: ...`` naming the flag and return exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from memstore.sim.model import (
+    DEFAULT_FAILURE_DATA,
+    FAILURE_DATA,
+    PointResult,
+    SimConfig,
+    failures_per_gpu_hour_from_job,
+    run_point,
+)
+
+DEFAULT_HOSTS = "16,128,1000,4096,16384"
+MAX_HOSTS = 1 << 18
+#: Upper bound on failure events simulated in one invocation (all host counts, all trials, one strategy).
+MAX_EVENTS = 5_000_000
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument types: each error message is printed after "argument --flag:"
+# --------------------------------------------------------------------------------------------------
+
+
+def _float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _positive_float(text: str) -> float:
+    v = _float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _nonnegative_float(text: str) -> float:
+    v = _float(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    v = _float(text)
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    v = _int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return v
+
+
+def _host_list(text: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of host counts like 16,128,1000, got {text!r}")
+    out: list[int] = []
+    for p in parts:
+        try:
+            n = int(p.replace("_", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{p!r} is not an integer host count (in {text!r})") from None
+        if not 1 <= n <= MAX_HOSTS:
+            raise argparse.ArgumentTypeError(f"host counts must be between 1 and {MAX_HOSTS:,}, got {n}")
+        if n not in out:
+            out.append(n)
+    return sorted(out)
+
+
+def _interval(text: str) -> float | None:
+    if text.strip().lower() in ("auto", "young-daly", "daly", "young"):
+        return None
+    return _positive_float(text)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parser
+# --------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = SimConfig(hosts=16)  # the defaults
+    p = argparse.ArgumentParser(
+        prog="memstore simulate",
+        description=(
+            "Seeded scale simulator: replays one Poisson failure trace per trial against memstore (checkpoint to peer RAM "
+            "every iteration, spill to storage in the background) and a baseline (checkpoint to remote storage every X "
+            "minutes), and reports ETTR and wasted GPU-hours. See docs/simulator.md."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("job")
+    g.add_argument("--hosts", type=_host_list, default=DEFAULT_HOSTS, metavar="N[,N...]", help="host counts to sweep")
+    g.add_argument("--gpus-per-host", type=_positive_int, default=d.gpus_per_host, help="GPUs per host")
+    g.add_argument("--replicas", type=_positive_int, default=d.replicas, help="copies of each checkpoint, owner included (GEMINI's m)")
+    g.add_argument("--placement", choices=("mixed", "ring"), default=d.placement, help="replica placement (GEMINI mixed groups or ring)")
+    g.add_argument("--days", type=_positive_float, default=d.days, help="wall-clock length of the simulated job")
+    g.add_argument("--iteration-seconds", type=_positive_float, default=d.iteration_seconds, help="training iteration time")
+    g.add_argument(
+        "--checkpoint-gb", type=_positive_float, default=None, help=f"total checkpoint size, 10^9 bytes (default {d.checkpoint_gb:g})"
+    )
+    g.add_argument(
+        "--checkpoint-gb-per-host", type=_positive_float, default=None, help="checkpoint size per host instead (total grows with --hosts)"
+    )
+
+    g = p.add_argument_group("failures")
+    rate = g.add_mutually_exclusive_group()
+    rate.add_argument(
+        "--failure-data",
+        choices=sorted(FAILURE_DATA),
+        default=None,
+        help=f"published failure figure giving a per-GPU rate (default {DEFAULT_FAILURE_DATA}): "
+        + "; ".join(f"{k}: {v.job_mttf_hours:.2f} h job MTTF at {v.gpus:,} GPUs" for k, v in FAILURE_DATA.items()),
+    )
+    rate.add_argument("--mttf-hours", type=_positive_float, default=None, help="job mean time to failure in hours (see --rate-at-hosts)")
+    rate.add_argument("--failures-per-day", type=_nonnegative_float, default=None, help="job failures per day (see --rate-at-hosts)")
+    g.add_argument(
+        "--rate-at-hosts",
+        type=_positive_int,
+        default=None,
+        help="host count at which --mttf-hours / --failures-per-day hold; the per-GPU rate derived there scales to the other host "
+        "counts. Default: the figure holds as given for every simulated host count",
+    )
+    g.add_argument(
+        "--correlated-fraction",
+        type=_fraction,
+        default=d.correlated_fraction,
+        help="fraction of failures that hit --burst-hosts hosts at once",
+    )
+    g.add_argument("--burst-hosts", type=_positive_int, default=d.burst_hosts, help="hosts lost in a correlated failure (rack / switch)")
+    g.add_argument("--restart-seconds", type=_nonnegative_float, default=d.restart_seconds, help="detection + job restart per failure")
+
+    g = p.add_argument_group("memstore")
+    g.add_argument(
+        "--memstore-stall-seconds", type=_nonnegative_float, default=d.memstore_stall_seconds, help="training stall per RAM checkpoint"
+    )
+    g.add_argument(
+        "--network-gbps", type=_positive_float, default=d.network_gbps, help="per-host network bandwidth (replication, peer restore)"
+    )
+    g.add_argument(
+        "--spill-every-minutes", type=_positive_float, default=d.spill_every_minutes, help="background spill to durable storage every H"
+    )
+
+    g = p.add_argument_group("baseline (remote storage)")
+    g.add_argument("--storage-gbps", type=_positive_float, default=d.storage_gbps, help="aggregate remote storage bandwidth of the job")
+    g.add_argument(
+        "--baseline-every-minutes",
+        type=_interval,
+        default=None,
+        metavar="MIN|auto",
+        help="checkpoint interval; auto = Young/Daly sqrt(2 * write time * MTTF)",
+    )
+    g.add_argument(
+        "--baseline-async-fraction",
+        type=_fraction,
+        default=d.baseline_async_fraction,
+        help="share of the storage write hidden from training (0 = the whole write stalls)",
+    )
+
+    g = p.add_argument_group("run and output")
+    g.add_argument("--seed", type=_int, default=d.seed, help="random seed (same seed, same result)")
+    g.add_argument("--trials", type=_positive_int, default=20, help="independent failure traces per host count")
+    g.add_argument("--json", metavar="PATH", default=None, help="write all results as JSON")
+    g.add_argument("--plot", metavar="PATH.png", default=None, help="write ETTR / wasted GPU-hours plots (matplotlib)")
+    g.add_argument("--markdown", metavar="PATH", default=None, help="write the tables as Markdown")
+    g.add_argument("--no-table", action="store_true", help="don't print the tables")
+    return p
+
+
+# --------------------------------------------------------------------------------------------------
+# From flags to configurations
+# --------------------------------------------------------------------------------------------------
+
+
+def _rate_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Callable[[int], float], dict[str, Any]]:
+    """(host count -> per-GPU failure rate, description for the report)."""
+    gph = args.gpus_per_host
+    if args.mttf_hours is None and args.failures_per_day is None:
+        if args.rate_at_hosts is not None:
+            parser.error("--rate-at-hosts only applies with --mttf-hours or --failures-per-day")
+        data = FAILURE_DATA[args.failure_data or DEFAULT_FAILURE_DATA]
+        rate = data.failures_per_gpu_hour
+        return (lambda n: rate), {
+            "kind": "published",
+            "name": data.name,
+            "source": data.source,
+            "job_mttf_hours": data.job_mttf_hours,
+            "at_gpus": data.gpus,
+            "failures_per_gpu_hour": rate,
+        }
+    figure = {"mttf_hours": args.mttf_hours, "failures_per_day": args.failures_per_day}
+    if args.rate_at_hosts is not None:
+        fixed = failures_per_gpu_hour_from_job(**figure, gpus=args.rate_at_hosts * gph)
+        return (lambda n: fixed), {
+            "kind": "job figure scaled per GPU",
+            **figure,
+            "at_hosts": args.rate_at_hosts,
+            "failures_per_gpu_hour": fixed,
+        }
+    return (lambda n: failures_per_gpu_hour_from_job(**figure, gpus=n * gph)), {
+        "kind": "job figure at every host count",
+        **figure,
+    }
+
+
+def configs_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[SimConfig], dict[str, Any]]:
+    """One :class:`SimConfig` per host count, plus the parameters for the JSON; ``parser.error`` on bad input."""
+    if args.checkpoint_gb is not None and args.checkpoint_gb_per_host is not None:
+        parser.error("give either --checkpoint-gb or --checkpoint-gb-per-host, not both")
+    too_few = [n for n in args.hosts if n < args.replicas]
+    if too_few:
+        parser.error(f"--replicas {args.replicas} is more than --hosts {too_few[0]} (replicas counts the owner's own copy)")
+    rate_for, rate_info = _rate_model(args, parser)
+    configs: list[SimConfig] = []
+    for n in args.hosts:
+        if args.checkpoint_gb_per_host is not None:
+            ckpt = args.checkpoint_gb_per_host * n
+        else:
+            ckpt = args.checkpoint_gb if args.checkpoint_gb is not None else SimConfig.checkpoint_gb
+        fields: dict[str, Any] = dict(
+            hosts=n,
+            replicas=args.replicas,
+            placement=args.placement,
+            gpus_per_host=args.gpus_per_host,
+            days=args.days,
+            seed=args.seed,
+            trials=args.trials,
+            failures_per_gpu_hour=rate_for(n),
+            correlated_fraction=args.correlated_fraction,
+            burst_hosts=args.burst_hosts,
+            iteration_seconds=args.iteration_seconds,
+            memstore_stall_seconds=args.memstore_stall_seconds,
+            restart_seconds=args.restart_seconds,
+            network_gbps=args.network_gbps,
+            storage_gbps=args.storage_gbps,
+            checkpoint_gb=ckpt,
+            spill_every_minutes=args.spill_every_minutes,
+            baseline_every_minutes=args.baseline_every_minutes,
+            baseline_async_fraction=args.baseline_async_fraction,
+        )
+        try:
+            configs.append(SimConfig(**fields))
+        except ValueError as exc:  # validate_config's messages name the flags
+            parser.error(str(exc))
+    events = sum(c.job_failures_per_day * c.days * c.trials for c in configs)
+    if events > MAX_EVENTS:
+        parser.error(
+            f"about {events:,.0f} failure events to simulate (more than {MAX_EVENTS:,}): lower --failures-per-day / raise --mttf-hours, "
+            "or reduce --days, --trials or --hosts"
+        )
+    common = asdict(configs[0])
+    for k in ("hosts", "failures_per_gpu_hour", "checkpoint_gb"):
+        common.pop(k)
+    parameters: dict[str, Any] = {
+        "hosts": list(args.hosts),
+        **common,
+        "checkpoint": (
+            {"gb_per_host": args.checkpoint_gb_per_host}
+            if args.checkpoint_gb_per_host is not None
+            else {"gb_total": configs[0].checkpoint_gb}
+        ),
+        "failure_rate": rate_info,
+    }
+    return configs, parameters
+
+
+def title_of(parameters: dict[str, Any]) -> str:
+    rate = parameters["failure_rate"]
+    if rate["kind"] == "published":
+        fail = f"failures: {rate['name']} ({rate['job_mttf_hours']:.2f} h MTTF at {rate['at_gpus']:,} GPUs)"
+    else:
+        what = f"{rate['mttf_hours']:g} h MTTF" if rate.get("mttf_hours") is not None else f"{rate['failures_per_day']:g} failures/day"
+        fail = f"failures: {what} " + (f"at {rate['at_hosts']:,} hosts, scaled per GPU" if "at_hosts" in rate else "at every host count")
+    ckpt = parameters["checkpoint"]
+    size = f"{ckpt['gb_total']:g} GB ckpt" if "gb_total" in ckpt else f"{ckpt['gb_per_host']:g} GB ckpt/host"
+    return (
+        f"memstore simulate: {parameters['days']:g} days x {parameters['trials']} trials, seed {parameters['seed']}; {fail}; "
+        f"{parameters['correlated_fraction']:.0%} bursts of {parameters['burst_hosts']} hosts; R={parameters['replicas']} "
+        f"{parameters['placement']}; {size}; iteration {parameters['iteration_seconds']:g} s; restart {parameters['restart_seconds']:g} s; "
+        f"network {parameters['network_gbps']:g} Gbps/host; storage {parameters['storage_gbps']:g} Gbps; spill every "
+        f"{parameters['spill_every_minutes']:g} min"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        configs, parameters = configs_from_args(args, parser)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+
+    started = time.perf_counter()
+    points: list[PointResult] = [run_point(cfg) for cfg in configs]
+    elapsed = time.perf_counter() - started
+    title = title_of(parameters)
+
+    if not args.no_table:
+        from rich.console import Console
+
+        console = Console()
+        if not console.is_terminal:  # piped / captured: don't squeeze the table into 80 columns
+            console = Console(width=200)
+        from memstore.sim.report import render_derived, render_table
+
+        render_table(points, console, title)
+        render_derived(points, console)
+        console.print(f"[dim]{sum(c.trials for c in configs)} traces simulated in {elapsed:.2f} s[/]")
+    if args.json:
+        from memstore.sim.report import to_json, write_json
+
+        out = write_json(args.json, to_json(points, parameters))
+        print(f"wrote {out}")
+    if args.markdown:
+        from memstore.sim.report import markdown
+
+        md = Path(args.markdown)
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(markdown(points, title))
+        print(f"wrote {md}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:  # pragma: no cover - matplotlib is a dev dependency
+            print(f"memstore simulate: error: --plot needs matplotlib (pip install matplotlib): {exc}", file=sys.stderr)
+            return 1
+        from memstore.sim.report import plot
+
+        out = plot(points, args.plot, title)
+        print(f"wrote {out}")
+    return 0

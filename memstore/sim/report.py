@@ -1,0 +1,247 @@
+"""Rendering simulation results: a rich table on the terminal, a JSON document, a matplotlib PNG.
+
+rich and matplotlib are imported where used, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from memstore.sim.model import STRATEGIES, PointResult
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+JSON_VERSION = 1
+STRATEGY_LABELS = {"memstore": "memstore (RAM every iteration)", "baseline": "baseline (remote storage)"}
+WASTE_CAUSES = (("checkpoint_stall", "checkpoint stalls"), ("lost_work", "lost work"), ("restart_recovery", "restart + recovery"))
+
+
+def to_json(points: Sequence[PointResult], parameters: dict[str, Any]) -> dict[str, Any]:
+    """The JSON document ``--json`` writes: parameters, one entry per host count, and a compact summary."""
+    return {
+        "tool": "memstore simulate",
+        "version": JSON_VERSION,
+        "parameters": parameters,
+        "points": [p.to_dict() for p in points],
+        "summary": {
+            "hosts": [p.config.hosts for p in points],
+            "gpus": [p.config.gpus for p in points],
+            **{f"{s}_ettr": [p.strategies[s].ettr_mean for p in points] for s in STRATEGIES},
+            **{f"{s}_wasted_gpu_hours": [p.strategies[s].wasted_gpu_hours["total"] for p in points] for s in STRATEGIES},
+        },
+    }
+
+
+def write_json(path: str | Path, doc: dict[str, Any]) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    return out
+
+
+def _gpuh(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:,.1f}"
+
+
+#: (header, right-aligned) of the results table, shared by the terminal and Markdown renderings.
+RESULT_COLUMNS: tuple[tuple[str, bool], ...] = (
+    ("hosts", True),
+    ("GPUs", True),
+    ("failures/run", True),
+    ("strategy", False),
+    ("ETTR", True),
+    ("ETTR min-max", True),
+    ("stall GPU-h", True),
+    ("lost GPU-h", True),
+    ("restart GPU-h", True),
+    ("wasted GPU-h", True),
+    ("RAM / durable restores", True),
+    ("wasted s/failure", True),
+)
+
+
+def result_rows(points: Sequence[PointResult]) -> list[list[str]]:
+    """One row per (host count, strategy); GPU-hours are per run (mean over trials), restores are totals."""
+    rows = []
+    for p in points:
+        for j, name in enumerate(STRATEGIES):
+            s = p.strategies[name]
+            w = s.wasted_gpu_hours
+            restores = f"{s.ram_recoveries:,} / {s.durable_fallbacks:,}" if name == "memstore" else f"- / {s.durable_fallbacks:,}"
+            rows.append(
+                [
+                    f"{p.config.hosts:,}" if j == 0 else "",
+                    f"{p.config.gpus:,}" if j == 0 else "",
+                    f"{s.failures_per_run:.1f}" if j == 0 else "",
+                    name,
+                    f"{s.ettr_mean:.2%}",
+                    f"{s.ettr_min:.1%}-{s.ettr_max:.1%}",
+                    _gpuh(w["checkpoint_stall"]),
+                    _gpuh(w["lost_work"]),
+                    _gpuh(w["restart_recovery"]),
+                    _gpuh(w["total"]),
+                    restores,
+                    f"{s.seconds_lost_per_failure:,.0f}" if s.failure_events else "-",
+                ]
+            )
+    return rows
+
+
+def render_table(points: Sequence[PointResult], console: Console, title: str) -> None:
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for name, right in RESULT_COLUMNS:
+        t.add_column(name, justify="right" if right else "left")
+    n = len(STRATEGIES)
+    for i, row in enumerate(result_rows(points)):
+        memstore = row[3] == "memstore"
+        t.add_row(*row, style="green" if memstore else None, end_section=(i % n == n - 1 and i < len(points) * n - 1))
+    console.print(t)
+
+
+DERIVED_COLUMNS: tuple[str, ...] = (
+    "hosts",
+    "job failures/day",
+    "job MTTF h",
+    "ckpt GB/host",
+    "storage write/read s",
+    "RAM load s",
+    "replication lag s",
+    "memstore ckpt every",
+    "baseline interval min",
+    "baseline stall s",
+)
+
+
+def derived_rows(points: Sequence[PointResult]) -> list[list[str]]:
+    rows = []
+    for p in points:
+        d = p.config.derived()
+        rows.append(
+            [
+                f"{p.config.hosts:,}",
+                f"{d['job_failures_per_day']:.2f}",
+                f"{d['job_mttf_hours']:.2f}",
+                f"{d['checkpoint_gb_per_host']:.3g}",
+                f"{d['storage_transfer_seconds']:.0f}",
+                f"{d['ram_load_seconds']:.2g}",
+                f"{d['replication_lag_seconds']:.2g}",
+                f"{d['memstore_every_iterations']} it",
+                f"{d['baseline_interval_minutes']:.1f}",
+                f"{d['baseline_stall_seconds']:.0f}",
+            ]
+        )
+    return rows
+
+
+def render_derived(points: Sequence[PointResult], console: Console) -> None:
+    from rich.table import Table
+
+    t = Table(title="derived per host count", title_justify="left")
+    for name in DERIVED_COLUMNS:
+        t.add_column(name, justify="right")
+    for row in derived_rows(points):
+        t.add_row(*row)
+    console.print(t)
+
+
+def _markdown(headers: Sequence[str], rights: Sequence[bool], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" if r else "---" for r in rights) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown(points: Sequence[PointResult], title: str) -> str:
+    """Both tables as Markdown (``--markdown``), for docs."""
+    results = _markdown([c for c, _ in RESULT_COLUMNS], [r for _, r in RESULT_COLUMNS], result_rows(points))
+    derived = _markdown(DERIVED_COLUMNS, [True] * len(DERIVED_COLUMNS), derived_rows(points))
+    return f"{title}\n\n{results}\n\nDerived per host count:\n\n{derived}\n"
+
+
+def plot(points: Sequence[PointResult], path: str | Path, title: str) -> Path:
+    """ETTR vs hosts (with the min-max over trials), wasted GPU-hours per run, and the waste by cause."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hosts = [p.config.hosts for p in points]
+    colors = {"memstore": "tab:green", "baseline": "tab:red"}
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
+    ax_ettr, ax_waste, ax_cause = axes
+
+    for name in STRATEGIES:
+        mean = [p.strategies[name].ettr_mean * 100 for p in points]
+        lo = [(p.strategies[name].ettr_mean - p.strategies[name].ettr_min) * 100 for p in points]
+        hi = [(p.strategies[name].ettr_max - p.strategies[name].ettr_mean) * 100 for p in points]
+        ax_ettr.errorbar(hosts, mean, yerr=[lo, hi], marker="o", capsize=3, color=colors[name], label=STRATEGY_LABELS[name])
+        for x, y in zip(hosts, mean, strict=True):
+            below = name == "baseline"
+            ax_ettr.annotate(
+                f"{y:.1f}", (x, y), textcoords="offset points", xytext=(5, -12 if below else 6), fontsize=8, color=colors[name]
+            )
+    ax_ettr.set_xscale("log")
+    ax_ettr.set_xlabel("hosts")
+    ax_ettr.set_ylabel("ETTR (%) = useful time / wall time")
+    ax_ettr.set_title("ETTR (mean; bars: min-max over trials)")
+    ax_ettr.set_ylim(0, 102)
+    ax_ettr.grid(True, which="both", alpha=0.3)
+    ax_ettr.legend(loc="lower left", fontsize=8)
+
+    for name in STRATEGIES:
+        total = [max(p.strategies[name].wasted_gpu_hours["total"], 1e-3) for p in points]
+        ax_waste.plot(hosts, total, marker="o", color=colors[name], label=STRATEGY_LABELS[name])
+    ax_waste.set_xscale("log")
+    ax_waste.set_yscale("log")
+    ax_waste.set_xlabel("hosts")
+    ax_waste.set_ylabel("wasted GPU-hours per run")
+    ax_waste.set_title("wasted GPU-hours (mean per run)")
+    ax_waste.grid(True, which="both", alpha=0.3)
+    ax_waste.legend(loc="upper left", fontsize=8)
+
+    # Waste by cause as a share of all GPU-hours: memstore and baseline side by side per host count.
+    width = 0.38
+    xs = list(range(len(points)))
+    hatches = {"checkpoint_stall": "", "lost_work": "//", "restart_recovery": ".."}
+    shades = {"checkpoint_stall": 0.45, "lost_work": 0.7, "restart_recovery": 1.0}
+    for k, name in enumerate(STRATEGIES):
+        bottom = [0.0] * len(points)
+        offset = (k - 0.5) * width
+        for cause, label in WASTE_CAUSES:
+            share = []
+            for p in points:
+                total_gpu_hours = p.config.gpus * p.config.duration_seconds / 3600.0
+                share.append(p.strategies[name].wasted_gpu_hours[cause] / total_gpu_hours * 100)
+            ax_cause.bar(
+                [x + offset for x in xs],
+                share,
+                width,
+                bottom=bottom,
+                color=colors[name],
+                alpha=shades[cause],
+                hatch=hatches[cause],
+                edgecolor="black",
+                linewidth=0.4,
+                label=f"{name}: {label}",
+            )
+            bottom = [b + v for b, v in zip(bottom, share, strict=True)]
+    ax_cause.set_xticks(xs, [f"{h:,}" for h in hosts])
+    ax_cause.set_xlabel("hosts (left bar memstore, right bar baseline)")
+    ax_cause.set_ylabel("% of GPU-hours wasted")
+    ax_cause.set_title("where the GPU-hours go")
+    ax_cause.grid(True, axis="y", alpha=0.3)
+    ax_cause.legend(fontsize=7, loc="upper left")
+
+    fig.suptitle(textwrap.fill(title, 170), fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,800 @@
+"""``torch.distributed.checkpoint`` (DCP) storage layer backed by memstore.
+
+``MemStoreWriter`` / ``MemStoreReader`` plug memstore under ``dcp.save``, ``dcp.async_save`` (thread
+and process mode) and ``dcp.load``, so DCP's planners handle DTensor / ShardedTensor sharding and
+resharding (save with N ranks, load with M) while the bytes live in the stores' RAM::
+
+    import torch.distributed.checkpoint as dcp
+    from trainer_client.dcp import MemStoreReader, MemStoreWriter
+
+    dcp.save(state_dict, storage_writer=MemStoreWriter("run-7", step, store=addr))
+    dcp.load(state_dict, storage_reader=MemStoreReader("run-7", store=addr))  # newest complete step
+
+Layout: each saving rank ``r`` stores ONE memstore shard ``(job, step, r)``, a plain dict::
+
+    {"format": "memstore-dcp", "version": 1, "step": step, "rank": r, "world_size": W,
+     "items": {<item key>: tensor | bytes, ...},
+     "metadata": <tagged plain dicts>}          # rank 0 (the DCP coordinator) only
+
+Tensors are stored as tensors (bit-exact); DCP's byte items (non-tensor values, which DCP's planner
+serializes with ``torch.save``) as ``bytes``. The item key is a stable string of the item's
+``MetadataIndex`` and each ``WriteResult.storage_data`` is a :class:`MemStoreStorageInfo`
+``(rank, key)``, so any reader finds any item whatever its own rank and world size.
+
+The global ``Metadata`` is never pickled: :func:`encode_metadata` turns the dataclass tree into tagged
+plain dicts (an explicit allowlist of types; anything else raises ``SerializationError``) and
+:func:`decode_metadata` rebuilds it, constructing only allowlisted classes.
+
+Only a complete step is ever visible: non-coordinator ranks save their shard in ``write_data``, but
+the coordinator stages its items there and saves them, together with the metadata, in ``finish()``,
+which DCP calls only after every rank's ``write_data`` succeeded. Until then rank 0's shard is
+missing, so ``latest_step`` (every rank 0..W-1 present) does not report the step and a reader of that
+step fails with ``NotFoundError``. With ``wait_for_replication=True`` (the default) every rank also
+waits until its shard has its R verified copies, so ``dcp.save`` returns (and ``async_save``'s future
+completes) only once the whole step survives the loss of a host.
+
+Bytes read back are never unpickled by this module; DCP's load planner decodes its own byte items
+(``torch.load``) exactly as it does with ``FileSystemReader``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, cast
+
+import grpc
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from memstore.v1 import store_pb2 as pb
+from memstore.v1 import store_pb2_grpc as pb_grpc
+from memstore.v1.channel import insecure_channel
+from memstore.v1.keys import job_id_problem, key_problem
+from trainer_client.client import CheckpointClient, _raise_typed
+from trainer_client.errors import (
+    CorruptShardError,
+    InvalidArgumentError,
+    NoCheckpointError,
+    NotFoundError,
+    SerializationError,
+)
+
+__all__ = [
+    "COORDINATOR_RANK",
+    "SHARD_FORMAT",
+    "MemStoreReader",
+    "MemStoreStorageInfo",
+    "MemStoreWriter",
+    "decode_metadata",
+    "encode_metadata",
+    "parse_checkpoint_id",
+]
+
+SHARD_FORMAT: Final = "memstore-dcp"
+SHARD_VERSION: Final = 1
+COORDINATOR_RANK: Final = 0
+"""DCP's coordinator is rank 0 of the saving group; its shard carries the metadata."""
+
+URI_PREFIX: Final = "memstore://"
+
+
+def _dcp_version() -> str:
+    """The version FileSystemWriter stamps on its metadata."""
+    try:
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    except ImportError:  # pragma: no cover - older torch
+        return "1.0.0"
+    return str(CURRENT_DCP_VERSION)
+
+
+@dataclass(frozen=True)
+class MemStoreStorageInfo:
+    """Where one DCP item lives: in the shard of saving rank ``rank``, under ``items[key]``."""
+
+    rank: int
+    key: str
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoint ids
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_step(value: Any) -> int:
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"step {value!r} is invalid: expected an int >= 0")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidArgumentError(f"step {value!r} is invalid: expected an int >= 0")
+        return value
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    raise InvalidArgumentError(f"step {value!r} is invalid: expected an int >= 0 or a string of decimal digits")
+
+
+def parse_checkpoint_id(checkpoint_id: Any, job_id: str) -> int:
+    """The step a DCP ``checkpoint_id`` names for ``job_id``.
+
+    Accepted: a step (``int >= 0``, or its decimal string) or ``"memstore://<job>/<step>"`` whose job
+    must be ``job_id``.
+    """
+    if isinstance(checkpoint_id, os.PathLike):
+        checkpoint_id = os.fspath(checkpoint_id)
+    if isinstance(checkpoint_id, str) and checkpoint_id.startswith(URI_PREFIX):
+        job, sep, step = checkpoint_id[len(URI_PREFIX) :].rpartition("/")
+        if not sep:
+            raise InvalidArgumentError(f"checkpoint_id {checkpoint_id!r} is invalid: expected 'memstore://<job>/<step>'")
+        if job != job_id:
+            raise InvalidArgumentError(f"checkpoint_id {checkpoint_id!r} names job {job!r} but this storage is for job {job_id!r}")
+        return _parse_step(step)
+    try:
+        return _parse_step(checkpoint_id)
+    except InvalidArgumentError:
+        raise InvalidArgumentError(
+            f"checkpoint_id {checkpoint_id!r} is invalid: expected a step (int >= 0 or decimal string) or 'memstore://<job>/<step>'"
+        ) from None
+
+
+def _valid_checkpoint_id(checkpoint_id: Any) -> bool:
+    if isinstance(checkpoint_id, os.PathLike):
+        checkpoint_id = os.fspath(checkpoint_id)
+    if isinstance(checkpoint_id, str) and checkpoint_id.startswith(URI_PREFIX):
+        job, sep, step = checkpoint_id[len(URI_PREFIX) :].rpartition("/")
+        return bool(sep) and job_id_problem(job) is None and step.isascii() and step.isdigit()
+    try:
+        _parse_step(checkpoint_id)
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+def _uri(job_id: str, step: int | None) -> str | None:
+    return None if step is None else f"{URI_PREFIX}{job_id}/{step}"
+
+
+def _item_key(index: MetadataIndex) -> str:
+    """Stable, unique-per-rank string of a MetadataIndex: ``fqn|offsets|index``."""
+    offset = "" if index.offset is None else ",".join(str(int(o)) for o in index.offset)
+    hint = "" if index.index is None else str(int(index.index))
+    return f"{index.fqn}|{offset}|{hint}"
+
+
+def _dist_defaults() -> tuple[int, int]:
+    """(world_size, rank) of the default process group, or (1, 0) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+# --------------------------------------------------------------------------------------------
+# metadata <-> tagged plain dicts (no pickle)
+# --------------------------------------------------------------------------------------------
+
+_TAG: Final = "__dcp__"
+
+
+def _torch_constants(kind: type) -> dict[str, Any]:
+    return {name: value for name, value in vars(torch).items() if isinstance(value, kind)}
+
+
+_DTYPES: Final = _torch_constants(torch.dtype)
+_LAYOUTS: Final = _torch_constants(torch.layout)
+_MEMORY_FORMATS: Final = _torch_constants(torch.memory_format)
+_CONSTANT_TABLES: Final[dict[str, tuple[type, dict[str, Any]]]] = {
+    "dtype": (torch.dtype, _DTYPES),
+    "layout": (torch.layout, _LAYOUTS),
+    "memory_format": (torch.memory_format, _MEMORY_FORMATS),
+}
+
+
+def _is_opt(kind: type) -> Callable[[Any], bool]:
+    return lambda v: v is None or _is(kind)(v)
+
+
+def _is(kind: type) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, kind) and (kind is bool or type(v) is not bool)
+
+
+def _is_list_of(kind: type) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, list) and all(isinstance(x, kind) for x in v)
+
+
+def _is_storage_types(v: Any) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(k, str) and isinstance(x, (TensorStorageMetadata, BytesStorageMetadata)) for k, x in v.items()
+    )
+
+
+def _anything(_: Any) -> bool:
+    return True  # still restricted to what the decoder can build: allowlisted types only
+
+
+# class -> (tag, {field: check}); the encoder writes exactly these fields, the decoder requires exactly them.
+_DATACLASSES: Final[dict[type, tuple[str, dict[str, Callable[[Any], bool]]]]] = {
+    Metadata: (
+        "Metadata",
+        {
+            "state_dict_metadata": _is_storage_types,
+            "planner_data": _anything,
+            "storage_data": _anything,
+            "storage_meta": _is_opt(StorageMeta),
+            "version": _is_opt(str),
+        },
+    ),
+    TensorStorageMetadata: (
+        "TensorStorageMetadata",
+        {"properties": _is(TensorProperties), "size": _is(torch.Size), "chunks": _is_list_of(ChunkStorageMetadata)},
+    ),
+    BytesStorageMetadata: ("BytesStorageMetadata", {}),
+    ChunkStorageMetadata: ("ChunkStorageMetadata", {"offsets": _is(torch.Size), "sizes": _is(torch.Size)}),
+    TensorProperties: (
+        "TensorProperties",
+        {
+            "dtype": _is(torch.dtype),
+            "layout": _is(torch.layout),
+            "requires_grad": _is(bool),
+            "memory_format": _is(torch.memory_format),
+            "pin_memory": _is(bool),
+        },
+    ),
+    StorageMeta: (
+        "StorageMeta",
+        {"checkpoint_id": _is_opt(str), "save_id": _is_opt(str), "load_id": _is_opt(str), "modules": _is_list_of(str)},
+    ),
+    MetadataIndex: ("MetadataIndex", {"fqn": _is(str), "offset": _is_opt(torch.Size), "index": _is_opt(int)}),
+    MemStoreStorageInfo: ("MemStoreStorageInfo", {"rank": _is(int), "key": _is(str)}),
+}
+_BY_TAG: Final = {tag: (cls, fields) for cls, (tag, fields) in _DATACLASSES.items()}
+_ALLOWED_NAMES: Final = (
+    "None, bool, int, float, str, list, tuple, dict, torch.Size, torch.dtype, torch.layout, torch.memory_format, "
+    + ", ".join(tag for tag, _ in _DATACLASSES.values())
+)
+
+
+def encode_metadata(metadata: Metadata) -> dict[str, Any]:
+    """``Metadata`` -> tagged plain dicts/lists/scalars that memstore's safe format stores as is.
+
+    Raises ``SerializationError`` (naming the path) for any value outside the allowlist.
+    """
+    if type(metadata) is not Metadata:
+        raise SerializationError(f"expected torch.distributed.checkpoint.metadata.Metadata, got {type(metadata).__qualname__}", "metadata")
+    return cast(dict[str, Any], _encode(metadata, "metadata"))
+
+
+def _encode(value: Any, path: str) -> Any:
+    t = type(value)
+    if value is None or t in (bool, int, float, str):
+        return value
+    if t is list:
+        return [_encode(x, f"{path}[{i}]") for i, x in enumerate(value)]
+    if t is tuple:
+        return {_TAG: "tuple", "items": [_encode(x, f"{path}[{i}]") for i, x in enumerate(value)]}
+    if t is dict:
+        return {_TAG: "dict", "items": [[_encode(k, f"{path}.<key>"), _encode(v, f"{path}[{k!r}]")] for k, v in value.items()]}
+    if t is torch.Size:
+        return {_TAG: "Size", "dims": [int(d) for d in value]}
+    for name, (kind, table) in _CONSTANT_TABLES.items():
+        if t is kind:
+            for const_name, const in table.items():
+                if const == value:
+                    return {_TAG: name, "name": const_name}
+            raise SerializationError(f"unknown {name} {value!r}", path)
+    spec = _DATACLASSES.get(t)
+    if spec is not None:
+        tag, fields = spec
+        for extra in dataclasses.fields(value):  # a field a newer torch added: never drop it silently
+            if extra.name not in fields and getattr(value, extra.name) is not None:
+                raise SerializationError(f"{tag}.{extra.name} is not known to memstore's DCP metadata encoding", path)
+        return {_TAG: tag, **{f: _encode(getattr(value, f), f"{path}.{f}") for f in fields}}
+    raise SerializationError(
+        f"unsupported type {t.__module__}.{t.__qualname__} in DCP metadata (it is never pickled); allowed: {_ALLOWED_NAMES}", path
+    )
+
+
+def decode_metadata(encoded: Any) -> Metadata:
+    """Rebuild ``Metadata`` from :func:`encode_metadata`'s output; builds allowlisted types only.
+
+    Raises ``CorruptShardError`` for anything malformed or unknown.
+    """
+    md = _decode(encoded, "metadata")
+    if type(md) is not Metadata:
+        raise CorruptShardError(f"metadata: expected an encoded Metadata, got {type(md).__qualname__}")
+    return md
+
+
+def _decode(value: Any, path: str) -> Any:
+    t = type(value)
+    if value is None or t in (bool, int, float, str):
+        return value
+    if t is list:
+        return [_decode(x, f"{path}[{i}]") for i, x in enumerate(value)]
+    if t is not dict:
+        raise CorruptShardError(f"{path}: unexpected {t.__qualname__} in encoded DCP metadata")
+    tag = value.get(_TAG)
+    if not isinstance(tag, str):
+        raise CorruptShardError(f"{path}: encoded DCP metadata dict without a {_TAG!r} tag")
+
+    def need(keys: set[str]) -> None:
+        if set(value) != keys | {_TAG}:
+            raise CorruptShardError(f"{path}: {tag} has fields {sorted(set(value) - {_TAG})}, expected {sorted(keys)}")
+
+    if tag in ("tuple", "dict"):
+        need({"items"})
+        items = value["items"]
+        if type(items) is not list:
+            raise CorruptShardError(f"{path}: {tag} items must be a list")
+        if tag == "tuple":
+            return tuple(_decode(x, f"{path}[{i}]") for i, x in enumerate(items))
+        out: dict[Any, Any] = {}
+        for pair in items:
+            if type(pair) is not list or len(pair) != 2:
+                raise CorruptShardError(f"{path}: dict items must be [key, value] pairs")
+            key = _decode(pair[0], f"{path}.<key>")
+            try:
+                out[key] = _decode(pair[1], f"{path}[{key!r}]")
+            except TypeError:
+                raise CorruptShardError(f"{path}: unhashable dict key {key!r}") from None
+        return out
+    if tag == "Size":
+        need({"dims"})
+        dims = value["dims"]
+        if type(dims) is not list or not all(type(d) is int and d >= 0 for d in dims):
+            raise CorruptShardError(f"{path}: Size dims must be a list of ints >= 0")
+        return torch.Size(dims)
+    if tag in _CONSTANT_TABLES:
+        need({"name"})
+        _, table = _CONSTANT_TABLES[tag]
+        const = table.get(value["name"]) if isinstance(value["name"], str) else None
+        if const is None:
+            raise CorruptShardError(f"{path}: unknown {tag} {value['name']!r}")
+        return const
+    spec = _BY_TAG.get(tag)
+    if spec is None:
+        raise CorruptShardError(f"{path}: type tag {tag!r} is not allowed in DCP metadata (allowed: {_ALLOWED_NAMES})")
+    cls, fields = spec
+    need(set(fields))
+    kwargs = {f: _decode(value[f], f"{path}.{f}") for f in fields}
+    for f, check in fields.items():
+        if not check(kwargs[f]):
+            raise CorruptShardError(f"{path}.{f}: {type(kwargs[f]).__qualname__} is not valid for {tag}.{f}")
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# writer
+# --------------------------------------------------------------------------------------------
+
+
+def _done(value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
+    fut.set_result(value)
+    return fut
+
+
+class MemStoreWriter(StorageWriter):
+    """DCP ``StorageWriter`` saving each rank's items as one memstore shard ``(job_id, step, rank)``.
+
+    Args:
+        job_id: the training run, ``[A-Za-z0-9._-]{1,128}``.
+        step: the step to save; may instead come from ``dcp.save(..., checkpoint_id=step)``
+            (an int, its decimal string, or ``"memstore://<job_id>/<step>"``).
+        store: address of the store on this host.
+        world_size, rank: the saving group's size and this rank in it. Default: from the default
+            process group if initialized, else 1 / 0. ``rank`` left unset follows DCP's rank.
+        timeout: deadline of each control call to the store, in seconds.
+        wait_for_replication: each rank waits until its shard has R verified copies before DCP goes
+            on (default True), so a returned ``dcp.save`` means the step survives a host loss.
+        replication_timeout: bound of that wait, in seconds (``TimeoutError`` past it).
+        use_shared_memory: passed to ``CheckpointClient`` (default: automatic).
+
+    Picklable (``async_save`` in process mode): the store connection is created lazily and is not
+    part of the pickled state.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        step: int | None = None,
+        store: str = "127.0.0.1:7070",
+        *,
+        world_size: int | None = None,
+        rank: int | None = None,
+        timeout: float = 60.0,
+        wait_for_replication: bool = True,
+        replication_timeout: float = 300.0,
+        use_shared_memory: bool | None = None,
+    ) -> None:
+        super().__init__()
+        problem = job_id_problem(job_id)
+        if problem:
+            raise InvalidArgumentError(problem)
+        default_world, default_rank = _dist_defaults()
+        self.job_id = job_id
+        self.step = None if step is None else _parse_step(step)
+        self.store = store
+        self.world_size = default_world if world_size is None else world_size
+        self.rank = default_rank if rank is None else rank
+        self._rank_explicit = rank is not None
+        problem = key_problem(job_id, 0, self.rank, self.world_size)
+        if problem:
+            raise InvalidArgumentError(problem)
+        self.timeout = timeout
+        self.wait_for_replication = wait_for_replication
+        self.replication_timeout = replication_timeout
+        self.use_shared_memory = use_shared_memory
+        self.is_coordinator = False
+        self.save_id = uuid.uuid4().hex
+        self._client: CheckpointClient | None = None
+        self._staged: dict[str, Any] | None = None
+
+    # -- pickling (async_save process mode) ------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_client"] = None
+        state["_staged"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # -- StorageWriter ------------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.step = parse_checkpoint_id(checkpoint_id, self.job_id)
+        self.save_id = uuid.uuid4().hex
+        self._staged = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _valid_checkpoint_id(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        """``"memstore://<job>/<step>"`` (None before a step is known)."""
+        return _uri(self.job_id, self.step)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise InvalidArgumentError(
+                "MemStoreWriter needs use_collectives=True: a memstore step holds one global metadata, written by the coordinator"
+            )
+        dcp_rank = kwargs.get("rank")
+        if dcp_rank is not None and dcp_rank != self.rank:
+            if self._rank_explicit:
+                raise InvalidArgumentError(f"MemStoreWriter(rank={self.rank}) but DCP saves as rank {dcp_rank} of its process group")
+            self.rank = int(dcp_rank)
+        problem = key_problem(self.job_id, 0, self.rank, self.world_size)
+        if problem:
+            raise InvalidArgumentError(f"{problem}; pass world_size= for the process group DCP saves with")
+        if self.step is None:
+            raise InvalidArgumentError("MemStoreWriter has no step: pass step= or dcp.save(..., checkpoint_id=<step>)")
+        if is_coordinator and self.rank != COORDINATOR_RANK:
+            raise InvalidArgumentError(f"the DCP coordinator must be memstore rank {COORDINATOR_RANK}, got rank {self.rank}")
+        self.is_coordinator = is_coordinator
+        self._staged = None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if len(plans) != self.world_size:
+            raise InvalidArgumentError(
+                f"DCP saves with {len(plans)} ranks but MemStoreWriter has world_size {self.world_size}; pass world_size={len(plans)}"
+            )
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        items: dict[str, torch.Tensor | bytes] = {}
+        results: list[WriteResult] = []
+        for item in plan.items:
+            key = _item_key(item.index)
+            if key in items:
+                raise InvalidArgumentError(f"two DCP write items map to the same memstore key {key!r}")
+            data = planner.resolve_data(item)
+            value: torch.Tensor | bytes
+            if item.type == WriteItemType.BYTE_IO:
+                if not isinstance(data, io.BytesIO):
+                    raise InvalidArgumentError(f"{item.index.fqn}: planner returned {type(data).__qualname__} for a BYTE_IO item")
+                value = data.getvalue()
+                size = len(value)
+            else:
+                if not isinstance(data, torch.Tensor):
+                    raise InvalidArgumentError(f"{item.index.fqn}: planner returned {type(data).__qualname__} for a tensor item")
+                value = data.detach()
+                if value.device.type != "cpu":
+                    value = value.to("cpu")
+                size = value.numel() * value.element_size()
+            items[key] = value
+            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=MemStoreStorageInfo(self.rank, key)))
+        if self.is_coordinator:
+            self._staged = items  # saved with the metadata in finish(): a step is visible only once complete
+        else:
+            self._save(items, None)
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if not self.is_coordinator:
+            return
+        if self._staged is None:
+            raise InvalidArgumentError("MemStoreWriter.finish() called without write_data() on the coordinator")
+        if len(results) != self.world_size:
+            raise InvalidArgumentError(f"finish() got results of {len(results)} ranks, expected world_size {self.world_size}")
+        storage_md: dict[MetadataIndex, MemStoreStorageInfo] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                if not isinstance(wr.storage_data, MemStoreStorageInfo):
+                    raise InvalidArgumentError(f"{wr.index.fqn}: write result was not produced by MemStoreWriter")
+                storage_md[wr.index] = wr.storage_data
+        metadata.storage_data = storage_md
+        metadata.version = _dcp_version()
+        metadata.storage_meta = self.storage_meta()
+        encoded = encode_metadata(metadata)
+        staged, self._staged = self._staged, None
+        self._save(staged, encoded)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _get_client(self) -> CheckpointClient:
+        if self._client is None:
+            self._client = CheckpointClient(
+                self.job_id, self.rank, self.world_size, store=self.store, timeout=self.timeout, use_shared_memory=self.use_shared_memory
+            )
+        return self._client
+
+    def _save(self, items: dict[str, Any], metadata: dict[str, Any] | None) -> None:
+        step = cast(int, self.step)
+        shard: dict[str, Any] = {
+            "format": SHARD_FORMAT,
+            "version": SHARD_VERSION,
+            "step": step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "items": items,
+        }
+        if metadata is not None:
+            shard["metadata"] = metadata
+        handle = self._get_client().save(step, shard)
+        if self.wait_for_replication:
+            handle.wait(self.replication_timeout)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+# --------------------------------------------------------------------------------------------
+# reader
+# --------------------------------------------------------------------------------------------
+
+
+def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if offset != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+class MemStoreReader(StorageReader):
+    """DCP ``StorageReader`` loading a step saved by :class:`MemStoreWriter`, with any loading world size.
+
+    Args:
+        job_id: the training run.
+        step: the step to load; None (default) = the newest complete step (``latest_step``).
+            ``dcp.load(..., checkpoint_id=step)`` sets it too.
+        store: address of the store on this host; shards of any rank are fetched through it.
+        timeout: deadline of each control call to the store, in seconds.
+        zero_copy: map shards copy-on-write instead of copying them (they are copied into the
+            destination tensors anyway).
+        use_shared_memory: passed to ``CheckpointClient`` (default: automatic).
+
+    Errors: ``NoCheckpointError`` when the job has no complete step (or is unknown), ``NotFoundError``
+    when the requested step has no metadata (never saved, or its save did not finish),
+    ``CorruptShardError`` when a shard is not a well-formed DCP shard.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        step: int | None = None,
+        store: str = "127.0.0.1:7070",
+        *,
+        timeout: float = 60.0,
+        zero_copy: bool = True,
+        use_shared_memory: bool | None = None,
+    ) -> None:
+        super().__init__()
+        problem = job_id_problem(job_id)
+        if problem:
+            raise InvalidArgumentError(problem)
+        self.job_id = job_id
+        self.step = None if step is None else _parse_step(step)
+        self.store = store
+        self.timeout = timeout
+        self.zero_copy = zero_copy
+        self.use_shared_memory = use_shared_memory
+        self.load_id = uuid.uuid4().hex
+        self.resolved_step: int | None = None
+        self.saved_world_size: int | None = None
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self._client: CheckpointClient | None = None
+        self._shards: dict[int, Mapping[str, Any]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_client"] = None
+        state["_shards"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # -- StorageReader ----------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.step = parse_checkpoint_id(checkpoint_id, self.job_id)
+        self.load_id = uuid.uuid4().hex
+        self.resolved_step = None
+        self.saved_world_size = None
+        self.storage_data = {}
+        self._shards = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _valid_checkpoint_id(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        """``"memstore://<job>/<step>"`` of the step being read (None before it is resolved)."""
+        return _uri(self.job_id, self.step if self.step is not None else self.resolved_step)
+
+    # ``**_kwargs`` (not ``**kwargs``) on purpose: DCP retries ``read_metadata(rank=...)`` for
+    # rank-local metadata only when the parameter is named ``kwargs``; memstore has none, and the retry
+    # would only bury the real error under a second one.
+    def read_metadata(self, *args: Any, **_kwargs: Any) -> Metadata:
+        step, world_size = self._resolve_step()
+        shard = self._read_shard(step, COORDINATOR_RANK, world_size, metadata=True)
+        saved_world = shard["world_size"]
+        metadata = decode_metadata(shard["metadata"])
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        self.resolved_step = step
+        self.saved_world_size = saved_world
+        self._shards = {COORDINATOR_RANK: shard}
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(metadata.storage_data, dict):
+            raise CorruptShardError(f"DCP metadata of {self.checkpoint_id} has no memstore storage_data")
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self.resolved_step is None or self.saved_world_size is None:
+            raise InvalidArgumentError("MemStoreReader.read_data() called before read_metadata()")
+        by_rank: dict[int, list[tuple[ReadItem, MemStoreStorageInfo]]] = {}
+        for req in plan.items:
+            info = self.storage_data.get(req.storage_index)
+            if not isinstance(info, MemStoreStorageInfo):
+                raise CorruptShardError(f"{self.checkpoint_id}: the metadata has no memstore location for {req.storage_index}")
+            by_rank.setdefault(info.rank, []).append((req, info))
+        for rank in list(self._shards):
+            if rank not in by_rank:
+                del self._shards[rank]
+        try:
+            for rank in sorted(by_rank):  # one shard in memory at a time
+                shard = self._shards.pop(rank, None) or self._read_shard(self.resolved_step, rank, self.saved_world_size)
+                self._resolve_items(shard, by_rank[rank], planner)
+                del shard
+        finally:
+            self._shards = {}
+        return _done(None)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _resolve_items(self, shard: Mapping[str, Any], reqs: list[tuple[ReadItem, MemStoreStorageInfo]], planner: LoadPlanner) -> None:
+        items = shard["items"]
+        for req, info in reqs:
+            where = f"{self.checkpoint_id} rank {info.rank} item {info.key!r}"
+            if info.key not in items:
+                raise CorruptShardError(f"{where} is named by the metadata but missing from the shard")
+            value = items[info.key]
+            if req.type == LoadItemType.BYTE_IO:
+                if not isinstance(value, (bytes, bytearray)):
+                    raise CorruptShardError(f"{where}: expected bytes, found {type(value).__qualname__}")
+                planner.load_bytes(req, io.BytesIO(value))
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise CorruptShardError(f"{where}: expected a tensor, found {type(value).__qualname__}")
+            source = _narrow(value, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != source.size():
+                raise CorruptShardError(f"{where}: DCP asks for {tuple(target.size())} but the stored slice is {tuple(source.size())}")
+            target.copy_(source)
+            planner.commit_tensor(req, target)
+
+    def _client_for(self, world_size: int) -> CheckpointClient:
+        # Rank 0 is valid in any world; reads name their rank explicitly (``load(rank=...)``).
+        if self._client is None or self._client.world_size != world_size:
+            self.close()
+            self._client = CheckpointClient(
+                self.job_id, 0, world_size, store=self.store, timeout=self.timeout, use_shared_memory=self.use_shared_memory
+            )
+        return self._client
+
+    def _resolve_step(self) -> tuple[int, int]:
+        """(step, world size to read it with): the requested step, or the newest complete one."""
+        if self.step is not None:
+            world = self._client.world_size if self._client is not None else 1  # corrected from rank 0's shard
+            return self.step, world
+        channel = insecure_channel(self.store)
+        try:
+            stub = pb_grpc.StoreStub(channel)
+            try:
+                resp = stub.LatestStep(pb.LatestStepRequest(job_id=self.job_id), timeout=self.timeout)
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    raise NoCheckpointError(f"job {self.job_id!r} has no complete step: {err.details()}") from None
+                _raise_typed(err, "latest_step")
+                raise  # unreachable
+        finally:
+            channel.close()
+        if not resp.found:
+            raise NoCheckpointError(f"job {self.job_id!r} has no complete step: no step has a verified shard for every rank")
+        return int(resp.step), int(resp.world_size)
+
+    def _read_shard(self, step: int, rank: int, world_size: int, metadata: bool = False) -> Mapping[str, Any]:
+        client = self._client_for(world_size)
+        try:
+            shard = client.load(step, rank=rank, zero_copy=self.zero_copy)
+        except NotFoundError as exc:
+            if rank == COORDINATOR_RANK:
+                raise NotFoundError(
+                    f"step {step} of job {self.job_id!r} has no DCP metadata: the coordinator's shard (rank {rank}) is in no store, "
+                    f"so the step was never saved or its dcp.save did not finish ({exc})"
+                ) from None
+            raise NotFoundError(f"step {step} of job {self.job_id!r}: the shard of rank {rank} is missing ({exc})") from None
+        where = f"step {step} of job {self.job_id!r}, rank {rank}"
+        if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT:
+            raise NotFoundError(f"{where} was not written by MemStoreWriter (no DCP shard); load it with CheckpointClient.load")
+        if shard.get("version") != SHARD_VERSION:
+            raise CorruptShardError(f"{where}: DCP shard version {shard.get('version')!r}, this reader knows {SHARD_VERSION}")
+        saved_world = shard.get("world_size")
+        if type(saved_world) is not int or saved_world < 1 or not isinstance(shard.get("items"), dict):
+            raise CorruptShardError(f"{where}: malformed DCP shard header")
+        if shard.get("step") != step or shard.get("rank") != rank:
+            raise CorruptShardError(f"{where}: shard says step {shard.get('step')!r} rank {shard.get('rank')!r}")
+        if metadata and "metadata" not in shard:
+            raise NotFoundError(f"{where} holds no DCP metadata: it was not saved by the DCP coordinator")
+        if rank != COORDINATOR_RANK and saved_world != world_size:
+            raise CorruptShardError(f"{where}: saved by {saved_world} ranks but rank 0 says {world_size}")
+        return shard
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

@@ -2909,7 +2909,7 @@ def _render_matrix(result: dict[str, Any], console: Console) -> None:
         "local restore (vs torch.load)",
         "peer restore, host loss (x TCP)",
         "RSS/held (/held+pooled)",
-        "targets",
+        "targets (P/M)",
         "other CPU / pressure",
     ):
         t.add_column(col, justify="left" if col == "scenario" else "right")
@@ -2931,7 +2931,6 @@ def _render_matrix(result: dict[str, Any], console: Console) -> None:
             if s["replicas"] < 2
             else f"{_fmt_bps(s['replication_bytes_per_second']['p50'])} ({_fmt_ratio(ra['replication_over_raw_tcp'])})"
         )
-        missed = [k for k, v in s["targets"].items() if v["pass"] is False]
         other = cond.get("other_cpu_share_of_machine")
         pres = cond.get("cpu_pressure_some_share")
         t.add_row(
@@ -2943,11 +2942,14 @@ def _render_matrix(result: dict[str, Any], console: Console) -> None:
             f"{_fmt_s(s['restore_local']['seconds']['p50'])} ({_fmt_faster(ra['torch_load_warm_over_restore_local'])})",
             peer_txt,
             f"{_fmt_ratio(ra['store_rss_over_held_max'])} ({_fmt_ratio(ra['store_rss_over_held_plus_pooled_max'])})",
-            f"{s['targets_passed']} PASS, {s['targets_missed']} MISS" + (f" ({', '.join(missed)})" if missed else ""),
+            f"{s['targets_passed']}/{s['targets_passed'] + s['targets_missed']} "
+            + "".join({True: "P", False: "M", None: "-"}[v["pass"]] for v in s["targets"].values()),
             f"{'-' if other is None else f'{other * 100:.0f}%'} / {'-' if pres is None else f'{pres * 100:.0f}%'}",
         )
         del nb
     console.print(t)
+    order = ", ".join(f"{i + 1} {k}" for i, k in enumerate(result["scenarios"][0]["targets"]))
+    console.print(f"[dim]targets column: passed/evaluated, then P(ASS)/M(ISS)/-(n/a) per target in this order: {order}[/]")
     for s in result["skipped"]:
         what = f"{_short_size(s['size'])}, " if s.get("size") else ""
         console.print(f"[yellow]skipped {what}{s['hosts']} hosts, R={s['replicas']}: {s['reason']}[/]")

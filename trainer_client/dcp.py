@@ -767,6 +767,13 @@ class MemStoreReader(StorageReader):
             raise NoCheckpointError(f"job {self.job_id!r} has no complete step: no step has a verified shard for every rank")
         return int(resp.step), int(resp.world_size)
 
+    def latest_step(self) -> int | None:
+        """The step ``dcp.load`` would read with ``step=None``: the newest complete one, or None."""
+        try:
+            return self._resolve_step()[0]
+        except NoCheckpointError:
+            return None
+
     def _read_shard(self, step: int, rank: int, world_size: int, metadata: bool = False) -> Mapping[str, Any]:
         client = self._client_for(world_size)
         try:

@@ -72,6 +72,32 @@ def _positive_int(name: str) -> Callable[[Any], int]:
     return parse
 
 
+def _non_negative_int(name: str) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} {value!r} is invalid: expected an integer") from None
+        if number < 0:
+            raise ConfigError(f"{name} {number} is invalid: expected >= 0")
+        return number
+
+    return parse
+
+
+def _non_negative_float(name: str) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} {value!r} is invalid: expected a number of seconds") from None
+        if not number >= 0:
+            raise ConfigError(f"{name} {number} is invalid: expected >= 0")
+        return number
+
+    return parse
+
+
 def _positive_float(name: str) -> Callable[[Any], float]:
     def parse(value: Any) -> float:
         try:
@@ -128,8 +154,9 @@ class StoreConfig:
     chunk_bytes: int = _opt("Chunk size of shard streams and checksums.", _size("--chunk-bytes"), default=DEFAULT_CHUNK_BYTES)
     data_plane: str = _opt(
         "How bulk bytes travel between stores: tcp (a raw data channel, ticketed over gRPC) or grpc (chunked gRPC streams).",
-        _choice("--data-plane", ("tcp", "grpc")), default="tcp",
-    )  # fmt: skip
+        _choice("--data-plane", ("tcp", "grpc")),
+        default="tcp",
+    )
     shm_dir: str = _opt(
         "Directory on a tmpfs for shared-memory segments ('' disables the local fast path).", str, default="/dev/shm/memstore"
     )
@@ -141,6 +168,37 @@ class StoreConfig:
         "Slowest acceptable replication rate (bytes/s); a transfer's deadline is 10 s plus its size at this rate.",
         _size("--transfer-min-rate"),
         default=50 << 20,
+    )
+    spill: str = _opt(
+        "Durable storage URL for spilled steps (file:///path, s3://bucket/prefix, any fsspec URL); '' = no durable tier.", str, default=""
+    )
+    spill_options: str = _opt(
+        "Extra fsspec options for --spill: a JSON object or KEY=VALUE,... (e.g. endpoint_url=http://127.0.0.1:9000).", str, default=""
+    )
+    spill_every_steps: int = _opt(
+        "Spill every step that is a multiple of N (0 = off).", _non_negative_int("--spill-every-steps"), default=0
+    )
+    spill_every_seconds: float = _opt(
+        "Spill the newest committed step when S seconds passed since the last spill (0 = off).",
+        _non_negative_float("--spill-every-seconds"),
+        default=0.0,
+    )
+    spill_keep_last: int = _opt("Spilled steps kept, newest first.", _positive_int("--spill-keep-last"), default=2)
+    spill_keep_best: int = _opt("Also keep the best M spilled steps by --spill-metric.", _non_negative_int("--spill-keep-best"), default=0)
+    spill_metric: str = _opt("Metric (passed with save(..., metrics=...)) ranking steps for --spill-keep-best.", str, default="")
+    spill_metric_mode: str = _opt(
+        "min: lower is better (loss); max: higher is better (accuracy).", _choice("--spill-metric-mode", ("min", "max")), default="min"
+    )
+    spill_compression: str = _opt(
+        "Codec of spilled chunks: none, zstd, zstd-shuffle2 (bf16/fp16), zstd-shuffle4 (fp32).",
+        _choice("--spill-compression", ("none", "zstd", "zstd-shuffle2", "zstd-shuffle4")),
+        default="none",
+    )
+    spill_max_rate: int = _opt("Spill bandwidth limit in bytes/s (0 = unlimited).", _size("--spill-max-rate"), default=0)
+    flush_grace_seconds: float = _opt(
+        "On SIGTERM, time allowed to spill the newest committed step before exiting.",
+        _non_negative_float("--flush-grace-seconds"),
+        default=30.0,
     )
     log_level: str = _opt("Logging level.", _choice("--log-level", ("DEBUG", "INFO", "WARNING", "ERROR")), default="INFO")
 
@@ -191,6 +249,17 @@ class StoreConfig:
                     f"--failure-domain {self.failure_domain!r} contradicts --failure-domains {self.host_id}={domains[self.host_id]}"
                 )
             domains.setdefault(self.host_id, self.failure_domain)
+        if self.spill_keep_best and not self.spill_metric:
+            raise ConfigError("--spill-keep-best needs --spill-metric NAME (the metric passed with save(..., metrics=...))")
+        if self.spill:
+            from memstore.spill.storage import parse_options
+
+            try:
+                parse_options(self.spill_options)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            if "://" not in self.spill and not self.spill.startswith("/"):
+                raise ConfigError(f"--spill {self.spill!r} is invalid: expected a URL like file:///data/ckpt or s3://bucket/prefix")
         return replace(self, peers=peers, failure_domains=domains)
 
     @property

@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from types import FrameType
@@ -87,5 +88,12 @@ def serve(config: StoreConfig, ready_file: str | None = None) -> int:
     sys.stdout.flush()
     while not done.wait(0.5):
         pass
+    if server.store.spiller is not None:
+        # Preemption or pod deletion: persist the newest committed step before going away.
+        t0 = time.monotonic()
+        failures = server.store.flush(config.flush_grace_seconds)
+        for failure in failures:
+            log.error("flush on shutdown failed: %s", failure)
+        log.info("flushed newest committed steps in %.2fs (%d failures)", time.monotonic() - t0, len(failures))
     server.stop()
     return 0

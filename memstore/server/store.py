@@ -34,9 +34,11 @@ from memstore.core.model import Holding, Manifest, ShardKey, ShardState
 from memstore.core.placement import Placement, make_placement
 from memstore.core.restorable import latest_restorable_step, sources_for
 from memstore.core.retention import pressure_victims, retention_victims
+from memstore.core.spill_policy import RetentionPolicy
 from memstore.errors import (
     CapacityExceeded,
     ChecksumMismatch,
+    ConfigError,
     InvalidArgument,
     LeaseError,
     PeerUnavailable,
@@ -47,6 +49,9 @@ from memstore.errors import (
 from memstore.server.convert import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, state_from_pb, state_to_pb
 from memstore.server.peers import DataChannelUnsupported, PeerDirectory
 from memstore.server.segments import Segment, SegmentPool
+from memstore.spill.layout import LayoutError, SpilledManifest
+from memstore.spill.spiller import Spiller
+from memstore.spill.storage import Durable, SpillStorageError, parse_options
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.datachannel import TICKET_BYTES, DataChannelError, receive_verified, send_all, send_status
 from memstore.v1.integrity import compute_checksums, first_mismatch
@@ -157,14 +162,45 @@ class Store:
         self.boot_id = _boot_id()
         self.advertised_address = advertised_address or config.listen
         self.last_repair_error = ""
+        self.spiller: Spiller | None = self._make_spiller(config)
         self.data_port = 0  # set by the server once the data channel listens
+
+    def _make_spiller(self, config: StoreConfig) -> Spiller | None:
+        if not config.spill:
+            return None
+        try:
+            durable = Durable(config.spill, parse_options(config.spill_options))
+            retention = RetentionPolicy(
+                config.spill_keep_last, config.spill_keep_best, config.spill_metric, config.spill_metric_mode == "max"
+            )
+        except (SpillStorageError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+        return Spiller(
+            self,
+            durable,
+            every_steps=config.spill_every_steps,
+            every_seconds=config.spill_every_seconds,
+            retention=retention,
+            codec=config.spill_compression,
+            max_rate=config.spill_max_rate,
+        )
 
     # -- lifecycle --------------------------------------------------------------
     def start(self) -> None:
         for t in self._threads:
             t.start()
+        if self.spiller is not None:
+            self.spiller.start()
+
+    def flush(self, grace: float) -> list[str]:
+        """On SIGTERM: spill the newest committed step of every job within ``grace`` seconds."""
+        if self.spiller is None:
+            return []
+        return self.spiller.flush(grace)
 
     def close(self) -> None:
+        if self.spiller is not None:
+            self.spiller.close()
         self._stop.set()
         self._retention_due.set()
         with self._lock:
@@ -205,6 +241,18 @@ class Store:
             replications_in_flight=self._in_flight,
             repairs_in_flight=self._repairs_in_flight,
             uptime_seconds=time.monotonic() - self.started,
+            spill_url=self.config.spill,
+            spill=[
+                pb.SpillStatus(
+                    job_id=job,
+                    last_spilled_step=st.last_spilled_step,
+                    last_spill_unix=st.last_spill_time or 0.0,
+                    consecutive_failures=st.consecutive_failures,
+                    last_error=st.last_error,
+                    bytes_written=st.bytes_written,
+                )
+                for job, st in sorted((self.spiller.status if self.spiller else {}).items())
+            ],
         )
 
     # -- save, local fast path ------------------------------------------------------
@@ -412,8 +460,18 @@ class Store:
             state, owner, copies = ShardState.REPLICATING, self.host_id, 1
         else:
             state, owner, copies = ShardState.REPLICA, manifest.owner_host, 0
-        entry = Entry(inbound.key, m.world_size, m.nbytes, inbound.segment, owner, state, manifest=manifest,
-                      metrics=dict(m.metrics), format_version=m.format_version, copies=copies)  # fmt: skip
+        entry = Entry(
+            inbound.key,
+            m.world_size,
+            m.nbytes,
+            inbound.segment,
+            owner,
+            state,
+            manifest=manifest,
+            metrics=dict(m.metrics),
+            format_version=m.format_version,
+            copies=copies,
+        )
         with self._lock:
             self._receiving.discard(inbound.key)
             self._register(entry)
@@ -577,6 +635,10 @@ class Store:
             holdings = [h for host, resp in listings.items() if not isinstance(resp, StoreError) for h in _holdings(host, resp)]
             candidates = sources_for(holdings, key, prefer=self.placement.hosts)
             unreachable = [h for h, r in listings.items() if isinstance(r, StoreError)]
+            durable = self._durable_holdings(key.job_id, unreachable)
+            if any(h.key == key for h in durable):
+                candidates.append("durable")  # the most expensive tier comes last
+            holdings += durable
             if not candidates:
                 if not any(h.key.job_id == key.job_id for h in holdings) and not unreachable:
                     raise UnknownJob(f"job {key.job_id!r} is unknown to every store")
@@ -605,7 +667,10 @@ class Store:
         errors: list[str] = []
         for host in candidates:
             try:
-                self._pull_from(host, key)
+                if host == "durable":
+                    self._pull_from_durable(key)
+                else:
+                    self._pull_from(host, key)
                 log.info("%s: pulled %s from %s", origin_note, key, host)
                 return host
             except StoreError as exc:
@@ -638,8 +703,10 @@ class Store:
                 try:
                     receive_chunks(chunks, manifest, into(manifest))
                 except StreamError as exc:
-                    raise ChecksumMismatch(f"copy from {host}: {exc}") if exc.kind == "checksum" else PeerUnavailable(
-                        f"copy from {host}: {exc}"
+                    raise (
+                        ChecksumMismatch(f"copy from {host}: {exc}")
+                        if exc.kind == "checksum"
+                        else PeerUnavailable(f"copy from {host}: {exc}")
                     ) from None
                 finally:
                     call.cancel()
@@ -648,9 +715,55 @@ class Store:
                 self.pool.release(seg)
             raise
         (segment,) = segments
-        m = manifest_from_pb(manifest)
-        entry = Entry(key, m.world_size, m.nbytes, segment, m.owner_host, ShardState.REPLICA, manifest=m,
-                      metrics=dict(m.metrics), format_version=m.format_version, copies=0, source=host)  # fmt: skip
+        self._register_pulled(key, segment, manifest_from_pb(manifest), host)
+
+    def _pull_from_durable(self, key: ShardKey) -> None:
+        assert self.spiller is not None
+        segments: list[Segment] = []
+
+        def allocate(m: SpilledManifest) -> memoryview:
+            segments.append(self._acquire(key, max(1, m.nbytes)))
+            return segments[-1].view()
+
+        try:
+            sm = self.spiller.read_into(key, allocate)
+        except (SpillStorageError, LayoutError) as exc:
+            for seg in segments:
+                self.pool.release(seg)
+            if getattr(exc, "kind", "") == "corrupt":
+                raise ChecksumMismatch(f"durable copy of {key}: {exc}") from None
+            raise PeerUnavailable(f"durable copy of {key}: {exc}") from None
+        except BaseException:
+            for seg in segments:
+                self.pool.release(seg)
+            raise
+        manifest = Manifest(
+            key,
+            sm.world_size,
+            sm.nbytes,
+            sm.chunk_size,
+            tuple(sm.checksums),
+            sm.owner_host,
+            sm.format_version,
+            dict(sm.metrics),
+            sm.created_unix,
+        )
+        self._register_pulled(key, segments[0], manifest, "durable")
+
+    def _register_pulled(self, key: ShardKey, segment: Segment, m: Manifest, source: str) -> None:
+        entry = Entry(
+            key,
+            m.world_size,
+            m.nbytes,
+            segment,
+            m.owner_host,
+            ShardState.REPLICA,
+            manifest=m,
+            metrics=dict(m.metrics),
+            format_version=m.format_version,
+            copies=0,
+            source=source,
+        )
         with self._lock:
             current = self._entries.get(key)
             if current is not None and current.verified:
@@ -694,7 +807,17 @@ class Store:
         listings = self.peers.list_all(job_id, self.config.peer_timeout)
         unreachable = sorted(h for h, r in listings.items() if isinstance(r, StoreError))
         theirs = [h for host, r in listings.items() if not isinstance(r, StoreError) for h in _holdings(host, r)]
-        return mine + theirs, unreachable
+        return mine + theirs + self._durable_holdings(job_id, unreachable), unreachable
+
+    def _durable_holdings(self, job_id: str, unreachable: list[str]) -> list[Holding]:
+        if self.spiller is None:
+            return []
+        try:
+            return self.spiller.holdings(job_id)
+        except (SpillStorageError, LayoutError) as exc:
+            log.warning("durable tier unreadable for %s: %s", job_id, exc)
+            unreachable.append("durable")
+            return []
 
     def latest_step(self, job_id: str) -> pb.LatestStepResponse:
         _ensure(job_id_problem(job_id))

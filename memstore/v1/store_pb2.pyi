@@ -123,7 +123,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "host_id", "used_bytes", "capacity_bytes", "shards", "replications_in_flight", "repairs_in_flight", "uptime_seconds")
+    __slots__ = ("serving", "host_id", "used_bytes", "capacity_bytes", "shards", "replications_in_flight", "repairs_in_flight", "uptime_seconds", "spill_url", "spill")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,8 @@ class HealthResponse(_message.Message):
     REPLICATIONS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     REPAIRS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_URL_FIELD_NUMBER: _ClassVar[int]
+    SPILL_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     host_id: str
     used_bytes: int
@@ -140,7 +142,25 @@ class HealthResponse(_message.Message):
     replications_in_flight: int
     repairs_in_flight: int
     uptime_seconds: float
-    def __init__(self, serving: _Optional[bool] = ..., host_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., replications_in_flight: _Optional[int] = ..., repairs_in_flight: _Optional[int] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+    spill_url: str
+    spill: _containers.RepeatedCompositeFieldContainer[SpillStatus]
+    def __init__(self, serving: _Optional[bool] = ..., host_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., replications_in_flight: _Optional[int] = ..., repairs_in_flight: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., spill_url: _Optional[str] = ..., spill: _Optional[_Iterable[_Union[SpillStatus, _Mapping]]] = ...) -> None: ...
+
+class SpillStatus(_message.Message):
+    __slots__ = ("job_id", "last_spilled_step", "last_spill_unix", "consecutive_failures", "last_error", "bytes_written")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_SPILLED_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_SPILL_UNIX_FIELD_NUMBER: _ClassVar[int]
+    CONSECUTIVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    last_spilled_step: int
+    last_spill_unix: float
+    consecutive_failures: int
+    last_error: str
+    bytes_written: int
+    def __init__(self, job_id: _Optional[str] = ..., last_spilled_step: _Optional[int] = ..., last_spill_unix: _Optional[float] = ..., consecutive_failures: _Optional[int] = ..., last_error: _Optional[str] = ..., bytes_written: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
     __slots__ = ("key", "world_size", "nbytes")

@@ -1,0 +1,362 @@
+"""The background task that spills committed steps to durable storage, and reads them back.
+
+Each store spills only the shards it owns (its trainer ranks'), so a step is spilled once every
+owner has published its ranks' manifests. Which steps:
+
+- every ``--spill-every-steps N``: steps with ``step % N == 0`` (every store picks the same ones);
+- every ``--spill-every-seconds S``: the first store whose timer fires writes an intent marker
+  (``SPILL``) for its newest committed step; every owner that holds that step spills it too;
+- on SIGTERM: the newest committed step, within the grace time (``flush``).
+
+A shard is verified chunk by chunk against its capture checksums while it is written; its manifest
+is written last. Failures (storage down, permission denied, disk full, a partial write) are
+retried with exponential backoff and reported in status; nothing in RAM depends on a spill.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from memstore.core.model import Holding, ShardKey
+from memstore.core.spill_policy import RetentionPolicy, due_by_steps, due_by_time, steps_to_delete
+from memstore.spill import codec as codecs
+from memstore.spill import layout
+from memstore.spill.layout import SpilledManifest
+from memstore.spill.storage import Durable, SpillStorageError
+from memstore.v1.integrity import checksum, chunk_spans
+
+if TYPE_CHECKING:
+    from memstore.server.store import Entry, Store
+
+log = logging.getLogger(__name__)
+
+ORPHAN_SECONDS = 300.0  # a shard file with no manifest this old, below the newest spilled step, is debris
+LISTING_CACHE_SECONDS = 1.0
+
+
+@dataclass
+class JobSpillStatus:
+    last_spilled_step: int = -1
+    last_spill_time: float | None = None
+    consecutive_failures: int = 0
+    last_error: str = ""
+    retry_at: float = 0.0
+    spilled: set[int] = field(default_factory=set)  # steps whose owned shards this store published
+    bytes_written: int = 0
+
+
+@dataclass
+class StepListing:
+    """What durable storage holds of one job: step -> rank -> manifest path, plus debris."""
+
+    manifests: dict[int, dict[int, str]] = field(default_factory=dict)
+    shards: dict[int, dict[int, tuple[str, float]]] = field(default_factory=dict)  # step -> rank -> (path, mtime)
+    intents: set[int] = field(default_factory=set)
+
+
+class Spiller:
+    def __init__(
+        self,
+        store: Store,
+        durable: Durable,
+        *,
+        every_steps: int,
+        every_seconds: float,
+        retention: RetentionPolicy,
+        codec: str,
+        max_rate: int,
+        interval: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.durable = durable
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.retention = retention
+        self.codec = codecs.check(codec)
+        self.max_rate = max_rate
+        self.interval = interval
+        self.status: dict[str, JobSpillStatus] = {}
+        self._lock = threading.Lock()  # one spill at a time: bounded memory and bandwidth
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="spill", daemon=True)
+        self._listing_cache: dict[str, tuple[float, StepListing]] = {}
+        self.started = time.time()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.run_once()
+            except Exception:
+                log.exception("spill pass failed")
+
+    # -- listing --------------------------------------------------------------------------------
+    def listing(self, job_id: str, max_age: float = LISTING_CACHE_SECONDS) -> StepListing:
+        cached = self._listing_cache.get(job_id)
+        if cached is not None and time.monotonic() - cached[0] < max_age:
+            return cached[1]
+        out = StepListing()
+        prefix = layout.job_dir(self.durable.root, job_id)
+        for path, info in self.durable.list_files(prefix).items():
+            parts = path.rstrip("/").split("/")
+            if len(parts) < 2:
+                continue
+            m_step = layout.STEP_DIR.match(parts[-2])
+            if not m_step:
+                continue
+            step = int(m_step.group(1))
+            if parts[-1] == "SPILL":
+                out.intents.add(step)
+                continue
+            m_rank = layout.RANK_FILE.fullmatch(parts[-1])
+            if not m_rank:
+                continue
+            rank = int(m_rank.group(1))
+            if m_rank.group(2) == "json":
+                out.manifests.setdefault(step, {})[rank] = path
+            else:
+                mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
+                out.shards.setdefault(step, {})[rank] = (path, _as_timestamp(mtime))
+        self._listing_cache[job_id] = (time.monotonic(), out)
+        return out
+
+    def read_manifest(self, job_id: str, step: int, rank: int) -> SpilledManifest:
+        path = layout.manifest_path(self.durable.root, job_id, step, rank)
+        m = SpilledManifest.decode(self.durable.read(path), where=path)
+        if (m.job_id, m.step, m.rank) != (job_id, step, rank):
+            raise layout.LayoutError(f"{path} describes {m.job_id}/step={m.step}/rank={m.rank}")
+        return m
+
+    def holdings(self, job_id: str) -> list[Holding]:
+        """Durable copies of ``job_id`` as holdings of the pseudo-host ``durable``: published ranks only.
+
+        The world size of a step comes from its rank manifests; reading one per step keeps it cheap.
+        """
+        listing = self.listing(job_id)
+        out: list[Holding] = []
+        for step, ranks in listing.manifests.items():
+            try:
+                world = self.read_manifest(job_id, step, min(ranks)).world_size
+            except (SpillStorageError, layout.LayoutError) as exc:
+                log.warning("ignoring durable step %d of %s: %s", step, job_id, exc)
+                continue
+            out.extend(Holding("durable", ShardKey(job_id, step, r), world, True) for r in ranks)
+        return out
+
+    def complete_steps(self, listing: StepListing, job_id: str) -> dict[int, dict[str, float]]:
+        """step -> metrics of every fully published step (metrics from its lowest rank that has them)."""
+        complete: dict[int, dict[str, float]] = {}
+        for step, ranks in listing.manifests.items():
+            try:
+                first = self.read_manifest(job_id, step, min(ranks))
+            except (SpillStorageError, layout.LayoutError):
+                continue
+            if set(ranks) == set(range(first.world_size)):
+                complete[step] = dict(first.metrics)
+        return complete
+
+    # -- the pass ---------------------------------------------------------------------------------
+    def run_once(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        for job_id, steps in self._owned_settled_steps().items():
+            st = self.status.setdefault(job_id, JobSpillStatus())
+            if time.monotonic() < st.retry_at:
+                continue
+            try:
+                listing = self.listing(job_id)
+                due = {s for s in steps if due_by_steps(s, self.every_steps)} | (listing.intents & set(steps))
+                newest = max(steps)
+                if due_by_time(st.last_spill_time if st.last_spill_time is not None else self.started, now, self.every_seconds):
+                    self.durable.write_small(layout.intent_path(self.durable.root, job_id, newest), b"")
+                    due.add(newest)
+                for step in sorted(due - st.spilled, reverse=True)[:1]:  # newest first, one per pass
+                    self.spill_step(job_id, step)
+                self.collect_garbage(job_id)
+                st.consecutive_failures = 0
+            except (SpillStorageError, layout.LayoutError) as exc:
+                self._failed(st, job_id, exc)
+
+    def _failed(self, st: JobSpillStatus, job_id: str, exc: Exception) -> None:
+        st.consecutive_failures += 1
+        st.last_error = str(exc)
+        backoff = min(60.0, 0.5 * 2 ** min(st.consecutive_failures, 7))
+        st.retry_at = time.monotonic() + backoff
+        log.warning("spill of job %s failed (%d in a row, retry in %.1fs): %s", job_id, st.consecutive_failures, backoff, exc)
+
+    def _owned_settled_steps(self) -> dict[str, list[int]]:
+        with self.store._lock:
+            entries = [e for e in self.store._entries.values() if e.owner_host == self.store.host_id and e.state.settled and e.verified]
+        out: dict[str, list[int]] = {}
+        for e in entries:
+            out.setdefault(e.key.job_id, []).append(e.key.step)
+        return {job: sorted(set(steps)) for job, steps in out.items()}
+
+    def spill_step(self, job_id: str, step: int) -> int:
+        """Publish every shard of ``step`` this store owns. Returns bytes written."""
+        with self.store._lock:
+            entries = [
+                e
+                for k, e in self.store._entries.items()
+                if k.job_id == job_id and k.step == step and e.owner_host == self.store.host_id and e.verified
+            ]
+        st = self.status.setdefault(job_id, JobSpillStatus())
+        written = 0
+        with self._lock:
+            for entry in sorted(entries, key=lambda e: e.key.rank):
+                if self.durable.exists(layout.manifest_path(self.durable.root, job_id, step, entry.key.rank)):
+                    continue  # published before (e.g. by this host's previous incarnation)
+                written += self._spill_entry(entry)
+        st.spilled.add(step)
+        st.last_spilled_step = max(st.last_spilled_step, step)
+        st.last_spill_time = time.time()
+        st.bytes_written += written
+        st.last_error = ""
+        self._listing_cache.pop(job_id, None)
+        if written:
+            log.info("spilled %s step %d: %d shards, %d bytes to %s", job_id, step, len(entries), written, self.durable.url)
+        return written
+
+    def _spill_entry(self, entry: Entry) -> int:
+        if not self.store._pin(entry):
+            return 0
+        try:
+            m = entry.manifest
+            assert m is not None
+            view = entry.segment.view(entry.nbytes)
+            stored: list[int] = []
+
+            def pieces() -> Iterator[memoryview | bytes]:
+                started = time.monotonic()
+                sent = 0
+                for index, (off, length) in enumerate(chunk_spans(m.nbytes, m.chunk_size)):
+                    raw = view[off : off + length]
+                    if checksum(raw) != m.checksums[index]:
+                        raise SpillStorageError(
+                            "other", f"{entry.key}: chunk {index} in RAM failed its checksum; not spilling a corrupt copy"
+                        )
+                    encoded = codecs.encode(self.codec, raw)
+                    stored.append(len(encoded))
+                    yield encoded
+                    sent += len(encoded)
+                    if self.max_rate:
+                        ahead = sent / self.max_rate - (time.monotonic() - started)
+                        if ahead > 0:
+                            time.sleep(ahead)
+
+            key = entry.key
+            shard = layout.shard_path(self.durable.root, key.job_id, key.step, key.rank)
+            written = self.durable.write_stream(shard, pieces())
+            if self.durable.size(shard) != written:
+                raise SpillStorageError("other", f"{shard}: stored size differs from what was written; not publishing")
+            manifest = SpilledManifest(
+                job_id=key.job_id,
+                step=key.step,
+                rank=key.rank,
+                world_size=m.world_size,
+                nbytes=m.nbytes,
+                chunk_size=m.chunk_size,
+                checksums=list(m.checksums),
+                owner_host=m.owner_host,
+                codec=self.codec,
+                stored_chunks=stored,
+                metrics=dict(m.metrics),
+                format_version=m.format_version,
+                created_unix=m.created_unix,
+                spilled_unix=time.time(),
+            )
+            self.durable.write_small(layout.manifest_path(self.durable.root, key.job_id, key.step, key.rank), manifest.encode())
+            return written
+        finally:
+            self.store._unpin(entry)
+
+    # -- retention and debris ------------------------------------------------------------------------
+    def collect_garbage(self, job_id: str) -> list[int]:
+        """Delete steps retention no longer keeps (this store's ranks, plus debris anyone may remove)."""
+        listing = self.listing(job_id, max_age=0)
+        complete = self.complete_steps(listing, job_id)
+        if not complete:
+            return []
+        incomplete = (set(listing.manifests) | set(listing.shards) | listing.intents) - set(complete)
+        doomed = steps_to_delete(complete, incomplete, self.retention)
+        owned = self._owned_ranks(job_id)
+        paths: list[str] = []
+        for step in doomed:
+            # Unpublish first (manifests), then the bytes; only ranks this store owns, or debris of incomplete steps.
+            ranks = set(listing.manifests.get(step, {})) | set(listing.shards.get(step, {}))
+            mine = {r for r in ranks if r in owned} if step in complete else ranks
+            paths += [listing.manifests[step][r] for r in mine if r in listing.manifests.get(step, {})]
+            paths += [listing.shards[step][r][0] for r in mine if r in listing.shards.get(step, {})]
+            if step in listing.intents and step not in complete:
+                paths.append(layout.intent_path(self.durable.root, job_id, step))
+        newest = max(complete)
+        now = time.time()
+        for step, files in listing.shards.items():
+            for rank, (path, mtime) in files.items():
+                unpublished = rank not in listing.manifests.get(step, {})
+                if unpublished and step < newest and step not in doomed and mtime and now - mtime > ORPHAN_SECONDS:
+                    paths.append(path)  # a half-written spill nobody will finish
+        if paths:
+            self.durable.delete(sorted(set(paths), key=lambda p: (not p.endswith(".json"), p)))
+            self.durable.remove_empty_dirs([layout.step_dir(self.durable.root, job_id, s) for s in doomed])
+            self._listing_cache.pop(job_id, None)
+            log.info("spill retention for %s removed %d files (steps %s)", job_id, len(paths), sorted(doomed))
+        return sorted(doomed)
+
+    def _owned_ranks(self, job_id: str) -> set[int]:
+        with self.store._lock:
+            return {k.rank for k, e in self.store._entries.items() if k.job_id == job_id and e.owner_host == self.store.host_id}
+
+    # -- reading back ---------------------------------------------------------------------------------
+    def read_into(self, key: ShardKey, allocate: object) -> SpilledManifest:
+        """Read a spilled shard, decode and verify every chunk into the view ``allocate(manifest)`` returns."""
+        m = self.read_manifest(key.job_id, key.step, key.rank)
+        dest: memoryview = allocate(m)  # type: ignore[operator]
+        path = layout.shard_path(self.durable.root, key.job_id, key.step, key.rank)
+        spans = list(chunk_spans(m.nbytes, m.chunk_size))
+        for index, stored in enumerate(self.durable.read_stream(path, m.stored_chunks)):
+            off, length = spans[index]
+            try:
+                raw = codecs.decode(m.codec, stored, length)
+            except codecs.CodecError as exc:
+                raise SpillStorageError("other", f"{path} chunk {index}: {exc}") from None
+            if checksum(raw) != m.checksums[index]:
+                raise SpillStorageError("corrupt", f"{path} chunk {index} failed its checksum")
+            dest[off : off + length] = raw
+        return m
+
+    # -- SIGTERM ----------------------------------------------------------------------------------------
+    def flush(self, grace: float) -> list[str]:
+        """Spill the newest committed step of every job within ``grace`` seconds. Returns what failed."""
+        deadline = time.monotonic() + grace
+        failures: list[str] = []
+        for job_id, steps in self._owned_settled_steps().items():
+            if time.monotonic() >= deadline:
+                failures.append(f"{job_id}: grace time over before its turn")
+                continue
+            newest = max(steps)
+            try:
+                self.durable.write_small(layout.intent_path(self.durable.root, job_id, newest), b"")
+                self.spill_step(job_id, newest)
+            except (SpillStorageError, layout.LayoutError) as exc:
+                failures.append(f"{job_id} step {newest}: {exc}")
+        return failures
+
+
+def _as_timestamp(value: object) -> float:
+    if isinstance(value, (int, float)):
+        return float(value)
+    ts = getattr(value, "timestamp", None)
+    return float(ts()) if callable(ts) else 0.0

@@ -71,6 +71,8 @@ FLOOR_TIMEOUT = 300.0
 MAX_HOSTS = 8
 DEFAULT_MAX_RAM = "18GiB"
 BENCH_COPIES = 3  # state + up to two transient copies of it in this process (floor buffers, torch.load, DCP staging, a restore)
+PROCESS_OVERHEAD = 448 * MiB  # PSS of the bench and a restore process (Python + torch + gRPC) without the state
+STORE_OVERHEAD = 64 * MiB  # PSS of one idle store process
 
 # Targets (issue 3), evaluated per scenario; the headline scenario is 1 GiB on one rank, 2 hosts, R=2.
 STALL_MEMCPY_MAX = 1.5  # save() stall p50 <= 1.5x torch copy_ into pre-faulted memory
@@ -296,16 +298,19 @@ def ram_need(size: int, replicas: int, hosts: int, keep: int) -> dict[str, int]:
 
     The stores: keep steps plus one pooled segment of the one benchmarked rank on each of its R holders,
     (keep+1) x size x R. With one rank per host (a real job) that would be x hosts more, reported as
-    ``one_rank_per_host_bytes`` for reference. The bench process: the state plus up to two transient copies.
+    ``one_rank_per_host_bytes`` for reference. The bench process: the state plus up to two transient copies. Plus the
+    processes themselves (Python, torch, gRPC): the bench, a restore process, ~40-60 MiB per store.
     """
     segment = _round_page(size + 64 * 1024)  # the shard adds a small header
     stores = (keep + 1) * segment * replicas
     bench = BENCH_COPIES * size
+    processes = PROCESS_OVERHEAD + STORE_OVERHEAD * hosts
     return {
         "stores_bytes": stores,
         "bench_bytes": bench,
-        "total_bytes": stores + bench,
-        "one_rank_per_host_bytes": stores * hosts + bench,
+        "processes_bytes": processes,
+        "total_bytes": stores + bench + processes,
+        "one_rank_per_host_bytes": stores * hosts + bench + processes,
     }
 
 
@@ -349,7 +354,7 @@ def plan_scenarios(config: BenchConfig, endpoints: dict[str, Any] | None) -> tup
                         "replicas": r,
                         "ram_need": need,
                         "reason": f"needs ~{_fmt_bytes(total)} of RAM ((keep+1)={config.keep + 1} x {_short_size(size)} x R={r} in the "
-                        f"stores + {BENCH_COPIES} x {_short_size(size)} in the bench) > --max-ram {_fmt_bytes(config.max_ram)}",
+                        f"stores + {BENCH_COPIES} x {_short_size(size)} in the bench + processes) > --max-ram {_fmt_bytes(config.max_ram)}",
                     }
                 )
                 continue
@@ -1294,7 +1299,42 @@ def save_path_model(state: Any, reps: int = 3) -> dict[str, Any]:
     finally:
         with contextlib.suppress(BufferError):
             mm.close()
-    return {"bytes": nbytes, "dir": shm_dir, "plan_seconds": _summary(plan_times), "write_into_shm_seconds": _summary(write_times)}
+    return {
+        "bytes": nbytes,
+        "dir": shm_dir,
+        "plan_seconds": _summary(plan_times),
+        "write_into_shm_seconds": _summary(write_times),
+        "fresh_segment_seconds": fresh_segment_model(nbytes, shm_dir),
+    }
+
+
+def fresh_segment_model(nbytes: int, directory: str | None, reps: int = 2) -> dict[str, Any] | None:
+    """What a store pays for a segment it cannot take from its pool (memstore.server.segments.SegmentPool._create):
+    ftruncate + posix_fallocate (tmpfs zero-fills every page) + mmap(MAP_SHARED | MAP_POPULATE), on the same tmpfs. Cold
+    saves pay it, and so does every pull into a store whose pool is empty (a replacement host) or holds no reusable
+    segment (segments a zero-copy reader mapped are never recycled)."""
+    import mmap
+
+    if directory is None:
+        return None
+    falloc: list[float] = []
+    total: list[float] = []
+    for _ in range(reps):
+        fd, path = tempfile.mkstemp(prefix="memstore-bench-seg-", dir=directory)
+        try:
+            t0 = time.perf_counter()
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
+            t1 = time.perf_counter()
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            t2 = time.perf_counter()
+            mm.close()
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        falloc.append(t1 - t0)
+        total.append(t2 - t0)
+    return {"fallocate_seconds": _summary(falloc), "seconds": _summary(total)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -2871,6 +2911,13 @@ def _render_diagnosis(result: dict[str, Any], cl: dict[str, Any], info: dict[str
     w = sp["write_into_shm_seconds"]["p50"]
     c.add_row("save: ShardLayout.write_into(pre-faulted /dev/shm mapping)", _fmt_s(w), _fmt_bps(nb / w))
     c.add_row("save: measured save() p50 (adds Allocate + Commit RPCs)", _fmt_s(stall["p50"]), "")
+    fresh = sp.get("fresh_segment_seconds")
+    if fresh:
+        c.add_row(
+            "store: a fresh segment (ftruncate + fallocate + MAP_POPULATE as SegmentPool._create; cold saves, pulls into an empty pool)",
+            f"{_fmt_s(fresh['seconds']['p50'])} (fallocate {_fmt_s(fresh['fallocate_seconds']['p50'])})",
+            _fmt_bps(nb / fresh["seconds"]["p50"]),
+        )
     for k, v in cm["seconds"].items():
         c.add_row(f"replication: {k}", _fmt_s(v), _fmt_bps(cm["bytes"] / v if v > 0 else None))
     c.add_row("replication: sender CPU estimate (xxh3 + build + serialize)", _fmt_s(cm["sender_cpu_seconds_estimate"]), "")
@@ -2902,6 +2949,14 @@ def _render_diagnosis(result: dict[str, Any], cl: dict[str, Any], info: dict[str
             f"{_fmt_s(peer['connect_seconds']['p50'])} / {_fmt_s(peer['load_seconds']['p50'])}",
             "",
         )
+        pp = cl.get("peer_pull")
+        if fresh and pp:
+            model = fresh["seconds"]["p50"] + pp["seconds"]["p50"] + loc["seconds"]["p50"]
+            c.add_row(
+                "restore (host loss): model = fresh segment + pull into a pooled segment + local restore (vs measured)",
+                f"{_fmt_s(model)} (measured {_fmt_s(peer['seconds']['p50'])})",
+                "",
+            )
     console.print(c)
 
 

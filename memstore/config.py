@@ -195,6 +195,11 @@ class StoreConfig:
         default="none",
     )
     spill_max_rate: int = _opt("Spill bandwidth limit in bytes/s (0 = unlimited).", _size("--spill-max-rate"), default=0)
+    spill_orphan_seconds: float = _opt(
+        "Age after which an unpublished shard file (a spill killed midway) is removed.",
+        _positive_float("--spill-orphan-seconds"),
+        default=300.0,
+    )
     flush_grace_seconds: float = _opt(
         "On SIGTERM, time allowed to spill the newest committed step before exiting.",
         _non_negative_float("--flush-grace-seconds"),

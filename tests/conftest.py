@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,3 +26,55 @@ def make_cluster(tmp_path) -> Iterator[Callable[..., LocalCluster]]:  # type: ig
     yield make
     for cluster in started:
         cluster.stop()
+
+
+class MotoServer:
+    """A real S3-compatible server (moto in server mode) on 127.0.0.1; stoppable and restartable on its port."""
+
+    def __init__(self, workdir: Path) -> None:
+        from memstore.local_cluster import free_ports
+
+        (self.port,) = free_ports(1)
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                    "AWS_ENDPOINT_URL": self.endpoint}  # fmt: skip
+
+    def client(self):  # type: ignore[no-untyped-def]
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                            region_name="us-east-1")  # fmt: skip
+
+    def start(self, bucket: str = "ckpt") -> None:
+        from memstore.local_cluster import wait_for
+
+        with open(self.workdir / "moto.log", "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                         stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+        def up() -> bool:
+            try:
+                self.client().list_buckets()
+                return True
+            except Exception:
+                return False
+
+        wait_for(up, timeout=60, what="moto S3 server")
+        self.client().create_bucket(Bucket=bucket)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def moto(tmp_path) -> Iterator[MotoServer]:  # type: ignore[no-untyped-def]
+    server = MotoServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -182,6 +182,7 @@ class Store:
             every_seconds=config.spill_every_seconds,
             retention=retention,
             codec=config.spill_compression,
+            orphan_seconds=config.spill_orphan_seconds,
             max_rate=config.spill_max_rate,
         )
 
@@ -867,6 +868,8 @@ class Store:
             holdings, _ = self.cluster_holdings(job)
             latest = latest_restorable_step(holdings, job)
             protected = [latest[0]] if latest else []
+            if self.spiller is not None:
+                protected += sorted(self.spiller.protected_steps(job))  # due for spilling: keep until spilled
             with self._lock:
                 if latest:
                     self._protected[job] = latest[0]

@@ -19,7 +19,7 @@ from typing import Any
 from memstore.v1.keys import job_id_problem
 
 STEP_DIR = re.compile(r"step-(\d{12})$")
-RANK_FILE = re.compile(r"rank-(\d{6})\.(shard|json)$")
+RANK_FILE = re.compile(r"rank-(\d{6})\.(shard|json)(\.tmp-[0-9a-f]+)?$")  # .tmp-*: a local write in progress (or debris)
 MANIFEST_VERSION = 1
 
 

@@ -57,6 +57,7 @@ class StepListing:
     manifests: dict[int, dict[int, str]] = field(default_factory=dict)
     shards: dict[int, dict[int, tuple[str, float]]] = field(default_factory=dict)  # step -> rank -> (path, mtime)
     intents: set[int] = field(default_factory=set)
+    debris: list[tuple[int, str, float]] = field(default_factory=list)  # (step, path, mtime) of temporary files
 
 
 class Spiller:
@@ -71,6 +72,7 @@ class Spiller:
         codec: str,
         max_rate: int,
         interval: float = 0.5,
+        orphan_seconds: float = ORPHAN_SECONDS,
     ) -> None:
         self.store = store
         self.durable = durable
@@ -80,6 +82,7 @@ class Spiller:
         self.codec = codecs.check(codec)
         self.max_rate = max_rate
         self.interval = interval
+        self.orphan_seconds = orphan_seconds
         self.status: dict[str, JobSpillStatus] = {}
         self._lock = threading.Lock()  # one spill at a time: bounded memory and bandwidth
         self._stop = threading.Event()
@@ -125,11 +128,13 @@ class Spiller:
             if not m_rank:
                 continue
             rank = int(m_rank.group(1))
-            if m_rank.group(2) == "json":
+            mtime = _as_timestamp(info.get("mtime") or info.get("LastModified") or info.get("created") or 0)
+            if m_rank.group(3):  # a temporary file: an unfinished local write
+                out.debris.append((step, path, mtime))
+            elif m_rank.group(2) == "json":
                 out.manifests.setdefault(step, {})[rank] = path
             else:
-                mtime = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
-                out.shards.setdefault(step, {})[rank] = (path, _as_timestamp(mtime))
+                out.shards.setdefault(step, {})[rank] = (path, mtime)
         self._listing_cache[job_id] = (time.monotonic(), out)
         return out
 
@@ -182,12 +187,20 @@ class Spiller:
                 if due_by_time(st.last_spill_time if st.last_spill_time is not None else self.started, now, self.every_seconds):
                     self.durable.write_small(layout.intent_path(self.durable.root, job_id, newest), b"")
                     due.add(newest)
-                for step in sorted(due - st.spilled, reverse=True)[:1]:  # newest first, one per pass
+                for step in sorted(due - st.spilled, reverse=True):  # newest first
                     self.spill_step(job_id, step)
                 self.collect_garbage(job_id)
                 st.consecutive_failures = 0
             except (SpillStorageError, layout.LayoutError) as exc:
                 self._failed(st, job_id, exc)
+
+    def protected_steps(self, job_id: str) -> set[int]:
+        """Owned steps due for spilling but not spilled yet: retention must not evict them from RAM first."""
+        st = self.status.get(job_id, JobSpillStatus())
+        cached = self._listing_cache.get(job_id)
+        intents = cached[1].intents if cached else set()
+        steps = self._owned_settled_steps().get(job_id, [])
+        return {s for s in steps if (due_by_steps(s, self.every_steps) or s in intents) and s not in st.spilled}
 
     def _failed(self, st: JobSpillStatus, job_id: str, exc: Exception) -> None:
         st.consecutive_failures += 1
@@ -225,6 +238,7 @@ class Spiller:
         st.bytes_written += written
         st.last_error = ""
         self._listing_cache.pop(job_id, None)
+        self.store._retention_due.set()  # steps kept in RAM only for this spill may go now
         if written:
             log.info("spilled %s step %d: %d shards, %d bytes to %s", job_id, step, len(entries), written, self.durable.url)
         return written
@@ -306,8 +320,9 @@ class Spiller:
         for step, files in listing.shards.items():
             for rank, (path, mtime) in files.items():
                 unpublished = rank not in listing.manifests.get(step, {})
-                if unpublished and step < newest and step not in doomed and mtime and now - mtime > ORPHAN_SECONDS:
+                if unpublished and step < newest and step not in doomed and mtime and now - mtime > self.orphan_seconds:
                     paths.append(path)  # a half-written spill nobody will finish
+        paths += [path for step, path, mtime in listing.debris if step in doomed or (mtime and now - mtime > self.orphan_seconds)]
         if paths:
             self.durable.delete(sorted(set(paths), key=lambda p: (not p.endswith(".json"), p)))
             self.durable.remove_empty_dirs([layout.step_dir(self.durable.root, job_id, s) for s in doomed])

@@ -70,8 +70,12 @@ class Durable:
     """Durable storage at ``url`` (any fsspec URL)."""
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
+        options = dict(options or {})
+        if url.startswith(("s3://", "s3a://")):
+            # Fail a call to an unreachable or stalled endpoint in seconds, not minutes; the spiller retries.
+            options.setdefault("config_kwargs", {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3}})
         try:
-            self.fs, root = fsspec.core.url_to_fs(url, **(options or {}))
+            self.fs, root = fsspec.core.url_to_fs(url, **options)
         except (ImportError, ValueError, TypeError) as exc:
             raise SpillStorageError("other", f"--spill {url!r} cannot be opened: {exc}") from None
         self.url = url

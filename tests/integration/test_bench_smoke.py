@@ -137,6 +137,11 @@ def test_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
         assert len(proc["rss_series"]) == 100, label
     assert _finite(leak["max_growth_percent"])
 
+    fresh = data["diagnosis"]["save_path"]["fresh_segment_seconds"]
+    assert _positive(fresh["seconds"]["p50"]) and _positive(fresh["fallocate_seconds"]["p50"])
+    need = scn["ram_need"]
+    assert _positive(need["total_bytes"]) and need["one_rank_per_host_bytes"] >= need["total_bytes"]
+
     cond = scn["conditions"]
     assert _positive(cond["seconds"]) and _positive(cond["memory_peak_pss_bytes"])
     assert _positive(data["conditions"]["memory_peak_pss_bytes"])

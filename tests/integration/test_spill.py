@@ -1,0 +1,155 @@
+"""The durable tier against real store processes: file:// and S3 (moto server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from memstore.local_cluster import LocalCluster, wait_for
+from tests.states import assert_same, rank_state
+from trainer_client import CheckpointClient
+
+pytestmark = pytest.mark.integration
+WORLD = 4  # 2 ranks on each of 2 hosts
+
+
+def host_of(rank: int) -> str:
+    return f"h{rank // 2}"
+
+
+def save_steps(cluster: LocalCluster, job: str, steps: range, metrics: dict[int, float] | None = None, scale: int = 1) -> None:
+    clients = [CheckpointClient(job, r, WORLD, store=cluster.address(host_of(r))) for r in range(WORLD)]
+    try:
+        for step in steps:
+            m = {"loss": metrics[step]} if metrics else None
+            for h in [c.save(step, rank_state(c.rank, step, scale=scale), metrics=m) for c in clients]:
+                h.wait(timeout=30)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def published(root: Path, job: str) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    for p in root.glob(f"{job}/step-*/rank-*.json"):
+        out.setdefault(int(p.parent.name[5:]), set()).add(int(p.name[5:11]))
+    return out
+
+
+def complete_steps(root: Path, job: str) -> set[int]:
+    return {s for s, ranks in published(root, job).items() if ranks == set(range(WORLD))}
+
+
+def restart_everything_and_check(cluster: LocalCluster, job: str, step: int) -> None:
+    for h in cluster.stores:
+        cluster.kill(h)
+    for h in cluster.stores:
+        cluster.restart(h)
+    for r in range(WORLD):
+        with CheckpointClient(job, r, WORLD, store=cluster.address(host_of(r))) as c:
+            assert c.latest_step() == step
+            assert_same(c.load(), rank_state(r, step))
+            assert c.last_load_source in ("durable", "h0", "h1")  # RAM empty: durable, or a peer that pulled it first
+
+
+def test_full_cluster_restart_from_file_spill(make_cluster, tmp_path) -> None:
+    root = tmp_path / "spill"
+    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB",
+                           extra_args=["--spill", f"file://{root}", "--spill-every-steps", "2", "--spill-keep-last", "2"])  # fmt: skip
+    save_steps(cluster, "fs-job", range(1, 6))
+    wait_for(lambda: {2, 4} <= complete_steps(root, "fs-job"), timeout=30, what="steps 2 and 4 spilled")
+    assert 5 not in published(root, "fs-job")  # not a multiple of 2
+    restart_everything_and_check(cluster, "fs-job", 4)
+
+
+def test_full_cluster_restart_from_s3(make_cluster, moto) -> None:
+    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", env=moto.env,
+                           extra_args=["--spill", "s3://ckpt/runs", "--spill-every-steps", "1", "--spill-compression", "zstd-shuffle4"])  # fmt: skip
+    save_steps(cluster, "s3-job", range(1, 4))
+
+    def spilled_3() -> bool:
+        status = [cluster.health(h) for h in cluster.stores]
+        return all(s is not None and any(j.last_spilled_step >= 3 for j in s.spill) for s in status)
+
+    wait_for(spilled_3, timeout=30, what="step 3 spilled to S3 by both stores")
+    restart_everything_and_check(cluster, "s3-job", 3)
+
+
+def test_half_written_spill_is_invisible_and_the_next_succeeds(make_cluster, tmp_path) -> None:
+    root = tmp_path / "spill"
+    args = ["--spill", f"file://{root}", "--spill-every-steps", "1", "--spill-max-rate", "2MiB", "--spill-orphan-seconds", "1"]
+    cluster = make_cluster(hosts=2, replicas=2, capacity="256MiB", extra_args=args)
+    save_steps(cluster, "half", range(1, 2), scale=400)  # ~6 MiB per rank: a few seconds per shard at 2 MiB/s
+    wait_for(lambda: list(root.glob("half/step-*/rank-*.shard.tmp-*")), timeout=30, what="a spill in progress")
+    cluster.kill("h0")
+    assert 1 not in complete_steps(root, "half")  # nothing half-written is visible as a checkpoint
+    assert not list(root.glob("half/step-000000000001/rank-00000[01].json"))
+    cluster.restart("h0")  # empty RAM: its ranks' step 1 comes back from h1 by repair
+    save_steps(cluster, "half", range(2, 4), scale=40)
+    wait_for(lambda: {2, 3} <= complete_steps(root, "half"), timeout=60, what="the next spills")
+    wait_for(lambda: not list(root.glob("half/step-*/*.tmp-*")), timeout=30, what="debris of the killed spill removed")
+
+
+def test_retention_keep_last_and_best_exact_over_20_steps(make_cluster, tmp_path) -> None:
+    root = tmp_path / "spill"
+    losses = {s: 10.0 - (s % 7) * 0.5 + 0.01 * s for s in range(1, 21)}
+    best = sorted(losses, key=lambda s: losses[s])[:2]
+    args = ["--spill", f"file://{root}", "--spill-every-steps", "1", "--spill-keep-last", "3", "--spill-keep-best", "2",
+            "--spill-metric", "loss", "--spill-metric-mode", "min"]  # fmt: skip
+    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=args)
+    for step in range(1, 21):
+        save_steps(cluster, "ret", range(step, step + 1), metrics=losses)
+        wait_for(lambda s=step: s in complete_steps(root, "ret"), timeout=30, what=f"step {step} spilled")
+    expected = {18, 19, 20} | set(best)
+    wait_for(lambda: set(published(root, "ret")) == expected, timeout=30, what=f"retention to leave exactly {sorted(expected)}")
+    assert complete_steps(root, "ret") == expected
+    manifest = json.loads((root / "ret/step-000000000020/rank-000000.json").read_text())
+    assert manifest["metrics"] == {"loss": losses[20]}
+
+
+def test_storage_outage_is_retried_and_saves_are_unaffected(make_cluster, moto) -> None:
+    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", env=moto.env,
+                           extra_args=["--spill", "s3://ckpt/outage", "--spill-every-steps", "1"])  # fmt: skip
+
+    def spilled(step: int) -> bool:
+        status = [cluster.health(h) for h in cluster.stores]
+        return all(s is not None and any(j.last_spilled_step == step and j.consecutive_failures == 0 for j in s.spill) for s in status)
+
+    save_steps(cluster, "outage", range(1, 2))
+    wait_for(lambda: spilled(1), timeout=30, what="step 1 spilled")
+    moto.stop()  # storage down: connections refused
+    save_steps(cluster, "outage", range(2, 5))  # saves and replication go on while storage is down
+
+    def failing() -> bool:
+        h = cluster.health("h0")
+        return h is not None and any(j.consecutive_failures > 0 and "outage" in j.last_error for j in h.spill)
+
+    wait_for(failing, timeout=60, what="the spill failure to be reported in status")
+    with CheckpointClient("outage", 0, WORLD, store=cluster.address("h0")) as c:
+        assert c.latest_step() == 4  # RAM tier unaffected
+    moto.start()  # back, empty (moto keeps no state): the spiller retries and catches up with the newest step
+    wait_for(lambda: spilled(4), timeout=120, what="the spiller to catch up")
+    restart_everything_and_check(cluster, "outage", 4)
+
+
+def test_sigterm_flushes_the_newest_committed_step(make_cluster, tmp_path) -> None:
+    root = tmp_path / "spill"
+    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=["--spill", f"file://{root}", "--flush-grace-seconds", "20"])
+    save_steps(cluster, "flush", range(1, 4))  # no spill trigger configured: nothing spilled yet
+    assert not published(root, "flush")
+    for h in cluster.stores:
+        proc = cluster.stores[h].proc
+        assert proc is not None
+        proc.send_signal(signal.SIGTERM)
+    for h in cluster.stores:
+        assert cluster.stores[h].proc.wait(timeout=30) == 0  # type: ignore[union-attr]
+    assert complete_steps(root, "flush") == {3}
+    for h in cluster.stores:
+        cluster.restart(h)
+    with CheckpointClient("flush", 1, WORLD, store=cluster.address("h0")) as c:
+        assert c.latest_step() == 3
+        assert_same(c.load(), rank_state(1, 3))

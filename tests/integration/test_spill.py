@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 
@@ -67,8 +66,8 @@ def test_full_cluster_restart_from_file_spill(make_cluster, tmp_path) -> None:
 
 
 def test_full_cluster_restart_from_s3(make_cluster, moto) -> None:
-    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", env=moto.env,
-                           extra_args=["--spill", "s3://ckpt/runs", "--spill-every-steps", "1", "--spill-compression", "zstd-shuffle4"])  # fmt: skip
+    args = ["--spill", "s3://ckpt/runs", "--spill-every-steps", "1", "--spill-compression", "zstd-shuffle4"]
+    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", env=moto.env, extra_args=args)
     save_steps(cluster, "s3-job", range(1, 4))
 
     def spilled_3() -> bool:

@@ -97,6 +97,16 @@ def cmd_status(args: argparse.Namespace) -> int:
                     "shards": h.shards,
                     "replicating": h.replications_in_flight,
                     "repairing": h.repairs_in_flight,
+                    "spill": [
+                        {
+                            "job": j.job_id,
+                            "last_spilled_step": j.last_spilled_step,
+                            "failures": j.consecutive_failures,
+                            "error": j.last_error,
+                            "bytes_written": j.bytes_written,
+                        }
+                        for j in h.spill
+                    ],
                 }
             )
         except grpc.RpcError as err:
@@ -113,6 +123,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"  {r['host']:<8} {r['address']:<22} up   {format_size(r['used']):>12} / {format_size(r['capacity']):<12} "
                 f"shards={r['shards']} replicating={r['replicating']} repairing={r['repairing']}"
             )
+            for j in r["spill"]:
+                state = f"FAILING x{j['failures']}: {j['error']}" if j["failures"] else "ok"
+                print(
+                    f"           spill {j['job']}: last step {j['last_spilled_step']}, {format_size(j['bytes_written'])} written, {state}"
+                )
     return 0 if all(r.get("serving") for r in rows) else 1
 
 

@@ -60,6 +60,7 @@ class StoreProcess:
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of this store only (e.g. MEMSTORE_FAULTS)
 
     @property
     def alive(self) -> bool:
@@ -125,7 +126,7 @@ class LocalCluster:
     def _spawn(self, host_id: str) -> None:
         sp = self.stores[host_id]
         log = open(sp.log_path, "ab")  # noqa: SIM115 - owned by the child's lifetime
-        env = {**os.environ, **(self.env or {})}
+        env = {**os.environ, **(self.env or {}), **sp.env}
         sp.proc = subprocess.Popen(sp.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
 
@@ -154,12 +155,15 @@ class LocalCluster:
             sp.proc.send_signal(signal.SIGKILL)
             sp.proc.wait(timeout=10)
 
-    def restart(self, host_id: str, timeout: float = 30.0) -> None:
-        """Start the replacement of ``host_id``: same id and address, empty RAM."""
+    def restart(self, host_id: str, timeout: float = 30.0, env: dict[str, str] | None = None, wait: bool = True) -> None:
+        """Start the replacement of ``host_id``: same id and address, empty RAM (``env``: its extra environment)."""
         self.kill(host_id)
         self.stores[host_id].restarts += 1
+        if env is not None:
+            self.stores[host_id].env = dict(env)
         self._spawn(host_id)
-        self.wait_healthy(host_id, timeout)
+        if wait:
+            self.wait_healthy(host_id, timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         for sp in self.stores.values():

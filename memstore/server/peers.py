@@ -16,6 +16,7 @@ from typing import TypeVar
 import grpc
 
 from memstore.errors import CapacityExceeded, ChecksumMismatch, IdentityMismatch, PeerUnavailable, StoreError
+from memstore.faults import fault
 from memstore.v1 import datachannel
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
@@ -128,7 +129,7 @@ class Peer:
         try:
             with datachannel.connect(self.host, ticket.data_port, control_timeout) as sock:
                 sock.sendall(ticket.ticket)
-                datachannel.send_all(sock, view, deadline)
+                datachannel.send_all(sock, view, deadline, on_piece=lambda: fault("replicate.after_chunk"))
                 error = datachannel.read_status(sock, deadline)
         except datachannel.DataChannelError as exc:
             raise PeerUnavailable(f"push to peer {self.host_id}: {exc}") from None

@@ -46,6 +46,7 @@ from memstore.errors import (
     StoreError,
     UnknownJob,
 )
+from memstore.faults import fault
 from memstore.server.convert import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, state_from_pb, state_to_pb
 from memstore.server.peers import DataChannelUnsupported, PeerDirectory
 from memstore.server.segments import Segment, SegmentPool
@@ -281,6 +282,7 @@ class Store:
             self._register(entry)
         self._in_flight_add(1)
         self._replication.submit(self._capture_and_replicate, entry)
+        fault("commit.before_ack")
         return entry.key
 
     def _acquire(self, key: ShardKey, nbytes: int) -> Segment:
@@ -369,7 +371,9 @@ class Store:
             if not pinned:
                 return f"{entry.key} was dropped before it reached {peer_id}"
             try:
+                fault("replicate.before_send")
                 self._push_to(peer_id, header, entry.segment.view(entry.nbytes), deadline)
+                fault("replicate.after_ack")
                 return None
             except StoreError as exc:
                 return str(exc)
@@ -428,7 +432,7 @@ class Store:
         """Store a shard arriving as a gRPC chunk stream (remote client, replication fallback)."""
         inbound = self._begin_receive(header)
         try:
-            receive_chunks(chunks, inbound.manifest, inbound.segment.view())
+            receive_chunks(chunks, inbound.manifest, inbound.segment.view(), on_chunk=lambda _: fault("receive.after_chunk"))
         except BaseException as exc:
             self._abort_receive(inbound)
             raise _stream_error(exc) from None
@@ -513,19 +517,20 @@ class Store:
             return
         if t.outbound is not None:
             try:
-                send_all(sock, t.outbound.segment.view(t.outbound.nbytes), t.deadline)
+                send_all(sock, t.outbound.segment.view(t.outbound.nbytes), t.deadline, on_piece=lambda: fault("serve.after_chunk"))
             finally:
                 self._unpin(t.outbound)
             return
         assert t.inbound is not None
         try:
-            receive_verified(sock, t.inbound.manifest, t.inbound.segment.view(), t.deadline)
+            receive_verified(sock, t.inbound.manifest, t.inbound.segment.view(), t.deadline, on_chunk=lambda: fault("receive.after_chunk"))
         except BaseException as exc:
             self._abort_receive(t.inbound)
             err = _stream_error(exc)
             with contextlib.suppress(OSError):
                 send_status(sock, f"{getattr(err, 'status', 'UNAVAILABLE')}: {err}")
             return
+        fault("receive.before_register")
         self._finish_receive(t.inbound)
         send_status(sock, None)
 
@@ -922,6 +927,7 @@ class Store:
             try:
                 self._pull(key, origin_note="repair", candidates=wanted[key])
                 pulled += 1
+                fault("repair.after_pull")
             except StoreError as exc:
                 log.warning("repair of %s failed: %s", key, exc)
             finally:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from memstore.core.model import Holding, ShardKey
 from memstore.core.spill_policy import RetentionPolicy, due_by_steps, due_by_time, steps_to_delete
+from memstore.faults import fault
 from memstore.spill import codec as codecs
 from memstore.spill import layout
 from memstore.spill.layout import SpilledManifest
@@ -229,9 +230,9 @@ class Spiller:
         written = 0
         with self._lock:
             for entry in sorted(entries, key=lambda e: e.key.rank):
-                if self.durable.exists(layout.manifest_path(self.durable.root, job_id, step, entry.key.rank)):
-                    continue  # published before (e.g. by this host's previous incarnation)
-                written += self._spill_entry(entry)
+                if not self.durable.exists(layout.manifest_path(self.durable.root, job_id, step, entry.key.rank)):
+                    written += self._spill_entry(entry)  # else published before (e.g. by this host's previous incarnation)
+                self._after_publish(entry)
         st.spilled.add(step)
         st.last_spilled_step = max(st.last_spilled_step, step)
         st.last_spill_time = time.time()
@@ -242,6 +243,18 @@ class Spiller:
         if written:
             log.info("spilled %s step %d: %d shards, %d bytes to %s", job_id, step, len(entries), written, self.durable.url)
         return written
+
+    def _after_publish(self, entry: Entry) -> None:
+        """Interop: a published DCP rank is queued for its plain-DCP copy (memstore.spill.dcp_export, own thread).
+
+        Returns at once; a failure is logged, never raised: the spill never depends on the export.
+        """
+        try:
+            from memstore.spill import dcp_export
+
+            dcp_export.after_publish(self, entry)
+        except Exception:
+            log.exception("DCP export of %s not queued", entry.key)
 
     def _spill_entry(self, entry: Entry) -> int:
         if not self.store._pin(entry):
@@ -264,6 +277,7 @@ class Spiller:
                     encoded = codecs.encode(self.codec, raw)
                     stored.append(len(encoded))
                     yield encoded
+                    fault("spill.after_chunk")
                     sent += len(encoded)
                     if self.max_rate:
                         ahead = sent / self.max_rate - (time.monotonic() - started)
@@ -275,6 +289,7 @@ class Spiller:
             written = self.durable.write_stream(shard, pieces())
             if self.durable.size(shard) != written:
                 raise SpillStorageError("other", f"{shard}: stored size differs from what was written; not publishing")
+            fault("spill.before_manifest")
             manifest = SpilledManifest(
                 job_id=key.job_id,
                 step=key.step,
@@ -313,6 +328,7 @@ class Spiller:
             mine = {r for r in ranks if r in owned} if step in complete else ranks
             paths += [listing.manifests[step][r] for r in mine if r in listing.manifests.get(step, {})]
             paths += [listing.shards[step][r][0] for r in mine if r in listing.shards.get(step, {})]
+            paths += self._interop_paths(job_id, step, mine)
             if step in listing.intents and step not in complete:
                 paths.append(layout.intent_path(self.durable.root, job_id, step))
         newest = max(complete)
@@ -329,6 +345,16 @@ class Spiller:
             self._listing_cache.pop(job_id, None)
             log.info("spill retention for %s removed %d files (steps %s)", job_id, len(paths), sorted(doomed))
         return sorted(doomed)
+
+    def _interop_paths(self, job_id: str, step: int, ranks: set[int]) -> list[str]:
+        """dcp_export's files of ``ranks`` (and the step's .metadata) in a doomed step; [] if that fails."""
+        try:
+            from memstore.spill import dcp_export
+
+            return dcp_export.doomed_paths(self.durable, job_id, step, ranks)
+        except Exception:
+            log.exception("DCP export files of %s step %d not collected", job_id, step)
+            return []
 
     def _owned_ranks(self, job_id: str) -> set[int]:
         with self.store._lock:

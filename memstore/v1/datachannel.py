@@ -14,6 +14,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import chunk_spans
@@ -60,13 +61,16 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
         got += r
 
 
-def send_all(sock: socket.socket, view: memoryview, deadline: float) -> None:
+def send_all(sock: socket.socket, view: memoryview, deadline: float, on_piece: Callable[[], None] | None = None) -> None:
+    """Send ``view`` in IO_SLICE_BYTES pieces; ``on_piece`` runs after each (fault-injection points)."""
     for off in range(0, len(view), IO_SLICE_BYTES):
         _set_deadline(sock, deadline)
         try:
             sock.sendall(view[off : off + IO_SLICE_BYTES])
         except OSError as exc:
             raise DataChannelError(f"data channel send failed at byte {off} of {len(view)}: {exc}") from None
+        if on_piece:
+            on_piece()
 
 
 def _set_deadline(sock: socket.socket, deadline: float) -> None:
@@ -76,13 +80,17 @@ def _set_deadline(sock: socket.socket, deadline: float) -> None:
     sock.settimeout(remaining)
 
 
-def receive_verified(sock: socket.socket, manifest: pb.Manifest, dest: memoryview, deadline: float) -> None:
+def receive_verified(
+    sock: socket.socket, manifest: pb.Manifest, dest: memoryview, deadline: float, on_chunk: Callable[[], None] | None = None
+) -> None:
     """Read the shard's bytes into ``dest`` chunk by chunk, verifying each; StreamError on a mismatch."""
     out = memoryview(dest)
     for index, (off, length) in enumerate(chunk_spans(manifest.nbytes, manifest.chunk_size)):
         piece = out[off : off + length]
         recv_exact(sock, piece, deadline)
         verify_chunk(manifest, index, piece, where=" on the data channel")
+        if on_chunk:
+            on_chunk()
 
 
 def send_status(sock: socket.socket, error: str | None) -> None:

@@ -72,9 +72,8 @@ def test_owner_killed_after_peer_ack_loses_nothing(make_cluster) -> None:
 
 def test_owner_killed_before_commit_ack(make_cluster) -> None:
     cluster = start(make_cluster, faults={"h0": "commit.before_ack=kill"})
-    with CheckpointClient(JOB, 0, WORLD, store=cluster.address("h0"), timeout=5) as c:
-        with pytest.raises(Exception):  # noqa: B017,PT011 - the store died before answering: the save failed, clearly
-            c.save(1, rank_state(0, 1))
+    with CheckpointClient(JOB, 0, WORLD, store=cluster.address("h0"), timeout=5) as c, pytest.raises(Exception):  # noqa: B017,PT011
+        c.save(1, rank_state(0, 1))  # the store died before answering: the save fails, clearly
     wait_for(lambda: not cluster.stores["h0"].alive, timeout=10, what="h0 to die")
     cluster.restart("h0", env={})
     with CheckpointClient(JOB, 0, WORLD, store=cluster.address("h0"), timeout=10) as c:
@@ -122,7 +121,7 @@ def test_kill_of_the_serving_peer_during_restore(make_cluster) -> None:
     with CheckpointClient(JOB, 0, WORLD, store=cluster.address(other), timeout=10) as c:
         try:
             assert_same(c.load(1), rank_state(0, 1, scale=64))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             assert "step" in str(exc) or "unavailable" in str(exc).lower()
     assert time.monotonic() - t0 < 60
 
@@ -136,6 +135,6 @@ def _has(cluster: LocalCluster, host: str, step: int, rank: int | None = None) -
     with insecure_channel(cluster.address(host)) as ch:
         try:
             resp = pb_grpc.StoreStub(ch).List(pb.ListRequest(job_id=JOB), timeout=5)
-        except Exception:  # noqa: BLE001
+        except Exception:
             return False
     return any(s.verified and s.manifest.key.step == step and (rank is None or s.manifest.key.rank == rank) for s in resp.shards)

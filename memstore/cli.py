@@ -1,4 +1,4 @@
-"""The ``memstore`` command line: serve, local-cluster, demo, status, ls."""
+"""The ``memstore`` command line: serve, local-cluster, demo, status, ls, export."""
 
 from __future__ import annotations
 
@@ -160,6 +160,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from memstore.export import run
+
+    return run(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from memstore.bench import main as bench_main
 
@@ -199,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure save stall, replication and restore against the hardware floors", add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
+
+    from memstore.export import add_arguments as add_export_arguments  # light: torch is imported only when it runs
+
+    p = sub.add_parser("export", help="write one step as a standard torch.save file (from a cluster or durable storage)")
+    add_export_arguments(p)
+    p.set_defaults(func=cmd_export)
 
     for name, func, helptext in (("status", cmd_status, "health of every store of a cluster"), ("ls", cmd_ls, "list shards on a store")):
         p = sub.add_parser(name, help=helptext)

@@ -148,6 +148,14 @@ class LocalCluster:
 
         wait_for(ready, timeout, what=f"store {host_id} to serve")
 
+    def route(self, from_host: str, to_host: str, address: str) -> None:
+        """Make ``from_host`` reach ``to_host`` at ``address`` (e.g. through a fault proxy); applies at its next (re)start."""
+        args = self.stores[from_host].args
+        i = args.index("--peers") + 1
+        peers = dict(item.split("=", 1) for item in args[i].split(","))
+        peers[to_host] = address
+        args[i] = ",".join(f"{h}={a}" for h, a in peers.items())
+
     def kill(self, host_id: str) -> None:
         """SIGKILL the store and reap it."""
         sp = self.stores[host_id]

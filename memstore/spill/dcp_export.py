@@ -149,7 +149,7 @@ def exporter_for(spiller: Spiller) -> Exporter:
     with _EXPORTERS_LOCK:
         exporter = _EXPORTERS.get(spiller)
         if exporter is None:
-            exporter = Exporter(spiller.durable, stop=spiller._stop)
+            exporter = Exporter(spiller.durable, stop=spiller._stop, max_rate=spiller.max_rate)
             _EXPORTERS[spiller] = exporter
         return exporter
 
@@ -166,8 +166,9 @@ class _Task:
 class Exporter:
     """Work queue of (job, step, rank) exports, run by one daemon thread that ends with the spiller."""
 
-    def __init__(self, durable: Durable, stop: threading.Event | None = None) -> None:
+    def __init__(self, durable: Durable, stop: threading.Event | None = None, max_rate: int = 0) -> None:
         self.durable = durable
+        self.max_rate = max_rate  # bytes/s of data files, like --spill-max-rate (0 = unlimited)
         self.stop = stop or threading.Event()
         self._cond = threading.Condition()
         self._heap: list[_Task] = []
@@ -213,9 +214,8 @@ class Exporter:
                               exc_info=not isinstance(exc, (SpillStorageError, ExportError, layout.LayoutError)))  # fmt: skip
 
     def run(self, task: _Task) -> None:
-        if task.rank >= 0:
-            if export_rank(self.durable, task.job_id, task.step, task.rank):
-                self.exported += 1
+        if task.rank >= 0 and export_rank(self.durable, task.job_id, task.step, task.rank, self.max_rate):
+            self.exported += 1
         state = publish_metadata(self.durable, task.job_id, task.step)
         if state == "written":
             self.published += 1
@@ -309,7 +309,7 @@ def _item_bytes(value: Any) -> memoryview | bytes:
     return buf.getbuffer()
 
 
-def export_rank(durable: Durable, job_id: str, step: int, rank: int) -> bool:
+def export_rank(durable: Durable, job_id: str, step: int, rank: int, max_rate: int = 0) -> bool:
     """Write ``rank``'s data file and index for a published DCP step. False if there was nothing to do."""
     index_file = index_path(durable.root, job_id, step, rank)
     manifest_file = layout.manifest_path(durable.root, job_id, step, rank)
@@ -327,12 +327,17 @@ def export_rank(durable: Durable, job_id: str, step: int, rank: int) -> bool:
     data_name = data_file_name(rank)
 
     def pieces() -> Iterator[memoryview | bytes]:
+        started = time.monotonic()
         position = 0
         for key, value in items.items():
             data = _item_bytes(value)
             offsets[key] = [position, len(data)]
             position += len(data)
             yield data
+            if max_rate:
+                ahead = position / max_rate - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
 
     target = data_path(durable.root, job_id, step, rank)
     written = durable.write_stream(target, pieces())
@@ -349,7 +354,6 @@ def export_rank(durable: Durable, job_id: str, step: int, rank: int) -> bool:
     }
     if rank == 0:
         index["metadata"] = shard["metadata"]
-    del shard, items, raw
     durable.write_small(index_file, json.dumps(index, separators=(",", ":"), allow_nan=False).encode())
     if not durable.exists(manifest_file):  # retention deleted the step meanwhile: leave nothing behind
         durable.delete([index_file, target])
@@ -414,7 +418,7 @@ def publish_metadata(durable: Durable, job_id: str, step: int) -> str:
     if any(index["world_size"] != world for index in indexes.values()):
         raise ExportError(f"{job_id} step {step}: the ranks' DCP export indexes disagree on the world size")
     metadata = build_metadata(indexes)
-    durable.write_small(target, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
+    durable.write_small(target, pickle.dumps(metadata))  # default protocol, as FileSystemWriter
     if not all(durable.exists(layout.manifest_path(durable.root, job_id, step, r)) for r in range(world)):
         durable.delete([target])  # retention is deleting the step: do not leave a .metadata pointing at nothing
         return "gone"

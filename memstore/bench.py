@@ -1518,6 +1518,7 @@ def leak_worker() -> None:
     emit = _emitter()
     cfg = json.loads(sys.stdin.readline())
     from trainer_client import CheckpointClient
+    from trainer_client.errors import ReplicationError
 
     state = make_state(int(cfg["size"]), int(cfg["seed"]))
     addresses = list(cfg["addresses"])
@@ -1530,13 +1531,18 @@ def leak_worker() -> None:
             t0 = time.perf_counter()
             handle = client.save(i + 1, state)
             t1 = time.perf_counter()
-            info = handle.wait(timeout=commit_timeout)
+            error = ""
+            try:
+                copies = int(handle.wait(timeout=commit_timeout).copies)
+            except ReplicationError as exc:
+                error, copies = str(exc), 0
             _wait(lambda: _settled(addresses, cfg["job"], int(cfg["keep"])), 60.0, 0.01, "retention to drop old steps")
             emit(
                 {
                     "save": i + 1,
                     "stall_seconds": t1 - t0,
-                    "copies": int(info.copies),
+                    "copies": copies,
+                    "error": error,
                     "client": proc_memory(os.getpid()),
                     "stores": {h: proc_memory(int(p)) for h, p in pids.items()},
                 }
@@ -1832,6 +1838,7 @@ class SaveSample:
     replication_seconds: float  # committed - save wall
     replication_bytes_per_second: float
     paired_memcpy_seconds: float | None  # torch copy_ into pre-faulted memory, right before this save
+    error: str = ""  # why the save did not reach R copies (wait() raised); such saves are left out of the commit figures
 
 
 def _store_memory(stores: Stores) -> dict[str, Any]:
@@ -1899,6 +1906,7 @@ def measure_scenario(
     import torch
 
     from trainer_client import CheckpointClient
+    from trainer_client.errors import ReplicationError
 
     name = scn.name
     out: dict[str, Any] = {
@@ -1951,7 +1959,15 @@ def measure_scenario(
                 t0 = time.perf_counter()
                 handle = client.save(step, state)
                 t1 = time.perf_counter()
-                info = handle.wait(timeout=commit_timeout)
+                error = ""
+                try:
+                    copies = int(handle.wait(timeout=commit_timeout).copies)
+                except ReplicationError as exc:
+                    # A real outcome (e.g. a peer's PrepareReceive timing out): recorded, and the run goes on.
+                    error = str(exc)
+                    info = getattr(handle, "_info", None)  # the last status wait() saw
+                    copies = int(info.copies) if info is not None else 0
+                    out.setdefault("errors", []).append(f"save of step {step}: {error}")
                 t2 = time.perf_counter()
                 rep = t2 - t1
                 samples.append(
@@ -1961,10 +1977,11 @@ def measure_scenario(
                         save_wall_seconds=t1 - t0,
                         stall_seconds=handle.stall_seconds,
                         committed_seconds=t2 - t0,
-                        copies=int(info.copies),
+                        copies=copies,
                         replication_seconds=rep,
                         replication_bytes_per_second=shard_bytes / rep if rep > 0 else float("nan"),
                         paired_memcpy_seconds=paired,
+                        error=error,
                     )
                 )
                 # Let retention evict the oldest step so the next save reuses its (pre-faulted) segment.
@@ -1983,9 +2000,13 @@ def measure_scenario(
         out["stall_seconds"] = _summary([s.save_wall_seconds for s in measured_saves])
         out["stall_inside_save_seconds"] = _summary([s.stall_seconds for s in measured_saves])
         out["paired_memcpy_seconds"] = _summary([s.paired_memcpy_seconds or 0.0 for s in measured_saves])
-        out["committed_seconds"] = _summary([s.committed_seconds for s in measured_saves])
-        out["replication_seconds"] = _summary([s.replication_seconds for s in measured_saves])
-        out["replication_bytes_per_second"] = _summary([s.replication_bytes_per_second for s in measured_saves])
+        committed = [s for s in measured_saves if not s.error]
+        out["failed_saves"] = sum(1 for s in samples if s.error)
+        if not committed:
+            raise RuntimeError(f"no measured save of {name} reached R={scn.replicas} copies: {measured_saves[-1].error}")
+        out["committed_seconds"] = _summary([s.committed_seconds for s in committed])
+        out["replication_seconds"] = _summary([s.replication_seconds for s in committed])
+        out["replication_bytes_per_second"] = _summary([s.replication_bytes_per_second for s in committed])
         out["first_save"] = asdict(samples[0])
         out["cold_saves_stall_seconds"] = _summary([s.save_wall_seconds for s in cold_saves])
 
@@ -2167,6 +2188,7 @@ def measure_leak(
         "worst": worst,
         "stall_seconds": _summary([s["stall_seconds"] for s in samples]),
         "copies": sorted({s["copies"] for s in samples}),
+        "failed_saves": [f"step {s['save']}: {s['error']}" for s in samples if s.get("error")],
         "stores_measured": bool(len(result) > 1),
         "conditions": cpu.report(),
     }
@@ -2243,6 +2265,7 @@ def run(config: BenchConfig, command: str, console: Console | None = None) -> di
     head = next(s for s in scenarios if s.headline)
     total = sum(_scenario_steps(config, s) for s in scenarios) + FLOOR_STEPS * len({s.size for s in scenarios}) + config.leak_saves + 1
     results: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
     sizes_out: dict[str, Any] = {}
     with (
         Monitor() as monitor,
@@ -2293,13 +2316,25 @@ def run(config: BenchConfig, command: str, console: Console | None = None) -> di
                 "diagnosis": cost,
             }
             for scn in todo:
-                results.append(measure_scenario(config, scn, state, fingerprint, shard_bytes, endpoints, step_done, monitor))
+                try:
+                    results.append(measure_scenario(config, scn, state, fingerprint, shard_bytes, endpoints, step_done, monitor))
+                except Exception as exc:  # one scenario failing (a real outcome) must not lose the others
+                    failed.append({"name": scn.name, "size": scn.size, "hosts": scn.hosts, "replicas": scn.replicas, "error": repr(exc)})
+                    console.print(f"[bold red]scenario {scn.name} failed: {exc!r}[/]")
             del state, tensors
             gc.collect()
-        leak = measure_leak(config, head.hosts, head.replicas, endpoints, step_done, monitor)
+        try:
+            leak = measure_leak(config, head.hosts, head.replicas, endpoints, step_done, monitor)
+        except Exception as exc:
+            leak = {"skipped": f"the leak check failed: {exc!r}", "failed": True}
+            console.print(f"[bold red]{leak['skipped']}[/]")
         step_done("done")
         conditions = monitor.report()
-    return assemble(config, command, started, sizes_out, results, skipped, leak, conditions, endpoints)
+    if not results:
+        raise BenchSetupError("every scenario failed: " + "; ".join(f"{f['name']}: {f['error']}" for f in failed))
+    if not any(r["headline"] for r in results):
+        results[0]["headline"] = True  # the planned headline failed: the first scenario that ran stands in
+    return assemble(config, command, started, sizes_out, results, skipped, leak, conditions, endpoints, failed)
 
 
 def evaluate(scn: dict[str, Any], size_info: dict[str, Any], leak: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -2415,8 +2450,9 @@ def assemble(
     leak: dict[str, Any],
     conditions: dict[str, Any],
     endpoints: dict[str, Any] | None,
+    failed: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    verified = []
+    verified = [not failed, not leak.get("failed")]
     for scn in results:
         info = sizes[str(scn["size"])]
         scn["ratios"], scn["targets"] = evaluate(scn, info, leak)
@@ -2440,6 +2476,7 @@ def assemble(
         "headline": head["name"],
         "scenarios": results,
         "skipped": skipped,
+        "failed": failed,
         "sizes": sizes,
         "leak_check": leak,
         "restore_durable": {"available": False, "note": DURABLE_NOTE},
@@ -2575,7 +2612,7 @@ def render(result: dict[str, Any], console: Console) -> None:
     _render_floors(head, info, console)
     _render_memory(head, result["leak_check"], console)
     _render_diagnosis(result, head, info, console)
-    if len(result["scenarios"]) > 1 or result["skipped"]:
+    if len(result["scenarios"]) > 1 or result["skipped"] or result.get("failed"):
         _render_matrix(result, console)
     m = result["machine"]
     cfg = result["config"]
@@ -2593,8 +2630,13 @@ def render(result: dict[str, Any], console: Console) -> None:
     )
     if cfg["store_env"]:
         console.print(f"[yellow]store processes ran with extra environment: {' '.join(f'{k}={v}' for k, v in cfg['store_env'].items())}[/]")
+    for f in result.get("failed", []):
+        console.print(f"[bold red]scenario {f['name']} failed: {f['error']}[/]")
+    for s in result["scenarios"]:
+        for e in s.get("errors", []):
+            console.print(f"[bold yellow]{s['name']}: {e}[/]")
     if not result["ok"]:
-        console.print("[bold red]a restored state differed from the saved one[/]")
+        console.print("[bold red]not ok: a scenario failed or a restored state differed from the saved one[/]")
 
 
 def _render_headline(result: dict[str, Any], cl: dict[str, Any], info: dict[str, Any], console: Console) -> None:
@@ -2963,7 +3005,10 @@ def _render_diagnosis(result: dict[str, Any], cl: dict[str, Any], info: dict[str
 def _render_matrix(result: dict[str, Any], console: Console) -> None:
     from rich.table import Table
 
-    t = Table(title=f"all scenarios ({len(result['scenarios'])} run, {len(result['skipped'])} skipped); headline marked *")
+    t = Table(
+        title=f"all scenarios ({len(result['scenarios'])} run, {len(result.get('failed', []))} failed, {len(result['skipped'])} skipped); "
+        "headline marked *"
+    )
     for col in (
         "scenario",
         "stall p50 (x memcpy)",

@@ -243,6 +243,13 @@ class StoreConfig:
         ids = [p[0] for p in peers]
         if self.host_id not in ids:
             raise ConfigError(f"--peers must list every host including this one; {self.host_id!r} is missing from {', '.join(ids)}")
+        own_port = dict(peers)[self.host_id].rpartition(":")[2]
+        listen_port = self.listen.rpartition(":")[2]
+        if self.peers and listen_port != "0" and own_port not in ("0", listen_port):
+            raise ConfigError(
+                f"--listen {self.listen} and --peers ({self.host_id}={dict(peers)[self.host_id]}) disagree on this host's port; "
+                "is --host-id right?"
+            )
         if self.replicas > len(peers):
             raise ConfigError(f"--replicas {self.replicas} is larger than the number of hosts ({len(peers)}) in --peers")
         if not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:

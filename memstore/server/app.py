@@ -18,6 +18,7 @@ from memstore.errors import ConfigError
 from memstore.server.dataserver import DataServer
 from memstore.server.servicer import StoreServicer
 from memstore.server.store import Store
+from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import SERVER_OPTIONS
 
@@ -47,6 +48,32 @@ class StoreServer:
         self.store.data_port = self.data_server.port
         pb_grpc.add_StoreServicer_to_server(StoreServicer(self.store), self._server)
 
+    def check_peers(self, timeout: float = 2.0) -> None:
+        """Refuse to start in a cluster whose layout differs from ours: silent misplacement is worse than an error.
+
+        Unreachable peers are skipped (they check us when they start). Addresses are compared only for
+        this host's own address, so peers reached through proxies or other names are fine.
+        """
+        ours = list(self.config.host_ids)
+        for peer_id in self.store.peers.ids():
+            peer = self.store.peers[peer_id]
+            try:
+                hello = peer.stub.Hello(pb.HelloRequest(), timeout=timeout)
+            except grpc.RpcError:
+                continue
+            if hello.host_id != peer_id:
+                raise ConfigError(f"the store at {peer.address} is host {hello.host_id!r}, but --peers names it {peer_id!r}")
+            if list(hello.peer_ids) != ours or hello.replicas != self.config.replicas or hello.placement != self.config.placement:
+                raise ConfigError(
+                    f"peer {peer_id} runs with a different cluster layout (hosts {list(hello.peer_ids)}, R={hello.replicas}, "
+                    f"{hello.placement}); this store has hosts {ours}, R={self.config.replicas}, {self.config.placement}. "
+                    "Every store must get the same --peers (same order), --replicas and --placement"
+                )
+            for other_id, address in zip(hello.peer_ids, hello.peer_addresses, strict=False):
+                if address == self.address and other_id != self.config.host_id:
+                    me = self.config.host_id
+                    raise ConfigError(f"peer {peer_id} expects host {other_id!r} at {address}, not {me!r}: wrong --host-id?")
+
     def start(self) -> None:
         self._server.start()
         self.data_server.start()
@@ -72,6 +99,11 @@ class StoreServer:
 def serve(config: StoreConfig, ready_file: str | None = None) -> int:
     """Run until SIGINT/SIGTERM. Prints ``READY <host_id> <address>`` once serving."""
     server = StoreServer(config)
+    try:
+        server.check_peers()
+    except ConfigError:
+        server.stop(grace=0)
+        raise
     server.start()
     done = threading.Event()
 

@@ -174,8 +174,8 @@ class Exporter:
         self._heap: list[_Task] = []
         self._queued: set[tuple[str, int, int]] = set()
         self._thread: threading.Thread | None = None
-        self.exported = 0  # ranks written (for tests and logs)
-        self.published = 0  # .metadata files written
+        self.exported = 0  # ranks written by this store (for debugging)
+        self.published = 0  # .metadata files written by this store
 
     def submit(self, job_id: str, step: int, rank: int, delay: float = 0.0, attempt: int = 0) -> None:
         with self._cond:
@@ -214,8 +214,11 @@ class Exporter:
                               exc_info=not isinstance(exc, (SpillStorageError, ExportError, layout.LayoutError)))  # fmt: skip
 
     def run(self, task: _Task) -> None:
-        if task.rank >= 0 and export_rank(self.durable, task.job_id, task.step, task.rank, self.max_rate):
-            self.exported += 1
+        if task.rank >= 0:
+            outcome = export_rank(self.durable, task.job_id, task.step, task.rank, self.max_rate)
+            if outcome == "skipped":
+                return
+            self.exported += outcome == "written"
         state = publish_metadata(self.durable, task.job_id, task.step)
         if state == "written":
             self.published += 1
@@ -225,16 +228,6 @@ class Exporter:
                 self.submit(task.job_id, task.step, -1, delay=METADATA_RECHECKS[recheck], attempt=recheck)
             else:
                 log.warning("DCP export of %s step %d: not every rank's index appeared; no .metadata written", task.job_id, task.step)
-
-    def drain(self, timeout: float) -> bool:
-        """Wait until nothing is queued (tests). True if drained."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._cond:
-                if not self._heap:
-                    return True
-            time.sleep(0.05)
-        return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,19 +302,21 @@ def _item_bytes(value: Any) -> memoryview | bytes:
     return buf.getbuffer()
 
 
-def export_rank(durable: Durable, job_id: str, step: int, rank: int, max_rate: int = 0) -> bool:
-    """Write ``rank``'s data file and index for a published DCP step. False if there was nothing to do."""
+def export_rank(durable: Durable, job_id: str, step: int, rank: int, max_rate: int = 0) -> str:
+    """Write ``rank``'s data file and index for a published DCP step: "written", "exists" or "skipped" (nothing to do)."""
     index_file = index_path(durable.root, job_id, step, rank)
     manifest_file = layout.manifest_path(durable.root, job_id, step, rank)
-    if durable.exists(index_file) or not durable.exists(manifest_file):
-        return False  # done before, or the rank is not published (any more)
+    if not durable.exists(manifest_file):
+        return "skipped"  # not published (any more)
+    if durable.exists(index_file):
+        return "exists"
     from trainer_client import serialization  # torch: imported only once a DCP step is seen
 
     manifest = read_manifest(durable, job_id, step, rank)
     raw = read_shard(durable, manifest)
     shard = check_dcp_shard(serialization.decode(raw, zero_copy=True), job_id, step, rank)
     if shard is None:
-        return False  # a plain shard that merely contains the marker text
+        return "skipped"  # a plain shard that merely contains the marker text
     items: dict[str, Any] = shard["items"]
     offsets: dict[str, list[int]] = {}
     data_name = data_file_name(rank)
@@ -358,9 +353,9 @@ def export_rank(durable: Durable, job_id: str, step: int, rank: int, max_rate: i
     if not durable.exists(manifest_file):  # retention deleted the step meanwhile: leave nothing behind
         durable.delete([index_file, target])
         durable.remove_empty_dirs([layout.step_dir(durable.root, job_id, step)])
-        return False
+        return "skipped"
     log.info("DCP export of %s step %d rank %d: %d bytes in %s", job_id, step, rank, written, data_name)
-    return True
+    return "written"
 
 
 def read_index(durable: Durable, job_id: str, step: int, rank: int) -> dict[str, Any]:

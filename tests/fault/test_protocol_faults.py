@@ -138,3 +138,26 @@ def _has(cluster: LocalCluster, host: str, step: int, rank: int | None = None) -
         except Exception:
             return False
     return any(s.verified and s.manifest.key.step == step and (rank is None or s.manifest.key.rank == rank) for s in resp.shards)
+
+
+def test_restart_with_wrong_host_id_or_changed_peer_list_is_refused(make_cluster) -> None:
+    import subprocess
+    import sys
+
+    cluster = start(make_cluster, hosts=3)
+    save_all(cluster, 1)
+    h1 = cluster.stores["h1"]
+    cluster.kill("h1")
+    peers = h1.args[h1.args.index("--peers") + 1]
+    base = [sys.executable, "-m", "memstore", "serve", "--listen", h1.address, "--replicas", "2", "--shm-dir", cluster.shm_dir + "-x"]
+
+    # h2's identity on h1's address: refused before serving, with a message naming the mix-up.
+    wrong_id = subprocess.run([*base, "--host-id", "h2", "--peers", peers], capture_output=True, text=True, timeout=60)
+    assert wrong_id.returncode == 2 and "h2" in wrong_id.stderr, wrong_id.stderr
+    # the same host with a reordered peer list would place shards differently: refused.
+    reordered = ",".join(reversed(peers.split(",")))
+    changed = subprocess.run([*base, "--host-id", "h1", "--peers", reordered], capture_output=True, text=True, timeout=60)
+    assert changed.returncode == 2 and "different cluster layout" in changed.stderr, changed.stderr
+    # the survivors kept serving, and the correct replacement still works.
+    cluster.restart("h1")
+    check_restorable(cluster, "h1", 1)

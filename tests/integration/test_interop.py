@@ -16,6 +16,7 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -325,7 +326,7 @@ def test_export_hook_never_breaks_the_spill(tmp_path, caplog, monkeypatch) -> No
 
     durable = Durable(f"file://{tmp_path}")
     spiller = Spiller(object(), durable, every_steps=1, every_seconds=0, retention=RetentionPolicy(), codec="none", max_rate=0)  # type: ignore[arg-type]
-    spiller._after_publish(object())  # type: ignore[arg-type]  # a store without _pin, an entry without a key: logged only
+    spiller._after_publish(SimpleNamespace(key="job/3/0"))  # type: ignore[arg-type]  # a store without _pin: logged only
     assert "DCP export of" in caplog.text and "not queued" in caplog.text
 
     def broken(prefix: str) -> dict[str, Any]:

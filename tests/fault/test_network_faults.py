@@ -49,7 +49,7 @@ def test_partition_between_group_peers(proxied) -> None:  # type: ignore[no-unty
         t0 = time.monotonic()
         handle = c.save(2, rank_state(0, 2))
         assert time.monotonic() - t0 < 5  # the trainer's save does not wait on the partitioned peer
-        with pytest.raises(ReplicationError, match="1 of 2 copies.*h1"):
+        with pytest.raises(ReplicationError, match=r"1 of 2 copies.*h1"):
             handle.wait(timeout=60)  # replication reports the lag, naming the peer
         assert c.latest_step() == 2  # restorable from the owner's copy
         to_h1.set("pass")

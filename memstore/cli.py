@@ -198,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-size", choices=["tiny", "small", "medium"], default="small")
     p.set_defaults(func=cmd_demo)
 
+    p = sub.add_parser(
+        "chaos", help="seeded random kills of stores and trainers during real training; checks bit-exactness", add_help=False
+    )
+    p.add_argument("chaos_args", nargs=argparse.REMAINDER)
+
     p = sub.add_parser("simulate", help="scale simulator: ETTR and wasted GPU-hours, memstore vs storage checkpoints", add_help=False)
     p.add_argument("sim_args", nargs=argparse.REMAINDER)
 
@@ -231,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         from memstore.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["chaos"]:
+        from memstore.chaos import main as chaos_main
+
+        return chaos_main(argv[1:])
     if argv[:1] == ["simulate"]:
         from memstore.sim.cli import main as sim_main
 

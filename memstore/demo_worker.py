@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     from trainer_client import CheckpointClient
+    from trainer_client.errors import ReplicationError
     from trainer_client.training_state import ResumableDataLoader, TrainingState
 
     torch.set_num_threads(1)
@@ -160,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             if client is not None:
                 if pending is not None:
                     t0 = time.perf_counter()
-                    pending.wait(timeout=120)  # the previous step had a whole step to replicate
+                    try:
+                        pending.wait(timeout=120)  # the previous step had a whole step to replicate
+                    except ReplicationError as exc:  # still restorable from fewer copies; repair catches up
+                        print(f"rank {args.rank}: {exc}", file=sys.stderr, flush=True)
                     saves[-1]["wait"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 pending = client.save(step, ts.capture(step=step, epoch=loader.epoch))

@@ -27,7 +27,13 @@ def retention_victims(
         return []
     oldest_kept = settled[keep - 1]
     protected = set(protected_steps)
-    victims = [key for step, copies in by_step.items() if step < oldest_kept and step not in protected for key, _ in copies]
+    victims = [
+        key
+        for step, copies in by_step.items()
+        if step < oldest_kept and step not in protected
+        for key, state in copies
+        if state.settled  # a copy still in flight is never evicted; it counts once settled
+    ]
     return sorted(victims)
 
 

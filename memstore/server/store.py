@@ -302,11 +302,26 @@ class Store:
                     self._drop(victim, reason=f"dropped under memory pressure for step {key.step}")
 
     def _register(self, entry: Entry) -> None:
-        """Put ``entry`` in the catalog (caller holds the lock), replacing an older copy of the same key."""
+        """Put ``entry`` in the catalog (caller holds the lock), replacing an older copy of the same key.
+
+        A capture of step s taken *after* this store's copies of steps > s of the same rank means the
+        job went back to s (a restart from an older checkpoint, or a deliberate rollback): those later
+        steps belong to an abandoned timeline and are dropped, so they neither crowd the new steps out
+        of retention nor ever get restored in place of them.
+        """
         old = self._entries.get(entry.key)
         if old is not None and old is not entry:
             self._drop(old, reason="replaced by a newer copy of the same shard")
         self._entries[entry.key] = entry
+        k = entry.key
+        stale = [
+            e
+            for key, e in self._entries.items()
+            if key.job_id == k.job_id and key.rank == k.rank and key.step > k.step and e.created_unix < entry.created_unix
+        ]
+        for e in stale:
+            log.info("dropping %s: the job went back to step %d after it was captured", e.key, k.step)
+            self._drop(e, reason=f"abandoned: the job restarted from step {k.step}")
         self._lock.notify_all()
 
     def _drop(self, entry: Entry, reason: str) -> None:
@@ -363,7 +378,7 @@ class Store:
         def push(peer_id: str) -> str | None:
             if entry.dropped:
                 return f"{entry.key} was dropped before it reached {peer_id}: {entry.error}"
-            newer = self._newer_settled_or_inflight(entry.key)
+            newer = self._newer_capture(entry)
             if newer is not None:
                 return f"superseded by step {newer} before it was sent to {peer_id}"
             header = pb.PutHeader(manifest=header_manifest, origin=pb.PUT_ORIGIN_REPLICA, sender_host=self.host_id)
@@ -394,9 +409,19 @@ class Store:
                 log.info("peer %s has no data channel; falling back to gRPC streams", peer_id)
         peer.push(lambda: put_requests(header, view), timeout=deadline)
 
-    def _newer_settled_or_inflight(self, key: ShardKey) -> int | None:
+    def _newer_capture(self, entry: Entry) -> int | None:
+        """A newer step of the same rank captured after ``entry``: then pushing ``entry`` is pointless.
+
+        Capture time matters, not the step number alone: after a job restarts from an older step, the
+        stale newer steps of the killed run are still in RAM, and the re-saved steps must replicate.
+        """
+        key = entry.key
         with self._lock:
-            newer = [k.step for k in self._entries if k.job_id == key.job_id and k.rank == key.rank and k.step > key.step]
+            newer = [
+                k.step
+                for k, e in self._entries.items()
+                if k.job_id == key.job_id and k.rank == key.rank and k.step > key.step and e.created_unix > entry.created_unix
+            ]
         return max(newer) if newer else None
 
     def _settle(self, entry: Entry, copies: int, errors: list[str]) -> None:
@@ -476,6 +501,7 @@ class Store:
             metrics=dict(m.metrics),
             format_version=m.format_version,
             copies=copies,
+            created_unix=m.created_unix or time.time(),
         )
         with self._lock:
             self._receiving.discard(inbound.key)
@@ -769,6 +795,7 @@ class Store:
             format_version=m.format_version,
             copies=0,
             source=source,
+            created_unix=m.created_unix or time.time(),
         )
         with self._lock:
             current = self._entries.get(key)

@@ -100,3 +100,8 @@ class TestSizes:
     def test_format(self) -> None:
         assert format_size(512) == "512 B"
         assert format_size(3 << 30) == "3.00 GiB"
+
+
+def test_retention_never_evicts_a_copy_in_flight() -> None:
+    held = [(k(5), ShardState.REPLICATING), (k(8), C), (k(9), C), (k(10), C)]
+    assert retention_victims(held, keep=2) == [k(8)]

@@ -127,3 +127,12 @@ def test_overwrite_same_key_replaces(store: Store) -> None:
         assert view[0] == 2
     assert len(store.list_shards("job").shards) == 1
     assert store._entries[key].state is ShardState.COMMITTED
+
+
+def test_going_back_to_an_older_step_drops_the_abandoned_later_steps(store: Store) -> None:
+    for step in (1, 2, 3):
+        save(store, step, nbytes=MiB)
+    save(store, 2, nbytes=MiB, fill=9)  # the job restarted from step 1 and saved step 2 again
+    assert steps_held(store) == [1, 2] or steps_held(store) == [2]
+    for _, view in store.read(ShardKey("job", 2, 0)):
+        assert view[0] == 9

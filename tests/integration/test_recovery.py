@@ -132,3 +132,18 @@ def test_all_ranks_agree_while_a_host_dies(make_cluster) -> None:
     finally:
         for c in cs:
             c.close()
+
+
+def test_two_failures_in_different_groups_lose_nothing(make_cluster) -> None:
+    cluster = make_cluster(hosts=HOSTS, replicas=R, capacity="256MiB", keep=3)
+    save_steps(cluster, range(1, 3))
+    cluster.kill("h1")  # group (h0, h1)
+    cluster.kill("h2")  # group (h2, h3)
+    cs = clients(cluster, range(WORLD), host="h3")
+    try:
+        assert cs[0].latest_step() == 2
+        for c in cs:
+            assert_same(c.load(2), rank_state(c.rank, 2))
+    finally:
+        for c in cs:
+            c.close()

@@ -152,3 +152,24 @@ def test_sigterm_flushes_the_newest_committed_step(make_cluster, tmp_path) -> No
     with CheckpointClient("flush", 1, WORLD, store=cluster.address("h0")) as c:
         assert c.latest_step() == 3
         assert_same(c.load(), rank_state(1, 3))
+
+
+def test_two_failures_in_one_group_fall_back_to_durable(make_cluster, tmp_path) -> None:
+    root = tmp_path / "spill"
+    cluster = make_cluster(hosts=4, replicas=2, capacity="128MiB", extra_args=["--spill", f"file://{root}", "--spill-every-steps", "2"])
+    world = 4  # one rank per host
+
+    def save(step: int) -> None:
+        for r in range(world):
+            with CheckpointClient("grp", r, world, store=cluster.address(f"h{r}")) as c:
+                c.save(step, rank_state(r, step)).wait(timeout=30)
+
+    for step in (1, 2, 3):
+        save(step)
+    wait_for(lambda: 2 in {s for s, ranks in published(root, "grp").items() if ranks == set(range(world))}, timeout=30, what="step 2")
+    cluster.kill("h0")
+    cluster.kill("h1")  # the whole group (h0, h1): RAM copies of ranks 0 and 1 are gone
+    with CheckpointClient("grp", 0, world, store=cluster.address("h2")) as c:
+        assert c.latest_step() == 2  # step 3 lost its RAM copies of ranks 0-1 and was never spilled
+        assert_same(c.load(2), rank_state(0, 2))
+        assert c.last_load_source == "durable"

@@ -69,7 +69,9 @@ def main() -> None:
         raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
         results[label] = measure(raw)
         for name, r in results[label].items():
-            print(f"{label:<26} {name:<14} ratio {r['ratio']:5.2f}  encode {r['encode_GiBps']:5.2f} GiB/s  decode {r['decode_GiBps']:5.2f} GiB/s")
+            print(
+                f"{label:<26} {name:<14} ratio {r['ratio']:5.2f}  encode {r['encode_GiBps']:5.2f} GiB/s  decode {r['decode_GiBps']:5.2f} GiB/s"
+            )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

@@ -336,6 +336,10 @@ class Store:
         self._lock.notify_all()
 
     # -- capture, replication ----------------------------------------------------------
+    def foreground_busy(self) -> bool:
+        """A trainer is copying a save in (an open allocation) or a shard is being checksummed/replicated."""
+        return bool(self._alloc_leases) or self._in_flight > 0
+
     def _in_flight_add(self, n: int) -> None:
         with self._lock:
             self._in_flight += n

@@ -16,6 +16,7 @@ retried with exponential backoff and reported in status; nothing in RAM depends 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -101,6 +102,11 @@ class Spiller:
             self._thread.join(timeout=5)
 
     def _loop(self) -> None:
+        # Spilling is background work: let the kernel prefer the threads serving saves and replication.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (OSError, AttributeError):
+            pass
         while not self._stop.wait(self.interval):
             try:
                 self.run_once()
@@ -256,6 +262,17 @@ class Spiller:
         except Exception:
             log.exception("DCP export of %s not queued", entry.key)
 
+    def _yield_to_foreground(self, limit: float = 2.0) -> None:
+        """Wait (bounded) while a trainer is copying a save in or a shard is replicating.
+
+        On a busy host the spiller's reads and writes compete with the save's memcpy and with
+        replication for memory bandwidth and cores; both of those are on the training critical path
+        and the spill is not. ``limit`` keeps the spill progressing under a continuous load.
+        """
+        deadline = time.monotonic() + limit
+        while self.store.foreground_busy() and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.005)
+
     def _spill_entry(self, entry: Entry) -> int:
         if not self.store._pin(entry):
             return 0
@@ -269,6 +286,7 @@ class Spiller:
                 started = time.monotonic()
                 sent = 0
                 for index, (off, length) in enumerate(chunk_spans(m.nbytes, m.chunk_size)):
+                    self._yield_to_foreground()
                     raw = view[off : off + length]
                     if checksum(raw) != m.checksums[index]:
                         raise SpillStorageError(

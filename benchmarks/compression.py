@@ -69,9 +69,8 @@ def main() -> None:
         raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
         results[label] = measure(raw)
         for name, r in results[label].items():
-            print(
-                f"{label:<26} {name:<14} ratio {r['ratio']:5.2f}  encode {r['encode_GiBps']:5.2f} GiB/s  decode {r['decode_GiBps']:5.2f} GiB/s"
-            )
+            enc, dec = r["encode_GiBps"], r["decode_GiBps"]
+            print(f"{label:<26} {name:<14} ratio {r['ratio']:5.2f}  encode {enc:5.2f} GiB/s  decode {dec:5.2f} GiB/s")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

@@ -23,19 +23,21 @@ from trainer_client import CheckpointClient
 
 def run(label: str, mib: int, saves: int, extra: list[str], env: dict[str, str] | None) -> dict[str, float]:
     state = {f"t{i}": torch.randn((mib << 20) // 4 // 8) for i in range(8)}
-    with LocalCluster(hosts=2, replicas=2, capacity=f"{mib * 4 + 64}MiB", extra_args=extra, env=env) as cluster:
-        with CheckpointClient("impact", 0, 1, store=cluster.address("h0")) as c:
-            stalls, commits = [], []
-            for step in range(1, saves + 4):
-                t0 = time.perf_counter()
-                h = c.save(step, state)
-                stall = time.perf_counter() - t0
-                h.wait(timeout=120)
-                if step > 3:  # after the segment pool is warm
-                    stalls.append(stall)
-                    commits.append(time.perf_counter() - t0)
-                time.sleep(0.2)
-            health = cluster.health("h0")
+    with (
+        LocalCluster(hosts=2, replicas=2, capacity=f"{mib * 4 + 64}MiB", extra_args=extra, env=env) as cluster,
+        CheckpointClient("impact", 0, 1, store=cluster.address("h0")) as c,
+    ):
+        stalls, commits = [], []
+        for step in range(1, saves + 4):
+            t0 = time.perf_counter()
+            h = c.save(step, state)
+            stall = time.perf_counter() - t0
+            h.wait(timeout=120)
+            if step > 3:  # after the segment pool is warm
+                stalls.append(stall)
+                commits.append(time.perf_counter() - t0)
+            time.sleep(0.2)
+        health = cluster.health("h0")
     spill = [(j.last_spilled_step, j.consecutive_failures) for j in health.spill] if health else []
     out = {"stall_p50": statistics.median(stalls), "committed_p50": statistics.median(commits)}
     print(f"{label:<34} stall p50 {out['stall_p50'] * 1e3:7.1f} ms   committed p50 {out['committed_p50'] * 1e3:7.1f} ms   spill {spill}")
@@ -49,20 +51,24 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     (dead_port,) = free_ports(1)
-    dead = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{dead_port}", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
-            "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+    dead = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{dead_port}",
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     with tempfile.TemporaryDirectory() as d:
         results = {
             "no spill": run("no spill", args.mib, args.saves, [], None),
             "spill every step, local dir": run(
                 "spill every step to a local dir", args.mib, args.saves, ["--spill", f"file://{d}", "--spill-every-steps", "1"], None
-            ),  # fmt: skip
+            ),
             "spill every step, storage down": run(
                 "spill every step, storage down", args.mib, args.saves, ["--spill", "s3://nowhere/x", "--spill-every-steps", "1"], dead
-            ),  # fmt: skip
+            ),
         }
     base = results["no spill"]["stall_p50"]
-    for k, v in results.items():
+    for v in results.values():
         v["stall_over_no_spill"] = v["stall_p50"] / base
     if args.json:
         with open(args.json, "w") as fh:

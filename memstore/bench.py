@@ -1411,14 +1411,9 @@ def _settled(addresses: list[str], job: str, keep: int) -> bool:
 
 
 def _wait(predicate: Callable[[], Any], timeout: float, interval: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
+    from memstore.local_cluster import wait_for
+
+    return wait_for(predicate, timeout, interval=interval, what=what)
 
 
 def _held(address: str) -> dict[str, Any] | None:

@@ -59,56 +59,35 @@ def parse_domains(text: str | Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def _positive_int(name: str) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
+def _number(name: str, kind: type, minimum: float, strict: bool, unit: str) -> Callable[[Any], Any]:
+    """A parser for a numeric flag: ``kind`` (int/float), at least ``minimum`` (or above it if ``strict``)."""
+
+    def parse(value: Any) -> Any:
         try:
-            number = int(value)
+            number = kind(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{name} {value!r} is invalid: expected an integer") from None
-        if number < 1:
-            raise ConfigError(f"{name} {number} is invalid: expected >= 1")
+            raise ConfigError(f"{name} {value!r} is invalid: expected {unit}") from None
+        if not (number > minimum if strict else number >= minimum):
+            raise ConfigError(f"{name} {number} is invalid: expected {'>' if strict else '>='} {minimum:g}")
         return number
 
     return parse
+
+
+def _positive_int(name: str) -> Callable[[Any], int]:
+    return _number(name, int, 1, False, "an integer")
 
 
 def _non_negative_int(name: str) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        try:
-            number = int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name} {value!r} is invalid: expected an integer") from None
-        if number < 0:
-            raise ConfigError(f"{name} {number} is invalid: expected >= 0")
-        return number
-
-    return parse
-
-
-def _non_negative_float(name: str) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name} {value!r} is invalid: expected a number of seconds") from None
-        if not number >= 0:
-            raise ConfigError(f"{name} {number} is invalid: expected >= 0")
-        return number
-
-    return parse
+    return _number(name, int, 0, False, "an integer")
 
 
 def _positive_float(name: str) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name} {value!r} is invalid: expected a number of seconds") from None
-        if not number > 0:
-            raise ConfigError(f"{name} {number} is invalid: expected > 0")
-        return number
+    return _number(name, float, 0, True, "a number of seconds")
 
-    return parse
+
+def _non_negative_float(name: str) -> Callable[[Any], float]:
+    return _number(name, float, 0, False, "a number of seconds")
 
 
 def _size(name: str) -> Callable[[Any], int]:

@@ -167,7 +167,7 @@ def read_from_store(address: str, job_id: str, step: int | None, timeout: float)
 def read_from_durable(url: str, options: str, job_id: str, step: int | None) -> Step:
     """Every rank's shard of ``step`` (None: the newest complete step) from durable storage at ``url``."""
     from memstore.spill import layout
-    from memstore.spill.dcp_export import read_manifest, read_shard
+    from memstore.spill.reader import read_manifest, read_shard
     from memstore.spill.storage import Durable, SpillStorageError, parse_options
     from trainer_client import serialization
     from trainer_client.errors import CorruptShardError

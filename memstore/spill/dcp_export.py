@@ -53,11 +53,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from memstore.spill import codec as codecs
 from memstore.spill import layout
-from memstore.spill.layout import SpilledManifest
+from memstore.spill.reader import read_manifest, read_shard
 from memstore.spill.storage import Durable, SpillStorageError
-from memstore.v1.integrity import checksum, chunk_spans
 
 if TYPE_CHECKING:
     from memstore.server.store import Entry
@@ -237,31 +235,6 @@ class Exporter:
 
 class ExportError(Exception):
     """A spilled shard or index is not what the export expects."""
-
-
-def read_manifest(durable: Durable, job_id: str, step: int, rank: int) -> SpilledManifest:
-    path = layout.manifest_path(durable.root, job_id, step, rank)
-    m = SpilledManifest.decode(durable.read(path), where=path)
-    if (m.job_id, m.step, m.rank) != (job_id, step, rank):
-        raise layout.LayoutError(f"{path} describes {m.job_id}/step={m.step}/rank={m.rank}")
-    return m
-
-
-def read_shard(durable: Durable, manifest: SpilledManifest) -> bytearray:
-    """The spilled shard's bytes, decompressed, every chunk verified against its capture checksum."""
-    path = layout.shard_path(durable.root, manifest.job_id, manifest.step, manifest.rank)
-    out = bytearray(manifest.nbytes)
-    spans = list(chunk_spans(manifest.nbytes, manifest.chunk_size))
-    for index, stored in enumerate(durable.read_stream(path, manifest.stored_chunks)):
-        off, length = spans[index]
-        try:
-            raw = codecs.decode(manifest.codec, stored, length)
-        except codecs.CodecError as exc:
-            raise SpillStorageError("corrupt", f"{path} chunk {index}: {exc}") from None
-        if checksum(raw) != manifest.checksums[index]:
-            raise SpillStorageError("corrupt", f"{path} chunk {index} failed its checksum")
-        out[off : off + length] = raw
-    return out
 
 
 def check_dcp_shard(shard: Any, job_id: str, step: int, rank: int) -> dict[str, Any] | None:

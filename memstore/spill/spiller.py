@@ -29,6 +29,7 @@ from memstore.faults import fault
 from memstore.spill import codec as codecs
 from memstore.spill import layout
 from memstore.spill.layout import SpilledManifest
+from memstore.spill.reader import read_manifest, read_shard_into
 from memstore.spill.storage import Durable, SpillStorageError
 from memstore.v1.integrity import checksum, chunk_spans
 
@@ -146,11 +147,7 @@ class Spiller:
         return out
 
     def read_manifest(self, job_id: str, step: int, rank: int) -> SpilledManifest:
-        path = layout.manifest_path(self.durable.root, job_id, step, rank)
-        m = SpilledManifest.decode(self.durable.read(path), where=path)
-        if (m.job_id, m.step, m.rank) != (job_id, step, rank):
-            raise layout.LayoutError(f"{path} describes {m.job_id}/step={m.step}/rank={m.rank}")
-        return m
+        return read_manifest(self.durable, job_id, step, rank)
 
     def holdings(self, job_id: str) -> list[Holding]:
         """Durable copies of ``job_id`` as holdings of the pseudo-host ``durable``: published ranks only.
@@ -383,17 +380,7 @@ class Spiller:
         """Read a spilled shard, decode and verify every chunk into the view ``allocate(manifest)`` returns."""
         m = self.read_manifest(key.job_id, key.step, key.rank)
         dest: memoryview = allocate(m)  # type: ignore[operator]
-        path = layout.shard_path(self.durable.root, key.job_id, key.step, key.rank)
-        spans = list(chunk_spans(m.nbytes, m.chunk_size))
-        for index, stored in enumerate(self.durable.read_stream(path, m.stored_chunks)):
-            off, length = spans[index]
-            try:
-                raw = codecs.decode(m.codec, stored, length)
-            except codecs.CodecError as exc:
-                raise SpillStorageError("other", f"{path} chunk {index}: {exc}") from None
-            if checksum(raw) != m.checksums[index]:
-                raise SpillStorageError("corrupt", f"{path} chunk {index} failed its checksum")
-            dest[off : off + length] = raw
+        read_shard_into(self.durable, m, dest)
         return m
 
     # -- SIGTERM ----------------------------------------------------------------------------------------

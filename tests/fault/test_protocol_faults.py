@@ -161,3 +161,17 @@ def test_restart_with_wrong_host_id_or_changed_peer_list_is_refused(make_cluster
     # the survivors kept serving, and the correct replacement still works.
     cluster.restart("h1")
     check_restorable(cluster, "h1", 1)
+
+
+def test_kill_between_spilled_shard_and_its_manifest(make_cluster, tmp_path) -> None:
+    root = tmp_path / "spill"
+    cluster = start(make_cluster, extra_args=["--spill", f"file://{root}", "--spill-every-steps", "1", "--spill-orphan-seconds", "1"])
+    cluster.restart("h0", env={"MEMSTORE_FAULTS": "spill.before_manifest=kill"})
+    save_all(cluster, 1, wait=False)
+    wait_for(lambda: not cluster.stores["h0"].alive, timeout=30, what="h0 to die between shard and manifest")
+    assert (root / JOB / "step-000000000001" / "rank-000000.shard").exists()  # the bytes were written ...
+    assert not (root / JOB / "step-000000000001" / "rank-000000.json").exists()  # ... but never published
+    cluster.restart("h0", env={})
+    save_all(cluster, 2)
+    save_all(cluster, 3)
+    wait_for(lambda: (root / JOB / "step-000000000003" / "rank-000000.json").exists(), timeout=30, what="the next spill")

@@ -94,7 +94,7 @@ class FaultProxy:
                 if not data:
                     break
                 while self.mode == "stall" and not self._stop.is_set():
-                    time.sleep(0.05)
+                    time.sleep(0.05)  # poll until the test changes the mode
                 if self.mode == "cut":
                     break
                 if self.mode == "corrupt" and upstream and self.every:
@@ -106,7 +106,7 @@ class FaultProxy:
                 seen += len(data)
                 dst.sendall(data)
                 if self.mode == "slow" and self.rate:
-                    time.sleep(len(data) / self.rate)
+                    time.sleep(len(data) / self.rate)  # rate limit (a backoff per piece)
         except OSError:
             pass
         finally:

@@ -9,15 +9,13 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -31,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from memstore.local_cluster import free_ports
+from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_preloading, run_ranks
 from tests.states import assert_same
 from trainer_client import CheckpointClient
 from trainer_client.dcp import (
@@ -48,8 +47,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
-
-PROCESS_TIMEOUT = 120.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,39 +111,10 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_ranks(fn: Callable[..., None], nprocs: int, *args: Any, timeout: float = PROCESS_TIMEOUT) -> None:
-    """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes; raise if any fails; always reap them."""
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{fn.__name__} x{nprocs} did not finish within {timeout}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-
-
 @pytest.fixture(scope="module")
 def forkserver() -> Iterator[None]:
-    """Ranks fork from one forkserver that imported torch, DCP and this module once.
-
-    A spawned rank re-imports all of that (~4 s each on 2 cores); a forked one starts in well under a
-    second. The server is stopped (and reaped) after this module's tests if they started it.
-    """
-    import multiprocessing
-    import multiprocessing.forkserver as mp_forkserver
-
-    server = getattr(mp_forkserver, "_forkserver", None)
-    ours = server is not None and getattr(server, "_forkserver_pid", 0) is None
-    if ours:
-        multiprocessing.set_forkserver_preload([__name__])
-    yield
-    if ours and server is not None and hasattr(server, "_stop"):
-        server._stop()
-        multiprocessing.set_forkserver_preload([])
+    with forkserver_preloading(__name__):
+        yield
 
 
 def _init_group(rank: int, world: int, port: int) -> None:
@@ -404,7 +372,7 @@ def test_async_save_thread_mode(make_cluster) -> None:  # type: ignore[no-untype
 def test_async_save_process_mode(make_cluster, forkserver) -> None:  # type: ignore[no-untyped-def]
     cluster = make_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h0"), "dcp-async-process"
-    _run_ranks(_async_process_worker, 1, addr, job, 6, free_ports(1)[0])
+    run_ranks(_async_process_worker, 1, addr, job, 6, free_ports(1)[0])
     expected = _train_state(11)
     loaded = _blank_like(expected)
     dcp.load(loaded, storage_reader=MemStoreReader(job, store=addr))
@@ -414,7 +382,7 @@ def test_async_save_process_mode(make_cluster, forkserver) -> None:  # type: ign
 def test_resharding_two_ranks_to_one_and_four(make_cluster, forkserver) -> None:  # type: ignore[no-untyped-def]
     cluster = make_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h0"), "dcp-reshard"
-    _run_ranks(_save_sharded_worker, 2, addr, job, 3, free_ports(1)[0])
+    run_ranks(_save_sharded_worker, 2, addr, job, 3, free_ports(1)[0])
 
     with CheckpointClient(job, 0, 2, store=addr) as client:
         assert client.latest_step() == 3
@@ -432,4 +400,4 @@ def test_resharding_two_ranks_to_one_and_four(make_cluster, forkserver) -> None:
     assert state["extra"] == {"epoch": 7, "tag": "two-ranks"}
 
     # 2 -> 4: DTensor Shard(0) over four gloo ranks (uneven: 3, 3, 3, 1 rows)
-    _run_ranks(_load_sharded_worker, 4, addr, job, free_ports(1)[0])
+    run_ranks(_load_sharded_worker, 4, addr, job, free_ports(1)[0])

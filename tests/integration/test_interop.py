@@ -13,8 +13,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 
 from memstore import cli
 from memstore.local_cluster import LocalCluster, free_ports, wait_for
+from tests.harness.ranks import forkserver_preloading, run_ranks
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
 
@@ -33,7 +33,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-PROCESS_TIMEOUT = 120.0
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -87,36 +86,10 @@ def _save_worker(rank: int, addrs: list[str], job: str, steps: list[int], port: 
         dist.destroy_process_group()
 
 
-def _run_ranks(fn: Callable[..., None], nprocs: int, *args: Any) -> None:
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
-    deadline = time.monotonic() + PROCESS_TIMEOUT
-    try:
-        while not ctx.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{fn.__name__} x{nprocs} did not finish within {PROCESS_TIMEOUT}s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-
-
 @pytest.fixture(scope="module")
 def forkserver() -> Iterator[None]:
-    """Ranks fork from a forkserver that imported torch and this module once (see test_dcp.py); stopped afterwards."""
-    import multiprocessing
-    import multiprocessing.forkserver as mp_forkserver
-
-    server = getattr(mp_forkserver, "_forkserver", None)
-    ours = server is not None and getattr(server, "_forkserver_pid", 0) is None
-    if ours:
-        multiprocessing.set_forkserver_preload([__name__])
-    yield
-    if ours and server is not None and hasattr(server, "_stop"):
-        server._stop()
-        multiprocessing.set_forkserver_preload([])
+    with forkserver_preloading(__name__):
+        yield
 
 
 PLAIN_DCP_LOAD = """
@@ -190,7 +163,7 @@ def test_spilled_dcp_step_loads_with_plain_dcp_and_exports(make_cluster, forkser
     args = ["--spill", f"file://{root}", "--spill-every-steps", "1", "--spill-keep-last", "1"]
     cluster: LocalCluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=args)
     job = "interop-dcp"
-    _run_ranks(_save_worker, 2, [cluster.address("h0"), cluster.address("h1")], job, [1, 2], free_ports(1)[0], str(tmp_path), str(root))
+    run_ranks(_save_worker, 2, [cluster.address("h0"), cluster.address("h1")], job, [1, 2], free_ports(1)[0], str(tmp_path), str(root))
 
     step_dir = root / job / "step-000000000002"
     wait_for(lambda: (step_dir / ".metadata").exists(), timeout=30, what="step 2's .metadata (written once both ranks' indexes exist)")

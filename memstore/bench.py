@@ -3161,8 +3161,8 @@ def write_plot(result: dict[str, Any], path: str) -> None:
     size_axis(ax)
     ax.set_ylabel("GiB/s")
     ax.set_ylim(bottom=0)
-    ax.set_title("throughput vs size", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.set_title("throughput vs size (x: peer restore after a host loss)", fontsize=10)
+    ax.legend(fontsize=6, ncol=2, loc="lower left")
 
     # stall vs size
     ax = axes[1][0]
@@ -3175,7 +3175,7 @@ def write_plot(result: dict[str, Any], path: str) -> None:
     for key, label, color in (
         (lambda f: f["memcpy"]["torch_copy_seconds"]["p50"], "torch copy_ pre-faulted", ref),
         (lambda f: f["dcp"]["default"]["blocking_seconds"]["p50"], "DCP async_save blocking", base),
-        (lambda f: f["disk"]["save_fsync_seconds"], "torch.save + fsync", "#d62728"),
+        (lambda f: f["disk"]["save_fsync_seconds"], "torch.save + fsync", "k"),
     ):
         ax.plot(
             [x / MiB for x in sizes], [key(result["sizes"][str(x)]["floors"]) for x in sizes], color=color, marker="s", lw=2, label=label

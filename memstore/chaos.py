@@ -171,8 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", type=int, default=4)
     p.add_argument("--model-size", choices=["tiny", "small", "medium"], default="tiny")
     p.add_argument("--report", default=None, help="write the report as JSON here")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds any phase may take before the run counts as hung")
     args = p.parse_args(argv)
-    return run_chaos(args.seed, args.hosts, args.ranks, args.steps, args.faults, args.model_size, report_path=args.report)
+    return run_chaos(
+        args.seed, args.hosts, args.ranks, args.steps, args.faults, args.model_size, timeout=args.timeout, report_path=args.report
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memstore.local_cluster import LocalCluster, free_ports
+from memstore.local_cluster import LocalCluster, die_with_parent, free_ports
 
 
 class DemoFailure(Exception):
@@ -56,7 +56,7 @@ class _Job:
             if resume:
                 args.append("--resume")
             log = open(self.workdir / f"rank{r}.log", "wb")  # noqa: SIM115
-            self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env))
+            self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent))
             log.close()
 
     def events(self) -> list[dict[str, Any]]:

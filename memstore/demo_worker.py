@@ -199,4 +199,10 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: DDP's reducer destructor joins gloo's worker thread while that thread
+    # waits for the GIL to drop the comm hook's Python future, a deadlock seen at exit. Results are
+    # written and the process group destroyed already.
+    os._exit(code)

@@ -25,7 +25,7 @@ import grpc
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import capacity_numbers, insecure_channel
-from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, compute_checksums, first_mismatch
+from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import StreamError, manifest_problem, put_requests, receive_chunks
 from trainer_client import serialization
@@ -143,6 +143,8 @@ class CheckpointClient:
         on_capacity: ``"raise"`` (default) raises CapacityExceededError when the store is full;
             ``"skip"`` logs it and returns a handle with ``skipped=True`` so training goes on.
         use_shared_memory: force the shared-memory path on/off; default: on when the store is on this machine.
+        spill_compression: this job's codec on the durable tier (``none``, ``zstd``, ``zstd-shuffle2`` for
+            bf16/fp16, ``zstd-shuffle4`` for fp32); default: the store's ``--spill-compression``.
     """
 
     def __init__(
@@ -155,10 +157,14 @@ class CheckpointClient:
         timeout: float = 60.0,
         on_capacity: str = "raise",
         use_shared_memory: bool | None = None,
+        spill_compression: str | None = None,
     ) -> None:
         problem = key_problem(job_id, 0, rank, world_size)
         if problem:
             raise InvalidArgumentError(problem)
+        if spill_compression is not None and spill_compression not in SPILL_CODECS:
+            raise InvalidArgumentError(f"spill_compression {spill_compression!r} is invalid: expected one of {', '.join(SPILL_CODECS)}")
+        self.spill_compression = spill_compression or ""
         if on_capacity not in ("raise", "skip"):
             raise InvalidArgumentError(f"on_capacity {on_capacity!r} is invalid: expected 'raise' or 'skip'")
         self.job_id = job_id
@@ -251,7 +257,13 @@ class CheckpointClient:
             raise
         self._call(
             lambda t: self._stub.Commit(
-                pb.CommitRequest(lease_id=alloc.lease_id, metrics=metrics, format_version=serialization.FORMAT_VERSION), timeout=t
+                pb.CommitRequest(
+                    lease_id=alloc.lease_id,
+                    metrics=metrics,
+                    format_version=serialization.FORMAT_VERSION,
+                    spill_codec=self.spill_compression,
+                ),
+                timeout=t,
             ),
             f"commit step {key.step}",
         )
@@ -270,6 +282,7 @@ class CheckpointClient:
             format_version=serialization.FORMAT_VERSION,
             metrics=metrics,
             created_unix=time.time(),
+            spill_codec=self.spill_compression,
         )
         header = pb.PutHeader(manifest=manifest, origin=pb.PUT_ORIGIN_CLIENT, sender_host=f"client-rank-{self.rank}")
         deadline = self.timeout + layout.nbytes / (50 << 20)

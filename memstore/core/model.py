@@ -29,6 +29,7 @@ class Manifest:
     format_version: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     created_unix: float = 0.0
+    spill_codec: str = ""  # per-job codec of the durable tier; "" = the store's default
 
 
 class ShardState(enum.Enum):

@@ -37,6 +37,7 @@ def manifest_to_pb(m: Manifest) -> pb.Manifest:
         format_version=m.format_version,
         metrics=dict(m.metrics),
         created_unix=m.created_unix,
+        spill_codec=m.spill_codec,
     )
 
 
@@ -51,6 +52,7 @@ def manifest_from_pb(m: pb.Manifest) -> Manifest:
         format_version=m.format_version,
         metrics=dict(m.metrics),
         created_unix=m.created_unix,
+        spill_codec=m.spill_codec,
     )
 
 

@@ -120,7 +120,8 @@ class Peer:
     def push_data(self, header: pb.PutHeader, view: memoryview, timeout: float, control_timeout: float) -> None:
         """Push a shard over the bulk data channel. UNIMPLEMENTED peers raise DataChannelUnsupported."""
         try:
-            ticket = self._call(lambda: self.stub.PrepareReceive(header, timeout=control_timeout))
+            # The peer reserves (and faults in) the whole segment before answering: give it the transfer deadline.
+            ticket = self._call(lambda: self.stub.PrepareReceive(header, timeout=max(control_timeout, timeout)))
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                 raise DataChannelUnsupported(self.host_id) from None

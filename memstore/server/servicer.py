@@ -77,7 +77,7 @@ class StoreServicer(pb_grpc.StoreServicer):
 
     @rpc
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
-        key = self.store.commit(request.lease_id, dict(request.metrics), request.format_version)
+        key = self.store.commit(request.lease_id, dict(request.metrics), request.format_version, request.spill_codec)
         return pb.CommitResponse(key=key_to_pb(key))
 
     @rpc

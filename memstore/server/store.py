@@ -55,7 +55,7 @@ from memstore.spill.spiller import Spiller
 from memstore.spill.storage import Durable, SpillStorageError, parse_options
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.datachannel import TICKET_BYTES, DataChannelError, receive_verified, send_all, send_status
-from memstore.v1.integrity import compute_checksums, first_mismatch
+from memstore.v1.integrity import SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import StreamError, manifest_problem, put_requests, receive_chunks
 
@@ -83,6 +83,7 @@ class Entry:
     format_version: int = 0
     created_unix: float = field(default_factory=time.time)
     source: str = ""  # peer a pulled copy came from
+    spill_codec: str = ""  # the job's choice of durable codec ("" = the store's default)
 
     @property
     def verified(self) -> bool:
@@ -119,6 +120,12 @@ def _stream_error(exc: BaseException) -> BaseException:
 class _Lease:
     entry: Entry
     expires: float
+
+
+def _codec_problem(codec: str) -> str | None:
+    if codec and codec not in SPILL_CODECS:
+        return f"spill codec {codec!r} is unknown: expected one of {', '.join(SPILL_CODECS)} (or empty for the store's default)"
+    return None
 
 
 def _ensure(problem: str | None) -> None:
@@ -271,7 +278,8 @@ class Store:
             self._alloc_leases[lease_id] = _Lease(entry, time.monotonic() + ALLOCATE_LEASE_SECONDS)
         return lease_id, segment
 
-    def commit(self, lease_id: str, metrics: dict[str, float], format_version: int) -> ShardKey:
+    def commit(self, lease_id: str, metrics: dict[str, float], format_version: int, spill_codec: str = "") -> ShardKey:
+        _ensure(_codec_problem(spill_codec))
         with self._lock:
             lease = self._alloc_leases.pop(lease_id, None)
             if lease is None:
@@ -279,6 +287,7 @@ class Store:
             entry = lease.entry
             entry.metrics = dict(metrics)
             entry.format_version = format_version
+            entry.spill_codec = spill_codec
             self._register(entry)
         self._in_flight_add(1)
         self._replication.submit(self._capture_and_replicate, entry)
@@ -358,6 +367,7 @@ class Store:
                     format_version=entry.format_version,
                     metrics=entry.metrics,
                     created_unix=entry.created_unix,
+                    spill_codec=entry.spill_codec,
                 )
                 with self._lock:
                     entry.manifest = manifest
@@ -472,6 +482,7 @@ class Store:
         m = header.manifest
         _ensure(key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size))
         _ensure(manifest_problem(m))
+        _ensure(_codec_problem(m.spill_codec))
         if header.origin == pb.PUT_ORIGIN_UNSPECIFIED:
             raise InvalidArgument("PutHeader.origin is unspecified: expected CLIENT, REPLICA or REPAIR")
         key = key_from_pb(m.key)

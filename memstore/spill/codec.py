@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-CODECS = ("none", "zstd", "zstd-shuffle2", "zstd-shuffle4")
+from memstore.v1.integrity import SPILL_CODECS
+
+CODECS = SPILL_CODECS
 ZSTD_LEVEL = 3
 
 

@@ -276,6 +276,7 @@ class Spiller:
         try:
             m = entry.manifest
             assert m is not None
+            codec = m.spill_codec or self.codec  # the job's choice, else the store's --spill-compression
             view = entry.segment.view(entry.nbytes)
             stored: list[int] = []
 
@@ -289,7 +290,7 @@ class Spiller:
                         raise SpillStorageError(
                             "other", f"{entry.key}: chunk {index} in RAM failed its checksum; not spilling a corrupt copy"
                         )
-                    encoded = codecs.encode(self.codec, raw)
+                    encoded = codecs.encode(codec, raw)
                     stored.append(len(encoded))
                     yield encoded
                     fault("spill.after_chunk")
@@ -314,7 +315,7 @@ class Spiller:
                 chunk_size=m.chunk_size,
                 checksums=list(m.checksums),
                 owner_host=m.owner_host,
-                codec=self.codec,
+                codec=codec,
                 stored_chunks=stored,
                 metrics=dict(m.metrics),
                 format_version=m.format_version,

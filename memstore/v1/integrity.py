@@ -16,6 +16,8 @@ import xxhash
 CHECKSUM_ALGO = "xxh3_64"
 DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 64 << 20
+# Codecs of the durable tier a client may ask for per job (Manifest.spill_codec); "" = the store's default.
+SPILL_CODECS = ("none", "zstd", "zstd-shuffle2", "zstd-shuffle4")
 
 
 def chunk_count(nbytes: int, chunk_size: int) -> int:

@@ -44,7 +44,7 @@ class ShardKey(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("key", "world_size", "nbytes", "chunk_size", "chunk_checksums", "checksum_algo", "owner_host", "format_version", "metrics", "created_unix")
+    __slots__ = ("key", "world_size", "nbytes", "chunk_size", "chunk_checksums", "checksum_algo", "owner_host", "format_version", "metrics", "created_unix", "spill_codec")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class Manifest(_message.Message):
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SPILL_CODEC_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     world_size: int
     nbytes: int
@@ -72,7 +73,8 @@ class Manifest(_message.Message):
     format_version: int
     metrics: _containers.ScalarMap[str, float]
     created_unix: float
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum_algo: _Optional[str] = ..., owner_host: _Optional[str] = ..., format_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_unix: _Optional[float] = ...) -> None: ...
+    spill_codec: str
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum_algo: _Optional[str] = ..., owner_host: _Optional[str] = ..., format_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_unix: _Optional[float] = ..., spill_codec: _Optional[str] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
     __slots__ = ("manifest", "state", "verified", "error", "copies")
@@ -183,7 +185,7 @@ class AllocateResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "metrics", "format_version")
+    __slots__ = ("lease_id", "metrics", "format_version", "spill_codec")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -194,10 +196,12 @@ class CommitRequest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPILL_CODEC_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     metrics: _containers.ScalarMap[str, float]
     format_version: int
-    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ...) -> None: ...
+    spill_codec: str
+    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ..., spill_codec: _Optional[str] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("key",)

@@ -15,7 +15,7 @@ def chaos(tmp_path, seed: int, steps: int, faults: int) -> dict:  # type: ignore
     report = tmp_path / f"chaos-{seed}.json"
     proc = subprocess.run(
         [sys.executable, "-m", "memstore", "chaos", "--seed", str(seed), "--steps", str(steps), "--faults", str(faults),
-         "--report", str(report)],
+         "--report", str(report), "--timeout", "200"],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -26,11 +26,13 @@ def chaos(tmp_path, seed: int, steps: int, faults: int) -> dict:  # type: ignore
     return data
 
 
+@pytest.mark.timeout(600)
 def test_short_chaos_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     chaos(tmp_path, seed=1, steps=16, faults=2)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)
 @pytest.mark.parametrize("seed", [2, 3, 4])
 def test_long_chaos_runs(tmp_path, seed: int) -> None:  # type: ignore[no-untyped-def]
     data = chaos(tmp_path, seed=seed, steps=40, faults=6)

@@ -173,3 +173,26 @@ def test_two_failures_in_one_group_fall_back_to_durable(make_cluster, tmp_path) 
         assert c.latest_step() == 2  # step 3 lost its RAM copies of ranks 0-1 and was never spilled
         assert_same(c.load(2), rank_state(0, 2))
         assert c.last_load_source == "durable"
+
+
+def test_compression_is_chosen_per_job(make_cluster, tmp_path) -> None:
+    from trainer_client.errors import InvalidArgumentError
+
+    root = tmp_path / "spill"
+    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=["--spill", f"file://{root}", "--spill-every-steps", "1"])
+    with CheckpointClient("zjob", 0, 1, store=cluster.address("h0"), spill_compression="zstd-shuffle4") as c:
+        c.save(1, rank_state(0, 1, scale=32)).wait(timeout=30)
+    with CheckpointClient("plain", 0, 1, store=cluster.address("h0")) as c:
+        c.save(1, rank_state(0, 1, scale=32)).wait(timeout=30)
+    manifests = {job: root / job / "step-000000000001" / "rank-000000.json" for job in ("zjob", "plain")}
+    wait_for(lambda: all(p.exists() for p in manifests.values()), timeout=30, what="both jobs spilled")
+    assert json.loads(manifests["zjob"].read_text())["codec"] == "zstd-shuffle4"
+    assert json.loads(manifests["plain"].read_text())["codec"] == "none"  # the store's default
+    for h in cluster.stores:
+        cluster.kill(h)
+        cluster.restart(h)
+    with CheckpointClient("zjob", 0, 1, store=cluster.address("h1")) as c:
+        assert_same(c.load(1), rank_state(0, 1, scale=32))
+        assert c.last_load_source == "durable" or c.last_load_source.startswith("h")
+    with pytest.raises(InvalidArgumentError, match="spill_compression"):
+        CheckpointClient("zjob", 0, 1, store=cluster.address("h0"), spill_compression="lz4")

@@ -39,6 +39,12 @@ def synthetic_corpus(n_tokens: int, seed: int = 2024) -> list[int]:
     return out
 
 
+# DDP's reducer destructor joins gloo's worker thread, which may be waiting for the GIL to drop the
+# comm hook's Python future: destroying the DDP wrapper can deadlock. It is kept alive here and the
+# process exits with os._exit, skipping interpreter teardown.
+_KEEP_ALIVE: list[object] = []
+
+
 def _per_parameter_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations at runtime
     """DDP comm hook: all-reduce each parameter's slice of the bucket separately.
 
@@ -193,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         progress.close()
     if client is not None:
         client.close()
+    _KEEP_ALIVE.append(ddp)  # never destroyed: see the __main__ block
     dist.destroy_process_group()
     return 0
 

@@ -318,11 +318,24 @@ class Store:
         steps belong to an abandoned timeline and are dropped, so they neither crowd the new steps out
         of retention nor ever get restored in place of them.
         """
+        k = entry.key
+        newer_timeline = [
+            key
+            for key, e in self._entries.items()
+            if key.job_id == k.job_id and key.rank == k.rank and key.step < k.step and e.created_unix > entry.created_unix
+        ]
+        if newer_timeline:
+            # A copy from an abandoned timeline (captured before the job went back to an older step),
+            # e.g. pulled by repair from a peer that has not heard of the restart yet: never resurrect it.
+            log.info("not registering %s: the job restarted from step %d after it was captured", k, max(x.step for x in newer_timeline))
+            entry.dropped = True
+            self.pool.release(entry.segment)
+            self._lock.notify_all()
+            return
         old = self._entries.get(entry.key)
         if old is not None and old is not entry:
             self._drop(old, reason="replaced by a newer copy of the same shard")
         self._entries[entry.key] = entry
-        k = entry.key
         stale = [
             e
             for key, e in self._entries.items()

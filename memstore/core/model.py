@@ -8,12 +8,25 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, order=True)
 class ShardKey:
+    """Address of one shard: (job, step, rank) of one save.
+
+    ``timeline`` names the save that produced it (a run's timeline, or one DCP save). Two saves of the
+    same step are different shards: a step is restorable only from copies of one timeline.
+    """
+
     job_id: str
     step: int
     rank: int
+    timeline: str = ""
 
     def __str__(self) -> str:
-        return f"{self.job_id}/step={self.step}/rank={self.rank}"
+        where = f"{self.job_id}/step={self.step}/rank={self.rank}"
+        return f"{where}@{self.timeline}" if self.timeline else where
+
+    @property
+    def version(self) -> tuple[int, str]:
+        """(step, timeline): one saved version of one step."""
+        return self.step, self.timeline
 
 
 @dataclass(frozen=True)
@@ -53,3 +66,4 @@ class Holding:
     key: ShardKey
     world_size: int
     verified: bool
+    created_unix: float = 0.0  # when the owner captured it; orders versions of different timelines

@@ -16,11 +16,11 @@ _STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
 
 
 def key_to_pb(key: ShardKey) -> pb.ShardKey:
-    return pb.ShardKey(job_id=key.job_id, step=key.step, rank=key.rank)
+    return pb.ShardKey(job_id=key.job_id, step=key.step, rank=key.rank, timeline=key.timeline)
 
 
 def key_from_pb(key: pb.ShardKey) -> ShardKey:
-    return ShardKey(key.job_id, key.step, key.rank)
+    return ShardKey(key.job_id, key.step, key.rank, key.timeline)
 
 
 def manifest_to_pb(m: Manifest) -> pb.Manifest:

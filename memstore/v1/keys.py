@@ -8,6 +8,14 @@ import re
 
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 HOST_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
+TIMELINE_PATTERN = re.compile(r"[A-Za-z0-9._-]{0,128}")
+
+
+def timeline_problem(timeline: str) -> str | None:
+    """Why ``timeline`` (the save a shard belongs to; "" allowed) is not valid, or None."""
+    if not isinstance(timeline, str) or not TIMELINE_PATTERN.fullmatch(timeline) or timeline in {".", ".."}:
+        return f"timeline {timeline!r} is invalid: expected 0-128 characters of [A-Za-z0-9._-], not '.' or '..'"
+    return None
 
 
 def job_id_problem(job_id: str) -> str | None:
@@ -16,9 +24,9 @@ def job_id_problem(job_id: str) -> str | None:
     return None
 
 
-def key_problem(job_id: str, step: int, rank: int, world_size: int | None = None) -> str | None:
-    """Return why (job_id, step, rank[, world_size]) is not a valid shard address, or None."""
-    problem = job_id_problem(job_id)
+def key_problem(job_id: str, step: int, rank: int, world_size: int | None = None, timeline: str = "") -> str | None:
+    """Return why (job_id, step, rank[, world_size][, timeline]) is not a valid shard address, or None."""
+    problem = job_id_problem(job_id) or timeline_problem(timeline)
     if problem:
         return problem
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:

@@ -34,14 +34,16 @@ PUT_ORIGIN_REPLICA: PutOrigin
 PUT_ORIGIN_REPAIR: PutOrigin
 
 class ShardKey(_message.Message):
-    __slots__ = ("job_id", "step", "rank")
+    __slots__ = ("job_id", "step", "rank", "timeline")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
     rank: int
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    timeline: str
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., timeline: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
     __slots__ = ("key", "world_size", "nbytes", "chunk_size", "chunk_checksums", "checksum_algo", "owner_host", "format_version", "metrics", "created_unix", "spill_codec")
@@ -340,22 +342,28 @@ class DeleteResponse(_message.Message):
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
 class LatestStepRequest(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "step")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    step: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class LatestStepResponse(_message.Message):
-    __slots__ = ("found", "step", "world_size", "unreachable_hosts")
+    __slots__ = ("found", "step", "world_size", "unreachable_hosts", "timeline", "note")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     found: bool
     step: int
     world_size: int
     unreachable_hosts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, found: _Optional[bool] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., unreachable_hosts: _Optional[_Iterable[str]] = ...) -> None: ...
+    timeline: str
+    note: str
+    def __init__(self, found: _Optional[bool] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., unreachable_hosts: _Optional[_Iterable[str]] = ..., timeline: _Optional[str] = ..., note: _Optional[str] = ...) -> None: ...
 
 class DataTicket(_message.Message):
     __slots__ = ("ticket", "data_port")

@@ -1391,8 +1391,9 @@ def _fetch(address: str, job: str, step: int, timeout: float) -> tuple[float, st
     with insecure_channel(address) as ch:
         stub = pb_grpc.StoreStub(ch)
         grpc.channel_ready_future(ch).result(timeout=30)
+        timeline = stub.LatestStep(pb.LatestStepRequest(job_id=job, step=step), timeout=timeout).timeline
         t0 = time.perf_counter()
-        resp = stub.Fetch(pb.FetchRequest(key=pb.ShardKey(job_id=job, step=step, rank=0)), timeout=timeout)
+        resp = stub.Fetch(pb.FetchRequest(key=pb.ShardKey(job_id=job, step=step, rank=0, timeline=timeline)), timeout=timeout)
         return time.perf_counter() - t0, resp.source_host
 
 

@@ -134,12 +134,11 @@ def read_from_store(address: str, job_id: str, step: int | None, timeout: float)
             raise ExportFailed(f"store {address} is unreachable (no answer within {timeout:g}s); is `memstore serve` running?") from None
         stub = pb_grpc.StoreStub(channel)
         try:
-            if step is None:
-                latest = stub.LatestStep(pb.LatestStepRequest(job_id=job_id), timeout=timeout)
-                if not latest.found:
-                    raise ExportFailed(f"job {job_id!r} has no complete step on {where}")
-                step = int(latest.step)
-            fetched = stub.Fetch(pb.FetchRequest(key=pb.ShardKey(job_id=job_id, step=step, rank=0)), timeout=timeout + 600)
+            latest = stub.LatestStep(pb.LatestStepRequest(job_id=job_id, step=step), timeout=timeout)
+            if not latest.found:
+                what = "no complete step" if step is None else f"no complete save of step {step}"
+                raise ExportFailed(f"job {job_id!r} has {what} on {where}{': ' + latest.note if latest.note else ''}")
+            step, world, timeline = int(latest.step), int(latest.world_size), latest.timeline
         except grpc.RpcError as err:
             code, detail = err.code(), err.details() or ""
             if code == grpc.StatusCode.NOT_FOUND:
@@ -150,13 +149,13 @@ def read_from_store(address: str, job_id: str, step: int | None, timeout: float)
             raise ExportFailed(f"store {address} refused to find step {step} of job {job_id!r}: {code.name}: {detail}") from None
     finally:
         channel.close()
-    world = int(fetched.manifest.world_size)
     shards: list[Any] = []
     try:
         with CheckpointClient(job_id, 0, world, store=address, timeout=timeout) as client:
             for rank in range(world):
                 try:
-                    shards.append(client.load(step, rank=rank, zero_copy=False))  # tensors own their memory: torch.save writes just them
+                    # zero_copy=False: tensors own their memory, so torch.save writes just them
+                    shards.append(client.load(step, rank=rank, zero_copy=False, timeline=timeline))
                 except NotFoundError as exc:
                     raise ExportFailed(f"step {step} of job {job_id!r} is incomplete on {where}: rank {rank} of {world}: {exc}") from None
     except MemstoreClientError as exc:

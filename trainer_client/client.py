@@ -8,6 +8,13 @@ another machine) the bytes go over a gRPC stream instead, checksummed here.
 
 Load path: the local store first makes sure it holds a verified copy (pulling from a peer if not),
 then the client maps it read-only, verifies every chunk and decodes. Bytes are never unpickled.
+
+Timelines: every shard is saved under the timeline of the save that produced it, and a step restores
+only from shards of one timeline, so a restore never mixes two saves of a step. A client's timeline is
+``<run id>.<epoch>``: the run id is the same on every rank of one start of the job (``run_id=``,
+``MEMSTORE_RUN_ID``, or drawn by rank 0 and broadcast over the default process group at the first
+save), and the epoch goes up whenever the client saves a step at or below one it saved before (a
+rollback), which every rank of an SPMD job does at the same point.
 """
 
 from __future__ import annotations
@@ -16,8 +23,10 @@ import collections
 import logging
 import mmap
 import os
+import secrets
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -26,7 +35,7 @@ from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import capacity_numbers, insecure_channel
 from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums, first_mismatch
-from memstore.v1.keys import job_id_problem, key_problem
+from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
 from memstore.v1.streams import StreamError, manifest_problem, put_requests, receive_chunks
 from trainer_client import serialization
 from trainer_client.errors import (
@@ -88,12 +97,54 @@ def _boot_id() -> str:
         return ""
 
 
+RUN_ID_ENV = "MEMSTORE_RUN_ID"
+_MAX_RUN_ID = 100  # leaves room for ".<epoch>" within the 128 characters of a timeline
+_PROCESS_RUN_ID = f"p{time.time_ns():x}-{secrets.token_hex(4)}"  # shared by the clients of this process...
+_CLIENTS_MADE: collections.Counter[tuple[str, int]] = collections.Counter()  # ...of one generation: n-th client of (job, rank)
+
+
+def new_run_id() -> str:
+    """A fresh run id: sortable by creation time, unique across machines."""
+    return f"r{time.time_ns():x}-{secrets.token_hex(4)}"
+
+
+def _run_id_problem(run_id: str) -> str | None:
+    if not isinstance(run_id, str) or not run_id or len(run_id) > _MAX_RUN_ID or timeline_problem(run_id):
+        return f"run_id {run_id!r} is invalid: expected 1-{_MAX_RUN_ID} characters of [A-Za-z0-9._-]"
+    return None
+
+
+def _broadcast_run_id(world_size: int, rank: int) -> str | None:
+    """Rank 0's fresh run id, agreed over the default process group; None if that group is not this job's."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch always ships it
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_world_size() != world_size or dist.get_rank() != rank:
+        return None
+    box = [new_run_id() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+@dataclass(frozen=True)
+class RestorePoint:
+    """One restorable version of a step: every rank's shard of ``timeline`` at ``step``."""
+
+    step: int
+    world_size: int
+    timeline: str
+
+
 class SaveHandle:
     """Tracks one save. ``wait()`` returns once R verified copies exist, or raises why not."""
 
-    def __init__(self, client: CheckpointClient, step: int, skipped_reason: str = "") -> None:
+    def __init__(self, client: CheckpointClient, step: int, skipped_reason: str = "", timeline: str = "") -> None:
         self._client = client
         self.step = step
+        self.timeline = timeline
         self.skipped_reason = skipped_reason
         self._info: pb.ShardInfo | None = None
         self.stall_seconds = 0.0
@@ -106,7 +157,7 @@ class SaveHandle:
     def done(self) -> bool:
         if self.skipped:
             return True
-        info, done = self._client._wait_committed(self.step, 0.0)
+        info, done = self._client._wait_committed(self.step, 0.0, self.timeline)
         self._info = info
         return done
 
@@ -117,7 +168,7 @@ class SaveHandle:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = 10.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            info, done = self._client._wait_committed(self.step, min(10.0, remaining))
+            info, done = self._client._wait_committed(self.step, min(10.0, remaining), self.timeline)
             self._info = info
             if done:
                 if info.state == pb.SHARD_STATE_COMMITTED:
@@ -145,6 +196,12 @@ class CheckpointClient:
         use_shared_memory: force the shared-memory path on/off; default: on when the store is on this machine.
         spill_compression: this job's codec on the durable tier (``none``, ``zstd``, ``zstd-shuffle2`` for
             bf16/fp16, ``zstd-shuffle4`` for fp32); default: the store's ``--spill-compression``.
+        run_id: names this start of the job; the same on every rank, new for every start (a restart
+            that resumes from a checkpoint is a new start). Default: ``MEMSTORE_RUN_ID``, else rank 0
+            draws one and broadcasts it over the default process group at the first save (a collective:
+            every rank saves at the same point anyway), else one per process (enough when all ranks
+            live in one process, or world_size is 1). Ranks in separate processes with no process group
+            must pass it: otherwise their shards never form a restorable step, and ``load()`` says so.
     """
 
     def __init__(
@@ -158,10 +215,22 @@ class CheckpointClient:
         on_capacity: str = "raise",
         use_shared_memory: bool | None = None,
         spill_compression: str | None = None,
+        run_id: str | None = None,
     ) -> None:
         problem = key_problem(job_id, 0, rank, world_size)
         if problem:
             raise InvalidArgumentError(problem)
+        if run_id is None and os.environ.get(RUN_ID_ENV):
+            run_id = os.environ[RUN_ID_ENV]
+        if run_id is not None and _run_id_problem(run_id):
+            raise InvalidArgumentError(f"{_run_id_problem(run_id)} (from {'run_id=' if run_id is not None else RUN_ID_ENV})")
+        self.run_id = run_id
+        # Without a run id, the n-th client of (job, rank) made in this process joins the n-th clients of the
+        # other ranks: all ranks in one process agree, and a client made again (a restart) never reuses a timeline.
+        self._generation = _CLIENTS_MADE[(job_id, rank)]
+        _CLIENTS_MADE[(job_id, rank)] += 1
+        self._epoch = 0
+        self._last_saved_step: int | None = None
         if spill_compression is not None and spill_compression not in SPILL_CODECS:
             raise InvalidArgumentError(f"spill_compression {spill_compression!r} is invalid: expected one of {', '.join(SPILL_CODECS)}")
         self.spill_compression = spill_compression or ""
@@ -187,6 +256,7 @@ class CheckpointClient:
             raise InvalidArgumentError(f"store at {store} shares no memory with this process (different machine or no --shm-dir)")
         self.shared_memory = same_machine if use_shared_memory is None else use_shared_memory
         self.last_load_source = ""
+        self._last_note = ""
 
     # -- plumbing -----------------------------------------------------------------------
     def _call(self, fn: Callable[[float], T], what: str, retries: int = 0) -> T:
@@ -202,12 +272,26 @@ class CheckpointClient:
                 _raise_typed(err, what)
                 raise  # unreachable
 
-    def _key(self, step: int, rank: int | None = None) -> pb.ShardKey:
+    def _key(self, step: int, rank: int | None = None, timeline: str = "") -> pb.ShardKey:
         rank = self.rank if rank is None else rank
-        problem = key_problem(self.job_id, step, rank, self.world_size)
+        problem = key_problem(self.job_id, step, rank, self.world_size, timeline)
         if problem:
             raise InvalidArgumentError(problem)
-        return pb.ShardKey(job_id=self.job_id, step=step, rank=rank)
+        return pb.ShardKey(job_id=self.job_id, step=step, rank=rank, timeline=timeline)
+
+    @property
+    def timeline(self) -> str:
+        """The timeline the next save of a newer step goes to (``<run id>.<epoch>``); "" before the first save."""
+        return f"{self.run_id}.{self._epoch}" if self.run_id else ""
+
+    def _timeline_for(self, step: int) -> str:
+        """This save's timeline: a step at or below one saved before starts a new epoch (a rollback)."""
+        if self.run_id is None:
+            self.run_id = _broadcast_run_id(self.world_size, self.rank) or f"{_PROCESS_RUN_ID}-{self._generation}"
+        if self._last_saved_step is not None and step <= self._last_saved_step:
+            self._epoch += 1
+        self._last_saved_step = step
+        return self.timeline
 
     def _map(self, path: str, size: int) -> mmap.mmap:
         mm = self._mappings.pop(path, None)
@@ -224,9 +308,16 @@ class CheckpointClient:
         return mm
 
     # -- save ---------------------------------------------------------------------------
-    def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> SaveHandle:
-        """Capture ``state`` for ``step`` into the store's memory; returns once the store owns the bytes."""
-        key = self._key(step)
+    def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None, *, timeline: str | None = None) -> SaveHandle:
+        """Capture ``state`` for ``step`` into the store's memory; returns once the store owns the bytes.
+
+        ``timeline`` overrides the client's own (``<run id>.<epoch>``), e.g. one id per DCP save chosen by
+        the coordinator; every rank of one save must pass the same.
+        """
+        if timeline is not None and (not timeline or timeline_problem(timeline)):
+            raise InvalidArgumentError(timeline_problem(timeline) or "timeline '' is invalid: expected 1-128 characters of [A-Za-z0-9._-]")
+        self._key(step)  # validate before a timeline epoch is spent
+        key = self._key(step, timeline=self._timeline_for(step) if timeline is None else timeline)
         clean_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
         t0 = time.perf_counter()
         layout = serialization.plan(state)
@@ -238,9 +329,9 @@ class CheckpointClient:
         except CapacityExceededError as exc:
             if self.on_capacity == "skip":
                 log.warning("skipping checkpoint of step %d (rank %d): %s", step, self.rank, exc)
-                return SaveHandle(self, step, skipped_reason=str(exc))
+                return SaveHandle(self, step, skipped_reason=str(exc), timeline=key.timeline)
             raise
-        handle = SaveHandle(self, step)
+        handle = SaveHandle(self, step, timeline=key.timeline)
         handle.stall_seconds = time.perf_counter() - t0
         return handle
 
@@ -291,8 +382,8 @@ class CheckpointClient:
         except grpc.RpcError as err:
             _raise_typed(err, f"put step {key.step}")
 
-    def _wait_committed(self, step: int, timeout: float) -> tuple[pb.ShardInfo, bool]:
-        key = self._key(step)
+    def _wait_committed(self, step: int, timeout: float, timeline: str) -> tuple[pb.ShardInfo, bool]:
+        key = self._key(step, timeline=timeline)
         resp = self._call(
             lambda t: self._stub.WaitCommitted(pb.WaitCommittedRequest(key=key, timeout_seconds=timeout), timeout=t + timeout),
             f"status of step {step}",
@@ -303,37 +394,59 @@ class CheckpointClient:
     # -- restore ------------------------------------------------------------------------
     def latest_step(self) -> int | None:
         """Newest step restorable for every rank of the job, or None if there is none."""
-        problem = job_id_problem(self.job_id)
-        if problem:
-            raise InvalidArgumentError(problem)
-        try:
-            resp = self._call(
-                lambda t: self._stub.LatestStep(pb.LatestStepRequest(job_id=self.job_id), timeout=t), "latest_step", retries=3
-            )
-        except NotFoundError:
-            return None
-        if resp.found and resp.world_size != self.world_size:
+        point = self.restore_point()
+        if point is not None and point.world_size != self.world_size:
             raise InvalidArgumentError(
-                f"step {resp.step} of job {self.job_id} was saved by {resp.world_size} ranks but this client has world_size "
+                f"step {point.step} of job {self.job_id} was saved by {point.world_size} ranks but this client has world_size "
                 f"{self.world_size}; resharding needs trainer_client.dcp"
             )
-        return int(resp.step) if resp.found else None
+        return None if point is None else point.step
 
-    def load(self, step: int | None = None, *, rank: int | None = None, zero_copy: bool = True) -> Any:
+    def restore_point(self, step: int | None = None) -> RestorePoint | None:
+        """The version to restore: of the newest restorable step, or of exactly ``step``; None if there is none.
+
+        Every rank's shard of the returned (step, timeline) is verified somewhere; shards of other saves
+        of that step are never part of it.
+        """
+        problem = job_id_problem(self.job_id) or (None if step is None else key_problem(self.job_id, step, 0))
+        if problem:
+            raise InvalidArgumentError(problem)
+        request = pb.LatestStepRequest(job_id=self.job_id, step=step)
+        try:
+            resp = self._call(lambda t: self._stub.LatestStep(request, timeout=t), "latest_step", retries=3)
+        except NotFoundError as exc:  # the job is unknown to every store
+            self._last_note = str(exc)
+            return None
+        if not resp.found:
+            if resp.note:
+                log.warning("job %s has no restorable step: %s", self.job_id, resp.note)
+            self._last_note = resp.note
+            return None
+        return RestorePoint(int(resp.step), int(resp.world_size), resp.timeline)
+
+    def load(self, step: int | None = None, *, rank: int | None = None, zero_copy: bool = True, timeline: str | None = None) -> Any:
         """Restore this rank's state at ``step`` (default: the latest restorable step); bytes verified first.
 
-        ``rank`` reads another rank's shard of the same step instead (resharding readers need it).
+        The shard comes from the step's restorable version (``restore_point``), or from ``timeline`` when
+        given. ``rank`` reads another rank's shard of the same step instead (resharding readers need it).
         With shared memory and ``zero_copy`` (the default), large tensors are copy-on-write views of the
         store's segment: no copy, no fresh page faults. Pass ``zero_copy=False`` for tensors with
         memory of their own.
         """
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise NoCheckpointError(
-                    f"job {self.job_id!r} has no restorable step: no step has a verified copy for all {self.world_size} ranks"
+        if timeline is None or step is None:
+            point = self.restore_point(step)
+            if point is None:
+                note = f": {self._last_note}" if self._last_note else ""
+                if step is None:
+                    raise NoCheckpointError(
+                        f"job {self.job_id!r} has no restorable step: no step has a verified copy of one save for all "
+                        f"{self.world_size} ranks{note}"
+                    )
+                raise NotFoundError(
+                    f"step {step} of job {self.job_id!r} is not restorable: no save of it has a verified copy of every rank{note}"
                 )
-        key = self._key(step, rank)
+            step, timeline = point.step, point.timeline
+        key = self._key(step, rank, timeline)
         for attempt in range(2):
             request = pb.FetchRequest(key=key, discard_local=attempt > 0)
             fetched = self._call(

@@ -1,47 +1,133 @@
 """Which steps can be restored, computed from what every reachable store reports it holds.
 
-A step is restorable when every rank 0..world_size-1 has at least one verified copy somewhere.
-The answer is a pure function of the holdings, so callers that see the same holdings agree.
+Shards are addressed by (job, step, rank, timeline): the timeline names the save that produced a
+shard (a run of the job, or one DCP save), so two saves of the same step are two *versions* of it.
+
+- A version (step, timeline) is **restorable** when every rank 0..world_size-1 has at least one
+  verified copy of that version somewhere, all agreeing on world_size. Copies of different timelines
+  never combine: a restore never mixes two saves.
+- A version is **superseded** when a restorable version of *another* timeline, captured later, has a
+  step at or below it. That is the job going back (a restart from an older checkpoint, a deliberate
+  rollback) and completing a save on its new timeline: everything the abandoned timeline saved from
+  that step on is dead. Until the new timeline completes a step, the old versions stay visible, so
+  re-saving a step is atomic: the old version is the answer until the new one is complete.
+- The **latest** restorable version is the newest step among restorable versions that are not
+  superseded.
+
+Every answer is a pure function of the holdings, so callers that see the same holdings agree.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from memstore.core.model import Holding, ShardKey
 
 
-def restorable_steps(holdings: Iterable[Holding], job_id: str) -> dict[int, int]:
-    """Map step -> world_size of every restorable step of ``job_id``.
+@dataclass(frozen=True)
+class Version:
+    """One saved version of one step: the shards of one timeline at that step."""
 
-    Steps whose copies disagree about world_size are never restorable: they cannot be assembled
-    without mixing two different runs' layouts.
-    """
-    ranks: dict[int, set[int]] = defaultdict(set)
-    sizes: dict[int, set[int]] = defaultdict(set)
+    step: int
+    timeline: str
+    world_size: int
+    created_unix: float  # earliest capture among its copies
+
+
+_VersionId = tuple[int, str]
+
+
+def _versions(
+    holdings: Iterable[Holding], job_id: str
+) -> tuple[dict[_VersionId, set[int]], dict[_VersionId, set[int]], dict[_VersionId, float]]:
+    """Per version of ``job_id`` (verified copies only): ranks covered, world sizes claimed, earliest capture."""
+    ranks: dict[_VersionId, set[int]] = defaultdict(set)
+    sizes: dict[_VersionId, set[int]] = defaultdict(set)
+    created: dict[_VersionId, float] = {}
     for h in holdings:
         if h.key.job_id != job_id or not h.verified:
             continue
-        ranks[h.key.step].add(h.key.rank)
-        sizes[h.key.step].add(h.world_size)
-    out: dict[int, int] = {}
-    for step, covered in ranks.items():
-        if len(sizes[step]) != 1:
+        v = h.key.version
+        ranks[v].add(h.key.rank)
+        sizes[v].add(h.world_size)
+        if h.created_unix and (v not in created or h.created_unix < created[v]):
+            created[v] = h.created_unix
+        created.setdefault(v, 0.0)
+    return ranks, sizes, created
+
+
+def restorable_versions(holdings: Iterable[Holding], job_id: str) -> list[Version]:
+    """Every restorable version of ``job_id``, superseded ones included, oldest step first.
+
+    Versions whose copies disagree about world_size are never restorable: they cannot be assembled
+    without mixing two different layouts.
+    """
+    ranks, sizes, created = _versions(holdings, job_id)
+    out: list[Version] = []
+    for v, covered in ranks.items():
+        if len(sizes[v]) != 1:
             continue
-        (world_size,) = sizes[step]
+        (world_size,) = sizes[v]
         if covered == set(range(world_size)):
-            out[step] = world_size
-    return out
+            out.append(Version(v[0], v[1], world_size, created[v]))
+    return sorted(out, key=lambda x: (x.step, x.created_unix, x.timeline))
+
+
+def supersedes(newer: Version, step: int, timeline: str, created_unix: float) -> bool:
+    """True when restorable ``newer`` makes the version (step, timeline) captured at ``created_unix`` dead."""
+    return newer.timeline != timeline and newer.step <= step and newer.created_unix > created_unix
+
+
+def superseded_versions(holdings: Iterable[Holding], job_id: str) -> set[tuple[int, str]]:
+    """(step, timeline) of every held version of ``job_id`` (complete or not) that a newer timeline superseded."""
+    holdings = list(holdings)
+    _, _, created = _versions(holdings, job_id)
+    complete = restorable_versions(holdings, job_id)
+    return {v for v, t in created.items() if any(supersedes(w, v[0], v[1], t) for w in complete)}
+
+
+def latest_restorable(holdings: Iterable[Holding], job_id: str, step: int | None = None) -> Version | None:
+    """The version to restore: of the newest step (``step`` None) or of exactly ``step``; None if there is none.
+
+    For an explicit step, a superseded version is still returned when it is the only restorable one
+    of that step (the caller asked for that step by number); a live one is preferred.
+    """
+    complete = restorable_versions(holdings, job_id)
+    live = [v for v in complete if not any(supersedes(w, v.step, v.timeline, v.created_unix) for w in complete)]
+    if step is None:
+        return max(live, key=lambda v: (v.step, v.created_unix), default=None)
+    at_step = [v for v in live if v.step == step] or [v for v in complete if v.step == step]
+    return max(at_step, key=lambda v: v.created_unix, default=None)
 
 
 def latest_restorable_step(holdings: Iterable[Holding], job_id: str) -> tuple[int, int] | None:
-    """(step, world_size) of the newest restorable step, or None if there is none."""
-    steps = restorable_steps(holdings, job_id)
-    if not steps:
-        return None
-    step = max(steps)
-    return step, steps[step]
+    """(step, world_size) of the newest restorable version, or None if there is none."""
+    v = latest_restorable(holdings, job_id)
+    return None if v is None else (v.step, v.world_size)
+
+
+def split_timelines(holdings: Iterable[Holding], job_id: str) -> tuple[int, list[str]] | None:
+    """A step whose every rank has a copy, but only under different timelines (none complete): why nothing restores.
+
+    That is what ranks that never agreed on a timeline leave behind (separate processes without a
+    process group or a shared run id). Returns (step, timelines) of the newest such step, or None.
+    """
+    holdings = [h for h in holdings if h.key.job_id == job_id and h.verified]
+    complete = {(v.step, v.timeline) for v in restorable_versions(holdings, job_id)}
+    by_step: dict[int, list[Holding]] = defaultdict(list)
+    for h in holdings:
+        by_step[h.key.step].append(h)
+    for step in sorted(by_step, reverse=True):
+        copies = by_step[step]
+        timelines = sorted({h.key.timeline for h in copies})
+        sizes = {h.world_size for h in copies}
+        if len(timelines) < 2 or len(sizes) != 1 or any((step, t) in complete for t in timelines):
+            continue
+        if {h.key.rank for h in copies} == set(range(sizes.pop())):
+            return step, timelines
+    return None
 
 
 def sources_for(holdings: Iterable[Holding], key: ShardKey, prefer: Iterable[str] = ()) -> list[str]:

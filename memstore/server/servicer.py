@@ -141,4 +141,4 @@ class StoreServicer(pb_grpc.StoreServicer):
 
     @rpc
     def LatestStep(self, request: pb.LatestStepRequest, context: grpc.ServicerContext) -> pb.LatestStepResponse:
-        return self.store.latest_step(request.job_id)
+        return self.store.latest_step(request.job_id, request.step if request.HasField("step") else None)

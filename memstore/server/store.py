@@ -32,7 +32,7 @@ from memstore import __version__
 from memstore.config import StoreConfig
 from memstore.core.model import Holding, Manifest, ShardKey, ShardState
 from memstore.core.placement import Placement, make_placement
-from memstore.core.restorable import latest_restorable_step, sources_for
+from memstore.core.restorable import latest_restorable, sources_for, split_timelines, superseded_versions
 from memstore.core.retention import pressure_victims, retention_victims
 from memstore.core.spill_policy import RetentionPolicy
 from memstore.errors import (
@@ -262,11 +262,12 @@ class Store:
                 )
                 for job, st in sorted((self.spiller.status if self.spiller else {}).items())
             ],
+            orphans=[pb.OrphanedSegments(path=o.path, host_id=o.host_id, bytes=o.bytes, files=o.files) for o in self.pool.orphans()],
         )
 
     # -- save, local fast path ------------------------------------------------------
     def allocate(self, key: ShardKey, world_size: int, nbytes: int) -> tuple[str, Segment]:
-        _ensure(key_problem(key.job_id, key.step, key.rank, world_size))
+        _ensure(key_problem(key.job_id, key.step, key.rank, world_size, key.timeline))
         if nbytes <= 0:
             raise InvalidArgument(f"nbytes {nbytes} is invalid: expected > 0")
         if self.pool.directory is None:
@@ -311,39 +312,16 @@ class Store:
                     self._drop(victim, reason=f"dropped under memory pressure for step {key.step}")
 
     def _register(self, entry: Entry) -> None:
-        """Put ``entry`` in the catalog (caller holds the lock), replacing an older copy of the same key.
+        """Put ``entry`` in the catalog (caller holds the lock), replacing an older copy of the same shard.
 
-        A capture of step s taken *after* this store's copies of steps > s of the same rank means the
-        job went back to s (a restart from an older checkpoint, or a deliberate rollback): those later
-        steps belong to an abandoned timeline and are dropped, so they neither crowd the new steps out
-        of retention nor ever get restored in place of them.
+        The same shard means the same (job, step, rank, timeline): a re-save of a step on another timeline
+        is another shard, and the old version stays until retention finds it superseded
+        (``memstore.core.restorable``): re-saves are atomic and never mix with the old version.
         """
-        k = entry.key
-        newer_timeline = [
-            key
-            for key, e in self._entries.items()
-            if key.job_id == k.job_id and key.rank == k.rank and key.step < k.step and e.created_unix > entry.created_unix
-        ]
-        if newer_timeline:
-            # A copy from an abandoned timeline (captured before the job went back to an older step),
-            # e.g. pulled by repair from a peer that has not heard of the restart yet: never resurrect it.
-            log.info("not registering %s: the job restarted from step %d after it was captured", k, max(x.step for x in newer_timeline))
-            entry.dropped = True
-            self.pool.release(entry.segment)
-            self._lock.notify_all()
-            return
         old = self._entries.get(entry.key)
         if old is not None and old is not entry:
             self._drop(old, reason="replaced by a newer copy of the same shard")
         self._entries[entry.key] = entry
-        stale = [
-            e
-            for key, e in self._entries.items()
-            if key.job_id == k.job_id and key.rank == k.rank and key.step > k.step and e.created_unix < entry.created_unix
-        ]
-        for e in stale:
-            log.info("dropping %s: the job went back to step %d after it was captured", e.key, k.step)
-            self._drop(e, reason=f"abandoned: the job restarted from step {k.step}")
         self._lock.notify_all()
 
     def _drop(self, entry: Entry, reason: str) -> None:
@@ -465,7 +443,7 @@ class Store:
         self._retention_due.set()
 
     def wait_committed(self, key: ShardKey, timeout: float) -> tuple[pb.ShardInfo, bool]:
-        _ensure(key_problem(key.job_id, key.step, key.rank))
+        _ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
         deadline = time.monotonic() + max(0.0, min(timeout, MAX_WAIT_SECONDS))
         with self._lock:
             while True:
@@ -493,7 +471,7 @@ class Store:
     def _begin_receive(self, header: pb.PutHeader) -> _Inbound:
         """Validate an incoming shard and reserve its memory."""
         m = header.manifest
-        _ensure(key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size))
+        _ensure(key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size, m.key.timeline))
         _ensure(manifest_problem(m))
         _ensure(_codec_problem(m.spill_codec))
         if header.origin == pb.PUT_ORIGIN_UNSPECIFIED:
@@ -615,7 +593,7 @@ class Store:
 
     def _readable(self, key: ShardKey, wait: float = 30.0) -> Entry:
         """The verified local copy of ``key`` (waits briefly while its checksums are computed)."""
-        _ensure(key_problem(key.job_id, key.step, key.rank))
+        _ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
         deadline = time.monotonic() + wait
         with self._lock:
             while True:
@@ -665,7 +643,7 @@ class Store:
 
     def fetch(self, key: ShardKey, discard_local: bool) -> tuple[pb.Manifest, str]:
         """Make sure this store holds a verified copy of ``key``, pulling it from a peer if needed."""
-        _ensure(key_problem(key.job_id, key.step, key.rank))
+        _ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
         with self._lock:
             local = self._entries.get(key)
         if local is not None and discard_local:
@@ -880,15 +858,27 @@ class Store:
             unreachable.append("durable")
             return []
 
-    def latest_step(self, job_id: str) -> pb.LatestStepResponse:
+    def latest_step(self, job_id: str, step: int | None = None) -> pb.LatestStepResponse:
+        """The version to restore: of the newest restorable step, or of exactly ``step``."""
         _ensure(job_id_problem(job_id))
+        if step is not None and step < 0:
+            raise InvalidArgument(f"step {step} is invalid: expected an int >= 0")
         holdings, unreachable = self.cluster_holdings(job_id)
         if not holdings and not unreachable:
             raise UnknownJob(f"job {job_id!r} is unknown to every store")
-        found = latest_restorable_step(holdings, job_id)
+        found = latest_restorable(holdings, job_id, step)
         if found is None:
-            return pb.LatestStepResponse(found=False, unreachable_hosts=unreachable)
-        return pb.LatestStepResponse(found=True, step=found[0], world_size=found[1], unreachable_hosts=unreachable)
+            split = split_timelines(holdings, job_id)
+            note = (
+                f"every rank saved step {split[0]} but under {len(split[1])} different timelines ({', '.join(split[1][:4])}): "
+                "ranks that share no process group must share a run id (CheckpointClient(run_id=...) or MEMSTORE_RUN_ID)"
+                if split
+                else ""
+            )
+            return pb.LatestStepResponse(found=False, unreachable_hosts=unreachable, note=note)
+        return pb.LatestStepResponse(
+            found=True, step=found.step, world_size=found.world_size, timeline=found.timeline, unreachable_hosts=unreachable
+        )
 
     # -- background: retention + lease expiry ------------------------------------------------
     def _janitor_loop(self) -> None:
@@ -920,19 +910,22 @@ class Store:
         for job in sorted(jobs):
             with self._lock:
                 held = [(e.key, e.state) for e in self._entries.values() if e.key.job_id == job]
-            if len({k.step for k, _ in held}) <= self.config.keep:
+            crowded = len({k.step for k, _ in held}) > self.config.keep and retention_victims(held, self.config.keep)
+            if not crowded and len({k.timeline for k, _ in held}) < 2:
                 continue
-            if not retention_victims(held, self.config.keep):
-                continue
-            # Something would go: first learn the newest step restorable across the cluster, and keep it.
+            # Something would go, or a re-save may have superseded another timeline: learn the cluster's view.
             holdings, _ = self.cluster_holdings(job)
-            latest = latest_restorable_step(holdings, job)
-            protected = [latest[0]] if latest else []
+            dead = superseded_versions(holdings, job)
+            latest = latest_restorable(holdings, job)
+            protected = [latest.step] if latest else []
             if self.spiller is not None:
                 protected += sorted(self.spiller.protected_steps(job))  # due for spilling: keep until spilled
             with self._lock:
                 if latest:
-                    self._protected[job] = latest[0]
+                    self._protected[job] = latest.step
+                for dead_entry in [e for e in self._entries.values() if e.key.job_id == job and e.key.version in dead and e.state.settled]:
+                    log.info("dropping %s: a newer timeline re-saved step %d or earlier", dead_entry.key, dead_entry.key.step)
+                    self._drop(dead_entry, reason="superseded: the job went back and saved this step again on a newer timeline")
                 held = [(e.key, e.state) for e in self._entries.values() if e.key.job_id == job]
                 for key in retention_victims(held, self.config.keep, protected):
                     entry = self._entries.get(key)
@@ -992,4 +985,4 @@ class Store:
 
 
 def _holdings(host: str, resp: pb.ListResponse) -> list[Holding]:
-    return [Holding(host, key_from_pb(i.manifest.key), i.manifest.world_size, i.verified) for i in resp.shards]
+    return [Holding(host, key_from_pb(i.manifest.key), i.manifest.world_size, i.verified, i.manifest.created_unix) for i in resp.shards]

@@ -5,7 +5,9 @@
     <root>/<job_id>/step-<step:012d>/SPILL                    intent marker: every owner spills this step
 
 A shard without its manifest is invisible (a half-written spill) and garbage-collected later. A step
-is spilled when the manifests of all world_size ranks exist. Job ids are validated by the wire
+is spilled when the manifests of all world_size ranks exist and name the same timeline (the save that
+produced the shards): durable storage holds one version of a step, and a newer timeline's re-save of
+it replaces the old files rank by rank (manifest removed first, published last), never mixing them. Job ids are validated by the wire
 contract's pattern and steps and ranks are ints, so no name from the network reaches a path.
 """
 
@@ -16,7 +18,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from memstore.v1.keys import job_id_problem
+from memstore.v1.keys import job_id_problem, timeline_problem
 
 STEP_DIR = re.compile(r"step-(\d{12})$")
 RANK_FILE = re.compile(r"rank-(\d{6})\.(shard|json)(\.tmp-[0-9a-f]+)?$")  # .tmp-*: a local write in progress (or debris)
@@ -71,6 +73,7 @@ class SpilledManifest:
     created_unix: float = 0.0
     spilled_unix: float = 0.0
     version: int = MANIFEST_VERSION
+    timeline: str = ""  # the save that produced the shard (see memstore.core.restorable)
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -90,6 +93,8 @@ class SpilledManifest:
         ints = (m.step, m.rank, m.world_size, m.nbytes, m.chunk_size)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints) or m.chunk_size == 0:
             raise LayoutError(f"{where}: step, rank, world_size, nbytes and chunk_size must be non-negative ints")
+        if timeline_problem(m.timeline):
+            raise LayoutError(f"{where}: {timeline_problem(m.timeline)}")
         if m.rank >= m.world_size or job_id_problem(m.job_id):
             raise LayoutError(f"{where}: rank {m.rank} / world_size {m.world_size} / job {m.job_id!r} invalid")
         n_chunks = -(-m.nbytes // m.chunk_size) if m.nbytes else 0

@@ -49,7 +49,7 @@ class JobSpillStatus:
     consecutive_failures: int = 0
     last_error: str = ""
     retry_at: float = 0.0
-    spilled: set[int] = field(default_factory=set)  # steps whose owned shards this store published
+    spilled: set[tuple[int, str]] = field(default_factory=set)  # versions (step, timeline) whose owned shards this store published
     bytes_written: int = 0
 
 
@@ -91,6 +91,7 @@ class Spiller:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="spill", daemon=True)
         self._listing_cache: dict[str, tuple[float, StepListing]] = {}
+        self._manifest_cache: dict[str, tuple[float, SpilledManifest]] = {}
         self.started = time.time()
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -146,34 +147,43 @@ class Spiller:
         self._listing_cache[job_id] = (time.monotonic(), out)
         return out
 
-    def read_manifest(self, job_id: str, step: int, rank: int) -> SpilledManifest:
-        return read_manifest(self.durable, job_id, step, rank)
+    def read_manifest(self, job_id: str, step: int, rank: int, max_age: float = LISTING_CACHE_SECONDS) -> SpilledManifest:
+        """A published manifest, cached as long as a listing (re-spills of a step replace it)."""
+        path = layout.manifest_path(self.durable.root, job_id, step, rank)
+        cached = self._manifest_cache.get(path)
+        if cached is not None and time.monotonic() - cached[0] <= max_age:
+            return cached[1]
+        m = read_manifest(self.durable, job_id, step, rank)
+        self._manifest_cache[path] = (time.monotonic(), m)
+        return m
 
-    def holdings(self, job_id: str) -> list[Holding]:
-        """Durable copies of ``job_id`` as holdings of the pseudo-host ``durable``: published ranks only.
-
-        The world size of a step comes from its rank manifests; reading one per step keeps it cheap.
-        """
-        listing = self.listing(job_id)
-        out: list[Holding] = []
+    def _published(self, job_id: str, listing: StepListing) -> dict[int, list[SpilledManifest]]:
+        """step -> the readable published manifests of its ranks."""
+        out: dict[int, list[SpilledManifest]] = {}
         for step, ranks in listing.manifests.items():
-            try:
-                world = self.read_manifest(job_id, step, min(ranks)).world_size
-            except (SpillStorageError, layout.LayoutError) as exc:
-                log.warning("ignoring durable step %d of %s: %s", step, job_id, exc)
-                continue
-            out.extend(Holding("durable", ShardKey(job_id, step, r), world, True) for r in ranks)
+            for rank in sorted(ranks):
+                try:
+                    out.setdefault(step, []).append(self.read_manifest(job_id, step, rank))
+                except (SpillStorageError, layout.LayoutError) as exc:
+                    log.warning("ignoring durable shard %d/%d of %s: %s", step, rank, job_id, exc)
         return out
 
+    def holdings(self, job_id: str) -> list[Holding]:
+        """Durable copies of ``job_id`` as holdings of the pseudo-host ``durable``: published ranks only."""
+        return [
+            Holding("durable", ShardKey(job_id, m.step, m.rank, m.timeline), m.world_size, True, m.created_unix)
+            for ms in self._published(job_id, self.listing(job_id)).values()
+            for m in ms
+        ]
+
     def complete_steps(self, listing: StepListing, job_id: str) -> dict[int, dict[str, float]]:
-        """step -> metrics of every fully published step (metrics from its lowest rank that has them)."""
+        """step -> metrics of every fully published step (all ranks, one timeline; metrics from its lowest rank)."""
         complete: dict[int, dict[str, float]] = {}
-        for step, ranks in listing.manifests.items():
-            try:
-                first = self.read_manifest(job_id, step, min(ranks))
-            except (SpillStorageError, layout.LayoutError):
-                continue
-            if set(ranks) == set(range(first.world_size)):
+        for step, ms in self._published(job_id, listing).items():
+            first = ms[0]
+            if {m.rank for m in ms} == set(range(first.world_size)) and {(m.timeline, m.world_size) for m in ms} == {
+                (first.timeline, first.world_size)
+            }:
                 complete[step] = dict(first.metrics)
         return complete
 
@@ -191,8 +201,9 @@ class Spiller:
                 if due_by_time(st.last_spill_time if st.last_spill_time is not None else self.started, now, self.every_seconds):
                     self.durable.write_small(layout.intent_path(self.durable.root, job_id, newest), b"")
                     due.add(newest)
-                for step in sorted(due - st.spilled, reverse=True):  # newest first
-                    self.spill_step(job_id, step)
+                for step in sorted(due, reverse=True):  # newest first
+                    if (step, steps[step]) not in st.spilled:
+                        self.spill_step(job_id, step)
                 self.collect_garbage(job_id)
                 st.consecutive_failures = 0
             except (SpillStorageError, layout.LayoutError) as exc:
@@ -203,8 +214,8 @@ class Spiller:
         st = self.status.get(job_id, JobSpillStatus())
         cached = self._listing_cache.get(job_id)
         intents = cached[1].intents if cached else set()
-        steps = self._owned_settled_steps().get(job_id, [])
-        return {s for s in steps if (due_by_steps(s, self.every_steps) or s in intents) and s not in st.spilled}
+        steps = self._owned_settled_steps().get(job_id, {})
+        return {s for s, t in steps.items() if (due_by_steps(s, self.every_steps) or s in intents) and (s, t) not in st.spilled}
 
     def _failed(self, st: JobSpillStatus, job_id: str, exc: Exception) -> None:
         st.consecutive_failures += 1
@@ -213,30 +224,54 @@ class Spiller:
         st.retry_at = time.monotonic() + backoff
         log.warning("spill of job %s failed (%d in a row, retry in %.1fs): %s", job_id, st.consecutive_failures, backoff, exc)
 
-    def _owned_settled_steps(self) -> dict[str, list[int]]:
+    def _owned_settled_steps(self) -> dict[str, dict[int, str]]:
+        """job -> step -> timeline of the newest owned settled version of that step."""
         with self.store._lock:
             entries = [e for e in self.store._entries.values() if e.owner_host == self.store.host_id and e.state.settled and e.verified]
-        out: dict[str, list[int]] = {}
+        newest: dict[tuple[str, int], Entry] = {}
         for e in entries:
-            out.setdefault(e.key.job_id, []).append(e.key.step)
-        return {job: sorted(set(steps)) for job, steps in out.items()}
+            k = (e.key.job_id, e.key.step)
+            if k not in newest or e.created_unix > newest[k].created_unix:
+                newest[k] = e
+        out: dict[str, dict[int, str]] = {}
+        for (job, step), e in sorted(newest.items()):
+            out.setdefault(job, {})[step] = e.key.timeline
+        return out
+
+    def _published_timeline(self, job_id: str, step: int, rank: int) -> tuple[str, float] | None:
+        """(timeline, capture time) of the published manifest of (job, step, rank), or None."""
+        if not self.durable.exists(layout.manifest_path(self.durable.root, job_id, step, rank)):
+            return None
+        try:
+            m = read_manifest(self.durable, job_id, step, rank)
+        except layout.LayoutError:
+            return None  # unreadable: overwrite it
+        return m.timeline, m.created_unix
 
     def spill_step(self, job_id: str, step: int) -> int:
-        """Publish every shard of ``step`` this store owns. Returns bytes written."""
+        """Publish every shard of ``step`` this store owns (its newest version). Returns bytes written."""
+        timeline = self._owned_settled_steps().get(job_id, {}).get(step)
         with self.store._lock:
             entries = [
                 e
                 for k, e in self.store._entries.items()
-                if k.job_id == job_id and k.step == step and e.owner_host == self.store.host_id and e.verified
+                if k.job_id == job_id and k.step == step and k.timeline == timeline and e.owner_host == self.store.host_id and e.verified
             ]
         st = self.status.setdefault(job_id, JobSpillStatus())
         written = 0
         with self._lock:
             for entry in sorted(entries, key=lambda e: e.key.rank):
-                if not self.durable.exists(layout.manifest_path(self.durable.root, job_id, step, entry.key.rank)):
-                    written += self._spill_entry(entry)  # else published before (e.g. by this host's previous incarnation)
+                published = self._published_timeline(job_id, step, entry.key.rank)
+                if published is None or (published[0] != entry.key.timeline and published[1] < entry.created_unix):
+                    if published is not None:
+                        # A newer timeline re-saved the step: unpublish the old version first, never mix the two.
+                        self.durable.delete([layout.manifest_path(self.durable.root, job_id, step, entry.key.rank)])
+                        self._manifest_cache.pop(layout.manifest_path(self.durable.root, job_id, step, entry.key.rank), None)
+                    written += self._spill_entry(entry)
+                # else published before (by this host's previous incarnation, or a newer version is there already)
                 self._after_publish(entry)
-        st.spilled.add(step)
+        if timeline is not None:
+            st.spilled.add((step, timeline))
         st.last_spilled_step = max(st.last_spilled_step, step)
         st.last_spill_time = time.time()
         st.bytes_written += written
@@ -321,6 +356,7 @@ class Spiller:
                 format_version=m.format_version,
                 created_unix=m.created_unix,
                 spilled_unix=time.time(),
+                timeline=key.timeline,
             )
             self.durable.write_small(layout.manifest_path(self.durable.root, key.job_id, key.step, key.rank), manifest.encode())
             return written
@@ -379,7 +415,9 @@ class Spiller:
     # -- reading back ---------------------------------------------------------------------------------
     def read_into(self, key: ShardKey, allocate: object) -> SpilledManifest:
         """Read a spilled shard, decode and verify every chunk into the view ``allocate(manifest)`` returns."""
-        m = self.read_manifest(key.job_id, key.step, key.rank)
+        m = read_manifest(self.durable, key.job_id, key.step, key.rank)
+        if m.timeline != key.timeline:
+            raise layout.LayoutError(f"the durable copy of {key} is of timeline {m.timeline!r} (a different save of that step)")
         dest: memoryview = allocate(m)  # type: ignore[operator]
         read_shard_into(self.durable, m, dest)
         return m

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from memstore.core.model import Holding, ShardKey, ShardState
-from memstore.core.restorable import latest_restorable_step, restorable_steps, sources_for
+from memstore.core.restorable import (
+    latest_restorable,
+    latest_restorable_step,
+    restorable_versions,
+    sources_for,
+    split_timelines,
+    superseded_versions,
+)
 from memstore.core.retention import pressure_victims, retention_victims, superseded_in_flight
 from memstore.core.sizes import format_size, parse_size
 
@@ -14,15 +21,15 @@ pytestmark = pytest.mark.unit
 C, Rp, CAP = ShardState.COMMITTED, ShardState.REPLICA, ShardState.CAPTURED
 
 
-def h(host: str, step: int, rank: int, world: int = 2, verified: bool = True, job: str = "j") -> Holding:
-    return Holding(host, ShardKey(job, step, rank), world, verified)
+def h(host: str, step: int, rank: int, world: int = 2, verified: bool = True, job: str = "j", tl: str = "", t: float = 0.0) -> Holding:
+    return Holding(host, ShardKey(job, step, rank, tl), world, verified, t or float(step))
 
 
 class TestRestorable:
     def test_newest_step_with_every_rank(self) -> None:
         hs = [h("a", 1, 0), h("b", 1, 1), h("a", 2, 0), h("b", 2, 1), h("a", 3, 0)]
         assert latest_restorable_step(hs, "j") == (2, 2)
-        assert restorable_steps(hs, "j") == {1: 2, 2: 2}
+        assert [(v.step, v.world_size) for v in restorable_versions(hs, "j")] == [(1, 2), (2, 2)]
 
     def test_unverified_copies_do_not_count(self) -> None:
         hs = [h("a", 1, 0), h("b", 1, 1), h("a", 2, 0), h("b", 2, 1, verified=False)]
@@ -105,3 +112,52 @@ class TestSizes:
 def test_retention_never_evicts_a_copy_in_flight() -> None:
     held = [(k(5), ShardState.REPLICATING), (k(8), C), (k(9), C), (k(10), C)]
     assert retention_victims(held, keep=2) == [k(8)]
+
+
+class TestTimelines:
+    """Two saves of one step never mix; re-saves are atomic; a newer timeline supersedes what it went back over."""
+
+    def old(self, step: int, ranks: range = range(4), world: int = 4) -> list[Holding]:
+        return [h(f"h{r}", step, r, world, tl="A.0", t=100.0 + step) for r in ranks]
+
+    def new(self, step: int, ranks: range = range(4), world: int = 4) -> list[Holding]:
+        return [h(f"h{r}", step, r, world, tl="B.0", t=200.0 + step) for r in ranks]
+
+    def test_partial_resave_after_rollback_never_mixes(self) -> None:
+        # steps 1-3 saved; the job goes back to 2; ranks 0-1 re-save step 3, ranks 2-3 die before it.
+        hs = self.old(1) + self.old(2) + self.old(3) + self.new(3, range(2))
+        v = latest_restorable(hs, "j")
+        assert v is not None and (v.step, v.timeline) == (3, "A.0")  # the old version stays visible: atomic re-save
+        assert all(x.timeline in ("A.0",) for x in restorable_versions(hs, "j"))
+        assert superseded_versions(hs, "j") == set()
+
+    def test_completed_resave_replaces_old_version_and_later_abandoned_steps(self) -> None:
+        hs = self.old(1) + self.old(2) + self.old(3) + self.old(4) + self.new(3)
+        v = latest_restorable(hs, "j")
+        assert v is not None and (v.step, v.timeline) == (3, "B.0")  # not the abandoned step 4
+        assert superseded_versions(hs, "j") == {(3, "A.0"), (4, "A.0")}
+        assert latest_restorable(hs, "j", step=3) == v
+        assert latest_restorable(hs, "j", step=4) is not None  # asked by number: the only save of step 4
+        assert latest_restorable(hs, "j", step=2) is not None and latest_restorable(hs, "j", step=2).timeline == "A.0"  # type: ignore[union-attr]
+
+    def test_mixed_copies_of_one_step_are_not_restorable(self) -> None:
+        hs = self.old(5, range(2)) + self.new(5, range(2, 4))
+        assert latest_restorable(hs, "j") is None
+        assert split_timelines(hs, "j") == (5, ["A.0", "B.0"])
+
+    def test_in_flight_newer_step_of_same_timeline_is_not_superseded(self) -> None:
+        hs = self.old(5) + self.old(6, range(1))
+        assert superseded_versions(hs, "j") == set()
+        assert latest_restorable_step(hs, "j") == (5, 4)
+
+    def test_older_timeline_captured_later_does_not_supersede(self) -> None:
+        # supersession needs a *later* capture: an old, slow timeline finishing late changes nothing
+        late_old = [h(f"h{r}", 3, r, 4, tl="A.0", t=300.0) for r in range(4)]
+        hs = self.new(3) + self.new(4) + late_old
+        assert superseded_versions(hs, "j") == {(3, "B.0"), (4, "B.0")}  # A.0@3 captured last: it is the newest timeline
+        v = latest_restorable(hs, "j")
+        assert v is not None and (v.step, v.timeline) == (3, "A.0")
+
+    def test_answer_independent_of_order(self) -> None:
+        hs = self.old(1) + self.old(2) + self.new(2) + self.new(3, range(3))
+        assert latest_restorable(hs, "j") == latest_restorable(list(reversed(hs)), "j")

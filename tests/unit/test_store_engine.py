@@ -28,8 +28,8 @@ def store(tmp_path) -> Iterator[Store]:  # type: ignore[no-untyped-def]
     s.close()
 
 
-def save(store: Store, step: int, nbytes: int = 3 * MiB, rank: int = 0, world: int = 1, fill: int = 7) -> ShardKey:
-    key = ShardKey("job", step, rank)
+def save(store: Store, step: int, nbytes: int = 3 * MiB, rank: int = 0, world: int = 1, fill: int = 7, timeline: str = "") -> ShardKey:
+    key = ShardKey("job", step, rank, timeline)
     lease, seg = store.allocate(key, world, nbytes)
     seg.view(nbytes)[:] = bytes([fill]) * nbytes
     store.commit(lease, {"loss": 1.0}, 1)
@@ -129,10 +129,30 @@ def test_overwrite_same_key_replaces(store: Store) -> None:
     assert store._entries[key].state is ShardState.COMMITTED
 
 
+def versions_held(store: Store) -> list[tuple[int, str]]:
+    return sorted({(s.manifest.key.step, s.manifest.key.timeline) for s in store.list_shards("job").shards})
+
+
 def test_going_back_to_an_older_step_drops_the_abandoned_later_steps(store: Store) -> None:
     for step in (1, 2, 3):
-        save(store, step, nbytes=MiB)
-    save(store, 2, nbytes=MiB, fill=9)  # the job restarted from step 1 and saved step 2 again
-    assert steps_held(store) == [1, 2] or steps_held(store) == [2]
-    for _, view in store.read(ShardKey("job", 2, 0)):
+        save(store, step, nbytes=MiB, timeline="A.0")
+    new = save(store, 2, nbytes=MiB, fill=9, timeline="B.0")  # the job restarted from step 1 and saved step 2 again
+    # B.0@2 is complete (one rank): A.0's steps 2 and 3 are superseded and go; A.0@1 stays (history before the rollback)
+    wait_for(lambda: versions_held(store) == [(1, "A.0"), (2, "B.0")], timeout=5, what="superseded versions to go")
+    assert store.latest_step("job").timeline == "B.0"
+    for _, view in store.read(new):
         assert view[0] == 9
+
+
+def test_resave_of_a_step_keeps_the_old_version_until_the_new_one_is_complete(store: Store) -> None:
+    for step in (1, 2):
+        save(store, step, nbytes=MiB, world=2, timeline="A.0")
+        save(store, step, nbytes=MiB, world=2, rank=1, timeline="A.0")
+    save(store, 2, nbytes=MiB, world=2, fill=9, timeline="B.0")  # rank 0 re-saves step 2; rank 1 never does
+    latest = store.latest_step("job")
+    assert (latest.step, latest.timeline) == (2, "A.0")  # not rank 0 new + rank 1 old
+    assert (2, "A.0") in versions_held(store) and (2, "B.0") in versions_held(store)
+    save(store, 2, nbytes=MiB, world=2, rank=1, fill=9, timeline="B.0")
+    wait_for(lambda: (2, "A.0") not in versions_held(store), timeout=5, what="the old version to go once the new one is complete")
+    latest = store.latest_step("job")
+    assert (latest.step, latest.timeline) == (2, "B.0")

@@ -1,24 +1,28 @@
-"""The ``memstore`` command line: serve, local-cluster, demo, status, ls, export."""
+"""The ``memstore`` command line: serve, local-cluster, demo, status, ls, export, reclaim-shm."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any
 
 from memstore.config import StoreConfig
-from memstore.errors import StoreError
+from memstore.errors import ConfigError, StoreError
 
 
 def _add_store_flags(p: argparse.ArgumentParser) -> None:
     for f in fields(StoreConfig):
         flag = "--" + f.name.replace("_", "-")
-        p.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(), help=StoreConfig.help_of(f.name))
+        if isinstance(f.default, bool):  # --flag / --no-flag; unset (None) leaves env, file or default in charge
+            p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=StoreConfig.help_of(f.name))
+        else:
+            p.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(), help=StoreConfig.help_of(f.name))
     p.add_argument("--config", default=None, help="TOML config file ([store] table); also MEMSTORE_CONFIG")
 
 
@@ -107,6 +111,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                         }
                         for j in h.spill
                     ],
+                    "orphans": [{"path": o.path, "host_id": o.host_id, "bytes": o.bytes, "files": o.files} for o in h.orphans],
+                    "adopted_shards": h.adopted_shards,
                 }
             )
         except grpc.RpcError as err:
@@ -122,13 +128,61 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(
                 f"  {r['host']:<8} {r['address']:<22} up   {format_size(r['used']):>12} / {format_size(r['capacity']):<12} "
                 f"shards={r['shards']} replicating={r['replicating']} repairing={r['repairing']}"
+                + (f" adopted={r['adopted_shards']}" if r["adopted_shards"] else "")
             )
             for j in r["spill"]:
                 state = f"FAILING x{j['failures']}: {j['error']}" if j["failures"] else "ok"
                 print(
                     f"           spill {j['job']}: last step {j['last_spilled_step']}, {format_size(j['bytes_written'])} written, {state}"
                 )
+    _print_orphans(rows)
     return 0 if all(r.get("serving") for r in rows) else 1
+
+
+def _print_orphans(rows: list[dict[str, Any]]) -> None:
+    """Orphaned segment dirs, once per machine (stores on one machine all report the same ones)."""
+    from memstore.core.sizes import format_size
+
+    seen: set[tuple[str, str]] = set()
+    lines: list[str] = []
+    for r in rows:
+        machine = r["address"].rpartition(":")[0]
+        for o in r.get("orphans", []):
+            if (machine, o["path"]) in seen:
+                continue
+            seen.add((machine, o["path"]))
+            lines.append(
+                f"  {o['path']}  (host {o['host_id']}, {o['files']} segments, {format_size(o['bytes'])}) on the machine of {r['host']}; "
+                f"reclaim there with: memstore reclaim-shm --shm-dir {os.path.dirname(o['path'])}"
+            )
+    if lines:
+        print("orphaned shared memory (segment dirs no running store owns):")
+        print("\n".join(lines))
+
+
+def cmd_reclaim_shm(args: argparse.Namespace) -> int:
+    from memstore.core.sizes import format_size
+    from memstore.server.segments import orphaned_dirs, reclaim_orphans
+
+    if not args.shm_dir:
+        raise ConfigError("--shm-dir is empty: name the directory the stores of this machine use (their --shm-dir)")
+    orphans = orphaned_dirs(args.shm_dir) if args.dry_run else reclaim_orphans(args.shm_dir)
+    total = sum(o.bytes for o in orphans)
+    if args.json:
+        print(
+            json.dumps(
+                {"shm_dir": args.shm_dir, "dry_run": args.dry_run, "bytes": total, "orphans": [asdict(o) for o in orphans]}, indent=2
+            )
+        )
+        return 0
+    if not orphans:
+        print(f"no orphaned segment dirs under {args.shm_dir}")
+        return 0
+    for o in orphans:
+        print(f"  {o.path}  host {o.host_id}  {o.files} segments  {format_size(o.bytes)}")
+    verb = "would reclaim" if args.dry_run else "reclaimed"
+    print(f"{verb} {len(orphans)} orphaned segment dirs, {format_size(total)}")
+    return 0
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -216,6 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write one step as a standard torch.save file (from a cluster or durable storage)")
     add_export_arguments(p)
     p.set_defaults(func=cmd_export)
+
+    store_default = next(str(f.default) for f in fields(StoreConfig) if f.name == "shm_dir")
+    p = sub.add_parser("reclaim-shm", help="delete shared-memory segment dirs on this machine that no running store owns")
+    p.add_argument(
+        "--shm-dir",
+        default=os.environ.get("MEMSTORE_SHM_DIR") or store_default,
+        help=f"the stores' --shm-dir (default: $MEMSTORE_SHM_DIR, else {store_default})",
+    )
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="only list them")
+    p.set_defaults(func=cmd_reclaim_shm)
 
     for name, func, helptext in (("status", cmd_status, "health of every store of a cluster"), ("ls", cmd_ls, "list shards on a store")):
         p = sub.add_parser(name, help=helptext)

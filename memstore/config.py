@@ -100,6 +100,20 @@ def _size(name: str) -> Callable[[Any], int]:
     return parse
 
 
+def _bool(name: str) -> Callable[[Any], bool]:
+    def parse(value: Any) -> bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name} {value!r} is invalid: expected true or false")
+
+    return parse
+
+
 def _choice(name: str, choices: tuple[str, ...]) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         if value not in choices:
@@ -137,7 +151,14 @@ class StoreConfig:
         default="tcp",
     )
     shm_dir: str = _opt(
-        "Directory on a tmpfs for shared-memory segments ('' disables the local fast path).", str, default="/dev/shm/memstore"
+        "Directory on a tmpfs for shared-memory segments ('' disables the local fast path); each store uses <dir>/<host-id>-<port>.",
+        str,
+        default="/dev/shm/memstore",
+    )
+    shm_keep_on_exit: bool = _opt(
+        "Keep shared-memory segments on a clean exit so a restart with the same --host-id/--listen adopts them.",
+        _bool("--shm-keep-on-exit"),
+        default=False,
     )
     repair_interval: float = _opt(
         "Seconds between anti-entropy passes that restore missing replicas.", _positive_float("--repair-interval"), default=2.0

@@ -169,15 +169,31 @@ class LocalCluster:
         peers[to_host] = address
         args[i] = ",".join(f"{h}={a}" for h, a in peers.items())
 
-    def kill(self, host_id: str) -> None:
-        """SIGKILL the store and reap it."""
+    def kill(self, host_id: str, keep_memory: bool = False) -> None:
+        """SIGKILL the store and reap it: the host is lost, and its shared memory with it.
+
+        ``keep_memory=True`` is a crash of the store process alone: its segments stay in shared memory and
+        its restart adopts the ones that verify (GEMINI's software failure) instead of repairing from peers.
+        """
         sp = self.stores[host_id]
         if sp.proc is not None and sp.proc.poll() is None:
             sp.proc.send_signal(signal.SIGKILL)
             sp.proc.wait(timeout=10)
+            if not keep_memory:
+                shutil.rmtree(self.segment_dir(host_id), ignore_errors=True)
+
+    def segment_dir(self, host_id: str) -> str:
+        """Where the store of ``host_id`` keeps its shared-memory segments."""
+        from memstore.server.segments import segment_dir
+
+        return segment_dir(self.shm_dir, host_id, self.stores[host_id].address)
 
     def restart(self, host_id: str, timeout: float = 30.0, env: dict[str, str] | None = None, wait: bool = True) -> None:
-        """Start the replacement of ``host_id``: same id and address, empty RAM (``env``: its extra environment)."""
+        """Start ``host_id`` again with the same id and address (``env``: its extra environment).
+
+        A store still running is killed first as a lost host (empty RAM); after ``kill(keep_memory=True)``
+        the restart adopts what the crashed process left in shared memory.
+        """
         self.kill(host_id)
         self.stores[host_id].restarts += 1
         if env is not None:

@@ -1,70 +1,109 @@
-"""Which steps a store may drop from RAM.
+"""Which copies a store may drop from RAM.
 
-Per job, keep the newest ``keep`` steps whose copies on this store are all settled (verified and no
-longer in flight), plus every newer in-flight step, plus the newest step restorable across the
-cluster (which may be older when some rank lags behind). Everything else is evicted.
+Copies are grouped into *versions* (one step of one timeline, see ``memstore.core.restorable``) and
+versions are ordered by recency: by the start of their timeline first (the earliest capture this
+store holds of it), then by step. Within one run that is step order; after the job went back to an
+older step (a restart from an older checkpoint, a rollback), the new timeline's steps rank above every
+step of the abandoned one, whatever their numbers. Ordering by step number alone would keep the
+abandoned run's higher steps and evict the new run's fresh saves.
+
+Per job, keep the newest ``keep`` versions whose copies on this store are all settled (verified and
+no longer in flight), plus every in-flight copy, plus the protected steps (the newest step restorable
+across the cluster, steps due for spilling). Everything else is evicted.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 
 from memstore.core.model import ShardKey, ShardState
 
+Held = tuple[ShardKey, ShardState, float]  # a copy on this store: key, state, capture time (unix seconds)
+Order = tuple[float, int]
 
-def retention_victims(
-    held: Iterable[tuple[ShardKey, ShardState]],
-    keep: int,
-    protected_steps: Iterable[int] = (),
-) -> list[ShardKey]:
+
+def timeline_starts(copies: Iterable[tuple[ShardKey, float]]) -> dict[str, float]:
+    """timeline -> earliest capture time among ``copies`` (its start, as far as they show)."""
+    starts: dict[str, float] = {}
+    for key, created in copies:
+        if key.timeline not in starts or created < starts[key.timeline]:
+            starts[key.timeline] = created
+    return starts
+
+
+def recency(key: ShardKey, starts: dict[str, float]) -> Order:
+    """Sort key of ``key``'s version: a timeline nobody holds yet is the newest (it is being started now)."""
+    return starts.get(key.timeline, math.inf), key.step
+
+
+def newest_versions(copies: Iterable[tuple[ShardKey, float]], keep: int) -> set[tuple[int, str]]:
+    """(step, timeline) of the ``keep`` most recent versions among ``copies`` (repair pulls only these)."""
+    copies = list(copies)
+    starts = timeline_starts(copies)
+    versions = sorted({key.version: recency(key, starts) for key, _ in copies}.items(), key=lambda kv: kv[1], reverse=True)
+    return {v for v, _ in versions[:keep]}
+
+
+def _versions(held: list[Held]) -> tuple[dict[tuple[int, str], list[Held]], dict[tuple[int, str], Order]]:
+    starts = timeline_starts((k, c) for k, _, c in held)
+    by_version: dict[tuple[int, str], list[Held]] = defaultdict(list)
+    order: dict[tuple[int, str], Order] = {}
+    for copy in held:
+        by_version[copy[0].version].append(copy)
+        order[copy[0].version] = recency(copy[0], starts)
+    return by_version, order
+
+
+def retention_victims(held: Iterable[Held], keep: int, protected_steps: Iterable[int] = ()) -> list[ShardKey]:
     """Keys of one job's copies that fall outside the retention window."""
-    by_step: dict[int, list[tuple[ShardKey, ShardState]]] = defaultdict(list)
-    for key, state in held:
-        by_step[key.step].append((key, state))
-    settled = sorted((s for s, copies in by_step.items() if all(st.settled for _, st in copies)), reverse=True)
+    by_version, order = _versions(list(held))
+    settled = sorted((v for v, copies in by_version.items() if all(st.settled for _, st, _ in copies)), key=order.__getitem__, reverse=True)
     if len(settled) <= keep:
         return []
-    oldest_kept = settled[keep - 1]
+    oldest_kept = order[settled[keep - 1]]
     protected = set(protected_steps)
     victims = [
         key
-        for step, copies in by_step.items()
-        if step < oldest_kept and step not in protected
-        for key, state in copies
+        for v, copies in by_version.items()
+        if order[v] < oldest_kept and v[0] not in protected
+        for key, state, _ in copies
         if state.settled  # a copy still in flight is never evicted; it counts once settled
     ]
     return sorted(victims)
 
 
-def superseded_in_flight(held: Iterable[tuple[ShardKey, ShardState]], newer: ShardKey) -> list[ShardKey]:
+def superseded_in_flight(held: Iterable[Held], newer: ShardKey) -> list[ShardKey]:
     """In-flight copies of the same (job, rank) older than ``newer``: droppable under memory pressure.
 
     A newer save never waits on an older step's replication; the newest settled step is never among these.
     """
+    held = list(held)
+    starts = timeline_starts((k, c) for k, _, c in held)
+    mine = recency(newer, starts)
     return sorted(
-        key for key, state in held if key.job_id == newer.job_id and key.rank == newer.rank and key.step < newer.step and not state.settled
+        key
+        for key, state, _ in held
+        if key.job_id == newer.job_id and key.rank == newer.rank and recency(key, starts) < mine and not state.settled
     )
 
 
-def pressure_victims(
-    held: Iterable[tuple[ShardKey, ShardState]],
-    newer: ShardKey,
-    protected_steps: Iterable[int] = (),
-) -> list[ShardKey]:
+def pressure_victims(held: Iterable[Held], newer: ShardKey, protected_steps: Iterable[int] = ()) -> list[ShardKey]:
     """What to drop, in order, when ``newer`` does not fit in RAM.
 
     First the in-flight older copies of the same rank (``superseded_in_flight``), then whole settled
-    steps of the job older than its newest settled step, oldest first, sparing the protected ones.
-    The newest settled step is never offered: a new save must not cost the last good checkpoint.
+    versions of the job older than ``newer`` except its newest settled one, oldest first, sparing the
+    protected steps. The newest settled version is never offered: a new save must not cost the last
+    good checkpoint.
     """
-    held = list(held)
+    held = [h for h in held if h[0].job_id == newer.job_id]
     first = superseded_in_flight(held, newer)
-    by_step: dict[int, list[tuple[ShardKey, ShardState]]] = defaultdict(list)
-    for key, state in held:
-        if key.job_id == newer.job_id and key.step < newer.step:
-            by_step[key.step].append((key, state))
-    settled = sorted(s for s, copies in by_step.items() if all(st.settled for _, st in copies))
+    starts = timeline_starts((k, c) for k, _, c in held)
+    mine = recency(newer, starts)
+    by_version, order = _versions(held)
+    older = [v for v in by_version if order[v] < mine]
+    settled = sorted((v for v in older if all(st.settled for _, st, _ in by_version[v])), key=order.__getitem__)
     protected = set(protected_steps)
-    older = [key for step in settled[:-1] if step not in protected for key, _ in sorted(by_step[step])]
-    return first + [k for k in older if k not in first]
+    rest = [key for v in settled[:-1] if v[0] not in protected for key, _, _ in sorted(by_version[v])]
+    return first + [k for k in rest if k not in first]

@@ -87,9 +87,12 @@ class StoreServer:
             self.config.placement,
         )
 
-    def stop(self, grace: float = 2.0) -> None:
+    def stop(self, grace: float = 2.0, keep_files: bool = False) -> None:
+        """Stop serving and close the engine. ``keep_files``: leave the segments in use (and their sidecars)
+        on the tmpfs for the next store of this host to adopt; otherwise every segment file is removed."""
         self._server.stop(grace).wait(grace + 1)
         self.data_server.close()
+        self.store.pool.keep_files_on_close = keep_files  # read by SegmentPool.close(), which Store.close() calls
         self.store.close()
 
     def wait(self) -> None:
@@ -102,7 +105,8 @@ def serve(config: StoreConfig, ready_file: str | None = None) -> int:
     try:
         server.check_peers()
     except ConfigError:
-        server.stop(grace=0)
+        # Never served: leave what it adopted from a previous incarnation for a corrected restart.
+        server.stop(grace=0, keep_files=True)
         raise
     server.start()
     done = threading.Event()
@@ -127,5 +131,6 @@ def serve(config: StoreConfig, ready_file: str | None = None) -> int:
         for failure in failures:
             log.error("flush on shutdown failed: %s", failure)
         log.info("flushed newest committed steps in %.2fs (%d failures)", time.monotonic() - t0, len(failures))
-    server.stop()
+    # Clean exit: segment files go with the store unless --shm-keep-on-exit (a SIGKILL leaves them: adopted at restart).
+    server.stop(keep_files=config.shm_keep_on_exit)
     return 0

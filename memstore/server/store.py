@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -33,7 +32,7 @@ from memstore.config import StoreConfig
 from memstore.core.model import Holding, Manifest, ShardKey, ShardState
 from memstore.core.placement import Placement, make_placement
 from memstore.core.restorable import latest_restorable, sources_for, split_timelines, superseded_versions
-from memstore.core.retention import pressure_victims, retention_victims
+from memstore.core.retention import newest_versions, pressure_victims, retention_victims
 from memstore.core.spill_policy import RetentionPolicy
 from memstore.errors import (
     CapacityExceeded,
@@ -49,7 +48,7 @@ from memstore.errors import (
 from memstore.faults import fault
 from memstore.server.convert import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, state_from_pb, state_to_pb
 from memstore.server.peers import DataChannelUnsupported, PeerDirectory
-from memstore.server.segments import Segment, SegmentPool
+from memstore.server.segments import Segment, SegmentPool, segment_dir
 from memstore.spill.layout import LayoutError, SpilledManifest
 from memstore.spill.spiller import Spiller
 from memstore.spill.storage import Durable, SpillStorageError, parse_options
@@ -147,7 +146,8 @@ class Store:
         self.host_id = config.host_id
         self.started = time.monotonic()
         self.placement: Placement = make_placement(config.placement, config.host_ids, config.replicas, config.failure_domains or None)
-        self.pool = SegmentPool(os.path.join(config.shm_dir, self.host_id) if config.shm_dir else None, config.capacity)
+        # A replacement started with the same --host-id and --listen finds its previous incarnation's segments here.
+        self.pool = SegmentPool(segment_dir(config.shm_dir, self.host_id, config.listen), config.capacity, adopt_leftovers=True)
         self.peers = PeerDirectory(self.host_id, config.peers)
         self._lock = threading.Condition()
         self._entries: dict[ShardKey, Entry] = {}
@@ -172,6 +172,46 @@ class Store:
         self.last_repair_error = ""
         self.spiller: Spiller | None = self._make_spiller(config)
         self.data_port = 0  # set by the server once the data channel listens
+        self.adopted_shards = self._adopt_segments()
+
+    def _adopt_segments(self) -> int:
+        """Take over the verified shards a previous incarnation of this host left in shared memory.
+
+        Each settled copy has a sidecar (its ShardInfo) next to its segment; a segment is adopted only if
+        the sidecar is well-formed and every chunk still matches its checksum, so a store that crashed
+        serves its RAM again without a network repair (GEMINI's software-failure path). The rest is deleted.
+        """
+
+        def check(seg: Segment, meta: bytes) -> bool:
+            info = pb.ShardInfo.FromString(meta)
+            m = info.manifest
+            problem = manifest_problem(m) or key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size, m.key.timeline)
+            state = state_from_pb(info.state)
+            if problem or state is None or not state.settled or m.nbytes > seg.size:
+                return False
+            return first_mismatch(seg.view(), m.nbytes, m.chunk_size, list(m.chunk_checksums)) is None
+
+        adopted = self.pool.adopt(check)
+        for seg, meta in adopted:
+            info = pb.ShardInfo.FromString(meta)
+            m = manifest_from_pb(info.manifest)
+            seg.owner = m.key.job_id  # never pooled for another job
+            state = state_from_pb(info.state) or ShardState.REPLICA
+            self._entries[m.key] = Entry(
+                m.key, m.world_size, m.nbytes, seg, m.owner_host, state, manifest=m, metrics=dict(m.metrics),
+                format_version=m.format_version, copies=info.copies, created_unix=m.created_unix or time.time(), spill_codec=m.spill_codec,
+            )  # fmt: skip
+        if adopted:
+            log.info(
+                "adopted %d shards (%d bytes) left in shared memory by this host's previous incarnation; verified every chunk",
+                len(adopted), sum(e.nbytes for e in self._entries.values()),
+            )  # fmt: skip
+        return len(adopted)
+
+    def _describe(self, entry: Entry) -> None:
+        """Record a settled copy next to its segment (caller holds the lock) so a restart can adopt it."""
+        if entry.verified and entry.state.settled and not entry.dropped:
+            self.pool.describe(entry.segment, self._info(entry).SerializeToString())
 
     def _make_spiller(self, config: StoreConfig) -> Spiller | None:
         if not config.spill:
@@ -262,6 +302,7 @@ class Store:
                 )
                 for job, st in sorted((self.spiller.status if self.spiller else {}).items())
             ],
+            adopted_shards=self.adopted_shards,
             orphans=[pb.OrphanedSegments(path=o.path, host_id=o.host_id, bytes=o.bytes, files=o.files) for o in self.pool.orphans()],
         )
 
@@ -302,7 +343,7 @@ class Store:
                 return self.pool.acquire(nbytes, key.job_id, what=f"shard {key}")
             except CapacityExceeded:
                 with self._lock:
-                    held = [(e.key, e.state) for e in self._entries.values() if e.key.job_id == key.job_id]
+                    held = [(e.key, e.state, e.created_unix) for e in self._entries.values() if e.key.job_id == key.job_id]
                     protected = [self._protected[key.job_id]] if key.job_id in self._protected else []
                     victims = pressure_victims(held, key, protected)
                     if not victims:
@@ -322,6 +363,7 @@ class Store:
         if old is not None and old is not entry:
             self._drop(old, reason="replaced by a newer copy of the same shard")
         self._entries[entry.key] = entry
+        self._describe(entry)
         self._lock.notify_all()
 
     def _drop(self, entry: Entry, reason: str) -> None:
@@ -439,6 +481,7 @@ class Store:
                 entry.state = ShardState.UNDER_REPLICATED
                 entry.error = f"{copies} of {self.config.replicas} copies: " + "; ".join(errors)
                 log.warning("shard %s under-replicated: %s", entry.key, entry.error)
+            self._describe(entry)
             self._lock.notify_all()
         self._retention_due.set()
 
@@ -909,9 +952,9 @@ class Store:
             jobs = {k.job_id for k in self._entries}
         for job in sorted(jobs):
             with self._lock:
-                held = [(e.key, e.state) for e in self._entries.values() if e.key.job_id == job]
-            crowded = len({k.step for k, _ in held}) > self.config.keep and retention_victims(held, self.config.keep)
-            if not crowded and len({k.timeline for k, _ in held}) < 2:
+                held = [(e.key, e.state, e.created_unix) for e in self._entries.values() if e.key.job_id == job]
+            crowded = len({k.version for k, _, _ in held}) > self.config.keep and retention_victims(held, self.config.keep)
+            if not crowded and len({k.timeline for k, _, _ in held}) < 2:
                 continue
             # Something would go, or a re-save may have superseded another timeline: learn the cluster's view.
             holdings, _ = self.cluster_holdings(job)
@@ -926,7 +969,7 @@ class Store:
                 for dead_entry in [e for e in self._entries.values() if e.key.job_id == job and e.key.version in dead and e.state.settled]:
                     log.info("dropping %s: a newer timeline re-saved step %d or earlier", dead_entry.key, dead_entry.key.step)
                     self._drop(dead_entry, reason="superseded: the job went back and saved this step again on a newer timeline")
-                held = [(e.key, e.state) for e in self._entries.values() if e.key.job_id == job]
+                held = [(e.key, e.state, e.created_unix) for e in self._entries.values() if e.key.job_id == job]
                 for key in retention_victims(held, self.config.keep, protected):
                     entry = self._entries.get(key)
                     if entry is not None:
@@ -951,7 +994,7 @@ class Store:
             return 0
         listings = self.peers.list_all("", self.config.peer_timeout, hosts=sources)
         wanted: dict[ShardKey, list[str]] = {}
-        newest_steps: dict[str, set[int]] = {}
+        copies: dict[str, list[tuple[ShardKey, float]]] = {}
         for host, resp in listings.items():
             if isinstance(resp, StoreError):
                 continue
@@ -961,11 +1004,11 @@ class Store:
                     continue
                 key = key_from_pb(info.manifest.key)
                 wanted.setdefault(key, []).append(host)
-                newest_steps.setdefault(key.job_id, set()).add(key.step)
-        recent = {job: set(sorted(steps, reverse=True)[: self.config.keep]) for job, steps in newest_steps.items()}
+                copies.setdefault(key.job_id, []).append((key, info.manifest.created_unix))
+        recent = {job: newest_versions(held, self.config.keep) for job, held in copies.items()}  # the abandoned run's steps rank lower
         pulled = 0
-        for key in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank)):
-            if self._stop.is_set() or key.step not in recent[key.job_id]:
+        for key in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank, k.timeline)):
+            if self._stop.is_set() or key.version not in recent[key.job_id]:
                 continue
             with self._lock:
                 if key in self._entries or key in self._receiving or key in self._pulls:

@@ -127,7 +127,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "host_id", "used_bytes", "capacity_bytes", "shards", "replications_in_flight", "repairs_in_flight", "uptime_seconds", "spill_url", "spill")
+    __slots__ = ("serving", "host_id", "used_bytes", "capacity_bytes", "shards", "replications_in_flight", "repairs_in_flight", "uptime_seconds", "spill_url", "spill", "orphans", "adopted_shards")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,8 @@ class HealthResponse(_message.Message):
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SPILL_URL_FIELD_NUMBER: _ClassVar[int]
     SPILL_FIELD_NUMBER: _ClassVar[int]
+    ORPHANS_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_SHARDS_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     host_id: str
     used_bytes: int
@@ -148,7 +150,21 @@ class HealthResponse(_message.Message):
     uptime_seconds: float
     spill_url: str
     spill: _containers.RepeatedCompositeFieldContainer[SpillStatus]
-    def __init__(self, serving: _Optional[bool] = ..., host_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., replications_in_flight: _Optional[int] = ..., repairs_in_flight: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., spill_url: _Optional[str] = ..., spill: _Optional[_Iterable[_Union[SpillStatus, _Mapping]]] = ...) -> None: ...
+    orphans: _containers.RepeatedCompositeFieldContainer[OrphanedSegments]
+    adopted_shards: int
+    def __init__(self, serving: _Optional[bool] = ..., host_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., replications_in_flight: _Optional[int] = ..., repairs_in_flight: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., spill_url: _Optional[str] = ..., spill: _Optional[_Iterable[_Union[SpillStatus, _Mapping]]] = ..., orphans: _Optional[_Iterable[_Union[OrphanedSegments, _Mapping]]] = ..., adopted_shards: _Optional[int] = ...) -> None: ...
+
+class OrphanedSegments(_message.Message):
+    __slots__ = ("path", "host_id", "bytes", "files")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    host_id: str
+    bytes: int
+    files: int
+    def __init__(self, path: _Optional[str] = ..., host_id: _Optional[str] = ..., bytes: _Optional[int] = ..., files: _Optional[int] = ...) -> None: ...
 
 class SpillStatus(_message.Message):
     __slots__ = ("job_id", "last_spilled_step", "last_spill_unix", "consecutive_failures", "last_error", "bytes_written")

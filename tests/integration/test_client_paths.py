@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from memstore.local_cluster import wait_for
+from memstore.v1 import store_pb2 as pb
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
 
@@ -53,7 +53,7 @@ def test_corrupt_local_copy_is_discarded_and_peer_copy_used(make_cluster) -> Non
     try:
         c.save(1, rank_state(0, 1, scale=16)).wait(timeout=30)
         # Flip bytes in h0's RAM copy: the segment file the store maps (test-only access to its shm dir).
-        segs = sorted((Path(cluster.shm_dir) / "h0").glob("seg-*"), key=lambda p: p.stat().st_mtime)
+        segs = sorted(Path(cluster.segment_dir("h0")).glob("seg-*"), key=lambda p: p.stat().st_mtime)
         assert segs
         for seg in segs:
             with open(seg, "r+b") as fh:
@@ -89,18 +89,29 @@ def test_newer_save_does_not_wait_for_older_replication(make_cluster) -> None:
         c.close()
 
 
-def test_stale_segments_of_a_dead_store_are_wiped_by_its_replacement(make_cluster) -> None:
+def test_replacement_adopts_verified_segments_and_discards_corrupt_ones(make_cluster) -> None:
     cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
-    c = CheckpointClient("wipe", 0, 1, store=cluster.address("h0"))
-    c.save(1, rank_state(0, 1)).wait(timeout=30)
+    c = CheckpointClient("adopt", 0, 1, store=cluster.address("h0"))
+    for step in (1, 2):
+        c.save(step, rank_state(0, step, scale=16)).wait(timeout=30)
     c.close()
-    shm = Path(cluster.shm_dir) / "h0"
-    before = set(shm.glob("seg-*"))
-    assert before
-    cluster.kill("h0")
+    shm = Path(cluster.segment_dir("h0"))
+    cluster.kill("h0", keep_memory=True)  # the store process crashes; the host and its shared memory stay
+    # Corrupt the segment of step 1 behind the dead store's back: its sidecar names the shard it holds.
+    for meta in shm.glob("meta-*"):
+        info = pb.ShardInfo.FromString(meta.read_bytes())
+        if info.manifest.key.step == 1:
+            with open(shm / meta.name.removeprefix("meta-"), "r+b") as fh:
+                fh.seek(100)
+                fh.write(b"\xff" * 64)
     cluster.restart("h0")
-    assert not (before & set(shm.glob("seg-*")))
-    assert os.path.exists(shm / ".lock")
+    health = cluster.health("h0")
+    assert health is not None and health.adopted_shards == 1  # step 2 verified and adopted; step 1 discarded
+    with CheckpointClient("adopt", 0, 1, store=cluster.address("h0")) as c2:
+        assert_same(c2.load(2), rank_state(0, 2, scale=16))
+        assert c2.last_load_source == "h0"  # its own RAM, no network
+        assert_same(c2.load(1), rank_state(0, 1, scale=16))
+        assert c2.last_load_source == "h1"  # the discarded copy came back from the peer, verified
 
 
 def test_zero_copy_restore_is_private_and_stable(make_cluster) -> None:

@@ -13,7 +13,7 @@ from memstore.core.restorable import (
     split_timelines,
     superseded_versions,
 )
-from memstore.core.retention import pressure_victims, retention_victims, superseded_in_flight
+from memstore.core.retention import newest_versions, pressure_victims, retention_victims, superseded_in_flight
 from memstore.core.sizes import format_size, parse_size
 
 pytestmark = pytest.mark.unit
@@ -63,31 +63,31 @@ def k(step: int, rank: int = 0, job: str = "j") -> ShardKey:
 
 class TestRetention:
     def test_keeps_newest_k_settled_steps(self) -> None:
-        held = [(k(s, r), C) for s in (1, 2, 3, 4) for r in (0, 1)]
+        held = [(k(s, r), C, 0.0) for s in (1, 2, 3, 4) for r in (0, 1)]
         assert retention_victims(held, keep=2) == [k(1, 0), k(1, 1), k(2, 0), k(2, 1)]
 
     def test_in_flight_steps_do_not_count_toward_k(self) -> None:
-        held = [(k(1), C), (k(2), C), (k(3), CAP)]
+        held = [(k(1), C, 0.0), (k(2), C, 0.0), (k(3), CAP, 0.0)]
         assert retention_victims(held, keep=2) == []
-        held = [(k(1), C), (k(2), C), (k(3), C), (k(4), CAP)]
+        held = [(k(1), C, 0.0), (k(2), C, 0.0), (k(3), C, 0.0), (k(4), CAP, 0.0)]
         assert retention_victims(held, keep=2) == [k(1)]
 
     def test_step_with_any_unsettled_copy_is_not_settled(self) -> None:
-        held = [(k(1), C), (k(2), C), (k(3, 0), C), (k(3, 1), ShardState.REPLICATING)]
+        held = [(k(1), C, 0.0), (k(2), C, 0.0), (k(3, 0), C, 0.0), (k(3, 1), ShardState.REPLICATING, 0.0)]
         assert retention_victims(held, keep=2) == []
 
     def test_protected_step_survives(self) -> None:
-        held = [(k(s), Rp) for s in (1, 2, 3, 4)]
+        held = [(k(s), Rp, 0.0) for s in (1, 2, 3, 4)]
         assert retention_victims(held, keep=2, protected_steps=[1]) == [k(2)]
 
     def test_superseded_in_flight_same_rank_only(self) -> None:
-        held = [(k(1), C), (k(2), ShardState.REPLICATING), (k(2, rank=1), CAP), (k(3), CAP)]
+        held = [(k(1), C, 0.0), (k(2), ShardState.REPLICATING, 0.0), (k(2, rank=1), CAP, 0.0), (k(3), CAP, 0.0)]
         assert superseded_in_flight(held, k(4)) == [k(2), k(3)]
 
     def test_pressure_never_offers_newest_settled_step(self) -> None:
-        held = [(k(1), C), (k(2), C), (k(3), C), (k(4), ShardState.REPLICATING)]
+        held = [(k(1), C, 0.0), (k(2), C, 0.0), (k(3), C, 0.0), (k(4), ShardState.REPLICATING, 0.0)]
         assert pressure_victims(held, k(5)) == [k(4), k(1), k(2)]
-        assert pressure_victims([(k(1), C)], k(2)) == []
+        assert pressure_victims([(k(1), C, 0.0)], k(2)) == []
         assert pressure_victims(held, k(5), protected_steps=[1]) == [k(4), k(2)]
 
 
@@ -110,7 +110,7 @@ class TestSizes:
 
 
 def test_retention_never_evicts_a_copy_in_flight() -> None:
-    held = [(k(5), ShardState.REPLICATING), (k(8), C), (k(9), C), (k(10), C)]
+    held = [(k(5), ShardState.REPLICATING, 0.0), (k(8), C, 0.0), (k(9), C, 0.0), (k(10), C, 0.0)]
     assert retention_victims(held, keep=2) == [k(8)]
 
 
@@ -161,3 +161,22 @@ class TestTimelines:
     def test_answer_independent_of_order(self) -> None:
         hs = self.old(1) + self.old(2) + self.new(2) + self.new(3, range(3))
         assert latest_restorable(hs, "j") == latest_restorable(list(reversed(hs)), "j")
+
+
+class TestRetentionAcrossTimelines:
+    """After the job went back to an older step, the new run's saves outrank the abandoned run's higher steps."""
+
+    def test_new_timeline_outranks_higher_steps_of_the_abandoned_one(self) -> None:
+        old = [(ShardKey("j", s, 0, "A.0"), C, 100.0 + s) for s in (8, 11, 12)]  # rank 0 has not re-saved yet
+        new = [(ShardKey("j", s, 1, "B.0"), C, 200.0 + s) for s in (9, 10)]  # rank 1 already re-saved 9 and 10
+        victims = retention_victims(old + new, keep=2, protected_steps=[8])
+        assert victims == [ShardKey("j", 11, 0, "A.0"), ShardKey("j", 12, 0, "A.0")]  # never the new run's 9 and 10
+
+    def test_pressure_offers_abandoned_steps_first(self) -> None:
+        old = [(ShardKey("j", s, 0, "A.0"), C, 100.0 + s) for s in (11, 12)]
+        new = [(ShardKey("j", 9, 0, "B.0"), C, 209.0)]
+        assert pressure_victims(old + new, ShardKey("j", 10, 0, "B.0")) == [ShardKey("j", 11, 0, "A.0"), ShardKey("j", 12, 0, "A.0")]
+
+    def test_repair_wants_the_newest_versions(self) -> None:
+        copies = [(ShardKey("j", s, 0, "A.0"), 100.0 + s) for s in (11, 12)] + [(ShardKey("j", 9, 0, "B.0"), 209.0)]
+        assert newest_versions(copies, 2) == {(9, "B.0"), (12, "A.0")}

@@ -1,0 +1,112 @@
+"""Shared memory of real stores is neither lost nor leaked: SIGTERM cleans up, --shm-keep-on-exit keeps,
+a SIGKILLed store's segments are orphans until its restart adopts them, one dir per host id and port."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memstore.local_cluster import LocalCluster, wait_for
+from memstore.server.segments import orphaned_dirs, segment_dir
+from memstore.v1 import store_pb2 as pb
+from memstore.v1 import store_pb2_grpc as pb_grpc
+from memstore.v1.channel import insecure_channel
+from tests.states import assert_same, rank_state
+from trainer_client import CheckpointClient
+
+pytestmark = pytest.mark.integration
+
+
+def store_dir(cluster: LocalCluster, host_id: str) -> Path:
+    """The segment dir the store reports (Hello.shm_dir)."""
+    with insecure_channel(cluster.address(host_id)) as ch:
+        return Path(pb_grpc.StoreStub(ch).Hello(pb.HelloRequest(), timeout=5).shm_dir)
+
+
+def segment_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("seg-*")) if directory.exists() else []
+
+
+def sigterm(cluster: LocalCluster, host_id: str) -> None:
+    proc = cluster.stores[host_id].proc
+    assert proc is not None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, cluster.log_tail(host_id)
+
+
+def save_steps(cluster: LocalCluster, host_id: str, job: str, steps: range) -> None:
+    with CheckpointClient(job, 0, 1, store=cluster.address(host_id)) as c:
+        for step in steps:
+            c.save(step, rank_state(0, step, scale=32)).wait(timeout=30)
+
+
+def test_sigterm_leaves_no_segment_file_behind(make_cluster) -> None:
+    cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB")
+    dirs = {h: store_dir(cluster, h) for h in ("h0", "h1")}
+    save_steps(cluster, "h0", "term", range(1, 4))
+    assert all(segment_files(d) for d in dirs.values())  # owner and replica hold segments
+    for h in ("h0", "h1"):
+        sigterm(cluster, h)
+        assert segment_files(dirs[h]) == [] and not dirs[h].exists(), sorted(dirs[h].iterdir())
+    assert orphaned_dirs(cluster.shm_dir) == []
+
+
+def test_shm_keep_on_exit_keeps_segments_and_they_show_as_orphans(make_cluster) -> None:
+    cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB", extra_args=["--shm-keep-on-exit"])
+    d = store_dir(cluster, "h0")
+    save_steps(cluster, "h0", "keep", range(1, 3))
+    sigterm(cluster, "h0")
+    kept = segment_files(d)
+    assert len(kept) >= 2, cluster.log_tail("h0")  # both steps' shards stay on the tmpfs
+    # No store owns them now: h1 reports them, and `memstore status` says how to reclaim them.
+    health = cluster.health("h1")
+    assert health is not None
+    (orphan,) = health.orphans
+    assert (orphan.path, orphan.host_id, orphan.files) == (str(d), "h0", len(kept))
+    assert orphan.bytes >= sum(p.stat().st_size for p in kept)
+    status = subprocess.run(
+        [sys.executable, "-m", "memstore", "status", "--store", cluster.address("h1"), "--json"], capture_output=True, text=True, timeout=30
+    )
+    rows = {r["host"]: r for r in json.loads(status.stdout)["hosts"]}
+    assert [o["path"] for o in rows["h1"]["orphans"]] == [str(d)]
+    text = subprocess.run(
+        [sys.executable, "-m", "memstore", "status", "--store", cluster.address("h1")], capture_output=True, text=True, timeout=30
+    ).stdout
+    assert str(d) in text and f"memstore reclaim-shm --shm-dir {d.parent}" in text
+    # Its replacement owns the dir again.
+    cluster.restart("h0")
+    wait_for(lambda: (h := cluster.health("h1")) is not None and not h.orphans, timeout=10, what="orphan list to clear")
+
+
+def test_two_clusters_with_the_same_host_ids_share_an_shm_dir(make_cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    shared = str(tmp_path / "shm")
+    a = make_cluster(hosts=1, replicas=1, capacity="16MiB", extra_args=["--shm-dir", shared])
+    b = make_cluster(hosts=1, replicas=1, capacity="16MiB", extra_args=["--shm-dir", shared])
+    da, db = store_dir(a, "h0"), store_dir(b, "h0")
+    assert str(da) == segment_dir(shared, "h0", a.address("h0"))
+    assert str(db) == segment_dir(shared, "h0", b.address("h0"))
+    assert da != db
+
+
+def test_sigkilled_store_adopts_its_segments(make_cluster) -> None:
+    cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB")
+    d = store_dir(cluster, "h0")
+    save_steps(cluster, "h0", "adopt", range(1, 3))
+    cluster.kill("h0", keep_memory=True)
+    assert len(list(d.glob("meta-seg-*"))) >= 2  # the shards' segments, described (sidecars)
+    health = cluster.health("h1")
+    assert health is not None and [o.path for o in health.orphans] == [str(d)]
+    cluster.restart("h0")
+    health = cluster.health("h0")
+    assert health is not None and health.adopted_shards == 2 and health.shards == 2
+    with CheckpointClient("adopt", 0, 1, store=cluster.address("h0")) as c:
+        for step in (2, 1):
+            assert_same(c.load(step), rank_state(0, step, scale=32))
+            assert c.last_load_source == "h0"  # served from its own (adopted) RAM, not pulled from h1
+    health = cluster.health("h1")
+    assert health is not None and not health.orphans

@@ -100,7 +100,7 @@ def _boot_id() -> str:
 RUN_ID_ENV = "MEMSTORE_RUN_ID"
 _MAX_RUN_ID = 100  # leaves room for ".<epoch>" within the 128 characters of a timeline
 _PROCESS_RUN_ID = f"p{time.time_ns():x}-{secrets.token_hex(4)}"  # shared by the clients of this process...
-_CLIENTS_MADE: collections.Counter[tuple[str, int]] = collections.Counter()  # ...of one generation: n-th client of (job, rank)
+_FALLBACK_SAVERS: collections.Counter[tuple[str, int]] = collections.Counter()  # ...of one generation: n-th saving client of (job, rank)
 
 
 def new_run_id() -> str:
@@ -225,10 +225,6 @@ class CheckpointClient:
         if run_id is not None and _run_id_problem(run_id):
             raise InvalidArgumentError(f"{_run_id_problem(run_id)} (from {'run_id=' if run_id is not None else RUN_ID_ENV})")
         self.run_id = run_id
-        # Without a run id, the n-th client of (job, rank) made in this process joins the n-th clients of the
-        # other ranks: all ranks in one process agree, and a client made again (a restart) never reuses a timeline.
-        self._generation = _CLIENTS_MADE[(job_id, rank)]
-        _CLIENTS_MADE[(job_id, rank)] += 1
         self._epoch = 0
         self._last_saved_step: int | None = None
         if spill_compression is not None and spill_compression not in SPILL_CODECS:
@@ -284,10 +280,20 @@ class CheckpointClient:
         """The timeline the next save of a newer step goes to (``<run id>.<epoch>``); "" before the first save."""
         return f"{self.run_id}.{self._epoch}" if self.run_id else ""
 
+    def _fallback_run_id(self) -> str:
+        """The n-th client of (job, rank) that saves in this process joins the n-th ones of the other ranks.
+
+        All ranks living in one process agree, and a client made again for a rank (a restart) never reuses
+        a timeline. Clients that only read, or have a run id, are not counted.
+        """
+        generation = _FALLBACK_SAVERS[(self.job_id, self.rank)]
+        _FALLBACK_SAVERS[(self.job_id, self.rank)] += 1
+        return f"{_PROCESS_RUN_ID}-{generation}"
+
     def _timeline_for(self, step: int) -> str:
         """This save's timeline: a step at or below one saved before starts a new epoch (a rollback)."""
         if self.run_id is None:
-            self.run_id = _broadcast_run_id(self.world_size, self.rank) or f"{_PROCESS_RUN_ID}-{self._generation}"
+            self.run_id = _broadcast_run_id(self.world_size, self.rank) or self._fallback_run_id()
         if self._last_saved_step is not None and step <= self._last_saved_step:
             self._epoch += 1
         self._last_saved_step = step

@@ -46,6 +46,13 @@ class AlreadyExists(StoreError):
     status = "ALREADY_EXISTS"
 
 
+class AlreadySaved(AlreadyExists):
+    """A client saved a shard this store already holds under the same (job, step, rank, timeline).
+
+    A re-save of a step must go to a new timeline, or the two saves could mix; the store refuses it.
+    """
+
+
 class ChecksumMismatch(StoreError):
     """Bytes did not match the checksum computed at capture; the copy was discarded."""
 

@@ -39,6 +39,7 @@ from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
 from memstore.v1.streams import StreamError, manifest_problem, put_requests, receive_chunks
 from trainer_client import serialization
 from trainer_client.errors import (
+    AlreadySavedError,
     CapacityExceededError,
     CorruptShardError,
     InvalidArgumentError,
@@ -68,6 +69,8 @@ def _raise_typed(err: grpc.RpcError, what: str) -> None:
         raise NotFoundError(message) from None
     if code == grpc.StatusCode.DATA_LOSS:
         raise CorruptShardError(message) from None
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        raise AlreadySavedError(message) from None
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         raise StoreUnavailableError(message) from None
     raise MemstoreClientError(f"{message} ({code.name})") from None
@@ -99,8 +102,7 @@ def _boot_id() -> str:
 
 RUN_ID_ENV = "MEMSTORE_RUN_ID"
 _MAX_RUN_ID = 100  # leaves room for ".<epoch>" within the 128 characters of a timeline
-_PROCESS_RUN_ID = f"p{time.time_ns():x}-{secrets.token_hex(4)}"  # shared by the clients of this process...
-_FALLBACK_SAVERS: collections.Counter[tuple[str, int]] = collections.Counter()  # ...of one generation: n-th saving client of (job, rank)
+_PROCESS_RUN_ID = f"p{time.time_ns():x}-{secrets.token_hex(4)}"  # shared by every client of this process
 
 
 def new_run_id() -> str:
@@ -202,6 +204,8 @@ class CheckpointClient:
             every rank saves at the same point anyway), else one per process (enough when all ranks
             live in one process, or world_size is 1). Ranks in separate processes with no process group
             must pass it: otherwise their shards never form a restorable step, and ``load()`` says so.
+            A job restarted inside the same process (tests, notebooks) must pass a new one: saving a
+            step again under a timeline that already holds it raises ``AlreadySavedError``.
     """
 
     def __init__(
@@ -280,20 +284,10 @@ class CheckpointClient:
         """The timeline the next save of a newer step goes to (``<run id>.<epoch>``); "" before the first save."""
         return f"{self.run_id}.{self._epoch}" if self.run_id else ""
 
-    def _fallback_run_id(self) -> str:
-        """The n-th client of (job, rank) that saves in this process joins the n-th ones of the other ranks.
-
-        All ranks living in one process agree, and a client made again for a rank (a restart) never reuses
-        a timeline. Clients that only read, or have a run id, are not counted.
-        """
-        generation = _FALLBACK_SAVERS[(self.job_id, self.rank)]
-        _FALLBACK_SAVERS[(self.job_id, self.rank)] += 1
-        return f"{_PROCESS_RUN_ID}-{generation}"
-
     def _timeline_for(self, step: int) -> str:
         """This save's timeline: a step at or below one saved before starts a new epoch (a rollback)."""
         if self.run_id is None:
-            self.run_id = _broadcast_run_id(self.world_size, self.rank) or self._fallback_run_id()
+            self.run_id = _broadcast_run_id(self.world_size, self.rank) or _PROCESS_RUN_ID
         if self._last_saved_step is not None and step <= self._last_saved_step:
             self._epoch += 1
         self._last_saved_step = step

@@ -50,6 +50,10 @@ class ReplicationError(MemstoreClientError):
     """A shard did not reach its replication factor; the message says which peer failed and why."""
 
 
+class AlreadySavedError(InvalidArgumentError):
+    """The store already holds this rank's shard of this step on this timeline: a re-save needs a new timeline."""
+
+
 class NotFoundError(MemstoreClientError, LookupError):
     """The requested job, step or shard does not exist anywhere it was looked for."""
 

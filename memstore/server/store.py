@@ -35,6 +35,7 @@ from memstore.core.restorable import latest_restorable, sources_for, split_timel
 from memstore.core.retention import newest_versions, pressure_victims, retention_victims
 from memstore.core.spill_policy import RetentionPolicy
 from memstore.errors import (
+    AlreadySaved,
     CapacityExceeded,
     ChecksumMismatch,
     ConfigError,
@@ -313,6 +314,8 @@ class Store:
             raise InvalidArgument(f"nbytes {nbytes} is invalid: expected > 0")
         if self.pool.directory is None:
             raise InvalidArgument(f"store {self.host_id} has no shared-memory dir (--shm-dir ''); send the shard with Put")
+        with self._lock:
+            self._refuse_resave(key)
         segment = self._acquire(key, nbytes)
         entry = Entry(key, world_size, nbytes, segment, self.host_id, ShardState.CAPTURED)
         lease_id = secrets.token_hex(16)
@@ -327,6 +330,11 @@ class Store:
             if lease is None:
                 raise LeaseError(f"allocation lease {lease_id!r} is unknown or expired; allocate again")
             entry = lease.entry
+            try:
+                self._refuse_resave(entry.key)
+            except AlreadySaved:
+                self.pool.release(entry.segment)
+                raise
             entry.metrics = dict(metrics)
             entry.format_version = format_version
             entry.spill_codec = spill_codec
@@ -351,6 +359,19 @@ class Store:
                     victim = self._entries[victims[0]]
                     log.warning("memory pressure: dropping %s (%s) to fit %s", victim.key, victim.state.value, key)
                     self._drop(victim, reason=f"dropped under memory pressure for step {key.step}")
+
+    def _refuse_resave(self, key: ShardKey) -> None:
+        """A client capture of a shard already held on the same timeline (caller holds the lock): refused.
+
+        Two captures of one (job, step, rank, timeline) would make that step a mix of two saves. Clients
+        move to a new timeline themselves when they save a step again; this catches a reused run id.
+        """
+        held = self._entries.get(key)
+        if held is not None and not held.dropped:
+            raise AlreadySaved(
+                f"shard {key} is already saved on store {self.host_id}: saving a step again needs a new timeline "
+                "(the client starts one when it saves a step at or below one it saved; a restarted job needs a new run id)"
+            )
 
     def _register(self, entry: Entry) -> None:
         """Put ``entry`` in the catalog (caller holds the lock), replacing an older copy of the same shard.
@@ -520,6 +541,9 @@ class Store:
         if header.origin == pb.PUT_ORIGIN_UNSPECIFIED:
             raise InvalidArgument("PutHeader.origin is unspecified: expected CLIENT, REPLICA or REPAIR")
         key = key_from_pb(m.key)
+        if header.origin == pb.PUT_ORIGIN_CLIENT:
+            with self._lock:
+                self._refuse_resave(key)
         segment = self._acquire(key, max(1, m.nbytes))
         with self._lock:
             self._receiving.add(key)

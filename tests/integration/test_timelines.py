@@ -31,9 +31,10 @@ def value(loaded: dict[str, torch.Tensor]) -> float:
     return float(loaded["w"][0])
 
 
-def clients(cluster: LocalCluster) -> list[CheckpointClient]:
-    """One client per rank, rank r on host h<r> (a fresh start of the job)."""
-    return [CheckpointClient(JOB, r, WORLD, store=cluster.address(f"h{r}"), timeout=30) for r in range(WORLD)]
+def clients(cluster: LocalCluster, run_id: str | None = None) -> list[CheckpointClient]:
+    """One client per rank, rank r on host h<r>. A start of the job in this process: a restart passes a new run id,
+    as a restarted multi-process job gets one from its process group."""
+    return [CheckpointClient(JOB, r, WORLD, store=cluster.address(f"h{r}"), timeout=30, run_id=run_id) for r in range(WORLD)]
 
 
 def save_all(cs: list[CheckpointClient], step: int, salt: int = 0, ranks: range = range(WORLD)) -> None:
@@ -60,7 +61,7 @@ def test_partial_resave_after_rollback_never_mixes(make_cluster) -> None:  # typ
     for c in cs:
         c.close()
 
-    restarted = clients(cluster)
+    restarted = clients(cluster, run_id="restart-1")
     assert restarted[0].latest_step() == 3
     point = restarted[0].restore_point()
     assert point is not None and point.step == 3
@@ -100,7 +101,7 @@ def test_group_loss_resume_from_older_step_resave_and_wait(make_cluster, tmp_pat
     cluster.restart("h0")
     cluster.restart("h1")
 
-    restarted = clients(cluster)
+    restarted = clients(cluster, run_id="restart-1")
     assert restarted[0].latest_step() == 4  # step 4 from the durable tier (and h2/h3's RAM)
     assert [value(c.load()) for c in restarted] == [40 + r for r in range(WORLD)]
     for step in (5, 6):
@@ -159,7 +160,7 @@ def test_resaves_after_a_group_loss_outrank_the_abandoned_higher_steps(make_clus
     cluster.restart("h2")
     cluster.restart("h3")
 
-    restarted = clients(cluster)
+    restarted = clients(cluster, run_id="restart-1")
     assert restarted[0].latest_step() == 8
     assert [value(c.load(8)) for c in restarted] == [80 + r for r in range(WORLD)]
     for step in (9, 10):

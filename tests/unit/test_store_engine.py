@@ -8,7 +8,7 @@ import pytest
 
 from memstore.config import StoreConfig
 from memstore.core.model import ShardKey, ShardState
-from memstore.errors import CapacityExceeded, InvalidArgument, LeaseError, ShardNotFound, UnknownJob
+from memstore.errors import AlreadySaved, CapacityExceeded, InvalidArgument, LeaseError, ShardNotFound, UnknownJob
 from memstore.local_cluster import wait_for
 from memstore.server.store import Store
 
@@ -120,13 +120,21 @@ def test_segments_are_recycled(store: Store) -> None:
     assert {p.rsplit("/", 1)[1] for p in paths if p} <= files
 
 
-def test_overwrite_same_key_replaces(store: Store) -> None:
-    save(store, 1, fill=1)
-    key = save(store, 1, fill=2)
-    for _, view in store.read(key):
+def test_resave_of_the_same_shard_on_the_same_timeline_is_refused(store: Store) -> None:
+    key = save(store, 1, fill=1, timeline="A.0")
+    with pytest.raises(AlreadySaved, match="new timeline"):
+        store.allocate(key, 1, MiB)
+    lease, _ = store.allocate(ShardKey("job", 2, 0, "A.0"), 1, MiB)
+    other, _ = store.allocate(ShardKey("job", 2, 0, "A.0"), 1, MiB)  # two captures racing: the second commit loses
+    store.commit(lease, {}, 1)
+    with pytest.raises(AlreadySaved):
+        store.commit(other, {}, 1)
+    new = save(store, 1, fill=2, timeline="A.1")  # a re-save on a new timeline is fine; both versions are held
+    for _, view in store.read(new):
         assert view[0] == 2
-    assert len(store.list_shards("job").shards) == 1
-    assert store._entries[key].state is ShardState.COMMITTED
+    for _, view in store.read(key):
+        assert view[0] == 1
+    assert store._entries[new].state is ShardState.COMMITTED
 
 
 def versions_held(store: Store) -> list[tuple[int, str]]:

@@ -3,8 +3,9 @@
 The job (the demo's tiny transformer LM, W ranks over N hosts, one store per host, R=2, a durable
 tier on a local directory) runs once without faults as the reference. Then it runs again while a
 seeded schedule SIGKILLs, at random steps, either a store (its host's RAM is gone; a replacement
-starts empty), a trainer rank (the job restarts), or both stores of a group at once (RAM copies
-of that group are gone: recovery must come from the durable tier). After every fault the job is
+starts empty), a store process alone ("crash": the host and its shared memory survive; the restart
+adopts its verified segments), a trainer rank (the job restarts), or both stores of a group at once
+(RAM copies of that group are gone: recovery must come from the durable tier). After every fault the job is
 restarted the way a scheduler would: every rank restores ``latest_step()`` and trains on.
 
 At the end the loss curve and the final weights of every rank must equal the reference bit for
@@ -40,11 +41,11 @@ class ChaosReport:
 
 
 def _schedule(rng: random.Random, steps: int, faults: int, hosts: int) -> list[tuple[int, str, list[str]]]:
-    """(after step, kind, hosts) for each fault, sorted by step; kinds: store, trainer, group."""
+    """(after step, kind, hosts) for each fault, sorted by step; kinds: store, crash, trainer, group."""
     points = sorted(rng.sample(range(2, steps - 1), k=min(faults, steps - 3)))
     plan = []
     for step in points:
-        kind = rng.choice(["store", "store", "trainer", "group"] if hosts >= 2 else ["trainer"])
+        kind = rng.choice(["store", "store", "crash", "trainer", "group"] if hosts >= 2 else ["trainer"])
         if kind == "group":
             g = rng.randrange(hosts // 2)
             victims = [f"h{2 * g}", f"h{2 * g + 1}"]
@@ -89,13 +90,13 @@ def run_chaos(seed: int = 0, hosts: int = 4, ranks: int | None = None, steps: in
                     if job.last_step() >= steps:
                         break
                     report.faults.append({"after_step": job.last_step(), "kind": kind, "hosts": victims})
-                    if kind in ("store", "group"):
+                    if kind in ("store", "group", "crash"):
                         for h in victims:
-                            cluster.kill(h)
+                            cluster.kill(h, keep_memory=kind == "crash")
                     job.kill([r for r in range(ranks) if host_of[r] in victims] if kind == "trainer" else None)
                     job.kill()  # a lost rank stops the DDP job: the scheduler restarts all ranks
                     for h in victims:
-                        if kind in ("store", "group"):
+                        if kind in ("store", "group", "crash"):
                             cluster.restart(h)
                     job = _Job(work, f"run{index + 1}", ranks, steps, model_size, stores, resume=True)
                     runs.append(job)

@@ -136,8 +136,8 @@ def read_from_store(address: str, job_id: str, step: int | None, timeout: float)
         try:
             latest = stub.LatestStep(pb.LatestStepRequest(job_id=job_id, step=step), timeout=timeout)
             if not latest.found:
-                what = "no complete step" if step is None else f"no complete save of step {step}"
-                raise ExportFailed(f"job {job_id!r} has {what} on {where}{': ' + latest.note if latest.note else ''}")
+                what = f"job {job_id!r} has no complete step" if step is None else f"step {step} of job {job_id!r} is not complete"
+                raise ExportFailed(f"{what} on {where}{': ' + latest.note if latest.note else ''}")
             step, world, timeline = int(latest.step), int(latest.world_size), latest.timeline
         except grpc.RpcError as err:
             code, detail = err.code(), err.details() or ""

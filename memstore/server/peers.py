@@ -71,13 +71,24 @@ class Peer:
         self.host_id = host_id
         self.address = address
         self._channel = insecure_channel(address)
+        self._retired: list[grpc.Channel] = []
+        self._lock = threading.Lock()
         self.stub = pb_grpc.StoreStub(self._channel)
         self._suspect_until = 0.0
 
     def _call(self, fn: Callable[[], T]) -> T:
-        budget = 0.0 if time.monotonic() < self._suspect_until else RETRY_BUDGET_SECONDS
+        """Run ``fn`` (which uses ``self.stub``) with the peer's retry policy."""
+        suspect = time.monotonic() < self._suspect_until
         try:
-            result = _retrying(fn, budget)
+            try:
+                result = _retrying(fn, 0.0 if suspect else RETRY_BUDGET_SECONDS)
+            except grpc.RpcError as err:
+                if not (suspect and err.code() == grpc.StatusCode.UNAVAILABLE):
+                    raise
+                # The old channel may still be backing off from the peer's death although a replacement is up:
+                # a fresh channel connects at once. A peer that is really gone costs one more refused connection.
+                self._fresh_channel()
+                result = fn()
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 self._suspect_until = time.monotonic() + self.SUSPECT_SECONDS
@@ -85,8 +96,18 @@ class Peer:
         self._suspect_until = 0.0
         return result
 
+    def _fresh_channel(self) -> None:
+        with self._lock:
+            # Calls in flight on the old channel finish on it; it is closed with the peer.
+            self._retired.append(self._channel)
+            self._channel = insecure_channel(self.address)
+            self.stub = pb_grpc.StoreStub(self._channel)
+            while len(self._retired) > 4:
+                self._retired.pop(0).close()
+
     def close(self) -> None:
-        self._channel.close()
+        for channel in [*self._retired, self._channel]:
+            channel.close()
 
     def hello(self, timeout: float) -> pb.HelloResponse:
         try:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memstore.demo import DemoFailure, _Job, _progress_until
+from memstore.demo import _Job, _progress_until
+from memstore.errors import DemoFailure
 from memstore.local_cluster import LocalCluster
 
 

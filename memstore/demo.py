@@ -25,11 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memstore.errors import DemoFailure
 from memstore.local_cluster import LocalCluster, die_with_parent, free_ports
-
-
-class DemoFailure(Exception):
-    pass
 
 
 def _say(msg: str) -> None:

@@ -1,8 +1,9 @@
-"""Typed errors of the store server and the one table mapping them to gRPC status codes.
+"""Every error of the ``memstore`` package, and its one table between errors and gRPC status codes.
 
-The core raises these; it imports no gRPC, so each class names its status as a string
-(``status``) and the servicer turns it into a ``grpc.StatusCode``. Anything else becomes INTERNAL and
-is logged with its traceback.
+The core raises these; it imports no gRPC, so each class names its status as a string (``status``):
+the servicer answers with it (anything else becomes INTERNAL, logged with its traceback), and
+:func:`from_status` turns a peer's status (a gRPC call to another store, or the data channel's status
+byte) back into the same types. Kinds are types: callers catch classes, never match messages.
 Messages say what was expected, what was found and what to do.
 """
 
@@ -98,3 +99,125 @@ class IdentityMismatch(StoreError):
     """A peer answered with a different host id or cluster layout than this store expects."""
 
     status = "FAILED_PRECONDITION"
+
+
+class Unimplemented(StoreError):
+    status = "UNIMPLEMENTED"
+
+
+# -- wire streams and the bulk data channel ----------------------------------------------------
+
+
+class StreamError(InvalidArgument):
+    """A chunk stream broke the wire contract: wrong chunk size, too many or too few chunks."""
+
+
+class OversizedChunk(StreamError):
+    """A chunk is larger than the manifest's chunk size."""
+
+
+class StreamChecksumError(StreamError, ChecksumMismatch):
+    """A chunk did not match the checksum its manifest carries; nothing was stored."""
+
+    status = "DATA_LOSS"
+
+
+class DataChannelError(PeerUnavailable):
+    """The bulk data connection broke, timed out, or the peer refused the bytes."""
+
+
+class DataChannelUnsupported(Unimplemented):
+    """The peer has no bulk data channel; use the gRPC stream instead."""
+
+
+# -- durable tier ------------------------------------------------------------------------------
+
+
+class SpillStorageError(StoreError):
+    """Durable storage failed. The subclass says how; ``kind`` is its short name for status output."""
+
+    status = "UNAVAILABLE"
+    kind = "other"
+
+
+class SpillPermissionDenied(SpillStorageError):
+    status = "PERMISSION_DENIED"
+    kind = "permission"
+
+
+class SpillStorageFull(SpillStorageError):
+    status = "RESOURCE_EXHAUSTED"
+    kind = "full"
+
+
+class SpillUnreachable(SpillStorageError):
+    kind = "unavailable"
+
+
+class SpillCorrupt(SpillStorageError, ChecksumMismatch):
+    """A spilled shard failed its capture checksums (or is truncated)."""
+
+    status = "DATA_LOSS"
+    kind = "corrupt"
+
+
+class LayoutError(InvalidArgument, ValueError):
+    """A durable-storage name or manifest does not match the layout."""
+
+
+class CodecError(InvalidArgument, ValueError):
+    """A spilled chunk cannot be decoded with its codec."""
+
+
+class SpillExportError(StoreError):
+    """A spilled DCP step cannot be exported to plain DCP files (memstore.spill.dcp_export)."""
+
+
+# -- fault injection and tools -------------------------------------------------------------------
+
+
+class FaultInjected(StoreError):
+    """Raised by the ``error`` action of a fault point (MEMSTORE_FAULTS)."""
+
+    status = "UNAVAILABLE"
+
+
+class FaultConfigError(ConfigError):
+    """MEMSTORE_FAULTS names an unknown point or action."""
+
+
+class ExportFailed(StoreError):
+    """``memstore export`` cannot produce the file; the message says why."""
+
+
+class DemoFailure(StoreError):
+    """The demo (or the chaos run) ended without a bit-identical result or within its deadline."""
+
+
+class StaleLock(StoreError):
+    """A shared-memory directory's lock file was replaced while being taken; take it again."""
+
+
+# -- the status table ------------------------------------------------------------------------------
+
+_BY_STATUS: dict[str, type[StoreError]] = {
+    "INVALID_ARGUMENT": InvalidArgument,
+    "NOT_FOUND": NotFound,
+    "ALREADY_EXISTS": AlreadyExists,
+    "DATA_LOSS": ChecksumMismatch,
+    "RESOURCE_EXHAUSTED": CapacityExceeded,
+    "UNAVAILABLE": PeerUnavailable,
+    "DEADLINE_EXCEEDED": PeerUnavailable,
+    "CANCELLED": PeerUnavailable,
+    "ABORTED": Superseded,
+    "FAILED_PRECONDITION": IdentityMismatch,
+    "UNIMPLEMENTED": Unimplemented,
+}
+
+
+def from_status(status: str, message: str, *, needed: int = 0, used: int = 0, capacity: int = 0) -> StoreError:
+    """The typed error for a status a peer answered with (gRPC code name or the data channel's status word)."""
+    cls = _BY_STATUS.get(status, StoreError)
+    if cls is CapacityExceeded:
+        return CapacityExceeded(message, needed=needed, used=used, capacity=capacity)
+    return cls(message)

@@ -39,11 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from memstore.errors import ExportFailed
 from memstore.v1.keys import job_id_problem
-
-
-class ExportFailed(Exception):
-    """A user-facing error: printed as ``memstore export: error: <message>``, exit status 2."""
 
 
 @dataclass
@@ -117,57 +114,40 @@ def run(args: argparse.Namespace) -> int:
 
 def read_from_store(address: str, job_id: str, step: int | None, timeout: float) -> Step:
     """Every rank's shard of ``step`` (None: the newest complete step) through the store at ``address``."""
-    import grpc
-
-    from memstore.v1 import store_pb2 as pb
-    from memstore.v1 import store_pb2_grpc as pb_grpc
-    from memstore.v1.channel import insecure_channel
     from trainer_client import CheckpointClient
-    from trainer_client.errors import MemstoreClientError, NotFoundError
+    from trainer_client.errors import MemstoreClientError, NotFoundError, StoreUnavailableError
 
     where = f"the cluster of store {address}"
-    channel = insecure_channel(address)
     try:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            raise ExportFailed(f"store {address} is unreachable (no answer within {timeout:g}s); is `memstore serve` running?") from None
-        stub = pb_grpc.StoreStub(channel)
-        try:
-            latest = stub.LatestStep(pb.LatestStepRequest(job_id=job_id, step=step), timeout=timeout)
-            if not latest.found:
+        with CheckpointClient(job_id, 0, 1, store=address, timeout=timeout) as probe:
+            point = probe.restore_point(step)
+            if point is None:
                 what = f"job {job_id!r} has no complete step" if step is None else f"step {step} of job {job_id!r} is not complete"
-                raise ExportFailed(f"{what} on {where}{': ' + latest.note if latest.note else ''}")
-            step, world, timeline = int(latest.step), int(latest.world_size), latest.timeline
-        except grpc.RpcError as err:
-            code, detail = err.code(), err.details() or ""
-            if code == grpc.StatusCode.NOT_FOUND:
-                what = f"job {job_id!r}" if step is None else f"step {step} of job {job_id!r}"
-                raise ExportFailed(f"{what} not found on {where}: {detail}") from None
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise ExportFailed(f"store {address} is unreachable: {code.name}: {detail}") from None
-            raise ExportFailed(f"store {address} refused to find step {step} of job {job_id!r}: {code.name}: {detail}") from None
-    finally:
-        channel.close()
-    shards: list[Any] = []
-    try:
-        with CheckpointClient(job_id, 0, world, store=address, timeout=timeout) as client:
-            for rank in range(world):
+                note = f": {probe.last_restore_note}" if probe.last_restore_note else ""
+                raise ExportFailed(f"{what} on {where}{note}")
+        shards: list[Any] = []
+        with CheckpointClient(job_id, 0, point.world_size, store=address, timeout=timeout) as client:
+            for rank in range(point.world_size):
                 try:
                     # zero_copy=False: tensors own their memory, so torch.save writes just them
-                    shards.append(client.load(step, rank=rank, zero_copy=False, timeline=timeline))
+                    shards.append(client.load(point.step, rank=rank, zero_copy=False, timeline=point.timeline))
                 except NotFoundError as exc:
-                    raise ExportFailed(f"step {step} of job {job_id!r} is incomplete on {where}: rank {rank} of {world}: {exc}") from None
+                    raise ExportFailed(
+                        f"step {point.step} of job {job_id!r} is incomplete on {where}: rank {rank} of {point.world_size}: {exc}"
+                    ) from None
+    except StoreUnavailableError as exc:
+        raise ExportFailed(f"store {address} is unreachable: {exc}") from None
     except MemstoreClientError as exc:
-        raise ExportFailed(f"reading step {step} of job {job_id!r} from {where} failed: {exc}") from None
-    return Step(job_id, step, world, shards, f"store {address}")
+        raise ExportFailed(f"reading job {job_id!r} from {where} failed: {exc}") from None
+    return Step(job_id, point.step, point.world_size, shards, f"store {address}")
 
 
 def read_from_durable(url: str, options: str, job_id: str, step: int | None) -> Step:
     """Every rank's shard of ``step`` (None: the newest complete step) from durable storage at ``url``."""
+    from memstore.errors import LayoutError, SpillStorageError
     from memstore.spill import layout
     from memstore.spill.reader import read_manifest, read_shard
-    from memstore.spill.storage import Durable, SpillStorageError, parse_options
+    from memstore.spill.storage import Durable, parse_options
     from trainer_client import serialization
     from trainer_client.errors import CorruptShardError
 
@@ -202,7 +182,7 @@ def read_from_durable(url: str, options: str, job_id: str, step: int | None) -> 
             raw = read_shard(durable, read_manifest(durable, job_id, step, rank))
             shards.append(serialization.decode(raw))  # copies out: the buffer is dropped right after
             del raw
-    except (SpillStorageError, layout.LayoutError, CorruptShardError) as exc:
+    except (SpillStorageError, LayoutError, CorruptShardError) as exc:
         raise ExportFailed(f"reading job {job_id!r} from {url} failed: {exc}") from None
     return Step(job_id, step, world, shards, url)
 
@@ -214,11 +194,12 @@ def read_from_durable(url: str, options: str, job_id: str, step: int | None) -> 
 
 def build_output(found: Step) -> tuple[Any, str]:
     """(object to torch.save, kind): the state for one rank, {rank: state} for several, the full state for DCP."""
-    from memstore.spill.dcp_export import ExportError, check_dcp_shard
+    from memstore.errors import SpillExportError
+    from memstore.spill.dcp_export import check_dcp_shard
 
     try:
         dcp = [check_dcp_shard(shard, found.job_id, found.step, rank) for rank, shard in enumerate(found.shards)]
-    except ExportError as exc:
+    except SpillExportError as exc:
         raise ExportFailed(str(exc)) from None
     if any(d is not None for d in dcp):
         if not all(d is not None for d in dcp):

@@ -18,6 +18,8 @@ import signal
 import threading
 import time
 
+from memstore.errors import FaultConfigError, FaultInjected
+
 POINTS = {
     "commit.before_ack": "the store owns the shard's bytes but has not answered Commit",
     "replicate.before_send": "the owner is about to push a shard to a peer",
@@ -31,14 +33,6 @@ POINTS = {
     "spill.before_manifest": "the spiller wrote a shard but not its manifest",
 }
 ACTIONS = ("kill", "stall", "error", "exit")
-
-
-class FaultInjected(Exception):
-    """Raised by the ``error`` action."""
-
-
-class FaultConfigError(ValueError):
-    pass
 
 
 def parse(spec: str) -> dict[str, tuple[int, str, float]]:

@@ -31,23 +31,23 @@ from typing import Any, TypeVar
 
 import grpc
 
+from memstore.errors import StreamError
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
-from memstore.v1.channel import capacity_numbers, insecure_channel
+from memstore.v1.channel import insecure_channel
 from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
-from memstore.v1.streams import StreamError, manifest_problem, put_requests, receive_chunks
+from memstore.v1.streams import manifest_problem, put_requests, receive_chunks
 from trainer_client import serialization
 from trainer_client.errors import (
-    AlreadySavedError,
     CapacityExceededError,
     CorruptShardError,
     InvalidArgumentError,
-    MemstoreClientError,
     NoCheckpointError,
     NotFoundError,
     ReplicationError,
     StoreUnavailableError,
+    raise_for_rpc,
 )
 
 log = logging.getLogger(__name__)
@@ -55,25 +55,6 @@ T = TypeVar("T")
 
 _VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 _MAPPING_CACHE = 4  # segments kept mapped between saves: the store recycles them, so re-saves skip page faults
-
-
-def _raise_typed(err: grpc.RpcError, what: str) -> None:
-    code = err.code()
-    detail = err.details() or ""
-    message = f"{what}: {detail}" if detail else f"{what}: {code.name}"
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        raise CapacityExceededError(message, **capacity_numbers(err)) from None
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        raise InvalidArgumentError(message) from None
-    if code == grpc.StatusCode.NOT_FOUND:
-        raise NotFoundError(message) from None
-    if code == grpc.StatusCode.DATA_LOSS:
-        raise CorruptShardError(message) from None
-    if code == grpc.StatusCode.ALREADY_EXISTS:
-        raise AlreadySavedError(message) from None
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-        raise StoreUnavailableError(message) from None
-    raise MemstoreClientError(f"{message} ({code.name})") from None
 
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
@@ -256,7 +237,7 @@ class CheckpointClient:
             raise InvalidArgumentError(f"store at {store} shares no memory with this process (different machine or no --shm-dir)")
         self.shared_memory = same_machine if use_shared_memory is None else use_shared_memory
         self.last_load_source = ""
-        self._last_note = ""
+        self.last_restore_note = ""
 
     # -- plumbing -----------------------------------------------------------------------
     def _call(self, fn: Callable[[float], T], what: str, retries: int = 0) -> T:
@@ -269,8 +250,7 @@ class CheckpointClient:
                     attempt += 1
                     time.sleep(min(1.0, 0.1 * 2**attempt))
                     continue
-                _raise_typed(err, what)
-                raise  # unreachable
+                raise_for_rpc(err, what)
 
     def _key(self, step: int, rank: int | None = None, timeline: str = "") -> pb.ShardKey:
         rank = self.rank if rank is None else rank
@@ -380,7 +360,7 @@ class CheckpointClient:
         try:
             self._stub.Put(put_requests(header, memoryview(buf)), timeout=deadline)
         except grpc.RpcError as err:
-            _raise_typed(err, f"put step {key.step}")
+            raise_for_rpc(err, f"put step {key.step}")
 
     def _wait_committed(self, step: int, timeout: float, timeline: str) -> tuple[pb.ShardInfo, bool]:
         key = self._key(step, timeline=timeline)
@@ -415,13 +395,14 @@ class CheckpointClient:
         try:
             resp = self._call(lambda t: self._stub.LatestStep(request, timeout=t), "latest_step", retries=3)
         except NotFoundError as exc:  # the job is unknown to every store
-            self._last_note = str(exc)
+            self.last_restore_note = str(exc)
             return None
         if not resp.found:
             if resp.note:
                 log.warning("job %s has no restorable step: %s", self.job_id, resp.note)
-            self._last_note = resp.note
+            self.last_restore_note = resp.note
             return None
+        self.last_restore_note = ""
         return RestorePoint(int(resp.step), int(resp.world_size), resp.timeline)
 
     def load(self, step: int | None = None, *, rank: int | None = None, zero_copy: bool = True, timeline: str | None = None) -> Any:
@@ -436,7 +417,7 @@ class CheckpointClient:
         if timeline is None or step is None:
             point = self.restore_point(step)
             if point is None:
-                note = f": {self._last_note}" if self._last_note else ""
+                note = f": {self.last_restore_note}" if self.last_restore_note else ""
                 if step is None:
                     raise NoCheckpointError(
                         f"job {self.job_id!r} has no restorable step: no step has a verified copy of one save for all "
@@ -506,7 +487,7 @@ class CheckpointClient:
             buf = bytearray(m.nbytes)
             receive_chunks((msg.chunk for msg in call), m, memoryview(buf))
         except grpc.RpcError as err:
-            _raise_typed(err, f"read step {key.step}")
+            raise_for_rpc(err, f"read step {key.step}")
         except StreamError as exc:
             raise CorruptShardError(str(exc)) from None
         return serialization.decode(memoryview(buf))

@@ -1,9 +1,17 @@
-"""Typed errors raised by the trainer client.
+"""Every error of the ``trainer_client`` package, and its one table from a store's gRPC status to them.
 
-Every error says what was expected, what was found and, where it helps, what to do.
+Every error says what was expected, what was found and, where it helps, what to do. Everything that
+talks to a store from the client side (``CheckpointClient``, the DCP reader/writer, ``memstore export``,
+the CLI) turns a failed call into one of these with :func:`raise_for_rpc`.
 """
 
 from __future__ import annotations
+
+from typing import NoReturn
+
+import grpc
+
+from memstore.v1.channel import capacity_numbers
 
 
 class MemstoreClientError(Exception):
@@ -60,3 +68,30 @@ class NotFoundError(MemstoreClientError, LookupError):
 
 class NoCheckpointError(NotFoundError):
     """Nothing restorable exists for the job (no step has a verified copy for every rank)."""
+
+
+_BY_STATUS: dict[grpc.StatusCode, type[MemstoreClientError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.DATA_LOSS: CorruptShardError,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadySavedError,
+    grpc.StatusCode.UNAVAILABLE: StoreUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: StoreUnavailableError,
+    grpc.StatusCode.CANCELLED: StoreUnavailableError,
+}
+
+
+def error_for_rpc(err: grpc.RpcError, what: str) -> MemstoreClientError:
+    """The typed error for a failed call to a store; ``what`` names the operation."""
+    code = err.code()
+    detail = err.details() or ""
+    message = f"{what}: {detail}" if detail else f"{what}: {code.name}"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return CapacityExceededError(message, **capacity_numbers(err))
+    cls = _BY_STATUS.get(code)
+    return cls(message) if cls is not None else MemstoreClientError(f"{message} ({code.name})")
+
+
+def raise_for_rpc(err: grpc.RpcError, what: str) -> NoReturn:
+    """Raise :func:`error_for_rpc` of ``err`` (without the gRPC traceback)."""
+    raise error_for_rpc(err, what) from None

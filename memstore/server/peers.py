@@ -15,29 +15,32 @@ from typing import TypeVar
 
 import grpc
 
-from memstore.errors import CapacityExceeded, ChecksumMismatch, IdentityMismatch, PeerUnavailable, StoreError
+from memstore.errors import (
+    ChecksumMismatch,
+    DataChannelError,
+    DataChannelUnsupported,
+    IdentityMismatch,
+    PeerUnavailable,
+    StoreError,
+    StreamError,
+    from_status,
+)
 from memstore.faults import fault
 from memstore.v1 import datachannel
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import capacity_numbers, insecure_channel
-from memstore.v1.streams import StreamError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 def _peer_error(host_id: str, what: str, err: grpc.RpcError) -> StoreError:
+    """The typed error (``memstore.errors.from_status``) for a failed call to a peer, naming the peer."""
     code = err.code() if hasattr(err, "code") else None
     detail = err.details() if hasattr(err, "details") else str(err)
-    message = f"{what} on peer {host_id} failed: {code.name if code else 'error'}: {detail}"
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return CapacityExceeded(message, **capacity_numbers(err))
-    if code == grpc.StatusCode.DATA_LOSS:
-        return ChecksumMismatch(message)
-    if code == grpc.StatusCode.FAILED_PRECONDITION:
-        return IdentityMismatch(message)
-    return PeerUnavailable(message)
+    status = code.name if code else "UNAVAILABLE"
+    return from_status(status, f"{what} on peer {host_id} failed: {status}: {detail}", **capacity_numbers(err))
 
 
 # A peer that just (re)started is reachable a moment after its channel first failed; a dead one keeps
@@ -56,10 +59,6 @@ def _retrying(fn: Callable[[], T], budget: float = RETRY_BUDGET_SECONDS) -> T:
                 raise
         time.sleep(delay)
         delay = min(0.5, delay * 2)
-
-
-class DataChannelUnsupported(Exception):
-    """The peer has no bulk data channel; use the gRPC stream instead."""
 
 
 class Peer:
@@ -153,12 +152,11 @@ class Peer:
                 sock.sendall(ticket.ticket)
                 datachannel.send_all(sock, view, deadline, on_piece=lambda: fault("replicate.after_chunk"))
                 error = datachannel.read_status(sock, deadline)
-        except datachannel.DataChannelError as exc:
-            raise PeerUnavailable(f"push to peer {self.host_id}: {exc}") from None
+        except DataChannelError as exc:
+            raise DataChannelError(f"push to peer {self.host_id}: {exc}") from None
         if error is not None:
             status, _, detail = error.partition(": ")
-            message = f"peer {self.host_id} refused the shard: {detail or status}"
-            raise ChecksumMismatch(message) if status == "DATA_LOSS" else PeerUnavailable(message)
+            raise from_status(status, f"peer {self.host_id} refused the shard: {detail or status}")
 
     def pull_data(self, key: pb.ShardKey, into: Callable[[pb.Manifest], memoryview], timeout: float, control_timeout: float) -> pb.Manifest:
         """Pull a shard over the bulk data channel into the view ``into(manifest)`` returns; verified per chunk."""
@@ -175,12 +173,10 @@ class Peer:
             with datachannel.connect(self.host, prepared.data_port, control_timeout) as sock:
                 sock.sendall(prepared.ticket)
                 datachannel.receive_verified(sock, manifest, dest, deadline)
-        except datachannel.DataChannelError as exc:
-            raise PeerUnavailable(f"pull from peer {self.host_id}: {exc}") from None
-        except StreamError as exc:
-            if exc.kind == "checksum":
-                raise ChecksumMismatch(f"copy from {self.host_id}: {exc}") from None
-            raise PeerUnavailable(f"copy from {self.host_id}: {exc}") from None
+        except DataChannelError as exc:
+            raise DataChannelError(f"pull from peer {self.host_id}: {exc}") from None
+        except StreamError as exc:  # the peer sent bytes that do not match its own manifest
+            raise (ChecksumMismatch if isinstance(exc, ChecksumMismatch) else PeerUnavailable)(f"copy from {self.host_id}: {exc}") from None
         return manifest
 
     def get(self, key: pb.ShardKey, timeout: float) -> tuple[pb.Manifest, Iterator[bytes], grpc.Future]:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memstore.core.sizes import format_size
-from memstore.errors import CapacityExceeded, ConfigError
+from memstore.errors import CapacityExceeded, ConfigError, StaleLock
 
 log = logging.getLogger(__name__)
 
@@ -125,14 +125,10 @@ class Segment:
 
 
 # -- directory locks -----------------------------------------------------------------
-class _StaleLock(Exception):
-    """The lock file was unlinked (its directory reclaimed) between open and flock: retry."""
-
-
 def _try_lock(directory: Path, create: bool) -> int | None:
     """flock ``directory/.lock`` exclusively: the fd, or None if another process holds it.
 
-    Raises FileNotFoundError (no lock file and not ``create``), OSError, or _StaleLock.
+    Raises FileNotFoundError (no lock file and not ``create``), OSError, or StaleLock.
     """
     path = directory / LOCK_NAME
     fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
@@ -148,7 +144,7 @@ def _try_lock(directory: Path, create: bool) -> int | None:
         same = False
     if not same:
         os.close(fd)
-        raise _StaleLock(str(path))
+        raise StaleLock(str(path))
     return fd
 
 
@@ -208,7 +204,7 @@ def _held(directory: Path) -> bool:
         fd = _try_lock(directory, create=False)
     except FileNotFoundError:
         return False  # no lock file: no store ever claimed it (or one is creating it right now: it retries)
-    except (_StaleLock, OSError):
+    except (StaleLock, OSError):
         return True  # cannot tell: treat as owned
     if fd is None:
         return True
@@ -247,7 +243,7 @@ def reclaim_orphans(shm_dir: str) -> list[Orphan]:
         directory = Path(orphan.path)
         try:
             fd = _try_lock(directory, create=True)
-        except (_StaleLock, OSError):
+        except (StaleLock, OSError):
             continue
         if fd is None:
             continue  # claimed since it was listed
@@ -315,7 +311,7 @@ class SegmentPool:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
                 fd = _try_lock(directory, create=True)
-            except _StaleLock:
+            except StaleLock:
                 fd = None  # reclaimed under our feet: recreate it
             except OSError as exc:
                 raise ConfigError(f"--shm-dir {directory} is not usable: {exc}") from None

@@ -39,25 +39,29 @@ from memstore.errors import (
     CapacityExceeded,
     ChecksumMismatch,
     ConfigError,
+    DataChannelUnsupported,
     InvalidArgument,
+    LayoutError,
     LeaseError,
     PeerUnavailable,
     ShardNotFound,
+    SpillStorageError,
     StoreError,
+    StreamError,
     UnknownJob,
 )
 from memstore.faults import fault
 from memstore.server.convert import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, state_from_pb, state_to_pb
-from memstore.server.peers import DataChannelUnsupported, PeerDirectory
+from memstore.server.peers import PeerDirectory
 from memstore.server.segments import Segment, SegmentPool, segment_dir
-from memstore.spill.layout import LayoutError, SpilledManifest
+from memstore.spill.layout import SpilledManifest
 from memstore.spill.spiller import Spiller
-from memstore.spill.storage import Durable, SpillStorageError, parse_options
+from memstore.spill.storage import Durable, parse_options
 from memstore.v1 import store_pb2 as pb
-from memstore.v1.datachannel import TICKET_BYTES, DataChannelError, receive_verified, send_all, send_status
+from memstore.v1.datachannel import TICKET_BYTES, receive_verified, send_all, send_status
 from memstore.v1.integrity import SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
-from memstore.v1.streams import StreamError, manifest_problem, put_requests, receive_chunks
+from memstore.v1.streams import manifest_problem, put_requests, receive_chunks
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +110,9 @@ class _Ticket:
 
 
 def _stream_error(exc: BaseException) -> BaseException:
-    """Map a failed transfer to the typed error the sender sees."""
-    if isinstance(exc, StreamError):
-        if exc.kind == "checksum":
-            return ChecksumMismatch(f"{exc}; the copy was discarded, the sender should retry")
-        return InvalidArgument(str(exc))
-    if isinstance(exc, DataChannelError):
-        return PeerUnavailable(str(exc))
+    """The error the sender of a failed transfer sees: stream and channel errors are typed already."""
+    if isinstance(exc, ChecksumMismatch):
+        return type(exc)(f"{exc}; the copy was discarded, the sender should retry")
     return exc
 
 
@@ -769,7 +769,7 @@ class Store:
             done.set()
 
     def _pull_candidates(self, key: ShardKey, candidates: list[str], origin_note: str) -> str:
-        errors: list[str] = []
+        errors: list[StoreError] = []
         for host in candidates:
             try:
                 if host == "durable":
@@ -779,10 +779,10 @@ class Store:
                 log.info("%s: pulled %s from %s", origin_note, key, host)
                 return host
             except StoreError as exc:
-                errors.append(str(exc))
-        if errors and all("checksum" in e for e in errors):
-            raise ChecksumMismatch(f"every copy of {key} failed verification: " + "; ".join(errors))
-        raise PeerUnavailable(f"could not pull {key}: " + "; ".join(errors))
+                errors.append(exc)
+        if errors and all(isinstance(e, ChecksumMismatch) for e in errors):
+            raise ChecksumMismatch(f"every copy of {key} failed verification: " + "; ".join(map(str, errors)))
+        raise PeerUnavailable(f"could not pull {key}: " + "; ".join(map(str, errors)))
 
     def _pull_from(self, host: str, key: ShardKey) -> None:
         peer = self.peers[host]
@@ -808,11 +808,7 @@ class Store:
                 try:
                     receive_chunks(chunks, manifest, into(manifest))
                 except StreamError as exc:
-                    raise (
-                        ChecksumMismatch(f"copy from {host}: {exc}")
-                        if exc.kind == "checksum"
-                        else PeerUnavailable(f"copy from {host}: {exc}")
-                    ) from None
+                    raise (ChecksumMismatch if isinstance(exc, ChecksumMismatch) else PeerUnavailable)(f"copy from {host}: {exc}") from None
                 finally:
                     call.cancel()
         except BaseException:
@@ -835,7 +831,7 @@ class Store:
         except (SpillStorageError, LayoutError) as exc:
             for seg in segments:
                 self.pool.release(seg)
-            if getattr(exc, "kind", "") == "corrupt":
+            if isinstance(exc, ChecksumMismatch):
                 raise ChecksumMismatch(f"durable copy of {key}: {exc}") from None
             raise PeerUnavailable(f"durable copy of {key}: {exc}") from None
         except BaseException:

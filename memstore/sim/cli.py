@@ -351,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         try:
             import matplotlib  # noqa: F401
-        except ImportError as exc:  # pragma: no cover - matplotlib is a dev dependency
-            print(f"memstore simulate: error: --plot needs matplotlib (pip install matplotlib): {exc}", file=sys.stderr)
+        except ImportError as exc:  # pragma: no cover - matplotlib comes with the [bench] extra
+            print(f"memstore simulate: error: --plot needs the [bench] extra: pip install 'memstore[bench]' ({exc})", file=sys.stderr)
             return 1
         from memstore.sim.report import plot
 

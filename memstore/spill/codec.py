@@ -12,14 +12,11 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
+from memstore.errors import CodecError
 from memstore.v1.integrity import SPILL_CODECS
 
 CODECS = SPILL_CODECS
 ZSTD_LEVEL = 3
-
-
-class CodecError(ValueError):
-    pass
 
 
 def _shuffle_width(codec: str) -> int:

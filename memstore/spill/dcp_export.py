@@ -53,9 +53,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from memstore.errors import LayoutError, SpillExportError, SpillStorageError
 from memstore.spill import layout
 from memstore.spill.reader import read_manifest, read_shard
-from memstore.spill.storage import Durable, SpillStorageError
+from memstore.spill.storage import Durable
 
 if TYPE_CHECKING:
     from memstore.server.store import Entry
@@ -209,7 +210,7 @@ class Exporter:
                     self.submit(task.job_id, task.step, task.rank, delay=delay, attempt=task.attempt + 1)
                 else:
                     log.error("DCP export of %s step %d (rank %d) abandoned: %s", task.job_id, task.step, task.rank, exc,
-                              exc_info=not isinstance(exc, (SpillStorageError, ExportError, layout.LayoutError)))  # fmt: skip
+                              exc_info=not isinstance(exc, (SpillStorageError, SpillExportError, LayoutError)))  # fmt: skip
 
     def run(self, task: _Task) -> None:
         if task.rank >= 0:
@@ -233,24 +234,20 @@ class Exporter:
 # --------------------------------------------------------------------------------------------
 
 
-class ExportError(Exception):
-    """A spilled shard or index is not what the export expects."""
-
-
 def check_dcp_shard(shard: Any, job_id: str, step: int, rank: int) -> dict[str, Any] | None:
     """``shard`` as a MemStoreWriter shard of (job, step, rank); None if it is not one; raises if malformed."""
     if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT:
         return None
     where = f"{job_id} step {step} rank {rank}"
     if shard.get("version") != SHARD_VERSION:
-        raise ExportError(f"{where}: DCP shard version {shard.get('version')!r}, expected {SHARD_VERSION}")
+        raise SpillExportError(f"{where}: DCP shard version {shard.get('version')!r}, expected {SHARD_VERSION}")
     world = shard.get("world_size")
     if type(world) is not int or not 0 <= rank < world or shard.get("step") != step or shard.get("rank") != rank:
-        raise ExportError(f"{where}: DCP shard says step {shard.get('step')!r} rank {shard.get('rank')!r} world {world!r}")
+        raise SpillExportError(f"{where}: DCP shard says step {shard.get('step')!r} rank {shard.get('rank')!r} world {world!r}")
     if not isinstance(shard.get("items"), dict) or not all(isinstance(k, str) for k in shard["items"]):
-        raise ExportError(f"{where}: DCP shard without a str-keyed items dict")
+        raise SpillExportError(f"{where}: DCP shard without a str-keyed items dict")
     if rank == 0 and "metadata" not in shard:
-        raise ExportError(f"{where}: the coordinator's DCP shard carries no metadata")
+        raise SpillExportError(f"{where}: the coordinator's DCP shard carries no metadata")
     return shard
 
 
@@ -266,7 +263,7 @@ def _item_bytes(value: Any) -> memoryview | bytes:
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
     if not isinstance(value, torch.Tensor):
-        raise ExportError(f"DCP item of type {type(value).__qualname__}: expected a tensor or bytes")
+        raise SpillExportError(f"DCP item of type {type(value).__qualname__}: expected a tensor or bytes")
     tensor = value.detach()
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
         tensor = tensor.clone(memory_format=torch.contiguous_format)  # torch.save writes a view's whole storage
@@ -336,7 +333,7 @@ def read_index(durable: Durable, job_id: str, step: int, rank: int) -> dict[str,
     try:
         index = json.loads(durable.read(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ExportError(f"{path} is not valid JSON: {exc}") from None
+        raise SpillExportError(f"{path} is not valid JSON: {exc}") from None
     ok = (
         isinstance(index, dict)
         and index.get("format") == INDEX_FORMAT
@@ -347,7 +344,7 @@ def read_index(durable: Durable, job_id: str, step: int, rank: int) -> dict[str,
         and isinstance(index.get("items"), dict)
     )
     if not ok:
-        raise ExportError(f"{path} is not a DCP export index of {job_id} step {step} rank {rank}")
+        raise SpillExportError(f"{path} is not a DCP export index of {job_id} step {step} rank {rank}")
     return index
 
 
@@ -361,10 +358,10 @@ def build_metadata(indexes: Mapping[int, Mapping[str, Any]]) -> Any:
     storage: dict[Any, Any] = {}
     for index, info in (metadata.storage_data or {}).items():
         if not isinstance(info, MemStoreStorageInfo) or info.rank not in indexes:
-            raise ExportError(f"DCP metadata names {info!r} for {index}, which no rank's index holds")
+            raise SpillExportError(f"DCP metadata names {info!r} for {index}, which no rank's index holds")
         span = indexes[info.rank]["items"].get(info.key)
         if not (isinstance(span, list) and len(span) == 2 and all(type(v) is int and v >= 0 for v in span)):
-            raise ExportError(f"rank {info.rank}'s DCP export index has no item {info.key!r}")
+            raise SpillExportError(f"rank {info.rank}'s DCP export index has no item {info.key!r}")
         storage[index] = _StorageInfo(relative_path=indexes[info.rank]["data_file"], offset=span[0], length=span[1])
     metadata.storage_data = storage
     return metadata
@@ -384,7 +381,7 @@ def publish_metadata(durable: Durable, job_id: str, step: int) -> str:
         return "waiting"
     indexes = {r: read_index(durable, job_id, step, r) for r in range(world)}
     if any(index["world_size"] != world for index in indexes.values()):
-        raise ExportError(f"{job_id} step {step}: the ranks' DCP export indexes disagree on the world size")
+        raise SpillExportError(f"{job_id} step {step}: the ranks' DCP export indexes disagree on the world size")
     metadata = build_metadata(indexes)
     durable.write_small(target, pickle.dumps(metadata))  # default protocol, as FileSystemWriter
     if not all(durable.exists(layout.manifest_path(durable.root, job_id, step, r)) for r in range(world)):

@@ -18,15 +18,12 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from memstore.errors import LayoutError
 from memstore.v1.keys import job_id_problem, timeline_problem
 
 STEP_DIR = re.compile(r"step-(\d{12})$")
 RANK_FILE = re.compile(r"rank-(\d{6})\.(shard|json)(\.tmp-[0-9a-f]+)?$")  # .tmp-*: a local write in progress (or debris)
 MANIFEST_VERSION = 1
-
-
-class LayoutError(ValueError):
-    """A durable-storage name or manifest does not match the layout."""
 
 
 def job_dir(root: str, job_id: str) -> str:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from memstore.errors import CodecError, LayoutError, SpillCorrupt
 from memstore.spill import codec as codecs
 from memstore.spill import layout
 from memstore.spill.layout import SpilledManifest
-from memstore.spill.storage import Durable, SpillStorageError
+from memstore.spill.storage import Durable
 from memstore.v1.integrity import checksum, chunk_spans
 
 
@@ -14,12 +15,12 @@ def read_manifest(durable: Durable, job_id: str, step: int, rank: int) -> Spille
     path = layout.manifest_path(durable.root, job_id, step, rank)
     m = SpilledManifest.decode(durable.read(path), where=path)
     if (m.job_id, m.step, m.rank) != (job_id, step, rank):
-        raise layout.LayoutError(f"{path} describes {m.job_id}/step={m.step}/rank={m.rank}")
+        raise LayoutError(f"{path} describes {m.job_id}/step={m.step}/rank={m.rank}")
     return m
 
 
 def read_shard_into(durable: Durable, manifest: SpilledManifest, dest: memoryview | bytearray) -> None:
-    """Write the shard's original bytes into ``dest``; SpillStorageError("corrupt") if any chunk fails."""
+    """Write the shard's original bytes into ``dest``; SpillCorrupt if any chunk fails."""
     m = manifest
     path = layout.shard_path(durable.root, m.job_id, m.step, m.rank)
     spans = list(chunk_spans(m.nbytes, m.chunk_size))
@@ -27,10 +28,10 @@ def read_shard_into(durable: Durable, manifest: SpilledManifest, dest: memoryvie
         off, length = spans[index]
         try:
             raw = codecs.decode(m.codec, stored, length)
-        except codecs.CodecError as exc:
-            raise SpillStorageError("corrupt", f"{path} chunk {index}: {exc}") from None
+        except CodecError as exc:
+            raise SpillCorrupt(f"{path} chunk {index}: {exc}") from None
         if checksum(raw) != m.checksums[index]:
-            raise SpillStorageError("corrupt", f"{path} chunk {index} failed its checksum")
+            raise SpillCorrupt(f"{path} chunk {index} failed its checksum")
         dest[off : off + length] = raw
 
 

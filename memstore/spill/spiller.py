@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING
 
 from memstore.core.model import Holding, ShardKey
 from memstore.core.spill_policy import RetentionPolicy, due_by_steps, due_by_time, steps_to_delete
+from memstore.errors import LayoutError, SpillCorrupt, SpillStorageError
 from memstore.faults import fault
 from memstore.spill import codec as codecs
 from memstore.spill import layout
 from memstore.spill.layout import SpilledManifest
 from memstore.spill.reader import read_manifest, read_shard_into
-from memstore.spill.storage import Durable, SpillStorageError
+from memstore.spill.storage import Durable
 from memstore.v1.integrity import checksum, chunk_spans
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ class Spiller:
             for rank in sorted(ranks):
                 try:
                     out.setdefault(step, []).append(self.read_manifest(job_id, step, rank))
-                except (SpillStorageError, layout.LayoutError) as exc:
+                except (SpillStorageError, LayoutError) as exc:
                     log.warning("ignoring durable shard %d/%d of %s: %s", step, rank, job_id, exc)
         return out
 
@@ -206,7 +207,7 @@ class Spiller:
                         self.spill_step(job_id, step)
                 self.collect_garbage(job_id)
                 st.consecutive_failures = 0
-            except (SpillStorageError, layout.LayoutError) as exc:
+            except (SpillStorageError, LayoutError) as exc:
                 self._failed(st, job_id, exc)
 
     def protected_steps(self, job_id: str) -> set[int]:
@@ -244,7 +245,7 @@ class Spiller:
             return None
         try:
             m = read_manifest(self.durable, job_id, step, rank)
-        except layout.LayoutError:
+        except LayoutError:
             return None  # unreadable: overwrite it
         return m.timeline, m.created_unix
 
@@ -322,9 +323,7 @@ class Spiller:
                     self._yield_to_foreground()
                     raw = view[off : off + length]
                     if checksum(raw) != m.checksums[index]:
-                        raise SpillStorageError(
-                            "other", f"{entry.key}: chunk {index} in RAM failed its checksum; not spilling a corrupt copy"
-                        )
+                        raise SpillCorrupt(f"{entry.key}: chunk {index} in RAM failed its checksum; not spilling a corrupt copy")
                     encoded = codecs.encode(codec, raw)
                     stored.append(len(encoded))
                     yield encoded
@@ -339,7 +338,7 @@ class Spiller:
             shard = layout.shard_path(self.durable.root, key.job_id, key.step, key.rank)
             written = self.durable.write_stream(shard, pieces())
             if self.durable.size(shard) != written:
-                raise SpillStorageError("other", f"{shard}: stored size differs from what was written; not publishing")
+                raise SpillStorageError(f"{shard}: stored size differs from what was written; not publishing")
             fault("spill.before_manifest")
             manifest = SpilledManifest(
                 job_id=key.job_id,
@@ -417,7 +416,7 @@ class Spiller:
         """Read a spilled shard, decode and verify every chunk into the view ``allocate(manifest)`` returns."""
         m = read_manifest(self.durable, key.job_id, key.step, key.rank)
         if m.timeline != key.timeline:
-            raise layout.LayoutError(f"the durable copy of {key} is of timeline {m.timeline!r} (a different save of that step)")
+            raise LayoutError(f"the durable copy of {key} is of timeline {m.timeline!r} (a different save of that step)")
         dest: memoryview = allocate(m)  # type: ignore[operator]
         read_shard_into(self.durable, m, dest)
         return m
@@ -435,7 +434,7 @@ class Spiller:
             try:
                 self.durable.write_small(layout.intent_path(self.durable.root, job_id, newest), b"")
                 self.spill_step(job_id, newest)
-            except (SpillStorageError, layout.LayoutError) as exc:
+            except (SpillStorageError, LayoutError) as exc:
                 failures.append(f"{job_id} step {newest}: {exc}")
         return failures
 

@@ -17,26 +17,23 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-
-class SpillStorageError(Exception):
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
+from memstore.errors import SpillPermissionDenied, SpillStorageError, SpillStorageFull, SpillUnreachable
 
 
-def _classify(exc: BaseException) -> str:
+def _classify(exc: BaseException) -> type[SpillStorageError]:
+    """Our type for an exception of fsspec or its backends (whose own types differ per backend and version)."""
     if isinstance(exc, PermissionError):
-        return "permission"
+        return SpillPermissionDenied
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return "full"
+        return SpillStorageFull
     text = f"{type(exc).__name__} {exc}".lower()
     if "accessdenied" in text or "forbidden" in text or "403" in text:
-        return "permission"
+        return SpillPermissionDenied
     if any(w in text for w in ("connect", "endpoint", "timeout", "unavailable", "refused", "503", "slowdown")):
-        return "unavailable"
+        return SpillUnreachable
     if "quota" in text or "no space" in text:
-        return "full"
-    return "other"
+        return SpillStorageFull
+    return SpillStorageError
 
 
 def parse_options(text: str | dict[str, Any] | None) -> dict[str, Any]:
@@ -77,13 +74,13 @@ class Durable:
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
         except (ImportError, ValueError, TypeError) as exc:
-            raise SpillStorageError("other", f"--spill {url!r} cannot be opened: {exc}") from None
+            raise SpillStorageError(f"--spill {url!r} cannot be opened: {exc}") from None
         self.url = url
         self.root = root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
 
     def _wrap(self, what: str, exc: BaseException) -> SpillStorageError:
-        return SpillStorageError(_classify(exc), f"{what} on {self.url}: {type(exc).__name__}: {exc}")
+        return _classify(exc)(f"{what} on {self.url}: {type(exc).__name__}: {exc}")
 
     def write_stream(self, path: str, pieces: Iterable[memoryview | bytes]) -> int:
         """Write ``pieces`` to ``path``; on a local filesystem the file appears only when complete."""
@@ -128,7 +125,7 @@ class Durable:
                 for size in sizes:
                     data = fh.read(size)
                     if len(data) != size:
-                        raise SpillStorageError("other", f"{path} is truncated: wanted {size} bytes, got {len(data)}")
+                        raise SpillStorageError(f"{path} is truncated: wanted {size} bytes, got {len(data)}")
                     yield data
         except SpillStorageError:
             raise

@@ -16,6 +16,7 @@ import struct
 import time
 from collections.abc import Callable
 
+from memstore.errors import DataChannelError
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import chunk_spans
 from memstore.v1.streams import verify_chunk
@@ -26,10 +27,6 @@ STATUS_FAILED = 1
 SOCKET_BUFFER_BYTES = 4 << 20
 # Bytes moved per send/recv call: large enough to amortise the syscall, small enough to stay in L2.
 IO_SLICE_BYTES = 1 << 20
-
-
-class DataChannelError(Exception):
-    """The data connection broke, timed out or the peer refused the bytes."""
 
 
 def tune(sock: socket.socket) -> None:

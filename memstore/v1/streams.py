@@ -9,16 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
+from memstore.errors import OversizedChunk, StreamChecksumError, StreamError
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import MAX_CHUNK_BYTES, checksum, chunk_count, chunk_spans
-
-
-class StreamError(Exception):
-    """A byte stream broke the contract: wrong size, bad checksum, missing header. ``kind`` says which."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind  # "invalid" | "checksum" | "oversized"
 
 
 def manifest_problem(m: pb.Manifest) -> str | None:
@@ -52,12 +45,11 @@ def get_responses(manifest: pb.Manifest, buf: memoryview, chunk_size: int = 0) -
 
 
 def verify_chunk(manifest: pb.Manifest, index: int, data: memoryview | bytes, where: str = "") -> None:
-    """Raise StreamError("checksum") unless ``data`` is chunk ``index`` of the manifest's shard."""
+    """Raise StreamChecksumError unless ``data`` is chunk ``index`` of the manifest's shard."""
     got = checksum(data)
     if got != manifest.chunk_checksums[index]:
         k = manifest.key
-        raise StreamError(
-            "checksum",
+        raise StreamChecksumError(
             f"chunk {index} of {k.job_id}/step={k.step}/rank={k.rank} failed its checksum{where} "
             f"(got {got:016x}, expected {manifest.chunk_checksums[index]:016x})",
         )
@@ -73,16 +65,16 @@ def receive_chunks(chunks: Iterable[bytes], manifest: pb.Manifest, dest: memoryv
     index = 0
     for chunk in chunks:
         if index >= len(spans):
-            raise StreamError("invalid", f"stream has more than the {len(spans)} chunks its manifest declares")
+            raise StreamError(f"stream has more than the {len(spans)} chunks its manifest declares")
         off, length = spans[index]
         if len(chunk) != length:
-            kind = "oversized" if len(chunk) > length else "invalid"
-            raise StreamError(kind, f"chunk {index} has {len(chunk)} bytes; the manifest expects {length}")
+            error = OversizedChunk if len(chunk) > length else StreamError
+            raise error(f"chunk {index} has {len(chunk)} bytes; the manifest expects {length}")
         verify_chunk(manifest, index, chunk)
         out[off : off + length] = chunk
         index += 1
         if on_chunk:
             on_chunk(index)
     if index != len(spans):
-        raise StreamError("invalid", f"stream ended after {index} of {len(spans)} chunks")
+        raise StreamError(f"stream ended after {index} of {len(spans)} chunks")
     return manifest.nbytes

@@ -288,7 +288,8 @@ def test_export_hook_never_breaks_the_spill(tmp_path, caplog, monkeypatch) -> No
     from memstore.core.spill_policy import RetentionPolicy
     from memstore.spill import dcp_export
     from memstore.spill.spiller import Spiller
-    from memstore.spill.storage import Durable, SpillStorageError
+    from memstore.errors import SpillUnreachable
+    from memstore.spill.storage import Durable
     from trainer_client import serialization
 
     dcp_shard = {"format": "memstore-dcp", "version": 1, "step": 3, "rank": 0, "world_size": 1, "items": {"w||": torch.ones(2)}}
@@ -303,7 +304,7 @@ def test_export_hook_never_breaks_the_spill(tmp_path, caplog, monkeypatch) -> No
     assert "DCP export of" in caplog.text and "not queued" in caplog.text
 
     def broken(prefix: str) -> dict[str, Any]:
-        raise SpillStorageError("unavailable", "storage down")
+        raise SpillUnreachable("storage down")
 
     monkeypatch.setattr(durable, "list_files", broken)
     assert spiller._interop_paths("job", 1, {0}) == []  # retention goes on with memstore's own files

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from memstore.core.spill_policy import RetentionPolicy, due_by_steps, due_by_time, steps_to_delete, steps_to_keep
+from memstore.errors import CodecError
 from memstore.spill import codec
 from memstore.spill.layout import LayoutError, SpilledManifest, manifest_path, shard_path
 from memstore.spill.storage import parse_options
@@ -50,7 +51,7 @@ def test_codecs_round_trip(name: str) -> None:
     raw = np.random.default_rng(0).standard_normal(4096).astype(np.float32).tobytes()
     enc = codec.encode(name, memoryview(raw))
     assert bytes(codec.decode(name, bytes(enc), len(raw))) == raw
-    with pytest.raises(codec.CodecError):
+    with pytest.raises(CodecError):
         codec.decode(name, b"garbage" * 3, len(raw))
 
 

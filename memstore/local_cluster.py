@@ -22,8 +22,7 @@ from pathlib import Path
 import grpc
 
 from memstore.v1 import store_pb2 as pb
-from memstore.v1 import store_pb2_grpc as pb_grpc
-from memstore.v1.channel import insecure_channel
+from memstore.v1.channel import store_stub
 
 
 def die_with_parent() -> None:
@@ -144,9 +143,10 @@ class LocalCluster:
         log.close()
 
     def health(self, host_id: str, timeout: float = 1.0) -> pb.HealthResponse | None:
-        with insecure_channel(self.stores[host_id].address) as ch:
+        channel, stub = store_stub(self.stores[host_id].address)
+        with channel:
             try:
-                return pb_grpc.StoreStub(ch).Health(pb.HealthRequest(), timeout=timeout)
+                return stub.Health(pb.HealthRequest(), timeout=timeout)
             except grpc.RpcError:
                 return None
 

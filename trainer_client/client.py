@@ -33,8 +33,7 @@ import grpc
 
 from memstore.errors import StreamError
 from memstore.v1 import store_pb2 as pb
-from memstore.v1 import store_pb2_grpc as pb_grpc
-from memstore.v1.channel import insecure_channel
+from memstore.v1.channel import boot_id, store_stub
 from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
 from memstore.v1.streams import manifest_problem, put_requests, receive_chunks
@@ -71,14 +70,6 @@ def _populate_for_reading(mm: mmap.mmap) -> None:
         mm.madvise(_MADV_POPULATE_READ)
     except (OSError, ValueError):
         pass
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
 
 
 RUN_ID_ENV = "MEMSTORE_RUN_ID"
@@ -223,8 +214,7 @@ class CheckpointClient:
         self.address = store
         self.timeout = timeout
         self.on_capacity = on_capacity
-        self._channel = insecure_channel(store)
-        self._stub = pb_grpc.StoreStub(self._channel)
+        self._channel, self._stub = store_stub(store)
         self._mappings: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
@@ -232,7 +222,7 @@ class CheckpointClient:
             self._channel.close()
             raise StoreUnavailableError(f"store at {store} not reachable within {timeout}s; is `memstore serve` running there?") from None
         self.hello = self._call(lambda t: self._stub.Hello(pb.HelloRequest(), timeout=t), "connect to store")
-        same_machine = bool(self.hello.shm_dir) and self.hello.boot_id == _boot_id() and os.path.isdir(self.hello.shm_dir)
+        same_machine = bool(self.hello.shm_dir) and self.hello.boot_id == boot_id() and os.path.isdir(self.hello.shm_dir)
         if use_shared_memory and not same_machine:
             raise InvalidArgumentError(f"store at {store} shares no memory with this process (different machine or no --shm-dir)")
         self.shared_memory = same_machine if use_shared_memory is None else use_shared_memory

@@ -28,8 +28,7 @@ from memstore.errors import (
 from memstore.faults import fault
 from memstore.v1 import datachannel
 from memstore.v1 import store_pb2 as pb
-from memstore.v1 import store_pb2_grpc as pb_grpc
-from memstore.v1.channel import capacity_numbers, insecure_channel
+from memstore.v1.channel import capacity_numbers, store_stub
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -69,10 +68,9 @@ class Peer:
     def __init__(self, host_id: str, address: str) -> None:
         self.host_id = host_id
         self.address = address
-        self._channel = insecure_channel(address)
+        self._channel, self.stub = store_stub(address)
         self._retired: list[grpc.Channel] = []
         self._lock = threading.Lock()
-        self.stub = pb_grpc.StoreStub(self._channel)
         self._suspect_until = 0.0
 
     def _call(self, fn: Callable[[], T]) -> T:
@@ -99,8 +97,7 @@ class Peer:
         with self._lock:
             # Calls in flight on the old channel finish on it; it is closed with the peer.
             self._retired.append(self._channel)
-            self._channel = insecure_channel(self.address)
-            self.stub = pb_grpc.StoreStub(self._channel)
+            self._channel, self.stub = store_stub(self.address)
             while len(self._retired) > 4:
                 self._retired.pop(0).close()
 

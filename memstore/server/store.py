@@ -58,6 +58,7 @@ from memstore.spill.layout import SpilledManifest
 from memstore.spill.spiller import Spiller
 from memstore.spill.storage import Durable, parse_options
 from memstore.v1 import store_pb2 as pb
+from memstore.v1.channel import boot_id
 from memstore.v1.datachannel import TICKET_BYTES, receive_verified, send_all, send_status
 from memstore.v1.integrity import SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
@@ -133,14 +134,6 @@ def _ensure(problem: str | None) -> None:
         raise InvalidArgument(problem)
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
-
-
 class Store:
     def __init__(self, config: StoreConfig, advertised_address: str | None = None) -> None:
         self.config = config
@@ -168,7 +161,7 @@ class Store:
             threading.Thread(target=self._repair_loop, name="repair", daemon=True),
             threading.Thread(target=self._janitor_loop, name="janitor", daemon=True),
         ]
-        self.boot_id = _boot_id()
+        self.boot_id = boot_id()
         self.advertised_address = advertised_address or config.listen
         self.last_repair_error = ""
         self.spiller: Spiller | None = self._make_spiller(config)

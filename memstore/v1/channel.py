@@ -44,6 +44,23 @@ def insecure_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
+def store_stub(address: str) -> tuple[grpc.Channel, Any]:
+    """(channel, StoreStub) to the store at ``address``: the one way every caller builds a stub. Close the channel."""
+    from memstore.v1 import store_pb2_grpc as pb_grpc
+
+    channel = insecure_channel(address)
+    return channel, pb_grpc.StoreStub(channel)
+
+
+def boot_id() -> str:
+    """This machine's kernel boot id: a client and a store that report the same one share memory ("" if unknown)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
 # Trailing-metadata keys of a RESOURCE_EXHAUSTED answer: the byte counts behind a refused write.
 CAPACITY_METADATA = ("memstore-needed-bytes", "memstore-used-bytes", "memstore-capacity-bytes")
 

@@ -80,6 +80,27 @@ def supersedes(newer: Version, step: int, timeline: str, created_unix: float) ->
     return newer.timeline != timeline and newer.step <= step and newer.created_unix > created_unix
 
 
+def may_supersede(copies: Iterable[tuple[ShardKey, float]]) -> bool:
+    """Whether any of these copies could supersede another (a later capture of another timeline at or below its step).
+
+    A cheap local test: when it is False (one run saving forward, or a DCP save per step), no version can
+    be superseded and nobody needs to ask the cluster.
+    """
+    earliest: dict[tuple[int, str], float] = {}
+    for key, created in copies:
+        v = key.version
+        earliest[v] = min(created, earliest.get(v, created))
+    versions = sorted(earliest.items(), key=lambda kv: kv[1])  # by capture time
+    lowest_later: float = float("inf")
+    timelines_later: set[str] = set()
+    for (step, timeline), _ in reversed(versions):  # newest capture first
+        if lowest_later <= step and timelines_later - {timeline}:
+            return True
+        lowest_later = min(lowest_later, step)
+        timelines_later.add(timeline)
+    return False
+
+
 def superseded_versions(holdings: Iterable[Holding], job_id: str) -> set[tuple[int, str]]:
     """(step, timeline) of every held version of ``job_id`` (complete or not) that a newer timeline superseded."""
     holdings = list(holdings)

@@ -31,7 +31,7 @@ from memstore import __version__
 from memstore.config import StoreConfig
 from memstore.core.model import Holding, Manifest, ShardKey, ShardState
 from memstore.core.placement import Placement, make_placement
-from memstore.core.restorable import latest_restorable, sources_for, split_timelines, superseded_versions
+from memstore.core.restorable import latest_restorable, may_supersede, sources_for, split_timelines, superseded_versions
 from memstore.core.retention import newest_versions, pressure_victims, retention_victims
 from memstore.core.spill_policy import RetentionPolicy
 from memstore.errors import (
@@ -967,7 +967,7 @@ class Store:
             with self._lock:
                 held = [(e.key, e.state, e.created_unix) for e in self._entries.values() if e.key.job_id == job]
             crowded = len({k.version for k, _, _ in held}) > self.config.keep and retention_victims(held, self.config.keep)
-            if not crowded and len({k.timeline for k, _, _ in held}) < 2:
+            if not crowded and not may_supersede((k, created) for k, _, created in held):
                 continue
             # Something would go, or a re-save may have superseded another timeline: learn the cluster's view.
             holdings, _ = self.cluster_holdings(job)

@@ -8,6 +8,7 @@ from memstore.core.model import Holding, ShardKey, ShardState
 from memstore.core.restorable import (
     latest_restorable,
     latest_restorable_step,
+    may_supersede,
     restorable_versions,
     sources_for,
     split_timelines,
@@ -157,6 +158,14 @@ class TestTimelines:
         assert superseded_versions(hs, "j") == {(3, "B.0"), (4, "B.0")}  # A.0@3 captured last: it is the newest timeline
         v = latest_restorable(hs, "j")
         assert v is not None and (v.step, v.timeline) == (3, "A.0")
+
+    def test_local_precheck_spots_every_possible_supersession(self) -> None:
+        forward = [(ShardKey("j", s, 0, f"dcp-{s}"), 100.0 + s) for s in range(1, 6)]  # a DCP save per step, going forward
+        assert not may_supersede(forward)
+        assert not may_supersede([(k, 100.0 + k.step) for k, _, _ in [(x.key, 0, 0) for x in self.old(3) + self.old(4)]])
+        rolled_back = [*forward, (ShardKey("j", 3, 0, "dcp-again"), 200.0)]
+        assert may_supersede(rolled_back)
+        assert may_supersede([(x.key, x.created_unix) for x in self.old(3) + self.new(3, range(1))])
 
     def test_answer_independent_of_order(self) -> None:
         hs = self.old(1) + self.old(2) + self.new(2) + self.new(3, range(3))

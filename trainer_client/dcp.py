@@ -10,9 +10,9 @@ resharding (save with N ranks, load with M) while the bytes live in the stores' 
     dcp.save(state_dict, storage_writer=MemStoreWriter("run-7", step, store=addr))
     dcp.load(state_dict, storage_reader=MemStoreReader("run-7", store=addr))  # newest complete step
 
-Layout: each saving rank ``r`` stores ONE memstore shard ``(job, step, r)``, a plain dict::
+Layout: each saving rank ``r`` stores ONE memstore shard ``(job, step, r)`` under the save's timeline, a plain dict::
 
-    {"format": "memstore-dcp", "version": 1, "step": step, "rank": r, "world_size": W,
+    {"format": "memstore-dcp", "version": 1, "step": step, "rank": r, "world_size": W, "timeline": T,
      "items": {<item key>: tensor | bytes, ...},
      "metadata": <tagged plain dicts>}          # rank 0 (the DCP coordinator) only
 
@@ -21,17 +21,30 @@ serializes with ``torch.save``) as ``bytes``. The item key is a stable string of
 ``MetadataIndex`` and each ``WriteResult.storage_data`` is a :class:`MemStoreStorageInfo`
 ``(rank, key)``, so any reader finds any item whatever its own rank and world size.
 
+World size and rank come from the process group DCP saves with (like ``FileSystemWriter``'s
+``_StoragePrefix``): in ``prepare_global_plan`` the coordinator puts a :class:`MemStoreSavePlanInfo`
+``(job, step, world_size=len(plans), rank=i, timeline)`` into each rank's ``SavePlan.storage_data`` and
+``write_data`` takes them from there, so ``dcp.save(..., process_group=<a subgroup>)`` saves with the
+subgroup's size and ranks.
+
+Every save is a timeline of its own (``"dcp-<ns>-<random>"``, picked by the coordinator): the store
+addresses shards by (job, step, rank, timeline) and a version of a step is restorable only when every
+rank holds a shard of that one timeline. The reader resolves ``(step, world_size, timeline)`` once
+(``CheckpointClient.restore_point``) and reads every rank's shard of exactly that timeline, so a
+re-save of a step that did not finish never mixes with the complete version before it.
+
 The global ``Metadata`` is never pickled: :func:`encode_metadata` turns the dataclass tree into tagged
 plain dicts (an explicit allowlist of types; anything else raises ``SerializationError``) and
 :func:`decode_metadata` rebuilds it, constructing only allowlisted classes.
 
-Only a complete step is ever visible: non-coordinator ranks save their shard in ``write_data``, but
+Only a complete save is ever visible: non-coordinator ranks save their shard in ``write_data``, but
 the coordinator stages its items there and saves them, together with the metadata, in ``finish()``,
-which DCP calls only after every rank's ``write_data`` succeeded. Until then rank 0's shard is
-missing, so ``latest_step`` (every rank 0..W-1 present) does not report the step and a reader of that
-step fails with ``NotFoundError``. With ``wait_for_replication=True`` (the default) every rank also
-waits until its shard has its R verified copies, so ``dcp.save`` returns (and ``async_save``'s future
-completes) only once the whole step survives the loss of a host.
+which DCP calls only after every rank's ``write_data`` succeeded. Until then the save's timeline lacks
+rank 0's shard, so ``restore_point`` does not report it (the previous complete version of the step, if
+any, stays the one read) and a reader of a step with no complete version fails with ``NotFoundError``.
+With ``wait_for_replication=True`` (the default) every rank also waits until its shard has its R
+verified copies, so ``dcp.save`` returns (and ``async_save``'s future completes) only once the whole
+step survives the loss of a host.
 
 Bytes read back are never unpickled by this module; DCP's load planner decodes its own byte items
 (``torch.load``) exactly as it does with ``FileSystemReader``.
@@ -39,17 +52,21 @@ Bytes read back are never unpickled by this module; DCP's load planner decodes i
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import os
+import secrets
+import threading
+import time
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
-import grpc
 import torch
-import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as ShardedTensorProperties
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -63,14 +80,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from memstore.v1 import store_pb2 as pb
-from memstore.v1 import store_pb2_grpc as pb_grpc
-from memstore.v1.channel import insecure_channel
 from memstore.v1.keys import job_id_problem, key_problem
-from trainer_client.client import CheckpointClient, _raise_typed
+from trainer_client.client import CheckpointClient
 from trainer_client.errors import (
     CorruptShardError,
     InvalidArgumentError,
+    MemstoreClientError,
     NoCheckpointError,
     NotFoundError,
     SerializationError,
@@ -79,7 +94,10 @@ from trainer_client.errors import (
 __all__ = [
     "COORDINATOR_RANK",
     "SHARD_FORMAT",
+    "CheckpointExistsError",
+    "MemStoreLoadPlanInfo",
     "MemStoreReader",
+    "MemStoreSavePlanInfo",
     "MemStoreStorageInfo",
     "MemStoreWriter",
     "decode_metadata",
@@ -110,6 +128,44 @@ class MemStoreStorageInfo:
 
     rank: int
     key: str
+
+
+@dataclass(frozen=True)
+class MemStoreSavePlanInfo:
+    """What the coordinator tells each saving rank about one save (its ``SavePlan.storage_data``).
+
+    ``world_size`` is the size of the group DCP saves with (the number of plans), ``rank`` the plan's
+    index in it, ``timeline`` the id of this save. Pickled by DCP's collectives (and to the checkpoint
+    daemon of process-mode ``async_save``): plain fields only.
+    """
+
+    job_id: str
+    step: int
+    world_size: int
+    rank: int
+    timeline: str
+
+
+@dataclass(frozen=True)
+class MemStoreLoadPlanInfo:
+    """The version the DCP coordinator's reader resolved (its ``LoadPlan.storage_data`` for every rank)."""
+
+    job_id: str
+    step: int
+    timeline: str
+
+
+class CheckpointExistsError(MemstoreClientError, RuntimeError):
+    """``MemStoreWriter(overwrite=False)`` was asked to save a step that is already restorable.
+
+    A ``RuntimeError``, like the one ``FileSystemWriter(overwrite=False)`` raises; ``dcp.save`` reports
+    it inside a ``CheckpointException``.
+    """
+
+
+def _new_timeline() -> str:
+    """A fresh timeline id for one DCP save: time-ordered, unique across processes."""
+    return f"dcp-{time.time_ns():016x}-{secrets.token_hex(4)}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,13 +232,6 @@ def _item_key(index: MetadataIndex) -> str:
     return f"{index.fqn}|{offset}|{hint}"
 
 
-def _dist_defaults() -> tuple[int, int]:
-    """(world_size, rank) of the default process group, or (1, 0) without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
-
-
 # --------------------------------------------------------------------------------------------
 # metadata <-> tagged plain dicts (no pickle)
 # --------------------------------------------------------------------------------------------
@@ -222,6 +271,10 @@ def _is_storage_types(v: Any) -> bool:
     )
 
 
+def _is_properties(v: Any) -> bool:
+    return type(v) in (TensorProperties, ShardedTensorProperties)
+
+
 def _anything(_: Any) -> bool:
     return True  # still restricted to what the decoder can build: allowlisted types only
 
@@ -240,12 +293,24 @@ _DATACLASSES: Final[dict[type, tuple[str, dict[str, Callable[[Any], bool]]]]] = 
     ),
     TensorStorageMetadata: (
         "TensorStorageMetadata",
-        {"properties": _is(TensorProperties), "size": _is(torch.Size), "chunks": _is_list_of(ChunkStorageMetadata)},
+        {"properties": _is_properties, "size": _is(torch.Size), "chunks": _is_list_of(ChunkStorageMetadata)},
     ),
     BytesStorageMetadata: ("BytesStorageMetadata", {}),
     ChunkStorageMetadata: ("ChunkStorageMetadata", {"offsets": _is(torch.Size), "sizes": _is(torch.Size)}),
     TensorProperties: (
         "TensorProperties",
+        {
+            "dtype": _is(torch.dtype),
+            "layout": _is(torch.layout),
+            "requires_grad": _is(bool),
+            "memory_format": _is(torch.memory_format),
+            "pin_memory": _is(bool),
+        },
+    ),
+    # The legacy class of ShardedTensor metadata (``torch.distributed._shard.sharded_tensor.metadata``), same
+    # fields: DCP metadata of older torch versions (DCP used this class before it had its own) carries it.
+    ShardedTensorProperties: (
+        "ShardedTensorProperties",
         {
             "dtype": _is(torch.dtype),
             "layout": _is(torch.layout),
@@ -388,22 +453,50 @@ def _done(value: Any) -> Future[Any]:
     return fut
 
 
+# (job, step, rank, timeline) of the save plans ``write_data`` consumed in this process: a plan seen twice
+# is a replay of an earlier save's plan (DefaultSavePlanner(enable_plan_caching=True) hands ranks their
+# cached final plan, storage_data included), which would write into that earlier save's timeline.
+_CONSUMED_PLANS: collections.OrderedDict[tuple[str, int, int, str], None] = collections.OrderedDict()
+_CONSUMED_PLANS_LOCK = threading.Lock()
+_CONSUMED_PLANS_MAX = 4096
+
+
+def _consume_plan(info: MemStoreSavePlanInfo) -> bool:
+    key = (info.job_id, info.step, info.rank, info.timeline)
+    with _CONSUMED_PLANS_LOCK:
+        if key in _CONSUMED_PLANS:
+            return False
+        _CONSUMED_PLANS[key] = None
+        while len(_CONSUMED_PLANS) > _CONSUMED_PLANS_MAX:
+            _CONSUMED_PLANS.popitem(last=False)
+    return True
+
+
 class MemStoreWriter(StorageWriter):
-    """DCP ``StorageWriter`` saving each rank's items as one memstore shard ``(job_id, step, rank)``.
+    """DCP ``StorageWriter`` saving each rank's items as one memstore shard ``(job_id, step, rank)`` of a per-save timeline.
 
     Args:
         job_id: the training run, ``[A-Za-z0-9._-]{1,128}``.
         step: the step to save; may instead come from ``dcp.save(..., checkpoint_id=step)``
             (an int, its decimal string, or ``"memstore://<job_id>/<step>"``).
         store: address of the store on this host.
-        world_size, rank: the saving group's size and this rank in it. Default: from the default
-            process group if initialized, else 1 / 0. ``rank`` left unset follows DCP's rank.
+        world_size, rank: by default (None) both come from the process group DCP saves with
+            (``dcp.save(..., process_group=...)``, else the default group): the coordinator hands every
+            rank the group's size and its rank in it through the save plan. Passed explicitly they are
+            checked against that group (``InvalidArgumentError`` naming both numbers on a mismatch).
+        overwrite: as ``FileSystemWriter(overwrite=...)`` (default True). False: saving a step that is
+            already restorable raises :class:`CheckpointExistsError` (a ``RuntimeError``, which
+            ``dcp.save`` reports in a ``CheckpointException``) on every rank, before anything is
+            written. True: the save goes on (with a warning from the coordinator, as
+            ``FileSystemWriter`` warns); the old version stays restorable until the new one is complete.
         timeout: deadline of each control call to the store, in seconds.
         wait_for_replication: each rank waits until its shard has R verified copies before DCP goes
             on (default True), so a returned ``dcp.save`` means the step survives a host loss.
         replication_timeout: bound of that wait, in seconds (``TimeoutError`` past it).
         use_shared_memory: passed to ``CheckpointClient`` (default: automatic).
 
+    After ``write_data``, ``world_size``, ``rank`` and ``timeline`` hold what the save used (in the process
+    that ran it: process-mode ``async_save`` runs it in DCP's checkpoint daemon, on a pickled copy).
     Picklable (``async_save`` in process mode): the store connection is created lazily and is not
     part of the pickled state.
     """
@@ -416,6 +509,7 @@ class MemStoreWriter(StorageWriter):
         *,
         world_size: int | None = None,
         rank: int | None = None,
+        overwrite: bool = True,
         timeout: float = 60.0,
         wait_for_replication: bool = True,
         replication_timeout: float = 300.0,
@@ -425,22 +519,27 @@ class MemStoreWriter(StorageWriter):
         problem = job_id_problem(job_id)
         if problem:
             raise InvalidArgumentError(problem)
-        default_world, default_rank = _dist_defaults()
+        if world_size is not None or rank is not None:
+            problem = key_problem(job_id, 0, 0 if rank is None else rank, world_size)
+            if problem:
+                raise InvalidArgumentError(problem)
         self.job_id = job_id
         self.step = None if step is None else _parse_step(step)
         self.store = store
-        self.world_size = default_world if world_size is None else world_size
-        self.rank = default_rank if rank is None else rank
-        self._rank_explicit = rank is not None
-        problem = key_problem(job_id, 0, self.rank, self.world_size)
-        if problem:
-            raise InvalidArgumentError(problem)
+        self.world_size: int | None = world_size  # explicit, else learned from the save plan in write_data
+        self.rank: int | None = rank
+        self._explicit_world_size = world_size
+        self._explicit_rank = rank
+        self.overwrite = overwrite
         self.timeout = timeout
         self.wait_for_replication = wait_for_replication
         self.replication_timeout = replication_timeout
         self.use_shared_memory = use_shared_memory
         self.is_coordinator = False
         self.save_id = uuid.uuid4().hex
+        self.timeline: str | None = None
+        self._dcp_rank: int | None = None
+        self._plan_info: MemStoreSavePlanInfo | None = None
         self._client: CheckpointClient | None = None
         self._staged: dict[str, Any] | None = None
 
@@ -460,6 +559,7 @@ class MemStoreWriter(StorageWriter):
             self.step = parse_checkpoint_id(checkpoint_id, self.job_id)
         self.save_id = uuid.uuid4().hex
         self._staged = None
+        self._plan_info = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -478,32 +578,49 @@ class MemStoreWriter(StorageWriter):
             raise InvalidArgumentError(
                 "MemStoreWriter needs use_collectives=True: a memstore step holds one global metadata, written by the coordinator"
             )
-        dcp_rank = kwargs.get("rank")
-        if dcp_rank is not None and dcp_rank != self.rank:
-            if self._rank_explicit:
-                raise InvalidArgumentError(f"MemStoreWriter(rank={self.rank}) but DCP saves as rank {dcp_rank} of its process group")
-            self.rank = int(dcp_rank)
-        problem = key_problem(self.job_id, 0, self.rank, self.world_size)
-        if problem:
-            raise InvalidArgumentError(f"{problem}; pass world_size= for the process group DCP saves with")
         if self.step is None:
             raise InvalidArgumentError("MemStoreWriter has no step: pass step= or dcp.save(..., checkpoint_id=<step>)")
-        if is_coordinator and self.rank != COORDINATOR_RANK:
-            raise InvalidArgumentError(f"the DCP coordinator must be memstore rank {COORDINATOR_RANK}, got rank {self.rank}")
+        dcp_rank = kwargs.get("rank")
+        if dcp_rank is not None:
+            dcp_rank = int(dcp_rank)
+            if self._explicit_rank is not None and dcp_rank != self._explicit_rank:
+                raise InvalidArgumentError(
+                    f"MemStoreWriter(rank={self._explicit_rank}) but DCP saves as rank {dcp_rank} of its process group"
+                )
+            if self._explicit_world_size is not None and dcp_rank >= self._explicit_world_size:
+                raise InvalidArgumentError(
+                    f"MemStoreWriter(world_size={self._explicit_world_size}) but DCP saves as rank {dcp_rank} of its process group"
+                )
+        rank = dcp_rank if dcp_rank is not None else self._explicit_rank
+        if is_coordinator and rank not in (None, COORDINATOR_RANK):
+            raise InvalidArgumentError(f"the DCP coordinator must be memstore rank {COORDINATOR_RANK}, got rank {rank}")
+        self._dcp_rank = dcp_rank
         self.is_coordinator = is_coordinator
         self._staged = None
+        self._plan_info = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Where FileSystemWriter looks for an existing .metadata: before anything of this save is written.
+        if not self.overwrite or self.is_coordinator:
+            self._check_existing()
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        if len(plans) != self.world_size:
+        world = len(plans)
+        if self._explicit_world_size is not None and self._explicit_world_size != world:
             raise InvalidArgumentError(
-                f"DCP saves with {len(plans)} ranks but MemStoreWriter has world_size {self.world_size}; pass world_size={len(plans)}"
+                f"MemStoreWriter(world_size={self._explicit_world_size}) but DCP saves with {world} ranks (the process group "
+                f"passed to dcp.save); leave world_size unset to take it from that group"
             )
-        return plans
+        step = cast(int, self.step)
+        timeline = _new_timeline()
+        return [
+            dataclasses.replace(plan, storage_data=MemStoreSavePlanInfo(self.job_id, step, world, i, timeline))
+            for i, plan in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        info = self._take_plan_info(plan.storage_data)
         items: dict[str, torch.Tensor | bytes] = {}
         results: list[WriteResult] = []
         for item in plan.items:
@@ -525,9 +642,9 @@ class MemStoreWriter(StorageWriter):
                     value = value.to("cpu")
                 size = value.numel() * value.element_size()
             items[key] = value
-            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=MemStoreStorageInfo(self.rank, key)))
+            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=MemStoreStorageInfo(info.rank, key)))
         if self.is_coordinator:
-            self._staged = items  # saved with the metadata in finish(): a step is visible only once complete
+            self._staged = items  # saved with the metadata in finish(): a save is visible only once complete
         else:
             self._save(items, None)
         return _done(results)
@@ -535,10 +652,11 @@ class MemStoreWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if not self.is_coordinator:
             return
-        if self._staged is None:
+        info = self._plan_info
+        if self._staged is None or info is None:
             raise InvalidArgumentError("MemStoreWriter.finish() called without write_data() on the coordinator")
-        if len(results) != self.world_size:
-            raise InvalidArgumentError(f"finish() got results of {len(results)} ranks, expected world_size {self.world_size}")
+        if len(results) != info.world_size:
+            raise InvalidArgumentError(f"finish() got results of {len(results)} ranks, but the save has {info.world_size}")
         storage_md: dict[MetadataIndex, MemStoreStorageInfo] = {}
         for rank_results in results:
             for wr in rank_results:
@@ -553,26 +671,85 @@ class MemStoreWriter(StorageWriter):
         self._save(staged, encoded)
 
     # -- helpers --------------------------------------------------------------------------------
-    def _get_client(self) -> CheckpointClient:
-        if self._client is None:
+    def _take_plan_info(self, info: Any) -> MemStoreSavePlanInfo:
+        """This rank's part of the save, from the plan the coordinator made; checked against what this writer knows."""
+        if not isinstance(info, MemStoreSavePlanInfo):
+            raise InvalidArgumentError(
+                f"the DCP save plan carries no MemStoreSavePlanInfo (storage_data is {type(info).__qualname__}): the coordinator's "
+                "storage writer is not a MemStoreWriter, or its prepare_global_plan did not run"
+            )
+        if info.job_id != self.job_id or info.step != self.step:
+            raise InvalidArgumentError(
+                f"the DCP coordinator saves step {info.step} of job {info.job_id!r} but this rank's MemStoreWriter saves step "
+                f"{self.step} of job {self.job_id!r}: every rank must save the same job and step (DefaultSavePlanner("
+                "enable_plan_caching=True), which replays an earlier save's plan, is not supported)"
+            )
+        if self._explicit_world_size is not None and self._explicit_world_size != info.world_size:
+            raise InvalidArgumentError(
+                f"MemStoreWriter(world_size={self._explicit_world_size}) but DCP saves with {info.world_size} ranks (the process "
+                "group passed to dcp.save); leave world_size unset to take it from that group"
+            )
+        if self._explicit_rank is not None and self._explicit_rank != info.rank:
+            raise InvalidArgumentError(f"MemStoreWriter(rank={self._explicit_rank}) but DCP saves as rank {info.rank} of its process group")
+        if self._dcp_rank is not None and self._dcp_rank != info.rank:
+            raise InvalidArgumentError(f"DCP saves as rank {self._dcp_rank} but was handed the save plan of rank {info.rank}")
+        problem = key_problem(info.job_id, info.step, info.rank, info.world_size, info.timeline)
+        if problem:
+            raise InvalidArgumentError(f"invalid DCP save plan: {problem}")
+        if not _consume_plan(info):
+            raise InvalidArgumentError(
+                f"rank {info.rank} already wrote step {info.step} of job {info.job_id!r} under timeline {info.timeline!r}: DCP "
+                "replayed an earlier save's plan (DefaultSavePlanner(enable_plan_caching=True) is not supported by MemStoreWriter; "
+                "every save needs a timeline of its own)"
+            )
+        self._plan_info = info
+        self.world_size, self.rank, self.timeline = info.world_size, info.rank, info.timeline
+        return info
+
+    def _check_existing(self) -> None:
+        """FileSystemWriter's overwrite rule: an already restorable step raises unless ``overwrite``; warns if it does."""
+        step = cast(int, self.step)
+        rank = self._dcp_rank if self._dcp_rank is not None else (self._explicit_rank or 0)
+        world = max(rank + 1, self._explicit_world_size or 1)
+        try:
+            existing = self._client_for(rank, world).restore_point(step)
+        except (NotFoundError, NoCheckpointError):
+            existing = None  # a job no store knows yet
+        if existing is None:
+            return
+        if not self.overwrite:
+            raise CheckpointExistsError(
+                f"Checkpoint already exists and self.overwrite=False: step {step} of job {self.job_id!r} is restorable "
+                f"(saved by {existing.world_size} ranks); pass overwrite=True to save a new version of it"
+            )
+        warnings.warn(
+            f"Detected an existing checkpoint: step {step} of job {self.job_id!r}; overwriting since self.overwrite=True "
+            "(the existing version stays restorable until the new one is complete)",
+            stacklevel=2,
+        )
+
+    def _client_for(self, rank: int, world_size: int) -> CheckpointClient:
+        if self._client is None or (self._client.rank, self._client.world_size) != (rank, world_size):
+            self.close()
             self._client = CheckpointClient(
-                self.job_id, self.rank, self.world_size, store=self.store, timeout=self.timeout, use_shared_memory=self.use_shared_memory
+                self.job_id, rank, world_size, store=self.store, timeout=self.timeout, use_shared_memory=self.use_shared_memory
             )
         return self._client
 
     def _save(self, items: dict[str, Any], metadata: dict[str, Any] | None) -> None:
-        step = cast(int, self.step)
+        info = cast(MemStoreSavePlanInfo, self._plan_info)
         shard: dict[str, Any] = {
             "format": SHARD_FORMAT,
             "version": SHARD_VERSION,
-            "step": step,
-            "rank": self.rank,
-            "world_size": self.world_size,
+            "step": info.step,
+            "rank": info.rank,
+            "world_size": info.world_size,
+            "timeline": info.timeline,
             "items": items,
         }
         if metadata is not None:
             shard["metadata"] = metadata
-        handle = self._get_client().save(step, shard)
+        handle = self._client_for(info.rank, info.world_size).save(info.step, shard, timeline=info.timeline)
         if self.wait_for_replication:
             handle.wait(self.replication_timeout)
 
@@ -599,7 +776,7 @@ class MemStoreReader(StorageReader):
 
     Args:
         job_id: the training run.
-        step: the step to load; None (default) = the newest complete step (``latest_step``).
+        step: the step to load; None (default) = the newest restorable step.
             ``dcp.load(..., checkpoint_id=step)`` sets it too.
         store: address of the store on this host; shards of any rank are fetched through it.
         timeout: deadline of each control call to the store, in seconds.
@@ -607,9 +784,17 @@ class MemStoreReader(StorageReader):
             destination tensors anyway).
         use_shared_memory: passed to ``CheckpointClient`` (default: automatic).
 
-    Errors: ``NoCheckpointError`` when the job has no complete step (or is unknown), ``NotFoundError``
-    when the requested step has no metadata (never saved, or its save did not finish),
-    ``CorruptShardError`` when a shard is not a well-formed DCP shard.
+    ``read_metadata`` resolves ``(step, world_size, timeline)`` once (``CheckpointClient.restore_point``:
+    the newest complete version of the step) and every shard is read from exactly that timeline, so a
+    load never mixes two saves of one step. The coordinator passes its resolution to every rank in the
+    load plans (:class:`MemStoreLoadPlanInfo`); a rank that resolved another version (a save completed
+    between the ranks' ``read_metadata``) raises ``NotFoundError`` before reading anything, so ranks
+    never load two different saves either. After it, ``resolved_step``, ``saved_world_size`` and
+    ``resolved_timeline`` say what is read.
+
+    Errors: ``NoCheckpointError`` when the job has no restorable step (or is unknown), ``NotFoundError``
+    when the requested step has no complete version (never saved, or its save did not finish) or was
+    not saved by DCP, ``CorruptShardError`` when a shard is not a well-formed DCP shard.
     """
 
     def __init__(
@@ -635,6 +820,7 @@ class MemStoreReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.resolved_step: int | None = None
         self.saved_world_size: int | None = None
+        self.resolved_timeline: str | None = None
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._client: CheckpointClient | None = None
         self._shards: dict[int, Mapping[str, Any]] = {}
@@ -655,6 +841,7 @@ class MemStoreReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.resolved_step = None
         self.saved_world_size = None
+        self.resolved_timeline = None
         self.storage_data = {}
         self._shards = {}
 
@@ -671,15 +858,15 @@ class MemStoreReader(StorageReader):
     # rank-local metadata only when the parameter is named ``kwargs``; memstore has none, and the retry
     # would only bury the real error under a second one.
     def read_metadata(self, *args: Any, **_kwargs: Any) -> Metadata:
-        step, world_size = self._resolve_step()
-        shard = self._read_shard(step, COORDINATOR_RANK, world_size, metadata=True)
-        saved_world = shard["world_size"]
+        step, world_size, timeline = self._resolve()
+        shard = self._read_shard(step, COORDINATOR_RANK, world_size, timeline, metadata=True)
         metadata = decode_metadata(shard["metadata"])
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         self.resolved_step = step
-        self.saved_world_size = saved_world
+        self.saved_world_size = world_size
+        self.resolved_timeline = timeline
         self._shards = {COORDINATOR_RANK: shard}
         return metadata
 
@@ -692,11 +879,27 @@ class MemStoreReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        # Every rank resolved its version in read_metadata; the coordinator tells them which one it planned
+        # with, so that a save completing between two ranks' read_metadata cannot make them read two saves.
+        if self.resolved_step is None or self.resolved_timeline is None:
+            raise InvalidArgumentError("MemStoreReader.prepare_global_plan() called before read_metadata()")
+        info = MemStoreLoadPlanInfo(self.job_id, self.resolved_step, self.resolved_timeline)
+        return [dataclasses.replace(plan, storage_data=info) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if self.resolved_step is None or self.saved_world_size is None:
+        if self.resolved_step is None or self.saved_world_size is None or self.resolved_timeline is None:
             raise InvalidArgumentError("MemStoreReader.read_data() called before read_metadata()")
+        info = plan.storage_data
+        if isinstance(info, MemStoreLoadPlanInfo) and (info.job_id, info.step, info.timeline) != (
+            self.job_id,
+            self.resolved_step,
+            self.resolved_timeline,
+        ):
+            raise NotFoundError(
+                f"this rank resolved step {self.resolved_step} of job {self.job_id!r} (save {self.resolved_timeline!r}) but the DCP "
+                f"coordinator step {info.step} of job {info.job_id!r} (save {info.timeline!r}): a save completed while the ranks "
+                "started dcp.load; nothing was read, load again"
+            )
         by_rank: dict[int, list[tuple[ReadItem, MemStoreStorageInfo]]] = {}
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
@@ -708,7 +911,9 @@ class MemStoreReader(StorageReader):
                 del self._shards[rank]
         try:
             for rank in sorted(by_rank):  # one shard in memory at a time
-                shard = self._shards.pop(rank, None) or self._read_shard(self.resolved_step, rank, self.saved_world_size)
+                shard = self._shards.pop(rank, None) or self._read_shard(
+                    self.resolved_step, rank, self.saved_world_size, self.resolved_timeline
+                )
                 self._resolve_items(shard, by_rank[rank], planner)
                 del shard
         finally:
@@ -737,54 +942,57 @@ class MemStoreReader(StorageReader):
             target.copy_(source)
             planner.commit_tensor(req, target)
 
-    def _client_for(self, world_size: int) -> CheckpointClient:
-        # Rank 0 is valid in any world; reads name their rank explicitly (``load(rank=...)``).
-        if self._client is None or self._client.world_size != world_size:
+    def _client_for(self, world_size: int | None) -> CheckpointClient:
+        """A client of ``world_size`` ranks (None: any; restore_point does not depend on it).
+
+        Rank 0 is valid in any world; reads name their rank explicitly (``load(rank=...)``).
+        """
+        if self._client is None or (world_size is not None and self._client.world_size != world_size):
             self.close()
             self._client = CheckpointClient(
-                self.job_id, 0, world_size, store=self.store, timeout=self.timeout, use_shared_memory=self.use_shared_memory
+                self.job_id, 0, world_size or 1, store=self.store, timeout=self.timeout, use_shared_memory=self.use_shared_memory
             )
         return self._client
 
-    def _resolve_step(self) -> tuple[int, int]:
-        """(step, world size to read it with): the requested step, or the newest complete one."""
-        if self.step is not None:
-            world = self._client.world_size if self._client is not None else 1  # corrected from rank 0's shard
-            return self.step, world
-        channel = insecure_channel(self.store)
+    def _restore_point(self, step: int | None) -> tuple[int, int, str] | None:
         try:
-            stub = pb_grpc.StoreStub(channel)
-            try:
-                resp = stub.LatestStep(pb.LatestStepRequest(job_id=self.job_id), timeout=self.timeout)
-            except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.NOT_FOUND:
-                    raise NoCheckpointError(f"job {self.job_id!r} has no complete step: {err.details()}") from None
-                _raise_typed(err, "latest_step")
-                raise  # unreachable
-        finally:
-            channel.close()
-        if not resp.found:
-            raise NoCheckpointError(f"job {self.job_id!r} has no complete step: no step has a verified shard for every rank")
-        return int(resp.step), int(resp.world_size)
+            point = self._client_for(None).restore_point(step)
+        except (NotFoundError, NoCheckpointError):
+            return None  # a job no store knows
+        if point is None:
+            return None
+        return int(point.step), int(point.world_size), str(point.timeline)
+
+    def _resolve(self) -> tuple[int, int, str]:
+        """(step, world size, timeline) to read: the requested step's, or the newest restorable step's, complete version."""
+        found = self._restore_point(self.step)
+        if found is not None:
+            return found
+        if self.step is None:
+            raise NoCheckpointError(f"job {self.job_id!r} has no complete step: no step has a verified shard of one save for every rank")
+        raise NotFoundError(
+            f"step {self.step} of job {self.job_id!r} has no DCP metadata: no save of it is complete (rank 0, the coordinator, "
+            f"saves its shard with the metadata last), so the step was never saved or its dcp.save did not finish"
+        )
 
     def latest_step(self) -> int | None:
-        """The step ``dcp.load`` would read with ``step=None``: the newest complete one, or None."""
-        try:
-            return self._resolve_step()[0]
-        except NoCheckpointError:
-            return None
+        """The step ``dcp.load`` would read with ``step=None``: the newest restorable one, or None."""
+        found = self._restore_point(None)
+        return None if found is None else found[0]
 
-    def _read_shard(self, step: int, rank: int, world_size: int, metadata: bool = False) -> Mapping[str, Any]:
+    def _read_shard(self, step: int, rank: int, world_size: int, timeline: str, metadata: bool = False) -> Mapping[str, Any]:
         client = self._client_for(world_size)
         try:
-            shard = client.load(step, rank=rank, zero_copy=self.zero_copy)
+            shard = client.load(step, rank=rank, zero_copy=self.zero_copy, timeline=timeline)
         except NotFoundError as exc:
             if rank == COORDINATOR_RANK:
                 raise NotFoundError(
-                    f"step {step} of job {self.job_id!r} has no DCP metadata: the coordinator's shard (rank {rank}) is in no store, "
-                    f"so the step was never saved or its dcp.save did not finish ({exc})"
+                    f"step {step} of job {self.job_id!r} has no DCP metadata: the coordinator's shard (rank {rank}) of save "
+                    f"{timeline!r} is in no store, so the step was never saved or its dcp.save did not finish ({exc})"
                 ) from None
-            raise NotFoundError(f"step {step} of job {self.job_id!r}: the shard of rank {rank} is missing ({exc})") from None
+            raise NotFoundError(
+                f"step {step} of job {self.job_id!r}: the shard of rank {rank} of save {timeline!r} is missing ({exc})"
+            ) from None
         where = f"step {step} of job {self.job_id!r}, rank {rank}"
         if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT:
             raise NotFoundError(f"{where} was not written by MemStoreWriter (no DCP shard); load it with CheckpointClient.load")
@@ -795,10 +1003,12 @@ class MemStoreReader(StorageReader):
             raise CorruptShardError(f"{where}: malformed DCP shard header")
         if shard.get("step") != step or shard.get("rank") != rank:
             raise CorruptShardError(f"{where}: shard says step {shard.get('step')!r} rank {shard.get('rank')!r}")
+        if shard.get("timeline", timeline) != timeline:  # shards of writers before timelines carry none
+            raise CorruptShardError(f"{where}: shard of save {shard.get('timeline')!r} returned for save {timeline!r}")
         if metadata and "metadata" not in shard:
             raise NotFoundError(f"{where} holds no DCP metadata: it was not saved by the DCP coordinator")
-        if rank != COORDINATOR_RANK and saved_world != world_size:
-            raise CorruptShardError(f"{where}: saved by {saved_world} ranks but rank 0 says {world_size}")
+        if saved_world != world_size:
+            raise CorruptShardError(f"{where}: saved by {saved_world} ranks but the store says the step has {world_size}")
         return shard
 
     def close(self) -> None:

@@ -1,4 +1,7 @@
-"""torch.distributed.checkpoint on memstore: save/load, async (thread + process), resharding 2 -> 1 / 2 -> 4.
+"""torch.distributed.checkpoint on memstore: save/load, async (thread + process), resharding 2 -> 1 / 2 -> 4,
+per-save timelines (an interrupted re-save never mixes with the complete version), world size from the saving
+group, overwrite, legacy ShardedTensor metadata. Behaviour shared with FileSystemWriter/Reader is checked side by
+side in test_dcp_conformance.py.
 
 Multi-rank cases run real gloo process groups on 127.0.0.1 (processes forked from a forkserver, reaped with a
 deadline); DCP's own process-mode checkpoint daemon is spawned by torch and reaped by the worker that owns it.
@@ -9,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -27,13 +31,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from memstore.local_cluster import free_ports
 from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_preloading, run_ranks
 from tests.states import assert_same
 from trainer_client import CheckpointClient
 from trainer_client.dcp import (
+    CheckpointExistsError,
     MemStoreReader,
+    MemStoreSavePlanInfo,
     MemStoreStorageInfo,
     MemStoreWriter,
     decode_metadata,
@@ -202,15 +209,80 @@ def _async_process_worker(rank: int, addr: str, job: str, step: int, port: int) 
         dist.destroy_process_group()
 
 
+class _CoordinatorDiesInFinish(MemStoreWriter):
+    """Every rank writes its shard of the new save, then the coordinator fails in finish(): rank 0's shard never lands."""
+
+    def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
+        if self.is_coordinator:
+            raise RuntimeError("coordinator lost in finish()")
+        super().finish(metadata, results)
+
+
+def _resave_worker(rank: int, addr: str, job: str, port: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    _init_group(rank, 2, port)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        old = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+        new = -old - 1
+
+        def state(full: torch.Tensor) -> dict[str, Any]:  # rows 0-2 in rank 0's shard, rows 3-5 in rank 1's
+            return {"w": distribute_tensor(full, mesh, [Shard(0)]), "tag": f"rank{rank}"}
+
+        def load_full() -> tuple[torch.Tensor, MemStoreReader]:
+            target: dict[str, Any] = {"w": distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)]), "tag": ""}
+            reader = MemStoreReader(job, 5, store=addr)
+            dcp.load(target, storage_reader=reader)
+            return target["w"].full_tensor(), reader
+
+        first = MemStoreWriter(job, 5, store=addr)
+        dcp.save(state(old), storage_writer=first)
+        interrupted = _CoordinatorDiesInFinish(job, 5, store=addr)
+        with pytest.raises(CheckpointException, match="coordinator lost in finish"):
+            dcp.save(state(new), storage_writer=interrupted)  # every rank sees the coordinator's failure
+        assert first.timeline and interrupted.timeline and first.timeline != interrupted.timeline
+
+        full, reader = load_full()
+        assert reader.resolved_timeline == first.timeline, (reader.resolved_timeline, first.timeline)
+        assert _bits_equal(full, old), f"rank {rank}: a load of step 5 mixed saves:\n{full}"  # never rank 0 old + rank 1 new
+        with CheckpointClient(job, rank, 2, store=addr) as client:
+            point = client.restore_point(5)
+            assert point is not None and point.timeline == first.timeline
+            if rank == 1:  # the interrupted save's half is in the store, under its own timeline only
+                mine = client.load(5, rank=1, timeline=interrupted.timeline)
+                assert all(_bits_equal(v, new[3:]) for v in mine["items"].values() if isinstance(v, torch.Tensor))
+        dist.barrier()
+
+        completed = MemStoreWriter(job, 5, store=addr)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overwriting since overwrite=True": that is the point here
+            dcp.save(state(new), storage_writer=completed)
+        full, reader = load_full()
+        assert reader.resolved_timeline == completed.timeline and _bits_equal(full, new), f"rank {rank}: newest complete save not read"
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------
 # single-process DCP protocol driver: N "ranks" in this process, each step of dcp.save by hand
 # ---------------------------------------------------------------------------------------------
 
 
-def _drive_save(job: str, step: int, addr: str, states: list[dict[str, Any]], *, finish: bool = True) -> None:
+def _drive_save(
+    job: str, step: int, addr: str, states: list[dict[str, Any]], *, finish: bool = True, explicit: bool = False, **writer_kwargs: Any
+) -> str:
+    """Run dcp.save's protocol for ``len(states)`` ranks; returns the save's timeline.
+
+    ``explicit``: writers get ``world_size=`` / ``rank=``; else they learn both from the coordinator's plan.
+    """
     world = len(states)
     planners = [DefaultSavePlanner() for _ in range(world)]
-    writers = [MemStoreWriter(job, step, store=addr, world_size=world, rank=r) for r in range(world)]
+    if explicit:
+        writers = [MemStoreWriter(job, step, store=addr, world_size=world, rank=r, **writer_kwargs) for r in range(world)]
+    else:
+        writers = [MemStoreWriter(job, step, store=addr, **writer_kwargs) for r in range(world)]
     local_plans = []
     for r in range(world):
         planners[r].set_up_planner(states[r], storage_meta=writers[r].storage_meta(), is_coordinator=r == 0)
@@ -223,10 +295,14 @@ def _drive_save(job: str, step: int, addr: str, states: list[dict[str, Any]], *,
         fut = writers[r].write_data(planners[r].finish_plan(global_plans[r]), planners[r])
         fut.wait()
         results.append(fut.value())
+        assert (writers[r].world_size, writers[r].rank) == (world, r)
     if finish:
         writers[0].finish(metadata, results)
     for w in writers:
         w.close()
+    timeline = writers[0].timeline
+    assert timeline is not None and all(w.timeline == timeline for w in writers)
+    return timeline
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,8 +321,10 @@ def test_save_load_round_trip_bit_exact(make_cluster) -> None:  # type: ignore[n
 
     with CheckpointClient(job, 0, 1, store=addr) as client:
         assert client.latest_step() == 4
+        point = client.restore_point(4)
         raw = client.load(4, rank=0)  # the shard itself: tensors stay tensors, metadata is plain data
-    assert raw["format"] == "memstore-dcp" and raw["world_size"] == 1
+    assert point is not None and point.timeline == writer.timeline and point.timeline.startswith("dcp-")
+    assert raw["format"] == "memstore-dcp" and raw["world_size"] == 1 and raw["timeline"] == writer.timeline
     assert any(isinstance(v, torch.Tensor) for v in raw["items"].values())
     assert any(isinstance(v, bytes) for v in raw["items"].values())
     json.dumps(raw["metadata"])  # no objects in there: pure JSON-able data
@@ -313,22 +391,156 @@ def test_metadata_safe_encoding_round_trip_and_rejection() -> None:
     with pytest.raises(InvalidArgumentError, match="names job 'other'"):
         parse_checkpoint_id("memstore://other/7", "j")
     assert MemStoreWriter.validate_checkpoint_id("memstore://j/7") and not MemStoreReader.validate_checkpoint_id("/tmp/ckpt")
-    clone = pickle.loads(pickle.dumps(MemStoreWriter("j", 3, store="127.0.0.1:1", world_size=4, rank=2)))
-    assert (clone.job_id, clone.step, clone.world_size, clone.rank, clone._client) == ("j", 3, 4, 2, None)
+    clone = pickle.loads(pickle.dumps(MemStoreWriter("j", 3, store="127.0.0.1:1", world_size=4, rank=2, overwrite=False)))
+    assert (clone.job_id, clone.step, clone.world_size, clone.rank, clone.overwrite, clone._client) == ("j", 3, 4, 2, False, None)
+    info = MemStoreSavePlanInfo("j", 3, 4, 2, "dcp-0123456789abcdef-00ff00ff")  # DCP pickles plans (collectives, checkpoint daemon)
+    assert pickle.loads(pickle.dumps(info)) == info
+    with pytest.raises(InvalidArgumentError, match=r"rank 4 is invalid.*world_size \(4\)"):
+        MemStoreWriter("j", 3, world_size=4, rank=4)
+
+
+def test_metadata_with_legacy_sharded_tensor_properties_round_trips() -> None:
+    """DCP metadata of older torch holds _shard.sharded_tensor.metadata.TensorProperties: never pickled, the same class back."""
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as LegacyTensorProperties
+
+    legacy = LegacyTensorProperties(dtype=torch.float16, requires_grad=True, memory_format=torch.channels_last, pin_memory=False)
+    md = Metadata(
+        state_dict_metadata={
+            "st": TensorStorageMetadata(
+                properties=legacy,  # type: ignore[arg-type]
+                size=torch.Size([4, 2]),
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([4, 2]))],
+            ),
+            "t": TensorStorageMetadata(properties=TensorProperties(dtype=torch.int8), size=torch.Size([1]), chunks=[]),
+        },
+        storage_data={MetadataIndex("st", [0, 0]): MemStoreStorageInfo(0, "st|0,0|")},
+    )
+    encoded = encode_metadata(md)
+    assert encoded["state_dict_metadata"]["items"][0][1]["properties"]["__dcp__"] == "ShardedTensorProperties"
+    decoded = decode_metadata(json.loads(json.dumps(encoded)))
+    assert decoded == md
+    props = decoded.state_dict_metadata["st"].properties  # type: ignore[union-attr]
+    assert type(props) is LegacyTensorProperties and props.memory_format == torch.channels_last and props.requires_grad
+    assert type(decoded.state_dict_metadata["t"].properties) is TensorProperties  # type: ignore[union-attr]
+    # the tag builds that class only, with exactly its fields
+    bad = json.loads(json.dumps(encoded))
+    bad["state_dict_metadata"]["items"][0][1]["properties"]["extra"] = 1
+    with pytest.raises(CorruptShardError, match="ShardedTensorProperties has fields"):
+        decode_metadata(bad)
+
+
+def test_world_size_and_rank_come_from_the_saving_group(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    """Writers without world_size/rank learn them from the coordinator's plans; explicit ones must agree with the group."""
+    cluster = make_cluster(hosts=2, replicas=2)
+    addr, job = cluster.address("h0"), "dcp-world"
+    states = [_train_state(r) for r in range(3)]
+    timeline = _drive_save(job, 5, addr, states)  # three "ranks" in a process without a process group
+    with CheckpointClient(job, 0, 3, store=addr) as client:
+        point = client.restore_point()
+        assert point is not None and (point.step, point.world_size, point.timeline) == (5, 3, timeline)
+        assert [client.load(5, rank=r)["rank"] for r in range(3)] == [0, 1, 2]
+
+    with pytest.raises(InvalidArgumentError, match=r"MemStoreWriter\(world_size=4\) but DCP saves with 3 ranks"):
+        _drive_save(job, 6, addr, states, world_size=4)  # the coordinator checks the number of plans
+    writer = MemStoreWriter(job, 6, store=addr, world_size=2)  # a non-coordinator checks the plan it is handed
+    writer.set_up_storage_writer(False, rank=1, use_collectives=True)
+    plan = SavePlan([], storage_data=MemStoreSavePlanInfo(job, 6, 3, 1, "dcp-x"))
+    with pytest.raises(InvalidArgumentError, match=r"MemStoreWriter\(world_size=2\) but DCP saves with 3 ranks"):
+        writer.write_data(plan, DefaultSavePlanner())
+    other = MemStoreWriter(job, 7, store=addr)
+    other.set_up_storage_writer(False, rank=1, use_collectives=True)
+    with pytest.raises(InvalidArgumentError, match=r"coordinator saves step 6 .* this rank's MemStoreWriter saves step 7"):
+        other.write_data(plan, DefaultSavePlanner())
+
+
+def test_overwrite_false_refuses_a_restorable_step(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(hosts=2, replicas=2)
+    addr, job = cluster.address("h1"), "dcp-overwrite"
+    first, second = {"w": torch.arange(6.0)}, {"w": torch.arange(6.0) * 2}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dcp.save(first, storage_writer=MemStoreWriter(job, 3, store=addr, overwrite=False))
+    assert not [w for w in seen if "existing checkpoint" in str(w.message)]  # nothing to warn about: the step is new
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(second, storage_writer=MemStoreWriter(job, 3, store=addr, overwrite=False))
+    ((failure, _traceback),) = info.value.failures.values()  # DCP keeps (exception, traceback) per failed rank
+    assert isinstance(failure, CheckpointExistsError) and isinstance(failure, RuntimeError)
+    assert "Checkpoint already exists" in str(failure) and "step 3 of job 'dcp-overwrite'" in str(failure)
+    loaded = {"w": torch.zeros(6)}
+    dcp.load(loaded, storage_reader=MemStoreReader(job, 3, store=addr))
+    assert torch.equal(loaded["w"], first["w"])  # the refused save wrote nothing
+
+    with pytest.warns(UserWarning, match=r"existing checkpoint: step 3 of job 'dcp-overwrite'"):
+        dcp.save(second, storage_writer=MemStoreWriter(job, 3, store=addr))  # overwrite=True, FileSystemWriter's default
+    dcp.load(loaded, storage_reader=MemStoreReader(job, 3, store=addr))
+    assert torch.equal(loaded["w"], second["w"])
+    _drive_save(job, 4, addr, [{"x": torch.ones(2)}, {"x": torch.ones(2)}], overwrite=False)
+    with pytest.raises(CheckpointExistsError, match="step 4 of job 'dcp-overwrite'"):
+        _drive_save(job, 4, addr, [{"x": torch.ones(2)}, {"x": torch.ones(2)}], overwrite=False)
+
+
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_ranks_that_resolved_different_saves_read_nothing(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    """A re-save completing between two ranks' read_metadata: the coordinator's version wins, the other rank reads nothing."""
+    cluster = make_cluster(hosts=1, replicas=1)
+    addr, job = cluster.address("h0"), "dcp-load-race"
+    dcp.save({"w": torch.ones(4)}, storage_writer=MemStoreWriter(job, 3, store=addr))
+    readers = [MemStoreReader(job, 3, store=addr), MemStoreReader(job, 3, store=addr)]
+    metadata = [readers[0].read_metadata()]  # rank 0 (the coordinator) resolves the first save...
+    dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=MemStoreWriter(job, 3, store=addr))
+    metadata.append(readers[1].read_metadata())  # ...rank 1 the second
+    assert readers[0].resolved_timeline != readers[1].resolved_timeline
+
+    states = [{"w": torch.zeros(4)}, {"w": torch.zeros(4)}]
+    planners = [DefaultLoadPlanner(), DefaultLoadPlanner()]
+    for r in range(2):
+        planners[r].set_up_planner(states[r], metadata[r], r == 0)
+        readers[r].set_up_storage_reader(metadata[r], r == 0, rank=r)
+    plans = planners[0].create_global_plan([p.create_local_plan() for p in planners])
+    plans = readers[0].prepare_global_plan(plans)
+    readers[0].read_data(planners[0].finish_plan(plans[0]), planners[0]).wait()
+    assert torch.equal(states[0]["w"], torch.ones(4))
+    with pytest.raises(NotFoundError, match=r"a save completed while the ranks started dcp\.load"):
+        readers[1].read_data(planners[1].finish_plan(plans[1]), planners[1])
+    assert torch.equal(states[1]["w"], torch.zeros(4))  # nothing of the other save was read
+    for reader in readers:
+        reader.close()
+
+
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_replayed_save_plan_is_refused(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    """DefaultSavePlanner(enable_plan_caching=True) replays an earlier save's plan (its timeline): refused, never mixed."""
+    cluster = make_cluster(hosts=1, replicas=1)
+    addr, job = cluster.address("h0"), "dcp-plan-cache"
+    state = {"w": torch.arange(4.0)}
+    try:
+        dcp.save(state, storage_writer=MemStoreWriter(job, 1, store=addr), planner=DefaultSavePlanner(enable_plan_caching=True))
+        with pytest.raises(CheckpointException, match="enable_plan_caching"):  # same step: the earlier save's timeline
+            dcp.save(state, storage_writer=MemStoreWriter(job, 1, store=addr), planner=DefaultSavePlanner(enable_plan_caching=True))
+        with pytest.raises(CheckpointException, match="enable_plan_caching"):  # another step: the earlier save's step
+            dcp.save(state, storage_writer=MemStoreWriter(job, 2, store=addr), planner=DefaultSavePlanner(enable_plan_caching=True))
+    finally:
+        for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
+                      SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan):  # fmt: skip
+            cache.pop(DefaultSavePlanner.__name__, None)
+    with CheckpointClient(job, 0, 1, store=addr) as client:
+        point = client.restore_point()
+        assert point is not None and point.step == 1
 
 
 def test_only_a_complete_step_is_visible(make_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = make_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h0"), "dcp-incomplete"
     old, new = _train_state(1), _train_state(2)
-    _drive_save(job, 1, addr, [old, old])  # two ranks, dcp.save's protocol by hand
-    _drive_save(job, 2, addr, [new, new], finish=False)  # both wrote; the coordinator's finish() never ran
+    _drive_save(job, 1, addr, [old, old], explicit=True)  # two ranks, dcp.save's protocol by hand
+    unfinished = _drive_save(job, 2, addr, [new, new], finish=False)  # both wrote; the coordinator's finish() never ran
 
     with CheckpointClient(job, 1, 2, store=addr) as client:
         assert client.latest_step() == 1
-        client.load(2, rank=1)  # rank 1's half of step 2 does exist...
+        assert client.restore_point(2) is None
+        client.load(2, rank=1, timeline=unfinished)  # rank 1's half of step 2 does exist...
         with pytest.raises(NotFoundError):
-            client.load(2, rank=0)  # ...but the coordinator's shard (data + metadata) does not
+            client.load(2, rank=0, timeline=unfinished)  # ...but the coordinator's shard (data + metadata) does not
 
     reader = MemStoreReader(job, store=addr)
     loaded = _blank_like(old)
@@ -401,3 +613,9 @@ def test_resharding_two_ranks_to_one_and_four(make_cluster, forkserver) -> None:
 
     # 2 -> 4: DTensor Shard(0) over four gloo ranks (uneven: 3, 3, 3, 1 rows)
     run_ranks(_load_sharded_worker, 4, addr, job, free_ports(1)[0])
+
+
+def test_interrupted_resave_keeps_the_complete_version(make_cluster, forkserver) -> None:  # type: ignore[no-untyped-def]
+    """Two gloo ranks re-save step 5, the coordinator fails in finish(): every rank still loads the old values of step 5."""
+    cluster = make_cluster(hosts=2, replicas=2)
+    run_ranks(_resave_worker, 2, cluster.address("h0"), "dcp-resave", free_ports(1)[0])

@@ -1,6 +1,7 @@
 """Run the memstore benchmark: ``python benchmarks/bench.py [--size 1GiB] [--json out.json]``.
 
-Same as ``memstore bench``; see memstore/bench.py for what is measured. Examples::
+Same as ``memstore bench`` (and ``python -m memstore.bench``); the code and what is measured are in the package
+``memstore/bench/``. Examples::
 
     python benchmarks/bench.py                                   # headline: 1 GiB on one rank, 2 hosts, R=2
     python benchmarks/bench.py --json docs/bench/run.json        # + raw numbers, and the figures in docs/bench/run.png

@@ -21,19 +21,9 @@ from pathlib import Path
 
 import grpc
 
+from memstore.devtools.children import child_env
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
-
-
-def die_with_parent() -> None:
-    """preexec_fn: the child gets SIGKILL when the process that started it dies (Linux), so a killed
-    test run or demo never leaves stores behind."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -136,10 +126,8 @@ class LocalCluster:
     def _spawn(self, host_id: str) -> None:
         sp = self.stores[host_id]
         log = open(sp.log_path, "ab")  # noqa: SIM115 - owned by the child's lifetime
-        env = {**os.environ, **(self.env or {}), **sp.env}
-        sp.proc = subprocess.Popen(
-            sp.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=die_with_parent
-        )
+        env = {**os.environ, **(self.env or {}), **sp.env, **child_env()}
+        sp.proc = subprocess.Popen(sp.args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
 
     def health(self, host_id: str, timeout: float = 1.0) -> pb.HealthResponse | None:

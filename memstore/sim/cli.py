@@ -1,7 +1,9 @@
 """``memstore simulate``: ETTR and wasted GPU-hours of memstore vs remote-storage checkpoints at scale.
 
-Wired into ``memstore.cli`` as ``memstore simulate ...`` -> :func:`main` with the remaining arguments.
-Bad flags print ``memstore simulate: error: ...`` naming the flag and return exit code 2.
+:func:`add_arguments` and :func:`run` are the command (``memstore.cli.simulate`` wires them into ``memstore``);
+:func:`main` parses a list of arguments itself. Bad flags print the usage and ``memstore simulate: error: ...``
+naming the flag, exit code 2: argparse's own checks, and :func:`run`'s checks of the flags together, which raise
+:class:`argparse.ArgumentError` for the parser to report.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ DEFAULT_HOSTS = "16,128,1000,4096,16384"
 MAX_HOSTS = 1 << 18
 #: Upper bound on failure events simulated in one invocation (all host counts, all trials, one strategy).
 MAX_EVENTS = 5_000_000
+#: The flags' defaults (a configuration's fields; the host count is a placeholder).
+DEFAULTS = SimConfig(hosts=16)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -108,17 +112,32 @@ def _interval(text: str) -> float | None:
 # --------------------------------------------------------------------------------------------------
 
 
+DESCRIPTION = (
+    "Seeded scale simulator: replays one Poisson failure trace per trial against memstore (checkpoint to peer RAM "
+    "every iteration, spill to storage in the background) and a baseline (checkpoint to remote storage every X "
+    "minutes), and reports ETTR and wasted GPU-hours. See docs/simulator.md."
+)
+#: The help shows every flag's default.
+FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = SimConfig(hosts=16)  # the defaults
-    p = argparse.ArgumentParser(
-        prog="memstore simulate",
-        description=(
-            "Seeded scale simulator: replays one Poisson failure trace per trial against memstore (checkpoint to peer RAM "
-            "every iteration, spill to storage in the background) and a baseline (checkpoint to remote storage every X "
-            "minutes), and reports ETTR and wasted GPU-hours. See docs/simulator.md."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = argparse.ArgumentParser(prog="memstore simulate", description=DESCRIPTION, formatter_class=FORMATTER)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every ``memstore simulate`` flag, in groups."""
+    _add_job_arguments(p)
+    _add_failure_arguments(p)
+    _add_memstore_arguments(p)
+    _add_baseline_arguments(p)
+    _add_output_arguments(p)
+
+
+def _add_job_arguments(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
     g = p.add_argument_group("job")
     g.add_argument("--hosts", type=_host_list, default=DEFAULT_HOSTS, metavar="N[,N...]", help="host counts to sweep")
     g.add_argument("--gpus-per-host", type=_positive_int, default=d.gpus_per_host, help="GPUs per host")
@@ -133,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-gb-per-host", type=_positive_float, default=None, help="checkpoint size per host instead (total grows with --hosts)"
     )
 
+
+def _add_failure_arguments(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
     g = p.add_argument_group("failures")
     rate = g.add_mutually_exclusive_group()
     rate.add_argument(
@@ -160,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--burst-hosts", type=_positive_int, default=d.burst_hosts, help="hosts lost in a correlated failure (rack / switch)")
     g.add_argument("--restart-seconds", type=_nonnegative_float, default=d.restart_seconds, help="detection + job restart per failure")
 
+
+def _add_memstore_arguments(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
     g = p.add_argument_group("memstore")
     g.add_argument(
         "--memstore-stall-seconds", type=_nonnegative_float, default=d.memstore_stall_seconds, help="training stall per RAM checkpoint"
@@ -171,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--spill-every-minutes", type=_positive_float, default=d.spill_every_minutes, help="background spill to durable storage every H"
     )
 
+
+def _add_baseline_arguments(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
     g = p.add_argument_group("baseline (remote storage)")
     g.add_argument("--storage-gbps", type=_positive_float, default=d.storage_gbps, help="aggregate remote storage bandwidth of the job")
     g.add_argument(
@@ -187,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of the storage write hidden from training (0 = the whole write stalls)",
     )
 
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
     g = p.add_argument_group("run and output")
     g.add_argument("--seed", type=_int, default=d.seed, help="random seed (same seed, same result)")
     g.add_argument("--trials", type=_positive_int, default=20, help="independent failure traces per host count")
@@ -194,7 +225,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plot", metavar="PATH.png", default=None, help="write ETTR / wasted GPU-hours plots (matplotlib)")
     g.add_argument("--markdown", metavar="PATH", default=None, help="write the tables as Markdown")
     g.add_argument("--no-table", action="store_true", help="don't print the tables")
-    return p
 
 
 # --------------------------------------------------------------------------------------------------
@@ -202,12 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------------
 
 
-def _rate_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Callable[[int], float], dict[str, Any]]:
+def _usage_error(message: str) -> argparse.ArgumentError:
+    """A problem with the flags together: the parser reports it (usage, ``memstore simulate: error: ...``, exit code 2)."""
+    return argparse.ArgumentError(None, message)
+
+
+def _rate_model(args: argparse.Namespace) -> tuple[Callable[[int], float], dict[str, Any]]:
     """(host count -> per-GPU failure rate, description for the report)."""
     gph = args.gpus_per_host
     if args.mttf_hours is None and args.failures_per_day is None:
         if args.rate_at_hosts is not None:
-            parser.error("--rate-at-hosts only applies with --mttf-hours or --failures-per-day")
+            raise _usage_error("--rate-at-hosts only applies with --mttf-hours or --failures-per-day")
         data = FAILURE_DATA[args.failure_data or DEFAULT_FAILURE_DATA]
         rate = data.failures_per_gpu_hour
         return (lambda n: rate), {
@@ -233,14 +268,14 @@ def _rate_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tu
     }
 
 
-def configs_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[SimConfig], dict[str, Any]]:
-    """One :class:`SimConfig` per host count, plus the parameters for the JSON; ``parser.error`` on bad input."""
+def configs_from_args(args: argparse.Namespace) -> tuple[list[SimConfig], dict[str, Any]]:
+    """One :class:`SimConfig` per host count, plus the parameters for the JSON; :class:`argparse.ArgumentError` on bad input."""
     if args.checkpoint_gb is not None and args.checkpoint_gb_per_host is not None:
-        parser.error("give either --checkpoint-gb or --checkpoint-gb-per-host, not both")
+        raise _usage_error("give either --checkpoint-gb or --checkpoint-gb-per-host, not both")
     too_few = [n for n in args.hosts if n < args.replicas]
     if too_few:
-        parser.error(f"--replicas {args.replicas} is more than --hosts {too_few[0]} (replicas counts the owner's own copy)")
-    rate_for, rate_info = _rate_model(args, parser)
+        raise _usage_error(f"--replicas {args.replicas} is more than --hosts {too_few[0]} (replicas counts the owner's own copy)")
+    rate_for, rate_info = _rate_model(args)
     configs: list[SimConfig] = []
     for n in args.hosts:
         if args.checkpoint_gb_per_host is not None:
@@ -271,10 +306,10 @@ def configs_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser)
         try:
             configs.append(SimConfig(**fields))
         except ValueError as exc:  # validate_config's messages name the flags
-            parser.error(str(exc))
+            raise _usage_error(str(exc)) from None
     events = sum(c.job_failures_per_day * c.days * c.trials for c in configs)
     if events > MAX_EVENTS:
-        parser.error(
+        raise _usage_error(
             f"about {events:,.0f} failure events to simulate (more than {MAX_EVENTS:,}): lower --failures-per-day / raise --mttf-hours, "
             "or reduce --days, --trials or --hosts"
         )
@@ -313,29 +348,53 @@ def title_of(parameters: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) as ``memstore simulate`` flags and run; the exit code (2: bad flags)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-        configs, parameters = configs_from_args(args, parser)
+        return run(parser.parse_args(sys.argv[1:] if argv is None else argv))
+    except argparse.ArgumentError as exc:
+        try:
+            parser.error(str(exc))
+        except SystemExit as usage:
+            return _exit_code(usage)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+        return _exit_code(exc)
 
+
+def _exit_code(exc: SystemExit) -> int:
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``memstore simulate`` with flags parsed by a parser :func:`add_arguments` filled; the exit code.
+
+    Raises :class:`argparse.ArgumentError` if the flags do not fit together (before simulating anything).
+    """
+    configs, parameters = configs_from_args(args)
     started = time.perf_counter()
     points: list[PointResult] = [run_point(cfg) for cfg in configs]
     elapsed = time.perf_counter() - started
     title = title_of(parameters)
-
     if not args.no_table:
-        from rich.console import Console
+        _print_tables(points, title, f"{sum(c.trials for c in configs)} traces simulated in {elapsed:.2f} s")
+    return _write_outputs(args, points, parameters, title)
 
-        console = Console()
-        if not console.is_terminal:  # piped / captured: don't squeeze the table into 80 columns
-            console = Console(width=200)
-        from memstore.sim.report import render_derived, render_table
 
-        render_table(points, console, title)
-        render_derived(points, console)
-        console.print(f"[dim]{sum(c.trials for c in configs)} traces simulated in {elapsed:.2f} s[/]")
+def _print_tables(points: list[PointResult], title: str, footer: str) -> None:
+    from rich.console import Console
+
+    from memstore.sim.report import render_derived, render_table
+
+    console = Console()
+    if not console.is_terminal:  # piped / captured: don't squeeze the table into 80 columns
+        console = Console(width=200)
+    render_table(points, console, title)
+    render_derived(points, console)
+    console.print(f"[dim]{footer}[/]")
+
+
+def _write_outputs(args: argparse.Namespace, points: list[PointResult], parameters: dict[str, Any], title: str) -> int:
+    """--json, --markdown and --plot; the exit code (1: --plot without matplotlib)."""
     if args.json:
         from memstore.sim.report import to_json, write_json
 

@@ -42,7 +42,7 @@ def test_long_chaos_runs(tmp_path, seed: int) -> None:  # type: ignore[no-untype
 def test_chaos_schedule_is_reproducible() -> None:
     import random
 
-    from memstore.chaos import _schedule
+    from memstore.devtools.chaos import _schedule
 
     assert _schedule(random.Random(7), 30, 4, 4) == _schedule(random.Random(7), 30, 4, 4)
     assert _schedule(random.Random(7), 30, 4, 4) != _schedule(random.Random(8), 30, 4, 4)

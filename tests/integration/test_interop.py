@@ -286,9 +286,9 @@ def test_export_plain_steps_from_cluster_and_durable_storage_and_errors(make_clu
 def test_export_hook_never_breaks_the_spill(tmp_path, caplog, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The spiller's interop calls log failures and go on; the DCP check is on the header bytes only."""
     from memstore.core.spill_policy import RetentionPolicy
+    from memstore.errors import SpillUnreachable
     from memstore.spill import dcp_export
     from memstore.spill.spiller import Spiller
-    from memstore.errors import SpillUnreachable
     from memstore.spill.storage import Durable
     from trainer_client import serialization
 

@@ -25,8 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memstore.devtools.children import child_env
 from memstore.errors import DemoFailure
-from memstore.local_cluster import LocalCluster, die_with_parent, free_ports
+from memstore.local_cluster import LocalCluster, free_ports
+
+#: The trainer rank, started as ``python -m WORKER``.
+WORKER = "memstore.devtools.demo_worker"
 
 
 def _say(msg: str) -> None:
@@ -45,7 +49,7 @@ class _Job:
         self.procs: list[subprocess.Popen[bytes]] = []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         for r in range(ranks):
-            args = [sys.executable, "-m", "memstore.demo_worker", "--rank", str(r), "--world", str(ranks), "--master-port", str(port),
+            args = [sys.executable, "-m", WORKER, "--rank", str(r), "--world", str(ranks), "--master-port", str(port),
                     "--steps", str(steps), "--model-size", model_size, "--progress", str(self.progress),
                     "--out", str(self.workdir / f"rank{r}.json")]  # fmt: skip
             if stores is not None:
@@ -53,7 +57,7 @@ class _Job:
             if resume:
                 args.append("--resume")
             log = open(self.workdir / f"rank{r}.log", "wb")  # noqa: SIM115
-            self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent))
+            self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**env, **child_env()}))
             log.close()
 
     def events(self) -> list[dict[str, Any]]:

@@ -1,30 +1,22 @@
-"""``memstore chaos``: a real DDP training job under seeded random SIGKILLs must end bit-identical.
+"""The chaos run behind ``memstore chaos``: a real DDP training job under seeded random SIGKILLs must end bit-identical.
 
-The job (the demo's tiny transformer LM, W ranks over N hosts, one store per host, R=2, a durable
-tier on a local directory) runs once without faults as the reference. Then it runs again while a
-seeded schedule SIGKILLs, at random steps, either a store (its host's RAM is gone; a replacement
-starts empty), a store process alone ("crash": the host and its shared memory survive; the restart
-adopts its verified segments), a trainer rank (the job restarts), or both stores of a group at once
-(RAM copies of that group are gone: recovery must come from the durable tier). After every fault the job is
-restarted the way a scheduler would: every rank restores ``latest_step()`` and trains on.
-
-At the end the loss curve and the final weights of every rank must equal the reference bit for
-bit. The report lists every fault, the step each restart resumed from and where every rank's
-state came from (local RAM, peer RAM, durable storage). The same seed gives the same schedule.
+A reference run without faults, then the same job while a seeded schedule (:func:`_schedule`) SIGKILLs stores,
+store processes alone (their shared memory survives), trainer ranks or whole groups; after each fault the job
+restarts from ``latest_step()``. The loss curve and final weights must equal the reference bit for bit. What the
+command does, for users, and its flags: :mod:`memstore.cli.chaos` (``memstore chaos --help``).
 """
 
 from __future__ import annotations
 
 import json
 import random
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memstore.demo import _Job, _progress_until
+from memstore.devtools.demo import _Job, _progress_until
 from memstore.errors import DemoFailure
 from memstore.local_cluster import LocalCluster
 
@@ -160,25 +152,3 @@ def _print(report: ChaosReport) -> None:
     print(f"  restore tiers of the last restart, all ranks: {report.tiers}")
     print(f"  faults injected {len(report.faults)}, steps lost 0, mixed restores {report.mixed_restores}, hangs {report.hangs}")
     print("OK: bit-identical to the fault-free run" if report.ok else "FAILED: the final state differs from the fault-free run")
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="memstore chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hosts", type=int, default=4)
-    p.add_argument("--ranks", type=int, default=None)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--faults", type=int, default=4)
-    p.add_argument("--model-size", choices=["tiny", "small", "medium"], default="tiny")
-    p.add_argument("--report", default=None, help="write the report as JSON here")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds any phase may take before the run counts as hung")
-    args = p.parse_args(argv)
-    return run_chaos(
-        args.seed, args.hosts, args.ranks, args.steps, args.faults, args.model_size, timeout=args.timeout, report_path=args.report
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -35,12 +35,17 @@ import itertools
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memstore.errors import ExportFailed
 from memstore.v1.keys import job_id_problem
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+HELP = "write one step as a standard torch.save file (from a cluster or durable storage)"
 
 
 @dataclass
@@ -75,16 +80,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--spill", metavar="URL", help="read from durable storage (the stores' --spill URL), no store needed")
     p.add_argument("--spill-options", default="", metavar="OPTS", help="fsspec options for --spill (JSON or KEY=VALUE,...)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the store to answer (--store)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="memstore export", description="Write one step of a checkpoint as a standard torch.save file.")
-    add_arguments(p)
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return run(build_parser().parse_args(sys.argv[1:] if argv is None else list(argv)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -212,7 +207,6 @@ def build_output(found: Step) -> tuple[Any, str]:
 
 def consolidate_dcp(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The full state dict of a DCP step from its ranks' MemStoreWriter shards (DCP's metadata says where all is)."""
-    import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
     from trainer_client.dcp import MemStoreStorageInfo, decode_metadata
@@ -238,31 +232,46 @@ def consolidate_dcp(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for fqn, md in metadata.state_dict_metadata.items():
         value: Any
         if isinstance(md, BytesStorageMetadata):
-            raw = item(MetadataIndex(fqn))
-            if not isinstance(raw, (bytes, bytearray)):
-                raise ExportFailed(f"DCP item {fqn!r}: expected bytes, found {type(raw).__qualname__}")
-            try:
-                value = torch.load(io.BytesIO(raw), weights_only=True)
-            except Exception as exc:
-                raise ExportFailed(
-                    f"DCP value {fqn!r} cannot be loaded with torch.load(weights_only=True) (memstore never unpickles arbitrary "
-                    f"objects): {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                ) from None
+            value = _load_bytes_value(fqn, item(MetadataIndex(fqn)))
         elif isinstance(md, TensorStorageMetadata):
-            value = torch.empty(md.size, dtype=md.properties.dtype)
-            for chunk in md.chunks:
-                source = item(MetadataIndex(fqn, chunk.offsets))
-                if not isinstance(source, torch.Tensor) or tuple(source.shape) != tuple(chunk.sizes):
-                    raise ExportFailed(f"DCP chunk {fqn!r} at {list(chunk.offsets)}: stored slice does not have shape {list(chunk.sizes)}")
-                target = value
-                for dim, (offset, length) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
-                    target = target.narrow(dim, offset, length)
-                target.copy_(source)
+            value = _assemble_tensor(fqn, md, item)
         else:
             raise ExportFailed(f"DCP entry {fqn!r} has unknown storage metadata {type(md).__qualname__}")
         path = planner_data.get(fqn) or (fqn,)
         _set_element(out, tuple(path), value)
     return out
+
+
+def _load_bytes_value(fqn: str, raw: Any) -> Any:
+    """A non-tensor DCP value, loaded with ``torch.load(weights_only=True)``: never unpickling arbitrary objects."""
+    import torch
+
+    if not isinstance(raw, (bytes, bytearray)):
+        raise ExportFailed(f"DCP item {fqn!r}: expected bytes, found {type(raw).__qualname__}")
+    try:
+        return torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:
+        raise ExportFailed(
+            f"DCP value {fqn!r} cannot be loaded with torch.load(weights_only=True) (memstore never unpickles arbitrary "
+            f"objects): {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
+
+
+def _assemble_tensor(fqn: str, md: TensorStorageMetadata, item: Callable[[Any], Any]) -> Any:
+    """The full tensor of DCP entry ``fqn`` from its chunks (where ``md`` says they go); ``item(index)`` is a stored item."""
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    value = torch.empty(md.size, dtype=md.properties.dtype)
+    for chunk in md.chunks:
+        source = item(MetadataIndex(fqn, chunk.offsets))
+        if not isinstance(source, torch.Tensor) or tuple(source.shape) != tuple(chunk.sizes):
+            raise ExportFailed(f"DCP chunk {fqn!r} at {list(chunk.offsets)}: stored slice does not have shape {list(chunk.sizes)}")
+        target = value
+        for dim, (offset, length) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+            target = target.narrow(dim, offset, length)
+        target.copy_(source)
+    return value
 
 
 def _set_element(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
@@ -342,7 +351,3 @@ def write_atomically(obj: Any, path: str, force: bool) -> int:
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,76 @@
+"""``memstore bench``: save stall, replication, restore and memory of memstore against baselines.
+
+A run measures one or more *scenarios* (state size x hosts x replication factor R). Each runs on an
+embedded :class:`~memstore.local_cluster.LocalCluster` on 127.0.0.1 (or, with ``--endpoints``, on an
+already running cluster addressed by a JSON endpoints file) and measures:
+
+* the trainer's stall per ``save()`` (the cold first saves, then p50/p95 over warm saves),
+* the time until the save is committed (R copies) and the replication throughput derived from it,
+* restore from local RAM after a trainer-process crash: a NEW process connects and loads,
+* restore from peer RAM after a host loss: the owner store is SIGKILLed and replaced (empty RAM) and a
+  new process on the replacement loads; and, for diagnosis, the pure pull path (owner up, its copy
+  deleted) and the store's pull timed alone,
+* restore from durable storage: n/a until the spill tier exists,
+* the memory of every store process (RSS, PSS, shared/anonymous parts) against the shard bytes it holds,
+
+and, once per run, the RSS growth of the stores and of the saving client over ``--leak-saves`` (100)
+consecutive saves. In the same run and on the same bytes it measures the baselines they are compared with:
+a torch ``copy_`` into pre-faulted memory (also right before every measured save, so both see the same
+background load), raw TCP between two Python processes on loopback, ``torch.save`` + fsync /
+``torch.load``, and ``torch.distributed.checkpoint.async_save`` (blocking part and total, fsynced). For
+diagnosis it also measures gRPC-Python streaming and an in-process cost model of the save and
+replication paths, and records the machine's CPU pressure and the CPU time other processes took.
+
+Results: rich tables, ``--json PATH`` (every raw number) and ``--plot PATH.png`` (matplotlib, the ``[bench]``
+extra; written next to the JSON by default).
+
+Modules, by role: ``options`` (flags and the run configuration), ``plan`` (scenarios, RAM need), ``floors`` and
+``floors_disk`` (baselines; ``senders``: the child processes that send for the TCP/gRPC floors), ``costmodel``
+(diagnosis), ``cluster`` and ``rpc`` (the stores), ``scenario``, ``restores`` and ``leak`` (the measurements;
+``workers``: the restore and leak-check processes, ``child``: how the bench talks to them), ``state`` and ``sysinfo``
+(the benchmarked state; the machine and its processes), ``results``, ``scenario_results``, ``targets``,
+``run_result`` and ``method`` (typed results, ratios, PASS/MISS; ``jsonable`` writes them as JSON), ``runner`` (a
+whole run), ``render`` and ``render_details`` (rich tables; ``fmt``: number formats), ``plot`` (matplotlib), ``units``.
+Two stand-alone spill benchmarks live here too: ``compression`` and ``spill_impact`` (``python -m memstore.bench.X``).
+
+Entry points: :func:`add_arguments` and :func:`run` for the ``memstore`` command line, :func:`main` for a list of
+arguments (``python -m memstore.bench``, ``benchmarks/bench.py``). This package's ``__init__`` and ``options`` only
+import the standard library; torch, numpy, grpc, rich and matplotlib are imported when a run starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from memstore.bench.options import add_arguments
+
+__all__ = ["add_arguments", "main", "run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``memstore bench`` with flags parsed by a parser that :func:`add_arguments` filled; the exit code."""
+    from memstore.bench.runner import run_from_args
+
+    return run_from_args(args, argv=_invocation_argv())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) as ``memstore bench`` flags and run; the exit code."""
+    from memstore.bench.runner import run_from_args
+
+    parser = argparse.ArgumentParser(prog="memstore bench", description="Measure memstore's save stall, replication, restore and memory.")
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # `memstore bench -- --size 1GiB`: the CLI hands its REMAINDER over with the separator
+        argv = argv[1:]
+    args = parser.parse_args(argv)
+    return run_from_args(args, argv=argv)
+
+
+def _invocation_argv() -> list[str]:
+    """The bench's own arguments on this process's command line (after ``bench``), recorded as ``bench_argv``."""
+    argv = sys.argv[1:]
+    if "bench" in argv:
+        argv = argv[argv.index("bench") + 1 :]
+    return argv[1:] if argv[:1] == ["--"] else argv

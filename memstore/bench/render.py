@@ -1,0 +1,298 @@
+"""The headline table of a run (rich) and the run's closing lines; the other tables are in
+:mod:`memstore.bench.render_details`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from memstore.bench.fmt import fmt_bps, fmt_faster, fmt_pct, fmt_ratio, fmt_s, fmt_share, verdict
+from memstore.bench.render_details import render_diagnosis, render_floors, render_matrix, render_memory
+from memstore.bench.scenario_results import DURABLE_NOTE, LeakCheck
+from memstore.bench.targets import (
+    LEAK_MAX_PERCENT,
+    LOCAL_RESTORE_LOAD_MIN,
+    PEER_RESTORE_LOAD_MIN,
+    PEER_RESTORE_TCP_MIN,
+    REPLICATION_MIN,
+    STALL_DCP_MAX,
+    STALL_DISK_MIN,
+    STALL_MEMCPY_MAX,
+    STORE_RSS_MAX,
+)
+from memstore.bench.units import fmt_bytes, short_size
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+    from memstore.bench.results import SizeResult
+    from memstore.bench.run_result import BenchResult, ScenarioResult
+
+
+def render(result: BenchResult, console: Console) -> None:
+    head = result.cluster
+    info = result.size_of(head)
+    render_headline(result, head, info, console)
+    render_floors(head, info, console)
+    render_memory(head, result.leak_check, console)
+    render_diagnosis(head, info, console)
+    if len(result.scenarios) > 1 or result.skipped or result.failed:
+        render_matrix(result, console)
+    _render_footer(result, console)
+
+
+def _render_footer(result: BenchResult, console: Console) -> None:
+    m = result.machine
+    cfg = result.config
+    cond = result.conditions
+    console.print(
+        f"[dim]{m.cpu_count} CPUs ({m.cpu_model}), {fmt_bytes(m.ram_bytes)} RAM, Python {m.python}, torch {m.torch} "
+        f"({m.torch_threads} threads), grpcio {m.grpcio}. Warm-up: {cfg.warmup} cold saves (keep+1) so the store's "
+        f"segment pool is warm, then the measured saves. Peak memory (PSS, this process + stores + helpers): "
+        f"{fmt_bytes(cond.memory_peak_pss_bytes)} during {cond.memory_peak_phase}. CPU pressure during the run: "
+        f"{fmt_share(cond.cpu_pressure_some_share_during_run)} of the time some task (this bench's own included) waited for a CPU; "
+        f"other processes took {fmt_share(cond.other_cpu_share_of_machine)} of the machine's CPU time. "
+        f"Run took {result.duration_seconds:.0f} s.[/]"
+    )
+    if cfg.store_env:
+        console.print(f"[yellow]store processes ran with extra environment: {' '.join(f'{k}={v}' for k, v in cfg.store_env.items())}[/]")
+    for f in result.failed:
+        console.print(f"[bold red]scenario {f.name} failed: {f.error}[/]")
+    for s in result.scenarios:
+        for e in s.measured.errors:
+            console.print(f"[bold yellow]{s.measured.name}: {e}[/]")
+    if not result.ok:
+        console.print("[bold red]not ok: a scenario failed or a restored state differed from the saved one[/]")
+
+
+@dataclass
+class _Headline:
+    """What the headline table's rows read."""
+
+    result: BenchResult
+    cl: ScenarioResult
+    info: SizeResult
+
+    @property
+    def nb(self) -> int:
+        return self.info.state.shard_bytes
+
+    @property
+    def tcp_bps(self) -> float:
+        return self.info.floors.tcp.bytes_per_second.p50
+
+    @property
+    def load_floor(self) -> str:
+        disk = self.info.floors.disk
+        return f"torch.load cached {fmt_s(disk.load_warm_seconds.p50)} / evicted {fmt_s(disk.load_cold_seconds.p50)}"
+
+
+def _title(h: _Headline) -> str:
+    cfg, m, st = h.result.config, h.cl.measured, h.info.state
+    where = f"--endpoints {cfg.endpoints}" if cfg.endpoints else "127.0.0.1"
+    return (
+        f"memstore bench [{m.name}{', headline' if len(h.result.scenarios) > 1 else ''}]: {fmt_bytes(st.bytes)} of float32 state "
+        f"({st.tensors} tensors) on 1 rank, {m.hosts} hosts, R={m.replicas}, {where}, data plane: {m.data_plane}"
+    )
+
+
+def _stall_rows(t: Table, h: _Headline) -> None:
+    m, ra, tg, fl, nb = h.cl.measured, h.cl.ratios, h.cl.targets, h.info.floors, h.nb
+    stall = m.stall_seconds
+    paired = m.paired_memcpy_seconds.p50
+    t.add_row(
+        f"save() stall p50 (warm, n={stall.n})",
+        f"{fmt_s(stall.p50)} ({fmt_bps(nb / stall.p50)})",
+        f"torch copy_ pre-faulted {fmt_s(paired)} ({fmt_bps(nb / paired)})",
+        fmt_ratio(ra.stall_p50_over_memcpy),
+        f"<= {STALL_MEMCPY_MAX}x",
+        verdict(tg.stall_vs_memcpy),
+    )
+    t.add_row("save() stall p95 (warm)", fmt_s(stall.p95), "same", fmt_ratio(ra.stall_p95_over_memcpy), "", "")
+    cold = m.cold_saves_stall_seconds
+    t.add_row(
+        f"first save / cold saves p50, max (n={cold.n})",
+        f"{fmt_s(m.first_save.save_wall_seconds)} / {fmt_s(cold.p50)}, {fmt_s(cold.max)}",
+        f"torch copy_ into fresh memory {fmt_s(fl.memcpy.torch_copy_fresh_seconds.p50)}",
+        fmt_ratio(ra.first_save_over_memcpy_fresh),
+        "",
+        "",
+    )
+    low = ra.torch_save_fsync_over_stall_p50
+    t.add_row(
+        "save() stall p50 vs torch.save",
+        fmt_s(stall.p50),
+        f"torch.save + fsync {fmt_s(fl.disk.save_fsync_seconds)}",
+        "-" if low is None else f"{low:.1f}x lower",
+        f">= {STALL_DISK_MIN:.0f}x lower",
+        verdict(tg.stall_vs_torch_save_fsync),
+    )
+
+
+def _dcp_rows(t: Table, h: _Headline) -> None:
+    m, ra, tg, fl = h.cl.measured, h.cl.ratios, h.cl.targets, h.info.floors
+    stall, dcp = m.stall_seconds, fl.dcp
+    t.add_row(
+        "save() stall p50 vs DCP async_save (blocking)",
+        fmt_s(stall.p50),
+        f"DCP async_save returns after {fmt_s(dcp.default.blocking_seconds.p50)} (default staging, n={dcp.reps})",
+        fmt_ratio(ra.stall_p50_over_dcp_async_blocking),
+        f"<= {STALL_DCP_MAX:.2f}x",
+        verdict(tg.stall_vs_dcp_async_save),
+    )
+    t.add_row(
+        "  same, DCP with a reused stager (reference)",
+        fmt_s(stall.p50),
+        f"DCP async_save returns after {fmt_s(dcp.reused_stager.blocking_seconds.p50)} (cached staging memory)",
+        fmt_ratio(ra.stall_p50_over_dcp_async_blocking_reused_stager),
+        "",
+        "",
+    )
+    com = m.committed_seconds
+    t.add_row(
+        f"time to committed p50 / p95 (R={m.replicas} copies)",
+        f"{fmt_s(com.p50)} / {fmt_s(com.p95)}",
+        f"DCP async_save done (fsynced) {fmt_s(dcp.default.total_seconds.p50)}; torch.save + fsync {fmt_s(fl.disk.save_fsync_seconds)}",
+        fmt_ratio(ra.committed_p50_over_dcp_async_total),
+        "",
+        "",
+    )
+    if m.replicas >= 2:
+        t.add_row(
+            "replication throughput p50",
+            f"{fmt_bps(m.replication_bytes_per_second.p50)} ({fmt_s(m.replication_seconds.p50)})",
+            f"raw TCP loopback {fmt_bps(h.tcp_bps)}",
+            fmt_ratio(ra.replication_over_raw_tcp),
+            f">= {REPLICATION_MIN}x",
+            verdict(tg.replication_vs_raw_tcp),
+        )
+    else:
+        t.add_row("replication throughput", "n/a (R=1)", "", "", "", "n/a")
+
+
+def _local_restore_rows(t: Table, h: _Headline) -> None:
+    m, ra, tg, nb = h.cl.measured, h.cl.ratios, h.cl.targets, h.nb
+    loc = m.restore_local
+    t.add_row(
+        f"restore from local RAM after a trainer crash: new process, zero-copy (n={loc.seconds.n})",
+        f"{fmt_s(loc.seconds.p50)} ({fmt_bps(nb / loc.seconds.p50)})",
+        h.load_floor,
+        f"{fmt_faster(ra.torch_load_warm_over_restore_local)} / {fmt_faster(ra.torch_load_cold_over_restore_local)}",
+        f">= {LOCAL_RESTORE_LOAD_MIN:.0f}x faster",
+        verdict(tg.restore_local_vs_torch_load),
+    )
+    lc = m.restore_local_copy
+    t.add_row(
+        "  same, load(zero_copy=False) (reference)",
+        f"{fmt_s(lc.seconds.p50)} ({fmt_bps(nb / lc.seconds.p50)})",
+        h.load_floor,
+        fmt_faster(ra.torch_load_warm_over_restore_local_copy),
+        "",
+        "",
+    )
+
+
+def _peer_restore_rows(t: Table, h: _Headline) -> None:
+    m, ra, tg = h.cl.measured, h.cl.ratios, h.cl.targets
+    peer = m.restore_peer
+    if peer:
+        who = "+".join(peer.pulled_by or []) or "?"
+        t.add_row(
+            f"restore from peer RAM after a host loss: replacement serving -> loaded, new process (n={peer.seconds.n}, "
+            f"src {','.join(peer.source_hosts)}, pulled by {who})",
+            f"{fmt_s(peer.seconds.p50)} ({fmt_bps(peer.bytes_per_second)})",
+            f"raw TCP loopback {fmt_bps(h.tcp_bps)}",
+            fmt_ratio(ra.restore_peer_over_raw_tcp),
+            f">= {PEER_RESTORE_TCP_MIN}x",
+            verdict(tg.restore_peer_vs_raw_tcp),
+        )
+        t.add_row(
+            "  same, vs torch.load",
+            fmt_s(peer.seconds.p50),
+            h.load_floor,
+            f"{fmt_faster(ra.torch_load_warm_over_restore_peer)} / {fmt_faster(ra.torch_load_cold_over_restore_peer)}",
+            f">= {PEER_RESTORE_LOAD_MIN:.0f}x faster",
+            verdict(tg.restore_peer_vs_torch_load),
+        )
+    elif m.replicas >= 2:
+        t.add_row("restore from peer RAM after a host loss", "skipped", m.restore_peer_note or "", "", "", "")
+    else:
+        t.add_row("restore from peer RAM", "n/a (R=1)", m.restore_peer_note or "", "", "", "n/a")
+
+
+def _peer_pull_rows(t: Table, h: _Headline) -> None:
+    m, ra, tg, nb = h.cl.measured, h.cl.ratios, h.cl.targets, h.nb
+    pd = m.restore_peer_deleted
+    if pd:
+        deleted_targets = not m.restore_peer
+        warm = h.info.floors.disk.load_warm_seconds.p50
+        t.add_row(
+            f"{'restore from peer RAM' if deleted_targets else '  owner store up'}, its copy deleted: new process "
+            f"(n={pd.seconds.n}, src {','.join(pd.source_hosts)})",
+            f"{fmt_s(pd.seconds.p50)} ({fmt_bps(nb / pd.seconds.p50)})",
+            f"raw TCP {fmt_bps(h.tcp_bps)}; torch.load cached {fmt_s(warm)}",
+            f"{fmt_ratio(ra.restore_peer_deleted_over_raw_tcp)}; {fmt_faster(ra.torch_load_warm_over_restore_peer_deleted)}",
+            f">= {PEER_RESTORE_TCP_MIN}x; >= {PEER_RESTORE_LOAD_MIN:.0f}x" if deleted_targets else "",
+            f"{verdict(tg.restore_peer_vs_raw_tcp)} {verdict(tg.restore_peer_vs_torch_load)}" if deleted_targets else "",
+        )
+    pp = m.peer_pull
+    if pp:
+        t.add_row(
+            f"  of which the store's pull (Fetch RPC alone, n={pp.seconds.n})",
+            f"{fmt_s(pp.seconds.p50)} ({fmt_bps(pp.bytes_per_second.p50)})",
+            f"raw TCP loopback {fmt_bps(h.tcp_bps)}",
+            fmt_ratio(ra.peer_pull_over_raw_tcp),
+            "",
+            "",
+        )
+    t.add_row("restore from durable storage", DURABLE_NOTE, "", "", "", "n/a")
+
+
+def _memory_rows(t: Table, h: _Headline) -> None:
+    m, ra, tg = h.cl.measured, h.cl.ratios, h.cl.targets
+    mem = m.store_memory
+    w = mem.stores[mem.worst_host] if mem.worst_host else None
+    if w and w.held and w.ratios and w.memory:
+        t.add_row(
+            f"store RSS / shard bytes held (worst: {mem.worst_host}, {w.held.shards} shards)",
+            f"{fmt_bytes(w.memory.rss)} / {fmt_bytes(w.held.shard_bytes_held)}",
+            f"RSS / (held + pooled free segments {fmt_bytes(w.held.pooled_bytes_estimate)}) = "
+            f"{fmt_ratio(w.ratios.rss_over_held_plus_pooled)}",
+            fmt_ratio(ra.store_rss_over_held_max),
+            f"<= {STORE_RSS_MAX}x",
+            verdict(tg.store_rss_vs_held),
+        )
+    else:
+        t.add_row("store RSS / shard bytes held", "n/a", mem.note, "", "", "n/a")
+    leak = h.result.leak_check
+    if isinstance(leak, LeakCheck) and leak.processes:
+        t.add_row(
+            f"RSS growth, save {leak.reference_save} -> {leak.saves} ({short_size(leak.size)} state; worst: {leak.worst})",
+            fmt_pct(leak.max_growth_percent),
+            ", ".join(f"{k} {fmt_pct(v.growth_percent)}" for k, v in leak.processes.items()),
+            "",
+            f"< {LEAK_MAX_PERCENT:.0f}%",
+            verdict(tg.rss_growth_over_saves),
+        )
+    else:
+        t.add_row("RSS growth over consecutive saves", "skipped", "" if isinstance(leak, LeakCheck) else leak.skipped, "", "", "n/a")
+
+
+def render_headline(result: BenchResult, cl: ScenarioResult, info: SizeResult, console: Console) -> None:
+    from rich.table import Table
+
+    h = _Headline(result, cl, info)
+    t = Table(title=_title(h))
+    t.add_column("figure")
+    t.add_column("memstore", justify="right")
+    t.add_column("baseline (same run)")
+    t.add_column("ratio", justify="right")
+    t.add_column("target", justify="right")
+    t.add_column("", justify="center")
+    for rows in (_stall_rows, _dcp_rows, _local_restore_rows, _peer_restore_rows, _peer_pull_rows, _memory_rows):
+        rows(t, h)
+    console.print(t)
+    tg = cl.targets
+    missed = [k for k, x in tg.items() if x.passed is False]
+    console.print(f"targets: {tg.passed} PASS, {len(missed)} MISS{': ' + ', '.join(missed) if missed else ''}")

@@ -1,0 +1,24 @@
+"""``memstore demo``: the end-to-end showcase (:mod:`memstore.devtools.demo`)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "end-to-end showcase: DDP training survives a host loss bit-exactly"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hosts", type=int, default=4, help="stores on 127.0.0.1 (one trainer rank each by default)")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=None, help="DDP ranks (default: one per host)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--kill-at", type=int, default=20, help="SIGKILL a host after this step")
+    p.add_argument("--model-size", choices=["tiny", "small", "medium"], default="small")
+
+
+def run(args: argparse.Namespace) -> int:
+    from memstore.devtools.demo import run_demo
+
+    return run_demo(
+        hosts=args.hosts, replicas=args.replicas, ranks=args.ranks, steps=args.steps, kill_at=args.kill_at, model_size=args.model_size
+    )

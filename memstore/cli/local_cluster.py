@@ -1,0 +1,52 @@
+"""``memstore local-cluster``: N stores on 127.0.0.1 until SIGINT/SIGTERM (a development cluster)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import time
+from typing import Any
+
+from memstore.cli.common import configure_logging
+
+HELP = "run N stores on 127.0.0.1 until SIGINT/SIGTERM"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--base-port", type=int, default=0, help="first port (0 = free ports)")
+    p.add_argument("--capacity", default="2GiB")
+    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--endpoints-file", default=None, help='write {"hosts": {"<host_id>": "127.0.0.1:<port>"}} here')
+
+
+def run(args: argparse.Namespace) -> int:
+    from memstore.local_cluster import LocalCluster
+
+    configure_logging("INFO")
+    cluster = LocalCluster(hosts=args.hosts, replicas=args.replicas, capacity=args.capacity, base_port=args.base_port, keep=args.keep)
+    stop = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        cluster.start()
+        if args.endpoints_file:
+            cluster.write_endpoints(args.endpoints_file)
+        print(json.dumps({"hosts": cluster.endpoints}), flush=True)
+        while not stop:
+            for h, sp in cluster.stores.items():
+                if not sp.alive and not stop:
+                    logging.warning("store %s exited (code %s); see %s", h, sp.proc.returncode if sp.proc else None, sp.log_path)
+                    sp.proc = None
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+    return 0

@@ -1,0 +1,118 @@
+"""``memstore status``: health of every store of a cluster, asked through any one of them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from memstore.cli.common import add_store_address_arguments
+
+HELP = "health of every store of a cluster"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_store_address_arguments(p)
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from memstore.v1 import store_pb2 as pb
+    from memstore.v1.channel import store_stub
+
+    channel, stub = store_stub(args.store)
+    try:
+        hello = stub.Hello(pb.HelloRequest(), timeout=args.timeout)
+    except grpc.RpcError as err:
+        print(f"store {args.store} unreachable: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    finally:
+        channel.close()
+    rows = [_host_row(hid, addr, args.timeout) for hid, addr in zip(hello.peer_ids, hello.peer_addresses, strict=True)]
+    if args.json:
+        print(json.dumps({"replicas": hello.replicas, "placement": hello.placement, "hosts": rows}, indent=2))
+        return 0
+    print(f"cluster: {len(rows)} hosts, R={hello.replicas}, placement={hello.placement}")
+    for r in rows:
+        _print_host(r)
+    _print_orphans(rows)
+    return 0 if all(r.get("serving") for r in rows) else 1
+
+
+def _host_row(hid: str, addr: str, timeout: float) -> dict[str, Any]:
+    """One store's health as a JSON-able row; ``error`` (the status code's name) if it does not answer."""
+    import grpc
+
+    from memstore.v1 import store_pb2 as pb
+    from memstore.v1.channel import store_stub
+
+    channel, stub = store_stub(addr)
+    try:
+        h = stub.Health(pb.HealthRequest(), timeout=timeout)
+    except grpc.RpcError as err:
+        return {"host": hid, "address": addr, "serving": False, "error": err.code().name}
+    finally:
+        channel.close()
+    return {
+        "host": hid,
+        "address": addr,
+        "serving": h.serving,
+        "used": h.used_bytes,
+        "capacity": h.capacity_bytes,
+        "shards": h.shards,
+        "replicating": h.replications_in_flight,
+        "repairing": h.repairs_in_flight,
+        "spill": [
+            {
+                "job": j.job_id,
+                "last_spilled_step": j.last_spilled_step,
+                "failures": j.consecutive_failures,
+                "error": j.last_error,
+                "bytes_written": j.bytes_written,
+            }
+            for j in h.spill
+        ],
+        "orphans": [{"path": o.path, "host_id": o.host_id, "bytes": o.bytes, "files": o.files} for o in h.orphans],
+        "adopted_shards": h.adopted_shards,
+    }
+
+
+def _print_host(r: dict[str, Any]) -> None:
+    from memstore.core.sizes import format_size
+
+    if "error" in r:
+        print(f"  {r['host']:<8} {r['address']:<22} DOWN ({r['error']})")
+        return
+    print(
+        f"  {r['host']:<8} {r['address']:<22} up   {format_size(r['used']):>12} / {format_size(r['capacity']):<12} "
+        f"shards={r['shards']} replicating={r['replicating']} repairing={r['repairing']}"
+        + (f" adopted={r['adopted_shards']}" if r["adopted_shards"] else "")
+    )
+    for j in r["spill"]:
+        state = f"FAILING x{j['failures']}: {j['error']}" if j["failures"] else "ok"
+        print(f"           spill {j['job']}: last step {j['last_spilled_step']}, {format_size(j['bytes_written'])} written, {state}")
+
+
+def _print_orphans(rows: list[dict[str, Any]]) -> None:
+    """Orphaned segment dirs, once per machine (stores on one machine all report the same ones)."""
+    from memstore.core.sizes import format_size
+
+    seen: set[tuple[str, str]] = set()
+    lines: list[str] = []
+    for r in rows:
+        machine = r["address"].rpartition(":")[0]
+        for o in r.get("orphans", []):
+            if (machine, o["path"]) in seen:
+                continue
+            seen.add((machine, o["path"]))
+            lines.append(
+                f"  {o['path']}  (host {o['host_id']}, {o['files']} segments, {format_size(o['bytes'])}) on the machine of {r['host']}; "
+                f"reclaim there with: memstore reclaim-shm --shm-dir {os.path.dirname(o['path'])}"
+            )
+    if lines:
+        print("orphaned shared memory (segment dirs no running store owns):")
+        print("\n".join(lines))

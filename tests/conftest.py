@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from memstore.local_cluster import LocalCluster
+from memstore.devtools.cluster import LocalCluster
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ class MotoServer:
     """A real S3-compatible server (moto in server mode) on 127.0.0.1; stoppable and restartable on its port."""
 
     def __init__(self, workdir: Path) -> None:
-        from memstore.local_cluster import free_ports
+        from memstore.devtools.cluster import free_ports
 
         (self.port,) = free_ports(1)
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -48,7 +48,7 @@ class MotoServer:
                             region_name="us-east-1")  # fmt: skip
 
     def start(self, bucket: str = "ckpt") -> None:
-        from memstore.local_cluster import wait_for
+        from memstore.devtools.cluster import wait_for
 
         with open(self.workdir / "moto.log", "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],

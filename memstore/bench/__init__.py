@@ -1,7 +1,7 @@
 """``memstore bench``: save stall, replication, restore and memory of memstore against baselines.
 
 A run measures one or more *scenarios* (state size x hosts x replication factor R). Each runs on an
-embedded :class:`~memstore.local_cluster.LocalCluster` on 127.0.0.1 (or, with ``--endpoints``, on an
+embedded :class:`~memstore.devtools.cluster.LocalCluster` on 127.0.0.1 (or, with ``--endpoints``, on an
 already running cluster addressed by a JSON endpoints file) and measures:
 
 * the trainer's stall per ``save()`` (the cold first saves, then p50/p95 over warm saves),

@@ -1,7 +1,7 @@
-"""The stores a scenario runs on: an embedded :class:`~memstore.local_cluster.LocalCluster`, or an already running
+"""The stores a scenario runs on: an embedded :class:`~memstore.devtools.cluster.LocalCluster`, or an already running
 cluster (``--endpoints``); and what the bench reads from the stores' logs.
 
-This is the one module of the bench that imports :mod:`memstore.local_cluster` (the others, and
+This is the one module of the bench that imports :mod:`memstore.devtools.cluster` (the others, and
 ``spill_impact``, take ``LocalCluster`` and ``free_ports`` from here).
 """
 
@@ -22,7 +22,7 @@ from memstore.bench.options import BenchConfig, BenchSetupError
 from memstore.bench.scenario_results import Endpoints, PullNote
 from memstore.bench.sysinfo import listening_pid
 from memstore.bench.units import MiB, round_page
-from memstore.local_cluster import LocalCluster, free_ports, wait_for
+from memstore.devtools.cluster import LocalCluster, free_ports, wait_for
 
 __all__ = ["LocalCluster", "Stores", "free_ports", "load_endpoints", "start_stores", "wait"]
 

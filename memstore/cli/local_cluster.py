@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memstore.local_cluster import LocalCluster
+    from memstore.devtools.cluster import LocalCluster
 
     configure_logging("INFO")
     cluster = LocalCluster(hosts=args.hosts, replicas=args.replicas, capacity=args.capacity, base_port=args.base_port, keep=args.keep)

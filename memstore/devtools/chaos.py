@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from memstore.devtools.cluster import LocalCluster
 from memstore.devtools.demo import _Job, _progress_until
 from memstore.errors import DemoFailure
-from memstore.local_cluster import LocalCluster
 
 
 @dataclass

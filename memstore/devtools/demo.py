@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from memstore.devtools.children import child_env
+from memstore.devtools.cluster import LocalCluster, free_ports
 from memstore.errors import DemoFailure
-from memstore.local_cluster import LocalCluster, free_ports
 
 #: The trainer rank, started as ``python -m WORKER``.
 WORKER = "memstore.devtools.demo_worker"

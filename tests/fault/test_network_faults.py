@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from memstore.local_cluster import LocalCluster, wait_for
+from memstore.devtools.cluster import LocalCluster, wait_for
 from tests.fault.test_protocol_faults import _has
 from tests.harness.proxy import FaultProxy
 from tests.states import assert_same, rank_state

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from memstore.local_cluster import free_ports, wait_for
+from memstore.devtools.cluster import free_ports, wait_for
 from tests.states import rank_state
 from trainer_client import CheckpointClient
 

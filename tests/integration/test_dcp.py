@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
-from memstore.local_cluster import free_ports
+from memstore.devtools.cluster import free_ports
 from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_preloading, run_ranks
 from tests.states import assert_same
 from trainer_client import CheckpointClient

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from memstore.local_cluster import LocalCluster, free_ports
+from memstore.devtools.cluster import LocalCluster, free_ports
 from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_preloading, run_ranks
 from trainer_client.dcp import MemStoreReader, MemStoreWriter
 

@@ -8,8 +8,8 @@ import pytest
 
 from memstore.config import StoreConfig
 from memstore.core.model import ShardKey, ShardState
+from memstore.devtools.cluster import wait_for
 from memstore.errors import AlreadySaved, CapacityExceeded, InvalidArgument, LeaseError, ShardNotFound, UnknownJob
-from memstore.local_cluster import wait_for
 from memstore.server.store import Store
 
 pytestmark = pytest.mark.unit

@@ -18,6 +18,7 @@ from memstore.errors import ConfigError
 from memstore.server.dataserver import DataServer
 from memstore.server.servicer import StoreServicer
 from memstore.server.store import Store
+from memstore.spill import build_spiller
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import SERVER_OPTIONS
@@ -44,6 +45,7 @@ class StoreServer:
             config = replace(config, listen=self.address, peers=peers)
         self.config = config
         self.store = Store(config, advertised_address=self.address)
+        self.store.durable = build_spiller(config, source=self.store)  # the two tiers meet at memstore.spill.port
         self.data_server = DataServer(host, self.store)
         self.store.data_port = self.data_server.port
         pb_grpc.add_StoreServicer_to_server(StoreServicer(self.store), self._server)
@@ -124,7 +126,7 @@ def serve(config: StoreConfig, ready_file: str | None = None) -> int:
     sys.stdout.flush()
     while not done.wait(0.5):
         pass
-    if server.store.spiller is not None:
+    if server.store.durable is not None:
         # Preemption or pod deletion: persist the newest committed step before going away.
         t0 = time.monotonic()
         failures = server.store.flush(config.flush_grace_seconds)

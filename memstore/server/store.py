@@ -33,12 +33,10 @@ from memstore.core.model import Holding, Manifest, ShardKey, ShardState
 from memstore.core.placement import Placement, make_placement
 from memstore.core.restorable import latest_restorable, may_supersede, sources_for, split_timelines, superseded_versions
 from memstore.core.retention import newest_versions, pressure_victims, retention_victims
-from memstore.core.spill_policy import RetentionPolicy
 from memstore.errors import (
     AlreadySaved,
     CapacityExceeded,
     ChecksumMismatch,
-    ConfigError,
     DataChannelUnsupported,
     InvalidArgument,
     LayoutError,
@@ -55,8 +53,7 @@ from memstore.server.convert import key_from_pb, key_to_pb, manifest_from_pb, ma
 from memstore.server.peers import PeerDirectory
 from memstore.server.segments import Segment, SegmentPool, segment_dir
 from memstore.spill.layout import SpilledManifest
-from memstore.spill.spiller import Spiller
-from memstore.spill.storage import Durable, parse_options
+from memstore.spill.port import DurableTier
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import boot_id
 from memstore.v1.datachannel import TICKET_BYTES, receive_verified, send_all, send_status
@@ -164,7 +161,7 @@ class Store:
         self.boot_id = boot_id()
         self.advertised_address = advertised_address or config.listen
         self.last_repair_error = ""
-        self.spiller: Spiller | None = self._make_spiller(config)
+        self.durable: DurableTier | None = None  # set by the composition root (memstore.server.app) when --spill is on
         self.data_port = 0  # set by the server once the data channel listens
         self.adopted_shards = self._adopt_segments()
 
@@ -207,43 +204,50 @@ class Store:
         if entry.verified and entry.state.settled and not entry.dropped:
             self.pool.describe(entry.segment, self._info(entry).SerializeToString())
 
-    def _make_spiller(self, config: StoreConfig) -> Spiller | None:
-        if not config.spill:
-            return None
+    # -- the durable tier's port (memstore.spill.port.ShardSource) --------------------------
+    def owned_shards(self) -> list[Manifest]:
+        with self._lock:
+            return [
+                e.manifest for e in self._entries.values() if e.owner_host == self.host_id and e.state.settled and e.manifest is not None
+            ]
+
+    def owned_ranks(self, job_id: str) -> set[int]:
+        with self._lock:
+            return {k.rank for k, e in self._entries.items() if k.job_id == job_id and e.owner_host == self.host_id}
+
+    @contextlib.contextmanager
+    def pinned_bytes(self, key: ShardKey) -> Iterator[memoryview | None]:
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None or not self._pin(entry):
+            yield None
+            return
+        view = entry.segment.view(entry.nbytes)
         try:
-            durable = Durable(config.spill, parse_options(config.spill_options))
-            retention = RetentionPolicy(
-                config.spill_keep_last, config.spill_keep_best, config.spill_metric, config.spill_metric_mode == "max"
-            )
-        except (SpillStorageError, ValueError) as exc:
-            raise ConfigError(str(exc)) from None
-        return Spiller(
-            self,
-            durable,
-            every_steps=config.spill_every_steps,
-            every_seconds=config.spill_every_seconds,
-            retention=retention,
-            codec=config.spill_compression,
-            orphan_seconds=config.spill_orphan_seconds,
-            max_rate=config.spill_max_rate,
-        )
+            yield view
+        finally:
+            view.release()
+            self._unpin(entry)
+
+    def spilled(self) -> None:
+        self._retention_due.set()
 
     # -- lifecycle --------------------------------------------------------------
     def start(self) -> None:
         for t in self._threads:
             t.start()
-        if self.spiller is not None:
-            self.spiller.start()
+        if self.durable is not None:
+            self.durable.start()
 
     def flush(self, grace: float) -> list[str]:
         """On SIGTERM: spill the newest committed step of every job within ``grace`` seconds."""
-        if self.spiller is None:
+        if self.durable is None:
             return []
-        return self.spiller.flush(grace)
+        return self.durable.flush(grace)
 
     def close(self) -> None:
-        if self.spiller is not None:
-            self.spiller.close()
+        if self.durable is not None:
+            self.durable.close()
         self._stop.set()
         self._retention_due.set()
         with self._lock:
@@ -294,7 +298,7 @@ class Store:
                     last_error=st.last_error,
                     bytes_written=st.bytes_written,
                 )
-                for job, st in sorted((self.spiller.status if self.spiller else {}).items())
+                for job, st in sorted((self.durable.status if self.durable else {}).items())
             ],
             adopted_shards=self.adopted_shards,
             orphans=[pb.OrphanedSegments(path=o.path, host_id=o.host_id, bytes=o.bytes, files=o.files) for o in self.pool.orphans()],
@@ -812,7 +816,7 @@ class Store:
         self._register_pulled(key, segment, manifest_from_pb(manifest), host)
 
     def _pull_from_durable(self, key: ShardKey) -> None:
-        assert self.spiller is not None
+        assert self.durable is not None
         segments: list[Segment] = []
 
         def allocate(m: SpilledManifest) -> memoryview:
@@ -820,7 +824,7 @@ class Store:
             return segments[-1].view()
 
         try:
-            sm = self.spiller.read_into(key, allocate)
+            sm = self.durable.read_into(key, allocate)
         except (SpillStorageError, LayoutError) as exc:
             for seg in segments:
                 self.pool.release(seg)
@@ -905,10 +909,10 @@ class Store:
         return mine + theirs + self._durable_holdings(job_id, unreachable), unreachable
 
     def _durable_holdings(self, job_id: str, unreachable: list[str]) -> list[Holding]:
-        if self.spiller is None:
+        if self.durable is None:
             return []
         try:
-            return self.spiller.holdings(job_id)
+            return self.durable.holdings(job_id)
         except (SpillStorageError, LayoutError) as exc:
             log.warning("durable tier unreadable for %s: %s", job_id, exc)
             unreachable.append("durable")
@@ -974,8 +978,8 @@ class Store:
             dead = superseded_versions(holdings, job)
             latest = latest_restorable(holdings, job)
             protected = [latest.step] if latest else []
-            if self.spiller is not None:
-                protected += sorted(self.spiller.protected_steps(job))  # due for spilling: keep until spilled
+            if self.durable is not None:
+                protected += sorted(self.durable.protected_steps(job))  # due for spilling: keep until spilled
             with self._lock:
                 if latest:
                     self._protected[job] = latest.step

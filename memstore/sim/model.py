@@ -412,115 +412,144 @@ class RunStats:
         return self.useful_seconds / self.wall_seconds
 
 
+class _Replay:
+    """The state of one :func:`simulate` run, advanced failure event by failure event.
+
+    Training (re)started at ``resume_at`` from progress ``base`` (committed everywhere); before that,
+    the job was recovering since ``rec_start``. memstore only: the recovery window (failures inside it
+    add up to one ``window_k``) and the durable spills.
+    """
+
+    def __init__(self, cfg: SimConfig, strategy: str) -> None:
+        self.cfg = cfg
+        self.memstore = strategy == "memstore"
+        self.horizon = cfg.duration_seconds
+        self.cad = cfg.memstore_cadence if self.memstore else cfg.baseline_cadence
+        self.storage_s = cfg.storage_transfer_seconds
+        self.spill_every = cfg.spill_every_minutes * 60.0
+        self.stats = RunStats(strategy=strategy, wall_seconds=self.horizon)
+        self.base = 0.0
+        self.rec_start = 0.0
+        self.resume_at = 0.0
+        self.window_end = -math.inf
+        self.window_k = 0
+        self.window_p = 1.0
+        self.window_lost = False
+        self.durable = 0.0
+        self.pending: tuple[float, float] | None = None  # (progress, completes_at) of the spill being written
+        self.next_spill = self.spill_every
+
+    def committed_at(self, t: float) -> float:
+        return self.base if t < self.resume_at else self.base + self.cad.committed_compute(t - self.resume_at)
+
+    def settle_spills(self, until: float, *, failing: bool) -> None:
+        """Start spills due before ``until``; complete those done by then, abort the rest if ``failing``."""
+        while True:
+            done_at = self.pending[1] if self.pending is not None else math.inf
+            if done_at <= until and done_at <= self.next_spill:
+                self._complete_spill()
+            elif self.next_spill < until:
+                if self.pending is None:  # one spill at a time: a spill due while one is in flight is skipped
+                    self.pending = (self.committed_at(self.next_spill), self.next_spill + self.storage_s)
+                self.next_spill += self.spill_every
+            else:
+                break
+        if failing and self.pending is not None:
+            self.stats.spills_aborted += 1
+            self.pending = None
+
+    def _complete_spill(self) -> None:
+        assert self.pending is not None
+        self.durable = max(self.durable, self.pending[0])
+        self.stats.spills_completed += 1
+        self.pending = None
+
+    def close_phase(self, t: float) -> tuple[float, float]:
+        """Account the recovery / training up to ``t``; return (progress, committed progress) at ``t``."""
+        stats = self.stats
+        if t < self.resume_at:
+            stats.recovery_seconds += t - self.rec_start
+            return self.base, self.base
+        stats.recovery_seconds += self.resume_at - self.rec_start
+        compute, stall = self.cad.split(t - self.resume_at)
+        stats.compute_seconds += compute
+        stats.stall_seconds += stall
+        return self.base + compute, self.base + self.cad.committed_compute(t - self.resume_at)
+
+    def ram_recovers(self, ev: FailureEvent) -> bool:
+        """memstore: grow the recovery window by ``ev`` and decide whether every owner kept a live holder."""
+        if ev.time < self.window_end:
+            self.window_k = min(self.cfg.hosts, self.window_k + ev.hosts)
+        else:
+            self.window_k, self.window_p, self.window_lost = min(self.cfg.hosts, ev.hosts), 1.0, False
+        if self.window_lost:  # a group is already gone in this window: the job is reloading from storage anyway
+            self.stats.expected_durable_fallbacks += 1.0
+            return False
+        p_now = ram_recovery_probability(self.cfg, self.window_k)
+        # The failed set grows from a surviving window_k-before set: P(ok | ok before) = p_now / window_p.
+        cond = p_now / self.window_p if self.window_p > 0 else 0.0
+        self.stats.expected_durable_fallbacks += 1.0 - cond
+        self.window_p = p_now
+        return ev.u < cond
+
+    def memstore_restore(self, ev: FailureEvent, progress: float, committed: float) -> tuple[float, float]:
+        """memstore: (restored progress, load seconds) after ``ev``: from peer RAM, else the newest spill."""
+        stats = self.stats
+        if self.ram_recovers(ev):
+            stats.ram_recoveries += 1
+            stats.lost_rollback_seconds += progress - committed
+            return committed, self.cfg.ram_load_seconds
+        self.window_lost = True
+        stats.durable_fallbacks += 1
+        stats.lost_fallback_seconds += progress - self.durable
+        return self.durable, self.storage_s
+
+    def baseline_restore(self, progress: float, committed: float) -> tuple[float, float]:
+        """baseline: (restored progress, load seconds): the newest completed storage write."""
+        self.stats.durable_fallbacks += 1
+        self.stats.lost_rollback_seconds += progress - committed
+        return committed, self.storage_s
+
+    def on_failure(self, ev: FailureEvent) -> None:
+        """Account everything up to ``ev`` and restart the job from the checkpoint it recovers."""
+        b = ev.time
+        stats = self.stats
+        if self.memstore:
+            self.settle_spills(b, failing=True)
+        stats.failure_events += 1
+        stats.host_failures += ev.hosts
+        if b < self.resume_at:
+            stats.failures_during_recovery += 1
+        progress, committed = self.close_phase(b)
+        if self.memstore:
+            restore, load = self.memstore_restore(ev, progress, committed)
+        else:
+            restore, load = self.baseline_restore(progress, committed)
+        self.base = restore
+        self.rec_start = b
+        self.resume_at = b + self.cfg.restart_seconds + load
+        # Replicas are whole again once the first checkpoint after the restart is committed.
+        self.window_end = self.resume_at + self.cad.period + self.cad.lag
+
+    def finish(self) -> RunStats:
+        """Account the rest of the run up to the horizon."""
+        if self.memstore:
+            self.settle_spills(self.horizon, failing=False)
+        progress, _ = self.close_phase(self.horizon)
+        self.stats.useful_seconds = progress
+        return self.stats
+
+
 def simulate(cfg: SimConfig, trace: Sequence[FailureEvent], strategy: str) -> RunStats:
     """Replay ``trace`` for one strategy (``"memstore"`` or ``"baseline"``)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    memstore = strategy == "memstore"
-    horizon = cfg.duration_seconds
-    cad = cfg.memstore_cadence if memstore else cfg.baseline_cadence
-    storage_s = cfg.storage_transfer_seconds
-    spill_every = cfg.spill_every_minutes * 60.0
-    stats = RunStats(strategy=strategy, wall_seconds=horizon)
-
-    # Training (re)started at `resume_at` from progress `base` (committed everywhere); before that, the
-    # job was recovering since `rec_start`.
-    base = 0.0
-    rec_start = 0.0
-    resume_at = 0.0
-    # memstore: the recovery window (failures inside it add up to one k) and the durable spills.
-    window_end = -math.inf
-    window_k = 0
-    window_p = 1.0
-    window_lost = False
-    durable = 0.0
-    pending: tuple[float, float] | None = None  # (progress, completes_at) of the spill being written
-    next_spill = spill_every
-
-    def committed_at(t: float) -> float:
-        return base if t < resume_at else base + cad.committed_compute(t - resume_at)
-
-    def settle_spills(until: float, *, failing: bool) -> None:
-        """Start spills due before ``until``; complete those done by then, abort the rest if ``failing``."""
-        nonlocal pending, next_spill, durable
-        while True:
-            done_at = pending[1] if pending is not None else math.inf
-            if done_at <= until and done_at <= next_spill:
-                assert pending is not None
-                durable = max(durable, pending[0])
-                stats.spills_completed += 1
-                pending = None
-            elif next_spill < until:
-                if pending is None:  # one spill at a time: a spill due while one is in flight is skipped
-                    pending = (committed_at(next_spill), next_spill + storage_s)
-                next_spill += spill_every
-            else:
-                break
-        if failing and pending is not None:
-            stats.spills_aborted += 1
-            pending = None
-
-    def close_phase(t: float) -> tuple[float, float]:
-        """Account the recovery / training up to ``t``; return (progress, committed progress) at ``t``."""
-        if t < resume_at:
-            stats.recovery_seconds += t - rec_start
-            return base, base
-        stats.recovery_seconds += resume_at - rec_start
-        compute, stall = cad.split(t - resume_at)
-        stats.compute_seconds += compute
-        stats.stall_seconds += stall
-        return base + compute, base + cad.committed_compute(t - resume_at)
-
+    replay = _Replay(cfg, strategy)
     for ev in trace:
-        b = ev.time
-        if b >= horizon:
+        if ev.time >= replay.horizon:
             break
-        if memstore:
-            settle_spills(b, failing=True)
-        stats.failure_events += 1
-        stats.host_failures += ev.hosts
-        if b < resume_at:
-            stats.failures_during_recovery += 1
-        progress, committed = close_phase(b)
-        if memstore:
-            if b < window_end:
-                window_k = min(cfg.hosts, window_k + ev.hosts)
-            else:
-                window_k, window_p, window_lost = min(cfg.hosts, ev.hosts), 1.0, False
-            if window_lost:  # a group is already gone in this window: the job is reloading from storage anyway
-                ram_ok = False
-                stats.expected_durable_fallbacks += 1.0
-            else:
-                p_now = ram_recovery_probability(cfg, window_k)
-                # The failed set grows from a surviving window_k-before set: P(ok | ok before) = p_now / window_p.
-                cond = p_now / window_p if window_p > 0 else 0.0
-                stats.expected_durable_fallbacks += 1.0 - cond
-                ram_ok = ev.u < cond
-                window_p = p_now
-            if ram_ok:
-                restore, load = committed, cfg.ram_load_seconds
-                stats.ram_recoveries += 1
-                stats.lost_rollback_seconds += progress - restore
-            else:
-                window_lost = True
-                restore, load = durable, storage_s
-                stats.durable_fallbacks += 1
-                stats.lost_fallback_seconds += progress - restore
-        else:
-            restore, load = committed, storage_s
-            stats.durable_fallbacks += 1
-            stats.lost_rollback_seconds += progress - restore
-        base = restore
-        rec_start = b
-        resume_at = b + cfg.restart_seconds + load
-        # Replicas are whole again once the first checkpoint after the restart is committed.
-        window_end = resume_at + cad.period + cad.lag
-
-    if memstore:
-        settle_spills(horizon, failing=False)
-    progress, _ = close_phase(horizon)
-    stats.useful_seconds = progress
-    return stats
+        replay.on_failure(ev)
+    return replay.finish()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ from memstore.spill.reader import read_manifest, read_shard
 from memstore.spill.storage import Durable
 
 if TYPE_CHECKING:
-    from memstore.server.store import Entry
+    from memstore.core.model import Manifest
     from memstore.spill.spiller import Spiller
 
 log = logging.getLogger(__name__)
@@ -122,22 +122,14 @@ def looks_like_dcp(view: memoryview) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def after_publish(spiller: Spiller, entry: Entry) -> None:
-    """Called by the spiller after ``entry``'s rank of its step is published (or found published)."""
+def after_publish(spiller: Spiller, shard: Manifest) -> None:
+    """Called by the spiller after ``shard``'s rank of its step is published (or found published)."""
     if not enabled(spiller.durable):
         return
-    if not spiller.store._pin(entry):
-        return
-    try:
-        view = entry.segment.view(entry.nbytes)
-        try:
-            is_dcp = looks_like_dcp(view)
-        finally:
-            view.release()
-    finally:
-        spiller.store._unpin(entry)
-    if is_dcp:
-        exporter_for(spiller).submit(entry.key.job_id, entry.key.step, entry.key.rank)
+    with spiller.source.pinned_bytes(shard.key) as view:
+        if view is None or not looks_like_dcp(view):
+            return
+    exporter_for(spiller).submit(shard.key.job_id, shard.key.step, shard.key.rank)
 
 
 _EXPORTERS: weakref.WeakKeyDictionary[Any, Exporter] = weakref.WeakKeyDictionary()
@@ -148,7 +140,7 @@ def exporter_for(spiller: Spiller) -> Exporter:
     with _EXPORTERS_LOCK:
         exporter = _EXPORTERS.get(spiller)
         if exporter is None:
-            exporter = Exporter(spiller.durable, stop=spiller._stop, max_rate=spiller.max_rate)
+            exporter = Exporter(spiller.durable, stop=spiller.stopping, max_rate=spiller.max_rate)
             _EXPORTERS[spiller] = exporter
         return exporter
 

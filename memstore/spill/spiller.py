@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from memstore.core.model import Holding, ShardKey
+from memstore.core.model import Holding, Manifest, ShardKey
 from memstore.core.spill_policy import RetentionPolicy, due_by_steps, due_by_time, steps_to_delete
 from memstore.errors import LayoutError, SpillCorrupt, SpillStorageError
 from memstore.faults import fault
@@ -35,7 +35,7 @@ from memstore.spill.storage import Durable
 from memstore.v1.integrity import checksum, chunk_spans
 
 if TYPE_CHECKING:
-    from memstore.server.store import Entry, Store
+    from memstore.spill.port import ShardSource
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class StepListing:
 class Spiller:
     def __init__(
         self,
-        store: Store,
+        source: ShardSource,
         durable: Durable,
         *,
         every_steps: int,
@@ -78,7 +78,7 @@ class Spiller:
         interval: float = 0.5,
         orphan_seconds: float = ORPHAN_SECONDS,
     ) -> None:
-        self.store = store
+        self.source = source
         self.durable = durable
         self.every_steps = every_steps
         self.every_seconds = every_seconds
@@ -90,6 +90,7 @@ class Spiller:
         self.status: dict[str, JobSpillStatus] = {}
         self._lock = threading.Lock()  # one spill at a time: bounded memory and bandwidth
         self._stop = threading.Event()
+        self.stopping = self._stop  # set when the spiller closes: riders (dcp_export) end with it
         self._thread = threading.Thread(target=self._loop, name="spill", daemon=True)
         self._listing_cache: dict[str, tuple[float, StepListing]] = {}
         self._manifest_cache: dict[str, tuple[float, SpilledManifest]] = {}
@@ -227,16 +228,14 @@ class Spiller:
 
     def _owned_settled_steps(self) -> dict[str, dict[int, str]]:
         """job -> step -> timeline of the newest owned settled version of that step."""
-        with self.store._lock:
-            entries = [e for e in self.store._entries.values() if e.owner_host == self.store.host_id and e.state.settled and e.verified]
-        newest: dict[tuple[str, int], Entry] = {}
-        for e in entries:
-            k = (e.key.job_id, e.key.step)
-            if k not in newest or e.created_unix > newest[k].created_unix:
-                newest[k] = e
+        newest: dict[tuple[str, int], Manifest] = {}
+        for m in self.source.owned_shards():
+            k = (m.key.job_id, m.key.step)
+            if k not in newest or m.created_unix > newest[k].created_unix:
+                newest[k] = m
         out: dict[str, dict[int, str]] = {}
-        for (job, step), e in sorted(newest.items()):
-            out.setdefault(job, {})[step] = e.key.timeline
+        for (job, step), m in sorted(newest.items()):
+            out.setdefault(job, {})[step] = m.key.timeline
         return out
 
     def _published_timeline(self, job_id: str, step: int, rank: int) -> tuple[str, float] | None:
@@ -252,12 +251,7 @@ class Spiller:
     def spill_step(self, job_id: str, step: int) -> int:
         """Publish every shard of ``step`` this store owns (its newest version). Returns bytes written."""
         timeline = self._owned_settled_steps().get(job_id, {}).get(step)
-        with self.store._lock:
-            entries = [
-                e
-                for k, e in self.store._entries.items()
-                if k.job_id == job_id and k.step == step and k.timeline == timeline and e.owner_host == self.store.host_id and e.verified
-            ]
+        entries = [m for m in self.source.owned_shards() if (m.key.job_id, m.key.step, m.key.timeline) == (job_id, step, timeline)]
         st = self.status.setdefault(job_id, JobSpillStatus())
         written = 0
         with self._lock:
@@ -278,12 +272,12 @@ class Spiller:
         st.bytes_written += written
         st.last_error = ""
         self._listing_cache.pop(job_id, None)
-        self.store._retention_due.set()  # steps kept in RAM only for this spill may go now
+        self.source.spilled()  # steps kept in RAM only for this spill may go now
         if written:
             log.info("spilled %s step %d: %d shards, %d bytes to %s", job_id, step, len(entries), written, self.durable.url)
         return written
 
-    def _after_publish(self, entry: Entry) -> None:
+    def _after_publish(self, entry: Manifest) -> None:
         """Interop: a published DCP rank is queued for its plain-DCP copy (memstore.spill.dcp_export, own thread).
 
         Returns at once; a failure is logged, never raised: the spill never depends on the export.
@@ -303,64 +297,61 @@ class Spiller:
         and the spill is not. ``limit`` keeps the spill progressing under a continuous load.
         """
         deadline = time.monotonic() + limit
-        while self.store.foreground_busy() and time.monotonic() < deadline and not self._stop.is_set():
+        while self.source.foreground_busy() and time.monotonic() < deadline and not self._stop.is_set():
             time.sleep(0.005)
 
-    def _spill_entry(self, entry: Entry) -> int:
-        if not self.store._pin(entry):
-            return 0
-        try:
-            m = entry.manifest
-            assert m is not None
-            codec = m.spill_codec or self.codec  # the job's choice, else the store's --spill-compression
-            view = entry.segment.view(entry.nbytes)
-            stored: list[int] = []
+    def _spill_entry(self, entry: Manifest) -> int:
+        with self.source.pinned_bytes(entry.key) as view:
+            return 0 if view is None else self._spill_bytes(entry, view)
 
-            def pieces() -> Iterator[memoryview | bytes]:
-                started = time.monotonic()
-                sent = 0
-                for index, (off, length) in enumerate(chunk_spans(m.nbytes, m.chunk_size)):
-                    self._yield_to_foreground()
-                    raw = view[off : off + length]
-                    if checksum(raw) != m.checksums[index]:
-                        raise SpillCorrupt(f"{entry.key}: chunk {index} in RAM failed its checksum; not spilling a corrupt copy")
-                    encoded = codecs.encode(codec, raw)
-                    stored.append(len(encoded))
-                    yield encoded
-                    fault("spill.after_chunk")
-                    sent += len(encoded)
-                    if self.max_rate:
-                        ahead = sent / self.max_rate - (time.monotonic() - started)
-                        if ahead > 0:
-                            time.sleep(ahead)
+    def _spill_bytes(self, m: Manifest, view: memoryview) -> int:
+        """Write one shard's bytes (verified chunk by chunk against its capture checksums), then its manifest."""
+        codec = m.spill_codec or self.codec  # the job's choice, else the store's --spill-compression
+        stored: list[int] = []
 
-            key = entry.key
-            shard = layout.shard_path(self.durable.root, key.job_id, key.step, key.rank)
-            written = self.durable.write_stream(shard, pieces())
-            if self.durable.size(shard) != written:
-                raise SpillStorageError(f"{shard}: stored size differs from what was written; not publishing")
-            fault("spill.before_manifest")
-            manifest = SpilledManifest(
-                job_id=key.job_id,
-                step=key.step,
-                rank=key.rank,
-                world_size=m.world_size,
-                nbytes=m.nbytes,
-                chunk_size=m.chunk_size,
-                checksums=list(m.checksums),
-                owner_host=m.owner_host,
-                codec=codec,
-                stored_chunks=stored,
-                metrics=dict(m.metrics),
-                format_version=m.format_version,
-                created_unix=m.created_unix,
-                spilled_unix=time.time(),
-                timeline=key.timeline,
-            )
-            self.durable.write_small(layout.manifest_path(self.durable.root, key.job_id, key.step, key.rank), manifest.encode())
-            return written
-        finally:
-            self.store._unpin(entry)
+        def pieces() -> Iterator[memoryview | bytes]:
+            started = time.monotonic()
+            sent = 0
+            for index, (off, length) in enumerate(chunk_spans(m.nbytes, m.chunk_size)):
+                self._yield_to_foreground()
+                raw = view[off : off + length]
+                if checksum(raw) != m.checksums[index]:
+                    raise SpillCorrupt(f"{m.key}: chunk {index} in RAM failed its checksum; not spilling a corrupt copy")
+                encoded = codecs.encode(codec, raw)
+                stored.append(len(encoded))
+                yield encoded
+                fault("spill.after_chunk")
+                sent += len(encoded)
+                if self.max_rate:
+                    ahead = sent / self.max_rate - (time.monotonic() - started)
+                    if ahead > 0:
+                        time.sleep(ahead)
+
+        key = m.key
+        shard = layout.shard_path(self.durable.root, key.job_id, key.step, key.rank)
+        written = self.durable.write_stream(shard, pieces())
+        if self.durable.size(shard) != written:
+            raise SpillStorageError(f"{shard}: stored size differs from what was written; not publishing")
+        fault("spill.before_manifest")
+        manifest = SpilledManifest(
+            job_id=key.job_id,
+            step=key.step,
+            rank=key.rank,
+            world_size=m.world_size,
+            nbytes=m.nbytes,
+            chunk_size=m.chunk_size,
+            checksums=list(m.checksums),
+            owner_host=m.owner_host,
+            codec=codec,
+            stored_chunks=stored,
+            metrics=dict(m.metrics),
+            format_version=m.format_version,
+            created_unix=m.created_unix,
+            spilled_unix=time.time(),
+            timeline=key.timeline,
+        )
+        self.durable.write_small(layout.manifest_path(self.durable.root, key.job_id, key.step, key.rank), manifest.encode())
+        return written
 
     # -- retention and debris ------------------------------------------------------------------------
     def collect_garbage(self, job_id: str) -> list[int]:
@@ -408,8 +399,7 @@ class Spiller:
             return []
 
     def _owned_ranks(self, job_id: str) -> set[int]:
-        with self.store._lock:
-            return {k.rank for k, e in self.store._entries.items() if k.job_id == job_id and e.owner_host == self.store.host_id}
+        return self.source.owned_ranks(job_id)
 
     # -- reading back ---------------------------------------------------------------------------------
     def read_into(self, key: ShardKey, allocate: object) -> SpilledManifest:

@@ -1,0 +1,84 @@
+"""Where the store and the durable tier meet: two small interfaces, nothing else.
+
+The server's composition root (``memstore.server.app``) builds both: the ``Store`` (which implements
+:class:`ShardSource`) and, when ``--spill`` is set, a ``Spiller`` reading from it (which implements
+:class:`DurableTier`), then hands the tier to the store. Neither side touches the other's fields.
+
+Who calls what, in which order:
+
+- The spill loop, every pass: ``source.owned_shards()`` to see which settled steps this host owns
+  (and choose the due ones); for each shard it writes, ``with source.pinned_bytes(key) as view:``
+  (``None`` if the shard was evicted meanwhile; the bytes cannot be freed or reused while the block
+  runs); between chunks ``source.foreground_busy()`` to yield to saves and replication; after a step is
+  published ``source.spilled()`` so retention may evict steps it kept only for the spill;
+  ``source.owned_ranks(job)`` when collecting garbage.
+- The store: ``tier.start()`` once serving, ``tier.close()`` on shutdown (after ``tier.flush(grace)``
+  on SIGTERM); ``tier.holdings(job)`` as the pseudo-host ``durable`` in every cluster view
+  (``latest_step``, retention, restore candidates); ``tier.protected_steps(job)`` before evicting;
+  ``tier.read_into(key, allocate)`` to restore a shard from durable storage into memory it allocates;
+  ``tier.status`` for the health report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol
+
+from memstore.core.model import Holding, Manifest, ShardKey
+
+if TYPE_CHECKING:
+    from memstore.spill.layout import SpilledManifest
+    from memstore.spill.spiller import JobSpillStatus
+
+
+class ShardSource(Protocol):
+    """What the durable tier reads from the store."""
+
+    host_id: str
+
+    def owned_shards(self) -> list[Manifest]:
+        """Manifests of the settled, verified shards this host owns (its trainer ranks captured them)."""
+        ...
+
+    def owned_ranks(self, job_id: str) -> set[int]:
+        """Ranks of ``job_id`` whose shards this host owns (any state)."""
+        ...
+
+    def pinned_bytes(self, key: ShardKey) -> AbstractContextManager[memoryview | None]:
+        """The shard's bytes, held in memory for the duration of the block; None if it is gone."""
+        ...
+
+    def foreground_busy(self) -> bool:
+        """A trainer is copying a save in, or a shard is being checksummed or replicated."""
+        ...
+
+    def spilled(self) -> None:
+        """A step was published: steps kept in RAM only until spilled may go now."""
+        ...
+
+
+class DurableTier(Protocol):
+    """What the store reads from the durable tier."""
+
+    status: dict[str, JobSpillStatus]
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def flush(self, grace: float) -> list[str]:
+        """Spill the newest committed step of every job within ``grace`` seconds; what failed."""
+        ...
+
+    def holdings(self, job_id: str) -> list[Holding]:
+        """Published durable copies of ``job_id``, as holdings of the pseudo-host ``durable``."""
+        ...
+
+    def protected_steps(self, job_id: str) -> set[int]:
+        """Steps due for spilling but not spilled yet: not to be evicted from RAM."""
+        ...
+
+    def read_into(self, key: ShardKey, allocate: Callable[[SpilledManifest], memoryview]) -> SpilledManifest:
+        """Read, decode and verify a spilled shard into the memory ``allocate(manifest)`` returns."""
+        ...

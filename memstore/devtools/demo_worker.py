@@ -200,13 +200,30 @@ class _Checkpoints:
         return time.perf_counter() - self.saves[-1]["t0"]
 
 
-def _restore(client: Any, training: _Training, rank: int) -> dict[str, Any] | None:
-    """Restore the newest step restorable for every rank: {step, seconds, source}, or None if there is none."""
-    t0 = time.perf_counter()
+def _agreed_latest_step(client: Any) -> int | None:
+    """``latest_step()``, agreed by every rank (the oldest answer wins): a spill finishing between two ranks'
+    calls must not make one rank restore a step while another starts fresh."""
+    import torch
+    import torch.distributed as dist
+
     latest = client.latest_step()
+    mine = torch.tensor([-1 if latest is None else latest], dtype=torch.int64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+    agreed = int(mine.item())
+    return None if agreed < 0 else agreed
+
+
+def _restore(client: Any, training: _Training, rank: int) -> dict[str, Any]:
+    """Restore the newest step restorable for every rank: {step, seconds, source}.
+
+    With nothing restorable (every copy of the job was lost before it was spilled, as when a whole group
+    dies early) the job starts again from step 0, as a scheduler would restart it.
+    """
+    t0 = time.perf_counter()
+    latest = _agreed_latest_step(client)
     if latest is None:
-        print(f"rank {rank}: nothing to resume from", file=sys.stderr)
-        return None
+        print(f"rank {rank}: nothing restorable (lost before any step was spilled); starting from step 0", file=sys.stderr)
+        return {"step": 0, "seconds": time.perf_counter() - t0, "source": ""}
     info = training.state.restore(client.load(latest))
     return {"step": info["step"], "seconds": time.perf_counter() - t0, "source": client.last_load_source}
 
@@ -251,10 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     restore: dict[str, Any] = {}
     if args.resume:
         assert client is not None
-        restored = _restore(client, training, args.rank)
-        if restored is None:
-            return 3
-        restore = restored
+        restore = _restore(client, training, args.rank)
 
     progress = open(args.progress, "a") if args.rank == 0 else None  # noqa: SIM115
     if restore:

@@ -71,6 +71,13 @@ def test_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
     for key in ("python", "torch"):
         assert data["machine"][key]
 
+    _check_floors(data)
+    _check_cluster(data)
+    _check_memory_and_leaks(data)
+    _check_ratios(data)
+
+
+def _check_floors(data: dict) -> None:  # type: ignore[type-arg]
     assert len(data["scenarios"]) == 1
     scn = data["scenarios"][0]
     assert scn["headline"] is True and data["headline"] == scn["name"] == "64MiB-2h-R2"
@@ -90,6 +97,8 @@ def test_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
             assert _positive(floors["dcp"][mode][key]["p50"]), (mode, key)
     assert _positive(floors["dcp"]["file_bytes"])
 
+
+def _check_cluster(data: dict) -> None:  # type: ignore[type-arg]
     cluster = data["cluster"]
     phases = [s["phase"] for s in cluster["saves"]]
     assert phases == ["cold"] * (data["config"]["keep"] + 1) + ["measured"] * 2
@@ -115,6 +124,9 @@ def test_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
     assert _positive(cluster["peer_pull"]["seconds"]["p50"])
     assert cluster["restore_durable"]["available"] is False
 
+
+def _check_memory_and_leaks(data: dict) -> None:  # type: ignore[type-arg]
+    cluster, scn = data["cluster"], data["scenarios"][0]
     # store memory: RSS/PSS of each store against the shard bytes it holds
     mem = cluster["store_memory"]
     assert set(mem["stores"]) == {"h0", "h1"}
@@ -146,6 +158,8 @@ def test_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
     assert _positive(cond["seconds"]) and _positive(cond["memory_peak_pss_bytes"])
     assert _positive(data["conditions"]["memory_peak_pss_bytes"])
 
+
+def _check_ratios(data: dict) -> None:  # type: ignore[type-arg]
     for key, value in data["ratios"].items():
         assert value is None or _positive(value), key
     for key in (

@@ -61,34 +61,25 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
 import torch
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as ShardedTensorProperties
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
 from memstore.v1.keys import job_id_problem, key_problem
 from trainer_client.client import CheckpointClient
+from trainer_client.dcp_metadata import MemStoreStorageInfo, _item_key, decode_metadata, encode_metadata
 from trainer_client.errors import (
     CorruptShardError,
     InvalidArgumentError,
     MemstoreClientError,
     NoCheckpointError,
     NotFoundError,
-    SerializationError,
 )
 
 __all__ = [
@@ -120,14 +111,6 @@ def _dcp_version() -> str:
     except ImportError:  # pragma: no cover - older torch
         return "1.0.0"
     return str(CURRENT_DCP_VERSION)
-
-
-@dataclass(frozen=True)
-class MemStoreStorageInfo:
-    """Where one DCP item lives: in the shard of saving rank ``rank``, under ``items[key]``."""
-
-    rank: int
-    key: str
 
 
 @dataclass(frozen=True)
@@ -223,223 +206,6 @@ def _valid_checkpoint_id(checkpoint_id: Any) -> bool:
 
 def _uri(job_id: str, step: int | None) -> str | None:
     return None if step is None else f"{URI_PREFIX}{job_id}/{step}"
-
-
-def _item_key(index: MetadataIndex) -> str:
-    """Stable, unique-per-rank string of a MetadataIndex: ``fqn|offsets|index``."""
-    offset = "" if index.offset is None else ",".join(str(int(o)) for o in index.offset)
-    hint = "" if index.index is None else str(int(index.index))
-    return f"{index.fqn}|{offset}|{hint}"
-
-
-# --------------------------------------------------------------------------------------------
-# metadata <-> tagged plain dicts (no pickle)
-# --------------------------------------------------------------------------------------------
-
-_TAG: Final = "__dcp__"
-
-
-def _torch_constants(kind: type) -> dict[str, Any]:
-    return {name: value for name, value in vars(torch).items() if isinstance(value, kind)}
-
-
-_DTYPES: Final = _torch_constants(torch.dtype)
-_LAYOUTS: Final = _torch_constants(torch.layout)
-_MEMORY_FORMATS: Final = _torch_constants(torch.memory_format)
-_CONSTANT_TABLES: Final[dict[str, tuple[type, dict[str, Any]]]] = {
-    "dtype": (torch.dtype, _DTYPES),
-    "layout": (torch.layout, _LAYOUTS),
-    "memory_format": (torch.memory_format, _MEMORY_FORMATS),
-}
-
-
-def _is_opt(kind: type) -> Callable[[Any], bool]:
-    return lambda v: v is None or _is(kind)(v)
-
-
-def _is(kind: type) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, kind) and (kind is bool or type(v) is not bool)
-
-
-def _is_list_of(kind: type) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, list) and all(isinstance(x, kind) for x in v)
-
-
-def _is_storage_types(v: Any) -> bool:
-    return isinstance(v, dict) and all(
-        isinstance(k, str) and isinstance(x, (TensorStorageMetadata, BytesStorageMetadata)) for k, x in v.items()
-    )
-
-
-def _is_properties(v: Any) -> bool:
-    return type(v) in (TensorProperties, ShardedTensorProperties)
-
-
-def _anything(_: Any) -> bool:
-    return True  # still restricted to what the decoder can build: allowlisted types only
-
-
-# class -> (tag, {field: check}); the encoder writes exactly these fields, the decoder requires exactly them.
-_DATACLASSES: Final[dict[type, tuple[str, dict[str, Callable[[Any], bool]]]]] = {
-    Metadata: (
-        "Metadata",
-        {
-            "state_dict_metadata": _is_storage_types,
-            "planner_data": _anything,
-            "storage_data": _anything,
-            "storage_meta": _is_opt(StorageMeta),
-            "version": _is_opt(str),
-        },
-    ),
-    TensorStorageMetadata: (
-        "TensorStorageMetadata",
-        {"properties": _is_properties, "size": _is(torch.Size), "chunks": _is_list_of(ChunkStorageMetadata)},
-    ),
-    BytesStorageMetadata: ("BytesStorageMetadata", {}),
-    ChunkStorageMetadata: ("ChunkStorageMetadata", {"offsets": _is(torch.Size), "sizes": _is(torch.Size)}),
-    TensorProperties: (
-        "TensorProperties",
-        {
-            "dtype": _is(torch.dtype),
-            "layout": _is(torch.layout),
-            "requires_grad": _is(bool),
-            "memory_format": _is(torch.memory_format),
-            "pin_memory": _is(bool),
-        },
-    ),
-    # The legacy class of ShardedTensor metadata (``torch.distributed._shard.sharded_tensor.metadata``), same
-    # fields: DCP metadata of older torch versions (DCP used this class before it had its own) carries it.
-    ShardedTensorProperties: (
-        "ShardedTensorProperties",
-        {
-            "dtype": _is(torch.dtype),
-            "layout": _is(torch.layout),
-            "requires_grad": _is(bool),
-            "memory_format": _is(torch.memory_format),
-            "pin_memory": _is(bool),
-        },
-    ),
-    StorageMeta: (
-        "StorageMeta",
-        {"checkpoint_id": _is_opt(str), "save_id": _is_opt(str), "load_id": _is_opt(str), "modules": _is_list_of(str)},
-    ),
-    MetadataIndex: ("MetadataIndex", {"fqn": _is(str), "offset": _is_opt(torch.Size), "index": _is_opt(int)}),
-    MemStoreStorageInfo: ("MemStoreStorageInfo", {"rank": _is(int), "key": _is(str)}),
-}
-_BY_TAG: Final = {tag: (cls, fields) for cls, (tag, fields) in _DATACLASSES.items()}
-_ALLOWED_NAMES: Final = (
-    "None, bool, int, float, str, list, tuple, dict, torch.Size, torch.dtype, torch.layout, torch.memory_format, "
-    + ", ".join(tag for tag, _ in _DATACLASSES.values())
-)
-
-
-def encode_metadata(metadata: Metadata) -> dict[str, Any]:
-    """``Metadata`` -> tagged plain dicts/lists/scalars that memstore's safe format stores as is.
-
-    Raises ``SerializationError`` (naming the path) for any value outside the allowlist.
-    """
-    if type(metadata) is not Metadata:
-        raise SerializationError(f"expected torch.distributed.checkpoint.metadata.Metadata, got {type(metadata).__qualname__}", "metadata")
-    return cast(dict[str, Any], _encode(metadata, "metadata"))
-
-
-def _encode(value: Any, path: str) -> Any:
-    t = type(value)
-    if value is None or t in (bool, int, float, str):
-        return value
-    if t is list:
-        return [_encode(x, f"{path}[{i}]") for i, x in enumerate(value)]
-    if t is tuple:
-        return {_TAG: "tuple", "items": [_encode(x, f"{path}[{i}]") for i, x in enumerate(value)]}
-    if t is dict:
-        return {_TAG: "dict", "items": [[_encode(k, f"{path}.<key>"), _encode(v, f"{path}[{k!r}]")] for k, v in value.items()]}
-    if t is torch.Size:
-        return {_TAG: "Size", "dims": [int(d) for d in value]}
-    for name, (kind, table) in _CONSTANT_TABLES.items():
-        if t is kind:
-            for const_name, const in table.items():
-                if const == value:
-                    return {_TAG: name, "name": const_name}
-            raise SerializationError(f"unknown {name} {value!r}", path)
-    spec = _DATACLASSES.get(t)
-    if spec is not None:
-        tag, fields = spec
-        for extra in dataclasses.fields(value):  # a field a newer torch added: never drop it silently
-            if extra.name not in fields and getattr(value, extra.name) is not None:
-                raise SerializationError(f"{tag}.{extra.name} is not known to memstore's DCP metadata encoding", path)
-        return {_TAG: tag, **{f: _encode(getattr(value, f), f"{path}.{f}") for f in fields}}
-    raise SerializationError(
-        f"unsupported type {t.__module__}.{t.__qualname__} in DCP metadata (it is never pickled); allowed: {_ALLOWED_NAMES}", path
-    )
-
-
-def decode_metadata(encoded: Any) -> Metadata:
-    """Rebuild ``Metadata`` from :func:`encode_metadata`'s output; builds allowlisted types only.
-
-    Raises ``CorruptShardError`` for anything malformed or unknown.
-    """
-    md = _decode(encoded, "metadata")
-    if type(md) is not Metadata:
-        raise CorruptShardError(f"metadata: expected an encoded Metadata, got {type(md).__qualname__}")
-    return md
-
-
-def _decode(value: Any, path: str) -> Any:
-    t = type(value)
-    if value is None or t in (bool, int, float, str):
-        return value
-    if t is list:
-        return [_decode(x, f"{path}[{i}]") for i, x in enumerate(value)]
-    if t is not dict:
-        raise CorruptShardError(f"{path}: unexpected {t.__qualname__} in encoded DCP metadata")
-    tag = value.get(_TAG)
-    if not isinstance(tag, str):
-        raise CorruptShardError(f"{path}: encoded DCP metadata dict without a {_TAG!r} tag")
-
-    def need(keys: set[str]) -> None:
-        if set(value) != keys | {_TAG}:
-            raise CorruptShardError(f"{path}: {tag} has fields {sorted(set(value) - {_TAG})}, expected {sorted(keys)}")
-
-    if tag in ("tuple", "dict"):
-        need({"items"})
-        items = value["items"]
-        if type(items) is not list:
-            raise CorruptShardError(f"{path}: {tag} items must be a list")
-        if tag == "tuple":
-            return tuple(_decode(x, f"{path}[{i}]") for i, x in enumerate(items))
-        out: dict[Any, Any] = {}
-        for pair in items:
-            if type(pair) is not list or len(pair) != 2:
-                raise CorruptShardError(f"{path}: dict items must be [key, value] pairs")
-            key = _decode(pair[0], f"{path}.<key>")
-            try:
-                out[key] = _decode(pair[1], f"{path}[{key!r}]")
-            except TypeError:
-                raise CorruptShardError(f"{path}: unhashable dict key {key!r}") from None
-        return out
-    if tag == "Size":
-        need({"dims"})
-        dims = value["dims"]
-        if type(dims) is not list or not all(type(d) is int and d >= 0 for d in dims):
-            raise CorruptShardError(f"{path}: Size dims must be a list of ints >= 0")
-        return torch.Size(dims)
-    if tag in _CONSTANT_TABLES:
-        need({"name"})
-        _, table = _CONSTANT_TABLES[tag]
-        const = table.get(value["name"]) if isinstance(value["name"], str) else None
-        if const is None:
-            raise CorruptShardError(f"{path}: unknown {tag} {value['name']!r}")
-        return const
-    spec = _BY_TAG.get(tag)
-    if spec is None:
-        raise CorruptShardError(f"{path}: type tag {tag!r} is not allowed in DCP metadata (allowed: {_ALLOWED_NAMES})")
-    cls, fields = spec
-    need(set(fields))
-    kwargs = {f: _decode(value[f], f"{path}.{f}") for f in fields}
-    for f, check in fields.items():
-        if not check(kwargs[f]):
-            raise CorruptShardError(f"{path}.{f}: {type(kwargs[f]).__qualname__} is not valid for {tag}.{f}")
-    return cls(**kwargs)
 
 
 # --------------------------------------------------------------------------------------------

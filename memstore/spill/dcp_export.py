@@ -51,7 +51,7 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from memstore.errors import LayoutError, SpillExportError, SpillStorageError
 from memstore.spill import layout
@@ -60,7 +60,17 @@ from memstore.spill.storage import Durable
 
 if TYPE_CHECKING:
     from memstore.core.model import Manifest
-    from memstore.spill.spiller import Spiller
+    from memstore.spill.port import ShardSource
+
+
+class Spiller(Protocol):
+    """What the export needs of the spiller it rides on (its storage, the shards' bytes, its lifetime, its rate)."""
+
+    durable: Durable
+    source: ShardSource
+    stopping: threading.Event
+    max_rate: int
+
 
 log = logging.getLogger(__name__)
 

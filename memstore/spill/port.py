@@ -23,13 +23,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from memstore.core.model import Holding, Manifest, ShardKey
 
 if TYPE_CHECKING:
     from memstore.spill.layout import SpilledManifest
-    from memstore.spill.spiller import JobSpillStatus
+
+
+@dataclass
+class JobSpillStatus:
+    """The durable tier's progress for one job, as the store reports it in Health."""
+
+    last_spilled_step: int = -1
+    last_spill_time: float | None = None
+    consecutive_failures: int = 0
+    last_error: str = ""
+    retry_at: float = 0.0
+    spilled: set[tuple[int, str]] = field(default_factory=set)  # versions (step, timeline) whose owned shards this store published
+    bytes_written: int = 0
 
 
 class ShardSource(Protocol):

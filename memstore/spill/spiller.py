@@ -30,6 +30,7 @@ from memstore.faults import fault
 from memstore.spill import codec as codecs
 from memstore.spill import layout
 from memstore.spill.layout import SpilledManifest
+from memstore.spill.port import JobSpillStatus
 from memstore.spill.reader import read_manifest, read_shard_into
 from memstore.spill.storage import Durable
 from memstore.v1.integrity import checksum, chunk_spans
@@ -41,17 +42,6 @@ log = logging.getLogger(__name__)
 
 ORPHAN_SECONDS = 300.0  # a shard file with no manifest this old, below the newest spilled step, is debris
 LISTING_CACHE_SECONDS = 1.0
-
-
-@dataclass
-class JobSpillStatus:
-    last_spilled_step: int = -1
-    last_spill_time: float | None = None
-    consecutive_failures: int = 0
-    last_error: str = ""
-    retry_at: float = 0.0
-    spilled: set[tuple[int, str]] = field(default_factory=set)  # versions (step, timeline) whose owned shards this store published
-    bytes_written: int = 0
 
 
 @dataclass

@@ -1,0 +1,315 @@
+"""The catalog of the store engine: entries and their pins, segments, adoption after a crash, listings.
+
+Every other part of the engine (``memstore.server.store`` puts them together) works on the state
+declared here, under ``_lock``. It also implements the durable tier's port (``memstore.spill.port.ShardSource``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from memstore.config import StoreConfig
+from memstore.core.model import Holding, Manifest, ShardKey, ShardState
+from memstore.core.placement import Placement
+from memstore.core.retention import pressure_victims
+from memstore.errors import (
+    AlreadySaved,
+    CapacityExceeded,
+    ChecksumMismatch,
+    InvalidArgument,
+    ShardNotFound,
+    UnknownJob,
+)
+from memstore.server.convert import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, state_from_pb, state_to_pb
+from memstore.server.peers import PeerDirectory
+from memstore.server.segments import Segment, SegmentPool
+from memstore.spill.port import DurableTier
+from memstore.v1 import store_pb2 as pb
+from memstore.v1.integrity import SPILL_CODECS, first_mismatch
+from memstore.v1.keys import job_id_problem, key_problem
+from memstore.v1.streams import manifest_problem
+
+log = logging.getLogger(__name__)
+
+ALLOCATE_LEASE_SECONDS = 600.0  # a trainer that allocated but never committed (it crashed) frees the segment after this
+READ_LEASE_SECONDS = 600.0
+
+
+@dataclass
+class Entry:
+    key: ShardKey
+    world_size: int
+    nbytes: int
+    segment: Segment
+    owner_host: str
+    state: ShardState
+    manifest: Manifest | None = None  # None until checksums are computed
+    error: str = ""
+    copies: int = 1
+    pins: int = 0
+    dropped: bool = False  # removed from the catalog while pinned; segment freed at last unpin
+    metrics: dict[str, float] = field(default_factory=dict)
+    format_version: int = 0
+    created_unix: float = field(default_factory=time.time)
+    source: str = ""  # peer a pulled copy came from
+    spill_codec: str = ""  # the job's choice of durable codec ("" = the store's default)
+
+    @property
+    def verified(self) -> bool:
+        return self.manifest is not None and self.state is not ShardState.CAPTURED
+
+
+@dataclass
+class Inbound:
+    key: ShardKey
+    manifest: pb.Manifest
+    origin: int
+    segment: Segment
+
+
+@dataclass
+class Ticket:
+    deadline: float
+    inbound: Inbound | None = None
+    outbound: Entry | None = None
+
+
+def sender_error(exc: BaseException) -> BaseException:
+    """The error the sender of a failed transfer sees: stream and channel errors are typed already."""
+    if isinstance(exc, ChecksumMismatch):
+        return type(exc)(f"{exc}; the copy was discarded, the sender should retry")
+    return exc
+
+
+@dataclass
+class Lease:
+    entry: Entry
+    expires: float
+
+
+def codec_problem(codec: str) -> str | None:
+    if codec and codec not in SPILL_CODECS:
+        return f"spill codec {codec!r} is unknown: expected one of {', '.join(SPILL_CODECS)} (or empty for the store's default)"
+    return None
+
+
+def ensure(problem: str | None) -> None:
+    if problem:
+        raise InvalidArgument(problem)
+
+
+def holdings_of(host: str, resp: pb.ListResponse) -> list[Holding]:
+    return [Holding(host, key_from_pb(i.manifest.key), i.manifest.world_size, i.verified, i.manifest.created_unix) for i in resp.shards]
+
+
+class Catalog:
+    """Entries, pins and segments of the shards this store holds."""
+
+    # The engine's state, set by ``Store.__init__``; every part of the engine reads it through here.
+    config: StoreConfig
+    host_id: str
+    placement: Placement
+    pool: SegmentPool
+    peers: PeerDirectory
+    durable: DurableTier | None
+    data_port: int
+    last_repair_error: str
+    _lock: threading.Condition
+    _entries: dict[ShardKey, Entry]
+    _alloc_leases: dict[str, Lease]
+    _read_leases: dict[str, Lease]
+    _receiving: set[ShardKey]
+    _tickets: dict[bytes, Ticket]
+    _pulls: dict[ShardKey, threading.Event]  # in-flight pulls, shared by fetch and repair
+    _protected: dict[str, int]  # job -> newest restorable step, protected from eviction
+    _replication: ThreadPoolExecutor
+    _push: ThreadPoolExecutor
+    _in_flight: int
+    _repairs_in_flight: int
+    _stop: threading.Event
+    _retention_due: threading.Event
+
+    def _adopt_segments(self) -> int:
+        """Take over the verified shards a previous incarnation of this host left in shared memory.
+
+        Each settled copy has a sidecar (its ShardInfo) next to its segment; a segment is adopted only if
+        the sidecar is well-formed and every chunk still matches its checksum, so a store that crashed
+        serves its RAM again without a network repair (GEMINI's software-failure path). The rest is deleted.
+        """
+
+        def check(seg: Segment, meta: bytes) -> bool:
+            info = pb.ShardInfo.FromString(meta)
+            m = info.manifest
+            problem = manifest_problem(m) or key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size, m.key.timeline)
+            state = state_from_pb(info.state)
+            if problem or state is None or not state.settled or m.nbytes > seg.size:
+                return False
+            return first_mismatch(seg.view(), m.nbytes, m.chunk_size, list(m.chunk_checksums)) is None
+
+        adopted = self.pool.adopt(check)
+        for seg, meta in adopted:
+            info = pb.ShardInfo.FromString(meta)
+            m = manifest_from_pb(info.manifest)
+            seg.owner = m.key.job_id  # never pooled for another job
+            state = state_from_pb(info.state) or ShardState.REPLICA
+            self._entries[m.key] = Entry(
+                m.key, m.world_size, m.nbytes, seg, m.owner_host, state, manifest=m, metrics=dict(m.metrics),
+                format_version=m.format_version, copies=info.copies, created_unix=m.created_unix or time.time(), spill_codec=m.spill_codec,
+            )  # fmt: skip
+        if adopted:
+            log.info(
+                "adopted %d shards (%d bytes) left in shared memory by this host's previous incarnation; verified every chunk",
+                len(adopted), sum(e.nbytes for e in self._entries.values()),
+            )  # fmt: skip
+        return len(adopted)
+
+    def _describe(self, entry: Entry) -> None:
+        """Record a settled copy next to its segment (caller holds the lock) so a restart can adopt it."""
+        if entry.verified and entry.state.settled and not entry.dropped:
+            self.pool.describe(entry.segment, self._info(entry).SerializeToString())
+
+    def owned_shards(self) -> list[Manifest]:
+        with self._lock:
+            return [
+                e.manifest for e in self._entries.values() if e.owner_host == self.host_id and e.state.settled and e.manifest is not None
+            ]
+
+    def owned_ranks(self, job_id: str) -> set[int]:
+        with self._lock:
+            return {k.rank for k, e in self._entries.items() if k.job_id == job_id and e.owner_host == self.host_id}
+
+    @contextlib.contextmanager
+    def pinned_bytes(self, key: ShardKey) -> Iterator[memoryview | None]:
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None or not self._pin(entry):
+            yield None
+            return
+        view = entry.segment.view(entry.nbytes)
+        try:
+            yield view
+        finally:
+            view.release()
+            self._unpin(entry)
+
+    def spilled(self) -> None:
+        self._retention_due.set()
+
+    def _acquire(self, key: ShardKey, nbytes: int) -> Segment:
+        """A segment for ``key``. Under memory pressure, drop what ``pressure_victims`` offers, one at a time."""
+        while True:
+            try:
+                return self.pool.acquire(nbytes, key.job_id, what=f"shard {key}")
+            except CapacityExceeded:
+                with self._lock:
+                    held = [(e.key, e.state, e.created_unix) for e in self._entries.values() if e.key.job_id == key.job_id]
+                    protected = [self._protected[key.job_id]] if key.job_id in self._protected else []
+                    victims = pressure_victims(held, key, protected)
+                    if not victims:
+                        raise
+                    victim = self._entries[victims[0]]
+                    log.warning("memory pressure: dropping %s (%s) to fit %s", victim.key, victim.state.value, key)
+                    self._drop(victim, reason=f"dropped under memory pressure for step {key.step}")
+
+    def _refuse_resave(self, key: ShardKey) -> None:
+        """A client capture of a shard already held on the same timeline (caller holds the lock): refused.
+
+        Two captures of one (job, step, rank, timeline) would make that step a mix of two saves. Clients
+        move to a new timeline themselves when they save a step again; this catches a reused run id.
+        """
+        held = self._entries.get(key)
+        if held is not None and not held.dropped:
+            raise AlreadySaved(
+                f"shard {key} is already saved on store {self.host_id}: saving a step again needs a new timeline "
+                "(the client starts one when it saves a step at or below one it saved; a restarted job needs a new run id)"
+            )
+
+    def _register(self, entry: Entry) -> None:
+        """Put ``entry`` in the catalog (caller holds the lock), replacing an older copy of the same shard.
+
+        The same shard means the same (job, step, rank, timeline): a re-save of a step on another timeline
+        is another shard, and the old version stays until retention finds it superseded
+        (``memstore.core.restorable``): re-saves are atomic and never mix with the old version.
+        """
+        old = self._entries.get(entry.key)
+        if old is not None and old is not entry:
+            self._drop(old, reason="replaced by a newer copy of the same shard")
+        self._entries[entry.key] = entry
+        self._describe(entry)
+        self._lock.notify_all()
+
+    def _drop(self, entry: Entry, reason: str) -> None:
+        """Remove from the catalog (caller holds the lock); free the segment once nobody reads it."""
+        if self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+        if not entry.error and not entry.state.settled:
+            entry.error = reason
+        entry.dropped = True
+        if entry.pins == 0:
+            self.pool.release(entry.segment)
+        self._lock.notify_all()
+
+    def _pin(self, entry: Entry) -> bool:
+        with self._lock:
+            if entry.dropped:
+                return False
+            entry.pins += 1
+            return True
+
+    def _unpin(self, entry: Entry) -> None:
+        with self._lock:
+            entry.pins -= 1
+            if entry.pins == 0 and entry.dropped:
+                self.pool.release(entry.segment)
+
+    def _readable(self, key: ShardKey, wait: float = 30.0) -> Entry:
+        """The verified local copy of ``key`` (waits briefly while its checksums are computed)."""
+        ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
+        deadline = time.monotonic() + wait
+        with self._lock:
+            while True:
+                entry = self._entries.get(key)
+                if entry is None:
+                    if not any(k.job_id == key.job_id for k in self._entries):
+                        raise UnknownJob(f"job {key.job_id!r} is unknown to store {self.host_id}")
+                    raise ShardNotFound(f"shard {key} is not held by store {self.host_id}")
+                if entry.verified:
+                    return entry
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ShardNotFound(f"shard {key} on store {self.host_id} is still being captured")
+                self._lock.wait(remaining)
+
+    def _info(self, entry: Entry) -> pb.ShardInfo:
+        m = entry.manifest
+        manifest = (
+            manifest_to_pb(m)
+            if m is not None
+            else pb.Manifest(key=key_to_pb(entry.key), world_size=entry.world_size, nbytes=entry.nbytes, owner_host=entry.owner_host)
+        )
+        return pb.ShardInfo(
+            manifest=manifest, state=state_to_pb(entry.state), verified=entry.verified, error=entry.error, copies=entry.copies
+        )
+
+    def list_shards(self, job_id: str) -> pb.ListResponse:
+        if job_id:
+            ensure(job_id_problem(job_id))
+        with self._lock:
+            infos = [self._info(e) for k, e in sorted(self._entries.items()) if not job_id or k.job_id == job_id]
+        return pb.ListResponse(host_id=self.host_id, shards=infos)
+
+    def delete(self, job_id: str, step: int, rank: int) -> int:
+        ensure(job_id_problem(job_id))
+        with self._lock:
+            victims = [e for k, e in self._entries.items() if k.job_id == job_id and step in (-1, k.step) and rank in (-1, k.rank)]
+            if not victims and not any(k.job_id == job_id for k in self._entries):
+                raise UnknownJob(f"job {job_id!r} is unknown to store {self.host_id}")
+            for e in victims:
+                self._drop(e, reason="deleted")
+        return len(victims)

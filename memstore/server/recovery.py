@@ -1,0 +1,298 @@
+"""Recovery and repair: pulling verified copies from peers or the durable tier, and what the cluster holds."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from memstore.core.model import Holding, Manifest, ShardKey, ShardState
+from memstore.core.restorable import latest_restorable, sources_for, split_timelines
+from memstore.core.retention import newest_versions
+from memstore.errors import (
+    ChecksumMismatch,
+    DataChannelUnsupported,
+    InvalidArgument,
+    LayoutError,
+    PeerUnavailable,
+    ShardNotFound,
+    SpillStorageError,
+    StoreError,
+    StreamError,
+    UnknownJob,
+)
+from memstore.faults import fault
+from memstore.server.catalog import (
+    Catalog,
+    Entry,
+    ensure,
+    holdings_of,
+)
+from memstore.server.convert import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, state_from_pb
+from memstore.server.segments import Segment
+from memstore.spill.layout import SpilledManifest
+from memstore.v1 import store_pb2 as pb
+from memstore.v1.integrity import first_mismatch
+from memstore.v1.keys import job_id_problem, key_problem
+from memstore.v1.streams import manifest_problem, receive_chunks
+
+log = logging.getLogger(__name__)
+
+
+class Recovery(Catalog):
+    """Fetches missing shards (for a restore or for repair), and answers what is restorable across the cluster."""
+
+    def fetch(self, key: ShardKey, discard_local: bool) -> tuple[pb.Manifest, str]:
+        """Make sure this store holds a verified copy of ``key``, pulling it from a peer if needed."""
+        ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
+        with self._lock:
+            local = self._entries.get(key)
+        if local is not None and discard_local:
+            if (
+                local.manifest is not None
+                and first_mismatch(local.segment.view(), local.nbytes, local.manifest.chunk_size, local.manifest.checksums) is None
+            ):
+                log.warning("client reported %s corrupt but the local copy verifies; keeping it", key)
+            else:
+                log.warning("discarding corrupt local copy of %s", key)
+                with self._lock:
+                    self._drop(local, reason="local copy failed verification")
+                local = None
+        if local is not None:
+            entry = self._readable(key)
+            assert entry.manifest is not None
+            return manifest_to_pb(entry.manifest), entry.source  # "" unless repair pulled it from a peer
+        source = self._pull(key, origin_note="fetch")
+        entry = self._readable(key)
+        assert entry.manifest is not None
+        return manifest_to_pb(entry.manifest), source
+
+    def _pull(self, key: ShardKey, origin_note: str, candidates: list[str] | None = None) -> str:
+        """Copy ``key`` from the first peer that has a verified copy. Returns that peer's id."""
+        if candidates is None:
+            listings = self.peers.list_all(key.job_id, self.config.peer_timeout)
+            holdings = [h for host, resp in listings.items() if not isinstance(resp, StoreError) for h in holdings_of(host, resp)]
+            candidates = sources_for(holdings, key, prefer=self.placement.hosts)
+            unreachable = [h for h, r in listings.items() if isinstance(r, StoreError)]
+            durable = self._durable_holdings(key.job_id, unreachable)
+            if any(h.key == key for h in durable):
+                candidates.append("durable")  # the most expensive tier comes last
+            holdings += durable
+            if not candidates:
+                if not any(h.key.job_id == key.job_id for h in holdings) and not unreachable:
+                    raise UnknownJob(f"job {key.job_id!r} is unknown to every store")
+                extra = f" ({len(unreachable)} unreachable: {', '.join(unreachable)})" if unreachable else ""
+                raise ShardNotFound(f"no reachable store holds a verified copy of {key}{extra}")
+        with self._lock:
+            pending = self._pulls.get(key)
+            if pending is None:
+                self._pulls[key] = threading.Event()
+        if pending is not None:
+            # Another path (fetch or repair) is already pulling this shard: wait for it instead of pulling twice.
+            pending.wait(timeout=self.config.peer_timeout + 600)
+            with self._lock:
+                entry = self._entries.get(key)
+            if entry is not None and entry.verified:
+                return entry.source
+            raise PeerUnavailable(f"a concurrent pull of {key} did not produce a verified copy")
+        try:
+            return self._pull_candidates(key, candidates, origin_note)
+        finally:
+            with self._lock:
+                done = self._pulls.pop(key)
+            done.set()
+
+    def _pull_candidates(self, key: ShardKey, candidates: list[str], origin_note: str) -> str:
+        errors: list[StoreError] = []
+        for host in candidates:
+            try:
+                if host == "durable":
+                    self._pull_from_durable(key)
+                else:
+                    self._pull_from(host, key)
+                log.info("%s: pulled %s from %s", origin_note, key, host)
+                return host
+            except StoreError as exc:
+                errors.append(exc)
+        if errors and all(isinstance(e, ChecksumMismatch) for e in errors):
+            raise ChecksumMismatch(f"every copy of {key} failed verification: " + "; ".join(map(str, errors)))
+        raise PeerUnavailable(f"could not pull {key}: " + "; ".join(map(str, errors)))
+
+    def _pull_from(self, host: str, key: ShardKey) -> None:
+        peer = self.peers[host]
+        timeout = self.config.peer_timeout + 600
+        segments: list[Segment] = []
+
+        def into(manifest: pb.Manifest) -> memoryview:
+            problem = manifest_problem(manifest)
+            if problem or key_from_pb(manifest.key) != key:
+                raise PeerUnavailable(f"peer {host} sent an invalid manifest for {key}: {problem or 'wrong key'}")
+            segments.append(self._acquire(key, max(1, manifest.nbytes)))
+            return segments[-1].view()
+
+        try:
+            manifest = None
+            if self.config.data_plane == "tcp":
+                try:
+                    manifest = peer.pull_data(key_to_pb(key), into, timeout, self.config.peer_timeout)
+                except DataChannelUnsupported:
+                    log.info("peer %s has no data channel; falling back to gRPC streams", host)
+            if manifest is None:
+                manifest, chunks, call = peer.get(key_to_pb(key), timeout=timeout)
+                try:
+                    receive_chunks(chunks, manifest, into(manifest))
+                except StreamError as exc:
+                    raise (ChecksumMismatch if isinstance(exc, ChecksumMismatch) else PeerUnavailable)(f"copy from {host}: {exc}") from None
+                finally:
+                    call.cancel()
+        except BaseException:
+            for seg in segments:
+                self.pool.release(seg)
+            raise
+        (segment,) = segments
+        self._register_pulled(key, segment, manifest_from_pb(manifest), host)
+
+    def _pull_from_durable(self, key: ShardKey) -> None:
+        assert self.durable is not None
+        segments: list[Segment] = []
+
+        def allocate(m: SpilledManifest) -> memoryview:
+            segments.append(self._acquire(key, max(1, m.nbytes)))
+            return segments[-1].view()
+
+        try:
+            sm = self.durable.read_into(key, allocate)
+        except (SpillStorageError, LayoutError) as exc:
+            for seg in segments:
+                self.pool.release(seg)
+            if isinstance(exc, ChecksumMismatch):
+                raise ChecksumMismatch(f"durable copy of {key}: {exc}") from None
+            raise PeerUnavailable(f"durable copy of {key}: {exc}") from None
+        except BaseException:
+            for seg in segments:
+                self.pool.release(seg)
+            raise
+        manifest = Manifest(
+            key,
+            sm.world_size,
+            sm.nbytes,
+            sm.chunk_size,
+            tuple(sm.checksums),
+            sm.owner_host,
+            sm.format_version,
+            dict(sm.metrics),
+            sm.created_unix,
+        )
+        self._register_pulled(key, segments[0], manifest, "durable")
+
+    def _register_pulled(self, key: ShardKey, segment: Segment, m: Manifest, source: str) -> None:
+        entry = Entry(
+            key,
+            m.world_size,
+            m.nbytes,
+            segment,
+            m.owner_host,
+            ShardState.REPLICA,
+            manifest=m,
+            metrics=dict(m.metrics),
+            format_version=m.format_version,
+            copies=0,
+            source=source,
+            created_unix=m.created_unix or time.time(),
+        )
+        with self._lock:
+            current = self._entries.get(key)
+            if current is not None and current.verified:
+                self.pool.release(segment)  # somebody else brought it in meanwhile
+                return
+            self._register(entry)
+        self._retention_due.set()
+
+    def cluster_holdings(self, job_id: str) -> tuple[list[Holding], list[str]]:
+        """What every reachable store (this one included) holds of ``job_id``, and who did not answer."""
+        mine = holdings_of(self.host_id, self.list_shards(job_id))
+        listings = self.peers.list_all(job_id, self.config.peer_timeout)
+        unreachable = sorted(h for h, r in listings.items() if isinstance(r, StoreError))
+        theirs = [h for host, r in listings.items() if not isinstance(r, StoreError) for h in holdings_of(host, r)]
+        return mine + theirs + self._durable_holdings(job_id, unreachable), unreachable
+
+    def _durable_holdings(self, job_id: str, unreachable: list[str]) -> list[Holding]:
+        if self.durable is None:
+            return []
+        try:
+            return self.durable.holdings(job_id)
+        except (SpillStorageError, LayoutError) as exc:
+            log.warning("durable tier unreadable for %s: %s", job_id, exc)
+            unreachable.append("durable")
+            return []
+
+    def latest_step(self, job_id: str, step: int | None = None) -> pb.LatestStepResponse:
+        """The version to restore: of the newest restorable step, or of exactly ``step``."""
+        ensure(job_id_problem(job_id))
+        if step is not None and step < 0:
+            raise InvalidArgument(f"step {step} is invalid: expected an int >= 0")
+        holdings, unreachable = self.cluster_holdings(job_id)
+        if not holdings and not unreachable:
+            raise UnknownJob(f"job {job_id!r} is unknown to every store")
+        found = latest_restorable(holdings, job_id, step)
+        if found is None:
+            split = split_timelines(holdings, job_id)
+            note = (
+                f"every rank saved step {split[0]} but under {len(split[1])} different timelines ({', '.join(split[1][:4])}): "
+                "ranks that share no process group must share a run id (CheckpointClient(run_id=...) or MEMSTORE_RUN_ID)"
+                if split
+                else ""
+            )
+            return pb.LatestStepResponse(found=False, unreachable_hosts=unreachable, note=note)
+        return pb.LatestStepResponse(
+            found=True, step=found.step, world_size=found.world_size, timeline=found.timeline, unreachable_hosts=unreachable
+        )
+
+    def _repair_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.repair_once()
+            except Exception as exc:
+                self.last_repair_error = str(exc)
+                log.exception("repair pass failed")
+            self._stop.wait(self.config.repair_interval)
+
+    def repair_once(self) -> int:
+        """Pull every recent shard this host should hold but lacks. Returns how many were pulled."""
+        owners = set(self.placement.owners_held_by(self.host_id))
+        sources = sorted({h for o in owners for h in self.placement.holders(o)} - {self.host_id})
+        if not sources:
+            return 0
+        listings = self.peers.list_all("", self.config.peer_timeout, hosts=sources)
+        wanted: dict[ShardKey, list[str]] = {}
+        copies: dict[str, list[tuple[ShardKey, float]]] = {}
+        for host, resp in listings.items():
+            if isinstance(resp, StoreError):
+                continue
+            for info in resp.shards:
+                state = state_from_pb(info.state)
+                if not info.verified or state is None or not state.settled or info.manifest.owner_host not in owners:
+                    continue
+                key = key_from_pb(info.manifest.key)
+                wanted.setdefault(key, []).append(host)
+                copies.setdefault(key.job_id, []).append((key, info.manifest.created_unix))
+        recent = {job: newest_versions(held, self.config.keep) for job, held in copies.items()}  # the abandoned run's steps rank lower
+        pulled = 0
+        for key in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank, k.timeline)):
+            if self._stop.is_set() or key.version not in recent[key.job_id]:
+                continue
+            with self._lock:
+                if key in self._entries or key in self._receiving or key in self._pulls:
+                    continue
+            with self._lock:
+                self._repairs_in_flight += 1
+            try:
+                self._pull(key, origin_note="repair", candidates=wanted[key])
+                pulled += 1
+                fault("repair.after_pull")
+            except StoreError as exc:
+                log.warning("repair of %s failed: %s", key, exc)
+            finally:
+                with self._lock:
+                    self._repairs_in_flight -= 1
+        return pulled

@@ -1,0 +1,134 @@
+"""Replication of owned shards to their group peers."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+
+from memstore.core.model import Manifest, ShardState
+from memstore.errors import (
+    DataChannelUnsupported,
+    StoreError,
+)
+from memstore.faults import fault
+from memstore.server.catalog import (
+    Catalog,
+    Entry,
+)
+from memstore.server.convert import manifest_to_pb
+from memstore.v1 import store_pb2 as pb
+from memstore.v1.integrity import compute_checksums
+from memstore.v1.streams import put_requests
+
+log = logging.getLogger(__name__)
+
+
+class Replication(Catalog):
+    """Checksums a captured shard, pushes it to the R-1 group peers and settles it (COMMITTED or UNDER_REPLICATED)."""
+
+    def foreground_busy(self) -> bool:
+        """A trainer is copying a save in (an open allocation) or a shard is being checksummed/replicated."""
+        return bool(self._alloc_leases) or self._in_flight > 0
+
+    def _in_flight_add(self, n: int) -> None:
+        with self._lock:
+            self._in_flight += n
+
+    def _capture_and_replicate(self, entry: Entry) -> None:
+        try:
+            if entry.manifest is None:
+                checksums = compute_checksums(entry.segment.view(), entry.nbytes, self.config.chunk_bytes)
+                manifest = Manifest(
+                    key=entry.key,
+                    world_size=entry.world_size,
+                    nbytes=entry.nbytes,
+                    chunk_size=self.config.chunk_bytes,
+                    checksums=tuple(checksums),
+                    owner_host=self.host_id,
+                    format_version=entry.format_version,
+                    metrics=entry.metrics,
+                    created_unix=entry.created_unix,
+                    spill_codec=entry.spill_codec,
+                )
+                with self._lock:
+                    entry.manifest = manifest
+                    entry.state = ShardState.REPLICATING
+                    self._lock.notify_all()
+            self._replicate(entry)
+        except Exception as exc:  # never lose the local copy because replication broke
+            log.exception("replication of %s failed", entry.key)
+            self._settle(entry, copies=1, errors=[f"internal error: {exc}"])
+        finally:
+            self._in_flight_add(-1)
+
+    def _replicate(self, entry: Entry) -> None:
+        peers = self.placement.peers_of(self.host_id)
+        if not peers:
+            self._settle(entry, copies=1, errors=[])
+            return
+        assert entry.manifest is not None
+        header_manifest = manifest_to_pb(entry.manifest)
+        deadline = 10.0 + entry.nbytes / self.config.transfer_min_rate
+
+        def push(peer_id: str) -> str | None:
+            if entry.dropped:
+                return f"{entry.key} was dropped before it reached {peer_id}: {entry.error}"
+            newer = self._newer_capture(entry)
+            if newer is not None:
+                return f"superseded by step {newer} before it was sent to {peer_id}"
+            header = pb.PutHeader(manifest=header_manifest, origin=pb.PUT_ORIGIN_REPLICA, sender_host=self.host_id)
+            pinned = self._pin(entry)
+            if not pinned:
+                return f"{entry.key} was dropped before it reached {peer_id}"
+            try:
+                fault("replicate.before_send")
+                self._push_to(peer_id, header, entry.segment.view(entry.nbytes), deadline)
+                fault("replicate.after_ack")
+                return None
+            except StoreError as exc:
+                return str(exc)
+            finally:
+                self._unpin(entry)
+
+        futures: list[Future[str | None]] = [self._push.submit(push, p) for p in peers]
+        errors = [e for e in (f.result() for f in futures) if e]
+        self._settle(entry, copies=1 + len(peers) - len(errors), errors=errors)
+
+    def _push_to(self, peer_id: str, header: pb.PutHeader, view: memoryview, deadline: float) -> None:
+        peer = self.peers[peer_id]
+        if self.config.data_plane == "tcp":
+            try:
+                peer.push_data(header, view, deadline, self.config.peer_timeout)
+                return
+            except DataChannelUnsupported:
+                log.info("peer %s has no data channel; falling back to gRPC streams", peer_id)
+        peer.push(lambda: put_requests(header, view), timeout=deadline)
+
+    def _newer_capture(self, entry: Entry) -> int | None:
+        """A newer step of the same rank captured after ``entry``: then pushing ``entry`` is pointless.
+
+        Capture time matters, not the step number alone: after a job restarts from an older step, the
+        stale newer steps of the killed run are still in RAM, and the re-saved steps must replicate.
+        """
+        key = entry.key
+        with self._lock:
+            newer = [
+                k.step
+                for k, e in self._entries.items()
+                if k.job_id == key.job_id and k.rank == key.rank and k.step > key.step and e.created_unix > entry.created_unix
+            ]
+        return max(newer) if newer else None
+
+    def _settle(self, entry: Entry, copies: int, errors: list[str]) -> None:
+        with self._lock:
+            entry.copies = copies
+            if copies >= self.config.replicas:
+                entry.state = ShardState.COMMITTED
+                entry.error = ""
+            else:
+                entry.state = ShardState.UNDER_REPLICATED
+                entry.error = f"{copies} of {self.config.replicas} copies: " + "; ".join(errors)
+                log.warning("shard %s under-replicated: %s", entry.key, entry.error)
+            self._describe(entry)
+            self._lock.notify_all()
+        self._retention_due.set()

@@ -1,0 +1,156 @@
+"""Save paths: the local fast path (allocate, commit) and shards arriving as streams (clients and peers)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import replace
+
+from memstore.core.model import ShardKey, ShardState
+from memstore.errors import (
+    AlreadySaved,
+    InvalidArgument,
+    LeaseError,
+    ShardNotFound,
+)
+from memstore.faults import fault
+from memstore.server.catalog import (
+    ALLOCATE_LEASE_SECONDS,
+    Entry,
+    Inbound,
+    Lease,
+    codec_problem,
+    ensure,
+    sender_error,
+)
+from memstore.server.convert import key_from_pb, manifest_from_pb
+from memstore.server.replication import Replication
+from memstore.server.segments import Segment
+from memstore.v1 import store_pb2 as pb
+from memstore.v1.keys import key_problem
+from memstore.v1.streams import manifest_problem, receive_chunks
+
+log = logging.getLogger(__name__)
+
+MAX_WAIT_SECONDS = 10.0  # WaitCommitted blocks a server thread at most this long; clients loop
+
+
+class Saving(Replication):
+    """Takes shards in: shared-memory captures, gRPC streams; and reports when they are committed."""
+
+    def allocate(self, key: ShardKey, world_size: int, nbytes: int) -> tuple[str, Segment]:
+        ensure(key_problem(key.job_id, key.step, key.rank, world_size, key.timeline))
+        if nbytes <= 0:
+            raise InvalidArgument(f"nbytes {nbytes} is invalid: expected > 0")
+        if self.pool.directory is None:
+            raise InvalidArgument(f"store {self.host_id} has no shared-memory dir (--shm-dir ''); send the shard with Put")
+        with self._lock:
+            self._refuse_resave(key)
+        segment = self._acquire(key, nbytes)
+        entry = Entry(key, world_size, nbytes, segment, self.host_id, ShardState.CAPTURED)
+        lease_id = secrets.token_hex(16)
+        with self._lock:
+            self._alloc_leases[lease_id] = Lease(entry, time.monotonic() + ALLOCATE_LEASE_SECONDS)
+        return lease_id, segment
+
+    def commit(self, lease_id: str, metrics: dict[str, float], format_version: int, spill_codec: str = "") -> ShardKey:
+        ensure(codec_problem(spill_codec))
+        with self._lock:
+            lease = self._alloc_leases.pop(lease_id, None)
+            if lease is None:
+                raise LeaseError(f"allocation lease {lease_id!r} is unknown or expired; allocate again")
+            entry = lease.entry
+            try:
+                self._refuse_resave(entry.key)
+            except AlreadySaved:
+                self.pool.release(entry.segment)
+                raise
+            entry.metrics = dict(metrics)
+            entry.format_version = format_version
+            entry.spill_codec = spill_codec
+            self._register(entry)
+        self._in_flight_add(1)
+        self._replication.submit(self._capture_and_replicate, entry)
+        fault("commit.before_ack")
+        return entry.key
+
+    def wait_committed(self, key: ShardKey, timeout: float) -> tuple[pb.ShardInfo, bool]:
+        ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
+        deadline = time.monotonic() + max(0.0, min(timeout, MAX_WAIT_SECONDS))
+        with self._lock:
+            while True:
+                entry = self._entries.get(key)
+                if entry is None:
+                    raise ShardNotFound(f"shard {key} is not held by store {self.host_id}")
+                if entry.state.settled:
+                    return self._info(entry), True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stop.is_set():
+                    return self._info(entry), False
+                self._lock.wait(remaining)
+
+    def receive(self, header: pb.PutHeader, chunks: Iterable[bytes]) -> pb.PutResponse:
+        """Store a shard arriving as a gRPC chunk stream (remote client, replication fallback)."""
+        inbound = self._begin_receive(header)
+        try:
+            receive_chunks(chunks, inbound.manifest, inbound.segment.view(), on_chunk=lambda _: fault("receive.after_chunk"))
+        except BaseException as exc:
+            self._abort_receive(inbound)
+            raise sender_error(exc) from None
+        return self._finish_receive(inbound)
+
+    def _begin_receive(self, header: pb.PutHeader) -> Inbound:
+        """Validate an incoming shard and reserve its memory."""
+        m = header.manifest
+        ensure(key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size, m.key.timeline))
+        ensure(manifest_problem(m))
+        ensure(codec_problem(m.spill_codec))
+        if header.origin == pb.PUT_ORIGIN_UNSPECIFIED:
+            raise InvalidArgument("PutHeader.origin is unspecified: expected CLIENT, REPLICA or REPAIR")
+        key = key_from_pb(m.key)
+        if header.origin == pb.PUT_ORIGIN_CLIENT:
+            with self._lock:
+                self._refuse_resave(key)
+        segment = self._acquire(key, max(1, m.nbytes))
+        with self._lock:
+            self._receiving.add(key)
+        return Inbound(key, m, header.origin, segment)
+
+    def _abort_receive(self, inbound: Inbound) -> None:
+        self.pool.release(inbound.segment)
+        with self._lock:
+            self._receiving.discard(inbound.key)
+
+    def _finish_receive(self, inbound: Inbound) -> pb.PutResponse:
+        """Register a fully received and verified shard."""
+        m = inbound.manifest
+        manifest = manifest_from_pb(m)
+        if inbound.origin == pb.PUT_ORIGIN_CLIENT:
+            manifest = replace(manifest, owner_host=self.host_id)
+            state, owner, copies = ShardState.REPLICATING, self.host_id, 1
+        else:
+            state, owner, copies = ShardState.REPLICA, manifest.owner_host, 0
+        entry = Entry(
+            inbound.key,
+            m.world_size,
+            m.nbytes,
+            inbound.segment,
+            owner,
+            state,
+            manifest=manifest,
+            metrics=dict(m.metrics),
+            format_version=m.format_version,
+            copies=copies,
+            created_unix=m.created_unix or time.time(),
+        )
+        with self._lock:
+            self._receiving.discard(inbound.key)
+            self._register(entry)
+        if inbound.origin == pb.PUT_ORIGIN_CLIENT:
+            self._in_flight_add(1)
+            self._replication.submit(self._capture_and_replicate, entry)
+        else:
+            self._retention_due.set()
+        return pb.PutResponse(key=m.key, bytes_received=m.nbytes)

@@ -194,6 +194,10 @@ class DemoFailure(StoreError):
     """The demo (or the chaos run) ended without a bit-identical result or within its deadline."""
 
 
+class BenchSetupError(StoreError):
+    """``memstore bench`` cannot run as asked (an unreachable --endpoints cluster, nothing fits in RAM)."""
+
+
 class StaleLock(StoreError):
     """A shared-memory directory's lock file was replaced while being taken; take it again."""
 

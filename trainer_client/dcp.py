@@ -75,9 +75,9 @@ from memstore.v1.keys import job_id_problem, key_problem
 from trainer_client.client import CheckpointClient
 from trainer_client.dcp_metadata import MemStoreStorageInfo, _item_key, decode_metadata, encode_metadata
 from trainer_client.errors import (
+    CheckpointExistsError,
     CorruptShardError,
     InvalidArgumentError,
-    MemstoreClientError,
     NoCheckpointError,
     NotFoundError,
 )
@@ -136,14 +136,6 @@ class MemStoreLoadPlanInfo:
     job_id: str
     step: int
     timeline: str
-
-
-class CheckpointExistsError(MemstoreClientError, RuntimeError):
-    """``MemStoreWriter(overwrite=False)`` was asked to save a step that is already restorable.
-
-    A ``RuntimeError``, like the one ``FileSystemWriter(overwrite=False)`` raises; ``dcp.save`` reports
-    it inside a ``CheckpointException``.
-    """
 
 
 def _new_timeline() -> str:

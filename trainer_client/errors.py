@@ -62,6 +62,14 @@ class AlreadySavedError(InvalidArgumentError):
     """The store already holds this rank's shard of this step on this timeline: a re-save needs a new timeline."""
 
 
+class CheckpointExistsError(MemstoreClientError, RuntimeError):
+    """``MemStoreWriter(overwrite=False)`` was asked to save a step that is already restorable.
+
+    A ``RuntimeError``, like the one ``FileSystemWriter(overwrite=False)`` raises; ``dcp.save`` reports
+    it inside a ``CheckpointException``.
+    """
+
+
 class NotFoundError(MemstoreClientError, LookupError):
     """The requested job, step or shard does not exist anywhere it was looked for."""
 

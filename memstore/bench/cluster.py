@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from memstore.bench import rpc
-from memstore.bench.options import BenchConfig, BenchSetupError
+from memstore.bench.options import BenchConfig
 from memstore.bench.scenario_results import Endpoints, PullNote
 from memstore.bench.sysinfo import listening_pid
 from memstore.bench.units import MiB, round_page
 from memstore.devtools.cluster import LocalCluster, free_ports, wait_for
+from memstore.errors import BenchSetupError
 
 __all__ = ["LocalCluster", "Stores", "free_ports", "load_endpoints", "start_stores", "wait"]
 

@@ -23,10 +23,6 @@ MATRIX_SAVES = 3
 MATRIX_RESTORES = 1
 
 
-class BenchSetupError(Exception):
-    """The bench cannot run as asked (an unreachable --endpoints cluster, nothing fits in RAM)."""
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every ``memstore bench`` flag."""
     _add_scenario_arguments(p)

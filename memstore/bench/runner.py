@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 
 from memstore.bench.floors import FLOOR_STEPS
 from memstore.bench.jsonable import json_default, to_json
-from memstore.bench.options import BenchConfig, BenchSetupError, config_from_args
+from memstore.bench.options import BenchConfig, config_from_args
 from memstore.bench.plan import Scenario, plan_scenarios
 from memstore.bench.results import SizeResult, StateInfo
 from memstore.bench.run_result import BenchResult, assemble
 from memstore.bench.scenario_results import DURABLE_NOTE, Endpoints, FailedScenario, Leak, LeakSkipped, ScenarioMeasurement, Skipped
 from memstore.bench.units import short_size
+from memstore.errors import BenchSetupError
 
 if TYPE_CHECKING:
     from rich.console import Console

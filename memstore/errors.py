@@ -170,7 +170,7 @@ class CodecError(InvalidArgument, ValueError):
 
 
 class SpillExportError(StoreError):
-    """A spilled DCP step cannot be exported to plain DCP files (memstore.spill.dcp_export)."""
+    """A spilled DCP step cannot be exported to plain DCP files (memstore.interop.dcp_export)."""
 
 
 # -- fault injection and tools -------------------------------------------------------------------

@@ -190,7 +190,7 @@ def read_from_durable(url: str, options: str, job_id: str, step: int | None) -> 
 def build_output(found: Step) -> tuple[Any, str]:
     """(object to torch.save, kind): the state for one rank, {rank: state} for several, the full state for DCP."""
     from memstore.errors import SpillExportError
-    from memstore.spill.dcp_export import check_dcp_shard
+    from memstore.interop.dcp_export import check_dcp_shard
 
     try:
         dcp = [check_dcp_shard(shard, found.job_id, found.step, rank) for rank, shard in enumerate(found.shards)]

@@ -26,9 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memstore.interop.dcp_export import DcpExport
     from memstore.server.app import serve
 
     cli = {f.name: getattr(args, f.name) for f in fields(StoreConfig)}
     config = StoreConfig.load(cli, config_file=args.config)
     configure_logging(config.log_level)
-    return serve(config)
+    return serve(config, spill_listeners=[DcpExport()])  # spilled DCP steps also load with plain DCP

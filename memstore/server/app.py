@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from types import FrameType
@@ -19,6 +20,7 @@ from memstore.server.dataserver import DataServer
 from memstore.server.servicer import StoreServicer
 from memstore.server.store import Store
 from memstore.spill import build_spiller
+from memstore.spill.port import SpillListener
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import SERVER_OPTIONS
@@ -32,7 +34,7 @@ SERVER_THREADS = 64
 class StoreServer:
     """A store engine behind a gRPC server. ``address`` is the bound HOST:PORT (port 0 resolved)."""
 
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, spill_listeners: Sequence[SpillListener] = ()) -> None:
         self._server = grpc.server(ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="rpc"), options=SERVER_OPTIONS)
         host, _, port = config.listen.rpartition(":")
         bound = self._server.add_insecure_port(config.listen)
@@ -45,7 +47,8 @@ class StoreServer:
             config = replace(config, listen=self.address, peers=peers)
         self.config = config
         self.store = Store(config, advertised_address=self.address)
-        self.store.durable = build_spiller(config, source=self.store)  # the two tiers meet at memstore.spill.port
+        # The two tiers meet at memstore.spill.port; listeners (the DCP export) ride on the spill tier.
+        self.store.durable = build_spiller(config, source=self.store, listeners=spill_listeners)
         self.data_server = DataServer(host, self.store)
         self.store.data_port = self.data_server.port
         pb_grpc.add_StoreServicer_to_server(StoreServicer(self.store), self._server)
@@ -101,9 +104,9 @@ class StoreServer:
         self._server.wait_for_termination()
 
 
-def serve(config: StoreConfig, ready_file: str | None = None) -> int:
+def serve(config: StoreConfig, ready_file: str | None = None, spill_listeners: Sequence[SpillListener] = ()) -> int:
     """Run until SIGINT/SIGTERM. Prints ``READY <host_id> <address>`` once serving."""
-    server = StoreServer(config)
+    server = StoreServer(config, spill_listeners)
     try:
         server.check_peers()
     except ConfigError:

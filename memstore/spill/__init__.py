@@ -13,12 +13,14 @@ from memstore.core.spill_policy import RetentionPolicy
 from memstore.errors import ConfigError, SpillStorageError
 
 if TYPE_CHECKING:
-    from memstore.spill.port import ShardSource
+    from collections.abc import Sequence
+
+    from memstore.spill.port import ShardSource, SpillListener
     from memstore.spill.spiller import Spiller
 
 
-def build_spiller(config: StoreConfig, source: ShardSource) -> Spiller | None:
-    """The spiller of a store configured with ``--spill`` (None without), reading from ``source``."""
+def build_spiller(config: StoreConfig, source: ShardSource, listeners: Sequence[SpillListener] = ()) -> Spiller | None:
+    """The spiller of a store configured with ``--spill`` (None without), reading from ``source``, telling ``listeners``."""
     from memstore.spill.spiller import Spiller
     from memstore.spill.storage import Durable, parse_options
 
@@ -38,4 +40,5 @@ def build_spiller(config: StoreConfig, source: ShardSource) -> Spiller | None:
         codec=config.spill_compression,
         orphan_seconds=config.spill_orphan_seconds,
         max_rate=config.spill_max_rate,
+        listeners=listeners,
     )

@@ -12,6 +12,8 @@ Who calls what, in which order:
   runs); between chunks ``source.foreground_busy()`` to yield to saves and replication; after a step is
   published ``source.spilled()`` so retention may evict steps it kept only for the spill;
   ``source.owned_ranks(job)`` when collecting garbage.
+- Listeners (``SpillListener``): the spill loop calls ``published(spiller, shard)`` after publishing each
+  rank and ``doomed_paths(...)`` when retention deletes a step.
 - The store: ``tier.start()`` once serving, ``tier.close()`` on shutdown (after ``tier.flush(grace)``
   on SIGTERM); ``tier.holdings(job)`` as the pseudo-host ``durable`` in every cluster view
   (``latest_step``, retention, restore candidates); ``tier.protected_steps(job)`` before evicting;
@@ -29,7 +31,10 @@ from typing import TYPE_CHECKING, Protocol
 from memstore.core.model import Holding, Manifest, ShardKey
 
 if TYPE_CHECKING:
+    import threading
+
     from memstore.spill.layout import SpilledManifest
+    from memstore.spill.storage import Durable
 
 
 @dataclass
@@ -95,3 +100,26 @@ class DurableTier(Protocol):
     def read_into(self, key: ShardKey, allocate: Callable[[SpilledManifest], memoryview]) -> SpilledManifest:
         """Read, decode and verify a spilled shard into the memory ``allocate(manifest)`` returns."""
         ...
+
+
+class SpillerView(Protocol):
+    """What a listener may use of the spiller it rides on: its storage, the shards' bytes, its lifetime, its rate."""
+
+    durable: Durable
+    source: ShardSource
+    stopping: threading.Event
+    max_rate: int
+
+
+class SpillListener(Protocol):
+    """Rides on the spill tier (e.g. ``memstore.interop.dcp_export.DcpExport``, plugged in by ``memstore serve``).
+
+    The spiller calls ``published(spiller, shard)`` after each rank of a step is published (or found
+    published), from its own thread: a listener returns at once and never raises into the spill. When
+    retention deletes a step, it asks ``doomed_paths(...)`` for the listener's own files in that step
+    (of ``ranks``, the ones this host owns) and deletes them with the step's.
+    """
+
+    def published(self, spiller: SpillerView, shard: Manifest) -> None: ...
+
+    def doomed_paths(self, durable: Durable, job_id: str, step: int, ranks: set[int]) -> list[str]: ...

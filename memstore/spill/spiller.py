@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,7 +36,7 @@ from memstore.spill.storage import Durable
 from memstore.v1.integrity import checksum, chunk_spans
 
 if TYPE_CHECKING:
-    from memstore.spill.port import ShardSource
+    from memstore.spill.port import ShardSource, SpillListener
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,10 @@ class Spiller:
         max_rate: int,
         interval: float = 0.5,
         orphan_seconds: float = ORPHAN_SECONDS,
+        listeners: Sequence[SpillListener] = (),
     ) -> None:
         self.source = source
+        self.listeners = tuple(listeners)
         self.durable = durable
         self.every_steps = every_steps
         self.every_seconds = every_seconds
@@ -80,7 +82,7 @@ class Spiller:
         self.status: dict[str, JobSpillStatus] = {}
         self._lock = threading.Lock()  # one spill at a time: bounded memory and bandwidth
         self._stop = threading.Event()
-        self.stopping = self._stop  # set when the spiller closes: riders (dcp_export) end with it
+        self.stopping = self._stop  # set when the spiller closes: listeners end with it
         self._thread = threading.Thread(target=self._loop, name="spill", daemon=True)
         self._listing_cache: dict[str, tuple[float, StepListing]] = {}
         self._manifest_cache: dict[str, tuple[float, SpilledManifest]] = {}
@@ -268,16 +270,12 @@ class Spiller:
         return written
 
     def _after_publish(self, entry: Manifest) -> None:
-        """Interop: a published DCP rank is queued for its plain-DCP copy (memstore.spill.dcp_export, own thread).
-
-        Returns at once; a failure is logged, never raised: the spill never depends on the export.
-        """
-        try:
-            from memstore.spill import dcp_export
-
-            dcp_export.after_publish(self, entry)
-        except Exception:
-            log.exception("DCP export of %s not queued", entry.key)
+        """Tell the listeners (e.g. the plain-DCP export) a rank is published; theirs is not the spill's failure."""
+        for listener in self.listeners:
+            try:
+                listener.published(self, entry)
+            except Exception:
+                log.exception("spill listener %s failed on %s", type(listener).__name__, entry.key)
 
     def _yield_to_foreground(self, limit: float = 2.0) -> None:
         """Wait (bounded) while a trainer is copying a save in or a shard is replicating.
@@ -379,14 +377,14 @@ class Spiller:
         return sorted(doomed)
 
     def _interop_paths(self, job_id: str, step: int, ranks: set[int]) -> list[str]:
-        """dcp_export's files of ``ranks`` (and the step's .metadata) in a doomed step; [] if that fails."""
-        try:
-            from memstore.spill import dcp_export
-
-            return dcp_export.doomed_paths(self.durable, job_id, step, ranks)
-        except Exception:
-            log.exception("DCP export files of %s step %d not collected", job_id, step)
-            return []
+        """The listeners' files of ``ranks`` in a doomed step; what a listener fails to name is left (logged)."""
+        paths: list[str] = []
+        for listener in self.listeners:
+            try:
+                paths += listener.doomed_paths(self.durable, job_id, step, ranks)
+            except Exception:
+                log.exception("spill listener %s: files of %s step %d not collected", type(listener).__name__, job_id, step)
+        return paths
 
     def _owned_ranks(self, job_id: str) -> set[int]:
         return self.source.owned_ranks(job_id)

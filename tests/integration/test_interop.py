@@ -287,7 +287,7 @@ def test_export_hook_never_breaks_the_spill(tmp_path, caplog, monkeypatch) -> No
     """The spiller's interop calls log failures and go on; the DCP check is on the header bytes only."""
     from memstore.core.spill_policy import RetentionPolicy
     from memstore.errors import SpillUnreachable
-    from memstore.spill import dcp_export
+    from memstore.interop import dcp_export
     from memstore.spill.spiller import Spiller
     from memstore.spill.storage import Durable
     from trainer_client import serialization
@@ -299,9 +299,10 @@ def test_export_hook_never_breaks_the_spill(tmp_path, caplog, monkeypatch) -> No
     assert not dcp_export.looks_like_dcp(memoryview(b"MSTSHRD1" + bytes(4)))
 
     durable = Durable(f"file://{tmp_path}")
-    spiller = Spiller(object(), durable, every_steps=1, every_seconds=0, retention=RetentionPolicy(), codec="none", max_rate=0)  # type: ignore[arg-type]
-    spiller._after_publish(SimpleNamespace(key="job/3/0"))  # type: ignore[arg-type]  # a store without _pin: logged only
-    assert "DCP export of" in caplog.text and "not queued" in caplog.text
+    spiller = Spiller(object(), durable, every_steps=1, every_seconds=0, retention=RetentionPolicy(), codec="none", max_rate=0,  # type: ignore[arg-type]
+                      listeners=[dcp_export.DcpExport()])  # fmt: skip
+    spiller._after_publish(SimpleNamespace(key="job/3/0"))  # type: ignore[arg-type]  # a source without pinned_bytes: logged only
+    assert "spill listener DcpExport failed" in caplog.text
 
     def broken(prefix: str) -> dict[str, Any]:
         raise SpillUnreachable("storage down")

@@ -1,6 +1,11 @@
-"""Fail if modules of our packages import each other in a cycle (type-only and function-level imports count).
+"""The structure rules of our packages, checked in CI (``./dev test``); prints each violation, exits 1 if any.
 
-    python scripts/import_cycles.py [PACKAGE ...]     default: memstore trainer_client
+- no import cycle among modules (type-only and function-level imports count);
+- the store daemon's tiers (``memstore.server``, ``memstore.spill``) never import ``trainer_client`` or
+  ``memstore.interop`` (the bridges to it): they meet other code at ports, not at its formats;
+- no hand-written module over 800 lines (generated ``*_pb2*`` files excepted).
+
+    python scripts/check_structure.py
 """
 
 from __future__ import annotations
@@ -39,10 +44,42 @@ def imports(path: Path, known: set[str]) -> set[str]:
     return out
 
 
-def cycles(packages: list[str]) -> list[list[str]]:
-    files = [p for pkg in packages for p in (ROOT / pkg).rglob("*.py") if not p.name.endswith("_pb2.py") and "_pb2" not in p.name]
+PACKAGES = ["memstore", "trainer_client"]
+MAX_LINES = 800
+FORBIDDEN = {  # importer prefix -> imported prefixes it must not use
+    "memstore.server": ("trainer_client", "memstore.interop"),
+    "memstore.spill": ("trainer_client", "memstore.interop"),
+}
+
+
+def source_files() -> list[Path]:
+    return [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if "_pb2" not in p.name]
+
+
+def graph_of(files: list[Path]) -> dict[str, set[str]]:
     known = {module_name(p) for p in files}
-    graph = {module_name(p): imports(p, known) for p in files}
+    return {module_name(p): imports(p, known) for p in files}
+
+
+def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{mod} imports {dep} (the store's tiers meet other code at ports, not at its modules)"
+        for mod, deps in sorted(graph.items())
+        for prefix, banned in FORBIDDEN.items()
+        if mod == prefix or mod.startswith(prefix + ".")
+        for dep in sorted(deps)
+        if any(dep == b or dep.startswith(b + ".") for b in banned)
+    ]
+
+
+def oversized(files: list[Path]) -> list[str]:
+    sizes = {p: len(p.read_text().splitlines()) for p in files}
+    too_long = [(p, n) for p, n in sorted(sizes.items()) if n > MAX_LINES]
+    return [f"{p.relative_to(ROOT)} has {n} lines (at most {MAX_LINES}): split it by responsibility" for p, n in too_long]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    graph = dict(graph)
     # A package's __init__ importing its own submodules is how packages expose names, not a cycle of logic.
     for mod, deps in graph.items():
         graph[mod] = {d for d in deps if not d.startswith(mod + ".") and not mod.startswith(d + ".")}
@@ -81,10 +118,12 @@ def cycles(packages: list[str]) -> list[list[str]]:
 
 
 def main() -> int:
-    found = cycles(sys.argv[1:] or ["memstore", "trainer_client"])
-    for comp in found:
-        print("import cycle: " + " <-> ".join(comp))
-    return 1 if found else 0
+    files = source_files()
+    graph = graph_of(files)
+    problems = ["import cycle: " + " <-> ".join(comp) for comp in cycles(graph)] + forbidden_imports(graph) + oversized(files)
+    for problem in problems:
+        print(problem)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from memstore.errors import LayoutError, SpillExportError, SpillStorageError
 from memstore.spill import layout
@@ -60,16 +60,7 @@ from memstore.spill.storage import Durable
 
 if TYPE_CHECKING:
     from memstore.core.model import Manifest
-    from memstore.spill.port import ShardSource
-
-
-class Spiller(Protocol):
-    """What the export needs of the spiller it rides on (its storage, the shards' bytes, its lifetime, its rate)."""
-
-    durable: Durable
-    source: ShardSource
-    stopping: threading.Event
-    max_rate: int
+    from memstore.spill.port import SpillerView as Spiller
 
 
 log = logging.getLogger(__name__)
@@ -417,3 +408,13 @@ def doomed_paths(durable: Durable, job_id: str, step: int, ranks: set[int]) -> l
         if m.group(3) or (rank is not None and int(rank) in ranks):
             out.append(path)
     return out
+
+
+class DcpExport:
+    """The plain-DCP copy of spilled DCP steps, as a ``memstore.spill.port.SpillListener``."""
+
+    def published(self, spiller: Spiller, shard: Manifest) -> None:
+        after_publish(spiller, shard)
+
+    def doomed_paths(self, durable: Durable, job_id: str, step: int, ranks: set[int]) -> list[str]:
+        return doomed_paths(durable, job_id, step, ranks)

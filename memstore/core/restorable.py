@@ -52,8 +52,8 @@ def _versions(
         v = h.key.version
         ranks[v].add(h.key.rank)
         sizes[v].add(h.world_size)
-        if h.created_unix and (v not in created or h.created_unix < created[v]):
-            created[v] = h.created_unix
+        if h.created_unix and (not created.get(v) or h.created_unix < created[v]):
+            created[v] = h.created_unix  # the earliest known capture; a copy without one (0) says nothing
         created.setdefault(v, 0.0)
     return ranks, sizes, created
 

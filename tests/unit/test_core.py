@@ -167,6 +167,13 @@ class TestTimelines:
         assert may_supersede(rolled_back)
         assert may_supersede([(x.key, x.created_unix) for x in self.old(3) + self.new(3, range(1))])
 
+    def test_a_copy_without_capture_time_does_not_make_its_version_the_oldest(self) -> None:
+        unknown = Holding("h9", ShardKey("j", 4, 0, "B.0"), 4, True, 0.0)
+        hs = [unknown, *self.old(4), *self.new(4)]  # B.0's other copies say 204.0: B.0@4 is the newer save of step 4
+        assert superseded_versions(hs, "j") == {(4, "A.0")}
+        v = latest_restorable(hs, "j")
+        assert v is not None and v.timeline == "B.0" and v.created_unix == 204.0
+
     def test_answer_independent_of_order(self) -> None:
         hs = self.old(1) + self.old(2) + self.new(2) + self.new(3, range(3))
         assert latest_restorable(hs, "j") == latest_restorable(list(reversed(hs)), "j")

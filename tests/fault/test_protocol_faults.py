@@ -140,7 +140,7 @@ def _has(cluster: LocalCluster, host: str, step: int, rank: int | None = None) -
     return any(s.verified and s.manifest.key.step == step and (rank is None or s.manifest.key.rank == rank) for s in resp.shards)
 
 
-def test_restart_with_wrong_host_id_or_changed_peer_list_is_refused(make_cluster) -> None:
+def test_restart_with_wrong_host_id_or_changed_peer_list_is_refused(make_cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import subprocess
     import sys
 
@@ -149,7 +149,8 @@ def test_restart_with_wrong_host_id_or_changed_peer_list_is_refused(make_cluster
     h1 = cluster.stores["h1"]
     cluster.kill("h1")
     peers = h1.args[h1.args.index("--peers") + 1]
-    base = [sys.executable, "-m", "memstore", "serve", "--listen", h1.address, "--replicas", "2", "--shm-dir", cluster.shm_dir + "-x"]
+    shm = str(tmp_path / "shm-refused")  # the refused store's own dir, removed with tmp_path
+    base = [sys.executable, "-m", "memstore", "serve", "--listen", h1.address, "--replicas", "2", "--shm-dir", shm]
 
     # h2's identity on h1's address: refused before serving, with a message naming the mix-up.
     wrong_id = subprocess.run([*base, "--host-id", "h2", "--peers", peers], capture_output=True, text=True, timeout=60)

@@ -254,14 +254,19 @@ class CheckpointClient:
         """The timeline the next save of a newer step goes to (``<run id>.<epoch>``); "" before the first save."""
         return f"{self.run_id}.{self._epoch}" if self.run_id else ""
 
-    def _timeline_for(self, step: int) -> str:
-        """This save's timeline: a step at or below one saved before starts a new epoch (a rollback)."""
+    def _epoch_for(self, step: int) -> int:
+        """This save's epoch: a step at or below one saved before starts a new one (a rollback).
+
+        Only saves that succeeded count (``_saved``): a rank whose save failed and is retried must stay on
+        the timeline of the ranks whose save went through.
+        """
         if self.run_id is None:
             self.run_id = _broadcast_run_id(self.world_size, self.rank) or _PROCESS_RUN_ID
-        if self._last_saved_step is not None and step <= self._last_saved_step:
-            self._epoch += 1
-        self._last_saved_step = step
-        return self.timeline
+        rollback = self._last_saved_step is not None and step <= self._last_saved_step
+        return self._epoch + 1 if rollback else self._epoch
+
+    def _saved(self, step: int, epoch: int) -> None:
+        self._epoch, self._last_saved_step = epoch, step
 
     def _map(self, path: str, size: int) -> mmap.mmap:
         mm = self._mappings.pop(path, None)
@@ -286,8 +291,9 @@ class CheckpointClient:
         """
         if timeline is not None and (not timeline or timeline_problem(timeline)):
             raise InvalidArgumentError(timeline_problem(timeline) or "timeline '' is invalid: expected 1-128 characters of [A-Za-z0-9._-]")
-        self._key(step)  # validate before a timeline epoch is spent
-        key = self._key(step, timeline=self._timeline_for(step) if timeline is None else timeline)
+        self._key(step)  # validate before a run id is drawn
+        epoch = self._epoch_for(step) if timeline is None else self._epoch
+        key = self._key(step, timeline=f"{self.run_id}.{epoch}" if timeline is None else timeline)
         clean_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
         t0 = time.perf_counter()
         layout = serialization.plan(state)
@@ -301,6 +307,8 @@ class CheckpointClient:
                 log.warning("skipping checkpoint of step %d (rank %d): %s", step, self.rank, exc)
                 return SaveHandle(self, step, skipped_reason=str(exc), timeline=key.timeline)
             raise
+        if timeline is None:
+            self._saved(step, epoch)
         handle = SaveHandle(self, step, timeline=key.timeline)
         handle.stall_seconds = time.perf_counter() - t0
         return handle

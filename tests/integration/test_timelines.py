@@ -174,3 +174,20 @@ def test_resaves_after_a_group_loss_outrank_the_abandoned_higher_steps(make_clus
     assert [value(c.load()) for c in restarted] == [1100 + r for r in range(WORLD)]  # step 10 of the new run
     for c in restarted:
         c.close()
+
+
+def test_a_failed_save_retried_keeps_the_rank_on_the_job_timeline(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    from trainer_client.errors import SerializationError
+
+    cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB")
+    cs = [CheckpointClient(JOB, r, 2, store=cluster.address(f"h{r}"), run_id="retry") for r in range(2)]
+    for r, c in enumerate(cs):
+        c.save(1, state(1, r)).wait(timeout=30)
+    with pytest.raises(SerializationError):
+        cs[1].save(2, {"bad": object()})  # rank 1's save of step 2 fails before reaching the store ...
+    for r, c in enumerate(cs):
+        c.save(2, state(2, r)).wait(timeout=30)  # ... and is retried: still a save forward, not a rollback
+    assert cs[0].timeline == cs[1].timeline == "retry.0"
+    assert cs[0].latest_step() == 2
+    for c in cs:
+        c.close()

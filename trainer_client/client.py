@@ -196,10 +196,11 @@ class CheckpointClient:
         problem = key_problem(job_id, 0, rank, world_size)
         if problem:
             raise InvalidArgumentError(problem)
+        source = "run_id="
         if run_id is None and os.environ.get(RUN_ID_ENV):
-            run_id = os.environ[RUN_ID_ENV]
+            run_id, source = os.environ[RUN_ID_ENV], RUN_ID_ENV
         if run_id is not None and _run_id_problem(run_id):
-            raise InvalidArgumentError(f"{_run_id_problem(run_id)} (from {'run_id=' if run_id is not None else RUN_ID_ENV})")
+            raise InvalidArgumentError(f"{_run_id_problem(run_id)} (from {source})")
         self.run_id = run_id
         self._epoch = 0
         self._last_saved_step: int | None = None

@@ -30,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.shm_dir:
         raise ConfigError("--shm-dir is empty: name the directory the stores of this machine use (their --shm-dir)")
+    if not os.path.isdir(args.shm_dir):
+        raise ConfigError(f"--shm-dir {args.shm_dir} is not a directory: name the one the stores of this machine use (their --shm-dir)")
     orphans = orphaned_dirs(args.shm_dir) if args.dry_run else reclaim_orphans(args.shm_dir)
     total = sum(o.bytes for o in orphans)
     if args.json:

@@ -352,6 +352,8 @@ def test_orphans_are_unlocked_store_dirs_and_reclaim_removes_only_them(tmp_path)
 def test_reclaim_shm_command(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     shm = tmp_path / "shm"
     crashed_store(shm / "h3-9000", "pool.acquire(2 * 4096, 'job')")
+    assert cli_main(["reclaim-shm", "--shm-dir", str(tmp_path / "typo")]) == 2  # a wrong path is an error, not "nothing to do"
+    assert "is not a directory" in capsys.readouterr().err
     assert cli_main(["reclaim-shm", "--shm-dir", str(shm), "--dry-run", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert listed["dry_run"] and listed["bytes"] == 2 * PAGE

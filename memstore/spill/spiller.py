@@ -374,7 +374,22 @@ class Spiller:
             self.durable.remove_empty_dirs([layout.step_dir(self.durable.root, job_id, s) for s in doomed])
             self._listing_cache.pop(job_id, None)
             log.info("spill retention for %s removed %d files (steps %s)", job_id, len(paths), sorted(doomed))
+        self._sweep_empty_step_dirs(job_id, listing, newest)
         return sorted(doomed)
+
+    def _sweep_empty_step_dirs(self, job_id: str, listing: StepListing, newest: int) -> None:
+        """Remove empty directories of steps older than the newest spilled one, whoever deleted their files last.
+
+        Each store deletes only its own ranks' files and tries the directory once; when another store's files
+        (or a rider's late write, which re-creates the directory) were still there, nobody would try again.
+        """
+        held = set(listing.manifests) | set(listing.shards) | listing.intents | {step for step, _, _ in listing.debris}
+        leftovers = []
+        for path in self.durable.local_subdirs(layout.job_dir(self.durable.root, job_id)):
+            m = layout.STEP_DIR.search(path.rstrip("/"))
+            if m and int(m.group(1)) < newest and int(m.group(1)) not in held:
+                leftovers.append(path)
+        self.durable.remove_empty_dirs(leftovers)  # rmdir: a directory that still holds anything stays
 
     def _interop_paths(self, job_id: str, step: int, ranks: set[int]) -> list[str]:
         """The listeners' files of ``ranks`` in a doomed step; what a listener fails to name is left (logged)."""

@@ -155,6 +155,15 @@ class Durable:
         except Exception as exc:
             raise self._wrap(f"listing {prefix}", exc) from None
 
+    def local_subdirs(self, prefix: str) -> list[str]:
+        """Directories right below ``prefix`` on a local filesystem ([] elsewhere: object stores have no empty dirs)."""
+        if not self.local:
+            return []
+        try:
+            return [str(e["name"]) for e in self.fs.ls(prefix, detail=True) if e.get("type") == "directory"]
+        except OSError:
+            return []
+
     def remove_empty_dirs(self, dirs: list[str]) -> None:
         """Local filesystems keep empty step directories after their files are gone; object stores don't."""
         if not self.local:

@@ -72,3 +72,20 @@ def test_spill_options() -> None:
     assert parse_options("endpoint_url=http://127.0.0.1:1,use_ssl=false") == {"endpoint_url": "http://127.0.0.1:1", "use_ssl": False}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_options("nonsense")
+
+
+def test_gc_sweeps_empty_step_dirs_left_by_any_store(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A step directory emptied by the last of several stores (or re-created by a late write) is removed by the next pass."""
+    from memstore.core.spill_policy import RetentionPolicy
+    from memstore.spill.spiller import Spiller, StepListing
+    from memstore.spill.storage import Durable
+
+    job = tmp_path / "job"
+    (job / "step-000000000001").mkdir(parents=True)  # empty: everybody's files are gone
+    (job / "step-000000000003").mkdir()
+    (job / "step-000000000003" / ".metadata").write_bytes(b"x")  # still holds a file: stays
+    (job / "step-000000000009").mkdir()  # newer than the newest spilled step: may be a spill starting now
+    spiller = Spiller(object(), Durable(f"file://{tmp_path}"), every_steps=1, every_seconds=0,  # type: ignore[arg-type]
+                      retention=RetentionPolicy(), codec="none", max_rate=0)  # fmt: skip
+    spiller._sweep_empty_step_dirs("job", StepListing(), newest=5)
+    assert sorted(p.name for p in job.iterdir()) == ["step-000000000003", "step-000000000009"]

@@ -1,0 +1,215 @@
+"""Slots: the ordered places of a cluster that placement is computed over, and who holds each now.
+
+Placement (GEMINI mixed or ring, with failure domains) is a function of the *slots*, never of host
+names: a host that replaces a lost one under a new name takes over the lost host's slot, so every
+other slot keeps its group and every committed step keeps the holders it was written with.
+
+The rules (every store applies them to the same inputs and gets the same table):
+
+- ``next_table(table, members)``: a slot whose holder is no longer a member is vacated (its holder is
+  remembered in ``former``). A member that holds a slot keeps it (its address is updated if it moved).
+  Each member without a slot, in the order the discovery source lists them, takes: the vacant slot it
+  held before, if any; else the lowest vacant slot; else a new slot at the end. The table's version
+  goes up by one when anything changed.
+- Two tables are ordered by ``(version, digest)``; a store adopts a peer's table when it is newer, then
+  applies its own view of the members to it. Stores that saw the same changes in different orders
+  therefore converge on one table once their discovery sources agree.
+- Shards record their owner's host id; ``owner_slot(host)`` maps it to the slot that host held (its
+  current slot, else the slot it held most recently), so a replacement repairs its predecessor's shards.
+
+Plain Python: no gRPC, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from memstore.core.placement import Placement, make_placement
+
+FORMER_KEPT = 8  # earlier holders remembered per slot (enough to map recent shards to their slot)
+
+
+class SlotTableError(ValueError):
+    """A slot table received from a peer is malformed."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    index: int
+    host_id: str = ""  # "" while vacant
+    address: str = ""
+    domain: str = ""  # failure-domain label of the current (or last) holder
+    former: tuple[str, ...] = ()  # earlier holders, oldest first
+
+    @property
+    def vacant(self) -> bool:
+        return not self.host_id
+
+    @property
+    def name(self) -> str:
+        """The slot's identity in placement."""
+        return slot_name(self.index)
+
+
+def slot_name(index: int) -> str:
+    return f"slot{index}"
+
+
+@dataclass(frozen=True)
+class SlotTable:
+    version: int = 0
+    slots: tuple[Slot, ...] = ()
+    _digest: str = field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        problem = table_problem(self)
+        if problem:
+            raise SlotTableError(problem)
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        object.__setattr__(self, "_digest", hashlib.sha256(canonical.encode()).hexdigest()[:16])
+
+    @property
+    def digest(self) -> str:
+        """Content hash: two tables of one version with different slots are told apart (and ordered) by it."""
+        return self._digest
+
+    def newer_than(self, other: SlotTable) -> bool:
+        return (self.version, self.digest) > (other.version, other.digest)
+
+    def slot_of(self, host_id: str) -> Slot | None:
+        """The slot ``host_id`` holds now, if any."""
+        return next((s for s in self.slots if s.host_id == host_id), None)
+
+    def owner_slot(self, owner_host: str) -> Slot | None:
+        """The slot whose shards ``owner_host`` wrote: the one it holds, else the one it held most recently."""
+        held = self.slot_of(owner_host)
+        if held is not None:
+            return held
+        best: tuple[int, Slot] | None = None
+        for s in self.slots:
+            if owner_host in s.former:
+                age = len(s.former) - 1 - s.former[::-1].index(owner_host)  # position of its latest tenure
+                if best is None or age > best[0]:
+                    best = (age, s)
+        return best[1] if best else None
+
+    def members(self) -> dict[str, str]:
+        """host id -> address of every current holder, in slot order."""
+        return {s.host_id: s.address for s in self.slots if not s.vacant}
+
+    def holder(self, name: str) -> str:
+        """Current holder of the slot named ``name`` ("" if vacant or unknown)."""
+        for s in self.slots:
+            if s.name == name:
+                return s.host_id
+        return ""
+
+    def placement(self, strategy: str, replicas: int) -> Placement | None:
+        """Placement over the slots (vacant ones included: they keep their place). None without slots.
+
+        With fewer slots than ``replicas`` every slot holds everything (R is capped at the slot count).
+        Failure domains apply when every slot has a label.
+        """
+        if not self.slots:
+            return None
+        names = [s.name for s in self.slots]
+        domains = {s.name: s.domain for s in self.slots}
+        labelled = all(domains.values())
+        return make_placement(strategy, names, min(replicas, len(names)), domains if labelled else None)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "version": self.version,
+            "slots": [
+                {"index": s.index, "host_id": s.host_id, "address": s.address, "domain": s.domain, "former": list(s.former)}
+                for s in self.slots
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> SlotTable:
+        """Parse (and validate) a table from its ``to_dict`` form; SlotTableError names what is wrong."""
+        try:
+            raw = data["slots"]
+            if not isinstance(raw, list):
+                raise SlotTableError("slot table: 'slots' must be a list")
+            version = data["version"]
+            if not isinstance(version, int):
+                raise SlotTableError(f"slot table: version {version!r} is not an int")
+            return cls(version, tuple(_slot_from_dict(s) for s in raw))
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, SlotTableError):
+                raise
+            raise SlotTableError(f"slot table is malformed: {type(exc).__name__}: {exc}") from None
+
+
+def _slot_from_dict(s: object) -> Slot:
+    if not isinstance(s, Mapping):
+        raise SlotTableError(f"slot table: slot {s!r} is not an object")
+    former = s.get("former", [])
+    if not isinstance(former, list):
+        raise SlotTableError(f"slot table: 'former' of slot {s.get('index')!r} is not a list")
+    return Slot(int(s["index"]), str(s["host_id"]), str(s["address"]), str(s.get("domain", "")), tuple(map(str, former)))
+
+
+def table_problem(table: SlotTable) -> str | None:
+    if table.version < 0:
+        return f"slot table version {table.version} is negative"
+    if table.version == 0 and table.slots:
+        return "slot table of version 0 must be empty"
+    seen: set[str] = set()
+    for i, s in enumerate(table.slots):
+        if s.index != i:
+            return f"slot table: slot at position {i} has index {s.index}"
+        if s.vacant and s.address:
+            return f"slot {i} is vacant but has address {s.address!r}"
+        if not s.vacant:
+            if s.host_id in seen:
+                return f"slot table: host {s.host_id!r} holds two slots"
+            seen.add(s.host_id)
+            if not s.address:
+                return f"slot {i} (host {s.host_id!r}) has no address"
+    return None
+
+
+def next_table(table: SlotTable, members: Mapping[str, tuple[str, str]]) -> SlotTable:
+    """Apply the current members (host id -> (address, domain), in the source's order) to ``table``.
+
+    Returns ``table`` itself when nothing changes; otherwise a table one version newer.
+    """
+    slots = [_vacate_or_update(s, members) for s in table.slots]
+    placed = {s.host_id for s in slots if not s.vacant}
+    newcomers = [h for h in members if h not in placed]
+    # Hosts coming back first take their own vacant slot back, then the rest fill vacancies in order.
+    returning = [h for h in newcomers if any(s.vacant and h in s.former for s in slots)]
+    for host_id in [*returning, *(h for h in newcomers if h not in returning)]:
+        address, domain = members[host_id]
+        index = _slot_for(slots, host_id)
+        previous = slots[index] if index < len(slots) else Slot(index)
+        slots[index : index + 1] = [replace(previous, host_id=host_id, address=address, domain=domain)]
+    if tuple(slots) == table.slots:
+        return table
+    return SlotTable(table.version + 1, tuple(slots))
+
+
+def _vacate_or_update(s: Slot, members: Mapping[str, tuple[str, str]]) -> Slot:
+    if s.vacant:
+        return s
+    if s.host_id not in members:
+        former = (*[h for h in s.former if h != s.host_id], s.host_id)[-FORMER_KEPT:]
+        return Slot(s.index, "", "", s.domain, former)
+    address, domain = members[s.host_id]
+    return replace(s, address=address, domain=domain)
+
+
+def _slot_for(slots: Sequence[Slot], host_id: str) -> int:
+    vacant = [s for s in slots if s.vacant]
+    own = [s for s in vacant if host_id in s.former]
+    if own:
+        return own[-1].index
+    if vacant:
+        return vacant[0].index
+    return len(slots)

@@ -1,0 +1,155 @@
+"""Slot tables: who holds which slot as members come and go, and how stores agree on one table."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from memstore.core.slots import FORMER_KEPT, Slot, SlotTable, SlotTableError, next_table
+
+pytestmark = pytest.mark.unit
+
+
+def members(*ids: str, domains: dict[str, str] | None = None) -> dict[str, tuple[str, str]]:
+    return {h: (f"127.0.0.1:{7000 + int(h[1:])}", (domains or {}).get(h, "")) for h in ids}
+
+
+def holders(t: SlotTable) -> list[str]:
+    return [s.host_id for s in t.slots]
+
+
+def test_first_table_takes_the_sources_order() -> None:
+    t = next_table(SlotTable(), members("h3", "h1", "h2"))
+    assert t.version == 1
+    assert holders(t) == ["h3", "h1", "h2"]
+    assert t.placement("mixed", 2) is not None
+    assert next_table(t, members("h3", "h1", "h2")) is t  # no change, no new version
+
+
+def test_replacement_under_a_new_name_takes_the_vacant_slot() -> None:
+    t1 = next_table(SlotTable(), members("h1", "h2", "h3", "h4"))
+    t2 = next_table(t1, members("h1", "h3", "h4", "h5"))
+    assert holders(t2) == ["h1", "h5", "h3", "h4"]
+    assert t2.slots[1].former == ("h2",)
+    assert t2.version == 2
+    # The placement over slots is unchanged: every group keeps its slots.
+    assert t1.placement("mixed", 2) == t2.placement("mixed", 2)
+    # h2's shards belong to slot 1, now held by h5.
+    owner = t2.owner_slot("h2")
+    assert owner is not None and owner.index == 1 and owner.host_id == "h5"
+
+
+def test_loss_then_join_equals_both_at_once() -> None:
+    t1 = next_table(SlotTable(), members("h1", "h2", "h3", "h4"))
+    stepwise = next_table(next_table(t1, members("h1", "h3", "h4")), members("h1", "h3", "h4", "h5"))
+    at_once = next_table(t1, members("h1", "h3", "h4", "h5"))
+    assert stepwise.slots == at_once.slots
+    assert stepwise.version == at_once.version + 1  # versions differ; content (and placement) agree
+
+
+def test_join_with_no_vacancy_adds_a_slot() -> None:
+    t1 = next_table(SlotTable(), members("h1", "h2", "h3", "h4"))
+    t2 = next_table(t1, members("h1", "h2", "h3", "h4", "h5"))
+    assert holders(t2) == ["h1", "h2", "h3", "h4", "h5"]
+    p = t2.placement("mixed", 2)
+    assert p is not None and len(p.hosts) == 5
+
+
+def test_same_host_back_keeps_its_slot_even_after_others_joined() -> None:
+    t1 = next_table(SlotTable(), members("h1", "h2", "h3"))
+    t2 = next_table(t1, members("h1", "h3"))  # h2 gone: slot 1 vacant
+    t3 = next_table(t2, members("h1", "h3", "h9", "h2"))  # h9 listed before h2, but h2 reclaims its slot
+    assert holders(t3) == ["h1", "h2", "h3", "h9"]
+
+
+def test_address_change_keeps_the_slot() -> None:
+    t1 = next_table(SlotTable(), members("h1", "h2"))
+    moved = dict(members("h1", "h2"))
+    moved["h2"] = ("127.0.0.9:9999", "")
+    t2 = next_table(t1, moved)
+    assert holders(t2) == ["h1", "h2"] and t2.slots[1].address == "127.0.0.9:9999"
+
+
+def test_former_holders_are_bounded_and_the_latest_tenure_wins() -> None:
+    t = next_table(SlotTable(), members("h1", "h2"))
+    for i in range(3, 3 + FORMER_KEPT + 3):
+        t = next_table(t, members("h1", f"h{i}"))
+    assert len(t.slots[1].former) == FORMER_KEPT
+    assert t.owner_slot("h2") is None  # forgotten long ago
+    assert t.owner_slot("h1") == t.slots[0]
+
+
+def test_domains_apply_when_every_slot_is_labelled() -> None:
+    doms = {"h1": "a", "h2": "a", "h3": "b", "h4": "b"}
+    t = next_table(SlotTable(), members("h1", "h2", "h3", "h4", domains=doms))
+    p = t.placement("mixed", 2)
+    assert p is not None
+    for group in p.groups():
+        assert len({t.slots[int(n[4:])].domain for n in group}) == 2
+
+
+def test_fewer_slots_than_replicas_caps_r() -> None:
+    t = next_table(SlotTable(), members("h1"))
+    p = t.placement("mixed", 2)
+    assert p is not None and p.replicas == 1
+
+
+def test_tables_order_by_version_then_digest_and_round_trip() -> None:
+    base = next_table(SlotTable(), members("h1", "h2", "h3"))
+    a = next_table(base, members("h1", "h3", "h5"))
+    b = next_table(base, members("h1", "h3", "h6"))
+    assert a.version == b.version and a.digest != b.digest
+    assert a.newer_than(b) != b.newer_than(a)
+    assert a.newer_than(base) and not base.newer_than(a)
+    assert SlotTable.from_dict(a.to_dict()) == a
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"version": 1},
+        {"version": "1", "slots": []},
+        {"version": 1, "slots": "x"},
+        {"version": 1, "slots": [{"index": 1, "host_id": "h1", "address": "a:1"}]},
+        {"version": 1, "slots": [{"index": 0, "host_id": "h1", "address": ""}]},
+        {"version": 1, "slots": [{"index": 0, "host_id": "h1", "address": "a:1"}, {"index": 1, "host_id": "h1", "address": "a:2"}]},
+        {"version": 0, "slots": [{"index": 0, "host_id": "h1", "address": "a:1"}]},
+        {"version": 1, "slots": [{"index": 0, "host_id": "", "address": "a:1"}]},
+        {"version": 1, "slots": [7]},
+    ],
+)
+def test_malformed_tables_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(SlotTableError):
+        SlotTable.from_dict(bad)
+
+
+def test_stores_seeing_changes_in_different_orders_converge() -> None:
+    """Gossip model: each store adopts a newer table, then applies its own (eventually equal) view."""
+    rng = random.Random(7)
+    start = next_table(SlotTable(), members("h1", "h2", "h3", "h4"))
+    final_view = members("h1", "h4", "h6", "h5", "h7")
+    for order in itertools.permutations(["-h2", "-h3", "+h5", "+h6", "+h7"]):
+        tables = []
+        for cut in (1, 3):  # two stores see the changes in two batches, split at different places
+            view = dict(members("h1", "h2", "h3", "h4"))
+            t = start
+            for batch in (order[:cut], order[cut:]):
+                for change in batch:
+                    if change[0] == "-":
+                        view.pop(change[1:])
+                    else:
+                        view[change[1:]] = final_view[change[1:]]
+                t = next_table(t, {h: view[h] for h in final_view if h in view} | {h: v for h, v in view.items() if h not in final_view})
+            tables.append(t)
+        # Gossip until stable.
+        for _ in range(10):
+            i, j = rng.sample(range(len(tables)), 2)
+            if tables[j].newer_than(tables[i]):
+                tables[i] = next_table(tables[j], final_view)
+        best = max(tables, key=lambda t: (t.version, t.digest))
+        tables = [next_table(best, final_view) for _ in tables]
+        assert len({t.slots for t in tables}) == 1
+        assert set(tables[0].members()) == set(final_view)
+        assert all(isinstance(s, Slot) for s in tables[0].slots)

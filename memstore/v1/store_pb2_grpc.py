@@ -109,6 +109,11 @@ class StoreStub:
                 request_serializer=memstore_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
                 response_deserializer=memstore_dot_v1_dot_store__pb2.PrepareSendResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/memstore.v1.Store/Drain',
+                request_serializer=memstore_dot_v1_dot_store__pb2.DrainRequest.SerializeToString,
+                response_deserializer=memstore_dot_v1_dot_store__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -204,6 +209,13 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Leave on purpose (as on SIGTERM): give every shard only this store holds another copy, then exit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -281,6 +293,11 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.PrepareSend,
                     request_deserializer=memstore_dot_v1_dot_store__pb2.GetRequest.FromString,
                     response_serializer=memstore_dot_v1_dot_store__pb2.PrepareSendResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=memstore_dot_v1_dot_store__pb2.DrainRequest.FromString,
+                    response_serializer=memstore_dot_v1_dot_store__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -688,6 +705,33 @@ class Store:
             '/memstore.v1.Store/PrepareSend',
             memstore_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
             memstore_dot_v1_dot_store__pb2.PrepareSendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memstore.v1.Store/Drain',
+            memstore_dot_v1_dot_store__pb2.DrainRequest.SerializeToString,
+            memstore_dot_v1_dot_store__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

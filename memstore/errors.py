@@ -202,6 +202,20 @@ class StaleLock(StoreError):
     """A shared-memory directory's lock file was replaced while being taken; take it again."""
 
 
+# -- membership discovery --------------------------------------------------------------------------
+
+
+class DiscoveryError(StoreError):
+    """A discovery source (--peers-file, --discovery dns://, fed members) gave no usable membership.
+
+    UNAVAILABLE: the membership cannot be learned right now and asking again later may succeed (a file
+    being rewritten, a DNS server down or not yet serving the new pods); the watcher keeps polling and
+    keeps the last good membership meanwhile. The message names the source and what was wrong.
+    """
+
+    status = "UNAVAILABLE"
+
+
 # -- the status table ------------------------------------------------------------------------------
 
 _BY_STATUS: dict[str, type[StoreError]] = {

@@ -36,6 +36,7 @@ from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import boot_id, store_stub
 from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
+from memstore.v1.manifests import manifest_from_pb
 from memstore.v1.streams import manifest_problem, put_requests, receive_chunks
 from trainer_client import serialization
 from trainer_client.errors import (
@@ -446,7 +447,7 @@ class CheckpointClient:
     def _read_shared(self, key: pb.ShardKey, zero_copy: bool) -> Any:
         opened = self._call(lambda t: self._stub.Open(pb.OpenRequest(key=key), timeout=t), f"open step {key.step}", retries=3)
         try:
-            m = opened.manifest
+            m = manifest_from_pb(opened.manifest)
             problem = manifest_problem(m)
             if problem:
                 raise CorruptShardError(f"store sent a bad manifest for step {key.step}: {problem}")
@@ -460,7 +461,7 @@ class CheckpointClient:
             _populate_for_reading(mm)
             view = memoryview(mm)[: m.nbytes]
             try:
-                bad = first_mismatch(view, m.nbytes, m.chunk_size, m.chunk_checksums, workers=_VERIFY_THREADS)
+                bad = first_mismatch(view, m.nbytes, m.chunk_size, m.checksums, workers=_VERIFY_THREADS)
             finally:
                 view.release()
             if bad is not None:
@@ -479,7 +480,7 @@ class CheckpointClient:
         call = self._stub.Get(pb.GetRequest(key=key), timeout=self.timeout + 600)
         try:
             first = next(call)
-            m = first.manifest
+            m = manifest_from_pb(first.manifest)
             problem = manifest_problem(m)
             if problem:
                 raise CorruptShardError(f"store sent a bad manifest for step {key.step}: {problem}")

@@ -1,4 +1,5 @@
-"""Plain data types of the store: shard keys, manifests and the states a held copy goes through."""
+"""Plain data types of the store: shard keys, manifests, the states a held copy goes through, the header of a
+transfer and what a store reports about one copy."""
 
 from __future__ import annotations
 
@@ -67,3 +68,35 @@ class Holding:
     world_size: int
     verified: bool
     created_unix: float = 0.0  # when the owner captured it; orders versions of different timelines
+
+
+class PutOrigin(enum.Enum):
+    """Who sends a shard to a store; it decides whose copy the received shard becomes."""
+
+    CLIENT = "client"  # a trainer rank's save: the receiving store owns it and replicates it to its group
+    REPLICA = "replica"  # an owner pushing its shard to a group peer
+    REPAIR = "repair"  # a copy sent to restore the replication factor
+
+
+@dataclass(frozen=True)
+class TransferHeader:
+    """What precedes a shard's bytes on a transfer (a Put stream or a data-channel push)."""
+
+    manifest: Manifest
+    origin: PutOrigin
+    sender_host: str = ""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One copy of one shard as a store reports it (listings, commit status, the sidecar of its segment).
+
+    Until its checksums are computed (CAPTURED) the copy has no real manifest: ``manifest`` then
+    carries the key, world size, size and owner only (``chunk_size`` 0, no checksums).
+    """
+
+    manifest: Manifest
+    state: ShardState | None  # None: a state this version does not know (reported by a newer store)
+    verified: bool
+    error: str = ""  # why replication failed, when it did
+    copies: int = 0  # the owner's count of acknowledged copies, its own included

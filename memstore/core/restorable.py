@@ -36,6 +36,19 @@ class Version:
     created_unix: float  # earliest capture among its copies
 
 
+@dataclass(frozen=True)
+class RestoreAnswer:
+    """A store's answer to "which version to restore" (LatestStep), from the cluster's holdings.
+
+    ``version`` is None when nothing is restorable; ``note`` then says why when a reason is known (e.g.
+    ranks saved under different timelines). ``unreachable_hosts`` did not answer, so the view may be partial.
+    """
+
+    version: Version | None
+    unreachable_hosts: tuple[str, ...] = ()
+    note: str = ""
+
+
 _VersionId = tuple[int, str]
 
 

@@ -15,13 +15,12 @@ from types import FrameType
 import grpc
 
 from memstore.config import StoreConfig
-from memstore.errors import ConfigError
+from memstore.errors import ConfigError, StoreError
 from memstore.server.dataserver import DataServer
 from memstore.server.servicer import StoreServicer
 from memstore.server.store import Store
 from memstore.spill import build_spiller
 from memstore.spill.port import SpillListener
-from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import SERVER_OPTIONS
 
@@ -63,8 +62,8 @@ class StoreServer:
         for peer_id in self.store.peers.ids():
             peer = self.store.peers[peer_id]
             try:
-                hello = peer.stub.Hello(pb.HelloRequest(), timeout=timeout)
-            except grpc.RpcError:
+                hello = peer.hello(timeout)
+            except StoreError:
                 continue
             if hello.host_id != peer_id:
                 raise ConfigError(f"the store at {peer.address} is host {hello.host_id!r}, but --peers names it {peer_id!r}")

@@ -2,6 +2,7 @@
 
 Every other part of the engine (``memstore.server.store`` puts them together) works on the state
 declared here, under ``_lock``. It also implements the durable tier's port (``memstore.spill.port.ShardSource``).
+A settled copy's sidecar holds its ShardInfo, encoded and decoded by ``memstore.server.convert``.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from memstore.config import StoreConfig
-from memstore.core.model import Holding, Manifest, ShardKey, ShardState
+from memstore.core.model import Holding, Manifest, PutOrigin, ShardInfo, ShardKey, ShardState
 from memstore.core.placement import Placement
 from memstore.core.retention import pressure_victims
 from memstore.errors import (
@@ -26,11 +27,10 @@ from memstore.errors import (
     ShardNotFound,
     UnknownJob,
 )
-from memstore.server.convert import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, state_from_pb, state_to_pb
+from memstore.server.convert import sidecar_bytes, sidecar_info
 from memstore.server.peers import PeerDirectory
 from memstore.server.segments import Segment, SegmentPool
 from memstore.spill.port import DurableTier
-from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import SPILL_CODECS, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import manifest_problem
@@ -68,8 +68,8 @@ class Entry:
 @dataclass
 class Inbound:
     key: ShardKey
-    manifest: pb.Manifest
-    origin: int
+    manifest: Manifest
+    origin: PutOrigin
     segment: Segment
 
 
@@ -104,8 +104,8 @@ def ensure(problem: str | None) -> None:
         raise InvalidArgument(problem)
 
 
-def holdings_of(host: str, resp: pb.ListResponse) -> list[Holding]:
-    return [Holding(host, key_from_pb(i.manifest.key), i.manifest.world_size, i.verified, i.manifest.created_unix) for i in resp.shards]
+def holdings_of(host: str, shards: Iterable[ShardInfo]) -> list[Holding]:
+    return [Holding(host, i.manifest.key, i.manifest.world_size, i.verified, i.manifest.created_unix) for i in shards]
 
 
 class Catalog:
@@ -144,20 +144,19 @@ class Catalog:
         """
 
         def check(seg: Segment, meta: bytes) -> bool:
-            info = pb.ShardInfo.FromString(meta)
+            info = sidecar_info(meta)
             m = info.manifest
             problem = manifest_problem(m) or key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size, m.key.timeline)
-            state = state_from_pb(info.state)
-            if problem or state is None or not state.settled or m.nbytes > seg.size:
+            if problem or info.state is None or not info.state.settled or m.nbytes > seg.size:
                 return False
-            return first_mismatch(seg.view(), m.nbytes, m.chunk_size, list(m.chunk_checksums)) is None
+            return first_mismatch(seg.view(), m.nbytes, m.chunk_size, m.checksums) is None
 
         adopted = self.pool.adopt(check)
         for seg, meta in adopted:
-            info = pb.ShardInfo.FromString(meta)
-            m = manifest_from_pb(info.manifest)
+            info = sidecar_info(meta)
+            m = info.manifest
             seg.owner = m.key.job_id  # never pooled for another job
-            state = state_from_pb(info.state) or ShardState.REPLICA
+            state = info.state or ShardState.REPLICA
             self._entries[m.key] = Entry(
                 m.key, m.world_size, m.nbytes, seg, m.owner_host, state, manifest=m, metrics=dict(m.metrics),
                 format_version=m.format_version, copies=info.copies, created_unix=m.created_unix or time.time(), spill_codec=m.spill_codec,
@@ -172,7 +171,7 @@ class Catalog:
     def _describe(self, entry: Entry) -> None:
         """Record a settled copy next to its segment (caller holds the lock) so a restart can adopt it."""
         if entry.verified and entry.state.settled and not entry.dropped:
-            self.pool.describe(entry.segment, self._info(entry).SerializeToString())
+            self.pool.describe(entry.segment, sidecar_bytes(self._info(entry)))
 
     def owned_shards(self) -> list[Manifest]:
         with self._lock:
@@ -286,23 +285,18 @@ class Catalog:
                     raise ShardNotFound(f"shard {key} on store {self.host_id} is still being captured")
                 self._lock.wait(remaining)
 
-    def _info(self, entry: Entry) -> pb.ShardInfo:
+    def _info(self, entry: Entry) -> ShardInfo:
         m = entry.manifest
-        manifest = (
-            manifest_to_pb(m)
-            if m is not None
-            else pb.Manifest(key=key_to_pb(entry.key), world_size=entry.world_size, nbytes=entry.nbytes, owner_host=entry.owner_host)
-        )
-        return pb.ShardInfo(
-            manifest=manifest, state=state_to_pb(entry.state), verified=entry.verified, error=entry.error, copies=entry.copies
-        )
+        if m is None:  # not checksummed yet: what is known of it
+            m = Manifest(entry.key, entry.world_size, entry.nbytes, chunk_size=0, checksums=(), owner_host=entry.owner_host)
+        return ShardInfo(m, entry.state, entry.verified, entry.error, entry.copies)
 
-    def list_shards(self, job_id: str) -> pb.ListResponse:
+    def list_shards(self, job_id: str) -> list[ShardInfo]:
+        """Every copy this store holds (of ``job_id``, or of every job when it is ""), in key order."""
         if job_id:
             ensure(job_id_problem(job_id))
         with self._lock:
-            infos = [self._info(e) for k, e in sorted(self._entries.items()) if not job_id or k.job_id == job_id]
-        return pb.ListResponse(host_id=self.host_id, shards=infos)
+            return [self._info(e) for k, e in sorted(self._entries.items()) if not job_id or k.job_id == job_id]
 
     def delete(self, job_id: str, step: int, rank: int) -> int:
         ensure(job_id_problem(job_id))

@@ -1,9 +1,39 @@
-"""Conversions between the wire messages (memstore.v1) and the core's plain types."""
+"""Every conversion between the wire messages (memstore.v1) and the core's plain types, for the store.
+
+The engine (``memstore.server.store``) speaks only core types; the servicer converts requests and
+responses here, the peer client (``memstore.server.peers``) converts what it sends to and receives
+from other stores, and the catalog writes and reads segment sidecars through ``sidecar_bytes`` and
+``sidecar_info``. Keys and manifests are converted by ``memstore.v1.manifests`` (the trainer client
+needs them too) and re-exported here.
+"""
 
 from __future__ import annotations
 
-from memstore.core.model import Manifest, ShardKey, ShardState
+from memstore.core.model import PutOrigin, ShardInfo, ShardState, TransferHeader
+from memstore.core.restorable import RestoreAnswer
+from memstore.core.status import HealthReport, HelloReport
+from memstore.errors import InvalidArgument
 from memstore.v1 import store_pb2 as pb
+from memstore.v1.manifests import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb
+
+__all__ = [
+    "health_to_pb",
+    "hello_from_pb",
+    "hello_to_pb",
+    "info_from_pb",
+    "info_to_pb",
+    "key_from_pb",
+    "key_to_pb",
+    "latest_to_pb",
+    "manifest_from_pb",
+    "manifest_to_pb",
+    "sidecar_bytes",
+    "sidecar_info",
+    "state_from_pb",
+    "state_to_pb",
+    "transfer_from_pb",
+    "transfer_to_pb",
+]
 
 _STATE_TO_PB: dict[ShardState, int] = {
     ShardState.CAPTURED: pb.SHARD_STATE_CAPTURED,
@@ -14,51 +44,119 @@ _STATE_TO_PB: dict[ShardState, int] = {
 }
 _STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
 
-
-def key_to_pb(key: ShardKey) -> pb.ShardKey:
-    return pb.ShardKey(job_id=key.job_id, step=key.step, rank=key.rank, timeline=key.timeline)
-
-
-def key_from_pb(key: pb.ShardKey) -> ShardKey:
-    return ShardKey(key.job_id, key.step, key.rank, key.timeline)
-
-
-def manifest_to_pb(m: Manifest) -> pb.Manifest:
-    from memstore.v1.integrity import CHECKSUM_ALGO
-
-    return pb.Manifest(
-        key=key_to_pb(m.key),
-        world_size=m.world_size,
-        nbytes=m.nbytes,
-        chunk_size=m.chunk_size,
-        chunk_checksums=list(m.checksums),
-        checksum_algo=CHECKSUM_ALGO,
-        owner_host=m.owner_host,
-        format_version=m.format_version,
-        metrics=dict(m.metrics),
-        created_unix=m.created_unix,
-        spill_codec=m.spill_codec,
-    )
+_ORIGIN_TO_PB: dict[PutOrigin, int] = {
+    PutOrigin.CLIENT: pb.PUT_ORIGIN_CLIENT,
+    PutOrigin.REPLICA: pb.PUT_ORIGIN_REPLICA,
+    PutOrigin.REPAIR: pb.PUT_ORIGIN_REPAIR,
+}
+_ORIGIN_FROM_PB = {v: k for k, v in _ORIGIN_TO_PB.items()}
 
 
-def manifest_from_pb(m: pb.Manifest) -> Manifest:
-    return Manifest(
-        key=key_from_pb(m.key),
-        world_size=m.world_size,
-        nbytes=m.nbytes,
-        chunk_size=m.chunk_size,
-        checksums=tuple(m.chunk_checksums),
-        owner_host=m.owner_host,
-        format_version=m.format_version,
-        metrics=dict(m.metrics),
-        created_unix=m.created_unix,
-        spill_codec=m.spill_codec,
-    )
-
-
-def state_to_pb(state: ShardState) -> pb.ShardState:
-    return _STATE_TO_PB[state]  # type: ignore[return-value]
+def state_to_pb(state: ShardState | None) -> pb.ShardState:
+    return pb.SHARD_STATE_UNSPECIFIED if state is None else _STATE_TO_PB[state]  # type: ignore[return-value]
 
 
 def state_from_pb(state: int) -> ShardState | None:
     return _STATE_FROM_PB.get(state)
+
+
+# -- shard reports and sidecars -------------------------------------------------------
+def info_to_pb(info: ShardInfo) -> pb.ShardInfo:
+    return pb.ShardInfo(
+        manifest=manifest_to_pb(info.manifest), state=state_to_pb(info.state), verified=info.verified, error=info.error, copies=info.copies
+    )
+
+
+def info_from_pb(info: pb.ShardInfo) -> ShardInfo:
+    return ShardInfo(manifest_from_pb(info.manifest), state_from_pb(info.state), info.verified, info.error, info.copies)
+
+
+def sidecar_bytes(info: ShardInfo) -> bytes:
+    """What the sidecar of a segment holds: the serialized ``memstore.v1.ShardInfo`` (a restarted store adopts it)."""
+    return info_to_pb(info).SerializeToString()
+
+
+def sidecar_info(meta: bytes) -> ShardInfo:
+    """The ShardInfo a sidecar holds; raises ``google.protobuf.message.DecodeError`` on malformed bytes."""
+    return info_from_pb(pb.ShardInfo.FromString(meta))
+
+
+# -- transfers --------------------------------------------------------------------------
+def transfer_to_pb(header: TransferHeader) -> pb.PutHeader:
+    return pb.PutHeader(manifest=manifest_to_pb(header.manifest), origin=_ORIGIN_TO_PB[header.origin], sender_host=header.sender_host)  # type: ignore[arg-type]
+
+
+def transfer_from_pb(header: pb.PutHeader) -> TransferHeader:
+    """The header of an incoming shard; InvalidArgument unless it names who sends it (origin)."""
+    origin = _ORIGIN_FROM_PB.get(header.origin)
+    if origin is None:
+        what = "unspecified" if header.origin == pb.PUT_ORIGIN_UNSPECIFIED else f"{header.origin} (unknown)"
+        raise InvalidArgument(f"PutHeader.origin is {what}: expected CLIENT, REPLICA or REPAIR")
+    return TransferHeader(manifest_from_pb(header.manifest), origin, header.sender_host)
+
+
+# -- answers ----------------------------------------------------------------------------
+def latest_to_pb(answer: RestoreAnswer) -> pb.LatestStepResponse:
+    resp = pb.LatestStepResponse(found=answer.version is not None, unreachable_hosts=list(answer.unreachable_hosts), note=answer.note)
+    if answer.version is not None:
+        resp.step, resp.world_size, resp.timeline = answer.version.step, answer.version.world_size, answer.version.timeline
+    return resp
+
+
+def hello_to_pb(h: HelloReport) -> pb.HelloResponse:
+    return pb.HelloResponse(
+        host_id=h.host_id,
+        version=h.version,
+        replicas=h.replicas,
+        peer_ids=list(h.peer_ids),
+        peer_addresses=list(h.peer_addresses),
+        shm_dir=h.shm_dir,
+        boot_id=h.boot_id,
+        capacity_bytes=h.capacity_bytes,
+        max_chunk_bytes=h.max_chunk_bytes,
+        placement=h.placement,
+        data_port=h.data_port,
+    )
+
+
+def hello_from_pb(h: pb.HelloResponse) -> HelloReport:
+    return HelloReport(
+        host_id=h.host_id,
+        version=h.version,
+        replicas=h.replicas,
+        peer_ids=tuple(h.peer_ids),
+        peer_addresses=tuple(h.peer_addresses),
+        shm_dir=h.shm_dir,
+        boot_id=h.boot_id,
+        capacity_bytes=h.capacity_bytes,
+        max_chunk_bytes=h.max_chunk_bytes,
+        placement=h.placement,
+        data_port=h.data_port,
+    )
+
+
+def health_to_pb(h: HealthReport) -> pb.HealthResponse:
+    return pb.HealthResponse(
+        serving=h.serving,
+        host_id=h.host_id,
+        used_bytes=h.used_bytes,
+        capacity_bytes=h.capacity_bytes,
+        shards=h.shards,
+        replications_in_flight=h.replications_in_flight,
+        repairs_in_flight=h.repairs_in_flight,
+        uptime_seconds=h.uptime_seconds,
+        spill_url=h.spill_url,
+        spill=[
+            pb.SpillStatus(
+                job_id=s.job_id,
+                last_spilled_step=s.last_spilled_step,
+                last_spill_unix=s.last_spill_unix,
+                consecutive_failures=s.consecutive_failures,
+                last_error=s.last_error,
+                bytes_written=s.bytes_written,
+            )
+            for s in h.spill
+        ],
+        adopted_shards=h.adopted_shards,
+        orphans=[pb.OrphanedSegments(path=o.path, host_id=o.host_id, bytes=o.bytes, files=o.files) for o in h.orphans],
+    )

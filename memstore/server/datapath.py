@@ -8,7 +8,7 @@ import secrets
 import socket
 import time
 
-from memstore.core.model import ShardKey
+from memstore.core.model import Manifest, ShardKey, TransferHeader
 from memstore.errors import (
     ShardNotFound,
 )
@@ -17,9 +17,7 @@ from memstore.server.catalog import (
     Ticket,
     sender_error,
 )
-from memstore.server.convert import manifest_to_pb
 from memstore.server.saving import Saving
-from memstore.v1 import store_pb2 as pb
 from memstore.v1.datachannel import TICKET_BYTES, receive_verified, send_all, send_status
 
 log = logging.getLogger(__name__)
@@ -28,7 +26,7 @@ log = logging.getLogger(__name__)
 class DataPath(Saving):
     """Pushes and pulls of shard bytes over the raw TCP data channel."""
 
-    def prepare_receive(self, header: pb.PutHeader) -> bytes:
+    def prepare_receive(self, header: TransferHeader) -> bytes:
         """Reserve memory for a shard that will arrive on the data channel; returns its one-time ticket."""
         inbound = self._begin_receive(header)
         ticket = secrets.token_bytes(TICKET_BYTES)
@@ -37,7 +35,7 @@ class DataPath(Saving):
             self._tickets[ticket] = Ticket(deadline, inbound=inbound)
         return ticket
 
-    def prepare_send(self, key: ShardKey) -> tuple[pb.Manifest, bytes]:
+    def prepare_send(self, key: ShardKey) -> tuple[Manifest, bytes]:
         """Pin a verified copy to be read from the data channel; returns (manifest, ticket)."""
         entry = self._readable(key)
         if not self._pin(entry):
@@ -46,7 +44,7 @@ class DataPath(Saving):
         ticket = secrets.token_bytes(TICKET_BYTES)
         with self._lock:
             self._tickets[ticket] = Ticket(time.monotonic() + 10.0 + entry.nbytes / self.config.transfer_min_rate, outbound=entry)
-        return manifest_to_pb(entry.manifest), ticket
+        return entry.manifest, ticket
 
     def serve_ticket(self, ticket: bytes, sock: socket.socket) -> None:
         """Run the transfer a ticket was issued for, on an accepted data connection."""

@@ -2,6 +2,8 @@
 
 One channel per peer address, created lazily and reused. Every call has a deadline; a failure
 becomes PeerUnavailable (or the peer's typed answer, such as RESOURCE_EXHAUSTED) naming the peer.
+Callers speak the core's types: this client converts at its boundary (``memstore.server.convert``),
+once per call, never per chunk.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import TypeVar
 
 import grpc
 
+from memstore.core.model import Manifest, ShardInfo, ShardKey, TransferHeader
+from memstore.core.status import HelloReport
 from memstore.errors import (
     ChecksumMismatch,
     DataChannelError,
@@ -26,9 +30,11 @@ from memstore.errors import (
     from_status,
 )
 from memstore.faults import fault
+from memstore.server.convert import hello_from_pb, info_from_pb, key_to_pb, manifest_from_pb, transfer_to_pb
 from memstore.v1 import datachannel
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import capacity_numbers, store_stub
+from memstore.v1.streams import put_requests
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -105,13 +111,14 @@ class Peer:
         for channel in [*self._retired, self._channel]:
             channel.close()
 
-    def hello(self, timeout: float) -> pb.HelloResponse:
+    def hello(self, timeout: float) -> HelloReport:
+        """The peer's handshake, asked once: no retries, so a peer that is down costs one refused call."""
         try:
-            return self._call(lambda: self.stub.Hello(pb.HelloRequest(), timeout=timeout))
+            return hello_from_pb(self.stub.Hello(pb.HelloRequest(), timeout=timeout))
         except grpc.RpcError as err:
             raise _peer_error(self.host_id, "Hello", err) from None
 
-    def list(self, job_id: str, timeout: float) -> pb.ListResponse:
+    def list(self, job_id: str, timeout: float) -> list[ShardInfo]:
         try:
             resp = self._call(lambda: self.stub.List(pb.ListRequest(job_id=job_id), timeout=timeout))
         except grpc.RpcError as err:
@@ -121,12 +128,13 @@ class Peer:
                 f"the store at {self.address} says it is host {resp.host_id!r}, but --peers names it {self.host_id!r}; "
                 "fix --peers or restart that store with the right --host-id"
             )
-        return resp
+        return [info_from_pb(i) for i in resp.shards]
 
-    def push(self, requests: Callable[[], Iterator[pb.PutRequest]], timeout: float) -> pb.PutResponse:
-        """Stream a shard to the peer. ``requests`` makes a fresh stream per attempt (Put is idempotent)."""
+    def push(self, header: TransferHeader, view: memoryview, timeout: float) -> None:
+        """Stream a shard to the peer over gRPC: a fresh stream per attempt (Put is idempotent)."""
+        wire = transfer_to_pb(header)
         try:
-            return self._call(lambda: self.stub.Put(requests(), timeout=timeout))
+            self._call(lambda: self.stub.Put(put_requests(wire, view), timeout=timeout))
         except grpc.RpcError as err:
             raise _peer_error(self.host_id, "Put", err) from None
 
@@ -134,11 +142,12 @@ class Peer:
     def host(self) -> str:
         return self.address.rpartition(":")[0].strip("[]")
 
-    def push_data(self, header: pb.PutHeader, view: memoryview, timeout: float, control_timeout: float) -> None:
+    def push_data(self, header: TransferHeader, view: memoryview, timeout: float, control_timeout: float) -> None:
         """Push a shard over the bulk data channel. UNIMPLEMENTED peers raise DataChannelUnsupported."""
+        wire = transfer_to_pb(header)
         try:
             # The peer reserves (and faults in) the whole segment before answering: give it the transfer deadline.
-            ticket = self._call(lambda: self.stub.PrepareReceive(header, timeout=max(control_timeout, timeout)))
+            ticket = self._call(lambda: self.stub.PrepareReceive(wire, timeout=max(control_timeout, timeout)))
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                 raise DataChannelUnsupported(self.host_id) from None
@@ -155,15 +164,16 @@ class Peer:
             status, _, detail = error.partition(": ")
             raise from_status(status, f"peer {self.host_id} refused the shard: {detail or status}")
 
-    def pull_data(self, key: pb.ShardKey, into: Callable[[pb.Manifest], memoryview], timeout: float, control_timeout: float) -> pb.Manifest:
+    def pull_data(self, key: ShardKey, into: Callable[[Manifest], memoryview], timeout: float, control_timeout: float) -> Manifest:
         """Pull a shard over the bulk data channel into the view ``into(manifest)`` returns; verified per chunk."""
+        request = pb.GetRequest(key=key_to_pb(key))
         try:
-            prepared = self._call(lambda: self.stub.PrepareSend(pb.GetRequest(key=key), timeout=control_timeout))
+            prepared = self._call(lambda: self.stub.PrepareSend(request, timeout=control_timeout))
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                 raise DataChannelUnsupported(self.host_id) from None
             raise _peer_error(self.host_id, "PrepareSend", err) from None
-        manifest = prepared.manifest
+        manifest = manifest_from_pb(prepared.manifest)
         dest = into(manifest)
         deadline = time.monotonic() + timeout
         try:
@@ -176,9 +186,9 @@ class Peer:
             raise (ChecksumMismatch if isinstance(exc, ChecksumMismatch) else PeerUnavailable)(f"copy from {self.host_id}: {exc}") from None
         return manifest
 
-    def get(self, key: pb.ShardKey, timeout: float) -> tuple[pb.Manifest, Iterator[bytes], grpc.Future]:
+    def get(self, key: ShardKey, timeout: float) -> tuple[Manifest, Iterator[bytes], grpc.Future]:
         """Start a Get stream: returns (manifest, iterator over chunk bytes, call to cancel)."""
-        call = self.stub.Get(pb.GetRequest(key=key), timeout=timeout)
+        call = self.stub.Get(pb.GetRequest(key=key_to_pb(key)), timeout=timeout)
         try:
             first = next(call)
         except grpc.RpcError as err:
@@ -196,7 +206,7 @@ class Peer:
             except grpc.RpcError as err:
                 raise _peer_error(self.host_id, "Get", err) from None
 
-        return first.manifest, chunks(), call
+        return manifest_from_pb(first.manifest), chunks(), call
 
 
 class PeerDirectory:
@@ -214,11 +224,11 @@ class PeerDirectory:
     def ids(self) -> list[str]:
         return list(self._peers)
 
-    def list_all(self, job_id: str, timeout: float, hosts: Iterable[str] | None = None) -> dict[str, pb.ListResponse | StoreError]:
+    def list_all(self, job_id: str, timeout: float, hosts: Iterable[str] | None = None) -> dict[str, list[ShardInfo] | StoreError]:
         """List every (or the given) peer in parallel; failures are returned, not raised."""
         targets = [h for h in (hosts if hosts is not None else self._peers) if h in self._peers]
 
-        def one(h: str) -> pb.ListResponse | StoreError:
+        def one(h: str) -> list[ShardInfo] | StoreError:
             try:
                 return self._peers[h].list(job_id, timeout)
             except StoreError as exc:

@@ -7,7 +7,7 @@ import secrets
 import time
 from collections.abc import Iterator
 
-from memstore.core.model import ShardKey
+from memstore.core.model import Manifest, ShardKey
 from memstore.errors import (
     InvalidArgument,
     ShardNotFound,
@@ -18,8 +18,6 @@ from memstore.server.catalog import (
     Entry,
     Lease,
 )
-from memstore.server.convert import manifest_to_pb
-from memstore.v1 import store_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +46,13 @@ class Reading(Catalog):
         elif alloc is not None:
             self.pool.release(alloc.entry.segment)
 
-    def read(self, key: ShardKey) -> Iterator[tuple[pb.Manifest, memoryview]]:
+    def read(self, key: ShardKey) -> Iterator[tuple[Manifest, memoryview]]:
         """Context-style generator: yields (manifest, view) once with the entry pinned."""
         entry = self._readable(key)
         if not self._pin(entry):
             raise ShardNotFound(f"shard {key} was evicted while reading it")
         try:
             assert entry.manifest is not None
-            yield manifest_to_pb(entry.manifest), entry.segment.view(entry.nbytes)
+            yield entry.manifest, entry.segment.view(entry.nbytes)
         finally:
             self._unpin(entry)

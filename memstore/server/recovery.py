@@ -7,7 +7,7 @@ import threading
 import time
 
 from memstore.core.model import Holding, Manifest, ShardKey, ShardState
-from memstore.core.restorable import latest_restorable, sources_for, split_timelines
+from memstore.core.restorable import RestoreAnswer, latest_restorable, sources_for, split_timelines
 from memstore.core.retention import newest_versions
 from memstore.errors import (
     ChecksumMismatch,
@@ -28,10 +28,8 @@ from memstore.server.catalog import (
     ensure,
     holdings_of,
 )
-from memstore.server.convert import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, state_from_pb
 from memstore.server.segments import Segment
 from memstore.spill.layout import SpilledManifest
-from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import manifest_problem, receive_chunks
@@ -42,7 +40,7 @@ log = logging.getLogger(__name__)
 class Recovery(Catalog):
     """Fetches missing shards (for a restore or for repair), and answers what is restorable across the cluster."""
 
-    def fetch(self, key: ShardKey, discard_local: bool) -> tuple[pb.Manifest, str]:
+    def fetch(self, key: ShardKey, discard_local: bool) -> tuple[Manifest, str]:
         """Make sure this store holds a verified copy of ``key``, pulling it from a peer if needed."""
         ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
         with self._lock:
@@ -61,17 +59,17 @@ class Recovery(Catalog):
         if local is not None:
             entry = self._readable(key)
             assert entry.manifest is not None
-            return manifest_to_pb(entry.manifest), entry.source  # "" unless repair pulled it from a peer
+            return entry.manifest, entry.source  # "" unless repair pulled it from a peer
         source = self._pull(key, origin_note="fetch")
         entry = self._readable(key)
         assert entry.manifest is not None
-        return manifest_to_pb(entry.manifest), source
+        return entry.manifest, source
 
     def _pull(self, key: ShardKey, origin_note: str, candidates: list[str] | None = None) -> str:
         """Copy ``key`` from the first peer that has a verified copy. Returns that peer's id."""
         if candidates is None:
             listings = self.peers.list_all(key.job_id, self.config.peer_timeout)
-            holdings = [h for host, resp in listings.items() if not isinstance(resp, StoreError) for h in holdings_of(host, resp)]
+            holdings = [h for host, shards in listings.items() if not isinstance(shards, StoreError) for h in holdings_of(host, shards)]
             candidates = sources_for(holdings, key, prefer=self.placement.hosts)
             unreachable = [h for h, r in listings.items() if isinstance(r, StoreError)]
             durable = self._durable_holdings(key.job_id, unreachable)
@@ -123,9 +121,9 @@ class Recovery(Catalog):
         timeout = self.config.peer_timeout + 600
         segments: list[Segment] = []
 
-        def into(manifest: pb.Manifest) -> memoryview:
+        def into(manifest: Manifest) -> memoryview:
             problem = manifest_problem(manifest)
-            if problem or key_from_pb(manifest.key) != key:
+            if problem or manifest.key != key:
                 raise PeerUnavailable(f"peer {host} sent an invalid manifest for {key}: {problem or 'wrong key'}")
             segments.append(self._acquire(key, max(1, manifest.nbytes)))
             return segments[-1].view()
@@ -134,11 +132,11 @@ class Recovery(Catalog):
             manifest = None
             if self.config.data_plane == "tcp":
                 try:
-                    manifest = peer.pull_data(key_to_pb(key), into, timeout, self.config.peer_timeout)
+                    manifest = peer.pull_data(key, into, timeout, self.config.peer_timeout)
                 except DataChannelUnsupported:
                     log.info("peer %s has no data channel; falling back to gRPC streams", host)
             if manifest is None:
-                manifest, chunks, call = peer.get(key_to_pb(key), timeout=timeout)
+                manifest, chunks, call = peer.get(key, timeout=timeout)
                 try:
                     receive_chunks(chunks, manifest, into(manifest))
                 except StreamError as exc:
@@ -150,7 +148,7 @@ class Recovery(Catalog):
                 self.pool.release(seg)
             raise
         (segment,) = segments
-        self._register_pulled(key, segment, manifest_from_pb(manifest), host)
+        self._register_pulled(key, segment, manifest, host)
 
     def _pull_from_durable(self, key: ShardKey) -> None:
         assert self.durable is not None
@@ -226,7 +224,7 @@ class Recovery(Catalog):
             unreachable.append("durable")
             return []
 
-    def latest_step(self, job_id: str, step: int | None = None) -> pb.LatestStepResponse:
+    def latest_step(self, job_id: str, step: int | None = None) -> RestoreAnswer:
         """The version to restore: of the newest restorable step, or of exactly ``step``."""
         ensure(job_id_problem(job_id))
         if step is not None and step < 0:
@@ -243,10 +241,8 @@ class Recovery(Catalog):
                 if split
                 else ""
             )
-            return pb.LatestStepResponse(found=False, unreachable_hosts=unreachable, note=note)
-        return pb.LatestStepResponse(
-            found=True, step=found.step, world_size=found.world_size, timeline=found.timeline, unreachable_hosts=unreachable
-        )
+            return RestoreAnswer(None, tuple(unreachable), note)
+        return RestoreAnswer(found, tuple(unreachable))
 
     def _repair_loop(self) -> None:
         while not self._stop.is_set():
@@ -266,14 +262,13 @@ class Recovery(Catalog):
         listings = self.peers.list_all("", self.config.peer_timeout, hosts=sources)
         wanted: dict[ShardKey, list[str]] = {}
         copies: dict[str, list[tuple[ShardKey, float]]] = {}
-        for host, resp in listings.items():
-            if isinstance(resp, StoreError):
+        for host, shards in listings.items():
+            if isinstance(shards, StoreError):
                 continue
-            for info in resp.shards:
-                state = state_from_pb(info.state)
-                if not info.verified or state is None or not state.settled or info.manifest.owner_host not in owners:
+            for info in shards:
+                if not info.verified or info.state is None or not info.state.settled or info.manifest.owner_host not in owners:
                     continue
-                key = key_from_pb(info.manifest.key)
+                key = info.manifest.key
                 wanted.setdefault(key, []).append(host)
                 copies.setdefault(key.job_id, []).append((key, info.manifest.created_unix))
         recent = {job: newest_versions(held, self.config.keep) for job, held in copies.items()}  # the abandoned run's steps rank lower

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
-from memstore.core.model import Manifest, ShardState
+from memstore.core.model import Manifest, PutOrigin, ShardState, TransferHeader
 from memstore.errors import (
     DataChannelUnsupported,
     StoreError,
@@ -15,10 +15,7 @@ from memstore.server.catalog import (
     Catalog,
     Entry,
 )
-from memstore.server.convert import manifest_to_pb
-from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import compute_checksums
-from memstore.v1.streams import put_requests
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +64,7 @@ class Replication(Catalog):
             self._settle(entry, copies=1, errors=[])
             return
         assert entry.manifest is not None
-        header_manifest = manifest_to_pb(entry.manifest)
+        header = TransferHeader(entry.manifest, PutOrigin.REPLICA, self.host_id)
         deadline = 10.0 + entry.nbytes / self.config.transfer_min_rate
 
         def push(peer_id: str) -> str | None:
@@ -76,7 +73,6 @@ class Replication(Catalog):
             newer = self._newer_capture(entry)
             if newer is not None:
                 return f"superseded by step {newer} before it was sent to {peer_id}"
-            header = pb.PutHeader(manifest=header_manifest, origin=pb.PUT_ORIGIN_REPLICA, sender_host=self.host_id)
             pinned = self._pin(entry)
             if not pinned:
                 return f"{entry.key} was dropped before it reached {peer_id}"
@@ -94,7 +90,7 @@ class Replication(Catalog):
         errors = [e for e in (f.result() for f in futures) if e]
         self._settle(entry, copies=1 + len(peers) - len(errors), errors=errors)
 
-    def _push_to(self, peer_id: str, header: pb.PutHeader, view: memoryview, deadline: float) -> None:
+    def _push_to(self, peer_id: str, header: TransferHeader, view: memoryview, deadline: float) -> None:
         peer = self.peers[peer_id]
         if self.config.data_plane == "tcp":
             try:
@@ -102,7 +98,7 @@ class Replication(Catalog):
                 return
             except DataChannelUnsupported:
                 log.info("peer %s has no data channel; falling back to gRPC streams", peer_id)
-        peer.push(lambda: put_requests(header, view), timeout=deadline)
+        peer.push(header, view, timeout=deadline)
 
     def _newer_capture(self, entry: Entry) -> int | None:
         """A newer step of the same rank captured after ``entry``: then pushing ``entry`` is pointless.

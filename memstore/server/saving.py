@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 
-from memstore.core.model import ShardKey, ShardState
+from memstore.core.model import Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, TransferHeader
 from memstore.errors import (
     AlreadySaved,
     InvalidArgument,
@@ -25,10 +25,8 @@ from memstore.server.catalog import (
     ensure,
     sender_error,
 )
-from memstore.server.convert import key_from_pb, manifest_from_pb
 from memstore.server.replication import Replication
 from memstore.server.segments import Segment
-from memstore.v1 import store_pb2 as pb
 from memstore.v1.keys import key_problem
 from memstore.v1.streams import manifest_problem, receive_chunks
 
@@ -76,7 +74,7 @@ class Saving(Replication):
         fault("commit.before_ack")
         return entry.key
 
-    def wait_committed(self, key: ShardKey, timeout: float) -> tuple[pb.ShardInfo, bool]:
+    def wait_committed(self, key: ShardKey, timeout: float) -> tuple[ShardInfo, bool]:
         ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
         deadline = time.monotonic() + max(0.0, min(timeout, MAX_WAIT_SECONDS))
         with self._lock:
@@ -91,8 +89,8 @@ class Saving(Replication):
                     return self._info(entry), False
                 self._lock.wait(remaining)
 
-    def receive(self, header: pb.PutHeader, chunks: Iterable[bytes]) -> pb.PutResponse:
-        """Store a shard arriving as a gRPC chunk stream (remote client, replication fallback)."""
+    def receive(self, header: TransferHeader, chunks: Iterable[bytes]) -> Manifest:
+        """Store a shard arriving as a gRPC chunk stream (remote client, replication fallback); returns its manifest as held."""
         inbound = self._begin_receive(header)
         try:
             receive_chunks(chunks, inbound.manifest, inbound.segment.view(), on_chunk=lambda _: fault("receive.after_chunk"))
@@ -101,16 +99,14 @@ class Saving(Replication):
             raise sender_error(exc) from None
         return self._finish_receive(inbound)
 
-    def _begin_receive(self, header: pb.PutHeader) -> Inbound:
+    def _begin_receive(self, header: TransferHeader) -> Inbound:
         """Validate an incoming shard and reserve its memory."""
         m = header.manifest
-        ensure(key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size, m.key.timeline))
+        key = m.key
+        ensure(key_problem(key.job_id, key.step, key.rank, m.world_size, key.timeline))
         ensure(manifest_problem(m))
         ensure(codec_problem(m.spill_codec))
-        if header.origin == pb.PUT_ORIGIN_UNSPECIFIED:
-            raise InvalidArgument("PutHeader.origin is unspecified: expected CLIENT, REPLICA or REPAIR")
-        key = key_from_pb(m.key)
-        if header.origin == pb.PUT_ORIGIN_CLIENT:
+        if header.origin is PutOrigin.CLIENT:
             with self._lock:
                 self._refuse_resave(key)
         segment = self._acquire(key, max(1, m.nbytes))
@@ -123,15 +119,15 @@ class Saving(Replication):
         with self._lock:
             self._receiving.discard(inbound.key)
 
-    def _finish_receive(self, inbound: Inbound) -> pb.PutResponse:
-        """Register a fully received and verified shard."""
+    def _finish_receive(self, inbound: Inbound) -> Manifest:
+        """Register a fully received and verified shard; returns its manifest as held."""
         m = inbound.manifest
-        manifest = manifest_from_pb(m)
-        if inbound.origin == pb.PUT_ORIGIN_CLIENT:
-            manifest = replace(manifest, owner_host=self.host_id)
+        if inbound.origin is PutOrigin.CLIENT:
+            manifest = replace(m, owner_host=self.host_id)
             state, owner, copies = ShardState.REPLICATING, self.host_id, 1
         else:
-            state, owner, copies = ShardState.REPLICA, manifest.owner_host, 0
+            manifest = m
+            state, owner, copies = ShardState.REPLICA, m.owner_host, 0
         entry = Entry(
             inbound.key,
             m.world_size,
@@ -148,9 +144,9 @@ class Saving(Replication):
         with self._lock:
             self._receiving.discard(inbound.key)
             self._register(entry)
-        if inbound.origin == pb.PUT_ORIGIN_CLIENT:
+        if inbound.origin is PutOrigin.CLIENT:
             self._in_flight_add(1)
             self._replication.submit(self._capture_and_replicate, entry)
         else:
             self._retention_due.set()
-        return pb.PutResponse(key=m.key, bytes_received=m.nbytes)
+        return manifest

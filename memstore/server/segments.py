@@ -39,10 +39,10 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from memstore.core.sizes import format_size
+from memstore.core.status import Orphan
 from memstore.errors import CapacityExceeded, ConfigError, StaleLock
 
 log = logging.getLogger(__name__)
@@ -158,16 +158,6 @@ def _is_ours(name: str) -> bool:
 
 
 # -- orphans ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Orphan:
-    """A segment directory no running store owns: ``files`` segments, ``bytes`` on the tmpfs (sidecars included)."""
-
-    path: str
-    host_id: str
-    bytes: int
-    files: int
-
-
 def _store_dir_contents(directory: Path) -> list[os.DirEntry[str]] | None:
     """The entries of ``directory`` if it looks like a store's segment dir (else None: never touch it)."""
     if not _STORE_DIR_NAME.fullmatch(directory.name) or directory.is_symlink() or not directory.is_dir():

@@ -1,7 +1,9 @@
-"""The gRPC servicer: validate, delegate to the Store engine, map typed errors to status codes.
+"""The gRPC servicer: convert each request to the core's types, delegate to the Store engine, convert
+its answer back, and map typed errors to status codes.
 
-Known errors (``memstore.errors``) become their status with the message; anything else becomes
-INTERNAL and is logged with its traceback. No logic lives here.
+Conversions are ``memstore.server.convert``'s, once per call (a shard's manifest once per transfer,
+never per chunk). Known errors (``memstore.errors``) become their status with the message; anything
+else becomes INTERNAL and is logged with its traceback. No logic lives here.
 """
 
 from __future__ import annotations
@@ -14,10 +16,20 @@ from typing import Any, TypeVar
 import grpc
 
 from memstore.errors import InvalidArgument, StoreError
-from memstore.server.convert import key_from_pb, key_to_pb, manifest_to_pb
+from memstore.server.convert import (
+    health_to_pb,
+    hello_to_pb,
+    info_to_pb,
+    key_from_pb,
+    key_to_pb,
+    latest_to_pb,
+    manifest_to_pb,
+    transfer_from_pb,
+)
 from memstore.server.store import Store
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
+from memstore.v1.streams import get_responses
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -64,11 +76,11 @@ class StoreServicer(pb_grpc.StoreServicer):
 
     @rpc
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
-        return self.store.hello()
+        return hello_to_pb(self.store.hello())
 
     @rpc
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
-        return self.store.health()
+        return health_to_pb(self.store.health())
 
     @rpc
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
@@ -85,6 +97,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("body") != "header":
             raise InvalidArgument("Put stream must start with a PutHeader message")
+        header = transfer_from_pb(first.header)
 
         def chunks() -> Iterator[bytes]:
             for msg in request_iterator:
@@ -92,12 +105,13 @@ class StoreServicer(pb_grpc.StoreServicer):
                     raise InvalidArgument("Put stream carries a second header; expected only chunks after the first message")
                 yield msg.chunk
 
-        return self.store.receive(first.header, chunks())
+        manifest = self.store.receive(header, chunks())
+        return pb.PutResponse(key=key_to_pb(manifest.key), bytes_received=manifest.nbytes)
 
     @rpc
     def WaitCommitted(self, request: pb.WaitCommittedRequest, context: grpc.ServicerContext) -> pb.WaitCommittedResponse:
         info, done = self.store.wait_committed(key_from_pb(request.key), request.timeout_seconds)
-        return pb.WaitCommittedResponse(info=info, done=done)
+        return pb.WaitCommittedResponse(info=info_to_pb(info), done=done)
 
     @rpc
     def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
@@ -112,19 +126,18 @@ class StoreServicer(pb_grpc.StoreServicer):
 
     @stream_rpc
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
-        from memstore.v1.streams import get_responses
-
         for manifest, view in self.store.read(key_from_pb(request.key)):
-            yield from get_responses(manifest, view)
+            yield from get_responses(manifest_to_pb(manifest), view)
 
     @rpc
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchResponse:
         manifest, source = self.store.fetch(key_from_pb(request.key), request.discard_local)
-        return pb.FetchResponse(manifest=manifest, source_host=source)
+        return pb.FetchResponse(manifest=manifest_to_pb(manifest), source_host=source)
 
     @rpc
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
-        return self.store.list_shards(request.job_id)
+        shards = self.store.list_shards(request.job_id)
+        return pb.ListResponse(host_id=self.store.host_id, shards=[info_to_pb(i) for i in shards])
 
     @rpc
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
@@ -132,13 +145,13 @@ class StoreServicer(pb_grpc.StoreServicer):
 
     @rpc
     def PrepareReceive(self, request: pb.PutHeader, context: grpc.ServicerContext) -> pb.DataTicket:
-        return pb.DataTicket(ticket=self.store.prepare_receive(request), data_port=self.store.data_port)
+        return pb.DataTicket(ticket=self.store.prepare_receive(transfer_from_pb(request)), data_port=self.store.data_port)
 
     @rpc
     def PrepareSend(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.PrepareSendResponse:
         manifest, ticket = self.store.prepare_send(key_from_pb(request.key))
-        return pb.PrepareSendResponse(manifest=manifest, ticket=ticket, data_port=self.store.data_port)
+        return pb.PrepareSendResponse(manifest=manifest_to_pb(manifest), ticket=ticket, data_port=self.store.data_port)
 
     @rpc
     def LatestStep(self, request: pb.LatestStepRequest, context: grpc.ServicerContext) -> pb.LatestStepResponse:
-        return self.store.latest_step(request.job_id, request.step if request.HasField("step") else None)
+        return latest_to_pb(self.store.latest_step(request.job_id, request.step if request.HasField("step") else None))

@@ -13,8 +13,10 @@ replacement host (same host id, empty RAM) returns the group to R copies by itse
 
 The engine is split by job: ``catalog`` (entries, pins, segments), ``replication``, ``saving``,
 ``datapath``, ``reading``, ``recovery`` (fetch, repair, cluster view) and ``janitor`` (retention,
-expiry); ``Store`` puts them together. The gRPC servicer is a thin adapter over it; the pure decisions (placement, retention,
-latest restorable step) live in ``memstore.core``.
+expiry); ``Store`` puts them together. The engine takes and returns the core's plain types
+(``memstore.core``), where the pure decisions (placement, retention, latest restorable step) live too;
+the gRPC servicer is a thin adapter over it and the only part that converts to and from protobuf
+(``memstore.server.convert``), besides the client of the peers (``memstore.server.peers``).
 """
 
 from __future__ import annotations
@@ -28,12 +30,12 @@ from memstore import __version__
 from memstore.config import StoreConfig
 from memstore.core.model import ShardKey
 from memstore.core.placement import Placement, make_placement
+from memstore.core.status import HealthReport, HelloReport, SpillReport
 from memstore.server.catalog import Entry, Lease, Ticket
 from memstore.server.janitor import Janitor
 from memstore.server.peers import PeerDirectory
 from memstore.server.segments import SegmentPool, segment_dir
 from memstore.spill.port import DurableTier
-from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import boot_id
 
 log = logging.getLogger(__name__)
@@ -102,13 +104,13 @@ class Store(Janitor):
                 t.join(timeout=2)
         self.pool.close()
 
-    def hello(self) -> pb.HelloResponse:
-        return pb.HelloResponse(
+    def hello(self) -> HelloReport:
+        return HelloReport(
             host_id=self.host_id,
             version=__version__,
             replicas=self.config.replicas,
-            peer_ids=[h for h, _ in self.config.peers],
-            peer_addresses=[a for _, a in self.config.peers],
+            peer_ids=tuple(h for h, _ in self.config.peers),
+            peer_addresses=tuple(a for _, a in self.config.peers),
             shm_dir=str(self.pool.directory or ""),
             boot_id=self.boot_id,
             capacity_bytes=self.config.capacity,
@@ -117,10 +119,10 @@ class Store(Janitor):
             data_port=self.data_port,
         )
 
-    def health(self) -> pb.HealthResponse:
+    def health(self) -> HealthReport:
         with self._lock:
             shards = sum(1 for e in self._entries.values() if not e.dropped)
-        return pb.HealthResponse(
+        return HealthReport(
             serving=not self._stop.is_set(),
             host_id=self.host_id,
             used_bytes=self.pool.used_bytes,
@@ -130,8 +132,8 @@ class Store(Janitor):
             repairs_in_flight=self._repairs_in_flight,
             uptime_seconds=time.monotonic() - self.started,
             spill_url=self.config.spill,
-            spill=[
-                pb.SpillStatus(
+            spill=tuple(
+                SpillReport(
                     job_id=job,
                     last_spilled_step=st.last_spilled_step,
                     last_spill_unix=st.last_spill_time or 0.0,
@@ -140,7 +142,7 @@ class Store(Janitor):
                     bytes_written=st.bytes_written,
                 )
                 for job, st in sorted((self.durable.status if self.durable else {}).items())
-            ],
+            ),
+            orphans=tuple(self.pool.orphans()),
             adopted_shards=self.adopted_shards,
-            orphans=[pb.OrphanedSegments(path=o.path, host_id=o.host_id, bytes=o.bytes, files=o.files) for o in self.pool.orphans()],
         )

@@ -16,8 +16,8 @@ import struct
 import time
 from collections.abc import Callable
 
+from memstore.core.model import Manifest
 from memstore.errors import DataChannelError
-from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import chunk_spans
 from memstore.v1.streams import verify_chunk
 
@@ -78,7 +78,7 @@ def _set_deadline(sock: socket.socket, deadline: float) -> None:
 
 
 def receive_verified(
-    sock: socket.socket, manifest: pb.Manifest, dest: memoryview, deadline: float, on_chunk: Callable[[], None] | None = None
+    sock: socket.socket, manifest: Manifest, dest: memoryview, deadline: float, on_chunk: Callable[[], None] | None = None
 ) -> None:
     """Read the shard's bytes into ``dest`` chunk by chunk, verifying each; StreamError on a mismatch."""
     out = memoryview(dest)

@@ -2,25 +2,28 @@
 
 Senders slice a shard buffer into ``manifest.chunk_size`` pieces; receivers copy each piece straight
 into a preallocated destination and verify its checksum as it lands, so a corrupt or short stream is
-rejected before anything is registered.
+rejected before anything is registered. Receivers verify against the core's Manifest
+(``memstore.core.model``; ``memstore.v1.manifests`` converts a received one, once per shard); the
+messages that are sent are built from the wire's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
+from memstore.core.model import Manifest
 from memstore.errors import OversizedChunk, StreamChecksumError, StreamError
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import MAX_CHUNK_BYTES, checksum, chunk_count, chunk_spans
 
 
-def manifest_problem(m: pb.Manifest) -> str | None:
+def manifest_problem(m: Manifest) -> str | None:
     """Why a manifest can't describe a valid stream, or None."""
     if m.chunk_size <= 0 or m.chunk_size > MAX_CHUNK_BYTES:
         return f"manifest chunk_size {m.chunk_size} is invalid: expected 1..{MAX_CHUNK_BYTES}"
     expected = chunk_count(m.nbytes, m.chunk_size)
-    if len(m.chunk_checksums) != expected:
-        return f"manifest has {len(m.chunk_checksums)} checksums for {m.nbytes} bytes in chunks of {m.chunk_size}; expected {expected}"
+    if len(m.checksums) != expected:
+        return f"manifest has {len(m.checksums)} checksums for {m.nbytes} bytes in chunks of {m.chunk_size}; expected {expected}"
     return None
 
 
@@ -44,18 +47,18 @@ def get_responses(manifest: pb.Manifest, buf: memoryview, chunk_size: int = 0) -
         yield pb.GetResponse(chunk=chunk)
 
 
-def verify_chunk(manifest: pb.Manifest, index: int, data: memoryview | bytes, where: str = "") -> None:
-    """Raise StreamChecksumError unless ``data`` is chunk ``index`` of the manifest's shard."""
+def verify_chunk(manifest: Manifest, index: int, data: memoryview | bytes, where: str = "") -> None:
+    """Raise StreamChecksumError unless ``data`` is chunk ``index`` of the manifest's shard (the one chunk check of both transports)."""
     got = checksum(data)
-    if got != manifest.chunk_checksums[index]:
+    if got != manifest.checksums[index]:
         k = manifest.key
         raise StreamChecksumError(
             f"chunk {index} of {k.job_id}/step={k.step}/rank={k.rank} failed its checksum{where} "
-            f"(got {got:016x}, expected {manifest.chunk_checksums[index]:016x})",
+            f"(got {got:016x}, expected {manifest.checksums[index]:016x})",
         )
 
 
-def receive_chunks(chunks: Iterable[bytes], manifest: pb.Manifest, dest: memoryview, on_chunk: Callable[[int], None] | None = None) -> int:
+def receive_chunks(chunks: Iterable[bytes], manifest: Manifest, dest: memoryview, on_chunk: Callable[[int], None] | None = None) -> int:
     """Copy ``chunks`` into ``dest`` verifying each against the manifest. Returns bytes received.
 
     Raises StreamError on an oversized chunk, a checksum mismatch, or a stream of the wrong length.

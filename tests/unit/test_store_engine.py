@@ -34,18 +34,18 @@ def save(store: Store, step: int, nbytes: int = 3 * MiB, rank: int = 0, world: i
     seg.view(nbytes)[:] = bytes([fill]) * nbytes
     store.commit(lease, {"loss": 1.0}, 1)
     info, done = store.wait_committed(key, 5)
-    assert done and info.state == 3  # SHARD_STATE_COMMITTED
+    assert done and info.state is ShardState.COMMITTED
     return key
 
 
 def steps_held(store: Store) -> list[int]:
-    return sorted({s.manifest.key.step for s in store.list_shards("job").shards})
+    return sorted({s.manifest.key.step for s in store.list_shards("job")})
 
 
 def test_commit_computes_checksums_and_commits_with_r1(store: Store) -> None:
     key = save(store, 1)
-    (info,) = store.list_shards("job").shards
-    assert info.verified and len(info.manifest.chunk_checksums) == 3 and info.copies == 1
+    (info,) = store.list_shards("job")
+    assert info.verified and len(info.manifest.checksums) == 3 and info.copies == 1
     for manifest, view in store.read(key):
         assert manifest.nbytes == 3 * MiB and bytes(view[:4]) == b"\x07" * 4
 
@@ -138,7 +138,7 @@ def test_resave_of_the_same_shard_on_the_same_timeline_is_refused(store: Store) 
 
 
 def versions_held(store: Store) -> list[tuple[int, str]]:
-    return sorted({(s.manifest.key.step, s.manifest.key.timeline) for s in store.list_shards("job").shards})
+    return sorted({(s.manifest.key.step, s.manifest.key.timeline) for s in store.list_shards("job")})
 
 
 def test_going_back_to_an_older_step_drops_the_abandoned_later_steps(store: Store) -> None:
@@ -147,7 +147,8 @@ def test_going_back_to_an_older_step_drops_the_abandoned_later_steps(store: Stor
     new = save(store, 2, nbytes=MiB, fill=9, timeline="B.0")  # the job restarted from step 1 and saved step 2 again
     # B.0@2 is complete (one rank): A.0's steps 2 and 3 are superseded and go; A.0@1 stays (history before the rollback)
     wait_for(lambda: versions_held(store) == [(1, "A.0"), (2, "B.0")], timeout=5, what="superseded versions to go")
-    assert store.latest_step("job").timeline == "B.0"
+    latest = store.latest_step("job").version
+    assert latest is not None and latest.timeline == "B.0"
     for _, view in store.read(new):
         assert view[0] == 9
 
@@ -157,10 +158,10 @@ def test_resave_of_a_step_keeps_the_old_version_until_the_new_one_is_complete(st
         save(store, step, nbytes=MiB, world=2, timeline="A.0")
         save(store, step, nbytes=MiB, world=2, rank=1, timeline="A.0")
     save(store, 2, nbytes=MiB, world=2, fill=9, timeline="B.0")  # rank 0 re-saves step 2; rank 1 never does
-    latest = store.latest_step("job")
-    assert (latest.step, latest.timeline) == (2, "A.0")  # not rank 0 new + rank 1 old
+    latest = store.latest_step("job").version
+    assert latest is not None and (latest.step, latest.timeline) == (2, "A.0")  # not rank 0 new + rank 1 old
     assert (2, "A.0") in versions_held(store) and (2, "B.0") in versions_held(store)
     save(store, 2, nbytes=MiB, world=2, rank=1, fill=9, timeline="B.0")
     wait_for(lambda: (2, "A.0") not in versions_held(store), timeout=5, what="the old version to go once the new one is complete")
-    latest = store.latest_step("job")
-    assert (latest.step, latest.timeline) == (2, "B.0")
+    latest = store.latest_step("job").version
+    assert latest is not None and (latest.step, latest.timeline) == (2, "B.0")

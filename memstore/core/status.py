@@ -1,0 +1,62 @@
+"""What a store reports about itself: its handshake (Hello) and its health (Health)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HelloReport:
+    """A store's identity and the cluster layout it runs with; peers compare layouts before serving."""
+
+    host_id: str
+    version: str
+    replicas: int
+    peer_ids: tuple[str, ...]  # the ordered host list (placement order)
+    peer_addresses: tuple[str, ...]  # same order as peer_ids
+    shm_dir: str  # where local shared-memory segments live ("" = none)
+    boot_id: str  # kernel boot id: a client on the same machine sees the same one
+    capacity_bytes: int
+    max_chunk_bytes: int
+    placement: str  # "mixed" | "ring"
+    data_port: int  # the bulk data channel's port (0 = none)
+
+
+@dataclass(frozen=True)
+class SpillReport:
+    """The durable tier's progress for one job."""
+
+    job_id: str
+    last_spilled_step: int  # -1 = none yet
+    last_spill_unix: float  # 0 = never
+    consecutive_failures: int
+    last_error: str
+    bytes_written: int
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A segment directory no running store owns: ``files`` segments, ``bytes`` on the tmpfs (sidecars included)."""
+
+    path: str
+    host_id: str
+    bytes: int
+    files: int
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """A store's load and upkeep at one moment."""
+
+    serving: bool
+    host_id: str
+    used_bytes: int
+    capacity_bytes: int
+    shards: int
+    replications_in_flight: int
+    repairs_in_flight: int
+    uptime_seconds: float
+    spill_url: str  # "" = no durable tier
+    spill: tuple[SpillReport, ...]  # per job
+    orphans: tuple[Orphan, ...]  # segment dirs under this store's --shm-dir that no running store owns
+    adopted_shards: int  # shards taken over at start from the segments a previous incarnation left

@@ -1,0 +1,51 @@
+"""The shard key and manifest as the wire carries them, converted to and from the core's plain types.
+
+Both sides of the wire need these: the store converts at its boundary (``memstore.server.convert``
+re-exports them with its other conversions), and the trainer client converts a received manifest
+once before verifying the stream it describes (``memstore.v1.streams``).
+"""
+
+from __future__ import annotations
+
+from memstore.core.model import Manifest, ShardKey
+from memstore.v1 import store_pb2 as pb
+from memstore.v1.integrity import CHECKSUM_ALGO
+
+
+def key_to_pb(key: ShardKey) -> pb.ShardKey:
+    return pb.ShardKey(job_id=key.job_id, step=key.step, rank=key.rank, timeline=key.timeline)
+
+
+def key_from_pb(key: pb.ShardKey) -> ShardKey:
+    return ShardKey(key.job_id, key.step, key.rank, key.timeline)
+
+
+def manifest_to_pb(m: Manifest) -> pb.Manifest:
+    return pb.Manifest(
+        key=key_to_pb(m.key),
+        world_size=m.world_size,
+        nbytes=m.nbytes,
+        chunk_size=m.chunk_size,
+        chunk_checksums=list(m.checksums),
+        checksum_algo=CHECKSUM_ALGO if m.chunk_size else "",  # chunk_size 0: not checksummed yet (a CAPTURED copy)
+        owner_host=m.owner_host,
+        format_version=m.format_version,
+        metrics=dict(m.metrics),
+        created_unix=m.created_unix,
+        spill_codec=m.spill_codec,
+    )
+
+
+def manifest_from_pb(m: pb.Manifest) -> Manifest:
+    return Manifest(
+        key=key_from_pb(m.key),
+        world_size=m.world_size,
+        nbytes=m.nbytes,
+        chunk_size=m.chunk_size,
+        checksums=tuple(m.chunk_checksums),
+        owner_host=m.owner_host,
+        format_version=m.format_version,
+        metrics=dict(m.metrics),
+        created_unix=m.created_unix,
+        spill_codec=m.spill_codec,
+    )

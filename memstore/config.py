@@ -136,6 +136,23 @@ class StoreConfig:
     peers: tuple[tuple[str, str], ...] = _opt(
         "Every host of the cluster including this one, ID=HOST:PORT,...; the order fixes placement.", parse_peers, default=()
     )
+    peers_file: str = _opt(
+        'Learn the members from this JSON file instead of --peers: {"hosts": {"<id>": "HOST:PORT", ...}, "domains": {...}} '
+        "(what `memstore local-cluster --endpoints-file` writes); re-read when it changes.",
+        str,
+        default="",
+    )
+    discovery: str = _opt(
+        "Learn the members from DNS: dns://NAME:PORT[?server=IP:PORT] (e.g. a Kubernetes headless Service); "
+        "host ids from the PTR records (first label), else the IP with dashes.",
+        str,
+        default="",
+    )
+    discovery_interval: float = _opt(
+        "Seconds between polls of --peers-file/--discovery and between membership gossip rounds.",
+        _positive_float("--discovery-interval"),
+        default=2.0,
+    )
     replicas: int = _opt("Replication factor R: copies of each shard in RAM, counting the owner's.", _positive_int("--replicas"), default=2)
     capacity: int = _opt("RAM budget for shard bytes (bytes or 512MiB, 8GiB, ...).", _size("--capacity"), default=4 << 30)
     keep: int = _opt("Newest committed steps kept per job in RAM.", _positive_int("--keep"), default=2)
@@ -205,6 +222,12 @@ class StoreConfig:
         _non_negative_float("--flush-grace-seconds"),
         default=30.0,
     )
+    drain_grace_seconds: float = _opt(
+        "On SIGTERM or `memstore drain`, time allowed to give every shard only this store holds another copy "
+        "(a peer, else the durable tier) before exiting.",
+        _non_negative_float("--drain-grace-seconds"),
+        default=60.0,
+    )
     log_level: str = _opt("Logging level.", _choice("--log-level", ("DEBUG", "INFO", "WARNING", "ERROR")), default="INFO")
 
     # ------------------------------------------------------------------
@@ -239,6 +262,14 @@ class StoreConfig:
     def validated(self) -> StoreConfig:
         if not HOST_ID_PATTERN.fullmatch(self.host_id or ""):
             raise ConfigError(f"--host-id {self.host_id!r} is invalid: expected 1-64 characters of [A-Za-z0-9._-]")
+        dynamic = [flag for flag, value in (("--peers-file", self.peers_file), ("--discovery", self.discovery)) if value]
+        if dynamic:
+            if self.peers or len(dynamic) > 1:
+                given = ["--peers"] * bool(self.peers) + dynamic
+                raise ConfigError(f"{' and '.join(given)} are exclusive: the members come from one source")
+            if self.discovery and not self.discovery.startswith("dns://"):
+                raise ConfigError(f"--discovery {self.discovery!r} is invalid: expected dns://NAME:PORT[?server=IP:PORT]")
+            return self._validated_common(peers=())
         peers = self.peers or ((self.host_id, self.listen),)
         ids = [p[0] for p in peers]
         if self.host_id not in ids:
@@ -252,6 +283,16 @@ class StoreConfig:
             )
         if self.replicas > len(peers):
             raise ConfigError(f"--replicas {self.replicas} is larger than the number of hosts ({len(peers)}) in --peers")
+        checked = self._validated_common(peers=peers)
+        labels = checked.failure_domains
+        unknown = sorted(h for h in labels if h not in ids)
+        missing = [h for h in ids if h not in labels]
+        if labels and (unknown or missing):
+            problem = f"given for hosts not in --peers: {', '.join(unknown)}" if unknown else f"missing for hosts {missing!r}"
+            raise ConfigError(f"--failure-domains: failure-domain labels {problem} (label every host, or none)")
+        return checked
+
+    def _validated_common(self, peers: tuple[tuple[str, str], ...]) -> StoreConfig:
         if not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ConfigError(f"--chunk-bytes {self.chunk_bytes} is invalid: expected 1..{MAX_CHUNK_BYTES}")
         domains = dict(self.failure_domains)

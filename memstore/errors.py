@@ -85,6 +85,10 @@ class PeerUnavailable(StoreError):
     status = "UNAVAILABLE"
 
 
+class Draining(PeerUnavailable):
+    """The store is leaving on purpose (SIGTERM or ``memstore drain``) and takes no new shards or copies."""
+
+
 class Superseded(StoreError):
     """An in-flight older step was dropped because a newer step of the same rank arrived."""
 

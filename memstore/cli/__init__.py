@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "export": "export",
     "reclaim-shm": "reclaim_shm",
     "status": "status",
+    "drain": "drain",
     "ls": "ls",
 }
 

@@ -33,12 +33,22 @@ def run(args: argparse.Namespace) -> int:
     finally:
         channel.close()
     rows = [_host_row(hid, addr, args.timeout) for hid, addr in zip(hello.peer_ids, hello.peer_addresses, strict=True)]
+    slots = [
+        {"slot": s.index, "host": s.host_id, "address": s.address, "domain": s.domain, "former": list(s.former)} for s in hello.slots.slots
+    ]
     if args.json:
-        print(json.dumps({"replicas": hello.replicas, "placement": hello.placement, "hosts": rows}, indent=2))
+        summary = {"replicas": hello.replicas, "placement": hello.placement, "membership_version": hello.slots.version}
+        print(json.dumps({**summary, "slots": slots, "hosts": rows}, indent=2))
         return 0
-    print(f"cluster: {len(rows)} hosts, R={hello.replicas}, placement={hello.placement}")
+    vacant = [s for s in slots if not s["host"]]
+    print(
+        f"cluster: {len(rows)} hosts in {len(slots)} slots (membership v{hello.slots.version}), R={hello.replicas}, "
+        f"placement={hello.placement}"
+    )
     for r in rows:
         _print_host(r)
+    for s in vacant:
+        print(f"  slot {s['slot']} VACANT (last held by {s['former'][-1] if s['former'] else '-'}): its group is short of a copy")
     _print_orphans(rows)
     return 0 if all(r.get("serving") for r in rows) else 1
 
@@ -78,6 +88,9 @@ def _host_row(hid: str, addr: str, timeout: float) -> dict[str, Any]:
         ],
         "orphans": [{"path": o.path, "host_id": o.host_id, "bytes": o.bytes, "files": o.files} for o in h.orphans],
         "adopted_shards": h.adopted_shards,
+        "draining": h.draining,
+        "drain_progress": h.drain_progress,
+        "discovery": {"source": h.discovery.source, "members": h.discovery.members, "error": h.discovery.error},
     }
 
 
@@ -91,7 +104,10 @@ def _print_host(r: dict[str, Any]) -> None:
         f"  {r['host']:<8} {r['address']:<22} up   {format_size(r['used']):>12} / {format_size(r['capacity']):<12} "
         f"shards={r['shards']} replicating={r['replicating']} repairing={r['repairing']}"
         + (f" adopted={r['adopted_shards']}" if r["adopted_shards"] else "")
+        + (f" DRAINING: {r['drain_progress']}" if r["draining"] else "")
     )
+    if r["discovery"]["error"]:
+        print(f"           discovery FAILING ({r['discovery']['source']}), keeping the last good membership: {r['discovery']['error']}")
     for j in r["spill"]:
         state = f"FAILING x{j['failures']}: {j['error']}" if j["failures"] else "ok"
         print(f"           spill {j['job']}: last step {j['last_spilled_step']}, {format_size(j['bytes_written'])} written, {state}")

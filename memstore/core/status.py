@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memstore.core.slots import SlotTable
+
 
 @dataclass(frozen=True)
 class HelloReport:
@@ -20,6 +22,8 @@ class HelloReport:
     max_chunk_bytes: int
     placement: str  # "mixed" | "ring"
     data_port: int  # the bulk data channel's port (0 = none)
+    slots: SlotTable = SlotTable()  # this store's slot table (peers adopt a newer one)
+    draining: bool = False  # leaving on purpose: takes no new copies
 
 
 @dataclass(frozen=True)
@@ -60,3 +64,18 @@ class HealthReport:
     spill: tuple[SpillReport, ...]  # per job
     orphans: tuple[Orphan, ...]  # segment dirs under this store's --shm-dir that no running store owns
     adopted_shards: int  # shards taken over at start from the segments a previous incarnation left
+    draining: bool = False
+    drain_progress: str = ""
+    slots: SlotTable = SlotTable()
+    discovery: DiscoveryReport | None = None
+
+
+@dataclass(frozen=True)
+class DiscoveryReport:
+    """Where the store learns its members from and how the last polls went."""
+
+    source: str
+    members: int  # in the last good answer
+    last_ok_unix: float
+    error: str  # "" = the last poll was good
+    consecutive_failures: int

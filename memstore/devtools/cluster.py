@@ -77,6 +77,8 @@ class LocalCluster:
     extra_args: list[str] = field(default_factory=list)
     workdir: Path | None = None
     env: dict[str, str] | None = None
+
+    discovery: str = "peers"  # "peers": a fixed --peers list; "file": every store follows peers.json (add_host/remove_host edit it)
     stores: dict[str, StoreProcess] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -84,36 +86,70 @@ class LocalCluster:
             raise ValueError(f"hosts must be >= 1, got {self.hosts}")
         if not 1 <= self.replicas <= self.hosts:
             raise ValueError(f"replicas must be in 1..{self.hosts}, got {self.replicas}")
+        if self.discovery not in ("peers", "file"):
+            raise ValueError(f"discovery must be 'peers' or 'file', got {self.discovery!r}")
         self._own_workdir = self.workdir is None
         self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="memstore-cluster-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.shm_dir = f"/dev/shm/memstore-{os.getpid()}-{self.workdir.name}"
+        self.peers_file = self.workdir / "peers.json"
         ports = [self.base_port + i for i in range(self.hosts)] if self.base_port else free_ports(self.hosts)
         ids = [f"h{i}" for i in range(self.hosts)]
+        self.members: list[str] = list(ids)  # the hosts peers.json lists, in order
         peers = ",".join(f"{h}=127.0.0.1:{p}" for h, p in zip(ids, ports, strict=True))
         for h, p in zip(ids, ports, strict=True):
-            args = [
-                sys.executable,
-                "-m",
-                "memstore",
-                "serve",
-                "--host-id",
-                h,
-                "--listen",
-                f"127.0.0.1:{p}",
-                "--peers",
-                peers,
-                "--replicas",
-                str(self.replicas),
-                "--capacity",
-                str(self.capacity),
-                "--keep",
-                str(self.keep),
-                "--shm-dir",
-                self.shm_dir,
-                *self.extra_args,
-            ]
-            self.stores[h] = StoreProcess(h, f"127.0.0.1:{p}", args, self.workdir / f"{h}.log")
+            self.stores[h] = StoreProcess(h, f"127.0.0.1:{p}", self._args(h, p, peers), self.workdir / f"{h}.log")
+        if self.discovery == "file":
+            self.write_endpoints(self.peers_file)
+
+    def _args(self, host_id: str, port: int, peers: str) -> list[str]:
+        from_file = ["--peers-file", str(self.peers_file), "--discovery-interval", "0.5"]
+        membership = ["--peers", peers] if self.discovery == "peers" else from_file
+        return [
+            sys.executable,
+            "-m",
+            "memstore",
+            "serve",
+            "--host-id",
+            host_id,
+            "--listen",
+            f"127.0.0.1:{port}",
+            *membership,
+            "--replicas",
+            str(self.replicas),
+            "--capacity",
+            str(self.capacity),
+            "--keep",
+            str(self.keep),
+            "--shm-dir",
+            self.shm_dir,
+            *self.extra_args,
+        ]
+
+    def add_host(self, host_id: str, replacing: str | None = None, timeout: float = 30.0, wait: bool = True) -> str:
+        """Start a new store ``host_id`` on a new port and list it in peers.json (in place of ``replacing``,
+        which leaves the file). Needs ``discovery="file"``. Returns its address."""
+        if self.discovery != "file":
+            raise ValueError("add_host needs LocalCluster(discovery='file')")
+        if host_id in self.stores:
+            raise ValueError(f"host {host_id!r} exists already")
+        (port,) = free_ports(1)
+        assert self.workdir is not None
+        self.stores[host_id] = StoreProcess(host_id, f"127.0.0.1:{port}", self._args(host_id, port, ""), self.workdir / f"{host_id}.log")
+        if replacing is not None:
+            self.members[self.members.index(replacing)] = host_id
+        else:
+            self.members.append(host_id)
+        self.write_endpoints(self.peers_file)
+        self._spawn(host_id)
+        if wait:
+            self.wait_healthy(host_id, timeout)
+        return self.stores[host_id].address
+
+    def remove_host(self, host_id: str) -> None:
+        """Take ``host_id`` out of peers.json (its process, if any, is left alone)."""
+        self.members.remove(host_id)
+        self.write_endpoints(self.peers_file)
 
     # -- lifecycle ----------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> LocalCluster:
@@ -152,6 +188,8 @@ class LocalCluster:
     def route(self, from_host: str, to_host: str, address: str) -> None:
         """Make ``from_host`` reach ``to_host`` at ``address`` (e.g. through a fault proxy); applies at its next (re)start."""
         args = self.stores[from_host].args
+        if "--peers" not in args:
+            raise ValueError("route() needs LocalCluster(discovery='peers')")
         i = args.index("--peers") + 1
         peers = dict(item.split("=", 1) for item in args[i].split(","))
         peers[to_host] = address
@@ -221,8 +259,9 @@ class LocalCluster:
         return self.stores[host_id].address
 
     def write_endpoints(self, path: str | Path) -> None:
+        """Write ``{"hosts": {id: address}}`` of the member hosts atomically (what --peers-file reads)."""
         tmp = Path(f"{path}.tmp")
-        tmp.write_text(json.dumps({"hosts": self.endpoints}, indent=2) + "\n")
+        tmp.write_text(json.dumps({"hosts": {h: self.stores[h].address for h in self.members}}, indent=2) + "\n")
         tmp.replace(path)
 
     def log_tail(self, host_id: str, lines: int = 40) -> str:

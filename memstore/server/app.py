@@ -15,8 +15,10 @@ from types import FrameType
 import grpc
 
 from memstore.config import StoreConfig
-from memstore.errors import ConfigError, StoreError
+from memstore.errors import ConfigError
+from memstore.membership import DiscoverySource
 from memstore.server.dataserver import DataServer
+from memstore.server.discovery import ClusterFollower
 from memstore.server.servicer import StoreServicer
 from memstore.server.store import Store
 from memstore.spill import build_spiller
@@ -33,7 +35,11 @@ SERVER_THREADS = 64
 class StoreServer:
     """A store engine behind a gRPC server. ``address`` is the bound HOST:PORT (port 0 resolved)."""
 
-    def __init__(self, config: StoreConfig, spill_listeners: Sequence[SpillListener] = ()) -> None:
+    def __init__(
+        self, config: StoreConfig, spill_listeners: Sequence[SpillListener] = (), discovery: DiscoverySource | None = None
+    ) -> None:
+        """``discovery``: where the members come from when another runtime feeds them (e.g. ``FedMembers``);
+        by default the source the config names (--peers, --peers-file, --discovery)."""
         self._server = grpc.server(ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="rpc"), options=SERVER_OPTIONS)
         host, _, port = config.listen.rpartition(":")
         bound = self._server.add_insecure_port(config.listen)
@@ -50,38 +56,19 @@ class StoreServer:
         self.store.durable = build_spiller(config, source=self.store, listeners=spill_listeners)
         self.data_server = DataServer(host, self.store)
         self.store.data_port = self.data_server.port
-        pb_grpc.add_StoreServicer_to_server(StoreServicer(self.store), self._server)
+        self.follower = ClusterFollower(self.store, config, discovery)
+        self.drain_requested = threading.Event()
+        pb_grpc.add_StoreServicer_to_server(StoreServicer(self.store, on_drain=self.drain_requested.set), self._server)
 
-    def check_peers(self, timeout: float = 2.0) -> None:
-        """Refuse to start in a cluster whose layout differs from ours: silent misplacement is worse than an error.
-
-        Unreachable peers are skipped (they check us when they start). Addresses are compared only for
-        this host's own address, so peers reached through proxies or other names are fine.
-        """
-        ours = list(self.config.host_ids)
-        for peer_id in self.store.peers.ids():
-            peer = self.store.peers[peer_id]
-            try:
-                hello = peer.hello(timeout)
-            except StoreError:
-                continue
-            if hello.host_id != peer_id:
-                raise ConfigError(f"the store at {peer.address} is host {hello.host_id!r}, but --peers names it {peer_id!r}")
-            if list(hello.peer_ids) != ours or hello.replicas != self.config.replicas or hello.placement != self.config.placement:
-                raise ConfigError(
-                    f"peer {peer_id} runs with a different cluster layout (hosts {list(hello.peer_ids)}, R={hello.replicas}, "
-                    f"{hello.placement}); this store has hosts {ours}, R={self.config.replicas}, {self.config.placement}. "
-                    "Every store must get the same --peers (same order), --replicas and --placement"
-                )
-            for other_id, address in zip(hello.peer_ids, hello.peer_addresses, strict=False):
-                if address == self.address and other_id != self.config.host_id:
-                    me = self.config.host_id
-                    raise ConfigError(f"peer {peer_id} expects host {other_id!r} at {address}, not {me!r}: wrong --host-id?")
+    def join(self, timeout: float = 2.0) -> None:
+        """Learn the members and the slot table, and refuse to start in a cluster that disagrees (``ClusterFollower.join``)."""
+        self.follower.join(timeout)
 
     def start(self) -> None:
         self._server.start()
         self.data_server.start()
         self.store.start()
+        self.follower.start()
         log.info(
             "store %s serving on %s (R=%d, capacity=%d, placement=%s)",
             self.config.host_id,
@@ -94,6 +81,7 @@ class StoreServer:
     def stop(self, grace: float = 2.0, keep_files: bool = False) -> None:
         """Stop serving and close the engine. ``keep_files``: leave the segments in use (and their sidecars)
         on the tmpfs for the next store of this host to adopt; otherwise every segment file is removed."""
+        self.follower.close()
         self._server.stop(grace).wait(grace + 1)
         self.data_server.close()
         self.store.pool.keep_files_on_close = keep_files  # read by SegmentPool.close(), which Store.close() calls
@@ -107,16 +95,16 @@ def serve(config: StoreConfig, ready_file: str | None = None, spill_listeners: S
     """Run until SIGINT/SIGTERM. Prints ``READY <host_id> <address>`` once serving."""
     server = StoreServer(config, spill_listeners)
     try:
-        server.check_peers()
+        server.join()
     except ConfigError:
         # Never served: leave what it adopted from a previous incarnation for a corrected restart.
         server.stop(grace=0, keep_files=True)
         raise
     server.start()
-    done = threading.Event()
+    done = server.drain_requested  # set by a signal or by the Drain RPC (`memstore drain`)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        log.info("store %s: signal %d, shutting down", config.host_id, signum)
+        log.info("store %s: signal %d, draining and shutting down", config.host_id, signum)
         done.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -128,6 +116,12 @@ def serve(config: StoreConfig, ready_file: str | None = None, spill_listeners: S
     sys.stdout.flush()
     while not done.wait(0.5):
         pass
+    # Leave on purpose: every shard only this store holds gets another copy first (memstore.server.drain).
+    t0 = time.monotonic()
+    lost = server.store.drain(config.drain_grace_seconds)
+    for failure in lost:
+        log.error("drain: %s", failure)
+    log.info("drained in %.2fs (%d shard(s) left without another copy in RAM)", time.monotonic() - t0, len(lost))
     if server.store.durable is not None:
         # Preemption or pod deletion: persist the newest committed step before going away.
         t0 = time.monotonic()

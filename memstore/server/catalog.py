@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 from memstore.config import StoreConfig
 from memstore.core.model import Holding, Manifest, PutOrigin, ShardInfo, ShardKey, ShardState
-from memstore.core.placement import Placement
 from memstore.core.retention import pressure_victims
 from memstore.errors import (
     AlreadySaved,
@@ -28,6 +27,7 @@ from memstore.errors import (
     UnknownJob,
 )
 from memstore.server.convert import sidecar_bytes, sidecar_info
+from memstore.server.membership import Membership
 from memstore.server.peers import PeerDirectory
 from memstore.server.segments import Segment, SegmentPool
 from memstore.spill.port import DurableTier
@@ -114,7 +114,8 @@ class Catalog:
     # The engine's state, set by ``Store.__init__``; every part of the engine reads it through here.
     config: StoreConfig
     host_id: str
-    placement: Placement
+    membership: Membership
+    draining: threading.Event
     pool: SegmentPool
     peers: PeerDirectory
     durable: DurableTier | None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from memstore.core.model import PutOrigin, ShardInfo, ShardState, TransferHeader
 from memstore.core.restorable import RestoreAnswer
+from memstore.core.slots import Slot, SlotTable
 from memstore.core.status import HealthReport, HelloReport
 from memstore.errors import InvalidArgument
 from memstore.v1 import store_pb2 as pb
@@ -116,7 +117,21 @@ def hello_to_pb(h: HelloReport) -> pb.HelloResponse:
         max_chunk_bytes=h.max_chunk_bytes,
         placement=h.placement,
         data_port=h.data_port,
+        slots=slots_to_pb(h.slots),
+        draining=h.draining,
     )
+
+
+def slots_to_pb(t: SlotTable) -> pb.SlotTable:
+    return pb.SlotTable(
+        version=t.version,
+        slots=[pb.Slot(index=s.index, host_id=s.host_id, address=s.address, domain=s.domain, former=list(s.former)) for s in t.slots],
+    )
+
+
+def slots_from_pb(t: pb.SlotTable) -> SlotTable:
+    """A peer's slot table; SlotTableError if it is malformed (validated like any table)."""
+    return SlotTable(t.version, tuple(Slot(s.index, s.host_id, s.address, s.domain, tuple(s.former)) for s in t.slots))
 
 
 def hello_from_pb(h: pb.HelloResponse) -> HelloReport:
@@ -132,6 +147,8 @@ def hello_from_pb(h: pb.HelloResponse) -> HelloReport:
         max_chunk_bytes=h.max_chunk_bytes,
         placement=h.placement,
         data_port=h.data_port,
+        slots=slots_from_pb(h.slots),
+        draining=h.draining,
     )
 
 
@@ -159,4 +176,16 @@ def health_to_pb(h: HealthReport) -> pb.HealthResponse:
         ],
         adopted_shards=h.adopted_shards,
         orphans=[pb.OrphanedSegments(path=o.path, host_id=o.host_id, bytes=o.bytes, files=o.files) for o in h.orphans],
+        draining=h.draining,
+        drain_progress=h.drain_progress,
+        slots=slots_to_pb(h.slots),
+        discovery=None
+        if h.discovery is None
+        else pb.DiscoveryStatus(
+            source=h.discovery.source,
+            members=h.discovery.members,
+            last_ok_unix=h.discovery.last_ok_unix,
+            error=h.discovery.error,
+            consecutive_failures=h.discovery.consecutive_failures,
+        ),
     )

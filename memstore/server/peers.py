@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
 
 from memstore.core.model import Manifest, ShardInfo, ShardKey, TransferHeader
+from memstore.core.slots import SlotTableError
 from memstore.core.status import HelloReport
 from memstore.errors import (
     ChecksumMismatch,
@@ -117,6 +118,8 @@ class Peer:
             return hello_from_pb(self.stub.Hello(pb.HelloRequest(), timeout=timeout))
         except grpc.RpcError as err:
             raise _peer_error(self.host_id, "Hello", err) from None
+        except SlotTableError as exc:
+            raise PeerUnavailable(f"peer {self.host_id} at {self.address} sent a malformed slot table: {exc}") from None
 
     def list(self, job_id: str, timeout: float) -> list[ShardInfo]:
         try:
@@ -212,25 +215,42 @@ class Peer:
 class PeerDirectory:
     """The cluster's other stores, addressed by host id."""
 
-    def __init__(self, self_id: str, peers: Iterable[tuple[str, str]]) -> None:
+    def __init__(self, self_id: str, peers: Iterable[tuple[str, str]] = ()) -> None:
         self.self_id = self_id
         self._peers = {hid: Peer(hid, addr) for hid, addr in peers if hid != self_id}
-        self._pool = ThreadPoolExecutor(max_workers=max(4, min(32, len(self._peers))), thread_name_prefix="peer-list")
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="peer-list")
         self._lock = threading.Lock()
+        self._gone: list[Peer] = []  # replaced or removed: closed with the directory (calls in flight finish on them)
 
     def __getitem__(self, host_id: str) -> Peer:
-        return self._peers[host_id]
+        try:
+            return self._peers[host_id]
+        except KeyError:
+            raise PeerUnavailable(f"host {host_id!r} is not a member of the cluster (any more)") from None
+
+    def set_members(self, members: Mapping[str, str]) -> None:
+        """The cluster's members changed (host id -> address): new peers get a channel, moved or removed ones are retired."""
+        with self._lock:
+            peers = dict(self._peers)
+            for hid, peer in list(peers.items()):
+                if members.get(hid) != peer.address:
+                    self._gone.append(peers.pop(hid))
+            for hid, address in members.items():
+                if hid != self.self_id and hid not in peers:
+                    peers[hid] = Peer(hid, address)
+            self._peers = peers  # replaced whole: readers iterate a consistent dict without the lock
 
     def ids(self) -> list[str]:
         return list(self._peers)
 
     def list_all(self, job_id: str, timeout: float, hosts: Iterable[str] | None = None) -> dict[str, list[ShardInfo] | StoreError]:
         """List every (or the given) peer in parallel; failures are returned, not raised."""
-        targets = [h for h in (hosts if hosts is not None else self._peers) if h in self._peers]
+        peers = self._peers
+        targets = [h for h in (hosts if hosts is not None else peers) if h in peers]
 
         def one(h: str) -> list[ShardInfo] | StoreError:
             try:
-                return self._peers[h].list(job_id, timeout)
+                return peers[h].list(job_id, timeout)
             except StoreError as exc:
                 return exc
 
@@ -238,5 +258,5 @@ class PeerDirectory:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for p in self._peers.values():
+        for p in [*self._peers.values(), *self._gone]:
             p.close()

@@ -70,7 +70,7 @@ class Recovery(Catalog):
         if candidates is None:
             listings = self.peers.list_all(key.job_id, self.config.peer_timeout)
             holdings = [h for host, shards in listings.items() if not isinstance(shards, StoreError) for h in holdings_of(host, shards)]
-            candidates = sources_for(holdings, key, prefer=self.placement.hosts)
+            candidates = sources_for(holdings, key, prefer=tuple(self.membership.view.table.members()))
             unreachable = [h for h, r in listings.items() if isinstance(r, StoreError)]
             durable = self._durable_holdings(key.job_id, unreachable)
             if any(h.key == key for h in durable):
@@ -255,9 +255,10 @@ class Recovery(Catalog):
 
     def repair_once(self) -> int:
         """Pull every recent shard this host should hold but lacks. Returns how many were pulled."""
-        owners = set(self.placement.owners_held_by(self.host_id))
-        sources = sorted({h for o in owners for h in self.placement.holders(o)} - {self.host_id})
-        if not sources:
+        view = self.membership.view  # one table for the whole pass
+        owners = view.owned_slots()
+        sources = view.repair_sources(owners)
+        if not sources or self.draining.is_set():
             return 0
         listings = self.peers.list_all("", self.config.peer_timeout, hosts=sources)
         wanted: dict[ShardKey, list[str]] = {}
@@ -266,7 +267,9 @@ class Recovery(Catalog):
             if isinstance(shards, StoreError):
                 continue
             for info in shards:
-                if not info.verified or info.state is None or not info.state.settled or info.manifest.owner_host not in owners:
+                if not info.verified or info.state is None or not info.state.settled:
+                    continue
+                if view.slot_name_of_owner(info.manifest.owner_host) not in owners:
                     continue
                 key = info.manifest.key
                 wanted.setdefault(key, []).append(host)

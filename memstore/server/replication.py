@@ -59,7 +59,7 @@ class Replication(Catalog):
             self._in_flight_add(-1)
 
     def _replicate(self, entry: Entry) -> None:
-        peers = self.placement.peers_of(self.host_id)
+        peers = self.membership.view.replication_targets()
         if not peers:
             self._settle(entry, copies=1, errors=[])
             return

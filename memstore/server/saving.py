@@ -11,6 +11,7 @@ from dataclasses import replace
 from memstore.core.model import Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, TransferHeader
 from memstore.errors import (
     AlreadySaved,
+    Draining,
     InvalidArgument,
     LeaseError,
     ShardNotFound,
@@ -44,6 +45,7 @@ class Saving(Replication):
             raise InvalidArgument(f"nbytes {nbytes} is invalid: expected > 0")
         if self.pool.directory is None:
             raise InvalidArgument(f"store {self.host_id} has no shared-memory dir (--shm-dir ''); send the shard with Put")
+        self._refuse_if_draining()
         with self._lock:
             self._refuse_resave(key)
         segment = self._acquire(key, nbytes)
@@ -99,6 +101,10 @@ class Saving(Replication):
             raise sender_error(exc) from None
         return self._finish_receive(inbound)
 
+    def _refuse_if_draining(self) -> None:
+        if self.draining.is_set():
+            raise Draining(f"store {self.host_id} is draining (leaving the cluster): it takes no new shards; use another store")
+
     def _begin_receive(self, header: TransferHeader) -> Inbound:
         """Validate an incoming shard and reserve its memory."""
         m = header.manifest
@@ -106,6 +112,7 @@ class Saving(Replication):
         ensure(key_problem(key.job_id, key.step, key.rank, m.world_size, key.timeline))
         ensure(manifest_problem(m))
         ensure(codec_problem(m.spill_codec))
+        self._refuse_if_draining()
         if header.origin is PutOrigin.CLIENT:
             with self._lock:
                 self._refuse_resave(key)

@@ -71,8 +71,9 @@ def stream_rpc(method: F) -> F:
 
 
 class StoreServicer(pb_grpc.StoreServicer):
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, on_drain: Callable[[], None] | None = None) -> None:
         self.store = store
+        self._on_drain = on_drain  # the server's shutdown path drains, then exits
 
     @rpc
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
@@ -137,7 +138,15 @@ class StoreServicer(pb_grpc.StoreServicer):
     @rpc
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
         shards = self.store.list_shards(request.job_id)
-        return pb.ListResponse(host_id=self.store.host_id, shards=[info_to_pb(i) for i in shards])
+        return pb.ListResponse(host_id=self.store.host_id, shards=[info_to_pb(i) for i in shards], draining=self.store.draining.is_set())
+
+    @rpc
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
+        if self._on_drain is None:
+            raise InvalidArgument(f"store {self.store.host_id} runs embedded without a shutdown path: it cannot drain")
+        started = not self.store.draining.is_set()
+        self._on_drain()
+        return pb.DrainResponse(started=started)
 
     @rpc
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:

@@ -9,7 +9,8 @@ Life of a shard owned by this host (a trainer rank runs here):
 
 A copy received from a peer is verified chunk by chunk before it is registered (REPLICA).
 The repair loop pulls, from group peers, every recent shard this host should hold but lacks, so a
-replacement host (same host id, empty RAM) returns the group to R copies by itself.
+replacement host (the same host id, or a new one that took a lost host's slot) returns the group to R
+copies by itself. Placement is over slots (``memstore.core.slots``); ``membership`` says who holds which.
 
 The engine is split by job: ``catalog`` (entries, pins, segments), ``replication``, ``saving``,
 ``datapath``, ``reading``, ``recovery`` (fetch, repair, cluster view) and ``janitor`` (retention,
@@ -29,10 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from memstore import __version__
 from memstore.config import StoreConfig
 from memstore.core.model import ShardKey
-from memstore.core.placement import Placement, make_placement
-from memstore.core.status import HealthReport, HelloReport, SpillReport
+from memstore.core.status import DiscoveryReport, HealthReport, HelloReport, SpillReport
 from memstore.server.catalog import Entry, Lease, Ticket
-from memstore.server.janitor import Janitor
+from memstore.server.drain import Drain
+from memstore.server.membership import ClusterView, Membership
 from memstore.server.peers import PeerDirectory
 from memstore.server.segments import SegmentPool, segment_dir
 from memstore.spill.port import DurableTier
@@ -41,17 +42,21 @@ from memstore.v1.channel import boot_id
 log = logging.getLogger(__name__)
 
 
-class Store(Janitor):
+class Store(Drain):
     """One host's store engine: the parts above over one shared state."""
 
     def __init__(self, config: StoreConfig, advertised_address: str | None = None) -> None:
         self.config = config
         self.host_id = config.host_id
         self.started = time.monotonic()
-        self.placement: Placement = make_placement(config.placement, config.host_ids, config.replicas, config.failure_domains or None)
         # A replacement started with the same --host-id and --listen finds its previous incarnation's segments here.
         self.pool = SegmentPool(segment_dir(config.shm_dir, self.host_id, config.listen), config.capacity, adopt_leftovers=True)
-        self.peers = PeerDirectory(self.host_id, config.peers)
+        self.peers = PeerDirectory(self.host_id)
+        # Who holds which slot: fed by the discovery watcher and gossip (memstore.server.app); moves the peer directory along.
+        self.membership = Membership(self.host_id, config.placement, config.replicas, on_change=self._cluster_changed)
+        self.discovery: DiscoveryReport | None = None  # set by the discovery watcher
+        self.draining = threading.Event()
+        self.drain_progress = ""
         self._lock = threading.Condition()
         self._entries: dict[ShardKey, Entry] = {}
         self._alloc_leases: dict[str, Lease] = {}
@@ -75,7 +80,13 @@ class Store(Janitor):
         self.last_repair_error = ""
         self.durable: DurableTier | None = None  # set by the composition root (memstore.server.app) when --spill is on
         self.data_port = 0  # set by the server once the data channel listens
+        if config.peers:  # a fixed --peers list: the table is known before serving
+            self.membership.apply({h: (a, config.failure_domains.get(h, "")) for h, a in config.peers})
         self.adopted_shards = self._adopt_segments()
+
+    def _cluster_changed(self, view: ClusterView) -> None:
+        self.peers.set_members(view.table.members())
+        self._retention_due.set()  # repair and retention look again under the new placement
 
     def start(self) -> None:
         for t in self._threads:
@@ -105,18 +116,21 @@ class Store(Janitor):
         self.pool.close()
 
     def hello(self) -> HelloReport:
+        view = self.membership.view
         return HelloReport(
             host_id=self.host_id,
             version=__version__,
             replicas=self.config.replicas,
-            peer_ids=tuple(h for h, _ in self.config.peers),
-            peer_addresses=tuple(a for _, a in self.config.peers),
+            peer_ids=tuple(view.table.members()),
+            peer_addresses=tuple(view.table.members().values()),
             shm_dir=str(self.pool.directory or ""),
             boot_id=self.boot_id,
             capacity_bytes=self.config.capacity,
             max_chunk_bytes=self.config.chunk_bytes,
             placement=self.config.placement,
             data_port=self.data_port,
+            slots=view.table,
+            draining=self.draining.is_set(),
         )
 
     def health(self) -> HealthReport:
@@ -145,4 +159,8 @@ class Store(Janitor):
             ),
             orphans=tuple(self.pool.orphans()),
             adopted_shards=self.adopted_shards,
+            draining=self.draining.is_set(),
+            drain_progress=self.drain_progress,
+            slots=self.membership.view.table,
+            discovery=self.discovery,
         )

@@ -180,3 +180,63 @@ def test_watcher_keeps_last_good_members_through_nxdomain_and_a_dead_server(dns_
         assert status.error.startswith(f"--discovery {dns_server.url()}: ") and "to DNS server 127.0.0.1:" in status.error
         assert status.members == as_members(member("127-0-0-2", "127.0.0.2"))
         assert len(calls) == 3  # neither failures nor the recovery to the same members were changes
+
+
+def test_stores_follow_the_records(dns_server: DnsServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Real store processes on 127.0.0.2-4 (one port, as pods behind a headless Service) learn each other from DNS."""
+    import shutil
+    import subprocess
+    import sys
+
+    from memstore.devtools.children import child_env
+    from memstore.devtools.cluster import free_ports
+    from memstore.v1 import store_pb2 as pb
+    from memstore.v1.channel import store_stub
+
+    (port,) = free_ports(1)
+    zone = dns_server.zone
+    url = f"dns://{NAME}:{port}?server=127.0.0.1:{dns_server.port}"
+    shm = tmp_path / "shm"
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def publish(*ips: str) -> None:
+        zone.set(NAME, "A", *ips)
+        for ip in ips:
+            zone.set(ptr_name(ip), "PTR", f"s{ip.rsplit('.', 1)[1]}.stores.ns.svc.cluster.local.")
+
+    def start(ip: str) -> None:
+        host = f"s{ip.rsplit('.', 1)[1]}"
+        args = [sys.executable, "-m", "memstore", "serve", "--host-id", host, "--listen", f"{ip}:{port}", "--discovery", url,
+                "--discovery-interval", "0.3", "--replicas", "2", "--capacity", "64MiB", "--shm-dir", str(shm)]  # fmt: skip
+        with open(tmp_path / f"{host}.log", "ab") as log:
+            procs[host] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**child_env()})
+
+    def slots(ip: str) -> list[str]:
+        channel, stub = store_stub(f"{ip}:{port}")
+        with channel:
+            try:
+                return [s.host_id for s in stub.Health(pb.HealthRequest(), timeout=1).slots.slots]
+            except Exception:
+                return []
+
+    try:
+        publish("127.0.0.2", "127.0.0.3")
+        start("127.0.0.2")
+        start("127.0.0.3")
+        for ip in ("127.0.0.2", "127.0.0.3"):
+            wait_for(lambda ip=ip: slots(ip) == ["s2", "s3"], timeout=30, what=f"{ip} to see s2, s3")
+        publish("127.0.0.2", "127.0.0.3", "127.0.0.4")  # a new pod appears ...
+        start("127.0.0.4")
+        for ip in ("127.0.0.2", "127.0.0.3", "127.0.0.4"):
+            wait_for(lambda ip=ip: slots(ip) == ["s2", "s3", "s4"], timeout=30, what=f"{ip} to see s4 join")
+        procs["s3"].kill()
+        procs["s3"].wait(timeout=10)
+        publish("127.0.0.2", "127.0.0.4")  # ... and one disappears: its slot is vacated, not renumbered
+        for ip in ("127.0.0.2", "127.0.0.4"):
+            wait_for(lambda ip=ip: slots(ip) == ["s2", "", "s4"], timeout=30, what=f"{ip} to see s3 leave")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+        shutil.rmtree(shm, ignore_errors=True)

@@ -17,7 +17,7 @@ import memstore.cli
 from memstore.cli import COMMANDS, build_parser, command_module, main
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPECTED = {"serve", "local-cluster", "demo", "status", "ls", "bench", "simulate", "chaos", "export", "reclaim-shm"}
+EXPECTED = {"serve", "local-cluster", "demo", "status", "ls", "bench", "simulate", "chaos", "export", "reclaim-shm", "drain"}
 
 
 def test_every_command_is_registered() -> None:

@@ -1,0 +1,152 @@
+"""Following the cluster's membership: the discovery watcher, gossip of slot tables, and the checks before serving.
+
+Who calls what, in which order (``memstore.server.app`` drives it):
+
+1. ``join(timeout)`` before serving: one poll of the discovery source (a source that gives no good answer
+   at start is a ConfigError naming it), one gossip round with every member (adopting the newest slot
+   table), then the checks: every peer runs the same R and placement strategy; with a fixed ``--peers``
+   list, the same host list in the same order; and no live store already holds this host id elsewhere
+   (two stores cannot hold one slot: the newcomer exits, naming the live one).
+2. ``start()`` once serving: the watcher polls the source every ``--discovery-interval`` seconds and
+   applies each new membership to the table (``Membership.apply``); a gossip round runs at the same
+   interval with up to ``GOSSIP_FANOUT`` random members and adopts a newer table
+   (``Membership.adopt``). A source that fails or returns garbage keeps the last good membership; the
+   error shows in Health (``discovery``) and in the log, once per distinct error.
+3. ``close()`` on shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+
+from memstore.config import StoreConfig
+from memstore.core.status import DiscoveryReport
+from memstore.errors import ConfigError, StoreError
+from memstore.membership import DiscoverySource, DnsDiscovery, Members, PeersFile, StaticPeers, Watcher
+from memstore.server.store import Store
+
+log = logging.getLogger(__name__)
+
+GOSSIP_FANOUT = 3  # peers asked per round: a new table reaches every store in O(log N) rounds
+
+
+def source_for(config: StoreConfig) -> DiscoverySource:
+    """The discovery source ``config`` names: --peers-file, --discovery dns://..., else the fixed --peers list."""
+    if config.peers_file:
+        return PeersFile(config.peers_file)
+    if config.discovery:
+        return DnsDiscovery(config.discovery)
+    return StaticPeers(config.peers, config.failure_domains)
+
+
+class ClusterFollower:
+    """Keeps ``store.membership`` in step with the discovery source and the other stores."""
+
+    def __init__(self, store: Store, config: StoreConfig, source: DiscoverySource | None = None) -> None:
+        self.store = store
+        self.config = config
+        self.source = source or source_for(config)
+        self.watcher = Watcher(self.source, config.discovery_interval, self._members_changed)
+        self._stop = threading.Event()
+        self._gossip = threading.Thread(target=self._gossip_loop, name="gossip", daemon=True)
+
+    def _members_changed(self, members: Members) -> None:
+        self.store.membership.apply({h: (m.address, m.domain) for h, m in members.items()})
+        self._report()
+
+    def _report(self) -> None:
+        st = self.watcher.status()
+        self.store.discovery = DiscoveryReport(st.source, len(st.members), st.last_ok_unix, st.error, st.consecutive_failures)
+
+    # -- before serving ------------------------------------------------------------------------
+    def join(self, timeout: float = 2.0) -> None:
+        if not self.watcher.poll_once():
+            raise ConfigError(f"no usable membership from {self.source.description}: {self.watcher.status().error}")
+        self._report()
+        members = self.store.membership.members
+        if self.store.host_id not in members:
+            log.warning(
+                "%s does not list this store (%s) yet: it serves, but holds no slot until it is listed", self.source.description,
+                self.store.host_id,
+            )  # fmt: skip
+        self.gossip_round(list(members), timeout, checks=True)
+        self._check_own_slot(timeout)
+
+    def _check_own_slot(self, timeout: float) -> None:
+        """Refuse to hold a slot a live store with our host id holds at another address."""
+        me = self.store.host_id
+        view = self.store.membership.view
+        slot = view.my_slot
+        ours = self.store.advertised_address
+        if slot is None or slot.address == ours:
+            return
+        from memstore.server.peers import Peer
+
+        other = Peer(me, slot.address)
+        try:
+            hello = other.hello(timeout)
+        except StoreError:
+            log.warning("slot %d of %s lists %s, which does not answer: taking the slot over at %s", slot.index, me, slot.address, ours)
+            return
+        finally:
+            other.close()
+        if hello.host_id == me:  # we do not serve yet: whoever answers there is another store
+            raise ConfigError(
+                f"host id {me!r} is already held by a live store at {slot.address} (slot {slot.index}); two stores cannot hold "
+                f"one slot: stop that store first, or start this one ({ours}) with another --host-id"
+            )
+
+    # -- while serving -------------------------------------------------------------------------
+    def start(self) -> None:
+        self.watcher.start()
+        self._gossip.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.watcher.close()
+        if self._gossip.is_alive():
+            self._gossip.join(timeout=5)
+
+    def _gossip_loop(self) -> None:
+        while not self._stop.wait(self.config.discovery_interval):
+            others = self.store.membership.view.others()
+            try:
+                self.gossip_round(random.sample(others, min(GOSSIP_FANOUT, len(others))), self.config.peer_timeout)
+                self._report()
+            except Exception:
+                log.exception("gossip round failed")
+
+    def gossip_round(self, hosts: list[str], timeout: float, checks: bool = False) -> None:
+        """Ask ``hosts`` for their slot tables and adopt the newest; with ``checks``, refuse a differing layout."""
+        for h in hosts:
+            if h == self.store.host_id:
+                continue
+            try:
+                hello = self.store.peers[h].hello(timeout)
+            except StoreError as exc:
+                log.debug("gossip: %s: %s", h, exc)
+                continue
+            if checks:
+                self._check_layout(h, hello.host_id, hello.replicas, hello.placement, hello.peer_ids)
+            if hello.host_id == h:
+                self.store.membership.adopt(hello.slots, h)
+
+    def _check_layout(self, peer_id: str, host_id: str, replicas: int, placement: str, peer_ids: tuple[str, ...]) -> None:
+        address = self.store.peers[peer_id].address
+        if host_id != peer_id:
+            if self.config.peers:
+                raise ConfigError(f"the store at {address} is host {host_id!r}, but --peers names it {peer_id!r}")
+            log.warning("%s names %s at %s, but the store there is %s", self.source.description, peer_id, address, host_id)
+            return
+        ours = list(self.config.host_ids)
+        same_hosts = not self.config.peers or list(peer_ids) == ours
+        if not same_hosts or replicas != self.config.replicas or placement != self.config.placement:
+            hosts = f"hosts {list(peer_ids)}, " if self.config.peers else ""
+            mine = f"hosts {ours}, " if self.config.peers else ""
+            raise ConfigError(
+                f"peer {peer_id} runs with a different cluster layout ({hosts}R={replicas}, {placement}); this store has "
+                f"{mine}R={self.config.replicas}, {self.config.placement}. Every store must get the same --replicas and --placement"
+                + (" and the same --peers (same order)" if self.config.peers else "")
+            )

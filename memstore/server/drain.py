@@ -1,0 +1,109 @@
+"""Leaving on purpose: before a store exits on SIGTERM or ``memstore drain``, every shard it alone holds gets another copy.
+
+Order of events:
+
+1. ``draining`` is set: Health and Hello say so, new saves and incoming copies are refused (``Draining``),
+   repair stops pulling.
+2. Replications in flight finish (their copies count).
+3. The store asks every other member whether it is alive and not draining itself, and lists what they hold.
+   A shard of which no such member (nor the durable tier) holds a verified copy is *alone* here.
+4. Each lone shard is pushed (verified on receipt, like any replica) to a member: its slot's group peers
+   first, then the others in slot order after this one. What no member takes is left to the durable tier,
+   which the server flushes next when ``--spill`` is set.
+
+With R=1 and a spill target a planned removal thus loses no committed step; with R>=2 and healthy peers
+nothing is alone and the drain costs one listing round.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from memstore.core.model import PutOrigin, ShardKey, TransferHeader
+from memstore.errors import StoreError
+from memstore.server.catalog import Entry
+from memstore.server.janitor import Janitor
+
+log = logging.getLogger(__name__)
+
+
+class Drain(Janitor):
+    """Adds ``drain()`` to the engine."""
+
+    drain_progress: str
+
+    def drain(self, grace: float) -> list[str]:
+        """Give every shard only this store holds another copy within ``grace`` seconds. Returns what could not be kept."""
+        deadline = time.monotonic() + grace
+        self.draining.set()
+        self._note("waiting for replications in flight")
+        while self._in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        targets = self._drain_targets()
+        alone = self._alone(targets)
+        self._note(f"{len(alone)} shard(s) held only here; {len(targets)} member(s) can take copies")
+        failures: list[str] = []
+        for i, entry in enumerate(alone):
+            if time.monotonic() >= deadline:
+                failures.append(f"{entry.key}: drain grace of {grace:.0f}s ran out")
+                continue
+            where = self._give_away(entry, targets, deadline)
+            if where is None:
+                failures.append(f"{entry.key}: no member took a copy")
+            self._note(f"copied {i + 1 - len(failures)} of {len(alone)} lone shard(s) to peers")
+        log.info("drain of %s: %s; %d not copied", self.host_id, self.drain_progress, len(failures))
+        return failures
+
+    def _note(self, progress: str) -> None:
+        self.drain_progress = progress
+        log.info("drain: %s", progress)
+
+    def _drain_targets(self) -> list[str]:
+        """Members that can take copies (alive, not draining), group peers first, then in slot order after this host."""
+        view = self.membership.view
+        group = view.replication_targets()
+        others = view.others()
+        mine = view.my_slot
+        if mine is not None:  # ring order starting after our slot spreads the load of successive drains
+            order = [s.host_id for s in (*view.table.slots[mine.index + 1 :], *view.table.slots[: mine.index]) if s.host_id]
+            others = [h for h in order if h in others]
+        ready = []
+        for h in [*group, *(h for h in others if h not in group)]:
+            try:
+                hello = self.peers[h].hello(self.config.peer_timeout)
+            except StoreError as exc:
+                log.info("drain: %s cannot take copies: %s", h, exc)
+                continue
+            if not hello.draining:
+                ready.append(h)
+        return ready
+
+    def _alone(self, targets: list[str]) -> list[Entry]:
+        """Settled, verified shards here of which no target member and not the durable tier holds a verified copy."""
+        with self._lock:
+            held = [e for e in self._entries.values() if e.verified and e.state.settled and not e.dropped]
+        elsewhere: set[ShardKey] = set()
+        for shards in self.peers.list_all("", self.config.peer_timeout, hosts=targets).values():
+            if not isinstance(shards, StoreError):
+                elsewhere.update(i.manifest.key for i in shards if i.verified)
+        if self.durable is not None:
+            for job in {e.key.job_id for e in held}:
+                elsewhere.update(h.key for h in self._durable_holdings(job, []))
+        return sorted((e for e in held if e.key not in elsewhere), key=lambda e: (-e.key.step, e.key.job_id, e.key.rank))
+
+    def _give_away(self, entry: Entry, targets: list[str], deadline: float) -> str | None:
+        assert entry.manifest is not None
+        header = TransferHeader(entry.manifest, PutOrigin.REPLICA, self.host_id)
+        if not self._pin(entry):
+            return None
+        try:
+            for h in targets:
+                try:
+                    self._push_to(h, header, entry.segment.view(entry.nbytes), max(1.0, deadline - time.monotonic()))
+                    return h
+                except StoreError as exc:
+                    log.warning("drain: %s refused %s: %s", h, entry.key, exc)
+            return None
+        finally:
+            self._unpin(entry)

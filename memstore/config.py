@@ -20,14 +20,16 @@ from memstore.v1.keys import HOST_ID_PATTERN
 
 
 def parse_address(text: str, what: str = "address") -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    host, sep, port = text.rpartition(":") if isinstance(text, str) else ("", "", "")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{what} {text!r} is invalid: expected HOST:PORT, e.g. 127.0.0.1:7070")
     return text
 
 
 def parse_peers(text: str | list[Any] | tuple[Any, ...]) -> tuple[tuple[str, str], ...]:
     """``'h0=127.0.0.1:7070,h1=127.0.0.1:7071'`` -> ((h0, addr), (h1, addr)), order kept."""
+    if not isinstance(text, (str, list, tuple)):
+        raise ConfigError(f"--peers {text!r} is invalid: expected ID=HOST:PORT,...")
     items = text.split(",") if isinstance(text, str) else list(text)
     peers: list[tuple[str, str]] = []
     for item in items:
@@ -50,6 +52,8 @@ def parse_peers(text: str | list[Any] | tuple[Any, ...]) -> tuple[tuple[str, str
 def parse_domains(text: str | Mapping[str, str]) -> dict[str, str]:
     if isinstance(text, Mapping):
         return {str(k): str(v) for k, v in text.items()}
+    if not isinstance(text, str):
+        raise ConfigError(f"--failure-domains {text!r} is invalid: expected ID=LABEL,...")
     out: dict[str, str] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         host_id, sep, label = item.partition("=")
@@ -65,7 +69,7 @@ def _number(name: str, kind: type, minimum: float, strict: bool, unit: str) -> C
     def parse(value: Any) -> Any:
         try:
             number = kind(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{name} {value!r} is invalid: expected {unit}") from None
         if not (number > minimum if strict else number >= minimum):
             raise ConfigError(f"{name} {number} is invalid: expected {'>' if strict else '>='} {minimum:g}")
@@ -260,7 +264,7 @@ class StoreConfig:
         return cls(**parsed).validated()
 
     def validated(self) -> StoreConfig:
-        if not HOST_ID_PATTERN.fullmatch(self.host_id or ""):
+        if not isinstance(self.host_id, str) or not HOST_ID_PATTERN.fullmatch(self.host_id):
             raise ConfigError(f"--host-id {self.host_id!r} is invalid: expected 1-64 characters of [A-Za-z0-9._-]")
         dynamic = [flag for flag, value in (("--peers-file", self.peers_file), ("--discovery", self.discovery)) if value]
         if dynamic:
@@ -333,8 +337,12 @@ def _read_config_file(path: Path) -> dict[str, Any]:
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except (OSError, ValueError) as exc:  # a directory, unreadable, a NUL in the name
+        if isinstance(exc, (tomllib.TOMLDecodeError, UnicodeDecodeError)):
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} nests too deeply") from None
     section = data.get("store", data)
     if not isinstance(section, dict):
         raise ConfigError(f"config file {path}: [store] must be a table")

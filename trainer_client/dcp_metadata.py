@@ -201,7 +201,11 @@ def decode_metadata(encoded: Any) -> Metadata:
 
     Raises ``CorruptShardError`` for anything malformed or unknown.
     """
-    md = _decode(encoded, "metadata")
+    try:
+        md = _decode(encoded, "metadata")
+    except (RecursionError, ValueError, TypeError, OverflowError) as exc:
+        # nesting past the recursion limit; a key whose repr hits the int-digits limit; a dataclass refusing its fields
+        raise CorruptShardError(f"metadata: malformed: {type(exc).__name__}: {exc!s:.200}") from None
     if type(md) is not Metadata:
         raise CorruptShardError(f"metadata: expected an encoded Metadata, got {type(md).__qualname__}")
     return md

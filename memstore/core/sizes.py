@@ -37,7 +37,10 @@ def parse_size(text: str | int) -> int:
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
         raise ValueError(f"size {text!r} is invalid: expected bytes or a number with a unit like 512MiB, 8GiB, 2GB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1)) * _UNITS[unit]
+    if value == float("inf"):
+        raise ValueError(f"size {text!r} is too large")
+    return int(value)
 
 
 def format_size(nbytes: int) -> str:

@@ -140,7 +140,7 @@ class SlotTable:
             if not isinstance(version, int):
                 raise SlotTableError(f"slot table: version {version!r} is not an int")
             return cls(version, tuple(_slot_from_dict(s) for s in raw))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, SlotTableError):
                 raise
             raise SlotTableError(f"slot table is malformed: {type(exc).__name__}: {exc}") from None

@@ -143,7 +143,7 @@ def parse_peers_json(data: bytes | str, where: str) -> Members:
         doc = json.loads(data, object_pairs_hook=_unique_keys)
     except _DuplicateKey as exc:
         raise DiscoveryError(f"{where}: key {json.dumps(str(exc))} appears twice in one object") from None
-    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bytes that are not UTF-8, nesting too deep
         raise DiscoveryError(f"{where}: not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise DiscoveryError(f"{where}: {_FORMAT}, found {_json_kind(doc)}")

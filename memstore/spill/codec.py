@@ -33,25 +33,33 @@ def encode(codec: str, data: memoryview) -> memoryview | bytes:
     if codec == "none":
         return data
     width = _shuffle_width(codec)
-    if width > 1 and len(data) % width == 0:
+    if width > 1 and len(data) and len(data) % width == 0:
         arr = np.frombuffer(data, dtype=np.uint8).reshape(-1, width)
         data = np.ascontiguousarray(arr.T).data.cast("B")
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
 
 
 def decode(codec: str, data: bytes | memoryview, raw_len: int) -> bytes | memoryview:
+    check(codec)
+    if raw_len < 0:
+        raise CodecError(f"chunk length {raw_len} is negative")
     if codec == "none":
         if len(data) != raw_len:
             raise CodecError(f"stored chunk has {len(data)} bytes, expected {raw_len}")
         return data
     try:
+        # A frame that records its content size is decompressed into a buffer of that size whatever
+        # max_output_size says: refuse one that claims more than the chunk before anything is allocated.
+        declared = zstandard.frame_content_size(data)
+        if declared > raw_len:
+            raise CodecError(f"chunk's frame declares {declared} decompressed bytes, expected {raw_len}")
         out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_len)
     except zstandard.ZstdError as exc:
         raise CodecError(f"chunk does not decompress: {exc}") from None
     if len(out) != raw_len:
         raise CodecError(f"chunk decompressed to {len(out)} bytes, expected {raw_len}")
     width = _shuffle_width(codec)
-    if width > 1 and raw_len % width == 0:
+    if width > 1 and raw_len and raw_len % width == 0:
         arr = np.frombuffer(out, dtype=np.uint8).reshape(width, -1)
         return np.ascontiguousarray(arr.T).data.cast("B")
     return out

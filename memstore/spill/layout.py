@@ -19,10 +19,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from memstore.errors import LayoutError
+from memstore.v1.integrity import MAX_CHUNK_BYTES, SPILL_CODECS, chunk_spans
 from memstore.v1.keys import job_id_problem, timeline_problem
 
-STEP_DIR = re.compile(r"step-(\d{12})$")
-RANK_FILE = re.compile(r"rank-(\d{6})\.(shard|json)(\.tmp-[0-9a-f]+)?$")  # .tmp-*: a local write in progress (or debris)
+STEP_DIR = re.compile(r"step-(\d{12,})$")  # zero-padded to 12 digits; a step >= 10**12 has more
+RANK_FILE = re.compile(r"rank-(\d{6,})\.(shard|json)(\.tmp-[0-9a-f]+)?$")  # .tmp-*: a local write in progress (or debris)
 MANIFEST_VERSION = 1
 
 
@@ -39,12 +40,18 @@ def step_dir(root: str, job_id: str, step: int) -> str:
     return f"{job_dir(root, job_id)}/step-{step:012d}"
 
 
+def _rank_file(rank: int, ext: str) -> str:
+    if rank < 0:
+        raise LayoutError(f"rank {rank} is negative")
+    return f"rank-{rank:06d}.{ext}"
+
+
 def shard_path(root: str, job_id: str, step: int, rank: int) -> str:
-    return f"{step_dir(root, job_id, step)}/rank-{rank:06d}.shard"
+    return f"{step_dir(root, job_id, step)}/{_rank_file(rank, 'shard')}"
 
 
 def manifest_path(root: str, job_id: str, step: int, rank: int) -> str:
-    return f"{step_dir(root, job_id, step)}/rank-{rank:06d}.json"
+    return f"{step_dir(root, job_id, step)}/{_rank_file(rank, 'json')}"
 
 
 def intent_path(root: str, job_id: str, step: int) -> str:
@@ -79,22 +86,53 @@ class SpilledManifest:
     def decode(cls, data: bytes, where: str = "manifest") -> SpilledManifest:
         try:
             raw: Any = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise LayoutError(f"{where} is not valid JSON: {exc}") from None
         if not isinstance(raw, dict) or raw.get("version") != MANIFEST_VERSION:
-            raise LayoutError(f"{where}: unknown manifest version {raw.get('version') if isinstance(raw, dict) else raw!r}")
+            found = f"version {raw.get('version')!r}" if isinstance(raw, dict) else f"a JSON {type(raw).__name__}"
+            raise LayoutError(f"{where}: expected an object of manifest version {MANIFEST_VERSION}, found {found}")
         try:
             m = cls(**raw)
         except TypeError as exc:
             raise LayoutError(f"{where}: {exc}") from None
-        ints = (m.step, m.rank, m.world_size, m.nbytes, m.chunk_size)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints) or m.chunk_size == 0:
-            raise LayoutError(f"{where}: step, rank, world_size, nbytes and chunk_size must be non-negative ints")
-        if timeline_problem(m.timeline):
-            raise LayoutError(f"{where}: {timeline_problem(m.timeline)}")
-        if m.rank >= m.world_size or job_id_problem(m.job_id):
-            raise LayoutError(f"{where}: rank {m.rank} / world_size {m.world_size} / job {m.job_id!r} invalid")
-        n_chunks = -(-m.nbytes // m.chunk_size) if m.nbytes else 0
-        if len(m.checksums) != n_chunks or len(m.stored_chunks) != n_chunks:
-            raise LayoutError(f"{where}: {len(m.checksums)} checksums / {len(m.stored_chunks)} chunk sizes for {n_chunks} chunks")
+        problem = _manifest_problem(m)
+        if problem:
+            raise LayoutError(f"{where}: {problem}")
         return m
+
+
+def _is_uint(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value: object) -> bool:
+    return type(value) in (int, float)
+
+
+def _manifest_problem(m: SpilledManifest) -> str | None:
+    """Why a decoded manifest cannot describe a spilled shard (every field's type and the chunk table), or None."""
+    if not all(_is_uint(v) for v in (m.step, m.rank, m.world_size, m.nbytes, m.chunk_size, m.format_version)):
+        return "step, rank, world_size, nbytes, chunk_size and format_version must be non-negative ints"
+    if not 1 <= m.chunk_size <= MAX_CHUNK_BYTES:
+        return f"chunk_size {m.chunk_size} is invalid: expected 1..{MAX_CHUNK_BYTES}"
+    problem = timeline_problem(m.timeline) or job_id_problem(m.job_id)
+    if problem:
+        return problem
+    if m.rank >= m.world_size:
+        return f"rank {m.rank} is invalid for world_size {m.world_size}"
+    if m.codec not in SPILL_CODECS or not isinstance(m.owner_host, str):
+        return f"codec {m.codec!r:.40} / owner_host {m.owner_host!r:.80} invalid: codecs are {', '.join(SPILL_CODECS)}"
+    if not isinstance(m.checksums, list) or not all(_is_uint(c) and c < 1 << 64 for c in m.checksums):
+        return "checksums must be a list of unsigned 64-bit ints"
+    if not isinstance(m.stored_chunks, list) or not all(_is_uint(c) for c in m.stored_chunks):
+        return "stored_chunks must be a list of non-negative ints"
+    n_chunks = -(-m.nbytes // m.chunk_size)
+    if len(m.checksums) != n_chunks or len(m.stored_chunks) != n_chunks:
+        return f"{len(m.checksums)} checksums / {len(m.stored_chunks)} chunk sizes for {n_chunks} chunks"
+    if m.codec == "none" and m.stored_chunks != [length for _, length in chunk_spans(m.nbytes, m.chunk_size)]:
+        return "stored chunk sizes of an uncompressed shard differ from its chunk sizes"
+    if not isinstance(m.metrics, dict) or not all(type(k) is str and _is_number(v) for k, v in m.metrics.items()):
+        return "metrics must be an object of numbers"
+    if not (_is_number(m.created_unix) and _is_number(m.spilled_unix)):
+        return "created_unix and spilled_unix must be numbers"
+    return None

@@ -46,7 +46,7 @@ def parse_options(text: str | dict[str, Any] | None) -> dict[str, Any]:
     if text.startswith("{"):
         try:
             value = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"--spill-options is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise ValueError("--spill-options JSON must be an object")
@@ -58,7 +58,7 @@ def parse_options(text: str | dict[str, Any] | None) -> dict[str, Any]:
             raise ValueError(f"--spill-options entry {item!r} is invalid: expected KEY=VALUE")
         try:
             out[key] = json.loads(raw)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             out[key] = raw
     return out
 

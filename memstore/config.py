@@ -190,6 +190,18 @@ class StoreConfig:
         _size("--transfer-min-rate"),
         default=50 << 20,
     )
+    job_quota: int = _opt(
+        "Bytes one job may hold on this store, its own shards and its replicas together (0 = unlimited); a save or copy "
+        "beyond it drops the job's older steps (never its newest restorable one) or is refused with RESOURCE_EXHAUSTED.",
+        _size("--job-quota"),
+        default=0,
+    )
+    max_streams_per_peer: int = _opt(
+        "Inbound transfers (Put streams, data-channel receives) one peer store, or the clients of one job, may have open "
+        "on this store at once (0 = unlimited); more are refused with RESOURCE_EXHAUSTED.",
+        _non_negative_int("--max-streams-per-peer"),
+        default=16,
+    )
     spill: str = _opt(
         "Durable storage URL for spilled steps (file:///path, s3://bucket/prefix, any fsspec URL); '' = no durable tier.", str, default=""
     )

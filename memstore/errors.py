@@ -64,6 +64,7 @@ class CapacityExceeded(StoreError):
     """A write would exceed the store's RAM budget. Carries the byte counts."""
 
     status = "RESOURCE_EXHAUSTED"
+    limit = "capacity"  # the flag (without --) whose limit was hit: trailing metadata ``memstore-limit``
 
     def __init__(self, message: str, *, needed: int, used: int, capacity: int) -> None:
         super().__init__(message)
@@ -76,6 +77,45 @@ class CapacityExceeded(StoreError):
             ("memstore-needed-bytes", str(self.needed)),
             ("memstore-used-bytes", str(self.used)),
             ("memstore-capacity-bytes", str(self.capacity)),
+            ("memstore-limit", self.limit),
+        )
+
+
+class QuotaExceeded(CapacityExceeded):
+    """A write would take a job beyond its byte quota on this store (``--job-quota``).
+
+    The byte counts are the job's: ``used`` what it holds here, ``capacity`` its quota.
+    """
+
+    limit = "job-quota"
+
+    def __init__(self, message: str, *, job_id: str, needed: int, used: int, quota: int) -> None:
+        super().__init__(message, needed=needed, used=used, capacity=quota)
+        self.job_id = job_id
+        self.quota = quota
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (*super().trailing_metadata(), ("memstore-job-id", self.job_id))
+
+
+class TooManyStreams(StoreError):
+    """A sender (a peer store, or one job's clients) has as many transfers open to this store as it may
+    (``--max-streams-per-peer``); it retries once one has finished."""
+
+    status = "RESOURCE_EXHAUSTED"
+    limit = "max-streams-per-peer"
+
+    def __init__(self, message: str, *, sender: str, active: int, max_streams: int) -> None:
+        super().__init__(message)
+        self.sender = sender
+        self.active = active
+        self.max_streams = max_streams
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (
+            ("memstore-active-streams", str(self.active)),
+            ("memstore-max-streams", str(self.max_streams)),
+            ("memstore-limit", self.limit),
         )
 
 
@@ -118,6 +158,10 @@ class StreamError(InvalidArgument):
 
 class OversizedChunk(StreamError):
     """A chunk is larger than the manifest's chunk size."""
+
+
+class ManifestTooLarge(StreamError):
+    """A manifest from the network carries more than a shard may have (chunk checksums, metrics); refused before it is converted."""
 
 
 class StreamChecksumError(StreamError, ChecksumMismatch):

@@ -83,7 +83,7 @@ def restorable_versions(holdings: Iterable[Holding], job_id: str) -> list[Versio
         if len(sizes[v]) != 1:
             continue
         (world_size,) = sizes[v]
-        if covered == set(range(world_size)):
+        if len(covered) == world_size and min(covered) >= 0 and max(covered) < world_size:  # every rank, without building range(world_size)
             out.append(Version(v[0], v[1], world_size, created[v]))
     return sorted(out, key=lambda x: (x.step, x.created_unix, x.timeline))
 

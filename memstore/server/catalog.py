@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from memstore.config import StoreConfig
+from memstore.core.limits import admits, room_by_dropping
 from memstore.core.model import Holding, Manifest, PutOrigin, ShardInfo, ShardKey, ShardState
 from memstore.core.retention import pressure_victims
 from memstore.errors import (
@@ -23,7 +24,9 @@ from memstore.errors import (
     CapacityExceeded,
     ChecksumMismatch,
     InvalidArgument,
+    QuotaExceeded,
     ShardNotFound,
+    TooManyStreams,
     UnknownJob,
 )
 from memstore.server.convert import sidecar_bytes, sidecar_info
@@ -71,6 +74,7 @@ class Inbound:
     manifest: Manifest
     origin: PutOrigin
     segment: Segment
+    sender: str = ""  # whom the transfer counts against (memstore.core.limits.transfer_sender)
 
 
 @dataclass
@@ -126,6 +130,7 @@ class Catalog:
     _alloc_leases: dict[str, Lease]
     _read_leases: dict[str, Lease]
     _receiving: set[ShardKey]
+    _streams: dict[str, int]  # sender -> inbound transfers open (Put streams, receive tickets); see _admit_stream
     _tickets: dict[bytes, Ticket]
     _pulls: dict[ShardKey, threading.Event]  # in-flight pulls, shared by fetch and repair
     _protected: dict[str, int]  # job -> newest restorable step, protected from eviction
@@ -202,20 +207,53 @@ class Catalog:
         self._retention_due.set()
 
     def _acquire(self, key: ShardKey, nbytes: int) -> Segment:
-        """A segment for ``key``. Under memory pressure, drop what ``pressure_victims`` offers, one at a time."""
+        """A segment for ``key``, within the store's capacity and the job's quota (``--job-quota``).
+
+        Over either limit, drop the fewest of what ``pressure_victims`` offers (the job's own older copies,
+        never its newest settled version nor its protected steps) that make room, and try again; when even
+        all of them would not, refuse at once and drop nothing (``memstore.core.limits.room_by_dropping``).
+        """
         while True:
             try:
-                return self.pool.acquire(nbytes, key.job_id, what=f"shard {key}")
-            except CapacityExceeded:
+                return self.pool.acquire(nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota)
+            except CapacityExceeded as exc:  # QuotaExceeded included: its numbers are the job's
                 with self._lock:
-                    held = [(e.key, e.state, e.created_unix) for e in self._entries.values() if e.key.job_id == key.job_id]
+                    job = [e for e in self._entries.values() if e.key.job_id == key.job_id]
+                    held = [(e.key, e.state, e.created_unix) for e in job]
                     protected = [self._protected[key.job_id]] if key.job_id in self._protected else []
-                    victims = pressure_victims(held, key, protected)
+                    sizes = {e.key: e.segment.size for e in job}
+                    candidates = [(k, sizes[k]) for k in pressure_victims(held, key, protected)]
+                    victims = room_by_dropping(candidates, exc.used, exc.needed, exc.capacity)
                     if not victims:
                         raise
-                    victim = self._entries[victims[0]]
-                    log.warning("memory pressure: dropping %s (%s) to fit %s", victim.key, victim.state.value, key)
-                    self._drop(victim, reason=f"dropped under memory pressure for step {key.step}")
+                    what = "the job's quota" if isinstance(exc, QuotaExceeded) else "memory"
+                    for victim in (self._entries[k] for k in victims):
+                        log.warning("pressure on %s: dropping %s (%s) to fit %s", what, victim.key, victim.state.value, key)
+                        self._drop(victim, reason=f"dropped under pressure on {what} for step {key.step}")
+
+    def _admit_stream(self, sender: str) -> None:
+        """Count one more open inbound transfer of ``sender`` (caller holds the lock); refused beyond --max-streams-per-peer."""
+        active = self._streams.get(sender, 0)
+        limit = self.config.max_streams_per_peer
+        if not admits(active, limit):
+            kind, _, who = sender.partition(":")
+            whom = f"the clients of job {who!r}" if kind == "job" else f"peer {who!r}"
+            raise TooManyStreams(
+                f"{whom} already have {active} transfers open to store {self.host_id}, the most allowed "
+                f"(--max-streams-per-peer {limit}); retry once one has finished, or raise --max-streams-per-peer",
+                sender=sender,
+                active=active,
+                max_streams=limit,
+            )
+        self._streams[sender] = active + 1
+
+    def _end_stream(self, sender: str) -> None:
+        """An inbound transfer of ``sender`` ended, stored or not (caller holds the lock)."""
+        left = self._streams.get(sender, 0) - 1
+        if left > 0:
+            self._streams[sender] = left
+        else:
+            self._streams.pop(sender, None)
 
     def _refuse_resave(self, key: ShardKey) -> None:
         """A client capture of a shard already held on the same timeline (caller holds the lock): refused.
@@ -300,7 +338,11 @@ class Catalog:
             return [self._info(e) for k, e in sorted(self._entries.items()) if not job_id or k.job_id == job_id]
 
     def delete(self, job_id: str, step: int, rank: int) -> int:
+        """Drop the copies of ``job_id`` at ``step`` and ``rank`` (-1: every step, every rank); returns how many."""
         ensure(job_id_problem(job_id))
+        for name, value in (("step", step), ("rank", rank)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+                raise InvalidArgument(f"{name} {value!r} is invalid: expected an int >= 0, or -1 for every {name}")
         with self._lock:
             victims = [e for k, e in self._entries.items() if k.job_id == job_id and step in (-1, k.step) and rank in (-1, k.rank)]
             if not victims and not any(k.job_id == job_id for k in self._entries):

@@ -68,7 +68,6 @@ class DataPath(Saving):
             with contextlib.suppress(OSError):
                 send_status(sock, f"{getattr(err, 'status', 'UNAVAILABLE')}: {err}")
             return
-        fault("receive.before_register")
         self._finish_receive(t.inbound)
         send_status(sock, None)
 

@@ -32,7 +32,7 @@ from memstore.server.segments import Segment
 from memstore.spill.layout import SpilledManifest
 from memstore.v1.integrity import first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
-from memstore.v1.streams import manifest_problem, receive_chunks
+from memstore.v1.streams import receive_chunks, shard_manifest_problem
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class Recovery(Catalog):
         segments: list[Segment] = []
 
         def into(manifest: Manifest) -> memoryview:
-            problem = manifest_problem(manifest)
+            problem = shard_manifest_problem(manifest)
             if problem or manifest.key != key:
                 raise PeerUnavailable(f"peer {host} sent an invalid manifest for {key}: {problem or 'wrong key'}")
             segments.append(self._acquire(key, max(1, manifest.nbytes)))
@@ -268,6 +268,11 @@ class Recovery(Catalog):
                 continue
             for info in shards:
                 if not info.verified or info.state is None or not info.state.settled:
+                    continue
+                k = info.manifest.key
+                problem = key_problem(k.job_id, k.step, k.rank, info.manifest.world_size, k.timeline)
+                if problem:
+                    log.warning("repair: ignoring a copy peer %s lists: %s", host, problem)
                     continue
                 if view.slot_name_of_owner(info.manifest.owner_host) not in owners:
                     continue

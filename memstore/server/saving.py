@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 
+from memstore.core.limits import transfer_sender
 from memstore.core.model import Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, TransferHeader
 from memstore.errors import (
     AlreadySaved,
@@ -28,8 +29,9 @@ from memstore.server.catalog import (
 )
 from memstore.server.replication import Replication
 from memstore.server.segments import Segment
-from memstore.v1.keys import key_problem
-from memstore.v1.streams import manifest_problem, receive_chunks
+from memstore.v1.integrity import MAX_CHUNKS_PER_SHARD, chunk_count
+from memstore.v1.keys import host_id_problem, key_problem, metrics_problem
+from memstore.v1.streams import receive_chunks, shard_manifest_problem
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,12 @@ class Saving(Replication):
         ensure(key_problem(key.job_id, key.step, key.rank, world_size, key.timeline))
         if nbytes <= 0:
             raise InvalidArgument(f"nbytes {nbytes} is invalid: expected > 0")
+        chunks = chunk_count(nbytes, self.config.chunk_bytes)
+        if chunks > MAX_CHUNKS_PER_SHARD and nbytes <= self.config.capacity:  # beyond the capacity: CapacityExceeded says so
+            raise InvalidArgument(
+                f"a shard of {nbytes} bytes would have {chunks} chunks of --chunk-bytes {self.config.chunk_bytes}: at most "
+                f"{MAX_CHUNKS_PER_SHARD} (MAX_CHUNKS_PER_SHARD) per shard; raise --chunk-bytes on store {self.host_id}"
+            )
         if self.pool.directory is None:
             raise InvalidArgument(f"store {self.host_id} has no shared-memory dir (--shm-dir ''); send the shard with Put")
         self._refuse_if_draining()
@@ -56,7 +64,7 @@ class Saving(Replication):
         return lease_id, segment
 
     def commit(self, lease_id: str, metrics: dict[str, float], format_version: int, spill_codec: str = "") -> ShardKey:
-        ensure(codec_problem(spill_codec))
+        ensure(codec_problem(spill_codec) or metrics_problem(metrics))
         with self._lock:
             lease = self._alloc_leases.pop(lease_id, None)
             if lease is None:
@@ -101,33 +109,57 @@ class Saving(Replication):
             raise sender_error(exc) from None
         return self._finish_receive(inbound)
 
+    def _check_transfer(self, header: TransferHeader) -> None:
+        """Everything a transfer's header says, checked before any memory is reserved for it."""
+        m = header.manifest
+        ensure(shard_manifest_problem(m, owner_required=header.origin is not PutOrigin.CLIENT))
+        if header.sender_host:
+            ensure(host_id_problem(header.sender_host, "sender_host"))
+
     def _refuse_if_draining(self) -> None:
         if self.draining.is_set():
             raise Draining(f"store {self.host_id} is draining (leaving the cluster): it takes no new shards; use another store")
 
     def _begin_receive(self, header: TransferHeader) -> Inbound:
-        """Validate an incoming shard and reserve its memory."""
+        """Validate an incoming shard, count it against its sender's open transfers and reserve its memory.
+
+        Every Inbound returned ends in exactly one of ``_abort_receive`` or ``_finish_receive``.
+        """
+        self._check_transfer(header)
         m = header.manifest
         key = m.key
-        ensure(key_problem(key.job_id, key.step, key.rank, m.world_size, key.timeline))
-        ensure(manifest_problem(m))
-        ensure(codec_problem(m.spill_codec))
+        sender = transfer_sender(header.origin, key.job_id, header.sender_host, m.owner_host)
         self._refuse_if_draining()
-        if header.origin is PutOrigin.CLIENT:
-            with self._lock:
+        with self._lock:
+            if header.origin is PutOrigin.CLIENT:
                 self._refuse_resave(key)
-        segment = self._acquire(key, max(1, m.nbytes))
+            self._admit_stream(sender)
+        try:
+            segment = self._acquire(key, max(1, m.nbytes))
+        except BaseException:
+            with self._lock:
+                self._end_stream(sender)
+            raise
         with self._lock:
             self._receiving.add(key)
-        return Inbound(key, m, header.origin, segment)
+        return Inbound(key, m, header.origin, segment, sender)
 
     def _abort_receive(self, inbound: Inbound) -> None:
         self.pool.release(inbound.segment)
         with self._lock:
             self._receiving.discard(inbound.key)
+            self._end_stream(inbound.sender)
 
     def _finish_receive(self, inbound: Inbound) -> Manifest:
         """Register a fully received and verified shard; returns its manifest as held."""
+        try:
+            fault("receive.before_register")
+        except BaseException:
+            self._abort_receive(inbound)
+            raise
+        return self._register_received(inbound)
+
+    def _register_received(self, inbound: Inbound) -> Manifest:
         m = inbound.manifest
         if inbound.origin is PutOrigin.CLIENT:
             manifest = replace(m, owner_host=self.host_id)
@@ -150,6 +182,7 @@ class Saving(Replication):
         )
         with self._lock:
             self._receiving.discard(inbound.key)
+            self._end_stream(inbound.sender)
             self._register(entry)
         if inbound.origin is PutOrigin.CLIENT:
             self._in_flight_add(1)

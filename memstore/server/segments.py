@@ -41,9 +41,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from memstore.core.limits import over_limit
 from memstore.core.sizes import format_size
 from memstore.core.status import Orphan
-from memstore.errors import CapacityExceeded, ConfigError, StaleLock
+from memstore.errors import CapacityExceeded, ConfigError, QuotaExceeded, StaleLock
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +279,7 @@ class SegmentPool:
         self._in_use_bytes = 0
         self._pooled_bytes = 0
         self._reserved_bytes = 0
+        self._creating: dict[str, int] = {}  # owner -> bytes of segments being created (not in _in_use yet)
         self._names = itertools.count()
         self._lock_fd: int | None = None
         self._closed = False
@@ -518,22 +520,42 @@ class SegmentPool:
         return orphaned_dirs(str(self.directory.parent))
 
     # -- allocation ------------------------------------------------------------
-    def acquire(self, nbytes: int, owner: str, what: str = "shard") -> Segment:
+    def owner_bytes(self, owner: str) -> int:
+        """Bytes of the segments in use by job ``owner`` (its shards, replicas, writes in progress)."""
+        with self._lock:
+            return self._owner_bytes(owner)
+
+    def _owner_bytes(self, owner: str) -> int:
+        return sum(s.size for s in self._in_use if s.owner == owner) + self._creating.get(owner, 0)
+
+    def acquire(self, nbytes: int, owner: str, what: str = "shard", quota: int = 0) -> Segment:
         """A segment of at least ``nbytes`` for job ``owner``.
 
         Pooled segments are only handed back to the job that used them, so one job's leftover bytes are
-        never mapped by another job's trainer. Raises CapacityExceeded with the byte counts if it can't fit.
+        never mapped by another job's trainer. Raises CapacityExceeded with the byte counts if it can't fit,
+        QuotaExceeded if the job's segments in use would exceed ``quota`` bytes (0 = no quota).
         """
         if self._leftovers_pending:
             self._settle_leftovers(None)  # nobody adopted them: a store that does not adopt starts clean
         size = _round_up(nbytes)
         victims: list[Segment] = []
         with self._lock:
-            seg = self._take_pooled(nbytes, owner)
+            used = self._owner_bytes(owner) if quota else 0
+            seg = self._take_pooled(nbytes, owner, max_size=quota - used if quota else None)
             if seg is not None:
                 self._in_use.add(seg)
                 self._in_use_bytes += seg.size
                 return seg
+            if over_limit(used, size, quota):
+                raise QuotaExceeded(
+                    f"{what} needs {format_size(size)} ({size} bytes) but job {owner!r} holds {format_size(used)} ({used} bytes) "
+                    f"of its {format_size(quota)} ({quota} bytes) quota on this store (--job-quota), and dropping its older steps "
+                    "(never the newest restorable one) does not make room; raise --job-quota, lower --keep, or save less state per rank",
+                    job_id=owner,
+                    needed=size,
+                    used=used,
+                    quota=quota,
+                )
             # Make room by dropping pooled segments (largest first) before giving up.
             self._free.sort(key=lambda s: s.size)
             while self._free and self._in_use_bytes + self._pooled_bytes + size > self.capacity:
@@ -553,6 +575,7 @@ class SegmentPool:
                     capacity=self.capacity,
                 )
             self._in_use_bytes += size
+            self._creating[owner] = self._creating.get(owner, 0) + size  # counts against the quota while being created
         for v in victims:
             v.destroy()
         try:
@@ -561,15 +584,24 @@ class SegmentPool:
         except BaseException:
             with self._lock:
                 self._in_use_bytes -= size
+                self._done_creating(owner, size)
             raise
         with self._lock:
             self._in_use.add(seg)
+            self._done_creating(owner, size)
         return seg
 
-    def _take_pooled(self, nbytes: int, owner: str) -> Segment | None:
+    def _done_creating(self, owner: str, size: int) -> None:
+        left = self._creating.pop(owner, 0) - size
+        if left > 0:
+            self._creating[owner] = left
+
+    def _take_pooled(self, nbytes: int, owner: str, max_size: int | None = None) -> Segment | None:
+        """The smallest pooled segment of ``owner`` that fits ``nbytes`` without wasting much (and is at most ``max_size``)."""
         best: Segment | None = None
+        top = _REUSE_SLACK * nbytes + PAGE if max_size is None else min(_REUSE_SLACK * nbytes + PAGE, max_size)
         for seg in self._free:
-            if seg.owner == owner and nbytes <= seg.size <= _REUSE_SLACK * nbytes + PAGE and (best is None or seg.size < best.size):
+            if seg.owner == owner and nbytes <= seg.size <= top and (best is None or seg.size < best.size):
                 best = seg
         if best is not None:
             self._free.remove(best)

@@ -62,6 +62,7 @@ class Store(Drain):
         self._alloc_leases: dict[str, Lease] = {}
         self._read_leases: dict[str, Lease] = {}
         self._receiving: set[ShardKey] = set()
+        self._streams: dict[str, int] = {}  # sender -> inbound transfers open, at most --max-streams-per-peer
         self._tickets: dict[bytes, Ticket] = {}
         self._pulls: dict[ShardKey, threading.Event] = {}  # in-flight pulls, shared by fetch and repair
         self._protected: dict[str, int] = {}  # job -> newest restorable step, protected from eviction

@@ -7,8 +7,11 @@
 A shard without its manifest is invisible (a half-written spill) and garbage-collected later. A step
 is spilled when the manifests of all world_size ranks exist and name the same timeline (the save that
 produced the shards): durable storage holds one version of a step, and a newer timeline's re-save of
-it replaces the old files rank by rank (manifest removed first, published last), never mixing them. Job ids are validated by the wire
-contract's pattern and steps and ranks are ints, so no name from the network reaches a path.
+it replaces the old files rank by rank (manifest removed first, published last), never mixing them.
+
+No name from the network or from a manifest read back reaches a path unchecked: the functions below
+refuse (``LayoutError``, naming the value) a job id outside the wire contract's pattern, any name that is
+empty, '.', '..' or holds a separator or NUL, and a step or rank that is not an int >= 0.
 """
 
 from __future__ import annotations
@@ -27,23 +30,34 @@ RANK_FILE = re.compile(r"rank-(\d{6,})\.(shard|json)(\.tmp-[0-9a-f]+)?$")  # .tm
 MANIFEST_VERSION = 1
 
 
+def _component(name: str, what: str) -> str:
+    """``name`` as one component of a durable path: never empty, '.' or '..', nor holding a separator or a NUL
+    (so never absolute either). Every name that reaches a path passes here, whatever checked it before."""
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise LayoutError(f"{what} {name!r:.160} cannot name a durable path: it would leave its directory or be empty")
+    return name
+
+
+def _index(value: int, what: str) -> int:
+    """A step or rank as it goes into a name: an int >= 0 (formatted as digits only)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LayoutError(f"{what} {value!r:.80} cannot name a durable path: expected an int >= 0")
+    return value
+
+
 def job_dir(root: str, job_id: str) -> str:
     problem = job_id_problem(job_id)
     if problem:
         raise LayoutError(problem)
-    return f"{root.rstrip('/')}/{job_id}"
+    return f"{root.rstrip('/')}/{_component(job_id, 'job_id')}"
 
 
 def step_dir(root: str, job_id: str, step: int) -> str:
-    if step < 0:
-        raise LayoutError(f"step {step} is negative")
-    return f"{job_dir(root, job_id)}/step-{step:012d}"
+    return f"{job_dir(root, job_id)}/step-{_index(step, 'step'):012d}"
 
 
 def _rank_file(rank: int, ext: str) -> str:
-    if rank < 0:
-        raise LayoutError(f"rank {rank} is negative")
-    return f"rank-{rank:06d}.{ext}"
+    return f"rank-{_index(rank, 'rank'):06d}.{ext}"
 
 
 def shard_path(root: str, job_id: str, step: int, rank: int) -> str:

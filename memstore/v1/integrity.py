@@ -16,6 +16,9 @@ import xxhash
 CHECKSUM_ALGO = "xxh3_64"
 DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 64 << 20
+# Chunks (and so checksums) of one shard. With the default --chunk-bytes (4 MiB) that is 4 TiB per shard;
+# it bounds the memory a manifest from the network may take before anything else is checked.
+MAX_CHUNKS_PER_SHARD = 1 << 20
 # Codecs of the durable tier a client may ask for per job (Manifest.spill_codec); "" = the store's default.
 SPILL_CODECS = ("none", "zstd", "zstd-shuffle2", "zstd-shuffle4")
 

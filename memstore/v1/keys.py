@@ -1,27 +1,48 @@
 """Validation of names that cross the wire. Both sides apply the same rules; each raises its own
 typed error from the message returned here.
+
+Every id and name a store receives (job ids, host ids, timelines, shard keys, a manifest's metrics) is
+checked with these before it reaches the engine; the durable layout (``memstore.spill.layout``) checks
+the parts of a path once more on its own.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 HOST_ID_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 TIMELINE_PATTERN = re.compile(r"[A-Za-z0-9._-]{0,128}")
+# Ranks of one job: the durable layout names a rank's files with 6 digits (rank-000000 .. rank-999999).
+MAX_WORLD_SIZE = 1_000_000
+# Metrics passed with save(): how many per shard, and how long a name may be.
+MAX_METRICS = 1024
+MAX_METRIC_NAME_CHARS = 256
 
 
 def timeline_problem(timeline: str) -> str | None:
     """Why ``timeline`` (the save a shard belongs to; "" allowed) is not valid, or None."""
     if not isinstance(timeline, str) or not TIMELINE_PATTERN.fullmatch(timeline) or timeline in {".", ".."}:
-        return f"timeline {timeline!r} is invalid: expected 0-128 characters of [A-Za-z0-9._-], not '.' or '..'"
+        return f"timeline {timeline!r:.160} is invalid: expected 0-128 characters of [A-Za-z0-9._-], not '.' or '..'"
     return None
 
 
 def job_id_problem(job_id: str) -> str | None:
     if not isinstance(job_id, str) or not JOB_ID_PATTERN.fullmatch(job_id) or job_id in {".", ".."}:
-        return f"job_id {job_id!r} is invalid: expected 1-128 characters of [A-Za-z0-9._-], not '.' or '..'"
+        return f"job_id {job_id!r:.160} is invalid: expected 1-128 characters of [A-Za-z0-9._-], not '.' or '..'"
     return None
+
+
+def host_id_problem(host_id: str, what: str = "host id") -> str | None:
+    """Why ``host_id`` (a store's --host-id, as named by a peer or a manifest) is not valid, or None."""
+    if not isinstance(host_id, str) or not HOST_ID_PATTERN.fullmatch(host_id) or host_id in {".", ".."}:
+        return f"{what} {host_id!r:.100} is invalid: expected 1-64 characters of [A-Za-z0-9._-], not '.' or '..'"
+    return None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def key_problem(job_id: str, step: int, rank: int, world_size: int | None = None, timeline: str = "") -> str | None:
@@ -29,12 +50,22 @@ def key_problem(job_id: str, step: int, rank: int, world_size: int | None = None
     problem = job_id_problem(job_id) or timeline_problem(timeline)
     if problem:
         return problem
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if not _is_int(step) or step < 0:
         return f"step {step!r} is invalid: expected an int >= 0"
-    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
-        return f"world_size {world_size!r} is invalid: expected an int >= 1"
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        return f"rank {rank!r} is invalid: expected an int >= 0"
+    if world_size is not None and (not _is_int(world_size) or not 1 <= world_size <= MAX_WORLD_SIZE):
+        return f"world_size {world_size!r} is invalid: expected an int in 1..{MAX_WORLD_SIZE} (MAX_WORLD_SIZE)"
+    if not _is_int(rank) or not 0 <= rank < MAX_WORLD_SIZE:
+        return f"rank {rank!r} is invalid: expected an int in 0..{MAX_WORLD_SIZE - 1}"
     if world_size is not None and rank >= world_size:
         return f"rank {rank} is invalid: expected 0 <= rank < world_size ({world_size})"
+    return None
+
+
+def metrics_problem(metrics: Mapping[str, float]) -> str | None:
+    """Why the metrics passed with a save cannot be kept (too many, a name too long or empty), or None."""
+    if len(metrics) > MAX_METRICS:
+        return f"{len(metrics)} metrics were passed with the save: at most {MAX_METRICS} (MAX_METRICS) per shard"
+    for name in metrics:
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_METRIC_NAME_CHARS or "\0" in name:
+            return f"metric name {name!r:.80} is invalid: expected 1..{MAX_METRIC_NAME_CHARS} characters (MAX_METRIC_NAME_CHARS), no NUL"
     return None

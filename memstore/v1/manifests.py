@@ -8,8 +8,10 @@ once before verifying the stream it describes (``memstore.v1.streams``).
 from __future__ import annotations
 
 from memstore.core.model import Manifest, ShardKey
+from memstore.errors import ManifestTooLarge
 from memstore.v1 import store_pb2 as pb
-from memstore.v1.integrity import CHECKSUM_ALGO
+from memstore.v1.integrity import CHECKSUM_ALGO, MAX_CHUNKS_PER_SHARD
+from memstore.v1.keys import MAX_METRICS
 
 
 def key_to_pb(key: ShardKey) -> pb.ShardKey:
@@ -37,6 +39,16 @@ def manifest_to_pb(m: Manifest) -> pb.Manifest:
 
 
 def manifest_from_pb(m: pb.Manifest) -> Manifest:
+    """The core's manifest; StreamError before converting anything large (more checksums or metrics than a shard may have)."""
+    if len(m.chunk_checksums) > MAX_CHUNKS_PER_SHARD:
+        raise ManifestTooLarge(
+            f"manifest of {m.key.job_id!r:.140} carries {len(m.chunk_checksums)} chunk checksums: at most {MAX_CHUNKS_PER_SHARD} "
+            "(MAX_CHUNKS_PER_SHARD) per shard; raise the sender's --chunk-bytes"
+        )
+    if len(m.metrics) > MAX_METRICS:
+        raise ManifestTooLarge(
+            f"manifest of {m.key.job_id!r:.140} carries {len(m.metrics)} metrics: at most {MAX_METRICS} (MAX_METRICS) per shard"
+        )
     return Manifest(
         key=key_from_pb(m.key),
         world_size=m.world_size,

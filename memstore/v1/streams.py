@@ -14,16 +14,41 @@ from collections.abc import Callable, Iterable, Iterator
 from memstore.core.model import Manifest
 from memstore.errors import OversizedChunk, StreamChecksumError, StreamError
 from memstore.v1 import store_pb2 as pb
-from memstore.v1.integrity import MAX_CHUNK_BYTES, checksum, chunk_count, chunk_spans
+from memstore.v1.integrity import MAX_CHUNK_BYTES, MAX_CHUNKS_PER_SHARD, SPILL_CODECS, checksum, chunk_count, chunk_spans
+from memstore.v1.keys import host_id_problem, key_problem, metrics_problem
 
 
 def manifest_problem(m: Manifest) -> str | None:
     """Why a manifest can't describe a valid stream, or None."""
     if m.chunk_size <= 0 or m.chunk_size > MAX_CHUNK_BYTES:
-        return f"manifest chunk_size {m.chunk_size} is invalid: expected 1..{MAX_CHUNK_BYTES}"
+        return f"manifest chunk_size {m.chunk_size} is invalid: expected 1..{MAX_CHUNK_BYTES} (MAX_CHUNK_BYTES, the largest --chunk-bytes)"
+    if m.nbytes < 0:
+        return f"manifest nbytes {m.nbytes} is invalid: expected >= 0"
     expected = chunk_count(m.nbytes, m.chunk_size)
+    if expected > MAX_CHUNKS_PER_SHARD:
+        return (
+            f"manifest of {m.nbytes} bytes in chunks of {m.chunk_size} has {expected} chunks: at most {MAX_CHUNKS_PER_SHARD} "
+            "(MAX_CHUNKS_PER_SHARD) per shard; raise the sender's --chunk-bytes"
+        )
     if len(m.checksums) != expected:
         return f"manifest has {len(m.checksums)} checksums for {m.nbytes} bytes in chunks of {m.chunk_size}; expected {expected}"
+    return None
+
+
+def shard_manifest_problem(m: Manifest, owner_required: bool = True) -> str | None:
+    """Why a shard's manifest from the network (a Put header, a data-channel ticket, a pulled copy) is not valid, or None.
+
+    Its key, world size and timeline, its stream layout (``manifest_problem``), its owner's host id (may be
+    empty only for a client's save, where the receiving store becomes the owner), its metrics and its codec.
+    """
+    k = m.key
+    problem = key_problem(k.job_id, k.step, k.rank, m.world_size, k.timeline) or manifest_problem(m) or metrics_problem(m.metrics)
+    if problem:
+        return problem
+    if (owner_required or m.owner_host) and host_id_problem(m.owner_host, "manifest owner_host"):
+        return host_id_problem(m.owner_host, "manifest owner_host")
+    if m.spill_codec and m.spill_codec not in SPILL_CODECS:
+        return f"spill codec {m.spill_codec!r:.40} is unknown: expected one of {', '.join(SPILL_CODECS)} (or empty for the store's default)"
     return None
 
 
@@ -71,8 +96,12 @@ def receive_chunks(chunks: Iterable[bytes], manifest: Manifest, dest: memoryview
             raise StreamError(f"stream has more than the {len(spans)} chunks its manifest declares")
         off, length = spans[index]
         if len(chunk) != length:
-            error = OversizedChunk if len(chunk) > length else StreamError
-            raise error(f"chunk {index} has {len(chunk)} bytes; the manifest expects {length}")
+            if len(chunk) > length:
+                raise OversizedChunk(
+                    f"chunk {index} has {len(chunk)} bytes: more than the {length} its manifest declares "
+                    f"(chunk size {manifest.chunk_size}, the sender's --chunk-bytes)"
+                )
+            raise StreamError(f"chunk {index} has {len(chunk)} bytes; the manifest expects {length}")
         verify_chunk(manifest, index, chunk)
         out[off : off + length] = chunk
         index += 1

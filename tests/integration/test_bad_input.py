@@ -213,3 +213,57 @@ def test_data_channel_refuses_bad_tickets_and_corrupt_bytes(cluster: LocalCluste
         except (BrokenPipeError, ConnectionResetError):
             pass
         assert closed_by_peer(s)
+
+
+def test_traversal_names_are_refused_at_every_rpc(stub: pb_grpc.StoreStub) -> None:
+    """A job id, timeline or host id that would leave its directory is INVALID_ARGUMENT wherever it enters."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    for job, timeline in (("../../etc", ""), ("a/b", ""), ("..", ""), (JOB, "../t"), (JOB, "a/b")):
+        k = pb.ShardKey(job_id=job, step=1, rank=0, timeline=timeline)
+        m = pb.Manifest(key=k, world_size=1, nbytes=1, chunk_size=1, chunk_checksums=[0], owner_host="h1")
+        put_header = pb.PutHeader(manifest=m, origin=pb.PUT_ORIGIN_REPLICA, sender_host="h1")
+        calls = [
+            lambda k=k: stub.Allocate(pb.AllocateRequest(key=k, world_size=1, nbytes=10), timeout=5),
+            lambda h=put_header: stub.Put(iter([pb.PutRequest(header=h), pb.PutRequest(chunk=b"x")]), timeout=5),
+            lambda h=put_header: stub.PrepareReceive(h, timeout=5),
+            lambda k=k: stub.Fetch(pb.FetchRequest(key=k), timeout=5),
+            lambda k=k: list(stub.Get(pb.GetRequest(key=k), timeout=5)),
+            lambda k=k: stub.Open(pb.OpenRequest(key=k), timeout=5),
+            lambda k=k: stub.PrepareSend(pb.GetRequest(key=k), timeout=5),
+            lambda k=k: stub.WaitCommitted(pb.WaitCommittedRequest(key=k, timeout_seconds=0), timeout=5),
+        ]
+        if not timeline:
+            calls += [
+                lambda job=job: stub.List(pb.ListRequest(job_id=job), timeout=5),
+                lambda job=job: stub.Delete(pb.DeleteRequest(job_id=job, step=-1, rank=-1), timeout=5),
+                lambda job=job: stub.LatestStep(pb.LatestStepRequest(job_id=job), timeout=5),
+            ]
+        for call in calls:
+            assert code_of(call) == invalid
+    # The owner and sender a copy between stores names are host ids.
+    k = key(step=12)
+    for owner, sender in (("../h1", "h1"), ("h1", "../h1"), ("", "h1")):
+        m = pb.Manifest(key=k, world_size=1, nbytes=1, chunk_size=1, chunk_checksums=[0], owner_host=owner)
+        header = pb.PutHeader(manifest=m, origin=pb.PUT_ORIGIN_REPAIR, sender_host=sender)
+        assert code_of(lambda h=header: stub.PrepareReceive(h, timeout=5)) == invalid
+
+
+def test_absurd_manifests_are_refused_before_they_cost_memory(stub: pb_grpc.StoreStub) -> None:
+    from memstore.v1.integrity import MAX_CHUNKS_PER_SHARD
+
+    k = key(step=13)
+    # Two million checksums (16 MB, within gRPC's message limit): refused as a whole, with the limit named.
+    m = pb.Manifest(key=k, world_size=1, nbytes=2_000_000, chunk_size=1, owner_host="h1")
+    m.chunk_checksums.extend([0] * 2_000_000)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PrepareReceive(pb.PutHeader(manifest=m, origin=pb.PUT_ORIGIN_REPLICA, sender_host="h1"), timeout=20)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(MAX_CHUNKS_PER_SHARD) in (err.value.details() or "")
+    # A world of 2**31 - 1 ranks, and a shard far beyond the store's capacity.
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Allocate(pb.AllocateRequest(key=k, world_size=2**31 - 1, nbytes=10), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "MAX_WORLD_SIZE" in (err.value.details() or "")
+    big = pb.Manifest(key=k, world_size=1, nbytes=1 << 40, chunk_size=MAX_CHUNK_BYTES, owner_host="h1")  # 1 TiB
+    big.chunk_checksums.extend([0] * ((1 << 40) // MAX_CHUNK_BYTES))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PrepareReceive(pb.PutHeader(manifest=big, origin=pb.PUT_ORIGIN_REPLICA, sender_host="h1"), timeout=20)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--capacity" in (err.value.details() or "")

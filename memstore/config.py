@@ -6,6 +6,7 @@ Every field is documented once, here; ``memstore serve --help`` shows the same t
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -148,7 +149,8 @@ class StoreConfig:
     )
     discovery: str = _opt(
         "Learn the members from DNS: dns://NAME:PORT[?server=IP:PORT] (e.g. a Kubernetes headless Service); "
-        "host ids from the PTR records (first label), else the IP with dashes.",
+        "host ids from the PTR records (first label), else the IP with dashes. 'fed': another runtime feeds them "
+        "through Python (StoreServer(config, discovery=FedMembers())).",
         str,
         default="",
     )
@@ -244,6 +246,31 @@ class StoreConfig:
         _non_negative_float("--drain-grace-seconds"),
         default=60.0,
     )
+    auth_token_file: str = _opt(
+        "File holding the cluster token (stores among themselves, trusted trainers, the CLI); '' = no authentication.",
+        str,
+        default="",
+    )
+    job_tokens_file: str = _opt(
+        'JSON file {"<job id>": "<token>", ...}: a job token reads and writes that one job only.', str, default=""
+    )
+    admin_token_file: str = _opt("File holding the admin token: every operation, incl. delete, listing every job, drain.", str, default="")
+    tls_cert: str = _opt("PEM certificate chain of this store (gRPC and the data channel serve TLS when set).", str, default="")
+    tls_key: str = _opt("PEM private key of --tls-cert.", str, default="")
+    tls_ca: str = _opt(
+        "PEM CA bundle: verifies peers' certificates, and clients must present one it signed (mutual TLS).", str, default=""
+    )
+    tls_client_auth: bool = _opt(
+        "With TLS, require every client to present a certificate signed by --tls-ca (mutual TLS); --no-tls-client-auth "
+        "accepts clients without one (they still verify the store, and need a token when auth is on).",
+        _bool("--tls-client-auth"),
+        default=True,
+    )
+    insecure: bool = _opt(
+        "Allow listening on a non-loopback address without --auth-token-file (anyone who reaches the port reads every shard).",
+        _bool("--insecure"),
+        default=False,
+    )
     log_level: str = _opt("Logging level.", _choice("--log-level", ("DEBUG", "INFO", "WARNING", "ERROR")), default="INFO")
 
     # ------------------------------------------------------------------
@@ -283,8 +310,8 @@ class StoreConfig:
             if self.peers or len(dynamic) > 1:
                 given = ["--peers"] * bool(self.peers) + dynamic
                 raise ConfigError(f"{' and '.join(given)} are exclusive: the members come from one source")
-            if self.discovery and not self.discovery.startswith("dns://"):
-                raise ConfigError(f"--discovery {self.discovery!r} is invalid: expected dns://NAME:PORT[?server=IP:PORT]")
+            if self.discovery and not self.discovery.startswith("dns://") and self.discovery != "fed":
+                raise ConfigError(f"--discovery {self.discovery!r} is invalid: expected dns://NAME:PORT[?server=IP:PORT] (or fed)")
             return self._validated_common(peers=())
         peers = self.peers or ((self.host_id, self.listen),)
         ids = [p[0] for p in peers]
@@ -309,6 +336,18 @@ class StoreConfig:
         return checked
 
     def _validated_common(self, peers: tuple[tuple[str, str], ...]) -> StoreConfig:
+        host = self.listen.rpartition(":")[0].strip("[]")
+        if not self.auth_token_file and not self.insecure and not _loopback(host):
+            raise ConfigError(
+                f"--listen {self.listen} is reachable from other machines but no --auth-token-file is set: anyone who reaches "
+                "the port could read and delete every shard. Set --auth-token-file (and TLS), or pass --insecure to accept that"
+            )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        if bool(self.tls_ca) != bool(self.tls_cert):
+            raise ConfigError(
+                "--tls-ca and --tls-cert/--tls-key go together: stores verify each other's certificates with --tls-ca"
+            )
         if not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ConfigError(f"--chunk-bytes {self.chunk_bytes} is invalid: expected 1..{MAX_CHUNK_BYTES}")
         domains = dict(self.failure_domains)
@@ -341,6 +380,15 @@ class StoreConfig:
     @classmethod
     def help_of(cls, name: str) -> str:
         return str({f.name: f.metadata["help"] for f in fields(cls)}[name])
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:

@@ -139,6 +139,18 @@ class LeaseError(StoreError):
     status = "FAILED_PRECONDITION"
 
 
+class Unauthenticated(StoreError):
+    """The call carries no auth token, or one the store does not know (the token is never echoed)."""
+
+    status = "UNAUTHENTICATED"
+
+
+class AccessDenied(StoreError):
+    """The caller's token does not allow this call (another job's data, a store-level or admin operation)."""
+
+    status = "PERMISSION_DENIED"
+
+
 class IdentityMismatch(StoreError):
     """A peer answered with a different host id or cluster layout than this store expects."""
 
@@ -278,6 +290,8 @@ _BY_STATUS: dict[str, type[StoreError]] = {
     "ABORTED": Superseded,
     "FAILED_PRECONDITION": IdentityMismatch,
     "UNIMPLEMENTED": Unimplemented,
+    "UNAUTHENTICATED": Unauthenticated,
+    "PERMISSION_DENIED": AccessDenied,
 }
 
 

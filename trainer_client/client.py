@@ -31,12 +31,13 @@ from typing import Any, TypeVar
 
 import grpc
 
-from memstore.errors import StreamError
+from memstore.errors import ConfigError, StreamError
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import boot_id, store_stub
 from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
 from memstore.v1.manifests import manifest_from_pb
+from memstore.v1.security import Credentials
 from memstore.v1.streams import manifest_problem, put_requests, receive_chunks
 from trainer_client import serialization
 from trainer_client.errors import (
@@ -76,6 +77,16 @@ def _populate_for_reading(mm: mmap.mmap) -> None:
 RUN_ID_ENV = "MEMSTORE_RUN_ID"
 _MAX_RUN_ID = 100  # leaves room for ".<epoch>" within the 128 characters of a timeline
 _PROCESS_RUN_ID = f"p{time.time_ns():x}-{secrets.token_hex(4)}"  # shared by every client of this process
+
+
+def client_credentials(
+    auth_token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None
+) -> Credentials:
+    """What a client presents: the arguments, else MEMSTORE_AUTH_TOKEN[_FILE] and MEMSTORE_TLS_CA/CERT/KEY."""
+    try:
+        return Credentials.from_env(token=auth_token, ca=tls_ca, cert=tls_cert, key=tls_key)
+    except ConfigError as exc:
+        raise InvalidArgumentError(str(exc)) from None
 
 
 def new_run_id() -> str:
@@ -193,6 +204,10 @@ class CheckpointClient:
         use_shared_memory: bool | None = None,
         spill_compression: str | None = None,
         run_id: str | None = None,
+        auth_token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
         problem = key_problem(job_id, 0, rank, world_size)
         if problem:
@@ -216,13 +231,20 @@ class CheckpointClient:
         self.address = store
         self.timeout = timeout
         self.on_capacity = on_capacity
-        self._channel, self._stub = store_stub(store)
+        self.credentials = client_credentials(auth_token, tls_ca, tls_cert, tls_key)
+        self._channel, self._stub = store_stub(store, self.credentials)
         self._mappings: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             self._channel.close()
-            raise StoreUnavailableError(f"store at {store} not reachable within {timeout}s; is `memstore serve` running there?") from None
+            tls = (
+                " (TLS: check that tls_ca signed the store's certificate and the store accepts this client's certificate)"
+                if self.credentials.tls
+                else ""
+            )
+            hint = f"is `memstore serve` running there?{tls}"
+            raise StoreUnavailableError(f"store at {store} not reachable within {timeout}s; {hint}") from None
         self.hello = self._call(lambda t: self._stub.Hello(pb.HelloRequest(), timeout=t), "connect to store")
         same_machine = bool(self.hello.shm_dir) and self.hello.boot_id == boot_id() and os.path.isdir(self.hello.shm_dir)
         if use_shared_memory and not same_machine:

@@ -72,7 +72,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from memstore.v1.keys import job_id_problem, key_problem
-from trainer_client.client import CheckpointClient
+from trainer_client.client import CheckpointClient, client_credentials
 from trainer_client.dcp_metadata import MemStoreStorageInfo, _item_key, decode_metadata, encode_metadata
 from trainer_client.errors import (
     CheckpointExistsError,
@@ -272,6 +272,10 @@ class MemStoreWriter(StorageWriter):
         wait_for_replication: bool = True,
         replication_timeout: float = 300.0,
         use_shared_memory: bool | None = None,
+        auth_token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
         super().__init__()
         problem = job_id_problem(job_id)
@@ -293,6 +297,7 @@ class MemStoreWriter(StorageWriter):
         self.wait_for_replication = wait_for_replication
         self.replication_timeout = replication_timeout
         self.use_shared_memory = use_shared_memory
+        self.credentials = client_credentials(auth_token, tls_ca, tls_cert, tls_key)  # token hidden from repr
         self.is_coordinator = False
         self.save_id = uuid.uuid4().hex
         self.timeline: str | None = None
@@ -490,7 +495,8 @@ class MemStoreWriter(StorageWriter):
         if self._client is None or (self._client.rank, self._client.world_size) != (rank, world_size):
             self.close()
             self._client = CheckpointClient(
-                self.job_id, rank, world_size, store=self.store, timeout=self.timeout, use_shared_memory=self.use_shared_memory
+                self.job_id, rank, world_size, store=self.store, timeout=self.timeout, use_shared_memory=self.use_shared_memory,
+                **self.credentials.as_kwargs(),
             )
         return self._client
 
@@ -564,6 +570,10 @@ class MemStoreReader(StorageReader):
         timeout: float = 60.0,
         zero_copy: bool = True,
         use_shared_memory: bool | None = None,
+        auth_token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
     ) -> None:
         super().__init__()
         problem = job_id_problem(job_id)
@@ -575,6 +585,7 @@ class MemStoreReader(StorageReader):
         self.timeout = timeout
         self.zero_copy = zero_copy
         self.use_shared_memory = use_shared_memory
+        self.credentials = client_credentials(auth_token, tls_ca, tls_cert, tls_key)  # token hidden from repr
         self.load_id = uuid.uuid4().hex
         self.resolved_step: int | None = None
         self.saved_world_size: int | None = None
@@ -708,7 +719,8 @@ class MemStoreReader(StorageReader):
         if self._client is None or (world_size is not None and self._client.world_size != world_size):
             self.close()
             self._client = CheckpointClient(
-                self.job_id, 0, world_size or 1, store=self.store, timeout=self.timeout, use_shared_memory=self.use_shared_memory
+                self.job_id, 0, world_size or 1, store=self.store, timeout=self.timeout, use_shared_memory=self.use_shared_memory,
+                **self.credentials.as_kwargs(),
             )
         return self._client
 

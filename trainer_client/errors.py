@@ -70,6 +70,14 @@ class CheckpointExistsError(MemstoreClientError, RuntimeError):
     """
 
 
+class AuthenticationError(MemstoreClientError, PermissionError):
+    """The store refused the call's credentials: no token, an unknown token, or TLS it does not accept."""
+
+
+class AccessDeniedError(MemstoreClientError, PermissionError):
+    """The token is valid but does not allow this (another job's data, an admin operation)."""
+
+
 class NotFoundError(MemstoreClientError, LookupError):
     """The requested job, step or shard does not exist anywhere it was looked for."""
 
@@ -86,6 +94,8 @@ _BY_STATUS: dict[grpc.StatusCode, type[MemstoreClientError]] = {
     grpc.StatusCode.UNAVAILABLE: StoreUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: StoreUnavailableError,
     grpc.StatusCode.CANCELLED: StoreUnavailableError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: AccessDeniedError,
 }
 
 

@@ -13,12 +13,12 @@ from memstore.bench.units import round_page
 def _rpc(address: str, call: Callable[[Any, float], Any], timeout: float = 5.0) -> Any:
     import grpc
 
-    from memstore.v1 import store_pb2_grpc as pb_grpc
-    from memstore.v1.channel import insecure_channel
+    from memstore.v1.channel import store_stub
 
-    with insecure_channel(address) as ch:
+    ch, stub = store_stub(address)  # the environment's credentials (MEMSTORE_AUTH_TOKEN, MEMSTORE_TLS_*), as the bench's clients
+    with ch:
         try:
-            return call(pb_grpc.StoreStub(ch), timeout)
+            return call(stub, timeout)
         except grpc.RpcError:
             return None
 
@@ -53,11 +53,10 @@ def fetch(address: str, job: str, step: int, timeout: float) -> tuple[float, str
     import grpc
 
     from memstore.v1 import store_pb2 as pb
-    from memstore.v1 import store_pb2_grpc as pb_grpc
-    from memstore.v1.channel import insecure_channel
+    from memstore.v1.channel import store_stub
 
-    with insecure_channel(address) as ch:
-        stub = pb_grpc.StoreStub(ch)
+    ch, stub = store_stub(address)
+    with ch:
         grpc.channel_ready_future(ch).result(timeout=30)
         timeline = stub.LatestStep(pb.LatestStepRequest(job_id=job, step=step), timeout=timeout).timeline
         t0 = time.perf_counter()

@@ -22,6 +22,7 @@ import importlib
 import sys
 from types import ModuleType
 
+from memstore.cli.common import apply_credential_arguments
 from memstore.devtools.children import die_with_parent
 from memstore.errors import StoreError
 
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     except SystemExit as exc:  # --help (0) or a usage error (2), printed by argparse
         return _exit_code(exc)
+    if args.command != "serve":  # serve's --auth-token-file etc. are the store's own (memstore.config)
+        apply_credential_arguments(args)
     try:
         return int(command_module(args.command).run(args))
     except argparse.ArgumentError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 
 def configure_logging(level: str) -> None:
@@ -11,6 +12,35 @@ def configure_logging(level: str) -> None:
 
 
 def add_store_address_arguments(p: argparse.ArgumentParser) -> None:
-    """``--store`` and ``--timeout``: the commands that ask a running cluster."""
+    """``--store``, ``--timeout`` and the credentials: the commands that ask a running cluster."""
     p.add_argument("--store", default="127.0.0.1:7070", help="address of any store of the cluster")
     p.add_argument("--timeout", type=float, default=3.0)
+    add_credential_arguments(p)
+
+
+#: flag dest -> the environment variable every stub of the command reads (memstore.v1.security.Credentials.from_env)
+CREDENTIAL_ENV = {
+    "auth_token_file": "MEMSTORE_AUTH_TOKEN_FILE",
+    "tls_ca": "MEMSTORE_TLS_CA",
+    "tls_cert": "MEMSTORE_TLS_CERT",
+    "tls_key": "MEMSTORE_TLS_KEY",
+}
+
+
+def add_credential_arguments(p: argparse.ArgumentParser) -> None:
+    """``--auth-token-file`` and ``--tls-ca/--tls-cert/--tls-key`` for a command that talks to stores."""
+    g = p.add_argument_group("credentials (also MEMSTORE_AUTH_TOKEN[_FILE], MEMSTORE_TLS_CA/CERT/KEY)")
+    g.add_argument("--auth-token-file", default=None, metavar="PATH", help="file holding the token to present (cluster, job or admin)")
+    g.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle that verifies the stores' certificates (turns TLS on)")
+    g.add_argument("--tls-cert", default=None, metavar="PEM", help="this client's certificate (mutual TLS)")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="this client's private key")
+
+
+def apply_credential_arguments(args: argparse.Namespace) -> None:
+    """Make the credential flags the process's defaults, so every stub and client the command builds presents them."""
+    for dest, env in CREDENTIAL_ENV.items():
+        value = getattr(args, dest, None)
+        if value:
+            os.environ[env] = value
+            if dest == "auth_token_file":
+                os.environ.pop("MEMSTORE_AUTH_TOKEN", None)  # the flag wins over a token in the environment

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from memstore.cli.common import add_credential_arguments
+
 HELP = "make a store leave the cluster without losing what only it holds"
 
 
@@ -13,6 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", required=True, help="address HOST:PORT of the store to drain")
     p.add_argument("--timeout", type=float, default=3.0, help="deadline of each RPC")
     p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the store to finish and exit (0 = do not wait)")
+    add_credential_arguments(p)  # draining needs the admin token when auth is on
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,8 +37,11 @@ def run(args: argparse.Namespace) -> int:
         while time.monotonic() < deadline:
             try:
                 h = stub.Health(pb.HealthRequest(), timeout=args.timeout)
-            except grpc.RpcError:
-                print(f"store {args.store}: drained and gone", flush=True)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE:  # busy or refusing: still there
+                    time.sleep(0.2)
+                    continue
+                print(f"store {args.store}: drained and gone (its log says what it copied)", flush=True)
                 return 0
             if h.drain_progress and h.drain_progress != last:
                 print(f"  {h.drain_progress}", flush=True)

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from memstore.cli.common import add_credential_arguments
 from memstore.errors import ExportFailed
 from memstore.v1.keys import job_id_problem
 
@@ -80,6 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--spill", metavar="URL", help="read from durable storage (the stores' --spill URL), no store needed")
     p.add_argument("--spill-options", default="", metavar="OPTS", help="fsspec options for --spill (JSON or KEY=VALUE,...)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the store to answer (--store)")
+    add_credential_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:

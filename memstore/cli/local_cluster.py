@@ -9,7 +9,7 @@ import signal
 import time
 from typing import Any
 
-from memstore.cli.common import configure_logging
+from memstore.cli.common import add_credential_arguments, configure_logging
 
 HELP = "run N stores on 127.0.0.1 until SIGINT/SIGTERM"
 
@@ -21,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", default="2GiB")
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--endpoints-file", default=None, help='write {"hosts": {"<host_id>": "127.0.0.1:<port>"}} here')
+    # The stores and the cluster's own health checks read these through the environment (MEMSTORE_AUTH_TOKEN_FILE, MEMSTORE_TLS_*):
+    # with --tls-ca the stores serve --tls-cert/--tls-key and require client certificates signed by the CA.
+    add_credential_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,15 +7,18 @@ other slot keeps its group and every committed step keeps the holders it was wri
 The rules (every store applies them to the same inputs and gets the same table):
 
 - ``next_table(table, members)``: a slot whose holder is no longer a member is vacated (its holder is
-  remembered in ``former``). A member that holds a slot keeps it (its address is updated if it moved).
+  remembered in ``former``, with the version at which it left). A member that holds a slot keeps it.
   Each member without a slot, in the order the discovery source lists them, takes: the vacant slot it
-  held before, if any; else the lowest vacant slot; else a new slot at the end. The table's version
-  goes up by one when anything changed.
-- Two tables are ordered by ``(version, digest)``; a store adopts a peer's table when it is newer, then
-  applies its own view of the members to it. Stores that saw the same changes in different orders
-  therefore converge on one table once their discovery sources agree.
+  held most recently, if any; else the lowest vacant slot; else a new slot at the end. The table's
+  version goes up by one when the *assignment* (who holds which slot) changed.
+- Addresses are each store's own view (a peer may be reached through a proxy or another name): they
+  are not part of the assignment, never bump the version and are not compared between stores.
+- Two tables are ordered by ``(version, digest)`` (the digest covers the assignment only); a store
+  adopts a peer's table when it is newer and applies its own discovery source's *changes* on top of
+  whatever it holds. Every store's last change is the sources' final membership, and the newest table
+  is some store's last change, so stores converge on one assignment once their sources agree.
 - Shards record their owner's host id; ``owner_slot(host)`` maps it to the slot that host held (its
-  current slot, else the slot it held most recently), so a replacement repairs its predecessor's shards.
+  current slot, else the slot it left last), so a replacement repairs its predecessor's shards.
 
 Plain Python: no gRPC, no torch.
 """
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from memstore.core.placement import Placement, make_placement
 
 FORMER_KEPT = 8  # earlier holders remembered per slot (enough to map recent shards to their slot)
+MAX_SLOTS = 4096  # a table from the network with more is refused
 
 
 class SlotTableError(ValueError):
@@ -43,6 +47,7 @@ class Slot:
     address: str = ""
     domain: str = ""  # failure-domain label of the current (or last) holder
     former: tuple[str, ...] = ()  # earlier holders, oldest first
+    former_until: tuple[int, ...] = ()  # the table version at which each of them left (same length)
 
     @property
     def vacant(self) -> bool:
@@ -52,6 +57,15 @@ class Slot:
     def name(self) -> str:
         """The slot's identity in placement."""
         return slot_name(self.index)
+
+    @property
+    def assignment(self) -> tuple[object, ...]:
+        """Everything but the address: what stores must agree on."""
+        return (self.index, self.host_id, self.domain, self.former, self.former_until)
+
+    def left_at(self, host_id: str) -> int:
+        """The version at which ``host_id`` last left this slot (-1 if it never held it)."""
+        return max((v for h, v in zip(self.former, self.former_until, strict=True) if h == host_id), default=-1)
 
 
 def slot_name(index: int) -> str:
@@ -68,7 +82,7 @@ class SlotTable:
         problem = table_problem(self)
         if problem:
             raise SlotTableError(problem)
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        canonical = json.dumps([self.version, [s.assignment for s in self.slots]], separators=(",", ":"))
         object.__setattr__(self, "_digest", hashlib.sha256(canonical.encode()).hexdigest()[:16])
 
     @property
@@ -79,6 +93,9 @@ class SlotTable:
     def newer_than(self, other: SlotTable) -> bool:
         return (self.version, self.digest) > (other.version, other.digest)
 
+    def same_assignment(self, other: SlotTable) -> bool:
+        return self.version == other.version and self.digest == other.digest
+
     def slot_of(self, host_id: str) -> Slot | None:
         """The slot ``host_id`` holds now, if any."""
         return next((s for s in self.slots if s.host_id == host_id), None)
@@ -88,13 +105,8 @@ class SlotTable:
         held = self.slot_of(owner_host)
         if held is not None:
             return held
-        best: tuple[int, Slot] | None = None
-        for s in self.slots:
-            if owner_host in s.former:
-                age = len(s.former) - 1 - s.former[::-1].index(owner_host)  # position of its latest tenure
-                if best is None or age > best[0]:
-                    best = (age, s)
-        return best[1] if best else None
+        best = max(self.slots, key=lambda s: s.left_at(owner_host), default=None)
+        return best if best is not None and best.left_at(owner_host) >= 0 else None
 
     def members(self) -> dict[str, str]:
         """host id -> address of every current holder, in slot order."""
@@ -124,7 +136,8 @@ class SlotTable:
         return {
             "version": self.version,
             "slots": [
-                {"index": s.index, "host_id": s.host_id, "address": s.address, "domain": s.domain, "former": list(s.former)}
+                {"index": s.index, "host_id": s.host_id, "address": s.address, "domain": s.domain, "former": list(s.former),
+                 "former_until": list(s.former_until)}
                 for s in self.slots
             ],
         }
@@ -149,10 +162,11 @@ class SlotTable:
 def _slot_from_dict(s: object) -> Slot:
     if not isinstance(s, Mapping):
         raise SlotTableError(f"slot table: slot {s!r} is not an object")
-    former = s.get("former", [])
-    if not isinstance(former, list):
-        raise SlotTableError(f"slot table: 'former' of slot {s.get('index')!r} is not a list")
-    return Slot(int(s["index"]), str(s["host_id"]), str(s["address"]), str(s.get("domain", "")), tuple(map(str, former)))
+    former, until = s.get("former", []), s.get("former_until", [])
+    if not isinstance(former, list) or not isinstance(until, list):
+        raise SlotTableError(f"slot table: 'former'/'former_until' of slot {s.get('index')!r} is not a list")
+    return Slot(int(s["index"]), str(s["host_id"]), str(s["address"]), str(s.get("domain", "")), tuple(map(str, former)),
+                tuple(int(v) for v in until))  # fmt: skip
 
 
 def table_problem(table: SlotTable) -> str | None:
@@ -160,12 +174,16 @@ def table_problem(table: SlotTable) -> str | None:
         return f"slot table version {table.version} is negative"
     if table.version == 0 and table.slots:
         return "slot table of version 0 must be empty"
+    if len(table.slots) > MAX_SLOTS:
+        return f"slot table has {len(table.slots)} slots; at most {MAX_SLOTS}"
     seen: set[str] = set()
     for i, s in enumerate(table.slots):
         if s.index != i:
             return f"slot table: slot at position {i} has index {s.index}"
         if s.vacant and s.address:
             return f"slot {i} is vacant but has address {s.address!r}"
+        if len(s.former) != len(s.former_until) or len(s.former) > FORMER_KEPT:
+            return f"slot {i}: {len(s.former)} former holders with {len(s.former_until)} versions (at most {FORMER_KEPT})"
         if not s.vacant:
             if s.host_id in seen:
                 return f"slot table: host {s.host_id!r} holds two slots"
@@ -178,13 +196,15 @@ def table_problem(table: SlotTable) -> str | None:
 def next_table(table: SlotTable, members: Mapping[str, tuple[str, str]]) -> SlotTable:
     """Apply the current members (host id -> (address, domain), in the source's order) to ``table``.
 
-    Returns ``table`` itself when nothing changes; otherwise a table one version newer.
+    Returns ``table`` itself when nothing changes; the same version with new addresses when only those
+    changed; otherwise a table one version newer.
     """
-    slots = [_vacate_or_update(s, members) for s in table.slots]
+    version = table.version + 1
+    slots = [_vacate_or_update(s, members, version) for s in table.slots]
     placed = {s.host_id for s in slots if not s.vacant}
     newcomers = [h for h in members if h not in placed]
     # Hosts coming back first take their own vacant slot back, then the rest fill vacancies in order.
-    returning = [h for h in newcomers if any(s.vacant and h in s.former for s in slots)]
+    returning = [h for h in newcomers if any(s.vacant and s.left_at(h) >= 0 for s in slots)]
     for host_id in [*returning, *(h for h in newcomers if h not in returning)]:
         address, domain = members[host_id]
         index = _slot_for(slots, host_id)
@@ -192,24 +212,28 @@ def next_table(table: SlotTable, members: Mapping[str, tuple[str, str]]) -> Slot
         slots[index : index + 1] = [replace(previous, host_id=host_id, address=address, domain=domain)]
     if tuple(slots) == table.slots:
         return table
-    return SlotTable(table.version + 1, tuple(slots))
+    if [s.assignment for s in slots] == [s.assignment for s in table.slots]:
+        return SlotTable(table.version, tuple(slots))  # addresses only: this store's own view
+    return SlotTable(version, tuple(slots))
 
 
-def _vacate_or_update(s: Slot, members: Mapping[str, tuple[str, str]]) -> Slot:
+def _vacate_or_update(s: Slot, members: Mapping[str, tuple[str, str]], version: int) -> Slot:
     if s.vacant:
         return s
     if s.host_id not in members:
-        former = (*[h for h in s.former if h != s.host_id], s.host_id)[-FORMER_KEPT:]
-        return Slot(s.index, "", "", s.domain, former)
+        kept = [(h, v) for h, v in zip(s.former, s.former_until, strict=True) if h != s.host_id][-(FORMER_KEPT - 1) :]
+        former = (*(h for h, _ in kept), s.host_id)
+        until = (*(v for _, v in kept), version)
+        return Slot(s.index, "", "", s.domain, former, until)
     address, domain = members[s.host_id]
     return replace(s, address=address, domain=domain)
 
 
 def _slot_for(slots: Sequence[Slot], host_id: str) -> int:
     vacant = [s for s in slots if s.vacant]
-    own = [s for s in vacant if host_id in s.former]
-    if own:
-        return own[-1].index
+    own = max(vacant, key=lambda s: s.left_at(host_id), default=None)
+    if own is not None and own.left_at(host_id) >= 0:
+        return own.index
     if vacant:
         return vacant[0].index
     return len(slots)

@@ -24,6 +24,7 @@ import grpc
 from memstore.devtools.children import child_env
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
+from memstore.v1.security import Credentials
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -78,6 +79,7 @@ class LocalCluster:
     workdir: Path | None = None
     env: dict[str, str] | None = None
 
+    credentials: Credentials | None = None  # what health checks present (default: from the environment)
     discovery: str = "peers"  # "peers": a fixed --peers list; "file": every store follows peers.json (add_host/remove_host edit it)
     stores: dict[str, StoreProcess] = field(default_factory=dict, init=False)
 
@@ -167,7 +169,7 @@ class LocalCluster:
         log.close()
 
     def health(self, host_id: str, timeout: float = 1.0) -> pb.HealthResponse | None:
-        channel, stub = store_stub(self.stores[host_id].address)
+        channel, stub = store_stub(self.stores[host_id].address, self.credentials)
         with channel:
             try:
                 return stub.Health(pb.HealthRequest(), timeout=timeout)

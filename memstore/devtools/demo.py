@@ -228,7 +228,7 @@ def _torch_baseline_of(store: str, ranks: int, step: int) -> dict[str, float]:
             os.fsync(fh.fileno())
         save = time.perf_counter() - t0
         t0 = time.perf_counter()
-        torch.load(path, weights_only=False)
+        torch.load(path, weights_only=False)  # our own file, just written to a private temp dir: the baseline users run
         load = time.perf_counter() - t0
     return {"torch_save_fsync": save, "torch_load": load, "memstore_local_load": memstore_load, "memstore_save_idle": min(timings)}
 

@@ -17,6 +17,7 @@ import grpc
 from memstore.config import StoreConfig
 from memstore.errors import ConfigError
 from memstore.membership import DiscoverySource
+from memstore.server.auth import Authenticator
 from memstore.server.dataserver import DataServer
 from memstore.server.discovery import ClusterFollower
 from memstore.server.servicer import StoreServicer
@@ -25,6 +26,7 @@ from memstore.spill import build_spiller
 from memstore.spill.port import SpillListener
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import SERVER_OPTIONS
+from memstore.v1.security import Credentials, read_token_file
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,14 @@ class StoreServer:
         by default the source the config names (--peers, --peers-file, --discovery)."""
         self._server = grpc.server(ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix="rpc"), options=SERVER_OPTIONS)
         host, _, port = config.listen.rpartition(":")
-        bound = self._server.add_insecure_port(config.listen)
+        # Who may call (tokens -> roles) and what this store presents to its peers (the cluster token, its TLS identity).
+        auth = Authenticator.from_files(config.auth_token_file, config.admin_token_file, config.job_tokens_file)
+        credentials = Credentials(token=read_token_file(config.auth_token_file, "--auth-token-file") if config.auth_token_file else "",
+                                  ca=config.tls_ca, cert=config.tls_cert, key=config.tls_key)  # fmt: skip
+        if config.tls_cert:
+            bound = self._server.add_secure_port(config.listen, credentials.server_credentials(config.tls_client_auth))
+        else:
+            bound = self._server.add_insecure_port(config.listen)
         if bound == 0:
             raise ConfigError(f"--listen {config.listen}: cannot bind (address in use or not local)")
         self.address = f"{host}:{bound}"
@@ -51,14 +60,14 @@ class StoreServer:
             peers = tuple((h, self.address if h == config.host_id else a) for h, a in config.peers)
             config = replace(config, listen=self.address, peers=peers)
         self.config = config
-        self.store = Store(config, advertised_address=self.address)
+        self.store = Store(config, advertised_address=self.address, credentials=credentials)
         # The two tiers meet at memstore.spill.port; listeners (the DCP export) ride on the spill tier.
         self.store.durable = build_spiller(config, source=self.store, listeners=spill_listeners)
-        self.data_server = DataServer(host, self.store)
+        self.data_server = DataServer(host, self.store, tls=credentials.server_ssl_context())
         self.store.data_port = self.data_server.port
         self.follower = ClusterFollower(self.store, config, discovery)
         self.drain_requested = threading.Event()
-        pb_grpc.add_StoreServicer_to_server(StoreServicer(self.store, on_drain=self.drain_requested.set), self._server)
+        pb_grpc.add_StoreServicer_to_server(StoreServicer(self.store, on_drain=self.drain_requested.set, auth=auth), self._server)
 
     def join(self, timeout: float = 2.0) -> None:
         """Learn the members and the slot table, and refuse to start in a cluster that disagrees (``ClusterFollower.join``)."""
@@ -116,19 +125,24 @@ def serve(config: StoreConfig, ready_file: str | None = None, spill_listeners: S
     sys.stdout.flush()
     while not done.wait(0.5):
         pass
-    # Leave on purpose: every shard only this store holds gets another copy first (memstore.server.drain).
-    t0 = time.monotonic()
-    lost = server.store.drain(config.drain_grace_seconds)
-    for failure in lost:
-        log.error("drain: %s", failure)
-    log.info("drained in %.2fs (%d shard(s) left without another copy in RAM)", time.monotonic() - t0, len(lost))
+    server.store.draining.set()  # from now on: no new saves or copies, readiness says draining
     if server.store.durable is not None:
-        # Preemption or pod deletion: persist the newest committed step before going away.
+        # Preemption or pod deletion: persist the newest committed step first, the cheapest insurance.
         t0 = time.monotonic()
         failures = server.store.flush(config.flush_grace_seconds)
         for failure in failures:
             log.error("flush on shutdown failed: %s", failure)
         log.info("flushed newest committed steps in %.2fs (%d failures)", time.monotonic() - t0, len(failures))
+    # Leave on purpose: every shard only this store holds (and the durable tier lacks) gets another copy.
+    t0 = time.monotonic()
+    try:
+        lost = server.store.drain(config.drain_grace_seconds)
+    except Exception:
+        log.exception("drain failed; leaving without it")
+        lost = []
+    for failure in lost:
+        log.error("drain: %s", failure)
+    log.info("drained in %.2fs (%d shard(s) left without another copy)", time.monotonic() - t0, len(lost))
     # Clean exit: segment files go with the store unless --shm-keep-on-exit (a SIGKILL leaves them: adopted at restart).
     server.stop(keep_files=config.shm_keep_on_exit)
     return 0

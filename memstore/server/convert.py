@@ -125,13 +125,25 @@ def hello_to_pb(h: HelloReport) -> pb.HelloResponse:
 def slots_to_pb(t: SlotTable) -> pb.SlotTable:
     return pb.SlotTable(
         version=t.version,
-        slots=[pb.Slot(index=s.index, host_id=s.host_id, address=s.address, domain=s.domain, former=list(s.former)) for s in t.slots],
+        slots=[
+            pb.Slot(
+                index=s.index,
+                host_id=s.host_id,
+                address=s.address,
+                domain=s.domain,
+                former=list(s.former),
+                former_until=list(s.former_until),
+            )
+            for s in t.slots
+        ],
     )
 
 
 def slots_from_pb(t: pb.SlotTable) -> SlotTable:
     """A peer's slot table; SlotTableError if it is malformed (validated like any table)."""
-    return SlotTable(t.version, tuple(Slot(s.index, s.host_id, s.address, s.domain, tuple(s.former)) for s in t.slots))
+    return SlotTable(
+        t.version, tuple(Slot(s.index, s.host_id, s.address, s.domain, tuple(s.former), tuple(s.former_until)) for s in t.slots)
+    )
 
 
 def hello_from_pb(h: pb.HelloResponse) -> HelloReport:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 
 from memstore.server.store import Store
@@ -20,8 +21,9 @@ TICKET_READ_SECONDS = 5.0
 
 
 class DataServer:
-    def __init__(self, host: str, store: Store) -> None:
+    def __init__(self, host: str, store: Store, tls: ssl.SSLContext | None = None) -> None:
         self.store = store
+        self._tls = tls  # serve TLS (and require client certificates when the context does)
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -51,13 +53,21 @@ class DataServer:
     def _serve(self, conn: socket.socket) -> None:
         import time
 
-        with conn:
-            try:
-                datachannel.tune(conn)
-                ticket = bytearray(datachannel.TICKET_BYTES)
-                datachannel.recv_exact(conn, memoryview(ticket), time.monotonic() + TICKET_READ_SECONDS)
-                self.store.serve_ticket(bytes(ticket), conn)
-            except datachannel.DataChannelError as exc:
-                log.info("data connection dropped: %s", exc)
-            except Exception:
-                log.exception("data connection failed")
+        try:
+            datachannel.tune(conn)
+            if self._tls is not None:
+                conn.settimeout(TICKET_READ_SECONDS)
+                try:
+                    conn = self._tls.wrap_socket(conn, server_side=True)  # takes the connection over
+                except (ssl.SSLError, OSError) as exc:
+                    log.info("data connection refused: TLS handshake failed: %s", exc)
+                    return
+            ticket = bytearray(datachannel.TICKET_BYTES)
+            datachannel.recv_exact(conn, memoryview(ticket), time.monotonic() + TICKET_READ_SECONDS)
+            self.store.serve_ticket(bytes(ticket), conn)
+        except datachannel.DataChannelError as exc:
+            log.info("data connection dropped: %s", exc)
+        except Exception:
+            log.exception("data connection failed")
+        finally:
+            conn.close()

@@ -20,9 +20,10 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 
 from memstore.config import StoreConfig
-from memstore.core.status import DiscoveryReport
+from memstore.core.status import DiscoveryReport, HelloReport
 from memstore.errors import ConfigError, StoreError
 from memstore.membership import DiscoverySource, DnsDiscovery, Members, PeersFile, StaticPeers, Watcher
 from memstore.server.store import Store
@@ -30,12 +31,15 @@ from memstore.server.store import Store
 log = logging.getLogger(__name__)
 
 GOSSIP_FANOUT = 3  # peers asked per round: a new table reaches every store in O(log N) rounds
+TAKEOVER_WAIT_SECONDS = 5.0  # how long a newcomer waits for the listed holder of its host id before taking the slot
 
 
 def source_for(config: StoreConfig) -> DiscoverySource:
     """The discovery source ``config`` names: --peers-file, --discovery dns://..., else the fixed --peers list."""
     if config.peers_file:
         return PeersFile(config.peers_file)
+    if config.discovery == "fed":
+        raise ConfigError("--discovery fed: the members are fed through Python; pass StoreServer(config, discovery=FedMembers())")
     if config.discovery:
         return DnsDiscovery(config.discovery)
     return StaticPeers(config.peers, config.failure_domains)
@@ -80,16 +84,23 @@ class ClusterFollower:
         view = self.store.membership.view
         slot = view.my_slot
         ours = self.store.advertised_address
-        if slot is None or slot.address == ours:
-            return
+        if self.config.peers or slot is None or slot.address == ours:
+            return  # with a fixed --peers list the wrong-host-id check above covers it
         from memstore.server.peers import Peer
 
-        other = Peer(me, slot.address)
+        other = Peer(me, slot.address, self.store.peers.credentials)
+        deadline = time.monotonic() + TAKEOVER_WAIT_SECONDS
         try:
-            hello = other.hello(timeout)
-        except StoreError:
-            log.warning("slot %d of %s lists %s, which does not answer: taking the slot over at %s", slot.index, me, slot.address, ours)
-            return
+            while True:  # a holder that is only slow or partitioned must not lose its slot at once
+                try:
+                    hello = other.hello(timeout)
+                    break
+                except StoreError:
+                    if time.monotonic() >= deadline:
+                        log.warning("slot %d of %s lists %s, which did not answer for %.0fs: taking the slot over at %s",
+                                    slot.index, me, slot.address, TAKEOVER_WAIT_SECONDS, ours)  # fmt: skip
+                        return
+                    time.sleep(0.5)
         finally:
             other.close()
         if hello.host_id == me:  # we do not serve yet: whoever answers there is another store
@@ -129,12 +140,17 @@ class ClusterFollower:
                 log.debug("gossip: %s: %s", h, exc)
                 continue
             if checks:
-                self._check_layout(h, hello.host_id, hello.replicas, hello.placement, hello.peer_ids)
+                self._check_layout(h, hello)
             if hello.host_id == h:
                 self.store.membership.adopt(hello.slots, h)
 
-    def _check_layout(self, peer_id: str, host_id: str, replicas: int, placement: str, peer_ids: tuple[str, ...]) -> None:
+    def _check_layout(self, peer_id: str, hello: HelloReport) -> None:
+        host_id, replicas, placement, peer_ids = hello.host_id, hello.replicas, hello.placement, hello.peer_ids
         address = self.store.peers[peer_id].address
+        me = self.store.host_id
+        for other_id, other_address in zip(hello.peer_ids, hello.peer_addresses, strict=False):
+            if other_address == self.store.advertised_address and other_id != me:
+                raise ConfigError(f"peer {peer_id} expects host {other_id!r} at {other_address}, not {me!r}: wrong --host-id?")
         if host_id != peer_id:
             if self.config.peers:
                 raise ConfigError(f"the store at {address} is host {host_id!r}, but --peers names it {peer_id!r}")

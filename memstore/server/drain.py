@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from memstore.core.model import PutOrigin, ShardKey, TransferHeader
 from memstore.errors import StoreError
@@ -40,7 +41,7 @@ class Drain(Janitor):
         self._note("waiting for replications in flight")
         while self._in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
-        targets = self._drain_targets()
+        targets = self._drain_targets(deadline)
         alone = self._alone(targets)
         self._note(f"{len(alone)} shard(s) held only here; {len(targets)} member(s) can take copies")
         failures: list[str] = []
@@ -59,7 +60,7 @@ class Drain(Janitor):
         self.drain_progress = progress
         log.info("drain: %s", progress)
 
-    def _drain_targets(self) -> list[str]:
+    def _drain_targets(self, deadline: float) -> list[str]:
         """Members that can take copies (alive, not draining), group peers first, then in slot order after this host."""
         view = self.membership.view
         group = view.replication_targets()
@@ -68,16 +69,19 @@ class Drain(Janitor):
         if mine is not None:  # ring order starting after our slot spreads the load of successive drains
             order = [s.host_id for s in (*view.table.slots[mine.index + 1 :], *view.table.slots[: mine.index]) if s.host_id]
             others = [h for h in order if h in others]
-        ready = []
-        for h in [*group, *(h for h in others if h not in group)]:
+        candidates = [*group, *(h for h in others if h not in group)]
+
+        def takes_copies(h: str) -> bool:
             try:
-                hello = self.peers[h].hello(self.config.peer_timeout)
+                return not self.peers[h].hello(timeout).draining
             except StoreError as exc:
                 log.info("drain: %s cannot take copies: %s", h, exc)
-                continue
-            if not hello.draining:
-                ready.append(h)
-        return ready
+                return False
+
+        timeout = max(0.5, min(self.config.peer_timeout, deadline - time.monotonic()))
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(candidates)))) as pool:  # all at once: dead peers cost one timeout
+            answers = list(pool.map(takes_copies, candidates))
+        return [h for h, ok in zip(candidates, answers, strict=True) if ok]
 
     def _alone(self, targets: list[str]) -> list[Entry]:
         """Settled, verified shards here of which no target member and not the durable tier holds a verified copy."""

@@ -4,8 +4,10 @@ The table changes in two ways, both through here:
 
 - ``apply(members)``: the discovery watcher reports the current members (``memstore.membership``);
   the table moves on by :func:`memstore.core.slots.next_table`.
-- ``adopt(table)``: gossip brought a peer's table that is newer (``SlotTable.newer_than``); it replaces
-  ours, then our own view of the members is applied on top (a no-op once the sources agree).
+- ``adopt(table)``: gossip brought a peer's table that is newer (``SlotTable.newer_than``); its
+  assignment replaces ours, with our own addresses for the hosts our source lists (addresses are each
+  store's view). Our source's membership is applied again only when it *changes* (re-applying it on
+  every adoption would make two stores whose sources disagree for a while bump the version forever).
 
 Every change re-derives the placement and hands the new member list to the peer directory. Readers
 take one consistent snapshot (:class:`ClusterView`) and answer from it, so a change in the middle of a
@@ -17,10 +19,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memstore.core.placement import Placement
 from memstore.core.slots import Slot, SlotTable, next_table
+from memstore.membership.members import host_id_problem
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +47,19 @@ class ClusterView:
         return [h for h in self.table.members() if h != self.host_id]
 
     def replication_targets(self) -> list[str]:
-        """Hosts that hold this host's slot's group now (vacant slots are skipped: the copy is missing until filled)."""
+        """Hosts that hold this host's slot's group now. A vacant group slot is stood in for by the next held
+        slot after ours (ring order), so a save still reaches R copies while the slot waits for a new holder."""
         mine = self.my_slot
         if mine is None or self.placement is None:
             return []
-        holders = (self.table.holder(name) for name in self.placement.peers_of(mine.name))
-        return [h for h in holders if h and h != self.host_id]
+        holders = [self.table.holder(name) for name in self.placement.peers_of(mine.name)]
+        targets = [h for h in holders if h and h != self.host_id]
+        missing = len(holders) - len(targets)
+        if missing:
+            ring = [*self.table.slots[mine.index + 1 :], *self.table.slots[: mine.index]]
+            stand_ins = [s.host_id for s in ring if s.host_id and s.host_id not in targets and s.host_id != self.host_id]
+            targets += stand_ins[:missing]
+        return targets
 
     def owned_slots(self) -> set[str]:
         """Names of the slots whose shards this host must hold (its own first)."""
@@ -100,19 +110,34 @@ class Membership:
             return self._move_to(next_table(self._view.table, self._members), "discovery")
 
     def adopt(self, table: SlotTable, source: str) -> bool:
-        """A peer (``source``) holds ``table``: take it if it is newer than ours. True if ours changed."""
+        """A peer (``source``) holds ``table``: take its assignment if it is newer than ours. True if ours changed."""
+        bad = next((s.host_id for s in table.slots if s.host_id and host_id_problem(s.host_id)), None)
+        if bad is not None:
+            log.warning("gossip from %s: ignoring a slot table with an invalid host id %r", source, bad[:80])
+            return False
         with self._lock:
             if not table.newer_than(self._view.table):
                 return False
-            ours = next_table(table, self._members) if self._members else table
+            local = {s.index: replace(s, address=self._members[s.host_id][0]) for s in table.slots if s.host_id in self._members}
+            ours = SlotTable(table.version, tuple(local.get(s.index, s) for s in table.slots))
             return self._move_to(ours, f"gossip from {source}")
 
     def _move_to(self, table: SlotTable, why: str) -> bool:
         if table == self._view.table:
             return False
-        placement = table.placement(self.strategy, self.replicas)
         old = self._view.table
-        self._view = ClusterView(self.host_id, table, placement)
+        placement = old_placement = self._view.placement
+        if not table.same_assignment(old):
+            placement = table.placement(self.strategy, self.replicas)
+            labels = [bool(s.domain) for s in table.slots]
+            if any(labels) and not all(labels):
+                log.warning("membership v%d: some slots have no failure-domain label: placement ignores domains", table.version)
+        view = ClusterView(self.host_id, table, placement)
+        if self._on_change is not None:
+            self._on_change(view)  # the peer directory learns new members before anything uses the new view
+        self._view = view
+        if table.same_assignment(old) and placement is old_placement:
+            return True  # addresses only
         log.info(
             "membership v%d -> v%d (%s): %s",
             old.version,
@@ -120,6 +145,4 @@ class Membership:
             why,
             ", ".join(f"{s.name}={s.host_id or '(vacant)'}" for s in table.slots),
         )
-        if self._on_change is not None:
-            self._on_change(self._view)
         return True

@@ -35,6 +35,7 @@ from memstore.server.convert import hello_from_pb, info_from_pb, key_to_pb, mani
 from memstore.v1 import datachannel
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import capacity_numbers, store_stub
+from memstore.v1.security import Credentials
 from memstore.v1.streams import put_requests
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,12 @@ class Peer:
     # peer costs one refused connection per call rather than a full retry budget.
     SUSPECT_SECONDS = 30.0
 
-    def __init__(self, host_id: str, address: str) -> None:
+    def __init__(self, host_id: str, address: str, credentials: Credentials | None = None) -> None:
         self.host_id = host_id
         self.address = address
-        self._channel, self.stub = store_stub(address)
+        self.credentials = credentials or Credentials()  # this store's cluster token and TLS identity
+        self._ssl = self.credentials.client_ssl_context()  # the data channel's TLS (None = plaintext)
+        self._channel, self.stub = store_stub(address, self.credentials)
         self._retired: list[grpc.Channel] = []
         self._lock = threading.Lock()
         self._suspect_until = 0.0
@@ -104,7 +107,7 @@ class Peer:
         with self._lock:
             # Calls in flight on the old channel finish on it; it is closed with the peer.
             self._retired.append(self._channel)
-            self._channel, self.stub = store_stub(self.address)
+            self._channel, self.stub = store_stub(self.address, self.credentials)
             while len(self._retired) > 4:
                 self._retired.pop(0).close()
 
@@ -157,7 +160,7 @@ class Peer:
             raise _peer_error(self.host_id, "PrepareReceive", err) from None
         deadline = time.monotonic() + timeout
         try:
-            with datachannel.connect(self.host, ticket.data_port, control_timeout) as sock:
+            with datachannel.connect(self.host, ticket.data_port, control_timeout, self._ssl) as sock:
                 sock.sendall(ticket.ticket)
                 datachannel.send_all(sock, view, deadline, on_piece=lambda: fault("replicate.after_chunk"))
                 error = datachannel.read_status(sock, deadline)
@@ -180,7 +183,7 @@ class Peer:
         dest = into(manifest)
         deadline = time.monotonic() + timeout
         try:
-            with datachannel.connect(self.host, prepared.data_port, control_timeout) as sock:
+            with datachannel.connect(self.host, prepared.data_port, control_timeout, self._ssl) as sock:
                 sock.sendall(prepared.ticket)
                 datachannel.receive_verified(sock, manifest, dest, deadline)
         except DataChannelError as exc:
@@ -215,9 +218,10 @@ class Peer:
 class PeerDirectory:
     """The cluster's other stores, addressed by host id."""
 
-    def __init__(self, self_id: str, peers: Iterable[tuple[str, str]] = ()) -> None:
+    def __init__(self, self_id: str, peers: Iterable[tuple[str, str]] = (), credentials: Credentials | None = None) -> None:
         self.self_id = self_id
-        self._peers = {hid: Peer(hid, addr) for hid, addr in peers if hid != self_id}
+        self.credentials = credentials or Credentials()
+        self._peers = {hid: Peer(hid, addr, self.credentials) for hid, addr in peers if hid != self_id}
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="peer-list")
         self._lock = threading.Lock()
         self._gone: list[Peer] = []  # replaced or removed: closed with the directory (calls in flight finish on them)
@@ -237,8 +241,10 @@ class PeerDirectory:
                     self._gone.append(peers.pop(hid))
             for hid, address in members.items():
                 if hid != self.self_id and hid not in peers:
-                    peers[hid] = Peer(hid, address)
+                    peers[hid] = Peer(hid, address, self.credentials)
             self._peers = peers  # replaced whole: readers iterate a consistent dict without the lock
+            while len(self._gone) > 16:  # long gone: calls that were in flight on it have ended
+                self._gone.pop(0).close()
 
     def ids(self) -> list[str]:
         return list(self._peers)

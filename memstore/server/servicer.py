@@ -1,6 +1,7 @@
 """The gRPC servicer: convert each request to the core's types, delegate to the Store engine, convert
 its answer back, and map typed errors to status codes.
 
+Every call is authorized first (``memstore.server.auth``: the token in its metadata, the job it names).
 Conversions are ``memstore.server.convert``'s, once per call (a shard's manifest once per transfer,
 never per chunk). Known errors (``memstore.errors``) become their status with the message; anything
 else becomes INTERNAL and is logged with its traceback. No logic lives here.
@@ -15,7 +16,9 @@ from typing import Any, TypeVar
 
 import grpc
 
+from memstore.core.model import PutOrigin, TransferHeader
 from memstore.errors import InvalidArgument, StoreError
+from memstore.server.auth import Authenticator, Need, Principal
 from memstore.server.convert import (
     health_to_pb,
     hello_to_pb,
@@ -29,6 +32,7 @@ from memstore.server.convert import (
 from memstore.server.store import Store
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
+from memstore.v1.security import token_of
 from memstore.v1.streams import get_responses
 
 log = logging.getLogger(__name__)
@@ -71,25 +75,40 @@ def stream_rpc(method: F) -> F:
 
 
 class StoreServicer(pb_grpc.StoreServicer):
-    def __init__(self, store: Store, on_drain: Callable[[], None] | None = None) -> None:
+    def __init__(self, store: Store, on_drain: Callable[[], None] | None = None, auth: Authenticator | None = None) -> None:
         self.store = store
+        self.auth = auth or Authenticator()  # no tokens: open (the config allows that on loopback or with --insecure)
         self._on_drain = on_drain  # the server's shutdown path drains, then exits
+
+    def _allow(self, context: grpc.ServicerContext, need: Need, job_id: str = "") -> Principal:
+        return self.auth.authorize(token_of(context.invocation_metadata()), need, job_id)
+
+    def _allow_transfer(self, context: grpc.ServicerContext, header: TransferHeader) -> None:
+        """A client's save needs its job's access; a copy between stores needs the cluster token."""
+        if header.origin is PutOrigin.CLIENT:
+            self._allow(context, Need.JOB, header.manifest.key.job_id)
+        else:
+            self._allow(context, Need.CLUSTER)
 
     @rpc
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
+        self._allow(context, Need.ANY)
         return hello_to_pb(self.store.hello())
 
     @rpc
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
+        self._allow(context, Need.ANY)
         return health_to_pb(self.store.health())
 
     @rpc
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
+        self._allow(context, Need.JOB, request.key.job_id)
         lease_id, segment = self.store.allocate(key_from_pb(request.key), request.world_size, request.nbytes)
         return pb.AllocateResponse(lease_id=lease_id, segment_path=segment.path or "", segment_bytes=segment.size)
 
     @rpc
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        self._allow(context, Need.ANY)  # the lease id, issued to an authorized Allocate, is the capability
         key = self.store.commit(request.lease_id, dict(request.metrics), request.format_version, request.spill_codec)
         return pb.CommitResponse(key=key_to_pb(key))
 
@@ -99,6 +118,7 @@ class StoreServicer(pb_grpc.StoreServicer):
         if first is None or first.WhichOneof("body") != "header":
             raise InvalidArgument("Put stream must start with a PutHeader message")
         header = transfer_from_pb(first.header)
+        self._allow_transfer(context, header)
 
         def chunks() -> Iterator[bytes]:
             for msg in request_iterator:
@@ -111,56 +131,69 @@ class StoreServicer(pb_grpc.StoreServicer):
 
     @rpc
     def WaitCommitted(self, request: pb.WaitCommittedRequest, context: grpc.ServicerContext) -> pb.WaitCommittedResponse:
+        self._allow(context, Need.JOB, request.key.job_id)
         info, done = self.store.wait_committed(key_from_pb(request.key), request.timeout_seconds)
         return pb.WaitCommittedResponse(info=info_to_pb(info), done=done)
 
     @rpc
     def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
+        self._allow(context, Need.JOB, request.key.job_id)
         lease_id, entry = self.store.open(key_from_pb(request.key))
         assert entry.manifest is not None
         return pb.OpenResponse(lease_id=lease_id, segment_path=entry.segment.path or "", manifest=manifest_to_pb(entry.manifest))
 
     @rpc
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        self._allow(context, Need.ANY)  # the lease id is the capability
         self.store.release(request.lease_id)
         return pb.ReleaseResponse()
 
     @stream_rpc
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
+        self._allow(context, Need.JOB, request.key.job_id)
         for manifest, view in self.store.read(key_from_pb(request.key)):
             yield from get_responses(manifest_to_pb(manifest), view)
 
     @rpc
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchResponse:
+        self._allow(context, Need.JOB, request.key.job_id)
         manifest, source = self.store.fetch(key_from_pb(request.key), request.discard_local)
         return pb.FetchResponse(manifest=manifest_to_pb(manifest), source_host=source)
 
     @rpc
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
+        self._allow(context, Need.JOB if request.job_id else Need.CLUSTER, request.job_id)
         shards = self.store.list_shards(request.job_id)
         return pb.ListResponse(host_id=self.store.host_id, shards=[info_to_pb(i) for i in shards], draining=self.store.draining.is_set())
 
     @rpc
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
+        self._allow(context, Need.ADMIN)
         if self._on_drain is None:
             raise InvalidArgument(f"store {self.store.host_id} runs embedded without a shutdown path: it cannot drain")
         started = not self.store.draining.is_set()
+        self.store.draining.set()  # at once: a second Drain, saves and copies see it before the serve loop wakes
         self._on_drain()
         return pb.DrainResponse(started=started)
 
     @rpc
     def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
+        self._allow(context, Need.OWN_JOB, request.job_id)
         return pb.DeleteResponse(deleted=self.store.delete(request.job_id, request.step, request.rank))
 
     @rpc
     def PrepareReceive(self, request: pb.PutHeader, context: grpc.ServicerContext) -> pb.DataTicket:
-        return pb.DataTicket(ticket=self.store.prepare_receive(transfer_from_pb(request)), data_port=self.store.data_port)
+        header = transfer_from_pb(request)
+        self._allow_transfer(context, header)
+        return pb.DataTicket(ticket=self.store.prepare_receive(header), data_port=self.store.data_port)
 
     @rpc
     def PrepareSend(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.PrepareSendResponse:
+        self._allow(context, Need.JOB, request.key.job_id)
         manifest, ticket = self.store.prepare_send(key_from_pb(request.key))
         return pb.PrepareSendResponse(manifest=manifest_to_pb(manifest), ticket=ticket, data_port=self.store.data_port)
 
     @rpc
     def LatestStep(self, request: pb.LatestStepRequest, context: grpc.ServicerContext) -> pb.LatestStepResponse:
+        self._allow(context, Need.JOB, request.job_id)
         return latest_to_pb(self.store.latest_step(request.job_id, request.step if request.HasField("step") else None))

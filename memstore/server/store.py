@@ -38,6 +38,7 @@ from memstore.server.peers import PeerDirectory
 from memstore.server.segments import SegmentPool, segment_dir
 from memstore.spill.port import DurableTier
 from memstore.v1.channel import boot_id
+from memstore.v1.security import Credentials
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +46,14 @@ log = logging.getLogger(__name__)
 class Store(Drain):
     """One host's store engine: the parts above over one shared state."""
 
-    def __init__(self, config: StoreConfig, advertised_address: str | None = None) -> None:
+    def __init__(self, config: StoreConfig, advertised_address: str | None = None, credentials: Credentials | None = None) -> None:
+        """``credentials``: what this store presents to its peers (the cluster token, its TLS identity)."""
         self.config = config
         self.host_id = config.host_id
         self.started = time.monotonic()
         # A replacement started with the same --host-id and --listen finds its previous incarnation's segments here.
         self.pool = SegmentPool(segment_dir(config.shm_dir, self.host_id, config.listen), config.capacity, adopt_leftovers=True)
-        self.peers = PeerDirectory(self.host_id)
+        self.peers = PeerDirectory(self.host_id, credentials=credentials)
         # Who holds which slot: fed by the discovery watcher and gossip (memstore.server.app); moves the peer directory along.
         self.membership = Membership(self.host_id, config.placement, config.replicas, on_change=self._cluster_changed)
         self.discovery: DiscoveryReport | None = None  # set by the discovery watcher
@@ -138,7 +140,7 @@ class Store(Drain):
         with self._lock:
             shards = sum(1 for e in self._entries.values() if not e.dropped)
         return HealthReport(
-            serving=not self._stop.is_set(),
+            serving=not self._stop.is_set() and not self.draining.is_set(),  # readiness: a draining store takes no saves
             host_id=self.host_id,
             used_bytes=self.pool.used_bytes,
             capacity_bytes=self.config.capacity,

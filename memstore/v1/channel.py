@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from memstore.v1.integrity import MAX_CHUNK_BYTES
+
+if TYPE_CHECKING:
+    from memstore.v1.security import Credentials
 
 # A message is one chunk plus a little framing; anything larger is refused by gRPC itself
 # (RESOURCE_EXHAUSTED) before our code sees it.
@@ -44,11 +47,19 @@ def insecure_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 
-def store_stub(address: str) -> tuple[grpc.Channel, Any]:
-    """(channel, StoreStub) to the store at ``address``: the one way every caller builds a stub. Close the channel."""
-    from memstore.v1 import store_pb2_grpc as pb_grpc
+def store_stub(address: str, credentials: Credentials | None = None) -> tuple[grpc.Channel, Any]:
+    """(channel, StoreStub) to the store at ``address``: the one way every caller builds a stub. Close the channel.
 
-    channel = insecure_channel(address)
+    ``credentials``: the token and TLS files to present (``memstore.v1.security``); by default from the
+    environment (MEMSTORE_AUTH_TOKEN, MEMSTORE_TLS_CA, ...).
+    """
+    from memstore.v1 import store_pb2_grpc as pb_grpc
+    from memstore.v1.security import Credentials
+
+    creds = credentials if credentials is not None else Credentials.from_env()
+    secure = creds.tls
+    channel = grpc.secure_channel(address, creds.channel_credentials(), options=CHANNEL_OPTIONS) if secure else insecure_channel(address)
+    channel = creds.wrap(channel)
     return channel, pb_grpc.StoreStub(channel)
 
 

@@ -12,6 +12,7 @@ Framing: ``ticket (16 bytes)``, then the payload; a receiver of a push answers w
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -35,13 +36,20 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-def connect(host: str, port: int, timeout: float) -> socket.socket:
+def connect(host: str, port: int, timeout: float, tls: ssl.SSLContext | None = None) -> socket.socket:
+    """A data connection to ``host:port``; with ``tls``, the server's certificate is verified for ``host``."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
         raise DataChannelError(f"cannot connect to data channel {host}:{port}: {exc}") from None
     tune(sock)
-    return sock
+    if tls is None:
+        return sock
+    try:
+        return tls.wrap_socket(sock, server_hostname=host)
+    except (ssl.SSLError, ssl.CertificateError, OSError) as exc:
+        sock.close()
+        raise DataChannelError(f"TLS handshake with data channel {host}:{port} failed: {exc}") from None
 
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:

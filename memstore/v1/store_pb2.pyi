@@ -135,18 +135,20 @@ class SlotTable(_message.Message):
     def __init__(self, version: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ...) -> None: ...
 
 class Slot(_message.Message):
-    __slots__ = ("index", "host_id", "address", "domain", "former")
+    __slots__ = ("index", "host_id", "address", "domain", "former", "former_until")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_FIELD_NUMBER: _ClassVar[int]
     FORMER_FIELD_NUMBER: _ClassVar[int]
+    FORMER_UNTIL_FIELD_NUMBER: _ClassVar[int]
     index: int
     host_id: str
     address: str
     domain: str
     former: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, index: _Optional[int] = ..., host_id: _Optional[str] = ..., address: _Optional[str] = ..., domain: _Optional[str] = ..., former: _Optional[_Iterable[str]] = ...) -> None: ...
+    former_until: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., host_id: _Optional[str] = ..., address: _Optional[str] = ..., domain: _Optional[str] = ..., former: _Optional[_Iterable[str]] = ..., former_until: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DiscoveryStatus(_message.Message):
     __slots__ = ("source", "members", "last_ok_unix", "error", "consecutive_failures")

@@ -221,7 +221,10 @@ def test_members_fed_from_python(tmp_path: Path) -> None:
     feeds: dict[str, FedMembers] = {}
     try:
         for h in ("a", "b"):
-            config = StoreConfig(host_id=h, listen="127.0.0.1:0", replicas=2, capacity=64 << 20, shm_dir="", discovery_interval=0.2)
+            config = StoreConfig.load(
+                {"host_id": h, "listen": "127.0.0.1:0", "replicas": 2, "capacity": "64MiB", "shm_dir": "", "discovery": "fed",
+                 "discovery_interval": 0.2}, env={},
+            )  # fmt: skip
             feeds[h] = FedMembers(f"test feed of {h}")
             servers[h] = StoreServer(config, discovery=feeds[h])
         members = [Member(h, s.address) for h, s in servers.items()]

@@ -9,6 +9,8 @@ needs them too) and re-exported here.
 
 from __future__ import annotations
 
+import dataclasses
+
 from memstore.core.model import PutOrigin, ShardInfo, ShardState, TransferHeader
 from memstore.core.restorable import RestoreAnswer
 from memstore.core.slots import Slot, SlotTable
@@ -105,21 +107,8 @@ def latest_to_pb(answer: RestoreAnswer) -> pb.LatestStepResponse:
 
 
 def hello_to_pb(h: HelloReport) -> pb.HelloResponse:
-    return pb.HelloResponse(
-        host_id=h.host_id,
-        version=h.version,
-        replicas=h.replicas,
-        peer_ids=list(h.peer_ids),
-        peer_addresses=list(h.peer_addresses),
-        shm_dir=h.shm_dir,
-        boot_id=h.boot_id,
-        capacity_bytes=h.capacity_bytes,
-        max_chunk_bytes=h.max_chunk_bytes,
-        placement=h.placement,
-        data_port=h.data_port,
-        slots=slots_to_pb(h.slots),
-        draining=h.draining,
-    )
+    values = {f.name: getattr(h, f.name) for f in dataclasses.fields(h)}  # same names on both sides
+    return pb.HelloResponse(**{**values, "slots": slots_to_pb(h.slots)})
 
 
 def slots_to_pb(t: SlotTable) -> pb.SlotTable:
@@ -147,21 +136,9 @@ def slots_from_pb(t: pb.SlotTable) -> SlotTable:
 
 
 def hello_from_pb(h: pb.HelloResponse) -> HelloReport:
-    return HelloReport(
-        host_id=h.host_id,
-        version=h.version,
-        replicas=h.replicas,
-        peer_ids=tuple(h.peer_ids),
-        peer_addresses=tuple(h.peer_addresses),
-        shm_dir=h.shm_dir,
-        boot_id=h.boot_id,
-        capacity_bytes=h.capacity_bytes,
-        max_chunk_bytes=h.max_chunk_bytes,
-        placement=h.placement,
-        data_port=h.data_port,
-        slots=slots_from_pb(h.slots),
-        draining=h.draining,
-    )
+    values = {f.name: getattr(h, f.name) for f in dataclasses.fields(HelloReport)}
+    values.update(peer_ids=tuple(h.peer_ids), peer_addresses=tuple(h.peer_addresses), slots=slots_from_pb(h.slots))
+    return HelloReport(**values)
 
 
 def health_to_pb(h: HealthReport) -> pb.HealthResponse:

@@ -29,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_repetition_arguments(p)
     _add_output_arguments(p)
     _add_store_arguments(p)
+    # --endpoints clusters with tokens/TLS: the bench's clients (and local stores, through the environment) present these.
+    from memstore.cli.common import add_credential_arguments
+
+    add_credential_arguments(p)
 
 
 def _add_scenario_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ from memstore.v1 import datachannel
 
 log = logging.getLogger(__name__)
 TICKET_READ_SECONDS = 5.0
+MAX_CONNECTIONS_PER_ADDRESS = 64  # concurrent data connections from one remote address; more are closed at once
 
 
 class DataServer:
@@ -32,6 +33,8 @@ class DataServer:
         self.port: int = self._sock.getsockname()[1]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="data-accept", daemon=True)
+        self._open: dict[str, int] = {}  # remote address -> connections being served
+        self._open_lock = threading.Lock()
 
     def start(self) -> None:
         self._thread.start()
@@ -45,10 +48,29 @@ class DataServer:
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self._sock.accept()
+                conn, remote = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), name="data-conn", daemon=True).start()
+            address = str(remote[0])
+            with self._open_lock:
+                count = self._open.get(address, 0)
+                if count < MAX_CONNECTIONS_PER_ADDRESS:
+                    self._open[address] = count + 1
+            if count >= MAX_CONNECTIONS_PER_ADDRESS:
+                log.warning("data channel: %s has %d connections open (limit %d); closing a new one", address, count,
+                            MAX_CONNECTIONS_PER_ADDRESS)  # fmt: skip
+                conn.close()
+                continue
+            threading.Thread(target=self._serve_counted, args=(conn, address), name="data-conn", daemon=True).start()
+
+    def _serve_counted(self, conn: socket.socket, address: str) -> None:
+        try:
+            self._serve(conn)
+        finally:
+            with self._open_lock:
+                self._open[address] -= 1
+                if not self._open[address]:
+                    del self._open[address]
 
     def _serve(self, conn: socket.socket) -> None:
         import time

@@ -216,3 +216,22 @@ def test_local_cluster_and_cli_with_a_token(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_data_channel_connections_per_address_are_bounded(make_cluster) -> None:
+    """Idle connections holding the data port cannot pile up: beyond the limit a new one is closed at once."""
+    from memstore.server.dataserver import MAX_CONNECTIONS_PER_ADDRESS
+
+    cluster = make_cluster(hosts=1, replicas=1, capacity="32MiB")
+    port = hello_data_port(cluster, Credentials())
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CONNECTIONS_PER_ADDRESS)]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:  # accepted after the others (one accept loop, FIFO)
+            extra.settimeout(2.0)
+            t0 = time.monotonic()
+            assert extra.recv(16) == b""  # closed by the store, well before its 5 s ticket deadline
+            assert time.monotonic() - t0 < 1.5
+    finally:
+        for s in idle:
+            s.close()
+    assert cluster.health("h0") is not None  # and the store serves on

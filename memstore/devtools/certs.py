@@ -11,6 +11,8 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
+from memstore.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class TlsFiles:
@@ -39,7 +41,10 @@ def _write(path: Path, cert, key) -> None:  # type: ignore[no-untyped-def]
 def make_tls(directory: str | Path, name: str = "memstore", hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> dict[str, TlsFiles]:
     """A CA ``<dir>/<name>-ca.pem`` and two identities it signed for ``hosts``: ``"server"`` (stores) and
     ``"client"`` (trainers, CLI). Both may serve and connect (stores use theirs as client certificate too)."""
-    from cryptography import x509
+    try:
+        from cryptography import x509
+    except ImportError:
+        raise ConfigError("throwaway TLS certificates need the 'cryptography' package: pip install 'memstore[bench]'") from None
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 

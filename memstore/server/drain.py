@@ -64,11 +64,7 @@ class Drain(Janitor):
         """Members that can take copies (alive, not draining), group peers first, then in slot order after this host."""
         view = self.membership.view
         group = view.replication_targets()
-        others = view.others()
-        mine = view.my_slot
-        if mine is not None:  # ring order starting after our slot spreads the load of successive drains
-            order = [s.host_id for s in (*view.table.slots[mine.index + 1 :], *view.table.slots[: mine.index]) if s.host_id]
-            others = [h for h in order if h in others]
+        others = view.ring_after_me()  # starting after our slot spreads the load of successive drains
         candidates = [*group, *(h for h in others if h not in group)]
 
         def takes_copies(h: str) -> bool:

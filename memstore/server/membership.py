@@ -46,6 +46,12 @@ class ClusterView:
         """Every other current member, in slot order."""
         return [h for h in self.table.members() if h != self.host_id]
 
+    def ring_after_me(self) -> list[str]:
+        """Every other current member in ring order, starting after this host's slot (slot order if it holds none)."""
+        mine = self.my_slot
+        slots = self.table.slots if mine is None else (*self.table.slots[mine.index + 1 :], *self.table.slots[: mine.index])
+        return [s.host_id for s in slots if s.host_id and s.host_id != self.host_id]
+
     def replication_targets(self) -> list[str]:
         """Hosts that hold this host's slot's group now. A vacant group slot is stood in for by the next held
         slot after ours (ring order), so a save still reaches R copies while the slot waits for a new holder."""
@@ -56,9 +62,7 @@ class ClusterView:
         targets = [h for h in holders if h and h != self.host_id]
         missing = len(holders) - len(targets)
         if missing:
-            ring = [*self.table.slots[mine.index + 1 :], *self.table.slots[: mine.index]]
-            stand_ins = [s.host_id for s in ring if s.host_id and s.host_id not in targets and s.host_id != self.host_id]
-            targets += stand_ins[:missing]
+            targets += [h for h in self.ring_after_me() if h not in targets][:missing]
         return targets
 
     def owned_slots(self) -> set[str]:

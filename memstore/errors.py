@@ -301,3 +301,18 @@ def from_status(status: str, message: str, *, needed: int = 0, used: int = 0, ca
     if cls is CapacityExceeded:
         return CapacityExceeded(message, needed=needed, used=used, capacity=capacity)
     return cls(message)
+
+
+# -- Ray ---------------------------------------------------------------------------------------------
+
+
+class RayStoreError(StoreError):
+    """A store actor on a Ray node could not be started, found or reached (memstore.ray); the message names the node."""
+
+    status = "UNAVAILABLE"
+
+
+class RayTrainError(StoreError):
+    """Ray Train's checkpoint pointer and memstore disagree (memstore.ray.train): the step it names cannot be restored."""
+
+    status = "NOT_FOUND"

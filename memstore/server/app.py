@@ -96,6 +96,29 @@ class StoreServer:
         self.store.pool.keep_files_on_close = keep_files  # read by SegmentPool.close(), which Store.close() calls
         self.store.close()
 
+    def leave(self) -> None:
+        """Leave the cluster on purpose (SIGTERM, ``memstore drain``, a node that Ray or Kubernetes drains): refuse
+        new saves and copies, flush the newest committed steps to the durable tier first (the cheapest
+        insurance), then give every shard only this store holds another copy. Bounded by --flush-grace-seconds
+        and --drain-grace-seconds; failures are logged, never raised. The server keeps serving reads."""
+        config = self.config
+        self.store.draining.set()  # from now on: no new saves or copies, readiness says draining
+        if self.store.durable is not None:
+            t0 = time.monotonic()
+            failures = self.store.flush(config.flush_grace_seconds)
+            for failure in failures:
+                log.error("flush on shutdown failed: %s", failure)
+            log.info("flushed newest committed steps in %.2fs (%d failures)", time.monotonic() - t0, len(failures))
+        t0 = time.monotonic()
+        try:
+            lost = self.store.drain(config.drain_grace_seconds)
+        except Exception:
+            log.exception("drain failed; leaving without it")
+            lost = []
+        for failure in lost:
+            log.error("drain: %s", failure)
+        log.info("drained in %.2fs (%d shard(s) left without another copy)", time.monotonic() - t0, len(lost))
+
     def wait(self) -> None:
         self._server.wait_for_termination()
 
@@ -125,24 +148,7 @@ def serve(config: StoreConfig, ready_file: str | None = None, spill_listeners: S
     sys.stdout.flush()
     while not done.wait(0.5):
         pass
-    server.store.draining.set()  # from now on: no new saves or copies, readiness says draining
-    if server.store.durable is not None:
-        # Preemption or pod deletion: persist the newest committed step first, the cheapest insurance.
-        t0 = time.monotonic()
-        failures = server.store.flush(config.flush_grace_seconds)
-        for failure in failures:
-            log.error("flush on shutdown failed: %s", failure)
-        log.info("flushed newest committed steps in %.2fs (%d failures)", time.monotonic() - t0, len(failures))
-    # Leave on purpose: every shard only this store holds (and the durable tier lacks) gets another copy.
-    t0 = time.monotonic()
-    try:
-        lost = server.store.drain(config.drain_grace_seconds)
-    except Exception:
-        log.exception("drain failed; leaving without it")
-        lost = []
-    for failure in lost:
-        log.error("drain: %s", failure)
-    log.info("drained in %.2fs (%d shard(s) left without another copy)", time.monotonic() - t0, len(lost))
+    server.leave()
     # Clean exit: segment files go with the store unless --shm-keep-on-exit (a SIGKILL leaves them: adopted at restart).
     server.stop(keep_files=config.shm_keep_on_exit)
     return 0

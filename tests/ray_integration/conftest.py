@@ -1,0 +1,76 @@
+"""Ray clusters for the ray tests: ``ray.cluster_utils.Cluster`` nodes on 127.0.0.1, one module each, shut down after it.
+
+Every node is a real raylet with its own worker processes; ``remove_node(..., allow_graceful=False)`` kills
+it like a crashed machine. Ray is kept on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes it use
+127.0.0.1 instead of the machine's routable address) and the GCS declares a node dead after ~2 s.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only (read when ray is imported)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token written to ~/.ray for a throwaway cluster
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))
+
+import ray
+from ray.cluster_utils import Cluster
+
+NODE_MEMORY = 80 << 20  # object store per node: the tests pass tensors through memstore, not Ray's object store
+SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_initial_delay_ms": 0}
+
+
+class RayCluster:
+    """A head node without CPUs (the driver's) plus worker nodes of one CPU each."""
+
+    def __init__(self, workers: int) -> None:
+        self.shm_dir = f"/dev/shm/memstore-raytest-{uuid.uuid4().hex[:8]}"
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "node_ip_address": "127.0.0.1",
+                "include_dashboard": False,
+                "object_store_memory": NODE_MEMORY,
+                "_system_config": SYSTEM_CONFIG,
+            },
+        )
+        self.workers: list[Any] = []
+        for _ in range(workers):
+            self.add_node()
+        ray.init(address=self.cluster.address, _node_ip_address="127.0.0.1", logging_level="WARNING", log_to_driver=False)
+        self.cluster.wait_for_nodes()
+
+    def add_node(self) -> Any:
+        node = self.cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=NODE_MEMORY)
+        self.workers.append(node)
+        return node
+
+    def kill(self, node: Any) -> None:
+        """Kill a worker node's raylet and every process on it (the store actor included), as a crash does."""
+        self.cluster.remove_node(node, allow_graceful=False)
+        self.workers.remove(node)
+
+    def shutdown(self) -> None:
+        try:
+            ray.shutdown()
+        finally:
+            self.cluster.shutdown()
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request: pytest.FixtureRequest) -> Iterator[RayCluster]:
+    workers = getattr(request.module, "RAY_WORKER_NODES", 3)
+    cluster = RayCluster(workers)
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()

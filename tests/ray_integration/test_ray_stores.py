@@ -1,0 +1,193 @@
+"""memstore on a Ray cluster: a store actor per node, saves from tasks, a node lost, a node added, a node drained.
+
+One 4-node cluster (a head without CPUs, three 1-CPU workers) runs the scenario in order; each test
+asserts one step of it on the state the previous ones left.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import ray
+from ray.core.generated import autoscaler_pb2
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+import memstore.ray as mray
+from memstore.devtools.cluster import wait_for
+from memstore.errors import ConfigError, RayStoreError
+from memstore.ray import gcs
+from memstore.ray.model import host_id_for
+from memstore.v1 import store_pb2 as pb
+from memstore.v1.channel import store_stub
+from tests.ray_integration.conftest import RayCluster
+from tests.states import assert_same, rank_state
+
+pytestmark = pytest.mark.ray
+
+JOB = "ray-job"
+SETTINGS: dict[str, Any] = {"discovery_interval": 0.5, "repair_interval": 0.5, "keep": 3}
+SHARED: dict[str, Any] = {}  # what one step of the scenario leaves for the next
+
+
+def on(node_id: str) -> dict[str, Any]:
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+@ray.remote(num_cpus=0)
+def store_here() -> tuple[str, str]:
+    return gcs.current_node_id(), mray.local_store_address()
+
+
+@ray.remote(num_cpus=0)
+def save_rank(rank: int, world: int, steps: list[int]) -> str:
+    from trainer_client import CheckpointClient
+
+    with CheckpointClient(JOB, rank, world, store=mray.local_store_address(), run_id="run1", timeout=20) as client:
+        for step in steps:
+            assert client.save(step, rank_state(rank, step)).wait(timeout=30).copies == 2
+        return str(client.hello.host_id)
+
+
+@ray.remote(num_cpus=0)
+def load_rank(rank: int, world: int, step: int) -> str:
+    from trainer_client import CheckpointClient
+
+    with CheckpointClient(JOB, rank, world, store=mray.local_store_address(), run_id="reader", timeout=20) as client:
+        assert_same(client.load(step, zero_copy=False), rank_state(rank, step))
+        return client.last_load_source
+
+
+def health(address: str) -> pb.HealthResponse | None:
+    channel, stub = store_stub(address)
+    with channel:
+        try:
+            return stub.Health(pb.HealthRequest(), timeout=2)
+        except Exception:
+            return None
+
+
+def slot_holders(address: str) -> list[str]:
+    h = health(address)
+    return [s.host_id for s in h.slots.slots] if h is not None else []
+
+
+def converged(addresses: dict[str, str], expected: set[str]) -> bool:
+    """Every store's slot table holds exactly ``expected`` (vacant slots are "")."""
+    return all(set(slot_holders(a)) - {""} == expected for a in addresses.values())
+
+
+def held(address: str, step: int) -> set[int]:
+    """The ranks of ``step`` the store at ``address`` holds a verified copy of."""
+    channel, stub = store_stub(address)
+    with channel:
+        resp = stub.List(pb.ListRequest(job_id=JOB), timeout=5)
+    return {s.manifest.key.rank for s in resp.shards if s.manifest.key.step == step and s.verified}
+
+
+def copies(addresses: dict[str, str], step: int) -> dict[int, int]:
+    """Per rank of ``step``: how many of the stores hold a verified copy."""
+    out: dict[int, int] = {}
+    for address in addresses.values():
+        for rank in held(address, step):
+            out[rank] = out.get(rank, 0) + 1
+    return out
+
+
+def start_stores(ray_cluster: RayCluster) -> dict[str, str]:
+    return mray.ensure_stores(replicas=2, capacity="128MiB", config={**SETTINGS, "shm_dir": ray_cluster.shm_dir}, timeout=60)
+
+
+def test_one_store_per_node_found_from_tasks(ray_cluster: RayCluster) -> None:
+    addresses = start_stores(ray_cluster)
+    alive = set(gcs.alive_nodes())
+    assert set(addresses) == alive and len(alive) == 4  # the head and three workers
+    assert start_stores(ray_cluster) == addresses  # idempotent: the same actors, nothing restarted
+    for node_id in alive:
+        assert ray.get(store_here.options(**on(node_id)).remote()) == (node_id, addresses[node_id])
+    wait_for(lambda: converged(addresses, {host_id_for(n) for n in alive}), 30, what="every store to list all four")
+    SHARED["addresses"] = addresses
+
+
+def test_bad_settings_are_refused_in_the_caller(ray_cluster: RayCluster) -> None:
+    with pytest.raises(ConfigError, match="--replicas"):
+        mray.ensure_stores(replicas=0)
+    with pytest.raises(ConfigError, match="listen"):
+        mray.ensure_stores(config={"listen": "127.0.0.1:0"})
+    with pytest.raises(ConfigError, match="unknown configuration keys: no_such_flag"):
+        mray.ensure_stores(config={"no_such_flag": 1})
+    with pytest.raises(ConfigError, match="namespace"):
+        mray.ensure_stores(namespace="a:b")
+    with pytest.raises(RayStoreError, match="ensure_stores"):
+        ray.get(store_here_in.remote("never-started"))
+
+
+@ray.remote(num_cpus=0)
+def store_here_in(namespace: str) -> str:
+    try:
+        return mray.local_store_address(namespace=namespace)
+    except RayStoreError as exc:
+        raise RayStoreError(str(exc)) from None
+
+
+def test_a_lost_node_restores_bit_exact_on_the_survivors(ray_cluster: RayCluster) -> None:
+    addresses = SHARED["addresses"]
+    nodes = [n.node_id for n in ray_cluster.workers]
+    world = len(nodes)
+    hosts = ray.get([save_rank.options(**on(n)).remote(rank, world, [1, 2]) for rank, n in enumerate(nodes)])
+    assert hosts == [host_id_for(n) for n in nodes]
+    lost = ray_cluster.workers[-1]
+    lost_id = lost.node_id
+    ray_cluster.kill(lost)
+    survivors = {n: a for n, a in addresses.items() if n != lost_id}
+    wait_for(lambda: lost_id not in gcs.alive_nodes(), 30, what="Ray to declare the killed node dead")
+    for rank in range(world):  # every rank, the lost node's included, from a survivor's store
+        reader = nodes[(rank + 1) % (world - 1)]
+        assert ray.get(load_rank.options(**on(reader)).remote(rank, world, 2)) != host_id_for(lost_id)
+    wait_for(lambda: converged(survivors, {host_id_for(n) for n in survivors}), 30, what="the survivors to vacate the lost slot")
+    SHARED.update(lost=lost_id, world=world, survivors=survivors)
+
+
+def test_a_new_node_takes_the_lost_slot_and_repairs(ray_cluster: RayCluster) -> None:
+    world = SHARED["world"]
+    lost_slot = slot_holders(next(iter(SHARED["survivors"].values())))
+    new = ray_cluster.add_node()
+    ray_cluster.cluster.wait_for_nodes()
+    addresses = start_stores(ray_cluster)  # starts only the missing store
+    assert {n: a for n, a in addresses.items() if n in SHARED["survivors"]} == SHARED["survivors"]
+    new_host = host_id_for(new.node_id)
+    expected = [new_host if h == "" else h for h in lost_slot]  # the vacant slot, and no other, is taken
+    wait_for(lambda: all(slot_holders(a) == expected for a in addresses.values()), 30, what=f"{new_host} to take the vacant slot")
+    # At least R copies of every rank (a stand-in copy made while the slot was vacant may stay until retention drops the step).
+    wait_for(lambda: all(copies(addresses, 2).get(r, 0) >= 2 for r in range(world)), 60, what="every rank of step 2 to have 2 copies")
+    # The lost rank's shard lives on the node of its slot again.
+    wait_for(lambda: world - 1 in held(addresses[new.node_id], 2), 60, what=f"{new_host} to repair its slot's shards")
+    ray.get(load_rank.options(**on(new.node_id)).remote(world - 1, world, 2))  # the lost rank restores there, bit-exact
+    SHARED["addresses"] = addresses
+
+
+def test_a_drained_node_leaves_and_loses_nothing(ray_cluster: RayCluster) -> None:
+    addresses = SHARED["addresses"]
+    world = SHARED["world"]
+    victim = ray_cluster.workers[0]
+    gcs_client = ray._private.worker.global_worker.gcs_client  # what the autoscaler calls before it scales a node down
+
+    accepted, why = gcs_client.drain_node(
+        victim.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "test", int(time.time() * 1000) + 60_000
+    )
+    assert accepted, why
+    wait_for(lambda: victim.node_id not in mray.store_addresses(), 30, what="the drained store to leave the registry")
+    assert health(addresses[victim.node_id]).draining  # it says so to readiness probes and `memstore status`
+    rest = {n: a for n, a in addresses.items() if n != victim.node_id}
+    wait_for(lambda: converged(rest, {host_id_for(n) for n in rest}), 30, what="the others to vacate the drained slot")
+    ray_cluster.kill(victim)
+    wait_for(lambda: victim.node_id not in gcs.alive_nodes(), 30, what="Ray to declare the drained node dead")
+    readers = [n.node_id for n in ray_cluster.workers]
+    for rank in range(world):
+        ray.get(load_rank.options(**on(readers[rank % len(readers)])).remote(rank, world, 2))
+
+
+def test_stop_stores_stops_every_actor(ray_cluster: RayCluster) -> None:
+    assert mray.stop_stores() == len(gcs.alive_nodes())
+    assert mray.store_addresses() == {}

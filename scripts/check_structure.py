@@ -3,6 +3,7 @@
 - no import cycle among modules (type-only and function-level imports count);
 - the store daemon's tiers (``memstore.server``, ``memstore.spill``) never import ``trainer_client`` or
   ``memstore.interop`` (the bridges to it): they meet other code at ports, not at its formats;
+- Ray is imported only inside ``memstore.ray`` (the ``[ray]`` extra): the store and the client run without it;
 - no hand-written module over 800 lines (generated ``*_pb2*`` files excepted).
 
     python scripts/check_structure.py
@@ -72,6 +73,29 @@ def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
     ]
 
 
+def third_party_imports(path: Path) -> set[str]:
+    """Top-level names of the absolute imports in ``path`` (``ray`` for ``from ray.train import x``)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+ONLY_IN = {"ray": "memstore.ray"}  # third-party package -> the only package of ours that may import it
+
+
+def misplaced_imports(files: list[Path]) -> list[str]:
+    return [
+        f"{module_name(p)} imports {pkg}: only {home} may (it is an optional extra)"
+        for p in files
+        for pkg in sorted(third_party_imports(p) & set(ONLY_IN))
+        if not (module_name(p) == ONLY_IN[pkg] or module_name(p).startswith(ONLY_IN[pkg] + "."))
+    ]
+
+
 def oversized(files: list[Path]) -> list[str]:
     sizes = {p: len(p.read_text().splitlines()) for p in files}
     too_long = [(p, n) for p, n in sorted(sizes.items()) if n > MAX_LINES]
@@ -120,7 +144,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def main() -> int:
     files = source_files()
     graph = graph_of(files)
-    problems = ["import cycle: " + " <-> ".join(comp) for comp in cycles(graph)] + forbidden_imports(graph) + oversized(files)
+    problems = ["import cycle: " + " <-> ".join(comp) for comp in cycles(graph)] + forbidden_imports(graph) + misplaced_imports(files) + oversized(files)
     for problem in problems:
         print(problem)
     return 1 if problems else 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from memstore.errors import DiscoveryError
@@ -30,8 +32,8 @@ def test_record_round_trip_and_every_bad_record_named() -> None:
         b'{"node_id": "x"}': "expected an object",
         b'{"node_id": 1, "host_id": "h", "address": "a"}': "must be a string",
         b'{"node_id": "zz", "host_id": "h", "address": "a"}': "node id",
-        ('{"node_id": "%s", "host_id": "ray-other", "address": "a"}' % NODE_A).encode(): "does not belong",
-        ('{"node_id": "%s", "host_id": "%s", "address": "a", "extra": "1"}' % (NODE_A, host_id_for(NODE_A))).encode(): "expected an object",
+        json.dumps({"node_id": NODE_A, "host_id": "ray-other", "address": "a"}).encode(): "does not belong",
+        json.dumps({"node_id": NODE_A, "host_id": host_id_for(NODE_A), "address": "a", "extra": "1"}).encode(): "expected an object",
     }
     for data, message in bad.items():
         with pytest.raises(DiscoveryError, match=message) as err:

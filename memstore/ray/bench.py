@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False})
     for _ in range(2):
         cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=200 << 20)
-    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", logging_level="WARNING", log_to_driver=False)
+    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", logging_level=logging.WARNING, log_to_driver=False)
     results: dict[str, Any] = {"mib_per_worker": args.mib, "workers": 2, "steps": args.steps}
     try:
         memstore.ray.ensure_stores(replicas=2, capacity=f"{args.mib * 8}MiB", config={"shm_dir": shm, "keep": 2})

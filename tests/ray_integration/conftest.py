@@ -7,6 +7,7 @@ it like a crashed machine. Ray is kept on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
@@ -45,7 +46,7 @@ class RayCluster:
         self.workers: list[Any] = []
         for _ in range(workers):
             self.add_node()
-        ray.init(address=self.cluster.address, _node_ip_address="127.0.0.1", logging_level="WARNING", log_to_driver=False)
+        ray.init(address=self.cluster.address, _node_ip_address="127.0.0.1", logging_level=logging.WARNING, log_to_driver=False)
         self.cluster.wait_for_nodes()
 
     def add_node(self) -> Any:

@@ -34,6 +34,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -127,6 +128,8 @@ class RayTrainCheckpoints:
         self.client = CheckpointClient(self.job_id, self.rank, self.world_size, store=local_store_address(namespace), **client_options)
         self._unreported: SaveHandle | None = None
         self.reported_step: int | None = None  # the newest step this worker reported a pointer for
+        self.last_capture_seconds = 0.0  # the last save's stall: capture into the store (the training step waits this long)
+        self.last_report_seconds = 0.0  # the last report: waiting for the previous step's copies, plus ray.train.report
 
     def restore(self) -> tuple[int, Any] | None:
         """``(step, state)`` to resume from; None on a fresh start (Ray Train has no checkpoint of this run).
@@ -151,7 +154,7 @@ class RayTrainCheckpoints:
             step, timeline = newest.step, newest.timeline
         step, timeline = _from_rank_0((step, timeline))  # a copy finishing between two ranks' questions must not split them
         try:
-            state = self.client.load(step, timeline=timeline, zero_copy=False)
+            state = self.client.load(step, timeline=timeline)  # zero-copy: copy-on-write views of the store's memory
         except NotFoundError as exc:
             raise RayTrainError(
                 f"Ray Train's checkpoint points at step {pointer.step} of job {pointer.job_id!r}, which memstore cannot restore: {exc}"
@@ -159,13 +162,20 @@ class RayTrainCheckpoints:
         self.reported_step = step
         return step, state
 
-    def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None) -> SaveHandle:
+    def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None, *, report: bool = True) -> SaveHandle:
         """Capture ``state`` for ``step``, then report ``metrics`` to Ray Train with the pointer of the previous save.
 
-        Every worker calls it at the same steps (``ray.train.report`` is a barrier across the workers)."""
+        Every worker calls it at the same steps with the same ``report`` (``ray.train.report`` is a barrier
+        across the workers). ``report=False`` only captures: a ``ray.train.report`` round costs Ray Train
+        about 2 s on a small cluster (docs/ray.md), so save every step and report every N steps; resume
+        still starts from memstore's newest step restorable on every rank, not from the reported one."""
+        t0 = time.perf_counter()
         handle = self.client.save(step, state, metrics)
+        t1 = time.perf_counter()
         previous, self._unreported = self._unreported, handle
-        self._report(dict(metrics or {}), previous)
+        if report:
+            self._report(dict(metrics or {}), previous)
+        self.last_capture_seconds, self.last_report_seconds = t1 - t0, time.perf_counter() - t1
         return handle
 
     def finish(self, metrics: Mapping[str, float] | None = None) -> None:

@@ -107,12 +107,13 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def test_resumes_after_a_worker_is_killed(reference: dict[str, torch.Tensor], tmp_path: Path) -> None:
-    # Saves every step, reports a pointer every third: the resume still starts from memstore's newest step.
-    weights, result = fit("worker-killed", tmp_path, fail_at=5, how="kill", report_every=3)
+    # Saves every step, reports every second step: Ray Train registers the pointer of step 3 (reported at step 4)
+    # by the time the report at step 6 returns, and the resume starts from memstore's newest step, 6.
+    weights, result = fit("worker-killed", tmp_path, fail_at=7, how="kill", report_every=2)
     assert result.error is None
     assert (tmp_path / "worker-killed.marker").exists()  # the kill happened
     log = (tmp_path / "worker-killed.log").read_text()
-    assert "rank 1 resumed at 5" in log and "rank 0 resumed at 5" in log  # step 4 was committed; the last pointer named step 2
+    assert "rank 1 resumed at 7" in log and "rank 0 resumed at 7" in log
     assert_same_weights(weights, reference)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import memstore.ray as mray
+from memstore.devtools.cluster import wait_for
 from memstore.ray import gcs
 from tests.ray_integration.conftest import RayCluster
 
@@ -53,7 +53,7 @@ def train_func(config: dict[str, Any]) -> None:
             Path(config["marker"]).write_text(gcs.current_node_id())
             if config["how"] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(120)  # "node": the test removes this node meanwhile
+            threading.Event().wait(120)  # "node": blocked here until the test removes this node (and this process with it)
         g = torch.Generator().manual_seed(rank * 1000 + step)
         x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
         loss = F.mse_loss(model(x), y)
@@ -121,9 +121,7 @@ def test_resumes_after_a_node_is_lost(reference: dict[str, torch.Tensor], ray_cl
     marker = tmp_path / "node-lost.marker"
 
     def remove_the_node() -> None:
-        deadline = time.monotonic() + 120
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(marker.exists, 120, interval=0.1, what="rank 1 to reach step 5")
         node_id = marker.read_text()
         ray_cluster.kill(next(n for n in ray_cluster.workers if n.node_id == node_id))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -17,7 +18,10 @@ from typing import Any
 from memstore.core.sizes import parse_size
 from memstore.errors import ConfigError
 from memstore.v1.integrity import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
-from memstore.v1.keys import HOST_ID_PATTERN
+from memstore.v1.keys import HOST_ID_PATTERN, ip_host_id
+
+#: a Kubernetes label key: an optional DNS-subdomain prefix and '/', then a name of up to 63 characters
+NODE_LABEL = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
 def parse_address(text: str, what: str = "address") -> str:
@@ -134,7 +138,12 @@ def _opt(help: str, parse: Callable[[Any], Any] | None = None, **kw: Any) -> Any
 
 @dataclass(frozen=True)
 class StoreConfig:
-    host_id: str = _opt("Stable id of this host; a store restarted with the same id and --listen replaces it.", default="")
+    host_id: str = _opt(
+        "Stable id of this host; a store restarted with the same id and --listen replaces it. With --discovery dns:// it "
+        "may be left out: it is then the --listen IP with '.' and ':' as '-' (10.1.2.3 -> 10-1-2-3), the name DNS "
+        "discovery gives that IP.",
+        default="",
+    )
     listen: str = _opt(
         "HOST:PORT the gRPC server binds (port 0 picks a free port).", lambda v: parse_address(v, "--listen"), default="127.0.0.1:7070"
     )
@@ -146,6 +155,20 @@ class StoreConfig:
         "(what `memstore local-cluster --endpoints-file` writes); re-read when it changes.",
         str,
         default="",
+    )
+    health_listen: str = _opt(
+        "HOST:PORT of a plaintext gRPC server with only the standard grpc.health.v1 service (no token, no TLS; it tells "
+        "SERVING or NOT_SERVING, nothing else), for Kubernetes gRPC probes: service '' is liveness, service "
+        "'memstore.v1.Store' readiness (holds a slot, not draining, repair has confirmed every shard its slot should "
+        "hold). '' = off.",
+        lambda v: parse_address(v, "--health-listen") if v else "",
+        default="",
+    )
+    data_port: int = _opt(
+        "Port of the raw TCP data channel between stores, on the --listen host (0 picks a free port); fix it where a "
+        "firewall or NetworkPolicy lists ports.",
+        _number("--data-port", int, 0, False, "a port number"),
+        default=0,
     )
     discovery: str = _opt(
         "Learn the members from DNS: dns://NAME:PORT[?server=IP:PORT] (e.g. a Kubernetes headless Service); "
@@ -164,6 +187,13 @@ class StoreConfig:
     keep: int = _opt("Newest committed steps kept per job in RAM.", _positive_int("--keep"), default=2)
     placement: str = _opt("Placement strategy: mixed (GEMINI) or ring.", _choice("--placement", ("mixed", "ring")), default="mixed")
     failure_domain: str = _opt("This host's failure-domain label (rack, zone, node pool).", str, default="")
+    failure_domain_node_labels: str = _opt(
+        "Kubernetes: take --failure-domain from these labels of this host's Node, LABEL[,LABEL...] joined with '/' "
+        "(e.g. topology.kubernetes.io/zone). Read once at start from the API server with the pod's service account "
+        "(needs NODE_NAME from the downward API and RBAC get on nodes).",
+        str,
+        default="",
+    )
     failure_domains: dict[str, str] = _opt(
         "Failure-domain label of every host, ID=LABEL,...; groups then span domains where possible.", parse_domains, default_factory=dict
     )
@@ -303,6 +333,8 @@ class StoreConfig:
         return cls(**parsed).validated()
 
     def validated(self) -> StoreConfig:
+        if self.host_id == "" and isinstance(self.discovery, str) and self.discovery.startswith("dns://"):
+            return replace(self, host_id=self._host_id_from_listen()).validated()
         if not isinstance(self.host_id, str) or not HOST_ID_PATTERN.fullmatch(self.host_id):
             raise ConfigError(f"--host-id {self.host_id!r} is invalid: expected 1-64 characters of [A-Za-z0-9._-]")
         dynamic = [flag for flag, value in (("--peers-file", self.peers_file), ("--discovery", self.discovery)) if value]
@@ -335,6 +367,32 @@ class StoreConfig:
             raise ConfigError(f"--failure-domains: failure-domain labels {problem} (label every host, or none)")
         return checked
 
+    def _host_id_from_listen(self) -> str:
+        host = self.listen.rpartition(":")[0].strip("[]")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            ip = None
+        if ip is None or ip.is_unspecified:
+            raise ConfigError(
+                f"--host-id is not set and --listen {self.listen} is not one IP address: with --discovery dns:// a store "
+                "without --host-id is named after its --listen IP (e.g. --listen $(POD_IP):7070)"
+            )
+        return ip_host_id(str(ip))
+
+    def _check_ports_and_labels(self) -> None:
+        if self.data_port > 65535:
+            raise ConfigError(f"--data-port {self.data_port} is invalid: expected 0..65535")
+        if self.failure_domain_node_labels:
+            if self.failure_domain:
+                raise ConfigError("--failure-domain and --failure-domain-node-labels are exclusive: the label comes from one place")
+            bad = [label for label in self.failure_domain_node_labels.split(",") if not NODE_LABEL.fullmatch(label.strip())]
+            if bad:
+                raise ConfigError(
+                    f"--failure-domain-node-labels {self.failure_domain_node_labels!r} is invalid: {bad[0]!r} is not a "
+                    "Kubernetes label name (e.g. topology.kubernetes.io/zone)"
+                )
+
     def _validated_common(self, peers: tuple[tuple[str, str], ...]) -> StoreConfig:
         host = self.listen.rpartition(":")[0].strip("[]")
         if not self.auth_token_file and not self.insecure and not _loopback(host):
@@ -348,6 +406,7 @@ class StoreConfig:
             raise ConfigError(
                 "--tls-ca and --tls-cert/--tls-key go together: stores verify each other's certificates with --tls-ca"
             )
+        self._check_ports_and_labels()
         if not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ConfigError(f"--chunk-bytes {self.chunk_bytes} is invalid: expected 1..{MAX_CHUNK_BYTES}")
         domains = dict(self.failure_domains)

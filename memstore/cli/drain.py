@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -12,13 +13,20 @@ HELP = "make a store leave the cluster without losing what only it holds"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", required=True, help="address HOST:PORT of the store to drain")
+    p.add_argument(
+        "--store",
+        default=os.environ.get("MEMSTORE_LISTEN") or None,
+        help="address HOST:PORT of the store to drain (default: $MEMSTORE_LISTEN, the store's own --listen, so a "
+        "Kubernetes preStop hook in the store's container needs no address)",
+    )
     p.add_argument("--timeout", type=float, default=3.0, help="deadline of each RPC")
     p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the store to finish and exit (0 = do not wait)")
     add_credential_arguments(p)  # draining needs the admin token when auth is on
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.store:
+        raise argparse.ArgumentError(None, "--store HOST:PORT is required (or set MEMSTORE_LISTEN)")
     import grpc
 
     from memstore.v1 import store_pb2 as pb

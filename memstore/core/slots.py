@@ -93,6 +93,11 @@ class SlotTable:
     def newer_than(self, other: SlotTable) -> bool:
         return (self.version, self.digest) > (other.version, other.digest)
 
+    @property
+    def layout(self) -> tuple[tuple[int, str, str], ...]:
+        """(index, holder, domain) of every slot: what decides which shards each store holds, whatever the version."""
+        return tuple((s.index, s.host_id, s.domain) for s in self.slots)
+
     def same_assignment(self, other: SlotTable) -> bool:
         return self.version == other.version and self.digest == other.digest
 

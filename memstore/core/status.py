@@ -24,6 +24,7 @@ class HelloReport:
     data_port: int  # the bulk data channel's port (0 = none)
     slots: SlotTable = SlotTable()  # this store's slot table (peers adopt a newer one)
     draining: bool = False  # leaving on purpose: takes no new copies
+    failure_domain: str = ""  # this store's own failure-domain label ("" = none); DNS discovery learns labels here
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class HealthReport:
     drain_progress: str = ""
     slots: SlotTable = SlotTable()
     discovery: DiscoveryReport | None = None
+    not_ready: str = ""  # "" = ready for saves (the readiness probe); else why not
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import dns.reversename
 
 from memstore.errors import ConfigError, DiscoveryError
 from memstore.membership.members import Member, Members, host_id_problem, members_from
+from memstore.v1.keys import ip_host_id
 
 URL_FORMAT = "dns://NAME:PORT[?server=IP:PORT]"
 _LABEL = r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
@@ -100,7 +101,7 @@ class DnsDiscovery:
         answer = self._query(resolver, dns.reversename.from_address(ip), "PTR", nxdomain_ok=True)
         labels = sorted(rr.target.labels[0].decode("ascii", "replace") for rr in answer or () if rr.target.labels)
         valid = [label for label in labels if host_id_problem(label) is None]
-        return valid[0] if valid else ip.replace(".", "-").replace(":", "-")
+        return valid[0] if valid else ip_host_id(ip)
 
     def _query(
         self, resolver: dns.resolver.Resolver, qname: str | dns.name.Name, rdtype: str, nxdomain_ok: bool = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -17,9 +18,11 @@ import grpc
 from memstore.config import StoreConfig
 from memstore.errors import ConfigError
 from memstore.membership import DiscoverySource
+from memstore.membership.kube_node import node_failure_domain
 from memstore.server.auth import Authenticator
 from memstore.server.dataserver import DataServer
 from memstore.server.discovery import ClusterFollower
+from memstore.server.health import HealthServer
 from memstore.server.servicer import StoreServicer
 from memstore.server.store import Store
 from memstore.spill import build_spiller
@@ -59,11 +62,17 @@ class StoreServer:
             # The cluster knows this host by its real port: rewrite our own entry in the peer list.
             peers = tuple((h, self.address if h == config.host_id else a) for h, a in config.peers)
             config = replace(config, listen=self.address, peers=peers)
+        if config.failure_domain_node_labels:  # Kubernetes: this host's label comes from its Node
+            labels = config.failure_domain_node_labels
+            label = node_failure_domain(labels)
+            config = replace(config, failure_domain=label, failure_domain_node_labels="").validated()
+            log.info("failure domain %r (labels %s of node %s)", label, labels, os.environ.get("NODE_NAME"))
         self.config = config
         self.store = Store(config, advertised_address=self.address, credentials=credentials)
+        self.health = HealthServer(config.health_listen, self.store) if config.health_listen else None
         # The two tiers meet at memstore.spill.port; listeners (the DCP export) ride on the spill tier.
         self.store.durable = build_spiller(config, source=self.store, listeners=spill_listeners)
-        self.data_server = DataServer(host, self.store, tls=credentials.server_ssl_context())
+        self.data_server = DataServer(host, self.store, tls=credentials.server_ssl_context(), port=config.data_port)
         self.store.data_port = self.data_server.port
         self.follower = ClusterFollower(self.store, config, discovery)
         self.drain_requested = threading.Event()
@@ -74,6 +83,8 @@ class StoreServer:
         self.follower.join(timeout)
 
     def start(self) -> None:
+        if self.health is not None:
+            self.health.start()
         self._server.start()
         self.data_server.start()
         self.store.start()
@@ -91,6 +102,8 @@ class StoreServer:
         """Stop serving and close the engine. ``keep_files``: leave the segments in use (and their sidecars)
         on the tmpfs for the next store of this host to adopt; otherwise every segment file is removed."""
         self.follower.close()
+        if self.health is not None:
+            self.health.stop()
         self._server.stop(grace).wait(grace + 1)
         self.data_server.close()
         self.store.pool.keep_files_on_close = keep_files  # read by SegmentPool.close(), which Store.close() calls

@@ -168,6 +168,7 @@ def health_to_pb(h: HealthReport) -> pb.HealthResponse:
         draining=h.draining,
         drain_progress=h.drain_progress,
         slots=slots_to_pb(h.slots),
+        not_ready=h.not_ready,
         discovery=None
         if h.discovery is None
         else pb.DiscoveryStatus(

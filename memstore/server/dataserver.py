@@ -13,6 +13,7 @@ import socket
 import ssl
 import threading
 
+from memstore.errors import ConfigError
 from memstore.server.store import Store
 from memstore.v1 import datachannel
 
@@ -22,13 +23,17 @@ MAX_CONNECTIONS_PER_ADDRESS = 64  # concurrent data connections from one remote 
 
 
 class DataServer:
-    def __init__(self, host: str, store: Store, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, host: str, store: Store, tls: ssl.SSLContext | None = None, port: int = 0) -> None:
         self.store = store
         self._tls = tls  # serve TLS (and require client certificates when the context does)
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host.strip("[]"), 0))
+        try:
+            self._sock.bind((host.strip("[]"), port))
+        except OSError as exc:
+            self._sock.close()
+            raise ConfigError(f"--data-port {port}: cannot bind the data channel on {host}: {exc.strerror}") from None
         self._sock.listen(64)
         self.port: int = self._sock.getsockname()[1]
         self._stop = threading.Event()

@@ -21,28 +21,55 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 
 from memstore.config import StoreConfig
 from memstore.core.status import DiscoveryReport, HelloReport
 from memstore.errors import ConfigError, StoreError
-from memstore.membership import DiscoverySource, DnsDiscovery, Members, PeersFile, StaticPeers, Watcher
+from memstore.membership import DiscoverySource, DnsDiscovery, Member, Members, PeersFile, StaticPeers, Watcher
+from memstore.membership.self_labelled import SelfLabelled
 from memstore.server.store import Store
+from memstore.v1.security import Credentials
 
 log = logging.getLogger(__name__)
 
 GOSSIP_FANOUT = 3  # peers asked per round: a new table reaches every store in O(log N) rounds
+ASK_TIMEOUT_SECONDS = 2.0  # a member that does not answer its Hello within this is asked again next poll
 TAKEOVER_WAIT_SECONDS = 5.0  # how long a newcomer waits for the listed holder of its host id before taking the slot
 
 
-def source_for(config: StoreConfig) -> DiscoverySource:
-    """The discovery source ``config`` names: --peers-file, --discovery dns://..., else the fixed --peers list."""
+def source_for(config: StoreConfig, credentials: Credentials | None = None) -> DiscoverySource:
+    """The discovery source ``config`` names: --peers-file, --discovery dns://..., else the fixed --peers list.
+    DNS carries no failure-domain labels: with a label of our own, each member is asked for its own (Hello)."""
     if config.peers_file:
         return PeersFile(config.peers_file)
     if config.discovery == "fed":
         raise ConfigError("--discovery fed: the members are fed through Python; pass StoreServer(config, discovery=FedMembers())")
     if config.discovery:
-        return DnsDiscovery(config.discovery)
+        return SelfLabelled(DnsDiscovery(config.discovery), config.host_id, config.failure_domain, _asker(config, credentials))
     return StaticPeers(config.peers, config.failure_domains)
+
+
+def _asker(config: StoreConfig, credentials: Credentials | None) -> Callable[[Member], str | None]:
+    """``SelfLabelled``'s question: the label the store at ``member.address`` reports in its Hello (None: no answer,
+    or the store there is another host)."""
+    from memstore.server.peers import Peer
+
+    def ask(member: Member) -> str | None:
+        peer = Peer(member.host_id, member.address, credentials)
+        try:
+            hello = peer.hello(min(config.peer_timeout, ASK_TIMEOUT_SECONDS))
+        except StoreError as exc:
+            log.debug("failure-domain label of %s at %s: %s", member.host_id, member.address, exc)
+            return None
+        finally:
+            peer.close()
+        if hello.host_id != member.host_id:
+            log.warning("the store at %s is %s, not %s as discovery names it", member.address, hello.host_id, member.host_id)
+            return None
+        return hello.failure_domain
+
+    return ask
 
 
 class ClusterFollower:
@@ -51,7 +78,7 @@ class ClusterFollower:
     def __init__(self, store: Store, config: StoreConfig, source: DiscoverySource | None = None) -> None:
         self.store = store
         self.config = config
-        self.source = source or source_for(config)
+        self.source = source or source_for(config, store.peers.credentials)
         self.watcher = Watcher(self.source, config.discovery_interval, self._members_changed)
         self._stop = threading.Event()
         self._gossip = threading.Thread(target=self._gossip_loop, name="gossip", daemon=True)

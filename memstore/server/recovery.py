@@ -6,9 +6,10 @@ import logging
 import threading
 import time
 
-from memstore.core.model import Holding, Manifest, ShardKey, ShardState
+from memstore.core.model import Holding, Manifest, ShardInfo, ShardKey, ShardState
 from memstore.core.restorable import RestoreAnswer, latest_restorable, sources_for, split_timelines
 from memstore.core.retention import newest_versions
+from memstore.core.slots import SlotTable
 from memstore.errors import (
     ChecksumMismatch,
     DataChannelUnsupported,
@@ -28,6 +29,7 @@ from memstore.server.catalog import (
     ensure,
     holdings_of,
 )
+from memstore.server.membership import ClusterView
 from memstore.server.segments import Segment
 from memstore.spill.layout import SpilledManifest
 from memstore.v1.integrity import first_mismatch
@@ -39,6 +41,8 @@ log = logging.getLogger(__name__)
 
 class Recovery(Catalog):
     """Fetches missing shards (for a restore or for repair), and answers what is restorable across the cluster."""
+
+    repaired_table: SlotTable | None  # the table of the last repair pass that left nothing missing (readiness)
 
     def fetch(self, key: ShardKey, discard_local: bool) -> tuple[Manifest, str]:
         """Make sure this store holds a verified copy of ``key``, pulling it from a peer if needed."""
@@ -258,27 +262,14 @@ class Recovery(Catalog):
         view = self.membership.view  # one table for the whole pass
         owners = view.owned_slots()
         sources = view.repair_sources(owners)
-        if not sources or self.draining.is_set():
+        if self.draining.is_set():
+            return 0
+        if not sources:
+            self.repaired_table = view.table  # nobody else holds our slots' shards: nothing to confirm
             return 0
         listings = self.peers.list_all("", self.config.peer_timeout, hosts=sources)
-        wanted: dict[ShardKey, list[str]] = {}
-        copies: dict[str, list[tuple[ShardKey, float]]] = {}
-        for host, shards in listings.items():
-            if isinstance(shards, StoreError):
-                continue
-            for info in shards:
-                if not info.verified or info.state is None or not info.state.settled:
-                    continue
-                k = info.manifest.key
-                problem = key_problem(k.job_id, k.step, k.rank, info.manifest.world_size, k.timeline)
-                if problem:
-                    log.warning("repair: ignoring a copy peer %s lists: %s", host, problem)
-                    continue
-                if view.slot_name_of_owner(info.manifest.owner_host) not in owners:
-                    continue
-                key = info.manifest.key
-                wanted.setdefault(key, []).append(host)
-                copies.setdefault(key.job_id, []).append((key, info.manifest.created_unix))
+        complete = not any(isinstance(shards, StoreError) for shards in listings.values())
+        wanted, copies = _wanted(listings, view, owners)
         recent = {job: newest_versions(held, self.config.keep) for job, held in copies.items()}  # the abandoned run's steps rank lower
         pulled = 0
         for key in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank, k.timeline)):
@@ -294,8 +285,36 @@ class Recovery(Catalog):
                 pulled += 1
                 fault("repair.after_pull")
             except StoreError as exc:
+                complete = False
                 log.warning("repair of %s failed: %s", key, exc)
             finally:
                 with self._lock:
                     self._repairs_in_flight -= 1
+        if complete and not self._stop.is_set():
+            self.repaired_table = view.table  # every source answered and every shard we lacked is here: readiness
         return pulled
+
+
+def _wanted(
+    listings: dict[str, list[ShardInfo] | StoreError], view: ClusterView, owners: set[str]
+) -> tuple[dict[ShardKey, list[str]], dict[str, list[tuple[ShardKey, float]]]]:
+    """From the peers' listings: every settled, verified copy of a shard whose owner slot is one of ``owners``
+    (key -> the hosts that hold it), and per job the (key, created) pairs that rank its recent steps."""
+    wanted: dict[ShardKey, list[str]] = {}
+    copies: dict[str, list[tuple[ShardKey, float]]] = {}
+    for host, shards in listings.items():
+        if isinstance(shards, StoreError):
+            continue
+        for info in shards:
+            if not info.verified or info.state is None or not info.state.settled:
+                continue
+            k = info.manifest.key
+            problem = key_problem(k.job_id, k.step, k.rank, info.manifest.world_size, k.timeline)
+            if problem:
+                log.warning("repair: ignoring a copy peer %s lists: %s", host, problem)
+                continue
+            if view.slot_name_of_owner(info.manifest.owner_host) not in owners:
+                continue
+            wanted.setdefault(k, []).append(host)
+            copies.setdefault(k.job_id, []).append((k, info.manifest.created_unix))
+    return wanted, copies

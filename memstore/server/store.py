@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from memstore import __version__
 from memstore.config import StoreConfig
 from memstore.core.model import ShardKey
+from memstore.core.slots import SlotTable
 from memstore.core.status import DiscoveryReport, HealthReport, HelloReport, SpillReport
 from memstore.server.catalog import Entry, Lease, Ticket
 from memstore.server.drain import Drain
@@ -81,6 +82,7 @@ class Store(Drain):
         self.boot_id = boot_id()
         self.advertised_address = advertised_address or config.listen
         self.last_repair_error = ""
+        self.repaired_table: SlotTable | None = None  # the table of the last repair pass that left nothing missing
         self.durable: DurableTier | None = None  # set by the composition root (memstore.server.app) when --spill is on
         self.data_port = 0  # set by the server once the data channel listens
         if config.peers:  # a fixed --peers list: the table is known before serving
@@ -134,7 +136,31 @@ class Store(Drain):
             data_port=self.data_port,
             slots=view.table,
             draining=self.draining.is_set(),
+            failure_domain=self.config.failure_domain,
         )
+
+    def readiness(self) -> str:
+        """Why this store is not ready to take saves ("" = ready): Kubernetes' readiness (``--health-listen``)
+        and ``memstore status``. Ready means serving, not draining, holding a slot, and a repair pass under the
+        current slot assignment found every shard the slot should hold here (so the next store may go)."""
+        if self._stop.is_set():
+            return "stopping"
+        if self.draining.is_set():
+            return "draining"
+        view = self.membership.view
+        if view.my_slot is None:
+            return "holds no slot yet (discovery does not list it, or no slot is free)"
+        repaired = self.repaired_table
+        if repaired is None or view.table.layout != repaired.layout:
+            return f"repairing: copies for slot {view.my_slot.index} are not all here yet"
+        return ""
+
+    def alive(self, timeout: float) -> bool:
+        """Liveness: the engine's lock can be taken within ``timeout`` seconds (a deadlocked store says False)."""
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._lock.release()
+        return True
 
     def health(self) -> HealthReport:
         with self._lock:
@@ -166,4 +192,5 @@ class Store(Drain):
             drain_progress=self.drain_progress,
             slots=self.membership.view.table,
             discovery=self.discovery,
+            not_ready=self.readiness(),
         )

@@ -41,6 +41,12 @@ def host_id_problem(host_id: str, what: str = "host id") -> str | None:
     return None
 
 
+def ip_host_id(ip: str) -> str:
+    """The host id of a store known only by its IP: ``10.0.0.7`` -> ``10-0-0-7`` (IPv6 ':' too), the name Kubernetes
+    gives a pod without a hostname; DNS discovery and a store started without ``--host-id`` both use it."""
+    return ip.strip("[]").replace(".", "-").replace(":", "-")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -97,7 +97,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("host_id", "version", "replicas", "peer_ids", "peer_addresses", "shm_dir", "boot_id", "capacity_bytes", "max_chunk_bytes", "placement", "data_port", "slots", "draining")
+    __slots__ = ("host_id", "version", "replicas", "peer_ids", "peer_addresses", "shm_dir", "boot_id", "capacity_bytes", "max_chunk_bytes", "placement", "data_port", "slots", "draining", "failure_domain")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class HelloResponse(_message.Message):
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     version: str
     replicas: int
@@ -124,7 +125,8 @@ class HelloResponse(_message.Message):
     data_port: int
     slots: SlotTable
     draining: bool
-    def __init__(self, host_id: _Optional[str] = ..., version: _Optional[str] = ..., replicas: _Optional[int] = ..., peer_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., boot_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., placement: _Optional[str] = ..., data_port: _Optional[int] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    failure_domain: str
+    def __init__(self, host_id: _Optional[str] = ..., version: _Optional[str] = ..., replicas: _Optional[int] = ..., peer_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., boot_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., placement: _Optional[str] = ..., data_port: _Optional[int] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., draining: _Optional[bool] = ..., failure_domain: _Optional[str] = ...) -> None: ...
 
 class SlotTable(_message.Message):
     __slots__ = ("version", "slots")
@@ -169,7 +171,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "host_id", "used_bytes", "capacity_bytes", "shards", "replications_in_flight", "repairs_in_flight", "uptime_seconds", "spill_url", "spill", "orphans", "adopted_shards", "draining", "drain_progress", "slots", "discovery")
+    __slots__ = ("serving", "host_id", "used_bytes", "capacity_bytes", "shards", "replications_in_flight", "repairs_in_flight", "uptime_seconds", "spill_url", "spill", "orphans", "adopted_shards", "draining", "drain_progress", "slots", "discovery", "not_ready")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +188,7 @@ class HealthResponse(_message.Message):
     DRAIN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     DISCOVERY_FIELD_NUMBER: _ClassVar[int]
+    NOT_READY_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     host_id: str
     used_bytes: int
@@ -202,7 +205,8 @@ class HealthResponse(_message.Message):
     drain_progress: str
     slots: SlotTable
     discovery: DiscoveryStatus
-    def __init__(self, serving: _Optional[bool] = ..., host_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., replications_in_flight: _Optional[int] = ..., repairs_in_flight: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., spill_url: _Optional[str] = ..., spill: _Optional[_Iterable[_Union[SpillStatus, _Mapping]]] = ..., orphans: _Optional[_Iterable[_Union[OrphanedSegments, _Mapping]]] = ..., adopted_shards: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_progress: _Optional[str] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., discovery: _Optional[_Union[DiscoveryStatus, _Mapping]] = ...) -> None: ...
+    not_ready: str
+    def __init__(self, serving: _Optional[bool] = ..., host_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., replications_in_flight: _Optional[int] = ..., repairs_in_flight: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., spill_url: _Optional[str] = ..., spill: _Optional[_Iterable[_Union[SpillStatus, _Mapping]]] = ..., orphans: _Optional[_Iterable[_Union[OrphanedSegments, _Mapping]]] = ..., adopted_shards: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_progress: _Optional[str] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., discovery: _Optional[_Union[DiscoveryStatus, _Mapping]] = ..., not_ready: _Optional[str] = ...) -> None: ...
 
 class OrphanedSegments(_message.Message):
     __slots__ = ("path", "host_id", "bytes", "files")

@@ -3,80 +3,19 @@
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Iterator
 
-import dns.reversename
 import pytest
-from dnslib import AAAA, PTR, QTYPE, RCODE, RR, A, DNSRecord
-from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 from memstore.devtools.cluster import wait_for
 from memstore.errors import DiscoveryError
 from memstore.membership import DnsDiscovery, Member, Members, Watcher
+from tests.harness.dns import DnsServer, ptr_name
 
 pytestmark = pytest.mark.integration
 
 NAME = "stores.memstore.test."
 PORT = 7070
-RDATA = {"A": A, "AAAA": AAAA, "PTR": PTR}
-
-
-def ptr_name(ip: str) -> str:
-    return str(dns.reversename.from_address(ip))
-
-
-class Zone(BaseResolver):
-    """Answers from ``records`` (name -> record type -> values), which the test changes while the server runs.
-
-    A name that is absent answers NXDOMAIN; a name present without records of the asked type answers no
-    records; a record type in ``servfail`` answers SERVFAIL.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.records: dict[str, dict[str, list[str]]] = {}
-        self.servfail: set[str] = set()
-
-    def set(self, name: str, rtype: str, *values: str) -> None:
-        with self.lock:
-            self.records.setdefault(name, {})[rtype] = list(values)
-
-    def drop(self, name: str) -> None:
-        with self.lock:
-            self.records.pop(name, None)
-
-    def resolve(self, request: DNSRecord, handler: object) -> DNSRecord:
-        reply = request.reply()
-        qname, rtype = str(request.q.qname).lower(), QTYPE[request.q.qtype]
-        with self.lock:
-            if rtype in self.servfail:
-                reply.header.rcode = RCODE.SERVFAIL
-            elif qname not in self.records:
-                reply.header.rcode = RCODE.NXDOMAIN
-            for value in self.records.get(qname, {}).get(rtype, []) if rtype in RDATA else []:
-                reply.add_answer(RR(qname, getattr(QTYPE, rtype), rdata=RDATA[rtype](value), ttl=0))
-        return reply
-
-
-class DnsServer:
-    def __init__(self) -> None:
-        self.zone = Zone()
-        self.server = DNSServer(self.zone, address="127.0.0.1", port=0, logger=DNSLogger("-request,-reply,-truncated", logf=print))
-        self.port = self.server.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-        self.thread.start()
-        self.running = True
-
-    def url(self, name: str = NAME) -> str:
-        return f"dns://{name}:{PORT}?server=127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.running:
-            self.running = False
-            self.server.stop()
-            self.thread.join()
-            self.server.server.server_close()
 
 
 @pytest.fixture
@@ -100,7 +39,7 @@ def test_members_follow_the_records(dns_server: DnsServer) -> None:
     zone = dns_server.zone
     zone.set(NAME, "A", "127.0.0.1", "127.0.0.2")
     zone.set(ptr_name("127.0.0.1"), "PTR", "store-0.stores.ns.svc.cluster.local.")  # a pod with hostname/subdomain
-    source = DnsDiscovery(dns_server.url(), timeout=1)
+    source = DnsDiscovery(dns_server.url(NAME, PORT), timeout=1)
     assert source.members() == as_members(member("store-0", "127.0.0.1"), member("127-0-0-2", "127.0.0.2"))
     zone.set(NAME, "A", "127.0.0.1", "127.0.0.3")
     zone.set(ptr_name("127.0.0.3"), "PTR", "store-2.stores.ns.svc.cluster.local.")
@@ -113,7 +52,7 @@ def test_aaaa_records(dns_server: DnsServer) -> None:
     zone = dns_server.zone
     zone.set(NAME, "A", "127.0.0.1")
     zone.set(NAME, "AAAA", "::1")
-    source = DnsDiscovery(dns_server.url(), timeout=1)
+    source = DnsDiscovery(dns_server.url(NAME, PORT), timeout=1)
     assert source.members() == as_members(member("127-0-0-1", "127.0.0.1"), member("--1", "::1"))
     zone.set(ptr_name("::1"), "PTR", "store-v6.stores.ns.svc.cluster.local.")
     zone.drop(NAME)
@@ -123,7 +62,7 @@ def test_aaaa_records(dns_server: DnsServer) -> None:
 
 def test_nobody_is_an_error(dns_server: DnsServer) -> None:
     zone = dns_server.zone
-    source = DnsDiscovery(dns_server.url(), timeout=1)
+    source = DnsDiscovery(dns_server.url(NAME, PORT), timeout=1)
     with pytest.raises(DiscoveryError) as info:
         source.members()
     assert str(info.value) == f"--discovery {source.url}: {NAME} does not exist (NXDOMAIN from DNS server 127.0.0.1:{dns_server.port})"
@@ -138,14 +77,14 @@ def test_same_host_id_twice_is_an_error(dns_server: DnsServer) -> None:
     zone.set(ptr_name("127.0.0.1"), "PTR", "store-0.a.example.")
     zone.set(ptr_name("127.0.0.2"), "PTR", "store-0.b.example.")
     with pytest.raises(DiscoveryError, match=re.escape("127.0.0.1 and 127.0.0.2 both have host id 'store-0'")):
-        DnsDiscovery(dns_server.url(), timeout=1).members()
+        DnsDiscovery(dns_server.url(NAME, PORT), timeout=1).members()
 
 
 def test_failing_ptr_query_fails_the_answer(dns_server: DnsServer) -> None:
     zone = dns_server.zone
     zone.set(NAME, "A", "127.0.0.1")
     zone.set(ptr_name("127.0.0.1"), "PTR", "store-0.stores.example.")
-    source = DnsDiscovery(dns_server.url(), timeout=1)
+    source = DnsDiscovery(dns_server.url(NAME, PORT), timeout=1)
     assert list(source.members()) == ["store-0"]
     zone.servfail.add("PTR")  # no falling back to "127-0-0-1": the host id would flip
     with pytest.raises(DiscoveryError, match=r"the PTR query for 1\.0\.0\.127\.in-addr\.arpa\. to DNS server 127\.0\.0\.1:\d+ failed"):
@@ -157,7 +96,7 @@ def test_watcher_keeps_last_good_members_through_nxdomain_and_a_dead_server(dns_
     zone.set(NAME, "A", "127.0.0.1")
     zone.set(ptr_name("127.0.0.1"), "PTR", "store-0.stores.example.")
     calls: list[Members] = []
-    with Watcher(DnsDiscovery(dns_server.url(), timeout=0.3), 0.02, calls.append) as watcher:
+    with Watcher(DnsDiscovery(dns_server.url(NAME, PORT), timeout=0.3), 0.02, calls.append) as watcher:
         assert watcher.poll_once() and calls == [as_members(member("store-0", "127.0.0.1"))]
         watcher.start()
         zone.set(NAME, "A", "127.0.0.1", "127.0.0.2")
@@ -177,7 +116,7 @@ def test_watcher_keeps_last_good_members_through_nxdomain_and_a_dead_server(dns_
         dns_server.stop()
         wait_for(lambda: watcher.status().consecutive_failures >= 1, timeout=5, what="a poll of the stopped server")
         status = watcher.status()
-        assert status.error.startswith(f"--discovery {dns_server.url()}: ") and "to DNS server 127.0.0.1:" in status.error
+        assert status.error.startswith(f"--discovery {dns_server.url(NAME, PORT)}: ") and "to DNS server 127.0.0.1:" in status.error
         assert status.members == as_members(member("127-0-0-2", "127.0.0.2"))
         assert len(calls) == 3  # neither failures nor the recovery to the same members were changes
 

@@ -58,3 +58,36 @@ def test_bad_config_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
     f.write_text('[store]\nhost_id = "h0"\nbogus = 1\n')
     with pytest.raises(ConfigError, match="unknown configuration keys: bogus"):
         StoreConfig.load({}, env={}, config_file=f)
+
+
+def test_host_id_from_the_listen_ip_with_dns_discovery() -> None:
+    dns = {"discovery": "dns://memstore-peers.ns.svc.cluster.local:7070", "insecure": "true"}
+    assert StoreConfig.load({**dns, "listen": "10.1.2.3:7070"}, env={}).host_id == "10-1-2-3"
+    assert StoreConfig.load({**dns, "listen": "[fd00::7]:7070"}, env={}).host_id == "fd00--7"
+    assert StoreConfig.load({**dns, "listen": "10.1.2.3:7070", "host_id": "pod-0"}, env={}).host_id == "pod-0"
+    with pytest.raises(ConfigError, match=r"--host-id is not set and --listen 0\.0\.0\.0:7070 is not one IP address"):
+        StoreConfig.load({**dns, "listen": "0.0.0.0:7070"}, env={})
+    with pytest.raises(ConfigError, match="--host-id ''"):  # without DNS discovery the id stays required
+        StoreConfig.load({"listen": "127.0.0.1:7070", "replicas": "1"}, env={})
+
+
+@pytest.mark.parametrize(
+    ("cli", "message"),
+    [
+        ({"data_port": "70000"}, "--data-port 70000 is invalid: expected 0..65535"),
+        ({"data_port": "x"}, "--data-port 'x' is invalid"),
+        ({"health_listen": "7072"}, "--health-listen '7072' is invalid"),
+        ({"failure_domain_node_labels": "zone,Bad Label"}, "'Bad Label' is not a Kubernetes label name"),
+        ({"failure_domain_node_labels": "topology.kubernetes.io/zone", "failure_domain": "z1"}, "are exclusive"),
+    ],
+)
+def test_kubernetes_flags_name_what_is_wrong(cli: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        StoreConfig.load({"host_id": "h0", "replicas": "1", **cli}, env={})
+
+
+def test_kubernetes_flags_parse() -> None:
+    labels = "topology.kubernetes.io/zone,example.com/rack"
+    cli = {"host_id": "h0", "replicas": "1", "data_port": "7071", "health_listen": "127.0.0.1:7072", "failure_domain_node_labels": labels}
+    c = StoreConfig.load(cli, env={})
+    assert (c.data_port, c.health_listen, c.failure_domain_node_labels) == (7071, "127.0.0.1:7072", labels)

@@ -90,6 +90,7 @@ def _host_row(hid: str, addr: str, timeout: float) -> dict[str, Any]:
         "adopted_shards": h.adopted_shards,
         "draining": h.draining,
         "drain_progress": h.drain_progress,
+        "not_ready": h.not_ready,
         "discovery": {"source": h.discovery.source, "members": h.discovery.members, "error": h.discovery.error},
     }
 
@@ -105,6 +106,7 @@ def _print_host(r: dict[str, Any]) -> None:
         f"shards={r['shards']} replicating={r['replicating']} repairing={r['repairing']}"
         + (f" adopted={r['adopted_shards']}" if r["adopted_shards"] else "")
         + (f" DRAINING: {r['drain_progress']}" if r["draining"] else "")
+        + (f" NOT READY: {r['not_ready']}" if r["not_ready"] and not r["draining"] else "")
     )
     if r["discovery"]["error"]:
         print(f"           discovery FAILING ({r['discovery']['source']}), keeping the last good membership: {r['discovery']['error']}")

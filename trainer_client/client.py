@@ -75,6 +75,8 @@ def _populate_for_reading(mm: mmap.mmap) -> None:
 
 
 RUN_ID_ENV = "MEMSTORE_RUN_ID"
+STORE_ENV = "MEMSTORE_STORE"  # the node-local store's address when the code passes none (Kubernetes: the downward API's host IP)
+DEFAULT_STORE = "127.0.0.1:7070"
 _MAX_RUN_ID = 100  # leaves room for ".<epoch>" within the 128 characters of a timeline
 _PROCESS_RUN_ID = f"p{time.time_ns():x}-{secrets.token_hex(4)}"  # shared by every client of this process
 
@@ -175,7 +177,8 @@ class CheckpointClient:
     Args:
         job_id: the training run, ``[A-Za-z0-9._-]{1,128}``.
         rank, world_size: this trainer's rank and the number of ranks of the job.
-        store: address of the store on this host.
+        store: address of the store on this host; default: ``MEMSTORE_STORE`` (on Kubernetes the pod sets it
+            to ``$(HOST_IP):7070`` from the downward API), else ``127.0.0.1:7070``.
         timeout: deadline in seconds of each control call (and of the initial connection).
         on_capacity: ``"raise"`` (default) raises CapacityExceededError when the store is full;
             ``"skip"`` logs it and returns a handle with ``skipped=True`` so training goes on.
@@ -197,7 +200,7 @@ class CheckpointClient:
         job_id: str,
         rank: int,
         world_size: int,
-        store: str = "127.0.0.1:7070",
+        store: str | None = None,
         *,
         timeout: float = 60.0,
         on_capacity: str = "raise",
@@ -228,11 +231,11 @@ class CheckpointClient:
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
-        self.address = store
+        self.address = store or os.environ.get(STORE_ENV) or DEFAULT_STORE
         self.timeout = timeout
         self.on_capacity = on_capacity
         self.credentials = client_credentials(auth_token, tls_ca, tls_cert, tls_key)
-        self._channel, self._stub = store_stub(store, self.credentials)
+        self._channel, self._stub = store_stub(self.address, self.credentials)
         self._mappings: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
@@ -244,11 +247,12 @@ class CheckpointClient:
                 else ""
             )
             hint = f"is `memstore serve` running there?{tls}"
-            raise StoreUnavailableError(f"store at {store} not reachable within {timeout}s; {hint}") from None
+            source = "" if store else f" (from {STORE_ENV})" if os.environ.get(STORE_ENV) else " (the default)"
+            raise StoreUnavailableError(f"store at {self.address}{source} not reachable within {timeout}s; {hint}") from None
         self.hello = self._call(lambda t: self._stub.Hello(pb.HelloRequest(), timeout=t), "connect to store")
         same_machine = bool(self.hello.shm_dir) and self.hello.boot_id == boot_id() and os.path.isdir(self.hello.shm_dir)
         if use_shared_memory and not same_machine:
-            raise InvalidArgumentError(f"store at {store} shares no memory with this process (different machine or no --shm-dir)")
+            raise InvalidArgumentError(f"store at {self.address} shares no memory with this process (different machine or no --shm-dir)")
         self.shared_memory = same_machine if use_shared_memory is None else use_shared_memory
         self.last_load_source = ""
         self.last_restore_note = ""

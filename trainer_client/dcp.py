@@ -237,7 +237,7 @@ class MemStoreWriter(StorageWriter):
         job_id: the training run, ``[A-Za-z0-9._-]{1,128}``.
         step: the step to save; may instead come from ``dcp.save(..., checkpoint_id=step)``
             (an int, its decimal string, or ``"memstore://<job_id>/<step>"``).
-        store: address of the store on this host.
+        store: address of the store on this host (default: ``MEMSTORE_STORE``, else ``127.0.0.1:7070``).
         world_size, rank: by default (None) both come from the process group DCP saves with
             (``dcp.save(..., process_group=...)``, else the default group): the coordinator hands every
             rank the group's size and its rank in it through the save plan. Passed explicitly they are
@@ -263,7 +263,7 @@ class MemStoreWriter(StorageWriter):
         self,
         job_id: str,
         step: int | None = None,
-        store: str = "127.0.0.1:7070",
+        store: str | None = None,
         *,
         world_size: int | None = None,
         rank: int | None = None,
@@ -542,7 +542,8 @@ class MemStoreReader(StorageReader):
         job_id: the training run.
         step: the step to load; None (default) = the newest restorable step.
             ``dcp.load(..., checkpoint_id=step)`` sets it too.
-        store: address of the store on this host; shards of any rank are fetched through it.
+        store: address of the store on this host (default: ``MEMSTORE_STORE``, else ``127.0.0.1:7070``); shards
+            of any rank are fetched through it.
         timeout: deadline of each control call to the store, in seconds.
         zero_copy: map shards copy-on-write instead of copying them (they are copied into the
             destination tensors anyway).
@@ -565,7 +566,7 @@ class MemStoreReader(StorageReader):
         self,
         job_id: str,
         step: int | None = None,
-        store: str = "127.0.0.1:7070",
+        store: str | None = None,
         *,
         timeout: float = 60.0,
         zero_copy: bool = True,

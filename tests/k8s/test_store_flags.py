@@ -4,7 +4,6 @@ NetworkPolicy, discovery name, preStop drain, mounted files, the example trainer
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -35,15 +34,14 @@ from tests.k8s.manifests import (
     workloads,
 )
 from tests.k8s.render import containers
-from trainer_client.client import RUN_ID_ENV
+from trainer_client.client import RUN_ID_ENV, STORE_ENV
 
 pytestmark = pytest.mark.k8s
 
-#: the variables memstore's clients read (trainer_client, the CLI): credentials and the run id
-CLIENT_ENV = {*CREDENTIAL_ENV.values(), "MEMSTORE_AUTH_TOKEN", RUN_ID_ENV}
-STORE_ENV = {f"MEMSTORE_{f.name.upper()}" for f in fields(StoreConfig)} | {"MEMSTORE_CONFIG"}
-#: read by the example scripts (examples/*.py), not by the library: allowed only where such a script runs
-EXAMPLE_ENV = {"MEMSTORE_STORE"}
+#: the variables memstore's clients read (trainer_client, the CLI): store address, credentials, run id
+CLIENT_ENV = {STORE_ENV, *CREDENTIAL_ENV.values(), "MEMSTORE_AUTH_TOKEN", RUN_ID_ENV}
+#: the store's: one per StoreConfig field, and the config file
+SERVER_ENV = {f"MEMSTORE_{f.name.upper()}" for f in fields(StoreConfig)} | {"MEMSTORE_CONFIG"}
 EXAMPLES_IN_IMAGE = "/opt/memstore/examples/"
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
@@ -167,24 +165,13 @@ def test_every_file_the_store_reads_is_mounted(store: Deployed) -> None:
 
 @pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
 def test_memstore_env_vars_are_real(name: str) -> None:
-    """Every MEMSTORE_* variable names a StoreConfig field, a client variable, or one the container's example script reads."""
+    """Every MEMSTORE_* variable in the manifests names a StoreConfig field or a variable memstore's clients read."""
     for doc in workloads(rendered(name)):
         for c in containers(spec_of(doc)):
-            script_vars = _example_script_vars(argv(doc, c))
             for env in c.get("env", []):
                 var = env["name"]
                 if var.startswith("MEMSTORE_"):
-                    assert var in STORE_ENV | CLIENT_ENV | script_vars, f"{name}: {doc['metadata']['name']}/{c['name']} sets unknown {var}"
-
-
-def _example_script_vars(line: list[str]) -> set[str]:
-    found: set[str] = set()
-    for part in line:
-        if part.startswith(EXAMPLES_IN_IMAGE):
-            source = ROOT / "examples" / part.removeprefix(EXAMPLES_IN_IMAGE)
-            assert source.is_file(), f"{part}: no examples/{source.name} to put into the image"
-            found |= EXAMPLE_ENV & set(re.findall(r"MEMSTORE_[A-Z_]+", source.read_text()))
-    return found
+                    assert var in SERVER_ENV | CLIENT_ENV, f"{name}: {doc['metadata']['name']}/{c['name']} sets {var}, which nothing reads"
 
 
 def test_example_job_reaches_its_node_store(tmp_path: Path) -> None:
@@ -212,4 +199,6 @@ def test_example_job_reaches_its_node_store(tmp_path: Path) -> None:
     assert found is not None and "secret" in found[0]
     line = argv(job, trainer)
     assert "--job=ddp-example" in line
+    scripts = [part.removeprefix(EXAMPLES_IN_IMAGE) for part in line if part.startswith(EXAMPLES_IN_IMAGE)]
+    assert scripts and all((ROOT / "examples" / script).is_file() for script in scripts), "the Job runs a script of examples/"
     assert line[0] == "torchrun" and f"--node-rank={DOWNWARD_API[COMPLETION_INDEX]}" in line

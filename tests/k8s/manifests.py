@@ -99,11 +99,13 @@ def expand(text: str, env: dict[str, str]) -> str:
     return _VAR.sub(sub, text)
 
 
-def container_env(doc: dict[str, Any], c: dict[str, Any]) -> dict[str, str]:
-    """The container's environment as kubelet builds it: downward-API values, ``$(VAR)`` of earlier entries expanded.
+def container_env(doc: dict[str, Any], c: dict[str, Any], downward: dict[str, str] | None = None) -> dict[str, str]:
+    """The container's environment as kubelet builds it: downward-API values (``downward``, default
+    :data:`DOWNWARD_API`), ``$(VAR)`` of earlier entries expanded.
 
     Values from Secrets and ConfigMaps (``secretKeyRef``, ``envFrom``) are not known here and left out.
     """
+    downward = DOWNWARD_API if downward is None else downward
     env: dict[str, str] = {}
     for entry in c.get("env", []):
         if "value" in entry:
@@ -112,15 +114,15 @@ def container_env(doc: dict[str, Any], c: dict[str, Any]) -> dict[str, str]:
         field_ref = (entry.get("valueFrom") or {}).get("fieldRef")
         if field_ref:
             path = field_ref["fieldPath"]
-            value = doc["metadata"].get("namespace", "default") if path == "metadata.namespace" else DOWNWARD_API.get(path)
+            value = doc["metadata"].get("namespace", "default") if path == "metadata.namespace" else downward.get(path)
             assert value is not None, f"{entry['name']}: no sample value for fieldPath {path}"
             env[entry["name"]] = value
     return env
 
 
-def argv(doc: dict[str, Any], c: dict[str, Any]) -> list[str]:
+def argv(doc: dict[str, Any], c: dict[str, Any], downward: dict[str, str] | None = None) -> list[str]:
     """The container's command line after kubelet's expansion (command + args; the image's ENTRYPOINT is not added)."""
-    env = container_env(doc, c)
+    env = container_env(doc, c, downward)
     return [expand(str(a), env) for a in [*c.get("command", []), *c.get("args", [])]]
 
 

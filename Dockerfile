@@ -7,8 +7,7 @@ ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 # --- builder: a virtual environment with memstore and its pinned dependencies -----------------------------------
 FROM ${PYTHON_IMAGE} AS builder
 ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src

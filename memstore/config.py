@@ -290,6 +290,13 @@ class StoreConfig:
     tls_ca: str = _opt(
         "PEM CA bundle: verifies peers' certificates, and clients must present one it signed (mutual TLS).", str, default=""
     )
+    tls_server_name: str = _opt(
+        "The name (a DNS SAN) every store's certificate carries: peers' certificates are checked for it instead of the "
+        "address dialed (Kubernetes: stores are dialed by pod IPs, which change; one certificate for "
+        "memstore-peers.<ns>.svc serves them all). Clients: MEMSTORE_TLS_SERVER_NAME. '' = the address dialed.",
+        str,
+        default="",
+    )
     tls_client_auth: bool = _opt(
         "With TLS, require every client to present a certificate signed by --tls-ca (mutual TLS); --no-tls-client-auth "
         "accepts clients without one (they still verify the store, and need a token when auth is on).",
@@ -402,6 +409,8 @@ class StoreConfig:
             )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together")
+        if self.tls_server_name and not self.tls_cert:
+            raise ConfigError("--tls-server-name needs TLS (--tls-cert, --tls-key and --tls-ca)")
         if bool(self.tls_ca) != bool(self.tls_cert):
             raise ConfigError(
                 "--tls-ca and --tls-cert/--tls-key go together: stores verify each other's certificates with --tls-ca"

@@ -24,16 +24,20 @@ CREDENTIAL_ENV = {
     "tls_ca": "MEMSTORE_TLS_CA",
     "tls_cert": "MEMSTORE_TLS_CERT",
     "tls_key": "MEMSTORE_TLS_KEY",
+    "tls_server_name": "MEMSTORE_TLS_SERVER_NAME",
 }
 
 
 def add_credential_arguments(p: argparse.ArgumentParser) -> None:
     """``--auth-token-file`` and ``--tls-ca/--tls-cert/--tls-key`` for a command that talks to stores."""
-    g = p.add_argument_group("credentials (also MEMSTORE_AUTH_TOKEN[_FILE], MEMSTORE_TLS_CA/CERT/KEY)")
+    g = p.add_argument_group("credentials (also MEMSTORE_AUTH_TOKEN[_FILE], MEMSTORE_TLS_CA/CERT/KEY/SERVER_NAME)")
     g.add_argument("--auth-token-file", default=None, metavar="PATH", help="file holding the token to present (cluster, job or admin)")
     g.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle that verifies the stores' certificates (turns TLS on)")
     g.add_argument("--tls-cert", default=None, metavar="PEM", help="this client's certificate (mutual TLS)")
     g.add_argument("--tls-key", default=None, metavar="PEM", help="this client's private key")
+    g.add_argument(
+        "--tls-server-name", default=None, metavar="NAME", help="the name the stores' certificates carry, checked instead of the address"
+    )
 
 
 def apply_credential_arguments(args: argparse.Namespace) -> None:

@@ -50,7 +50,8 @@ class StoreServer:
         # Who may call (tokens -> roles) and what this store presents to its peers (the cluster token, its TLS identity).
         auth = Authenticator.from_files(config.auth_token_file, config.admin_token_file, config.job_tokens_file)
         credentials = Credentials(token=read_token_file(config.auth_token_file, "--auth-token-file") if config.auth_token_file else "",
-                                  ca=config.tls_ca, cert=config.tls_cert, key=config.tls_key)  # fmt: skip
+                                  ca=config.tls_ca, cert=config.tls_cert, key=config.tls_key,
+                                  server_name=config.tls_server_name)  # fmt: skip
         if config.tls_cert:
             bound = self._server.add_secure_port(config.listen, credentials.server_credentials(config.tls_client_auth))
         else:

@@ -160,7 +160,7 @@ class Peer:
             raise _peer_error(self.host_id, "PrepareReceive", err) from None
         deadline = time.monotonic() + timeout
         try:
-            with datachannel.connect(self.host, ticket.data_port, control_timeout, self._ssl) as sock:
+            with datachannel.connect(self.host, ticket.data_port, control_timeout, self._ssl, self.credentials.server_name) as sock:
                 sock.sendall(ticket.ticket)
                 datachannel.send_all(sock, view, deadline, on_piece=lambda: fault("replicate.after_chunk"))
                 error = datachannel.read_status(sock, deadline)
@@ -183,7 +183,7 @@ class Peer:
         dest = into(manifest)
         deadline = time.monotonic() + timeout
         try:
-            with datachannel.connect(self.host, prepared.data_port, control_timeout, self._ssl) as sock:
+            with datachannel.connect(self.host, prepared.data_port, control_timeout, self._ssl, self.credentials.server_name) as sock:
                 sock.sendall(prepared.ticket)
                 datachannel.receive_verified(sock, manifest, dest, deadline)
         except DataChannelError as exc:

@@ -58,7 +58,10 @@ def store_stub(address: str, credentials: Credentials | None = None) -> tuple[gr
 
     creds = credentials if credentials is not None else Credentials.from_env()
     secure = creds.tls
-    channel = grpc.secure_channel(address, creds.channel_credentials(), options=CHANNEL_OPTIONS) if secure else insecure_channel(address)
+    if secure:
+        channel = grpc.secure_channel(address, creds.channel_credentials(), options=[*CHANNEL_OPTIONS, *creds.channel_options()])
+    else:
+        channel = insecure_channel(address)
     channel = creds.wrap(channel)
     return channel, pb_grpc.StoreStub(channel)
 

@@ -36,8 +36,9 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-def connect(host: str, port: int, timeout: float, tls: ssl.SSLContext | None = None) -> socket.socket:
-    """A data connection to ``host:port``; with ``tls``, the server's certificate is verified for ``host``."""
+def connect(host: str, port: int, timeout: float, tls: ssl.SSLContext | None = None, server_name: str = "") -> socket.socket:
+    """A data connection to ``host:port``; with ``tls``, the server's certificate is verified for ``server_name``
+    (default: ``host``)."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
@@ -46,7 +47,7 @@ def connect(host: str, port: int, timeout: float, tls: ssl.SSLContext | None = N
     if tls is None:
         return sock
     try:
-        return tls.wrap_socket(sock, server_hostname=host)
+        return tls.wrap_socket(sock, server_hostname=server_name or host)
     except (ssl.SSLError, ssl.CertificateError, OSError) as exc:
         sock.close()
         raise DataChannelError(f"TLS handshake with data channel {host}:{port} failed: {exc}") from None

@@ -7,7 +7,9 @@ mutual TLS, which a store started with ``--tls-ca`` requires).
 
 Clients read these from their arguments or from the environment: ``MEMSTORE_AUTH_TOKEN`` (the token
 itself) or ``MEMSTORE_AUTH_TOKEN_FILE``, and ``MEMSTORE_TLS_CA``, ``MEMSTORE_TLS_CERT``,
-``MEMSTORE_TLS_KEY`` (paths). Tokens are never logged or echoed: ``repr`` hides them.
+``MEMSTORE_TLS_KEY`` (paths), and ``MEMSTORE_TLS_SERVER_NAME``: the name the stores' certificates carry,
+checked instead of the address dialed (stores reached by pod IPs that change share one certificate for
+a fixed name). Tokens are never logged or echoed: ``repr`` hides them.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Credentials:
     ca: str = ""  # path of the CA bundle that verifies the other side ("" = no TLS)
     cert: str = ""  # this side's certificate chain (PEM path)
     key: str = field(default="", repr=False)  # this side's private key (PEM path)
+    server_name: str = ""  # the name the other side's certificate must carry ("" = the host dialed)
 
     def __post_init__(self) -> None:
         if self.token and token_problem(self.token):
@@ -81,7 +84,7 @@ class Credentials:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, token: str | None = None, ca: str | None = None,
                  cert: str | None = None, key: str | None = None) -> Credentials:  # fmt: skip
-        """Arguments win over the environment (MEMSTORE_AUTH_TOKEN[_FILE], MEMSTORE_TLS_CA/CERT/KEY)."""
+        """Arguments win over the environment (MEMSTORE_AUTH_TOKEN[_FILE], MEMSTORE_TLS_CA/CERT/KEY/SERVER_NAME)."""
         env = os.environ if env is None else env
         if token is None:
             token = env.get("MEMSTORE_AUTH_TOKEN") or ""
@@ -92,7 +95,12 @@ class Credentials:
             ca=ca if ca is not None else env.get("MEMSTORE_TLS_CA", ""),
             cert=cert if cert is not None else env.get("MEMSTORE_TLS_CERT", ""),
             key=key if key is not None else env.get("MEMSTORE_TLS_KEY", ""),
+            server_name=env.get("MEMSTORE_TLS_SERVER_NAME", ""),
         )
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        """gRPC channel options: with a ``server_name``, certificates are checked for it, not for the address dialed."""
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.tls and self.server_name else []
 
     # -- gRPC ----------------------------------------------------------------------------------
     def channel_credentials(self) -> grpc.ChannelCredentials:

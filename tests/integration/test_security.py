@@ -180,6 +180,29 @@ def test_mutual_tls_with_tokens(make_cluster, tmp_path: Path) -> None:
         assert answer == b""
 
 
+def test_tls_checks_a_fixed_server_name_not_the_address(make_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kubernetes dials stores by pod IPs that change: one certificate names the Service, --tls-server-name checks that."""
+    name = "memstore-peers.memstore.svc"
+    tls = make_tls(tmp_path / "tls", hosts=(name,))  # no IP in the certificate
+    (tmp_path / "cluster.token").write_text(CLUSTER)
+    server, client = tls["server"], tls["client"]
+    args = ["--auth-token-file", str(tmp_path / "cluster.token"), "--tls-ca", server.ca, "--tls-cert", server.cert,
+            "--tls-key", server.key, "--tls-server-name", name]  # fmt: skip
+    creds = Credentials(token=CLUSTER, ca=client.ca, cert=client.cert, key=client.key, server_name=name)
+    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=args, credentials=creds)
+    tls_kwargs = {"tls_ca": client.ca, "tls_cert": client.cert, "tls_key": client.key}
+    with pytest.raises(StoreUnavailableError):  # checked for 127.0.0.1, which the certificate does not name
+        CheckpointClient("tls-job", 0, 1, store=cluster.address("h0"), auth_token=CLUSTER, timeout=3, **tls_kwargs)
+    monkeypatch.setenv("MEMSTORE_TLS_SERVER_NAME", "another-name.memstore.svc")
+    with pytest.raises(StoreUnavailableError):
+        CheckpointClient("tls-job", 0, 1, store=cluster.address("h0"), auth_token=CLUSTER, timeout=3, **tls_kwargs)
+    monkeypatch.setenv("MEMSTORE_TLS_SERVER_NAME", name)
+    with CheckpointClient("tls-job", 0, 1, store=cluster.address("h0"), auth_token=CLUSTER, run_id="r", timeout=20, **tls_kwargs) as c:
+        assert c.save(1, rank_state(0, 1)).wait(timeout=30).copies == 2  # h0 -> h1 over gRPC and the data channel, by name
+    with CheckpointClient("tls-job", 0, 1, store=cluster.address("h1"), auth_token=CLUSTER, timeout=20, **tls_kwargs) as c:
+        assert_same(c.load(1), rank_state(0, 1))
+
+
 def hello_data_port(cluster: LocalCluster, creds: Credentials) -> int:
     channel, stub = store_stub(cluster.address("h0"), creds)
     with channel:

@@ -107,6 +107,16 @@ def test_discovery_names_the_headless_service(store: Deployed) -> None:
     assert svc["metadata"]["namespace"] == ns
 
 
+def test_tls_is_checked_for_the_services_name(store: Deployed) -> None:
+    """Pod and node IPs change: with TLS on, certificates are checked for the headless Service's DNS name."""
+    s = store.s
+    if not s.config.tls_cert:
+        return
+    ns = s.daemonset["metadata"]["namespace"]
+    assert s.config.tls_server_name == f"memstore-peers.{ns}.svc.cluster.local", f"{store.name}: set MEMSTORE_TLS_SERVER_NAME"
+    assert s.config.tls_ca, f"{store.name}: TLS without a CA cannot verify peers"
+
+
 def test_network_policy_admits_trainers_stores_and_probes(store: Deployed) -> None:
     objs, s = store.objs, store.s
     policy = one(objs, "NetworkPolicy")

@@ -79,6 +79,7 @@ def test_host_id_from_the_listen_ip_with_dns_discovery() -> None:
         ({"health_listen": "7072"}, "--health-listen '7072' is invalid"),
         ({"failure_domain_node_labels": "zone,Bad Label"}, "'Bad Label' is not a Kubernetes label name"),
         ({"failure_domain_node_labels": "topology.kubernetes.io/zone", "failure_domain": "z1"}, "are exclusive"),
+        ({"tls_server_name": "memstore-peers.ns.svc"}, "--tls-server-name needs TLS"),
     ],
 )
 def test_kubernetes_flags_name_what_is_wrong(cli: dict[str, str], message: str) -> None:

@@ -34,6 +34,7 @@ from memstore.v1.security import Credentials
 log = logging.getLogger(__name__)
 
 GOSSIP_FANOUT = 3  # peers asked per round: a new table reaches every store in O(log N) rounds
+DNS_JOIN_WAIT_SECONDS = 60.0  # how long a store starting with --discovery dns:// waits for DNS to list anyone
 ASK_TIMEOUT_SECONDS = 2.0  # a member that does not answer its Hello within this is asked again next poll
 TAKEOVER_WAIT_SECONDS = 5.0  # how long a newcomer waits for the listed holder of its host id before taking the slot
 
@@ -93,8 +94,14 @@ class ClusterFollower:
 
     # -- before serving ------------------------------------------------------------------------
     def join(self, timeout: float = 2.0) -> None:
-        if not self.watcher.poll_once():
-            raise ConfigError(f"no usable membership from {self.source.description}: {self.watcher.status().error}")
+        # DNS may not list anyone yet when the first pods of a new cluster start (a headless Service's records
+        # follow the pods): wait for it a while. Other sources answer at once, and a wrong file is not retried.
+        deadline = time.monotonic() + (DNS_JOIN_WAIT_SECONDS if self.config.discovery.startswith("dns://") else 0.0)
+        while not self.watcher.poll_once():
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"no usable membership from {self.source.description}: {self.watcher.status().error}")
+            log.warning("waiting for %s (up to %.0fs): %s", self.source.description, DNS_JOIN_WAIT_SECONDS, self.watcher.status().error)
+            time.sleep(min(self.config.discovery_interval, max(0.0, deadline - time.monotonic())))
         self._report()
         members = self.store.membership.members
         if self.store.host_id not in members:

@@ -56,12 +56,14 @@ class Pods:
     def _publish(self) -> None:
         self.dns.zone.set(SERVICE, "A", *sorted(self.ips.values()))
 
-    def start(self, node: int, env: dict[str, str] | None = None) -> None:
-        """A new pod for ``node``: a new IP (a new host id), listed in DNS at once (publishNotReadyAddresses)."""
+    def start(self, node: int, env: dict[str, str] | None = None, publish: bool = True) -> None:
+        """A new pod for ``node``: a new IP (a new host id), listed in DNS at once (publishNotReadyAddresses)
+        unless ``publish`` is False (the records lag: ``_publish()`` later)."""
         self.generation += 1
         ip = f"127.0.{20 + self.generation}.{10 + node}"
         self.ips[node] = ip
-        self._publish()
+        if publish:
+            self._publish()
         args = [sys.executable, "-m", "memstore", "serve", "--listen", f"{ip}:{self.port}", "--discovery", self.url,
                 "--health-listen", f"{ip}:{self.health_port}", "--data-port", str(self.data_port),
                 "--failure-domain", f"zone-{node % 2}", "--replicas", "2", "--keep", "3", "--capacity", "64MiB",
@@ -156,6 +158,20 @@ def test_readiness_waits_for_repair(dns: DnsServer, tmp_path: Path) -> None:
         wait_for(lambda: pods.probe(1) == "SERVING", timeout=30, what="readiness after repair")
         assert pods.held(1, job) >= {(1, 0), (1, 1), (2, 0), (2, 1)}  # R=2 on two nodes: everything, once ready
         assert pods.probe(1, "no.such.Service") == "NOT_FOUND"
+    finally:
+        pods.close()
+
+
+def test_first_pod_waits_for_its_dns_records(dns: DnsServer, tmp_path: Path) -> None:
+    """On a fresh install the headless Service lists nobody for a moment: the store waits instead of exiting."""
+    pods = Pods(tmp_path, dns, 1, extra=("--replicas", "1"))
+    try:
+        pods.start(0, publish=False)
+        ip = pods.ips[0]
+        wait_for(lambda: "waiting for --discovery" in pods.log(ip), timeout=30, what="the store to wait for DNS")
+        assert pods.procs[ip].poll() is None, pods.log(ip)
+        pods._publish()
+        wait_for(lambda: pods.probe(0) == "SERVING", timeout=30, what="readiness once DNS lists the pod")
     finally:
         pods.close()
 

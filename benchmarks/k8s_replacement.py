@@ -16,13 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.harness, tests.integration
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.harness
 
 import torch
 
 from memstore.devtools.cluster import wait_for
 from tests.harness.dns import DnsServer
-from tests.integration.test_rolling_replacement import Pods
+from tests.harness.pods import Pods
 from trainer_client import CheckpointClient
 
 NODES = 3
@@ -37,10 +37,7 @@ def run(mib: int) -> dict[str, float]:
     dns = DnsServer()
     pods = Pods(Path(tempfile.mkdtemp()), dns, NODES, extra=("--capacity", f"{max(64, 8 * mib)}MiB"))
     try:
-        for n in range(NODES):
-            pods.start(n)
-        for n in range(NODES):
-            wait_for(lambda n=n: pods.probe(n) == "SERVING", timeout=60, what=f"node {n} ready")
+        pods.start_all(timeout=60)
         for r in range(NODES):
             with CheckpointClient("bench", r, NODES, store=pods.node_address(r), timeout=60, run_id="run") as c:
                 for step in (1, 2):

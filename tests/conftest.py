@@ -14,6 +14,18 @@ from memstore.devtools.cluster import LocalCluster
 
 
 @pytest.fixture
+def dns_server() -> Iterator[Any]:
+    """A real DNS server on 127.0.0.1 whose records the test sets (tests/harness/dns.py), for --discovery dns://."""
+    from tests.harness.dns import DnsServer
+
+    server = DnsServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
 def make_cluster(tmp_path) -> Iterator[Callable[..., LocalCluster]]:  # type: ignore[no-untyped-def]
     """Start LocalClusters; every store process is stopped (and reaped) when the test ends."""
     started: list[LocalCluster] = []

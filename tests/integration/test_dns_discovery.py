@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import pytest
 
@@ -16,15 +15,6 @@ pytestmark = pytest.mark.integration
 
 NAME = "stores.memstore.test."
 PORT = 7070
-
-
-@pytest.fixture
-def dns_server() -> Iterator[DnsServer]:
-    server = DnsServer()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def member(host_id: str, ip: str) -> Member:

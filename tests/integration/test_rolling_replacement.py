@@ -5,143 +5,27 @@ while the trainers keep saving (docs/kubernetes.md, "Upgrades")."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from memstore.devtools.children import child_env
-from memstore.devtools.cluster import free_ports, wait_for
-from memstore.v1 import store_pb2 as pb
-from memstore.v1.channel import store_stub
+from memstore.devtools.cluster import wait_for
 from tests.harness.dns import DnsServer
-from tests.harness.proxy import FaultProxy
+from tests.harness.pods import Pods
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
 from trainer_client.errors import MemstoreClientError
 
 pytestmark = pytest.mark.integration
 
-SERVICE = "memstore-peers.memstore.svc.cluster.local."
-READINESS = "memstore.v1.Store"
 
-
-class Pods:
-    """Store "pods" on 127.0.<gen>.<node>: one gRPC port, health port and data port for all, as in the DaemonSet.
-    Each node has a stable address (``node_address``) forwarding to its current pod, like a hostPort."""
-
-    def __init__(self, tmp: Path, dns: DnsServer, nodes: int, extra: tuple[str, ...] = ()) -> None:
-        self.tmp, self.dns, self.extra = tmp, dns, extra
-        self.port, self.health_port, self.data_port = free_ports(3)
-        self.url = dns.url(SERVICE, self.port)
-        self.ips: dict[int, str] = {}  # node -> current pod IP
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}  # pod IP -> process
-        self.generation = 0
-        self.proxies = {n: FaultProxy(("127.0.0.1", 1)).start() for n in range(nodes)}
-
-    def node_address(self, node: int) -> str:
-        return self.proxies[node].address
-
-    def address(self, node: int) -> str:
-        return f"{self.ips[node]}:{self.port}"
-
-    def host_id(self, node: int) -> str:
-        return self.ips[node].replace(".", "-")  # no --host-id: the store is named after its pod IP, as DNS names it
-
-    def _publish(self) -> None:
-        self.dns.zone.set(SERVICE, "A", *sorted(self.ips.values()))
-
-    def start(self, node: int, env: dict[str, str] | None = None, publish: bool = True) -> None:
-        """A new pod for ``node``: a new IP (a new host id), listed in DNS at once (publishNotReadyAddresses)
-        unless ``publish`` is False (the records lag: ``_publish()`` later)."""
-        self.generation += 1
-        ip = f"127.0.{20 + self.generation}.{10 + node}"
-        self.ips[node] = ip
-        if publish:
-            self._publish()
-        args = [sys.executable, "-m", "memstore", "serve", "--listen", f"{ip}:{self.port}", "--discovery", self.url,
-                "--health-listen", f"{ip}:{self.health_port}", "--data-port", str(self.data_port),
-                "--failure-domain", f"zone-{node % 2}", "--replicas", "2", "--keep", "3", "--capacity", "64MiB",
-                "--shm-dir", str(self.tmp / "shm"), "--discovery-interval", "0.3", "--repair-interval", "0.3", *self.extra]  # fmt: skip
-        with open(self.tmp / f"{ip}.log", "ab") as log:
-            self.procs[ip] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**child_env(), **(env or {})})
-        self.proxies[node].target = ("127.0.0.1", 1)  # nothing answers until the pod serves
-        self.proxies[node].set("cut")
-        self.proxies[node].target = (ip, self.port)
-        self.proxies[node].set("pass")
-
-    def drain(self, node: int) -> None:
-        """What deleting the pod does: the preStop hook's `memstore drain` (the store leaves and exits), then
-        the endpoint goes from DNS."""
-        ip = self.ips.pop(node)
-        drain = subprocess.run(
-            [sys.executable, "-m", "memstore", "drain", "--wait", "60"],
-            env={**child_env(), "MEMSTORE_LISTEN": f"{ip}:{self.port}"},  # the store container's own env
-            capture_output=True, text=True, timeout=90,
-        )  # fmt: skip
-        assert drain.returncode == 0, drain.stdout + drain.stderr
-        assert self.procs[ip].wait(timeout=30) == 0, self.log(ip)
-        self._publish()
-
-    def probe(self, node: int, service: str = READINESS) -> str:
-        """What the kubelet's gRPC probe sees: SERVING, NOT_SERVING, or the error code's name."""
-        with grpc.insecure_channel(f"{self.ips[node]}:{self.health_port}") as channel:
-            try:
-                resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
-            except grpc.RpcError as err:
-                return str(err.code().name)
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
-
-    def health(self, node: int) -> pb.HealthResponse | None:
-        channel, stub = store_stub(self.address(node))
-        with channel:
-            try:
-                return stub.Health(pb.HealthRequest(), timeout=2)
-            except grpc.RpcError:
-                return None
-
-    def held(self, node: int, job: str) -> set[tuple[int, int]]:
-        channel, stub = store_stub(self.address(node))
-        with channel:
-            resp = stub.List(pb.ListRequest(job_id=job), timeout=5)
-        return {(s.manifest.key.step, s.manifest.key.rank) for s in resp.shards if s.verified}
-
-    def log(self, ip: str) -> str:
-        path = self.tmp / f"{ip}.log"
-        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
-
-    def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
-        for proxy in self.proxies.values():
-            proxy.close()
-
-
-@pytest.fixture
-def dns() -> Iterator[DnsServer]:
-    server = DnsServer()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def test_readiness_waits_for_repair(dns: DnsServer, tmp_path: Path) -> None:
+def test_readiness_waits_for_repair(dns_server: DnsServer, tmp_path: Path) -> None:
     """A replacement pod is live at once but ready only once repair has brought what its slot should hold."""
     job, world = "ready-job", 2
-    pods = Pods(tmp_path, dns, world)
+    pods = Pods(tmp_path, dns_server, world)
     try:
-        for node in range(world):
-            pods.start(node)
-        for node in range(world):
-            wait_for(lambda node=node: pods.probe(node) == "SERVING", timeout=30, what=f"node {node} ready")
+        pods.start_all()
         for rank in range(world):
             with CheckpointClient(job, rank, world, store=pods.node_address(rank), timeout=20, run_id="run") as c:
                 for step in (1, 2):
@@ -162,9 +46,9 @@ def test_readiness_waits_for_repair(dns: DnsServer, tmp_path: Path) -> None:
         pods.close()
 
 
-def test_first_pod_waits_for_its_dns_records(dns: DnsServer, tmp_path: Path) -> None:
+def test_first_pod_waits_for_its_dns_records(dns_server: DnsServer, tmp_path: Path) -> None:
     """On a fresh install the headless Service lists nobody for a moment: the store waits instead of exiting."""
-    pods = Pods(tmp_path, dns, 1, extra=("--replicas", "1"))
+    pods = Pods(tmp_path, dns_server, 1, extra=("--replicas", "1"))
     try:
         pods.start(0, publish=False)
         ip = pods.ips[0]
@@ -176,10 +60,10 @@ def test_first_pod_waits_for_its_dns_records(dns: DnsServer, tmp_path: Path) -> 
         pods.close()
 
 
-def test_rolling_replacement_loses_no_committed_step(dns: DnsServer, tmp_path: Path) -> None:
+def test_rolling_replacement_loses_no_committed_step(dns_server: DnsServer, tmp_path: Path) -> None:
     """Every store is replaced one at a time (drain, new pod, wait for Ready) while three ranks keep saving."""
     job, world = "rolling-job", 3
-    pods = Pods(tmp_path, dns, world)
+    pods = Pods(tmp_path, dns_server, world)
     committed: list[int] = []
     failed: list[str] = []
     stop = threading.Event()
@@ -204,10 +88,7 @@ def test_rolling_replacement_loses_no_committed_step(dns: DnsServer, tmp_path: P
 
     trainer = threading.Thread(target=train, name="trainer")
     try:
-        for node in range(world):
-            pods.start(node)
-        for node in range(world):
-            wait_for(lambda node=node: pods.probe(node) == "SERVING", timeout=30, what=f"node {node} ready")
+        pods.start_all()
         first = [pods.host_id(n) for n in range(world)]
         trainer.start()
         for node in range(world):

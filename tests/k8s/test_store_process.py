@@ -20,13 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from memstore.devtools.children import child_env
 from memstore.devtools.cluster import wait_for
 from tests.harness.dns import DnsServer, ptr_name
+from tests.harness.health import probe
 from tests.k8s.manifests import DOWNWARD_API, EXAMPLE_STORES, argv, container, container_env, one, port_of, rendered, spec_of, store_setup
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
@@ -86,13 +85,7 @@ class Pod:
         """What the kubelet's gRPC probe sees: SERVING, NOT_SERVING, or the error code's name."""
         if self.proc is not None and self.proc.poll() is not None:
             pytest.fail(f"the store of pod {self.ip} exited ({self.proc.returncode}):\n{self.log()}")
-        port = port_of(self.argv_value("--health-listen"))
-        with grpc.insecure_channel(f"{self.ip}:{port}") as channel:
-            try:
-                resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
-            except grpc.RpcError as err:
-                return str(err.code().name)
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+        return probe(f"{self.ip}:{port_of(self.argv_value('--health-listen'))}", service)
 
     def argv_value(self, flag: str) -> str:
         return next(a.partition("=")[2] for a in self.argv if a.startswith(flag + "="))

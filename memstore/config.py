@@ -309,6 +309,17 @@ class StoreConfig:
         default=False,
     )
     log_level: str = _opt("Logging level.", _choice("--log-level", ("DEBUG", "INFO", "WARNING", "ERROR")), default="INFO")
+    log_format: str = _opt(
+        "Log lines for people (human) or one JSON object per line (json); both carry host, and job, step and rank "
+        "where a line is about a shard.",
+        _choice("--log-format", ("human", "json")),
+        default="human",
+    )
+    metrics_port: int = _opt(
+        "Port of the Prometheus /metrics endpoint, on the --listen host (0 = off).",
+        _number("--metrics-port", int, 0, False, "a port number"),
+        default=0,
+    )
 
     # ------------------------------------------------------------------
     @classmethod
@@ -388,8 +399,9 @@ class StoreConfig:
         return ip_host_id(str(ip))
 
     def _check_ports_and_labels(self) -> None:
-        if self.data_port > 65535:
-            raise ConfigError(f"--data-port {self.data_port} is invalid: expected 0..65535")
+        for flag, port in (("--data-port", self.data_port), ("--metrics-port", self.metrics_port)):
+            if port > 65535:
+                raise ConfigError(f"{flag} {port} is invalid: expected 0..65535")
         if self.failure_domain_node_labels:
             if self.failure_domain:
                 raise ConfigError("--failure-domain and --failure-domain-node-labels are exclusive: the label comes from one place")

@@ -11,6 +11,9 @@ Every command module ``memstore/cli/<module>.py`` (:data:`COMMANDS`) provides
 an :class:`argparse.ArgumentError` (flags that parse but do not fit together) is reported by the subcommand's
 parser: its usage, ``memstore <command>: error: ...``, exit code 2.
 
+The package also holds :data:`HELPERS`, which are not commands: ``common`` (flags and logging set-up), ``survey``
+(one look at a cluster, for the read commands) and ``render`` (their tables and JSON).
+
 Building the parser imports every command module, so they import only the standard library and light memstore
 modules at the top (no torch, no grpc); what a command needs beyond that is imported when it runs.
 """
@@ -37,9 +40,14 @@ COMMANDS: dict[str, str] = {
     "export": "export",
     "reclaim-shm": "reclaim_shm",
     "status": "status",
-    "drain": "drain",
     "ls": "ls",
+    "inspect": "inspect",
+    "delete": "delete",
+    "drain": "drain",
 }
+
+#: modules of this package that are not commands: what the commands share
+HELPERS = ("common", "render", "survey")
 
 DESCRIPTION = "In-memory replicated checkpoint store for PyTorch training."
 

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def configure_logging(level: str, fmt: str = "human", host: str = "") -> None:
+    """Log to stderr at ``level``, for people or as JSON lines (``memstore.logs``), with this store's ``host`` id."""
+    from memstore.logs import configure
+
+    configure(level, fmt, host)
 
 
 def add_store_address_arguments(p: argparse.ArgumentParser) -> None:
     """``--store``, ``--timeout`` and the credentials: the commands that ask a running cluster."""
-    p.add_argument("--store", default="127.0.0.1:7070", help="address of any store of the cluster")
+    p.add_argument(
+        "--store",
+        default=os.environ.get("MEMSTORE_STORE") or "127.0.0.1:7070",
+        help="address of any store of the cluster (default: $MEMSTORE_STORE, else 127.0.0.1:7070)",
+    )
     p.add_argument("--timeout", type=float, default=3.0)
     add_credential_arguments(p)
 

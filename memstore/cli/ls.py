@@ -1,4 +1,7 @@
-"""``memstore ls``: the shards a store holds, one line each."""
+"""``memstore ls``: the steps of a job across the cluster (ranks, copies, tiers), or every job's, asked through any store.
+
+``--shards`` lists the raw shards one store holds, one line each (the listing of earlier versions).
+"""
 
 from __future__ import annotations
 
@@ -7,18 +10,58 @@ import sys
 
 from memstore.cli.common import add_store_address_arguments
 
-HELP = "list shards on a store"
+HELP = "steps of a job across the cluster, with copies and tiers"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_store_address_arguments(p)
-    p.add_argument("--job", default=None)
+    p.add_argument("--job", default=None, help="the job (default: every job)")
+    p.add_argument("--shards", action="store_true", help="the raw shards the --store itself holds, one line each")
+    p.add_argument("--json", action="store_true", help="print the same facts as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from memstore.core.sizes import format_size
+    from memstore.cli import render, survey
+
+    if args.shards:
+        return _own_shards(args)
+    try:
+        s = survey.take(args.store, args.timeout, job=args.job or "")
+    except grpc.RpcError as err:
+        print(f"memstore ls: store {args.store} unreachable: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    jobs = [args.job] if args.job else s.jobs()
+    doc = {job: survey.steps_of(s, job) for job in jobs}
+    down = [h["host"] for h in s.health.values() if "error" in h]
+    if args.json:
+        render.print_json({"jobs": doc, "unreachable_hosts": down})
+        return 0
+    out = render.console()
+    if args.job and not doc[args.job]:
+        print(f"memstore ls: no store holds anything of job {args.job!r}", file=sys.stderr)
+        return 1
+    for job, steps in doc.items():
+        rows = [[r["step"], r["timeline"] or "-", r["ranks"], _copies(r["min_copies"], s.replicas), render.size(r["bytes"] or None),
+                 ", ".join(r["tiers"]), render.ok("yes") if r["restorable"] else ""] for r in steps]  # fmt: skip
+        out.print(render.table(f"job {job}", ["step", "timeline", "ranks", "copies (fewest)", "size", "tiers", "restorable"], rows))
+    for host in down:
+        out.print(render.warn(f"{host} did not answer: its copies are not counted"))
+    return 0
+
+
+def _copies(n: int, replicas: int) -> object:
+    from memstore.cli import render
+
+    text = f"{n}/{replicas}"
+    return render.bad(text) if n == 0 else render.warn(text) if n < replicas else text
+
+
+def _own_shards(args: argparse.Namespace) -> int:
+    import grpc
+
+    from memstore.cli import render, survey
     from memstore.v1 import store_pb2 as pb
     from memstore.v1.channel import store_stub
 
@@ -26,15 +69,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         resp = stub.List(pb.ListRequest(job_id=args.job or ""), timeout=args.timeout)
     except grpc.RpcError as err:
-        print(f"ls failed: {err.code().name}: {err.details()}", file=sys.stderr)
+        print(f"memstore ls: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
     finally:
         channel.close()
-    for s in resp.shards:
-        m = s.manifest
-        state = pb.ShardState.Name(s.state).removeprefix("SHARD_STATE_").lower()
-        print(
-            f"{m.key.job_id}\tstep={m.key.step}\trank={m.key.rank}/{m.world_size}\t{format_size(m.nbytes)}\t{state}\t"
-            f"owner={m.owner_host}{'  ' + s.error if s.error else ''}"
-        )
+    rows = [survey.shard_row(x) for x in resp.shards]
+    if args.json:
+        render.print_json({"host": resp.host_id, "shards": rows})
+        return 0
+    for r in rows:
+        print(f"{r['job']}\tstep={r['step']}\trank={r['rank']}/{r['world_size']}\t{render.size(r['bytes'])}\t{r['state']}\t"
+              f"owner={r['owner']}{'  ' + r['error'] if r['error'] else ''}")  # fmt: skip
     return 0

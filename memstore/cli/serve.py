@@ -31,5 +31,5 @@ def run(args: argparse.Namespace) -> int:
 
     cli = {f.name: getattr(args, f.name) for f in fields(StoreConfig)}
     config = StoreConfig.load(cli, config_file=args.config)
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format, config.host_id)
     return serve(config, spill_listeners=[DcpExport()])  # spilled DCP steps also load with plain DCP

@@ -61,7 +61,7 @@ class StoreActor:
         self.node_id = gcs.current_node_id()
         ip = gcs.alive_nodes()[self.node_id].ip
         config = store_config(settings, host_id_for(self.node_id), ip, domain)
-        configure_logging(config.log_level)
+        configure_logging(config.log_level, config.log_format, config.host_id)
         self.registry = gcs.Registry(namespace)
         self.server = StoreServer(config, discovery=RayMembers(self.registry))
         self.record = StoreRecord(self.node_id, config.host_id, self.server.address, domain)

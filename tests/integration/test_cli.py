@@ -53,7 +53,7 @@ def test_local_cluster_endpoints_status_ls_and_clean_stop(tmp_path) -> None:  # 
         status = memstore("status", "--store", hosts["h0"], "--json")
         assert status.returncode == 0, status.stderr
         assert {h["host"] for h in json.loads(status.stdout)["hosts"] if h["serving"]} == {"h0", "h1", "h2"}
-        ls = memstore("ls", "--store", hosts["h2"], "--job", "cli-job")
+        ls = memstore("ls", "--store", hosts["h2"], "--job", "cli-job", "--shards")
         assert "step=4" in ls.stdout and "committed" in ls.stdout
     finally:
         proc.send_signal(signal.SIGTERM)

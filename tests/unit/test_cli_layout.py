@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 import memstore.cli
-from memstore.cli import COMMANDS, build_parser, command_module, main
+from memstore.cli import COMMANDS, HELPERS, build_parser, command_module, main
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPECTED = {"serve", "local-cluster", "demo", "status", "ls", "bench", "simulate", "chaos", "export", "reclaim-shm", "drain"}
+EXPECTED = {"serve", "local-cluster", "demo", "status", "ls", "inspect", "delete", "bench", "simulate", "chaos", "export", "reclaim-shm",
+            "drain"}
 
 
 def test_every_command_is_registered() -> None:
@@ -26,7 +27,7 @@ def test_every_command_is_registered() -> None:
 
 def test_the_package_holds_the_commands_and_nothing_else() -> None:
     modules = {m.name for m in pkgutil.iter_modules(memstore.cli.__path__)}
-    assert modules == {*COMMANDS.values(), "common"}
+    assert modules == {*COMMANDS.values(), *HELPERS}
 
 
 @pytest.mark.parametrize("command", sorted(EXPECTED))

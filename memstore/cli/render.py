@@ -1,0 +1,66 @@
+"""How the read commands print: rich tables on a terminal (plain text when piped), or JSON with ``--json``.
+
+Not a command. One place decides colours and sizes, so ``status``, ``ls`` and ``inspect`` look alike.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def console() -> Any:
+    """Colours on a terminal; piped, plain text 200 columns wide (lines are not cut for grep)."""
+    from rich.console import Console
+
+    terminal = sys.stdout.isatty()
+    return Console(highlight=False, width=None if terminal else 200, no_color=not terminal)
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Any:
+    """A table; cells are shown as they are (no markup: paths and [::1] addresses stay intact), styled ones
+    come from :func:`ok`, :func:`bad` and :func:`warn`."""
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False, header_style="bold")
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(*[x if isinstance(x, Text) else Text(str(x)) for x in r])
+    return t
+
+
+def size(nbytes: int | None) -> str:
+    from memstore.core.sizes import format_size
+
+    return "-" if nbytes is None else format_size(int(nbytes))
+
+
+def step(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def ok(text: str) -> Any:
+    from rich.text import Text
+
+    return Text(text, style="green")
+
+
+def bad(text: str) -> Any:
+    from rich.text import Text
+
+    return Text(text, style="bold red")
+
+
+def warn(text: str) -> Any:
+    from rich.text import Text
+
+    return Text(text, style="yellow")
+
+
+def print_json(doc: Any) -> None:
+    json.dump(doc, sys.stdout, indent=2, sort_keys=False)
+    sys.stdout.write("\n")

@@ -1,0 +1,236 @@
+"""What the read commands show (``status``, ``ls``, ``inspect``): one survey of a cluster, asked through any store.
+
+Not a command. A :class:`Survey` holds, for every member the entry store knows: its health, its slot and
+what it lists, plus the cluster layout. The per-job and per-step views are plain functions over a survey
+that return JSON-able rows. The commands print them as tables, or as JSON with ``--json``, so both
+outputs always carry the same facts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+COMMITTED_STATES = ("committed", "under_replicated", "replica")  # a settled copy a restore may use
+
+
+@dataclass
+class Survey:
+    """One look at the cluster through ``store``."""
+
+    store: str
+    replicas: int = 0
+    placement: str = ""
+    version: int = 0
+    slots: list[dict[str, Any]] = field(default_factory=list)
+    health: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> health row (or {"error": CODE})
+    shards: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # host -> its verified, settled copies
+    restorable: dict[str, dict[str, Any]] = field(default_factory=dict)  # job -> the LatestStep answer
+
+    @property
+    def hosts(self) -> list[str]:
+        return list(self.health)
+
+    def jobs(self) -> list[str]:
+        names = {s["job"] for rows in self.shards.values() for s in rows}
+        names |= {j["job"] for h in self.health.values() for j in h.get("spill", [])}
+        return sorted(names)
+
+
+def take(store: str, timeout: float, job: str = "", with_shards: bool = True) -> Survey:
+    """Ask ``store`` for the members, then every member (in parallel) for its health and its shards of ``job``
+    ("" = every job), and the entry store for each job's newest restorable step. Raises grpc.RpcError when
+    the entry store does not answer; members that do not answer get ``{"error": CODE}``."""
+    from memstore.v1 import store_pb2 as pb
+    from memstore.v1.channel import store_stub
+
+    channel, stub = store_stub(store)
+    try:
+        hello = stub.Hello(pb.HelloRequest(), timeout=timeout)
+    finally:
+        channel.close()
+    s = Survey(store, hello.replicas, hello.placement, hello.slots.version)
+    s.slots = [{"slot": x.index, "host": x.host_id, "address": x.address, "domain": x.domain, "former": list(x.former)}
+               for x in hello.slots.slots]  # fmt: skip
+    members = dict(zip(hello.peer_ids, hello.peer_addresses, strict=True))
+    slot_of = {x["host"]: x["slot"] for x in s.slots if x["host"]}
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(members)))) as pool:
+        rows = list(pool.map(lambda item: _ask(item[0], item[1], timeout, job, with_shards), members.items()))
+    for host, (health, shards) in zip(members, rows, strict=True):
+        s.health[host] = {**health, "slot": slot_of.get(host)}
+        if shards is not None:
+            s.shards[host] = shards
+    for name in ([job] if job else s.jobs()) if with_shards else []:
+        s.restorable[name] = _latest(store, name, timeout)
+    return s
+
+
+def _ask(host: str, address: str, timeout: float, job: str, with_shards: bool) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+    import grpc
+
+    from memstore.v1 import store_pb2 as pb
+    from memstore.v1.channel import store_stub
+
+    channel, stub = store_stub(address)
+    try:
+        h = stub.Health(pb.HealthRequest(), timeout=timeout)
+        listing = stub.List(pb.ListRequest(job_id=job), timeout=timeout) if with_shards else None
+    except grpc.RpcError as err:
+        return {"host": host, "address": address, "error": err.code().name}, None
+    finally:
+        channel.close()
+    health = {
+        "host": host,
+        "address": address,
+        "ready": not h.not_ready,
+        "not_ready": h.not_ready,
+        "draining": h.draining,
+        "drain_progress": h.drain_progress,
+        "used": h.used_bytes,
+        "capacity": h.capacity_bytes,
+        "shards": h.shards,
+        "replicating": h.replications_in_flight,
+        "repairing": h.repairs_in_flight,
+        "uptime_seconds": round(h.uptime_seconds, 1),
+        "spill_url": h.spill_url,
+        "spill": [_spill_row(j) for j in h.spill],
+        "orphans": [{"path": o.path, "host_id": o.host_id, "bytes": o.bytes, "files": o.files} for o in h.orphans],
+        "adopted_shards": h.adopted_shards,
+        "discovery": {"source": h.discovery.source, "members": h.discovery.members, "error": h.discovery.error},
+    }
+    shards = None if listing is None else [shard_row(x) for x in listing.shards]
+    return health, shards
+
+
+def _spill_row(j: Any) -> dict[str, Any]:
+    return {
+        "job": j.job_id,
+        "last_spilled_step": j.last_spilled_step,
+        "last_spill_unix": j.last_spill_unix,
+        "failures": j.consecutive_failures,
+        "error": j.last_error,
+        "bytes_written": j.bytes_written,
+    }
+
+
+def shard_row(info: Any) -> dict[str, Any]:
+    from memstore.v1 import store_pb2 as pb
+
+    m = info.manifest
+    return {
+        "job": m.key.job_id,
+        "step": m.key.step,
+        "rank": m.key.rank,
+        "timeline": m.key.timeline,
+        "world_size": m.world_size,
+        "bytes": m.nbytes,
+        "state": pb.ShardState.Name(info.state).removeprefix("SHARD_STATE_").lower(),
+        "verified": info.verified,
+        "owner": m.owner_host,
+        "copies": info.copies,
+        "error": info.error,
+        "checksum": f"{m.checksum_algo}:{digest(list(m.chunk_checksums))}" if m.chunk_checksums else "",
+        "chunks": len(m.chunk_checksums),
+        "created_unix": m.created_unix,
+    }
+
+
+def digest(chunk_checksums: list[int]) -> str:
+    """One short fingerprint of a shard's chunk checksums: two copies with the same bytes show the same one."""
+    return hashlib.sha256(struct.pack(f"<{len(chunk_checksums)}Q", *chunk_checksums)).hexdigest()[:16]
+
+
+def _latest(store: str, job: str, timeout: float) -> dict[str, Any]:
+    import grpc
+
+    from memstore.v1 import store_pb2 as pb
+    from memstore.v1.channel import store_stub
+
+    channel, stub = store_stub(store)
+    try:
+        r = stub.LatestStep(pb.LatestStepRequest(job_id=job), timeout=timeout)
+    except grpc.RpcError as err:
+        return {"step": None, "error": err.code().name}
+    finally:
+        channel.close()
+    return {"step": r.step if r.found else None, "timeline": r.timeline, "unreachable": list(r.unreachable_hosts), "note": r.note}
+
+
+# -- views ----------------------------------------------------------------------------------------------
+def steps_of(s: Survey, job: str) -> list[dict[str, Any]]:
+    """One row per (step, timeline) of ``job``, newest first: ranks held, fewest copies of any rank, bytes,
+    where it lives (ram and/or durable, as far as the stores report), and whether it is the restorable one."""
+    by_version: dict[tuple[int, str], dict[int, list[dict[str, Any]]]] = {}
+    for host, rows in s.shards.items():
+        for r in rows:
+            if r["job"] == job and r["verified"] and r["state"] in COMMITTED_STATES:
+                by_version.setdefault((r["step"], r["timeline"]), {}).setdefault(r["rank"], []).append({**r, "host": host})
+    spilled = max((j["last_spilled_step"] for h in s.health.values() for j in h.get("spill", []) if j["job"] == job), default=-1)
+    restorable = s.restorable.get(job, {})
+    out: list[dict[str, Any]] = []
+    for (step, timeline), ranks in sorted(by_version.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        world = max(c["world_size"] for copies in ranks.values() for c in copies)
+        copies = [len(ranks.get(r, [])) for r in range(world)]
+        out.append({
+            "step": step,
+            "timeline": timeline,
+            "ranks": f"{len(ranks)}/{world}",
+            "complete": len(ranks) == world,
+            "min_copies": min(copies),
+            "bytes": sum(c["bytes"] for cs in ranks.values() for c in cs[:1]),
+            "tiers": ["ram"] + (["durable"] if step == spilled else []),
+            "restorable": restorable.get("step") == step and restorable.get("timeline", timeline) == timeline,
+        })  # fmt: skip
+    if spilled >= 0 and not any(r["step"] == spilled for r in out):
+        out.append({"step": spilled, "timeline": "", "ranks": "?", "complete": True, "min_copies": 0, "bytes": 0,
+                    "tiers": ["durable"], "restorable": restorable.get("step") == spilled})  # fmt: skip
+        out.sort(key=lambda r: -r["step"])
+    return out
+
+
+def jobs_of(s: Survey) -> list[dict[str, Any]]:
+    """One row per job: bytes in RAM (all copies), the newest step every rank committed, the newest restorable
+    step (the stores' own answer, durable tier included) and the newest spilled step."""
+    out = []
+    for job in s.jobs():
+        steps = steps_of(s, job)
+        ram = [r for r in steps if "ram" in r["tiers"]]
+        copies_bytes = sum(r["bytes"] for rows in s.shards.values() for r in rows if r["job"] == job)
+        spilled = [j["last_spilled_step"] for h in s.health.values() for j in h.get("spill", []) if j["job"] == job]
+        out.append({
+            "job": job,
+            "ram_bytes": copies_bytes,
+            "steps_in_ram": len(ram),
+            "newest_committed": max((r["step"] for r in ram if r["complete"]), default=None),
+            "newest_restorable": s.restorable.get(job, {}).get("step"),
+            "newest_spilled": max((x for x in spilled if x >= 0), default=None),
+        })  # fmt: skip
+    return out
+
+
+def shards_of(s: Survey, job: str, step: int) -> list[dict[str, Any]]:
+    """One row per (rank, timeline) of ``job``'s ``step``: size, checksum fingerprint, owner, and every copy."""
+    ranks: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for host, rows in s.shards.items():
+        for r in rows:
+            if r["job"] == job and r["step"] == step:
+                ranks.setdefault((r["rank"], r["timeline"]), []).append({**r, "host": host})
+    out = []
+    for (rank, timeline), copies in sorted(ranks.items()):
+        first = copies[0]
+        out.append({
+            "rank": rank,
+            "timeline": timeline,
+            "world_size": first["world_size"],
+            "bytes": first["bytes"],
+            "checksum": first["checksum"],
+            "chunks": first["chunks"],
+            "owner": first["owner"],
+            "copies": [{"host": c["host"], "state": c["state"], "verified": c["verified"], "checksum": c["checksum"],
+                        "error": c["error"]} for c in copies],
+            "consistent": len({c["checksum"] for c in copies}) == 1,
+        })  # fmt: skip
+    return out

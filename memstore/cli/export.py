@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from memstore.cli import render
 from memstore.cli.common import add_credential_arguments
 from memstore.errors import ExportFailed
 from memstore.v1.keys import job_id_problem
@@ -123,7 +124,10 @@ def read_from_store(address: str, job_id: str, step: int | None, timeout: float)
                 note = f": {probe.last_restore_note}" if probe.last_restore_note else ""
                 raise ExportFailed(f"{what} on {where}{note}")
         shards: list[Any] = []
-        with CheckpointClient(job_id, 0, point.world_size, store=address, timeout=timeout) as client:
+        with (
+            CheckpointClient(job_id, 0, point.world_size, store=address, timeout=timeout) as client,
+            render.progress(f"reading step {point.step} of {job_id}", point.world_size) as advance,
+        ):
             for rank in range(point.world_size):
                 try:
                     # zero_copy=False: tensors own their memory, so torch.save writes just them
@@ -132,6 +136,7 @@ def read_from_store(address: str, job_id: str, step: int | None, timeout: float)
                     raise ExportFailed(
                         f"step {point.step} of job {job_id!r} is incomplete on {where}: rank {rank} of {point.world_size}: {exc}"
                     ) from None
+                advance(1)
     except StoreUnavailableError as exc:
         raise ExportFailed(f"store {address} is unreachable: {exc}") from None
     except MemstoreClientError as exc:
@@ -175,10 +180,12 @@ def read_from_durable(url: str, options: str, job_id: str, step: int | None) -> 
             raise ExportFailed(f"step {step} of job {job_id!r} is incomplete in {url}: ranks {missing} of {worlds[step]} not published")
         world = worlds[step]
         shards: list[Any] = []
-        for rank in range(world):
-            raw = read_shard(durable, read_manifest(durable, job_id, step, rank))
-            shards.append(serialization.decode(raw))  # copies out: the buffer is dropped right after
-            del raw
+        with render.progress(f"reading step {step} of {job_id}", world) as advance:
+            for rank in range(world):
+                raw = read_shard(durable, read_manifest(durable, job_id, step, rank))
+                shards.append(serialization.decode(raw))  # copies out: the buffer is dropped right after
+                del raw
+                advance(1)
     except (SpillStorageError, LayoutError, CorruptShardError) as exc:
         raise ExportFailed(f"reading job {job_id!r} from {url} failed: {exc}") from None
     return Step(job_id, step, world, shards, url)

@@ -6,8 +6,10 @@ Not a command. One place decides colours and sizes, so ``status``, ``ls`` and ``
 from __future__ import annotations
 
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -64,3 +66,19 @@ def warn(text: str) -> Any:
 def print_json(doc: Any) -> None:
     json.dump(doc, sys.stdout, indent=2, sort_keys=False)
     sys.stdout.write("\n")
+
+
+@contextmanager
+def progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr while a long operation runs; yields ``advance(n)``. Shown on a terminal (or with
+    ``MEMSTORE_PROGRESS=1``), never in pipes and logs, and gone once the operation ends."""
+    if not (sys.stderr.isatty() or os.environ.get("MEMSTORE_PROGRESS") == "1"):
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True, force_terminal=True), transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)

@@ -235,6 +235,11 @@ def test_export_plain_steps_from_cluster_and_durable_storage_and_errors(make_clu
     assert_same({0: rank_state(0, 2), 1: rank_state(1, 2)}, torch.load(out / "multi.pt", weights_only=True))
     assert _export("--store", cluster.address("h1"), "--job", "single", "--step", "1", "--to", str(out / "single.pt")) == 0
     assert_same(rank_state(0, 1), torch.load(out / "single.pt", weights_only=True))
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as mp:  # a terminal shows a progress bar on stderr (forced here: no TTY)
+        mp.setenv("MEMSTORE_PROGRESS", "1")
+        assert _export("--store", addr, "--job", "multi", "--to", str(out / "bar.pt")) == 0
+    assert "reading step 2 of multi" in capsys.readouterr().err
 
     def fails(*args: str, match: str) -> None:
         assert _export(*args) == 2

@@ -176,7 +176,8 @@ class CheckpointClient:
 
     Args:
         job_id: the training run, ``[A-Za-z0-9._-]{1,128}``.
-        rank, world_size: this trainer's rank and the number of ranks of the job.
+        rank: this trainer's rank.
+        world_size: the number of ranks of the job.
         store: address of the store on this host; default: ``MEMSTORE_STORE`` (on Kubernetes the pod sets it
             to ``$(HOST_IP):7070`` from the downward API), else ``127.0.0.1:7070``.
         timeout: deadline in seconds of each control call (and of the initial connection).

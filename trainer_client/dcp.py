@@ -238,10 +238,11 @@ class MemStoreWriter(StorageWriter):
         step: the step to save; may instead come from ``dcp.save(..., checkpoint_id=step)``
             (an int, its decimal string, or ``"memstore://<job_id>/<step>"``).
         store: address of the store on this host (default: ``MEMSTORE_STORE``, else ``127.0.0.1:7070``).
-        world_size, rank: by default (None) both come from the process group DCP saves with
+        world_size: by default (None) both it and ``rank`` come from the process group DCP saves with
             (``dcp.save(..., process_group=...)``, else the default group): the coordinator hands every
             rank the group's size and its rank in it through the save plan. Passed explicitly they are
             checked against that group (``InvalidArgumentError`` naming both numbers on a mismatch).
+        rank: see ``world_size``.
         overwrite: as ``FileSystemWriter(overwrite=...)`` (default True). False: saving a step that is
             already restorable raises :class:`CheckpointExistsError` (a ``RuntimeError``, which
             ``dcp.save`` reports in a ``CheckpointException``) on every rank, before anything is

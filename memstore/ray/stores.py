@@ -81,7 +81,9 @@ def ensure_stores(
     """Start a memstore store on every alive Ray node that has none; returns ``{node id: store address}``.
 
     Args:
-        replicas, capacity, spill: ``--replicas``, ``--capacity`` and ``--spill`` of every store.
+        replicas: ``--replicas`` of every store.
+        capacity: ``--capacity`` of every store.
+        spill: ``--spill`` of every store.
         namespace: the Ray namespace of the store actors, and the name of this memstore cluster (two
             namespaces are two independent clusters).
         config: any other ``memstore serve`` setting by its field name (``{"keep": 3, "spill_every_steps": 100}``).

@@ -48,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
         out.print(render.table(f"job {job}", ["step", "timeline", "ranks", "copies (fewest)", "size", "tiers", "restorable"], rows))
     for host in down:
         out.print(render.warn(f"{host} did not answer: its copies are not counted"))
+    if any("durable" in r["tiers"] for steps in doc.values() for r in steps):
+        out.print("durable: the newest spilled step the stores report; older spilled steps stay in the durable tier "
+                  "per --spill-keep-last/--spill-keep-best", markup=False, soft_wrap=True)  # fmt: skip
     return 0
 
 

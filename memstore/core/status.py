@@ -1,9 +1,11 @@
-"""What a store reports about itself: its handshake (Hello) and its health (Health)."""
+"""What a store reports about itself: its handshake (Hello), its health (Health) and what it holds per job (metrics)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from memstore.core.model import ShardKey, ShardState
 from memstore.core.slots import SlotTable
 
 
@@ -81,3 +83,31 @@ class DiscoveryReport:
     last_ok_unix: float
     error: str  # "" = the last poll was good
     consecutive_failures: int
+
+
+@dataclass(frozen=True)
+class JobCensus:
+    """What one store holds of one job in RAM (its metrics): every copy, its own shards and replicas alike."""
+
+    job_id: str
+    nbytes: int  # shard bytes of the copies held, saves in flight included
+    shards: int
+    steps: int  # distinct step numbers among them
+    newest_committed: int  # newest step of a committed copy held here (its own COMMITTED shard, or a REPLICA); -1 = none
+
+
+def job_census(copies: Iterable[tuple[ShardKey, int, ShardState]]) -> list[JobCensus]:
+    """Per job (sorted by id), from (key, nbytes, state) of every copy a store holds."""
+    nbytes: dict[str, int] = {}
+    shards: dict[str, int] = {}
+    steps: dict[str, set[int]] = {}
+    newest: dict[str, int] = {}
+    for key, size, state in copies:
+        job = key.job_id
+        nbytes[job] = nbytes.get(job, 0) + size
+        shards[job] = shards.get(job, 0) + 1
+        steps.setdefault(job, set()).add(key.step)
+        newest.setdefault(job, -1)
+        if state in (ShardState.COMMITTED, ShardState.REPLICA):
+            newest[job] = max(newest[job], key.step)
+    return [JobCensus(job, nbytes[job], shards[job], len(steps[job]), newest[job]) for job in sorted(nbytes)]

@@ -62,6 +62,7 @@ class StoreProcess:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     env: dict[str, str] = field(default_factory=dict)  # extra environment of this store only (e.g. MEMSTORE_FAULTS)
+    metrics_port: int = 0  # its --metrics-port (0 = off)
 
     @property
     def alive(self) -> bool:
@@ -81,6 +82,7 @@ class LocalCluster:
 
     credentials: Credentials | None = None  # what health checks present (default: from the environment)
     discovery: str = "peers"  # "peers": a fixed --peers list; "file": every store follows peers.json (add_host/remove_host edit it)
+    metrics: bool = False  # every store serves Prometheus metrics on a free port of its own (metrics_url)
     stores: dict[str, StoreProcess] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -100,9 +102,15 @@ class LocalCluster:
         self.members: list[str] = list(ids)  # the hosts peers.json lists, in order
         peers = ",".join(f"{h}=127.0.0.1:{p}" for h, p in zip(ids, ports, strict=True))
         for h, p in zip(ids, ports, strict=True):
-            self.stores[h] = StoreProcess(h, f"127.0.0.1:{p}", self._args(h, p, peers), self.workdir / f"{h}.log")
+            self.stores[h] = self._store_process(h, p, peers)
         if self.discovery == "file":
             self.write_endpoints(self.peers_file)
+
+    def _store_process(self, host_id: str, port: int, peers: str) -> StoreProcess:
+        assert self.workdir is not None
+        metrics_port = free_ports(1)[0] if self.metrics else 0
+        args = self._args(host_id, port, peers) + (["--metrics-port", str(metrics_port)] if metrics_port else [])
+        return StoreProcess(host_id, f"127.0.0.1:{port}", args, self.workdir / f"{host_id}.log", metrics_port=metrics_port)
 
     def _args(self, host_id: str, port: int, peers: str) -> list[str]:
         from_file = ["--peers-file", str(self.peers_file), "--discovery-interval", "0.5"]
@@ -136,8 +144,7 @@ class LocalCluster:
         if host_id in self.stores:
             raise ValueError(f"host {host_id!r} exists already")
         (port,) = free_ports(1)
-        assert self.workdir is not None
-        self.stores[host_id] = StoreProcess(host_id, f"127.0.0.1:{port}", self._args(host_id, port, ""), self.workdir / f"{host_id}.log")
+        self.stores[host_id] = self._store_process(host_id, port, "")
         if replacing is not None:
             self.members[self.members.index(replacing)] = host_id
         else:
@@ -259,6 +266,13 @@ class LocalCluster:
 
     def address(self, host_id: str) -> str:
         return self.stores[host_id].address
+
+    def metrics_url(self, host_id: str) -> str:
+        """Where the store of ``host_id`` serves Prometheus metrics (``LocalCluster(metrics=True)``)."""
+        port = self.stores[host_id].metrics_port
+        if not port:
+            raise ValueError("metrics_url needs LocalCluster(metrics=True)")
+        return f"http://127.0.0.1:{port}/metrics"
 
     def write_endpoints(self, path: str | Path) -> None:
         """Write ``{"hosts": {id: address}}`` of the member hosts atomically (what --peers-file reads)."""

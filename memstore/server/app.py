@@ -23,6 +23,7 @@ from memstore.server.auth import Authenticator
 from memstore.server.dataserver import DataServer
 from memstore.server.discovery import ClusterFollower
 from memstore.server.health import HealthServer
+from memstore.server.metrics import MetricsServer, StoreMetrics
 from memstore.server.servicer import StoreServicer
 from memstore.server.store import Store
 from memstore.spill import build_spiller
@@ -59,6 +60,32 @@ class StoreServer:
         if bound == 0:
             raise ConfigError(f"--listen {config.listen}: cannot bind (address in use or not local)")
         self.address = f"{host}:{bound}"
+        # --metrics-port: bound now, so a port in use stops the store before it builds anything else.
+        self.metrics = StoreMetrics() if config.metrics_port else None
+        self.metrics_server: MetricsServer | None = None
+        if self.metrics is not None:
+            try:
+                self.metrics_server = self.metrics.serve(host, config.metrics_port)
+            except ConfigError:
+                self._server.stop(None)
+                raise
+        try:
+            self._build(config, host, port, credentials, auth, spill_listeners, discovery)
+        except BaseException:
+            if self.metrics_server is not None:
+                self.metrics_server.close()
+            raise
+
+    def _build(
+        self,
+        config: StoreConfig,
+        host: str,
+        port: str,
+        credentials: Credentials,
+        auth: Authenticator,
+        spill_listeners: Sequence[SpillListener],
+        discovery: DiscoverySource | None,
+    ) -> None:
         if port == "0":
             # The cluster knows this host by its real port: rewrite our own entry in the peer list.
             peers = tuple((h, self.address if h == config.host_id else a) for h, a in config.peers)
@@ -69,10 +96,13 @@ class StoreServer:
             config = replace(config, failure_domain=label, failure_domain_node_labels="").validated()
             log.info("failure domain %r (labels %s of node %s)", label, labels, os.environ.get("NODE_NAME"))
         self.config = config
-        self.store = Store(config, advertised_address=self.address, credentials=credentials)
+        self.store = Store(config, advertised_address=self.address, credentials=credentials, events=self.metrics)
+        if self.metrics is not None:
+            self.metrics.watch(self.store)
         self.health = HealthServer(config.health_listen, self.store) if config.health_listen else None
-        # The two tiers meet at memstore.spill.port; listeners (the DCP export) ride on the spill tier.
-        self.store.durable = build_spiller(config, source=self.store, listeners=spill_listeners)
+        # The two tiers meet at memstore.spill.port; listeners (the DCP export) ride on the spill tier, and the
+        # store's events (its metrics) hear of every shard written.
+        self.store.durable = build_spiller(config, source=self.store, listeners=spill_listeners, observer=self.store.events)
         self.data_server = DataServer(host, self.store, tls=credentials.server_ssl_context(), port=config.data_port)
         self.store.data_port = self.data_server.port
         self.follower = ClusterFollower(self.store, config, discovery)
@@ -109,6 +139,8 @@ class StoreServer:
         self.data_server.close()
         self.store.pool.keep_files_on_close = keep_files  # read by SegmentPool.close(), which Store.close() calls
         self.store.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
 
     def leave(self) -> None:
         """Leave the cluster on purpose (SIGTERM, ``memstore drain``, a node that Ray or Kubernetes drains): refuse

@@ -30,6 +30,7 @@ from memstore.errors import (
     UnknownJob,
 )
 from memstore.server.convert import sidecar_bytes, sidecar_info
+from memstore.server.events import StoreEvents
 from memstore.server.membership import Membership
 from memstore.server.peers import PeerDirectory
 from memstore.server.segments import Segment, SegmentPool
@@ -62,6 +63,8 @@ class Entry:
     created_unix: float = field(default_factory=time.time)
     source: str = ""  # peer a pulled copy came from
     spill_codec: str = ""  # the job's choice of durable codec ("" = the store's default)
+    allocated_at: float = field(default_factory=time.monotonic)  # when this entry was made (Allocate, or registration)
+    taken_at: float = 0.0  # when the store took a client's save in (Commit, or its stream's end): replication starts
 
     @property
     def verified(self) -> bool:
@@ -75,6 +78,7 @@ class Inbound:
     origin: PutOrigin
     segment: Segment
     sender: str = ""  # whom the transfer counts against (memstore.core.limits.transfer_sender)
+    started: float = field(default_factory=time.monotonic)  # when its header was accepted
 
 
 @dataclass
@@ -125,6 +129,9 @@ class Catalog:
     durable: DurableTier | None
     data_port: int
     last_repair_error: str
+    events: StoreEvents  # the metrics' event points (a no-op without --metrics-port)
+    under_replicated: int  # from the last repair pass: recent shards of this store's slots with fewer than R reachable copies
+    unreachable_sources: tuple[str, ...]  # from the last repair pass: holders of this store's slots that did not answer
     _lock: threading.Condition
     _entries: dict[ShardKey, Entry]
     _alloc_leases: dict[str, Lease]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from memstore.core.model import Holding, Manifest, ShardInfo, ShardKey, ShardState
 from memstore.core.restorable import RestoreAnswer, latest_restorable, sources_for, split_timelines
@@ -29,6 +30,7 @@ from memstore.server.catalog import (
     ensure,
     holdings_of,
 )
+from memstore.server.events import pull_source
 from memstore.server.membership import ClusterView
 from memstore.server.segments import Segment
 from memstore.spill.layout import SpilledManifest
@@ -47,6 +49,7 @@ class Recovery(Catalog):
     def fetch(self, key: ShardKey, discard_local: bool) -> tuple[Manifest, str]:
         """Make sure this store holds a verified copy of ``key``, pulling it from a peer if needed."""
         ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
+        started = time.monotonic()
         with self._lock:
             local = self._entries.get(key)
         if local is not None and discard_local:
@@ -63,10 +66,12 @@ class Recovery(Catalog):
         if local is not None:
             entry = self._readable(key)
             assert entry.manifest is not None
+            self.events.fetched("local", time.monotonic() - started)
             return entry.manifest, entry.source  # "" unless repair pulled it from a peer
         source = self._pull(key, origin_note="fetch")
         entry = self._readable(key)
         assert entry.manifest is not None
+        self.events.fetched(pull_source(source), time.monotonic() - started)
         return entry.manifest, source
 
     def _pull(self, key: ShardKey, origin_note: str, candidates: list[str] | None = None) -> str:
@@ -188,6 +193,7 @@ class Recovery(Catalog):
         self._register_pulled(key, segments[0], manifest, "durable")
 
     def _register_pulled(self, key: ShardKey, segment: Segment, m: Manifest, source: str) -> None:
+        self.events.pulled(pull_source(source), m.nbytes)
         entry = Entry(
             key,
             m.world_size,
@@ -266,9 +272,15 @@ class Recovery(Catalog):
             return 0
         if not sources:
             self.repaired_table = view.table  # nobody else holds our slots' shards: nothing to confirm
+            self.unreachable_sources = ()
+            with self._lock:
+                self.under_replicated = sum(
+                    1 for e in self._entries.values() if e.owner_host == self.host_id and e.state is ShardState.UNDER_REPLICATED
+                )
             return 0
         listings = self.peers.list_all("", self.config.peer_timeout, hosts=sources)
         complete = not any(isinstance(shards, StoreError) for shards in listings.values())
+        self.unreachable_sources = tuple(sorted(h for h, r in listings.items() if isinstance(r, StoreError)))
         wanted, copies = _wanted(listings, view, owners)
         recent = {job: newest_versions(held, self.config.keep) for job, held in copies.items()}  # the abandoned run's steps rank lower
         pulled = 0
@@ -281,7 +293,9 @@ class Recovery(Catalog):
             with self._lock:
                 self._repairs_in_flight += 1
             try:
-                self._pull(key, origin_note="repair", candidates=wanted[key])
+                started = time.monotonic()
+                source = self._pull(key, origin_note="repair", candidates=wanted[key])
+                self.events.repaired(pull_source(source), time.monotonic() - started)
                 pulled += 1
                 fault("repair.after_pull")
             except StoreError as exc:
@@ -292,7 +306,58 @@ class Recovery(Catalog):
                     self._repairs_in_flight -= 1
         if complete and not self._stop.is_set():
             self.repaired_table = view.table  # every source answered and every shard we lacked is here: readiness
+        with self._lock:
+            here = [(k, e.owner_host, e.created_unix, e.state.settled) for k, e in self._entries.items() if e.verified]
+        self.under_replicated = count_under_replicated(
+            listings, here, view.slot_name_of_owner, owners, self.host_id, self.config.replicas, self.config.keep
+        )
         return pulled
+
+
+def count_under_replicated(
+    listings: dict[str, list[ShardInfo] | StoreError],
+    here: list[tuple[ShardKey, str, float, bool]],
+    owner_slot: Callable[[str], str],
+    owners: set[str],
+    me: str,
+    replicas: int,
+    keep: int,
+) -> int:
+    """How many shards of this store's slots, of the ``keep`` newest versions of each job, have fewer than
+    ``replicas`` reachable verified copies.
+
+    ``listings``: what the other holders of those slots listed (a holder that did not answer holds nothing:
+    a group peer down leaves the group's recent shards under-replicated); ``here``: (key, owner host,
+    capture time, settled) of the verified copies this store holds; ``owner_slot``: owner host -> its slot's
+    name. A shard counts once some copy of it is settled (a save still replicating is not
+    under-replicated yet).
+    """
+    holders: dict[ShardKey, set[str]] = {}
+    created: dict[ShardKey, float] = {}
+    settled: set[ShardKey] = set()
+    for host, shards in listings.items():
+        if isinstance(shards, StoreError):
+            continue
+        for info in shards:
+            k = info.manifest.key
+            if not info.verified or owner_slot(info.manifest.owner_host) not in owners:
+                continue
+            holders.setdefault(k, set()).add(host)
+            created.setdefault(k, info.manifest.created_unix)
+            if info.state is not None and info.state.settled:
+                settled.add(k)
+    for k, owner, when, done in here:
+        if owner_slot(owner) not in owners:
+            continue
+        holders.setdefault(k, set()).add(me)
+        created[k] = when
+        if done:
+            settled.add(k)
+    by_job: dict[str, list[tuple[ShardKey, float]]] = {}
+    for k in settled:
+        by_job.setdefault(k.job_id, []).append((k, created[k]))
+    recent = {job: newest_versions(pairs, keep) for job, pairs in by_job.items()}
+    return sum(1 for k in settled if k.version in recent[k.job_id] and len(holders[k]) < replicas)
 
 
 def _wanted(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 
 from memstore.core.model import Manifest, PutOrigin, ShardState, TransferHeader
@@ -79,6 +80,7 @@ class Replication(Catalog):
             try:
                 fault("replicate.before_send")
                 self._push_to(peer_id, header, entry.segment.view(entry.nbytes), deadline)
+                self.events.pushed(entry.nbytes)
                 fault("replicate.after_ack")
                 return None
             except StoreError as exc:
@@ -88,6 +90,8 @@ class Replication(Catalog):
 
         futures: list[Future[str | None]] = [self._push.submit(push, p) for p in peers]
         errors = [e for e in (f.result() for f in futures) if e]
+        if not errors and entry.taken_at:
+            self.events.replicated(time.monotonic() - entry.taken_at)  # the last peer's ack
         self._settle(entry, copies=1 + len(peers) - len(errors), errors=errors)
 
     def _push_to(self, peer_id: str, header: TransferHeader, view: memoryview, deadline: float) -> None:
@@ -127,4 +131,5 @@ class Replication(Catalog):
                 log.warning("shard %s under-replicated: %s", entry.key, entry.error)
             self._describe(entry)
             self._lock.notify_all()
+        self.events.settled(entry.state.value)
         self._retention_due.set()

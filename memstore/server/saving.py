@@ -78,7 +78,9 @@ class Saving(Replication):
             entry.metrics = dict(metrics)
             entry.format_version = format_version
             entry.spill_codec = spill_codec
+            entry.taken_at = time.monotonic()
             self._register(entry)
+        self.events.saved("shm", entry.taken_at - entry.allocated_at)
         self._in_flight_add(1)
         self._replication.submit(self._capture_and_replicate, entry)
         fault("commit.before_ack")
@@ -179,12 +181,14 @@ class Saving(Replication):
             format_version=m.format_version,
             copies=copies,
             created_unix=m.created_unix or time.time(),
+            taken_at=time.monotonic(),
         )
         with self._lock:
             self._receiving.discard(inbound.key)
             self._end_stream(inbound.sender)
             self._register(entry)
         if inbound.origin is PutOrigin.CLIENT:
+            self.events.saved("stream", entry.taken_at - inbound.started)
             self._in_flight_add(1)
             self._replication.submit(self._capture_and_replicate, entry)
         else:

@@ -4,7 +4,8 @@ its answer back, and map typed errors to status codes.
 Every call is authorized first (``memstore.server.auth``: the token in its metadata, the job it names).
 Conversions are ``memstore.server.convert``'s, once per call (a shard's manifest once per transfer,
 never per chunk). Known errors (``memstore.errors``) become their status with the message; anything
-else becomes INTERNAL and is logged with its traceback. No logic lives here.
+else becomes INTERNAL and is logged with its traceback. Each call and each failure's status code is told
+to the store's events (``memstore_rpcs_total``, ``memstore_rpc_errors_total``). No logic lives here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from memstore.server.convert import (
     manifest_to_pb,
     transfer_from_pb,
 )
+from memstore.server.events import StoreEvents
 from memstore.server.store import Store
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
@@ -39,37 +41,45 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+def _abort(context: grpc.ServicerContext, exc: BaseException, events: StoreEvents, method: str) -> None:
     if isinstance(exc, StoreError):
+        events.rpc_failed(method, exc.status)
         if exc.trailing_metadata():
             context.set_trailing_metadata(exc.trailing_metadata())
         context.abort(getattr(grpc.StatusCode, exc.status), str(exc))
+    events.rpc_failed(method, "INTERNAL")
     log.error("internal error", exc_info=exc)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def rpc(method: F) -> F:
-    """Wrap a unary handler: typed errors -> status."""
+    """Wrap a unary handler: counted; typed errors -> status."""
+    name = method.__name__
 
     @functools.wraps(method)
     def wrapper(self: StoreServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        events = self.store.events
+        events.rpc(name)
         try:
             return method(self, request, context)
         except Exception as exc:
-            _abort(context, exc)
+            _abort(context, exc, events, name)
 
     return wrapper  # type: ignore[return-value]
 
 
 def stream_rpc(method: F) -> F:
     """Wrap a server-streaming handler the same way."""
+    name = method.__name__
 
     @functools.wraps(method)
     def wrapper(self: StoreServicer, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        events = self.store.events
+        events.rpc(name)
         try:
             yield from method(self, request, context)
         except Exception as exc:
-            _abort(context, exc)
+            _abort(context, exc, events, name)
 
     return wrapper  # type: ignore[return-value]
 

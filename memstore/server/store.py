@@ -31,9 +31,10 @@ from memstore import __version__
 from memstore.config import StoreConfig
 from memstore.core.model import ShardKey
 from memstore.core.slots import SlotTable
-from memstore.core.status import DiscoveryReport, HealthReport, HelloReport, SpillReport
+from memstore.core.status import DiscoveryReport, HealthReport, HelloReport, JobCensus, SpillReport, job_census
 from memstore.server.catalog import Entry, Lease, Ticket
 from memstore.server.drain import Drain
+from memstore.server.events import StoreEvents
 from memstore.server.membership import ClusterView, Membership
 from memstore.server.peers import PeerDirectory
 from memstore.server.segments import SegmentPool, segment_dir
@@ -47,9 +48,17 @@ log = logging.getLogger(__name__)
 class Store(Drain):
     """One host's store engine: the parts above over one shared state."""
 
-    def __init__(self, config: StoreConfig, advertised_address: str | None = None, credentials: Credentials | None = None) -> None:
-        """``credentials``: what this store presents to its peers (the cluster token, its TLS identity)."""
+    def __init__(
+        self,
+        config: StoreConfig,
+        advertised_address: str | None = None,
+        credentials: Credentials | None = None,
+        events: StoreEvents | None = None,
+    ) -> None:
+        """``credentials``: what this store presents to its peers (the cluster token, its TLS identity); ``events``:
+        where it reports saves, replication, fetches, repairs and RPCs (``memstore.server.metrics``; default: nowhere)."""
         self.config = config
+        self.events = events or StoreEvents()
         self.host_id = config.host_id
         self.started = time.monotonic()
         # A replacement started with the same --host-id and --listen finds its previous incarnation's segments here.
@@ -82,6 +91,8 @@ class Store(Drain):
         self.boot_id = boot_id()
         self.advertised_address = advertised_address or config.listen
         self.last_repair_error = ""
+        self.under_replicated = 0  # set by each repair pass
+        self.unreachable_sources: tuple[str, ...] = ()  # set by each repair pass
         self.repaired_table: SlotTable | None = None  # the table of the last repair pass that left nothing missing
         self.durable: DurableTier | None = None  # set by the composition root (memstore.server.app) when --spill is on
         self.data_port = 0  # set by the server once the data channel listens
@@ -161,6 +172,12 @@ class Store(Drain):
             return False
         self._lock.release()
         return True
+
+    def census(self) -> list[JobCensus]:
+        """What this store holds in RAM, per job (the metrics read it at each scrape)."""
+        with self._lock:
+            copies = [(k, e.nbytes, e.state) for k, e in self._entries.items() if not e.dropped]
+        return job_census(copies)
 
     def health(self) -> HealthReport:
         with self._lock:

@@ -15,12 +15,15 @@ from memstore.errors import ConfigError, SpillStorageError
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from memstore.spill.port import ShardSource, SpillListener
+    from memstore.spill.port import ShardSource, SpillListener, SpillObserver
     from memstore.spill.spiller import Spiller
 
 
-def build_spiller(config: StoreConfig, source: ShardSource, listeners: Sequence[SpillListener] = ()) -> Spiller | None:
-    """The spiller of a store configured with ``--spill`` (None without), reading from ``source``, telling ``listeners``."""
+def build_spiller(
+    config: StoreConfig, source: ShardSource, listeners: Sequence[SpillListener] = (), observer: SpillObserver | None = None
+) -> Spiller | None:
+    """The spiller of a store configured with ``--spill`` (None without), reading from ``source``, telling ``listeners``
+    of each published rank and ``observer`` (the store's metrics) of each shard written."""
     from memstore.spill.spiller import Spiller
     from memstore.spill.storage import Durable, parse_options
 
@@ -41,4 +44,5 @@ def build_spiller(config: StoreConfig, source: ShardSource, listeners: Sequence[
         orphan_seconds=config.spill_orphan_seconds,
         max_rate=config.spill_max_rate,
         listeners=listeners,
+        observer=observer,
     )

@@ -14,6 +14,8 @@ Who calls what, in which order:
   ``source.owned_ranks(job)`` when collecting garbage.
 - Listeners (``SpillListener``): the spill loop calls ``published(spiller, shard)`` after publishing each
   rank and ``doomed_paths(...)`` when retention deletes a step.
+- The observer (``SpillObserver``, the store's metrics): ``shard_spilled(job, seconds, nbytes)`` after each
+  shard it writes.
 - The store: ``tier.start()`` once serving, ``tier.close()`` on shutdown (after ``tier.flush(grace)``
   on SIGTERM); ``tier.holdings(job)`` as the pseudo-host ``durable`` in every cluster view
   (``latest_step``, retention, restore candidates); ``tier.protected_steps(job)`` before evicting;
@@ -48,6 +50,9 @@ class JobSpillStatus:
     retry_at: float = 0.0
     spilled: set[tuple[int, str]] = field(default_factory=set)  # versions (step, timeline) whose owned shards this store published
     bytes_written: int = 0
+    # What durable storage held of the job (every store's ranks) when this store last listed it: no listing of its own.
+    listed_steps: int = 0  # steps with at least one published rank
+    listed_shards: int = 0  # published ranks (manifests), over all steps
 
 
 class ShardSource(Protocol):
@@ -99,6 +104,14 @@ class DurableTier(Protocol):
 
     def read_into(self, key: ShardKey, allocate: Callable[[SpilledManifest], memoryview]) -> SpilledManifest:
         """Read, decode and verify a spilled shard into the memory ``allocate(manifest)`` returns."""
+        ...
+
+
+class SpillObserver(Protocol):
+    """Told of each shard the spill tier writes (the store's metrics, ``memstore.server.events``)."""
+
+    def shard_spilled(self, job_id: str, seconds: float, nbytes: int) -> None:
+        """One shard of ``job_id`` written (``nbytes`` stored) and its manifest published, in ``seconds``."""
         ...
 
 

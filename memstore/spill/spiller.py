@@ -36,7 +36,7 @@ from memstore.spill.storage import Durable
 from memstore.v1.integrity import checksum, chunk_spans
 
 if TYPE_CHECKING:
-    from memstore.spill.port import ShardSource, SpillListener
+    from memstore.spill.port import ShardSource, SpillListener, SpillObserver
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,11 @@ class Spiller:
         interval: float = 0.5,
         orphan_seconds: float = ORPHAN_SECONDS,
         listeners: Sequence[SpillListener] = (),
+        observer: SpillObserver | None = None,
     ) -> None:
         self.source = source
         self.listeners = tuple(listeners)
+        self.observer = observer  # told of each shard written (the store's metrics)
         self.durable = durable
         self.every_steps = every_steps
         self.every_seconds = every_seconds
@@ -139,6 +141,10 @@ class Spiller:
             else:
                 out.shards.setdefault(step, {})[rank] = (path, mtime)
         self._listing_cache[job_id] = (time.monotonic(), out)
+        st = self.status.get(job_id)
+        if st is not None:  # what the metrics show of the durable tier: counted here, never listed for them
+            st.listed_steps = len(out.manifests)
+            st.listed_shards = sum(len(ranks) for ranks in out.manifests.values())
         return out
 
     def read_manifest(self, job_id: str, step: int, rank: int, max_age: float = LISTING_CACHE_SECONDS) -> SpilledManifest:
@@ -290,8 +296,14 @@ class Spiller:
             time.sleep(0.005)
 
     def _spill_entry(self, entry: Manifest) -> int:
+        started = time.monotonic()
         with self.source.pinned_bytes(entry.key) as view:
-            return 0 if view is None else self._spill_bytes(entry, view)
+            if view is None:
+                return 0
+            written = self._spill_bytes(entry, view)
+        if self.observer is not None:
+            self.observer.shard_spilled(entry.key.job_id, time.monotonic() - started, written)
+        return written
 
     def _spill_bytes(self, m: Manifest, view: memoryview) -> int:
         """Write one shard's bytes (verified chunk by chunk against its capture checksums), then its manifest."""

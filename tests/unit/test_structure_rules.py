@@ -29,5 +29,23 @@ def test_ray_is_imported_only_by_memstore_ray(tmp_path: Path, monkeypatch: pytes
     assert check.misplaced_imports(files) == ["memstore.server.bad imports ray: only memstore.ray may (it is an optional extra)"]
 
 
+def test_prometheus_client_is_imported_only_by_the_metrics_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(check, "ROOT", tmp_path)
+    for rel, text in {
+        "memstore/server/metrics.py": "from prometheus_client import Counter\n",
+        "memstore/server/saving.py": "import prometheus_client.core\n",
+        "memstore/server/metrics_extra.py": "def f():\n    from prometheus_client import Gauge\n",
+        "memstore/server/events.py": "from memstore.server import metrics\n",
+    }.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    files = sorted(tmp_path.rglob("*.py"))
+    why = "only memstore.server.metrics may (the engine reports through memstore.server.events)"
+    assert check.misplaced_imports(files) == [
+        f"memstore.server.metrics_extra imports prometheus_client: {why}",
+        f"memstore.server.saving imports prometheus_client: {why}",
+    ]
+
+
 def test_the_tree_meets_every_rule() -> None:
     assert check.main() == 0

@@ -79,11 +79,16 @@ def test_config_loads_with_pod_values(store: Deployed) -> None:
 def test_ports_agree_everywhere(store: Deployed) -> None:
     name, objs, s = store.name, store.objs, store.s
     grpc, data, health = port_of(s.config.listen), s.config.data_port, port_of(s.config.health_listen)
+    metrics = s.config.metrics_port
+    assert metrics, f"{name}: every deployment serves Prometheus metrics (--metrics-port)"
+    assert len({grpc, data, health, metrics}) == 4, f"{name}: four distinct ports"
     c = s.container
     assert named_port(c, "grpc")["containerPort"] == grpc
     assert named_port(c, "grpc")["hostPort"] == grpc, "trainers reach their node's store at HOST_IP:<grpc port>"
     assert named_port(c, "data")["containerPort"] == data
     assert named_port(c, "health")["containerPort"] == health
+    assert named_port(c, "metrics")["containerPort"] == metrics
+    assert {p["name"] for p in c["ports"]} == {"grpc", "data", "health", "metrics"}
     assert [p for p in c["ports"] if "hostPort" in p] == [named_port(c, "grpc")], f"{name}: hostPort on the gRPC port only"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["grpc"]["port"] == health
@@ -93,7 +98,8 @@ def test_ports_agree_everywhere(store: Deployed) -> None:
 
     policy = one(objs, "NetworkPolicy")
     policy_ports = {port["port"] for rule in policy["spec"]["ingress"] for port in rule["ports"]}
-    assert policy_ports == {grpc, data, health}, f"{name}: NetworkPolicy ports {policy_ports} != {{{grpc}, {data}, {health}}}"
+    want = {grpc, data, health, metrics}
+    assert policy_ports == want, f"{name}: NetworkPolicy ports {policy_ports} != {want}"
 
 
 def test_discovery_names_the_headless_service(store: Deployed) -> None:
@@ -124,6 +130,7 @@ def test_network_policy_admits_trainers_stores_and_probes(store: Deployed) -> No
     assert policy["spec"]["podSelector"]["matchLabels"] == pod_labels
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     grpc, data, health = port_of(s.config.listen), s.config.data_port, port_of(s.config.health_listen)
+    metrics = s.config.metrics_port
     by_ports = {tuple(sorted(p["port"] for p in rule["ports"])): rule.get("from") for rule in policy["spec"]["ingress"]}
     assert by_ports[(grpc, data)] == [{"podSelector": {"matchLabels": pod_labels}}], "store <-> store: gRPC and data channel"
     (trainers,) = by_ports[(grpc,)]
@@ -131,7 +138,8 @@ def test_network_policy_admits_trainers_stores_and_probes(store: Deployed) -> No
     assert trainers["podSelector"] == {"matchLabels": {"memstore.io/trainer": "true"}}
     assert set(trainers) == {"namespaceSelector", "podSelector"}, "one peer: trainer pods in trainer namespaces (both selectors)"
     assert by_ports[(health,)] is None, "health from anywhere: the kubelet probes from the node"
-    assert set(by_ports) == {(grpc, data), (grpc,), (health,)}
+    assert by_ports[(metrics,)] == [{"namespaceSelector": {}}], "metrics from every pod of the cluster (Prometheus), nothing else"
+    assert set(by_ports) == {(grpc, data), (grpc,), (health,), (metrics,)}
 
 
 def test_prestop_drain_parses_and_fits_the_grace_period(store: Deployed, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -116,7 +116,7 @@ def _ports_free(ip: str, ports: list[int]) -> bool:
 def pods(tmp_path: Path) -> Iterator[list[Pod]]:
     objs = rendered(EXAMPLE_STORES)
     setup = store_setup(objs, tmp_path)
-    ports = [port_of(setup.config.listen), setup.config.data_port, port_of(setup.config.health_listen)]
+    ports = [port_of(setup.config.listen), setup.config.data_port, port_of(setup.config.health_listen), setup.config.metrics_port]
     if not all(_ports_free(ip, ports) for ip in POD_IPS):
         pytest.skip(f"ports {ports} are taken on {POD_IPS}")
     dns = DnsServer()
@@ -158,6 +158,17 @@ def test_rendered_store_runs_serves_a_trainer_and_drains(pods: list[Pod], monkey
         info = client.save(1, {"w": torch.arange(1024, dtype=torch.float32)}).wait(timeout=60)
         assert info.copies >= 2, "committed on both stores (R=2) over the data channel"
         assert client.latest_step() == 1
+
+    # Prometheus scrapes the rendered --metrics-port on the pod IP (the containerPort named "metrics")
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = next(p["containerPort"] for p in pods[0].c["ports"] if p["name"] == "metrics")
+    with urllib.request.urlopen(f"http://{pods[0].ip}:{port}/metrics", timeout=5) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    held = {s.labels.get("job_id"): s.value for s in families["memstore_job_bytes"].samples}
+    assert held.get("ddp-example", 0) >= 4096, "the job's shard shows in the pod's metrics"
 
     # deleting the pod: the rendered preStop command, in the container's env
     hook = [pods[0].remap(a) for a in pods[0].c["lifecycle"]["preStop"]["exec"]["command"]]

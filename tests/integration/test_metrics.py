@@ -1,10 +1,15 @@
 """--metrics-port against real store processes: the series move with a save, a spill, a refused call, a lost host
-and a restore from the survivors; the monitoring files reference only series a live store exports."""
+and a restore from the survivors; the monitoring files reference only series a live store exports; a port in use
+stops `memstore serve` with status 2."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +19,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.devtools.children import child_env
+from memstore.devtools.cluster import LocalCluster, free_ports, wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from tests.states import assert_same, rank_state
@@ -182,3 +188,18 @@ def test_monitoring_files_parse_and_reference_only_exported_series(make_cluster)
     exported = exported_names(scrape_text(cluster, "h0"))
     assert used, "the files reference memstore series"
     assert used <= exported, f"referenced but not exported: {sorted(used - exported)}"
+
+
+def test_a_metrics_port_in_use_stops_serve_with_status_2_naming_the_flag(tmp_path: Path) -> None:
+    (listen,) = free_ports(1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "memstore", "serve", "--host-id", "m0", "--listen", f"127.0.0.1:{listen}", "--replicas", "1",
+             "--shm-dir", str(tmp_path / "shm"), "--metrics-port", str(port)],
+            capture_output=True, text=True, timeout=60, env={**os.environ, **child_env()},
+        )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"--metrics-port {port}" in done.stderr

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         hello = stub.Hello(pb.HelloRequest(), timeout=args.timeout)
     except grpc.RpcError as err:
-        print(f"memstore delete: store {args.store} unreachable: {err.code().name}: {err.details()}", file=sys.stderr)
+        print(render.rpc_problem("delete", args.store, err), file=sys.stderr)
         return 1
     finally:
         channel.close()

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         s = survey.take(args.store, args.timeout, job=args.job)
     except grpc.RpcError as err:
-        print(f"memstore inspect: store {args.store} unreachable: {err.code().name}: {err.details()}", file=sys.stderr)
+        print(render.rpc_problem("inspect", args.store, err), file=sys.stderr)
         return 1
     step = args.step if args.step is not None else s.restorable.get(args.job, {}).get("step")
     if step is None:

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         s = survey.take(args.store, args.timeout, job=args.job or "")
     except grpc.RpcError as err:
-        print(f"memstore ls: store {args.store} unreachable: {err.code().name}: {err.details()}", file=sys.stderr)
+        print(render.rpc_problem("ls", args.store, err), file=sys.stderr)
         return 1
     jobs = [args.job] if args.job else s.jobs()
     doc = {job: survey.steps_of(s, job) for job in jobs}

@@ -63,6 +63,22 @@ def warn(text: str) -> Any:
     return Text(text, style="yellow")
 
 
+HINTS = {
+    "UNAVAILABLE": "is a store running there? Point --store (or MEMSTORE_STORE) at any store of the cluster",
+    "DEADLINE_EXCEEDED": "the store did not answer in time: raise --timeout, or check the network",
+    "UNAUTHENTICATED": "pass a token: --auth-token-file (or MEMSTORE_AUTH_TOKEN_FILE)",
+    "PERMISSION_DENIED": "this token may not do that: use the job's token, the cluster token or the admin token",
+}
+
+
+def rpc_problem(command: str, store: str, err: Any) -> str:
+    """``memstore COMMAND: store ADDR unreachable|refused: CODE: details; what to do`` for a failed first call."""
+    code = err.code().name
+    verb = "unreachable" if code in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else "refused"
+    hint = HINTS.get(code)
+    return f"memstore {command}: store {store} {verb}: {code}: {err.details()}" + (f"; {hint}" if hint else "")
+
+
 def print_json(doc: Any) -> None:
     json.dump(doc, sys.stdout, indent=2, sort_keys=False)
     sys.stdout.write("\n")

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         s = survey.take(args.store, args.timeout)
     except grpc.RpcError as err:
-        print(f"memstore status: store {args.store} unreachable: {err.code().name}: {err.details()}", file=sys.stderr)
+        print(render.rpc_problem("status", args.store, err), file=sys.stderr)
         return 1
     hosts = [{**h, "serving": "error" not in h and not h["draining"]} for h in s.health.values()]
     jobs = survey.jobs_of(s)

@@ -60,9 +60,12 @@ class Replication(Catalog):
             self._in_flight_add(-1)
 
     def _replicate(self, entry: Entry) -> None:
-        peers = self.membership.view.replication_targets()
+        view = self.membership.view
+        peers = view.replication_targets()
         if not peers:
-            self._settle(entry, copies=1, errors=[])
+            held = len(view.table.members())
+            why = f"the slot table (v{view.table.version}) holds {held} store(s): no group peer to copy to yet"
+            self._settle(entry, copies=1, errors=[why] if self.config.replicas > 1 else [])
             return
         assert entry.manifest is not None
         header = TransferHeader(entry.manifest, PutOrigin.REPLICA, self.host_id)

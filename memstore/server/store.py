@@ -161,6 +161,9 @@ class Store(Drain):
         view = self.membership.view
         if view.my_slot is None:
             return "holds no slot yet (discovery does not list it, or no slot is free)"
+        held = len(view.table.members())
+        if held < self.config.replicas:
+            return f"the slot table holds {held} store(s), fewer than R={self.config.replicas}: saves cannot reach R copies"
         repaired = self.repaired_table
         if repaired is None or view.table.layout != repaired.layout:
             return f"repairing: copies for slot {view.my_slot.index} are not all here yet"

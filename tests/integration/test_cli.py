@@ -72,4 +72,4 @@ def test_local_cluster_endpoints_status_ls_and_clean_stop(tmp_path) -> None:  # 
 def test_status_of_unreachable_store() -> None:
     (port,) = free_ports(1)
     proc = memstore("status", "--store", f"127.0.0.1:{port}", "--timeout", "1")
-    assert proc.returncode == 1 and "unreachable" in proc.stderr
+    assert proc.returncode == 1 and "unreachable" in proc.stderr and "Point --store (or MEMSTORE_STORE)" in proc.stderr

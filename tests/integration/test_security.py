@@ -233,6 +233,7 @@ def test_local_cluster_and_cli_with_a_token(tmp_path: Path) -> None:
         status = [sys.executable, "-m", "memstore", "status", "--store", store]
         denied = subprocess.run(status, capture_output=True, text=True, timeout=60, env=env)
         assert denied.returncode != 0 and "UNAUTHENTICATED" in denied.stderr, denied.stdout + denied.stderr
+        assert "--auth-token-file (or MEMSTORE_AUTH_TOKEN_FILE)" in denied.stderr  # says what to do
         allowed = subprocess.run([*status, "--auth-token-file", str(token)], capture_output=True, text=True, timeout=60, env=env)
         assert allowed.returncode == 0 and "2 hosts" in allowed.stdout, allowed.stdout + allowed.stderr
         assert CLUSTER not in denied.stderr + allowed.stdout + allowed.stderr

@@ -165,3 +165,23 @@ def test_resave_of_a_step_keeps_the_old_version_until_the_new_one_is_complete(st
     wait_for(lambda: (2, "A.0") not in versions_held(store), timeout=5, what="the old version to go once the new one is complete")
     latest = store.latest_step("job").version
     assert latest is not None and (latest.step, latest.timeline) == (2, "B.0")
+
+
+def test_readiness_reasons(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Ready = a slot, at least R holders in the table, a repair pass under the current layout; draining is not."""
+    config = StoreConfig.load(
+        {"host_id": "a", "replicas": "2", "capacity": "4MiB", "shm_dir": str(tmp_path / "shm"), "discovery": "fed"}, env={}
+    )
+    s = Store(config)
+    try:
+        assert s.readiness().startswith("holds no slot yet")
+        s.membership.apply({"a": ("127.0.0.1:1", "")})
+        assert "fewer than R=2" in s.readiness()  # alone: saves cannot reach two copies
+        s.membership.apply({"a": ("127.0.0.1:1", ""), "b": ("127.0.0.1:2", "")})
+        assert s.readiness().startswith("repairing")  # no repair pass has run under this layout
+        s.repaired_table = s.membership.view.table
+        assert s.readiness() == "" and s.alive(1.0)
+        s.draining.set()
+        assert s.readiness() == "draining"
+    finally:
+        s.close()

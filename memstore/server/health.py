@@ -7,8 +7,9 @@ on. This server answers ``grpc.health.v1.Health/Check`` only, with no authentica
 - service ``""`` (liveness): SERVING while the engine's lock can be taken within ``LIVENESS_LOCK_SECONDS``;
   a deadlocked store says NOT_SERVING and the kubelet restarts it. Draining stores stay live.
 - service ``memstore.v1.Store`` (readiness): SERVING when :meth:`Store.readiness` has no objection: serving,
-  not draining, holding a slot, and a repair pass under the current slot layout left nothing missing. A
-  rolling replacement moves to the next store only once the new one says SERVING here.
+  not draining, holding a slot, at least R holders in the slot table, and a repair pass under the current
+  slot layout left nothing missing. A rolling replacement moves to the next store only once the new one
+  says SERVING here.
 - any other service: NOT_FOUND, as the health protocol asks.
 
 ``Watch`` is not offered (UNIMPLEMENTED): probes only ``Check``.

@@ -16,35 +16,40 @@ check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check)
 
 
-def test_ray_is_imported_only_by_memstore_ray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(check, "ROOT", tmp_path)
-    for rel, text in {
-        "memstore/ray/stores.py": "import ray\n",
-        "memstore/server/bad.py": "def f():\n    from ray.train import report\n",
-        "trainer_client/ok.py": "import rayon_not_ray\nfrom . import ray\n",
-    }.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
-    files = sorted(tmp_path.rglob("*.py"))
-    assert check.misplaced_imports(files) == ["memstore.server.bad imports ray: only memstore.ray may (it is an optional extra)"]
+RAY = "only memstore.ray may (it is an optional extra)"
+PROM = "only memstore.server.metrics may (the engine reports through memstore.server.events)"
 
 
-def test_prometheus_client_is_imported_only_by_the_metrics_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("tree", "expected"),
+    [
+        pytest.param(
+            {
+                "memstore/ray/stores.py": "import ray\n",
+                "memstore/server/bad.py": "def f():\n    from ray.train import report\n",
+                "trainer_client/ok.py": "import rayon_not_ray\nfrom . import ray\n",
+            },
+            [f"memstore.server.bad imports ray: {RAY}"],
+            id="ray only in memstore.ray",
+        ),
+        pytest.param(
+            {
+                "memstore/server/metrics.py": "from prometheus_client import Counter\n",
+                "memstore/server/saving.py": "import prometheus_client.core\n",
+                "memstore/server/metrics_extra.py": "def f():\n    from prometheus_client import Gauge\n",
+                "memstore/server/events.py": "from memstore.server import metrics\n",
+            },
+            [f"memstore.server.{m} imports prometheus_client: {PROM}" for m in ("metrics_extra", "saving")],
+            id="prometheus_client only in the metrics module",
+        ),
+    ],
+)
+def test_misplaced_imports_are_named(tree: dict[str, str], expected: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(check, "ROOT", tmp_path)
-    for rel, text in {
-        "memstore/server/metrics.py": "from prometheus_client import Counter\n",
-        "memstore/server/saving.py": "import prometheus_client.core\n",
-        "memstore/server/metrics_extra.py": "def f():\n    from prometheus_client import Gauge\n",
-        "memstore/server/events.py": "from memstore.server import metrics\n",
-    }.items():
+    for rel, text in tree.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    files = sorted(tmp_path.rglob("*.py"))
-    why = "only memstore.server.metrics may (the engine reports through memstore.server.events)"
-    assert check.misplaced_imports(files) == [
-        f"memstore.server.metrics_extra imports prometheus_client: {why}",
-        f"memstore.server.saving imports prometheus_client: {why}",
-    ]
+    assert check.misplaced_imports(sorted(tmp_path.rglob("*.py"))) == expected
 
 
 def test_the_tree_meets_every_rule() -> None:

@@ -48,6 +48,7 @@ def main() -> None:
         step = int(state["step"])
         print(f"rank {rank}: resumed from step {step}", flush=True)
     g = torch.Generator().manual_seed(rank)
+    writer = MemStoreWriter(args.job, store=args.store)  # one writer (one store connection) for every step
     while step < args.steps:
         opt.zero_grad()
         model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
@@ -55,8 +56,10 @@ def main() -> None:
         step += 1
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}
-        dcp.save(state, storage_writer=MemStoreWriter(args.job, step, store=args.store))
+        dcp.save(state, storage_writer=writer, checkpoint_id=step)
     print(f"rank {rank}: done at step {step}", flush=True)
+    writer.close()  # close store connections before the process group and the interpreter go
+    reader.close()
     dist.destroy_process_group()
 
 

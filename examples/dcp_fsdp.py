@@ -9,6 +9,7 @@ loads them back through ``MemStoreReader``; resharding to another world size com
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -60,6 +61,11 @@ def main() -> None:
     print(f"rank {rank}: done at step {step}", flush=True)
     writer.close()  # close store connections before the process group and the interpreter go
     reader.close()
+    # Shut down while the interpreter is whole: gloo work objects still referenced by FSDP's state, if freed
+    # during interpreter finalization, can abort the process at exit (SIGABRT after the work is done).
+    dist.barrier()
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", default="2GiB")
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--endpoints-file", default=None, help='write {"hosts": {"<host_id>": "127.0.0.1:<port>"}} here')
+    p.add_argument("--metrics", action="store_true", help="every store serves Prometheus /metrics on a free port (printed)")
     # The stores and the cluster's own health checks read these through the environment (MEMSTORE_AUTH_TOKEN_FILE, MEMSTORE_TLS_*):
     # with --tls-ca the stores serve --tls-cert/--tls-key and require client certificates signed by the CA.
     add_credential_arguments(p)
@@ -30,7 +31,9 @@ def run(args: argparse.Namespace) -> int:
     from memstore.devtools.cluster import LocalCluster
 
     configure_logging("INFO")
-    cluster = LocalCluster(hosts=args.hosts, replicas=args.replicas, capacity=args.capacity, base_port=args.base_port, keep=args.keep)
+    cluster = LocalCluster(
+        hosts=args.hosts, replicas=args.replicas, capacity=args.capacity, base_port=args.base_port, keep=args.keep, metrics=args.metrics
+    )
     stop = False
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -43,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         cluster.start()
         if args.endpoints_file:
             cluster.write_endpoints(args.endpoints_file)
-        print(json.dumps({"hosts": cluster.endpoints}), flush=True)
+        metrics = {h: cluster.metrics_url(h) for h in cluster.stores} if args.metrics else {}
+        print(json.dumps({"hosts": cluster.endpoints, **({"metrics": metrics} if metrics else {})}), flush=True)
         while not stop:
             for h, sp in cluster.stores.items():
                 if not sp.alive and not stop:

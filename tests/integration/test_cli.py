@@ -41,12 +41,15 @@ def test_local_cluster_endpoints_status_ls_and_clean_stop(tmp_path) -> None:  # 
     endpoints = tmp_path / "endpoints.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "memstore", "local-cluster", "--hosts", "3", "--replicas", "2", "--capacity", "64MiB",
-         "--endpoints-file", str(endpoints)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+         "--endpoints-file", str(endpoints), "--metrics"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     try:
         wait_for(endpoints.exists, timeout=60, what="endpoints file")
         hosts = json.loads(endpoints.read_text())["hosts"]
+        assert proc.stdout is not None
+        printed = json.loads(proc.stdout.readline())  # the endpoints, and with --metrics every store's /metrics URL
+        assert printed["hosts"] == hosts and sorted(printed["metrics"]) == ["h0", "h1", "h2"]
         assert sorted(hosts) == ["h0", "h1", "h2"] and all(a.startswith("127.0.0.1:") for a in hosts.values())
         with CheckpointClient("cli-job", 0, 1, store=hosts["h2"]) as c:
             c.save(4, rank_state(0, 4)).wait(timeout=30)
@@ -55,6 +58,10 @@ def test_local_cluster_endpoints_status_ls_and_clean_stop(tmp_path) -> None:  # 
         assert {h["host"] for h in json.loads(status.stdout)["hosts"] if h["serving"]} == {"h0", "h1", "h2"}
         ls = memstore("ls", "--store", hosts["h2"], "--job", "cli-job", "--shards")
         assert "step=4" in ls.stdout and "committed" in ls.stdout
+        import urllib.request
+
+        scrape = urllib.request.urlopen(printed["metrics"]["h2"], timeout=10).read().decode()
+        assert 'memstore_job_bytes{job_id="cli-job"}' in scrape
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from memstore.cli import render
+    from memstore.cli import render, survey
     from memstore.v1 import store_pb2 as pb
     from memstore.v1.channel import store_stub
 
@@ -33,14 +33,11 @@ def run(args: argparse.Namespace) -> int:
         if input(f"delete {what} from every store's RAM? [y/N] ").strip().lower() not in ("y", "yes"):
             print("nothing deleted", file=sys.stderr)
             return 1
-    channel, stub = store_stub(args.store)
     try:
-        hello = stub.Hello(pb.HelloRequest(), timeout=args.timeout)
+        hello = survey.hello(args.store, args.timeout)
     except grpc.RpcError as err:
         print(render.rpc_problem("delete", args.store, err), file=sys.stderr)
         return 1
-    finally:
-        channel.close()
     results: dict[str, int | str] = {}
     for host, address in zip(hello.peer_ids, hello.peer_addresses, strict=True):
         channel, stub = store_stub(address)

@@ -40,35 +40,42 @@ class Survey:
         return sorted(names)
 
 
-def take(store: str, timeout: float, job: str = "", with_shards: bool = True) -> Survey:
-    """Ask ``store`` for the members, then every member (in parallel) for its health and its shards of ``job``
-    ("" = every job), and the entry store for each job's newest restorable step. Raises grpc.RpcError when
-    the entry store does not answer; members that do not answer get ``{"error": CODE}``."""
+def hello(store: str, timeout: float) -> Any:
+    """The entry store's Hello: the cluster layout and every member (``peer_ids``/``peer_addresses``).
+    Raises grpc.RpcError when it does not answer."""
     from memstore.v1 import store_pb2 as pb
     from memstore.v1.channel import store_stub
 
     channel, stub = store_stub(store)
     try:
-        hello = stub.Hello(pb.HelloRequest(), timeout=timeout)
+        return stub.Hello(pb.HelloRequest(), timeout=timeout)
     finally:
         channel.close()
-    s = Survey(store, hello.replicas, hello.placement, hello.slots.version)
+
+
+def take(store: str, timeout: float, job: str = "") -> Survey:
+    """Ask ``store`` for the members, then every member (in parallel) for its health and its shards of ``job``
+    ("" = every job), and the entry store for each job's newest restorable step. Raises grpc.RpcError when
+    the entry store does not answer; members that do not answer get ``{"error": CODE}``."""
+    hello_ = hello(store, timeout)
+    s = Survey(store, hello_.replicas, hello_.placement, hello_.slots.version)
     s.slots = [{"slot": x.index, "host": x.host_id, "address": x.address, "domain": x.domain, "former": list(x.former)}
-               for x in hello.slots.slots]  # fmt: skip
-    members = dict(zip(hello.peer_ids, hello.peer_addresses, strict=True))
+               for x in hello_.slots.slots]  # fmt: skip
+    members = dict(zip(hello_.peer_ids, hello_.peer_addresses, strict=True))
     slot_of = {x["host"]: x["slot"] for x in s.slots if x["host"]}
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(members)))) as pool:
-        rows = list(pool.map(lambda item: _ask(item[0], item[1], timeout, job, with_shards), members.items()))
+        rows = list(pool.map(lambda item: _ask(item[0], item[1], timeout, job), members.items()))
     for host, (health, shards) in zip(members, rows, strict=True):
         s.health[host] = {**health, "slot": slot_of.get(host)}
         if shards is not None:
             s.shards[host] = shards
-    for name in ([job] if job else s.jobs()) if with_shards else []:
+    for name in [job] if job else s.jobs():
         s.restorable[name] = _latest(store, name, timeout)
     return s
 
 
-def _ask(host: str, address: str, timeout: float, job: str, with_shards: bool) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+def _ask(host: str, address: str, timeout: float, job: str) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+    """One member's health row and its shards of ``job`` (None when it did not answer)."""
     import grpc
 
     from memstore.v1 import store_pb2 as pb
@@ -77,7 +84,7 @@ def _ask(host: str, address: str, timeout: float, job: str, with_shards: bool) -
     channel, stub = store_stub(address)
     try:
         h = stub.Health(pb.HealthRequest(), timeout=timeout)
-        listing = stub.List(pb.ListRequest(job_id=job), timeout=timeout) if with_shards else None
+        listing = stub.List(pb.ListRequest(job_id=job), timeout=timeout)
     except grpc.RpcError as err:
         return {"host": host, "address": address, "error": err.code().name}, None
     finally:
@@ -101,8 +108,7 @@ def _ask(host: str, address: str, timeout: float, job: str, with_shards: bool) -
         "adopted_shards": h.adopted_shards,
         "discovery": {"source": h.discovery.source, "members": h.discovery.members, "error": h.discovery.error},
     }
-    shards = None if listing is None else [shard_row(x) for x in listing.shards]
-    return health, shards
+    return health, [shard_row(x) for x in listing.shards]
 
 
 def _spill_row(j: Any) -> dict[str, Any]:

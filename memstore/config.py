@@ -132,6 +132,15 @@ def _choice(name: str, choices: tuple[str, ...]) -> Callable[[Any], str]:
     return parse
 
 
+def _prefault(value: Any) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(f"--prefault {value!r} is invalid: expected auto, 0 or a size such as 8GiB ({exc})") from None
+
+
 def _opt(help: str, parse: Callable[[Any], Any] | None = None, **kw: Any) -> Any:
     return field(metadata={"help": help, "parse": parse}, **kw)
 
@@ -212,6 +221,21 @@ class StoreConfig:
         "Keep shared-memory segments on a clean exit so a restart with the same --host-id/--listen adopts them.",
         _bool("--shm-keep-on-exit"),
         default=False,
+    )
+    prefault: int | None = _opt(
+        "Fresh shared memory kept faulted in ahead of need, so a save, a replica or a repair never waits for the kernel "
+        "to allocate and zero pages: 'auto' (keep two segments of the largest recent shard ready once shards arrive; "
+        "the store's first shard pays for fresh memory), a size (at least that many bytes stay faulted in from start-up, "
+        "shards included: size it for what the store cycles through, about (keep+2) x each shard saved or copied here), or 0 "
+        "(none). Counts against --capacity as pooled bytes; resident while idle.",
+        _prefault,
+        default=None,
+    )
+    prefault_unit: int = _opt(
+        "Size of each pre-faulted segment (e.g. one rank's shard); default: the largest shard seen lately, before any "
+        "--prefault/(keep+2). A larger segment is shrunk to the shard that takes it.",
+        _size("--prefault-unit"),
+        default=0,
     )
     repair_interval: float = _opt(
         "Seconds between anti-entropy passes that restore missing replicas.", _positive_float("--repair-interval"), default=2.0
@@ -412,6 +436,14 @@ class StoreConfig:
                     "Kubernetes label name (e.g. topology.kubernetes.io/zone)"
                 )
 
+    def _check_prefault(self) -> None:
+        if self.prefault is not None and self.prefault > self.capacity:
+            raise ConfigError(
+                f"--prefault {self.prefault} bytes is larger than --capacity {self.capacity} bytes: the reserve is part of the capacity"
+            )
+        if self.prefault_unit > self.capacity:
+            raise ConfigError(f"--prefault-unit {self.prefault_unit} bytes is larger than --capacity {self.capacity} bytes")
+
     def _validated_common(self, peers: tuple[tuple[str, str], ...]) -> StoreConfig:
         host = self.listen.rpartition(":")[0].strip("[]")
         if not self.auth_token_file and not self.insecure and not _loopback(host):
@@ -430,6 +462,7 @@ class StoreConfig:
         self._check_ports_and_labels()
         if not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ConfigError(f"--chunk-bytes {self.chunk_bytes} is invalid: expected 1..{MAX_CHUNK_BYTES}")
+        self._check_prefault()
         domains = dict(self.failure_domains)
         if self.failure_domain:
             if domains.get(self.host_id, self.failure_domain) != self.failure_domain:

@@ -24,8 +24,10 @@ import logging
 import mmap
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -72,6 +74,21 @@ def _populate_for_reading(mm: mmap.mmap) -> None:
         mm.madvise(_MADV_POPULATE_READ)
     except (OSError, ValueError):
         pass
+
+
+def _map_segment(path: str, size: int) -> mmap.mmap:
+    """Map a store segment read-write and fault its pages in (``size`` 0: the whole file)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size or os.fstat(fd).st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+
+
+def _close_mapping(future: Future[mmap.mmap]) -> None:
+    """Done-callback of a background mapping nobody will use."""
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
 
 
 RUN_ID_ENV = "MEMSTORE_RUN_ID"
@@ -238,6 +255,10 @@ class CheckpointClient:
         self.credentials = client_credentials(auth_token, tls_ca, tls_cert, tls_key)
         self._channel, self._stub = store_stub(self.address, self.credentials)
         self._mappings: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
+        # The segment the store will hand the next save (AllocateResponse.next_segment_path), mapped in the background.
+        self._premap: tuple[str, Future[mmap.mmap]] | None = None
+        self._premapper: ThreadPoolExecutor | None = None
+        self._premap_lock = threading.Lock()
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -299,12 +320,12 @@ class CheckpointClient:
 
     def _map(self, path: str, size: int) -> mmap.mmap:
         mm = self._mappings.pop(path, None)
+        if mm is None:
+            mm = self._take_premapped(path)
         if mm is None or mm.closed or len(mm) < size:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
-                os.close(fd)
+            if mm is not None:
+                mm.close()
+            mm = _map_segment(path, size)
         self._mappings[path] = mm
         while len(self._mappings) > _MAPPING_CACHE:
             _, old = self._mappings.popitem(last=False)
@@ -312,6 +333,33 @@ class CheckpointClient:
         return mm
 
     # -- save ---------------------------------------------------------------------------
+    def _take_premapped(self, path: str) -> mmap.mmap | None:
+        with self._premap_lock:
+            premap, self._premap = self._premap, None
+        if premap is None:
+            return None
+        if premap[0] != path:
+            premap[1].add_done_callback(_close_mapping)
+            return None
+        try:
+            return premap[1].result()
+        except OSError:
+            return None
+
+    def _map_ahead(self, path: str) -> None:
+        """Map the segment the next save will get, in the background, so that save skips the page-table cost
+        of fresh pages (~0.1 s per GiB on 4 KiB pages)."""
+        if not path or path in self._mappings:
+            return
+        with self._premap_lock:
+            if self._premap is not None and self._premap[0] == path:
+                return
+            if self._premapper is None:
+                self._premapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-premap")
+            old, self._premap = self._premap, (path, self._premapper.submit(_map_segment, path, 0))
+        if old is not None:
+            old[1].add_done_callback(_close_mapping)
+
     def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None, *, timeline: str | None = None) -> SaveHandle:
         """Capture ``state`` for ``step`` into the store's memory; returns once the store owns the bytes.
 
@@ -343,10 +391,10 @@ class CheckpointClient:
         return handle
 
     def _save_shared(self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float]) -> None:
-        alloc = self._call(
-            lambda t: self._stub.Allocate(pb.AllocateRequest(key=key, world_size=self.world_size, nbytes=layout.nbytes), timeout=t),
-            f"allocate step {key.step}",
-        )
+        with self._premap_lock:
+            preferred = self._premap[0] if self._premap is not None else ""
+        request = pb.AllocateRequest(key=key, world_size=self.world_size, nbytes=layout.nbytes, preferred_segment=preferred)
+        alloc = self._call(lambda t: self._stub.Allocate(request, timeout=t), f"allocate step {key.step}")
         try:
             mm = self._map(alloc.segment_path, alloc.segment_bytes)
             layout.write_into(memoryview(mm)[: layout.nbytes])
@@ -365,6 +413,8 @@ class CheckpointClient:
             ),
             f"commit step {key.step}",
         )
+        if alloc.next_segment_path != alloc.segment_path:
+            self._map_ahead(alloc.next_segment_path)
 
     def _save_streamed(self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float]) -> None:
         buf = bytearray(layout.nbytes)
@@ -396,6 +446,8 @@ class CheckpointClient:
             f"status of step {step}",
             retries=3,
         )
+        if resp.next_segment_path and self.shared_memory:
+            self._map_ahead(resp.next_segment_path)
         return resp.info, resp.done
 
     # -- restore ------------------------------------------------------------------------
@@ -520,6 +572,13 @@ class CheckpointClient:
         return serialization.decode(memoryview(buf))
 
     def close(self) -> None:
+        with self._premap_lock:
+            premap, self._premap = self._premap, None
+            premapper, self._premapper = self._premapper, None
+        if premap is not None:
+            premap[1].add_done_callback(_close_mapping)
+        if premapper is not None:
+            premapper.shutdown(wait=True)
         for mm in self._mappings.values():
             mm.close()
         self._mappings.clear()

@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from memstore.core.sizes import format_size
-    from memstore.server.segments import orphaned_dirs, reclaim_orphans
+    from memstore.server.shm_dirs import orphaned_dirs, reclaim_orphans
 
     if not args.shm_dir:
         raise ConfigError("--shm-dir is empty: name the directory the stores of this machine use (their --shm-dir)")

@@ -72,6 +72,9 @@ class HealthReport:
     slots: SlotTable = SlotTable()
     discovery: DiscoveryReport | None = None
     not_ready: str = ""  # "" = ready for saves (the readiness probe); else why not
+    pooled_bytes: int = 0  # part of used_bytes: free segments kept faulted in (job pools and the reserve)
+    reserve_bytes: int = 0  # part of pooled_bytes: the fresh reserve (--prefault), with what is being faulted in
+    reserve_filling: bool = False  # the reserve is being faulted in toward its goal
 
 
 @dataclass(frozen=True)

@@ -213,7 +213,7 @@ class Catalog:
     def spilled(self) -> None:
         self._retention_due.set()
 
-    def _acquire(self, key: ShardKey, nbytes: int) -> Segment:
+    def _acquire(self, key: ShardKey, nbytes: int, preferred: str = "") -> Segment:
         """A segment for ``key``, within the store's capacity and the job's quota (``--job-quota``).
 
         Over either limit, drop the fewest of what ``pressure_victims`` offers (the job's own older copies,
@@ -222,7 +222,7 @@ class Catalog:
         """
         while True:
             try:
-                return self.pool.acquire(nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota)
+                return self.pool.acquire(nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred)
             except CapacityExceeded as exc:  # QuotaExceeded included: its numbers are the job's
                 with self._lock:
                     job = [e for e in self._entries.values() if e.key.job_id == key.job_id]

@@ -96,6 +96,8 @@ def state_families(s: Snapshot) -> list[Metric]:
         info,
         _gauge("capacity_bytes", "RAM budget for shard bytes (--capacity).", h.capacity_bytes),
         _gauge("used_bytes", "Bytes of the shared-memory segments held, in use and pooled (counted against the capacity).", h.used_bytes),
+        _gauge("pooled_bytes", "Part of used_bytes: free segments kept faulted in (job pools and the --prefault reserve).", h.pooled_bytes),
+        _gauge("reserve_bytes", "Part of pooled_bytes: fresh pre-faulted segments of the reserve (--prefault).", h.reserve_bytes),
         _gauge("replication_factor", "Copies of each shard in RAM, counting the owner's (--replicas).", s.replicas),
         _gauge("replications_in_flight", "Owned shards being checksummed or pushed to group peers now.", h.replications_in_flight),
         _gauge("repairs_in_flight", "Missing shards the repair loop is pulling now.", h.repairs_in_flight),

@@ -41,7 +41,8 @@ MAX_WAIT_SECONDS = 10.0  # WaitCommitted blocks a server thread at most this lon
 class Saving(Replication):
     """Takes shards in: shared-memory captures, gRPC streams; and reports when they are committed."""
 
-    def allocate(self, key: ShardKey, world_size: int, nbytes: int) -> tuple[str, Segment]:
+    def allocate(self, key: ShardKey, world_size: int, nbytes: int, preferred: str = "") -> tuple[str, Segment]:
+        """A lease on a segment for ``key``'s ``nbytes``: ``preferred`` (a path from ``next_segment``) if still free."""
         ensure(key_problem(key.job_id, key.step, key.rank, world_size, key.timeline))
         if nbytes <= 0:
             raise InvalidArgument(f"nbytes {nbytes} is invalid: expected > 0")
@@ -56,12 +57,18 @@ class Saving(Replication):
         self._refuse_if_draining()
         with self._lock:
             self._refuse_resave(key)
-        segment = self._acquire(key, nbytes)
+        segment = self._acquire(key, nbytes, preferred)
         entry = Entry(key, world_size, nbytes, segment, self.host_id, ShardState.CAPTURED)
         lease_id = secrets.token_hex(16)
         with self._lock:
             self._alloc_leases[lease_id] = Lease(entry, time.monotonic() + ALLOCATE_LEASE_SECONDS)
         return lease_id, segment
+
+    def next_segment(self, job_id: str, nbytes: int) -> str:
+        """The path of the free, faulted-in segment the next save of ``nbytes`` by ``job_id`` would get ('' if none):
+        a client maps it ahead so that save does not pay for mapping fresh pages."""
+        seg = self.pool.peek(nbytes, job_id)
+        return (seg.path or "") if seg is not None else ""
 
     def commit(self, lease_id: str, metrics: dict[str, float], format_version: int, spill_codec: str = "") -> ShardKey:
         ensure(codec_problem(spill_codec) or metrics_problem(metrics))

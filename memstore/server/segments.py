@@ -22,18 +22,18 @@ Files of one store live in ``<shm_dir>/<host_id>-<port>/`` (``segment_dir``), lo
   has a sidecar, keeps those ``check`` accepts and deletes the rest (should ``adopt`` never come, the
   first ``acquire`` deletes them all: a store that does not adopt never serves stale segments).
 - A directory whose ``.lock`` nobody holds belongs to no running store: an *orphan*
-  (``orphaned_dirs``), removable with ``reclaim_orphans`` (``memstore reclaim-shm``).
+  (``memstore.server.shm_dirs``).
+- The *reserve* (``--prefault``, ``memstore.core.reserve``): fresh segments faulted in by a background
+  thread before any shard needs them, handed to whichever job saves or receives next.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import itertools
 import logging
 import mmap
 import os
-import re
 import secrets
 import shutil
 import threading
@@ -42,47 +42,33 @@ from collections.abc import Callable
 from pathlib import Path
 
 from memstore.core.limits import over_limit
+from memstore.core.reserve import ReserveGoal, ReservePolicy
 from memstore.core.sizes import format_size
 from memstore.core.status import Orphan
 from memstore.errors import CapacityExceeded, ConfigError, QuotaExceeded, StaleLock
+from memstore.server.pages import MAP_FLAGS, PAGE, fault_in, give_back
+from memstore.server.shm_dirs import (
+    CLAIM_WAIT_SECONDS,
+    LOCK_NAME,
+    SEGMENT_PREFIX,
+    TMP_INFIX,
+    is_segment_name,
+    orphaned_dirs,
+    sidecar_path,
+    try_lock,
+)
 
 log = logging.getLogger(__name__)
 
-PAGE = mmap.PAGESIZE
 _REUSE_SLACK = 1.25  # reuse a pooled segment up to 25% larger than needed rather than allocating anew
 
-LOCK_NAME = ".lock"
-SEGMENT_PREFIX = "seg-"
-SIDECAR_PREFIX = "meta-"
-_TMP_INFIX = ".tmp-"
-CLAIM_WAIT_SECONDS = 2.0  # a lock held only briefly (an orphan probe, a reclaim) does not fail a starting store
-_STORE_DIR_NAME = re.compile(r"[A-Za-z0-9._-]{1,80}")
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+FRESH = ""  # owner of a reserve segment: it never held any job's bytes, so any job may take it
+_GROW_FRACTION = 8  # a fresh segment up to 1/8 short of a shard grows to fit it
+_CANCEL_WAIT_SECONDS = 5.0  # how long an allocation waits for the reserve to give back bytes it is faulting in
 
 
 def _round_up(n: int) -> int:
     return max(PAGE, -(-n // PAGE) * PAGE)
-
-
-def segment_dir(shm_dir: str, host_id: str, listen: str) -> str:
-    """The segment directory of one store: ``<shm_dir>/<host_id>-<port>`` ('' when ``shm_dir`` is '').
-
-    ``listen`` is the store's *bound* HOST:PORT: the port is unique among the stores running on a
-    machine, so two clusters with the same host ids never share a directory, and a replacement
-    started with the same ``--host-id`` and ``--listen`` finds the directory of the store it replaces.
-    """
-    if not shm_dir:
-        return ""
-    port = listen.rpartition(":")[2]
-    if not port.isdigit():
-        raise ValueError(f"listen address {listen!r} has no numeric port")
-    return os.path.join(shm_dir, f"{host_id}-{int(port)}")
-
-
-def sidecar_path(segment_path: str) -> str:
-    """Where the sidecar of the segment at ``segment_path`` lives: ``meta-<segment name>`` next to it."""
-    head, name = os.path.split(segment_path)
-    return os.path.join(head, SIDECAR_PREFIX + name)
 
 
 class Segment:
@@ -101,8 +87,8 @@ class Segment:
         self._closed = False
 
     def view(self, nbytes: int | None = None) -> memoryview:
-        mv = memoryview(self.mm)
-        return mv if nbytes is None else mv[:nbytes]
+        """The first ``nbytes`` (default ``size``; the map may be longer after a shrink, see ``SegmentPool``)."""
+        return memoryview(self.mm)[: self.size if nbytes is None else nbytes]
 
     def unmap(self) -> None:
         """Unmap, keeping the file (and sidecar) on the tmpfs."""
@@ -125,139 +111,6 @@ class Segment:
             self.described = False
 
 
-# -- directory locks -----------------------------------------------------------------
-def _try_lock(directory: Path, create: bool) -> int | None:
-    """flock ``directory/.lock`` exclusively: the fd, or None if another process holds it.
-
-    Raises FileNotFoundError (no lock file and not ``create``), OSError, or StaleLock.
-    """
-    path = directory / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    try:
-        st, own = os.stat(path), os.fstat(fd)
-        same = (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
-    except FileNotFoundError:
-        same = False
-    if not same:
-        os.close(fd)
-        raise StaleLock(str(path))
-    return fd
-
-
-def _is_segment_name(name: str) -> bool:
-    return name.startswith(SEGMENT_PREFIX) and _TMP_INFIX not in name
-
-
-def _is_ours(name: str) -> bool:
-    """A name the pool creates in its directory."""
-    return name == LOCK_NAME or name.startswith((SEGMENT_PREFIX, SIDECAR_PREFIX))
-
-
-# -- orphans ---------------------------------------------------------------------------
-def _store_dir_contents(directory: Path) -> list[os.DirEntry[str]] | None:
-    """The entries of ``directory`` if it looks like a store's segment dir (else None: never touch it)."""
-    if not _STORE_DIR_NAME.fullmatch(directory.name) or directory.is_symlink() or not directory.is_dir():
-        return None
-    try:
-        with os.scandir(directory) as it:
-            entries = list(it)
-    except OSError:
-        return None
-    if not entries:
-        return None
-    for e in entries:
-        if not _is_ours(e.name) or (e.name != LOCK_NAME and not e.is_file(follow_symlinks=False)):
-            return None  # something that is not ours: leave the directory alone
-    return entries
-
-
-def _orphan_of(directory: Path, entries: list[os.DirEntry[str]]) -> Orphan:
-    total = files = 0
-    for e in entries:
-        if e.name == LOCK_NAME:
-            continue
-        with contextlib.suppress(OSError):
-            total += e.stat(follow_symlinks=False).st_size
-            files += _is_segment_name(e.name)
-    base, _, port = directory.name.rpartition("-")
-    host_id = base if base and port.isdigit() else directory.name
-    return Orphan(str(directory), host_id, total, files)
-
-
-def _held(directory: Path) -> bool:
-    """Whether a running store holds ``directory``'s lock (probed with a non-blocking flock, released at once)."""
-    try:
-        fd = _try_lock(directory, create=False)
-    except FileNotFoundError:
-        return False  # no lock file: no store ever claimed it (or one is creating it right now: it retries)
-    except (StaleLock, OSError):
-        return True  # cannot tell: treat as owned
-    if fd is None:
-        return True
-    os.close(fd)
-    return False
-
-
-def orphaned_dirs(shm_dir: str) -> list[Orphan]:
-    """Segment directories under ``shm_dir`` whose ``.lock`` no running store holds, sorted by path.
-
-    Only directories that look like a store's (nothing but ``.lock``, ``seg-*`` and ``meta-*`` files) are
-    considered, so pointing this at a shared directory never reports anybody else's files.
-    """
-    if not shm_dir:
-        return []
-    try:
-        children = sorted(Path(shm_dir).iterdir())
-    except OSError:
-        return []
-    out: list[Orphan] = []
-    for child in children:
-        entries = _store_dir_contents(child)
-        if entries is not None and not _held(child):
-            out.append(_orphan_of(child, entries))
-    return out
-
-
-def reclaim_orphans(shm_dir: str) -> list[Orphan]:
-    """Delete the orphaned segment directories under ``shm_dir``; returns those deleted.
-
-    Each one is deleted while holding its lock (so a store starting with that directory meanwhile waits
-    for it and then starts in a fresh one); a directory a store claimed since it was listed is skipped.
-    """
-    reclaimed: list[Orphan] = []
-    for orphan in orphaned_dirs(shm_dir):
-        directory = Path(orphan.path)
-        try:
-            fd = _try_lock(directory, create=True)
-        except (StaleLock, OSError):
-            continue
-        if fd is None:
-            continue  # claimed since it was listed
-        try:
-            entries = _store_dir_contents(directory)
-            if entries is None:
-                continue
-            final = _orphan_of(directory, entries)
-            for e in entries:
-                if e.name != LOCK_NAME:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(e.path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(directory / LOCK_NAME)
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-            log.info("reclaimed orphaned segment dir %s (%d segments, %s)", final.path, final.files, format_size(final.bytes))
-            reclaimed.append(final)
-        finally:
-            os.close(fd)
-    return reclaimed
-
-
 class SegmentPool:
     """Allocates, recycles and accounts segments under a byte budget.
 
@@ -265,15 +118,33 @@ class SegmentPool:
     exactly the bytes of the segments this pool holds, and ``close`` removes all of them.
     """
 
-    def __init__(self, directory: str | None, capacity: int, max_pooled_bytes: int | None = None, *, adopt_leftovers: bool = False) -> None:
+    def __init__(
+        self,
+        directory: str | None,
+        capacity: int,
+        max_pooled_bytes: int | None = None,
+        *,
+        adopt_leftovers: bool = False,
+        reserve: ReservePolicy | None = None,
+    ) -> None:
         """Claim ``directory`` (None: anonymous memory). What a previous store of the directory left there
         is deleted now, or with ``adopt_leftovers`` kept for ``adopt()``, which must then come next (if it
-        does not, the first ``acquire`` deletes the leftovers)."""
+        does not, the first ``acquire`` deletes the leftovers). ``reserve``: how much fresh memory to keep
+        faulted in ahead of need (``memstore.core.reserve``), once ``start_reserve`` runs; None: none."""
         self.capacity = capacity
         self.max_pooled_bytes = capacity if max_pooled_bytes is None else max_pooled_bytes
         # close() with keep_files=None reads this: set by the server from --shm-keep-on-exit before it closes the engine.
         self.keep_files_on_close = False
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # the reserve gave back or added bytes
+        self.reserve = reserve
+        self._fresh_bytes = 0  # pooled bytes in FRESH segments (the reserve), part of _pooled_bytes
+        self._warming = 0  # bytes the reserve is faulting in right now (not pooled yet; count against the capacity)
+        self._room_wanted = 0  # allocations waiting for the reserve to give bytes back
+        self._cancel_warming = threading.Event()
+        self._shrinks: list[tuple[Segment, int]] = []  # reserve segments handed out larger than needed: trim to these sizes
+        self._reserve_wake = threading.Event()
+        self._reserve_thread: threading.Thread | None = None
         self._free: list[Segment] = []
         self._in_use: set[Segment] = set()
         self._in_use_bytes = 0
@@ -302,7 +173,7 @@ class SegmentPool:
         while True:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
-                fd = _try_lock(directory, create=True)
+                fd = try_lock(directory, create=True)
             except StaleLock:
                 fd = None  # reclaimed under our feet: recreate it
             except OSError as exc:
@@ -355,7 +226,7 @@ class SegmentPool:
         try:
             with os.scandir(self.directory) as it:
                 for e in it:
-                    if not _is_segment_name(e.name) or not e.is_file(follow_symlinks=False):
+                    if not is_segment_name(e.name) or not e.is_file(follow_symlinks=False):
                         continue
                     try:
                         size = e.stat(follow_symlinks=False).st_size
@@ -414,7 +285,7 @@ class SegmentPool:
     def _map_existing(self, path: str, size: int) -> Segment:
         fd = os.open(path, os.O_RDWR)
         try:
-            mm = mmap.mmap(fd, size, flags=_MAP_FLAGS)
+            mm = mmap.mmap(fd, size, flags=MAP_FLAGS)
         finally:
             os.close(fd)
         return Segment(path, size, mm)
@@ -458,12 +329,17 @@ class SegmentPool:
         keep = self.keep_files_on_close if keep_files is None else keep_files
         with self._lock:
             self._closed = True
+            self._cancel_warming.set()
+            self._reserve_wake.set()
             free, self._free = self._free, []
             in_use, self._in_use = list(self._in_use), set()
             self._pooled_bytes = 0
+            self._fresh_bytes = 0
             self._in_use_bytes = 0
             pending = self._leftovers_pending
             self._leftovers_pending = False
+        if self._reserve_thread is not None and self._reserve_thread is not threading.current_thread():
+            self._reserve_thread.join(timeout=_CANCEL_WAIT_SECONDS)
         for seg in free:
             seg.destroy()
         kept = [s for s in in_use if keep and s.path]
@@ -528,8 +404,9 @@ class SegmentPool:
     def _owner_bytes(self, owner: str) -> int:
         return sum(s.size for s in self._in_use if s.owner == owner) + self._creating.get(owner, 0)
 
-    def acquire(self, nbytes: int, owner: str, what: str = "shard", quota: int = 0) -> Segment:
-        """A segment of at least ``nbytes`` for job ``owner``.
+    def acquire(self, nbytes: int, owner: str, what: str = "shard", quota: int = 0, preferred: str = "") -> Segment:
+        """A segment of at least ``nbytes`` for job ``owner``: the pooled one at path ``preferred`` if it is free
+        and would be handed to ``owner`` (see ``peek``), else the best pooled one, else a fresh one.
 
         Pooled segments are only handed back to the job that used them, so one job's leftover bytes are
         never mapped by another job's trainer. Raises CapacityExceeded with the byte counts if it can't fit,
@@ -539,13 +416,22 @@ class SegmentPool:
             self._settle_leftovers(None)  # nobody adopted them: a store that does not adopt starts clean
         size = _round_up(nbytes)
         victims: list[Segment] = []
+        if self.reserve is not None:
+            self.reserve.saw(nbytes)
+            self._reserve_wake.set()
         with self._lock:
             used = self._owner_bytes(owner) if quota else 0
-            seg = self._take_pooled(nbytes, owner, max_size=quota - used if quota else None)
+            max_size = quota - used if quota else None
+            seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred)
+            if seg is None and self._warming >= size - size // _GROW_FRACTION:
+                # The reserve is faulting in a segment that fits: finishing it is faster than starting another.
+                self._changed.wait_for(lambda: not self._warming or self._closed, timeout=_CANCEL_WAIT_SECONDS * 4)
+                seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred)
             if seg is not None:
                 self._in_use.add(seg)
                 self._in_use_bytes += seg.size
                 return seg
+            self._wait_for_warming(size)
             if over_limit(used, size, quota):
                 raise QuotaExceeded(
                     f"{what} needs {format_size(size)} ({size} bytes) but job {owner!r} holds {format_size(used)} ({used} bytes) "
@@ -558,9 +444,9 @@ class SegmentPool:
                 )
             # Make room by dropping pooled segments (largest first) before giving up.
             self._free.sort(key=lambda s: s.size)
-            while self._free and self._in_use_bytes + self._pooled_bytes + size > self.capacity:
+            while self._free and self._in_use_bytes + self._pooled_bytes + self._warming + size > self.capacity:
                 victim = self._free.pop()
-                self._pooled_bytes -= victim.size
+                self._unpool(victim)
                 victims.append(victim)
             if self._in_use_bytes + size > self.capacity:
                 for v in victims:
@@ -591,30 +477,227 @@ class SegmentPool:
             self._done_creating(owner, size)
         return seg
 
+    def _unpool(self, seg: Segment) -> None:
+        """Account ``seg``, just taken out of ``_free``, as no longer pooled (lock held)."""
+        self._pooled_bytes -= seg.size
+        if seg.owner == FRESH:
+            self._fresh_bytes -= seg.size
+
     def _done_creating(self, owner: str, size: int) -> None:
         left = self._creating.pop(owner, 0) - size
         if left > 0:
             self._creating[owner] = left
 
-    def _take_pooled(self, nbytes: int, owner: str, max_size: int | None = None) -> Segment | None:
-        """The smallest pooled segment of ``owner`` that fits ``nbytes`` without wasting much (and is at most ``max_size``)."""
-        best: Segment | None = None
+    def peek(self, nbytes: int, owner: str) -> Segment | None:
+        """The pooled segment ``acquire(nbytes, owner)`` would hand out now, left in the pool (None: none would)."""
+        with self._lock:
+            return self._pick_pooled(nbytes, owner)
+
+    def _pick_pooled(self, nbytes: int, owner: str, max_size: int | None = None, preferred: str = "") -> Segment | None:
+        """The smallest pooled segment of ``owner`` that fits ``nbytes`` without wasting much (and is at most
+        ``max_size``), else the smallest fresh one of the reserve that fits after resizing; ``preferred`` (a
+        path) first when it is one of those candidates."""
         top = _REUSE_SLACK * nbytes + PAGE if max_size is None else min(_REUSE_SLACK * nbytes + PAGE, max_size)
+        size = _round_up(nbytes)
+        low = size - size // _GROW_FRACTION  # a fresh segment a little short of the shard grows to fit it
+        own: Segment | None = None
+        fresh: Segment | None = None
         for seg in self._free:
-            if seg.owner == owner and nbytes <= seg.size <= top and (best is None or seg.size < best.size):
-                best = seg
-        if best is not None:
+            if seg.owner == owner and owner != FRESH and nbytes <= seg.size <= top:
+                if preferred and seg.path == preferred:
+                    return seg
+                if own is None or seg.size < own.size:
+                    own = seg
+            elif seg.owner == FRESH and (low if seg.path else nbytes) <= seg.size and (max_size is None or size <= max_size):
+                # (an anonymous segment can't grow: shared anonymous memory has a fixed size)
+                if preferred and seg.path == preferred:
+                    return seg
+                if fresh is None or seg.size < fresh.size:
+                    fresh = seg
+        return own or fresh
+
+    def _take_pooled(self, nbytes: int, owner: str, max_size: int | None = None, preferred: str = "") -> Segment | None:
+        """Take ``_pick_pooled``'s segment out of the pool; a fresh one is resized to fit."""
+        best = self._pick_pooled(nbytes, owner, max_size, preferred)
+        if best is None:
+            return None
+        if best.owner != FRESH:
             self._free.remove(best)
             self._pooled_bytes -= best.size
+            return best
+        size = _round_up(nbytes)
+        if not self._fit(best, size):
+            return None
+        self._free.remove(best)
+        self._pooled_bytes -= best.size
+        self._fresh_bytes -= best.size
+        best.owner = owner
+        self._reserve_wake.set()
         return best
 
-    def _create(self, size: int) -> Segment:
+    def _fit(self, seg: Segment, size: int) -> bool:
+        """Resize fresh ``seg`` to ``size`` bytes (the shard's bytes rounded up to pages, what a new segment would
+        take, so accounting and quotas see the same bytes either way); False if it can't grow."""
+        if seg.size == size:
+            return True
+        grow = size > seg.size
+        if grow and not seg.path:
+            return False
+        if grow and self._in_use_bytes + self._pooled_bytes + self._warming + size - seg.size > self.capacity:
+            return False
+        if not grow:
+            # Giving the pages past ``size`` back costs ~0.2 s per GiB: the reserve's thread does it, off the save's path.
+            self._shrinks.append((seg, size))
+            self._reserve_wake.set()
+        try:
+            if grow and seg.path:
+                fd = os.open(seg.path, os.O_RDWR)
+                try:
+                    os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS later, if tmpfs is full
+                finally:
+                    os.close(fd)
+            if grow:
+                seg.mm.resize(size)  # sets the file's size and remaps
+        except (OSError, ValueError, TypeError) as exc:
+            log.debug("cannot grow reserve segment %s to %d bytes: %s", seg.path, size, exc)
+            return False
+        if not grow:
+            self._pooled_bytes -= seg.size - size
+            self._fresh_bytes -= seg.size - size
+        else:
+            self._pooled_bytes += size - seg.size
+            self._fresh_bytes += size - seg.size
+        seg.size = size
+        return True
+
+    def _apply_shrinks(self) -> None:
+        """Give back the pages past the size each shrunk reserve segment was handed out at (the map keeps its
+        length; nothing reads past ``Segment.size``)."""
+        with self._lock:
+            shrinks, self._shrinks = self._shrinks, []
+        for seg, size in shrinks:
+            try:
+                if seg.path:
+                    os.truncate(seg.path, size)
+                else:
+                    give_back(seg.mm, size)
+            except (OSError, ValueError) as exc:
+                log.debug("cannot trim segment %s to %d bytes: %s", seg.path, size, exc)
+
+    def _wait_for_warming(self, size: int) -> None:
+        """With the lock held: if only bytes the reserve is faulting in stand between ``size`` more bytes and the
+        capacity, have the reserve give them back (it stops within one step) and wait for that."""
+        if not self._warming or self._in_use_bytes + size > self.capacity:
+            return
+        deadline = time.monotonic() + _CANCEL_WAIT_SECONDS
+        self._room_wanted += 1  # the reserve starts nothing new meanwhile
+        try:
+            while self._warming and self._in_use_bytes + self._pooled_bytes + self._warming + size > self.capacity:
+                self._cancel_warming.set()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+        finally:
+            self._room_wanted -= 1
+
+    # -- the reserve -------------------------------------------------------------
+    @property
+    def reserve_bytes(self) -> int:
+        """Fresh, pre-faulted bytes ready for the next shard (pooled), plus those being faulted in now."""
+        return self._fresh_bytes + self._warming
+
+    @property
+    def reserve_filling(self) -> bool:
+        """Whether the reserve is being faulted in toward its goal (it is short of it, and the capacity has room)."""
+        if self.reserve is None or self._closed:
+            return False
+        with self._lock:
+            if self._warming:
+                return True
+            goal = self.reserve.goal(held=self._in_use_bytes + self._pooled_bytes - self._fresh_bytes)
+            room = self._in_use_bytes + self._pooled_bytes + _round_up(goal.segment_bytes) <= self.capacity
+            return room and goal.wants_another(self._fresh_bytes)
+
+    def start_reserve(self) -> None:
+        """Start faulting in the reserve in the background (no-op without a reserve policy or when started)."""
+        if self.reserve is None or self._reserve_thread is not None:
+            return
+        self._reserve_thread = threading.Thread(target=self._reserve_loop, name="prefault", daemon=True)
+        self._reserve_wake.set()
+        self._reserve_thread.start()
+
+    def _reserve_loop(self) -> None:
+        while not self._closed:
+            self._reserve_wake.wait(timeout=5.0)
+            self._reserve_wake.clear()
+            self._apply_shrinks()
+            while not self._closed and self._add_to_reserve():
+                pass
+
+    def _reserve_goal(self) -> ReserveGoal:
+        assert self.reserve is not None
+        with self._lock:
+            return self.reserve.goal(held=self._in_use_bytes + self._pooled_bytes - self._fresh_bytes)
+
+    def _drop_undersized(self, goal: ReserveGoal) -> None:
+        """Fresh segments far too small for the shards seen now make way for ones that fit."""
+        stale: list[Segment] = []
+        low = goal.unit - goal.unit // _GROW_FRACTION
+        with self._lock:
+            for seg in sorted((s for s in self._free if s.owner == FRESH and s.size < low), key=lambda s: s.size):
+                if goal.wants_another(self._fresh_bytes):
+                    break
+                self._free.remove(seg)
+                self._unpool(seg)
+                stale.append(seg)
+        for seg in stale:
+            seg.destroy()
+
+    def _add_to_reserve(self) -> bool:
+        """Fault in one more reserve segment if the goal wants one and the capacity has room; whether it did."""
+        goal = self._reserve_goal()
+        self._drop_undersized(goal)
+        with self._lock:
+            if self._closed or self._room_wanted or not goal.wants_another(self._fresh_bytes):
+                return False
+            size = _round_up(goal.segment_bytes)
+            if self._in_use_bytes + self._pooled_bytes + self._warming + size > self.capacity:
+                return False  # the reserve never pushes out shards, pooled segments or the capacity
+            self._warming += size
+            self._cancel_warming.clear()
+        seg = None
+        try:
+            seg = self._create(size, cancel=self._cancel_warming)
+        except Exception as exc:  # tmpfs full, or cancelled: try again at the next wake-up
+            log.debug("reserve: no fresh %s segment: %s", format_size(size), exc)
+        with self._lock:
+            self._warming -= size
+            added = seg is not None and not self._closed and self._in_use_bytes + self._pooled_bytes + size <= self.capacity
+            if added:
+                assert seg is not None
+                seg.owner = FRESH
+                self._free.append(seg)
+                self._pooled_bytes += size
+                self._fresh_bytes += size
+            self._changed.notify_all()
+        if seg is not None and not added:
+            seg.destroy()
+        return added
+
+    def _create(self, size: int, cancel: threading.Event | None = None) -> Segment:
+        """A fresh segment of ``size`` bytes, faulted in. With ``cancel`` (the reserve), faulted in steps,
+        raising InterruptedError as soon as ``cancel`` is set."""
         if self.directory is None:
-            return Segment(None, size, mmap.mmap(-1, size, flags=_MAP_FLAGS))
+            if cancel is None:
+                return Segment(None, size, mmap.mmap(-1, size, flags=MAP_FLAGS))
+            return Segment(None, size, fault_in(-1, size, cancel))
         path = self.directory / f"{SEGMENT_PREFIX}{os.getpid()}-{next(self._names)}-{secrets.token_hex(4)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
+            if cancel is not None:
+                return Segment(str(path), size, fault_in(fd, size, cancel))
             try:
                 os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS later, if tmpfs is full
             except OSError as exc:
@@ -626,7 +709,7 @@ class SegmentPool:
                     used=self._in_use_bytes,
                     capacity=self.capacity,
                 ) from None
-            mm = mmap.mmap(fd, size, flags=_MAP_FLAGS)
+            mm = mmap.mmap(fd, size, flags=MAP_FLAGS)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -646,7 +729,7 @@ class SegmentPool:
         if seg.path is None:
             return
         sidecar = sidecar_path(seg.path)
-        tmp = f"{sidecar}{_TMP_INFIX}{secrets.token_hex(4)}"
+        tmp = f"{sidecar}{TMP_INFIX}{secrets.token_hex(4)}"
         with self._lock:  # serialized with release(), which removes the sidecar
             if seg not in self._in_use:
                 log.debug("not describing %s: it is no longer in use", seg.path)
@@ -691,7 +774,7 @@ class SegmentPool:
             self._free.sort(key=lambda s: s.size)
             while self._free and self._pooled_bytes > keep_bytes:
                 v = self._free.pop()
-                self._pooled_bytes -= v.size
+                self._unpool(v)
                 victims.append(v)
         for v in victims:
             v.destroy()

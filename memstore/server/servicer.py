@@ -113,8 +113,14 @@ class StoreServicer(pb_grpc.StoreServicer):
     @rpc
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         self._allow(context, Need.JOB, request.key.job_id)
-        lease_id, segment = self.store.allocate(key_from_pb(request.key), request.world_size, request.nbytes)
-        return pb.AllocateResponse(lease_id=lease_id, segment_path=segment.path or "", segment_bytes=segment.size)
+        key = key_from_pb(request.key)
+        lease_id, segment = self.store.allocate(key, request.world_size, request.nbytes, request.preferred_segment)
+        return pb.AllocateResponse(
+            lease_id=lease_id,
+            segment_path=segment.path or "",
+            segment_bytes=segment.size,
+            next_segment_path=self.store.next_segment(key.job_id, request.nbytes),
+        )
 
     @rpc
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
@@ -143,7 +149,8 @@ class StoreServicer(pb_grpc.StoreServicer):
     def WaitCommitted(self, request: pb.WaitCommittedRequest, context: grpc.ServicerContext) -> pb.WaitCommittedResponse:
         self._allow(context, Need.JOB, request.key.job_id)
         info, done = self.store.wait_committed(key_from_pb(request.key), request.timeout_seconds)
-        return pb.WaitCommittedResponse(info=info_to_pb(info), done=done)
+        ahead = self.store.next_segment(request.key.job_id, info.manifest.nbytes) if done and info.manifest.nbytes else ""
+        return pb.WaitCommittedResponse(info=info_to_pb(info), done=done, next_segment_path=ahead)
 
     @rpc
     def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:

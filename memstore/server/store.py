@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from memstore import __version__
 from memstore.config import StoreConfig
 from memstore.core.model import ShardKey
+from memstore.core.reserve import ReservePolicy
 from memstore.core.slots import SlotTable
 from memstore.core.status import DiscoveryReport, HealthReport, HelloReport, JobCensus, SpillReport, job_census
 from memstore.server.catalog import Entry, Lease, Ticket
@@ -37,7 +38,8 @@ from memstore.server.drain import Drain
 from memstore.server.events import StoreEvents
 from memstore.server.membership import ClusterView, Membership
 from memstore.server.peers import PeerDirectory
-from memstore.server.segments import SegmentPool, segment_dir
+from memstore.server.segments import SegmentPool
+from memstore.server.shm_dirs import segment_dir
 from memstore.spill.port import DurableTier
 from memstore.v1.channel import boot_id
 from memstore.v1.security import Credentials
@@ -62,7 +64,12 @@ class Store(Drain):
         self.host_id = config.host_id
         self.started = time.monotonic()
         # A replacement started with the same --host-id and --listen finds its previous incarnation's segments here.
-        self.pool = SegmentPool(segment_dir(config.shm_dir, self.host_id, config.listen), config.capacity, adopt_leftovers=True)
+        self.pool = SegmentPool(
+            segment_dir(config.shm_dir, self.host_id, config.listen),
+            config.capacity,
+            adopt_leftovers=True,
+            reserve=ReservePolicy(config.prefault, config.prefault_unit, config.keep),
+        )
         self.peers = PeerDirectory(self.host_id, credentials=credentials)
         # Who holds which slot: fed by the discovery watcher and gossip (memstore.server.app); moves the peer directory along.
         self.membership = Membership(self.host_id, config.placement, config.replicas, on_change=self._cluster_changed)
@@ -107,6 +114,7 @@ class Store(Drain):
     def start(self) -> None:
         for t in self._threads:
             t.start()
+        self.pool.start_reserve()
         if self.durable is not None:
             self.durable.start()
 
@@ -189,6 +197,9 @@ class Store(Drain):
             serving=not self._stop.is_set() and not self.draining.is_set(),  # readiness: a draining store takes no saves
             host_id=self.host_id,
             used_bytes=self.pool.used_bytes,
+            pooled_bytes=self.pool.pooled_bytes,
+            reserve_bytes=self.pool.reserve_bytes,
+            reserve_filling=self.pool.reserve_filling,
             capacity_bytes=self.config.capacity,
             shards=shards,
             replications_in_flight=self._in_flight,

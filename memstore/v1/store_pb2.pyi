@@ -171,7 +171,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "host_id", "used_bytes", "capacity_bytes", "shards", "replications_in_flight", "repairs_in_flight", "uptime_seconds", "spill_url", "spill", "orphans", "adopted_shards", "draining", "drain_progress", "slots", "discovery", "not_ready")
+    __slots__ = ("serving", "host_id", "used_bytes", "capacity_bytes", "shards", "replications_in_flight", "repairs_in_flight", "uptime_seconds", "spill_url", "spill", "orphans", "adopted_shards", "draining", "drain_progress", "slots", "discovery", "not_ready", "pooled_bytes", "reserve_bytes", "reserve_filling")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,9 @@ class HealthResponse(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     DISCOVERY_FIELD_NUMBER: _ClassVar[int]
     NOT_READY_FIELD_NUMBER: _ClassVar[int]
+    POOLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FILLING_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     host_id: str
     used_bytes: int
@@ -206,7 +209,10 @@ class HealthResponse(_message.Message):
     slots: SlotTable
     discovery: DiscoveryStatus
     not_ready: str
-    def __init__(self, serving: _Optional[bool] = ..., host_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., replications_in_flight: _Optional[int] = ..., repairs_in_flight: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., spill_url: _Optional[str] = ..., spill: _Optional[_Iterable[_Union[SpillStatus, _Mapping]]] = ..., orphans: _Optional[_Iterable[_Union[OrphanedSegments, _Mapping]]] = ..., adopted_shards: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_progress: _Optional[str] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., discovery: _Optional[_Union[DiscoveryStatus, _Mapping]] = ..., not_ready: _Optional[str] = ...) -> None: ...
+    pooled_bytes: int
+    reserve_bytes: int
+    reserve_filling: bool
+    def __init__(self, serving: _Optional[bool] = ..., host_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., replications_in_flight: _Optional[int] = ..., repairs_in_flight: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., spill_url: _Optional[str] = ..., spill: _Optional[_Iterable[_Union[SpillStatus, _Mapping]]] = ..., orphans: _Optional[_Iterable[_Union[OrphanedSegments, _Mapping]]] = ..., adopted_shards: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_progress: _Optional[str] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., discovery: _Optional[_Union[DiscoveryStatus, _Mapping]] = ..., not_ready: _Optional[str] = ..., pooled_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., reserve_filling: _Optional[bool] = ...) -> None: ...
 
 class OrphanedSegments(_message.Message):
     __slots__ = ("path", "host_id", "bytes", "files")
@@ -237,24 +243,28 @@ class SpillStatus(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., last_spilled_step: _Optional[int] = ..., last_spill_unix: _Optional[float] = ..., consecutive_failures: _Optional[int] = ..., last_error: _Optional[str] = ..., bytes_written: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("key", "world_size", "nbytes")
+    __slots__ = ("key", "world_size", "nbytes", "preferred_segment")
     KEY_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     world_size: int
     nbytes: int
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    preferred_segment: str
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., preferred_segment: _Optional[str] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("lease_id", "segment_path", "segment_bytes")
+    __slots__ = ("lease_id", "segment_path", "segment_bytes", "next_segment_path")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     segment_path: str
     segment_bytes: int
-    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ...) -> None: ...
+    next_segment_path: str
+    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "metrics", "format_version", "spill_codec")
@@ -316,12 +326,14 @@ class WaitCommittedRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class WaitCommittedResponse(_message.Message):
-    __slots__ = ("info", "done")
+    __slots__ = ("info", "done", "next_segment_path")
     INFO_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     info: ShardInfo
     done: bool
-    def __init__(self, info: _Optional[_Union[ShardInfo, _Mapping]] = ..., done: _Optional[bool] = ...) -> None: ...
+    next_segment_path: str
+    def __init__(self, info: _Optional[_Union[ShardInfo, _Mapping]] = ..., done: _Optional[bool] = ..., next_segment_path: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
     __slots__ = ("key",)

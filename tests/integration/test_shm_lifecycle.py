@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from memstore.devtools.cluster import LocalCluster, wait_for
-from memstore.server.segments import orphaned_dirs, segment_dir
+from memstore.server.shm_dirs import orphaned_dirs, segment_dir
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import insecure_channel

@@ -19,7 +19,8 @@ from memstore.cli import main as cli_main
 from memstore.config import StoreConfig
 from memstore.errors import CapacityExceeded, ConfigError
 from memstore.server import segments
-from memstore.server.segments import PAGE, Segment, SegmentPool, orphaned_dirs, reclaim_orphans, segment_dir, sidecar_path
+from memstore.server.segments import PAGE, Segment, SegmentPool
+from memstore.server.shm_dirs import orphaned_dirs, reclaim_orphans, segment_dir, sidecar_path
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]

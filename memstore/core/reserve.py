@@ -1,0 +1,89 @@
+"""How much fresh, pre-faulted memory a store keeps ready, and in what pieces (``--prefault``).
+
+The first touch of fresh shared memory costs ~10x a copy into memory that is already faulted in (the
+kernel allocates, zeroes and maps every page), so a store that allocates a segment when a save arrives
+makes that save stall for it. The *reserve* is memory faulted in ahead of need: segments that never
+held any job's bytes, handed to whichever shard (a trainer's save, a peer's replica, a repair) needs one
+next, and refilled in the background.
+
+Pure policy; the engine (``memstore.server.segments.SegmentPool``) holds the segments, does the
+faulting and keeps every reserved byte inside ``--capacity``.
+
+- ``prefault=None`` (``--prefault auto``, the default): nothing at start-up; once shards have been seen,
+  keep two *units* ready, a unit being the largest shard this store saw lately. The first shard of
+  the store's first job pays for fresh memory; the saves, copies and repairs after it find the
+  reserve.
+- ``prefault=N`` bytes: keep at least N bytes faulted in from start-up: the shards the store holds, its
+  pooled segments and the reserve together. Shards take their memory from the reserve; it is refilled
+  while the store holds less than N, and one segment is always kept ready. Size N for the segments the store cycles through (per rank
+  saving here and per replica held here, about ``keep + 2`` shards): then no save, copy or repair
+  ever waits for fresh memory, and the idle cost is N. Reserve segments are ``unit`` bytes
+  (``--prefault-unit``), else the largest shard seen lately, else, before any shard, N/(keep+2); one larger
+  than the shard that takes it is shrunk to fit (the rest goes back to the kernel).
+- ``prefault=0``: no reserve.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+AUTO_UNITS = 2  # units the automatic reserve keeps ready
+RECENT = 32  # shard sizes remembered to choose the unit
+HEADROOM = 128  # a reserve segment is 1/128 larger than its unit (room for the shard's header)
+MIN_UNIT = 1 << 20  # smaller shards are not worth a reserve of their own (they fault in fast)
+
+
+@dataclass(frozen=True)
+class ReserveGoal:
+    """What to keep ready: ``target`` bytes in segments of ``unit`` bytes (nothing when either is 0)."""
+
+    unit: int
+    target: int
+
+    @property
+    def segment_bytes(self) -> int:
+        """Bytes of each reserve segment: the unit plus headroom for the shard's header, so a shard of exactly
+        the unit's tensor bytes fits without growing the segment."""
+        return self.unit + self.unit // HEADROOM
+
+    def wants_another(self, reserved: int) -> bool:
+        """Whether one more segment fits the goal, with ``reserved`` bytes ready or being faulted in."""
+        return self.unit > 0 and reserved + self.segment_bytes // 2 <= self.target  # whole segments, rounded to the nearest
+
+
+class ReservePolicy:
+    """Learns shard sizes and says how much fresh memory to keep ready."""
+
+    def __init__(self, prefault: int | None, unit: int = 0, keep: int = 2) -> None:
+        if prefault is not None and prefault < 0:
+            raise ValueError(f"prefault {prefault} is invalid: expected >= 0 bytes or None (auto)")
+        if unit < 0:
+            raise ValueError(f"prefault unit {unit} is invalid: expected >= 0 bytes")
+        self.prefault = prefault
+        self.unit = unit
+        self.cycle = keep + 2  # segments one rank's shard cycles through: keep committed, one being saved, one being freed
+        self._recent: collections.deque[int] = collections.deque(maxlen=RECENT)
+
+    @property
+    def auto(self) -> bool:
+        return self.prefault is None
+
+    def saw(self, nbytes: int) -> None:
+        """A shard of ``nbytes`` was placed on this store."""
+        if nbytes >= MIN_UNIT:
+            self._recent.append(nbytes)
+
+    def goal(self, held: int = 0) -> ReserveGoal:
+        """The reserve to keep while the store holds ``held`` bytes outside it (shards and pooled segments)."""
+        seen = max(self._recent, default=0)
+        if self.prefault is None:
+            unit = self.unit or seen
+            return ReserveGoal(unit, AUTO_UNITS * unit if seen else 0)
+        if self.prefault == 0:
+            return ReserveGoal(0, 0)
+        unit = self.unit or seen or max(MIN_UNIT, self.prefault // self.cycle)
+        unit = min(unit, self.prefault)
+        # At least one segment stays ready even when the shards fill N: the next save needs memory before
+        # retention has handed back the step it no longer keeps.
+        return ReserveGoal(unit, max(ReserveGoal(unit, 0).segment_bytes, self.prefault - held))

@@ -1,0 +1,183 @@
+"""A store's segment directory on the tmpfs: its name, its lock, and orphans that no running store holds.
+
+Files of one store live in ``<shm_dir>/<host_id>-<port>/`` (``segment_dir``), locked by ``.lock``
+(``flock``) while the store runs (``memstore.server.segments.SegmentPool`` claims it). A directory whose
+``.lock`` nobody holds belongs to no running store: an *orphan* (``orphaned_dirs``), removable with
+``reclaim_orphans`` (``memstore reclaim-shm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+from pathlib import Path
+
+from memstore.core.sizes import format_size
+from memstore.core.status import Orphan
+from memstore.errors import StaleLock
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".lock"
+SEGMENT_PREFIX = "seg-"
+SIDECAR_PREFIX = "meta-"
+TMP_INFIX = ".tmp-"
+CLAIM_WAIT_SECONDS = 2.0  # a lock held only briefly (an orphan probe, a reclaim) does not fail a starting store
+_STORE_DIR_NAME = re.compile(r"[A-Za-z0-9._-]{1,80}")
+
+
+def segment_dir(shm_dir: str, host_id: str, listen: str) -> str:
+    """The segment directory of one store: ``<shm_dir>/<host_id>-<port>`` ('' when ``shm_dir`` is '').
+
+    ``listen`` is the store's *bound* HOST:PORT: the port is unique among the stores running on a
+    machine, so two clusters with the same host ids never share a directory, and a replacement
+    started with the same ``--host-id`` and ``--listen`` finds the directory of the store it replaces.
+    """
+    if not shm_dir:
+        return ""
+    port = listen.rpartition(":")[2]
+    if not port.isdigit():
+        raise ValueError(f"listen address {listen!r} has no numeric port")
+    return os.path.join(shm_dir, f"{host_id}-{int(port)}")
+
+
+def sidecar_path(segment_path: str) -> str:
+    """Where the sidecar of the segment at ``segment_path`` lives: ``meta-<segment name>`` next to it."""
+    head, name = os.path.split(segment_path)
+    return os.path.join(head, SIDECAR_PREFIX + name)
+
+
+# -- directory locks -----------------------------------------------------------------
+def try_lock(directory: Path, create: bool) -> int | None:
+    """flock ``directory/.lock`` exclusively: the fd, or None if another process holds it.
+
+    Raises FileNotFoundError (no lock file and not ``create``), OSError, or StaleLock.
+    """
+    path = directory / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    try:
+        st, own = os.stat(path), os.fstat(fd)
+        same = (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+    except FileNotFoundError:
+        same = False
+    if not same:
+        os.close(fd)
+        raise StaleLock(str(path))
+    return fd
+
+
+def is_segment_name(name: str) -> bool:
+    return name.startswith(SEGMENT_PREFIX) and TMP_INFIX not in name
+
+
+def _is_ours(name: str) -> bool:
+    """A name the pool creates in its directory."""
+    return name == LOCK_NAME or name.startswith((SEGMENT_PREFIX, SIDECAR_PREFIX))
+
+
+# -- orphans ---------------------------------------------------------------------------
+def _store_dir_contents(directory: Path) -> list[os.DirEntry[str]] | None:
+    """The entries of ``directory`` if it looks like a store's segment dir (else None: never touch it)."""
+    if not _STORE_DIR_NAME.fullmatch(directory.name) or directory.is_symlink() or not directory.is_dir():
+        return None
+    try:
+        with os.scandir(directory) as it:
+            entries = list(it)
+    except OSError:
+        return None
+    if not entries:
+        return None
+    for e in entries:
+        if not _is_ours(e.name) or (e.name != LOCK_NAME and not e.is_file(follow_symlinks=False)):
+            return None  # something that is not ours: leave the directory alone
+    return entries
+
+
+def _orphan_of(directory: Path, entries: list[os.DirEntry[str]]) -> Orphan:
+    total = files = 0
+    for e in entries:
+        if e.name == LOCK_NAME:
+            continue
+        with contextlib.suppress(OSError):
+            total += e.stat(follow_symlinks=False).st_size
+            files += is_segment_name(e.name)
+    base, _, port = directory.name.rpartition("-")
+    host_id = base if base and port.isdigit() else directory.name
+    return Orphan(str(directory), host_id, total, files)
+
+
+def _held(directory: Path) -> bool:
+    """Whether a running store holds ``directory``'s lock (probed with a non-blocking flock, released at once)."""
+    try:
+        fd = try_lock(directory, create=False)
+    except FileNotFoundError:
+        return False  # no lock file: no store ever claimed it (or one is creating it right now: it retries)
+    except (StaleLock, OSError):
+        return True  # cannot tell: treat as owned
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
+def orphaned_dirs(shm_dir: str) -> list[Orphan]:
+    """Segment directories under ``shm_dir`` whose ``.lock`` no running store holds, sorted by path.
+
+    Only directories that look like a store's (nothing but ``.lock``, ``seg-*`` and ``meta-*`` files) are
+    considered, so pointing this at a shared directory never reports anybody else's files.
+    """
+    if not shm_dir:
+        return []
+    try:
+        children = sorted(Path(shm_dir).iterdir())
+    except OSError:
+        return []
+    out: list[Orphan] = []
+    for child in children:
+        entries = _store_dir_contents(child)
+        if entries is not None and not _held(child):
+            out.append(_orphan_of(child, entries))
+    return out
+
+
+def reclaim_orphans(shm_dir: str) -> list[Orphan]:
+    """Delete the orphaned segment directories under ``shm_dir``; returns those deleted.
+
+    Each one is deleted while holding its lock (so a store starting with that directory meanwhile waits
+    for it and then starts in a fresh one); a directory a store claimed since it was listed is skipped.
+    """
+    reclaimed: list[Orphan] = []
+    for orphan in orphaned_dirs(shm_dir):
+        directory = Path(orphan.path)
+        try:
+            fd = try_lock(directory, create=True)
+        except (StaleLock, OSError):
+            continue
+        if fd is None:
+            continue  # claimed since it was listed
+        try:
+            entries = _store_dir_contents(directory)
+            if entries is None:
+                continue
+            final = _orphan_of(directory, entries)
+            for e in entries:
+                if e.name != LOCK_NAME:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(e.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(directory / LOCK_NAME)
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+            log.info("reclaimed orphaned segment dir %s (%d segments, %s)", final.path, final.files, format_size(final.bytes))
+            reclaimed.append(final)
+        finally:
+            os.close(fd)
+    return reclaimed

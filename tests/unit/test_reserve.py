@@ -1,0 +1,237 @@
+"""The pre-faulted reserve (--prefault): its policy, and SegmentPool keeping it inside the capacity."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from memstore.config import StoreConfig
+from memstore.core.reserve import HEADROOM, MIN_UNIT, ReserveGoal, ReservePolicy
+from memstore.errors import ConfigError
+from memstore.server.segments import FRESH, PAGE, SegmentPool
+
+pytestmark = pytest.mark.unit
+MiB = 1 << 20
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met within the deadline")
+        time.sleep(0.01)
+
+
+def settled(pool: SegmentPool) -> Callable[[], bool]:
+    return lambda: not pool.reserve_filling
+
+
+def fresh_sizes(pool: SegmentPool) -> list[int]:
+    return sorted(s.size for s in pool._free if s.owner == FRESH)
+
+
+def check_accounting(pool: SegmentPool) -> None:
+    with pool._lock:
+        free = list(pool._free)
+        in_use = list(pool._in_use)
+        assert pool.used_bytes == sum(s.size for s in free + in_use)
+        assert pool.used_bytes <= pool.capacity
+        assert pool._fresh_bytes == sum(s.size for s in free if s.owner == FRESH)
+
+
+# -- policy ------------------------------------------------------------------------------
+def test_auto_keeps_nothing_until_a_shard_is_seen_then_two_of_the_largest_recent() -> None:
+    policy = ReservePolicy(None)
+    assert policy.goal() == ReserveGoal(0, 0)
+    policy.saw(4 * MiB)
+    policy.saw(16 * MiB)
+    policy.saw(MIN_UNIT - 1)  # too small to count
+    assert policy.goal() == ReserveGoal(16 * MiB, 32 * MiB)
+    assert policy.goal(held=1 << 40).target == 32 * MiB  # auto does not look at what the store holds
+
+
+def test_explicit_prefault_counts_what_the_store_holds_and_keeps_one_segment_ready() -> None:
+    policy = ReservePolicy(64 * MiB, keep=2)
+    goal = policy.goal()
+    assert goal.unit == 16 * MiB  # before any shard: N / (keep + 2)
+    assert goal.target == 64 * MiB
+    assert goal.segment_bytes == 16 * MiB + 16 * MiB // HEADROOM
+    assert policy.goal(held=40 * MiB).target == 24 * MiB
+    assert policy.goal(held=1 << 30).target == goal.segment_bytes  # never less than one segment
+    policy.saw(10 * MiB)
+    assert policy.goal().unit == 10 * MiB  # learned
+    assert ReservePolicy(64 * MiB, unit=8 * MiB).goal().unit == 8 * MiB  # --prefault-unit wins
+    assert ReservePolicy(0).goal() == ReserveGoal(0, 0)
+
+
+def test_goal_counts_whole_segments() -> None:
+    goal = ReserveGoal(16 * MiB, 32 * MiB)
+    assert goal.wants_another(0) and goal.wants_another(goal.segment_bytes)
+    assert not goal.wants_another(2 * goal.segment_bytes)
+    assert not ReserveGoal(0, 32 * MiB).wants_another(0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        ({"prefault": "lots"}, "--prefault"),
+        ({"prefault": "8GiB", "capacity": "4GiB"}, "larger than --capacity"),
+        ({"prefault_unit": "8GiB", "capacity": "4GiB"}, "--prefault-unit"),
+    ],
+)
+def test_bad_prefault_flags_are_named(flags: dict[str, str], problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        StoreConfig.load(cli={"host_id": "h0", "listen": "127.0.0.1:7070", "replicas": 1, **flags}, env={}).validated()
+
+
+def test_prefault_parses_auto_and_sizes() -> None:
+    base = {"host_id": "h0", "listen": "127.0.0.1:7070", "replicas": 1}
+    assert StoreConfig.load(cli={**base, "prefault": "auto"}, env={}).prefault is None
+    assert StoreConfig.load(cli=base, env={"MEMSTORE_PREFAULT": "1GiB"}).prefault == 1 << 30
+    assert StoreConfig.load(cli=base, env={}).prefault is None
+
+
+# -- the pool ----------------------------------------------------------------------------
+@pytest.fixture(params=["shm", "anonymous"])
+def directory(request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
+    if request.param == "anonymous":
+        return None
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
+    d = base / f"memstore-test-reserve-{os.getpid()}-{time.monotonic_ns()}"
+    return str(d)
+
+
+def test_explicit_reserve_fills_at_start_and_any_job_takes_it(directory: str | None) -> None:
+    pool = SegmentPool(directory, 64 * MiB, reserve=ReservePolicy(32 * MiB, keep=2))
+    try:
+        pool.start_reserve()
+        wait_until(settled(pool))
+        unit = 8 * MiB + 8 * MiB // HEADROOM
+        assert fresh_sizes(pool) == [unit] * 4
+        check_accounting(pool)
+        seg = pool.acquire(8 * MiB, "job-a")
+        assert seg.size == 8 * MiB and seg.owner == "job-a"  # a fresh one, trimmed to what a new one would take
+        assert pool.in_use_bytes == 8 * MiB
+        check_accounting(pool)
+        # The reserve refills only while what the store holds stays under --prefault.
+        wait_until(settled(pool))
+        assert sum(fresh_sizes(pool)) + pool.in_use_bytes <= 32 * MiB + 32 * MiB // HEADROOM
+        # A pooled segment of a job goes back to that job only; fresh ones to anyone.
+        pool.release(seg)
+        other = pool.acquire(8 * MiB, "job-b")
+        assert other is not seg and other.owner == "job-b"
+        again = pool.acquire(8 * MiB, "job-a")
+        assert again is seg
+        check_accounting(pool)
+    finally:
+        pool.close()
+
+
+def test_a_larger_reserve_segment_is_trimmed_and_a_slightly_smaller_one_grows(directory: str | None) -> None:
+    pool = SegmentPool(directory, 64 * MiB, reserve=ReservePolicy(32 * MiB, unit=16 * MiB, keep=2))
+    try:
+        pool.start_reserve()
+        wait_until(settled(pool))
+        small = pool.acquire(2 * MiB, "j")  # from a 16 MiB segment: handed out at once, trimmed afterwards
+        assert small.size == 2 * MiB
+        check_accounting(pool)
+        small.view()[:] = b"\x01" * (2 * MiB)
+        if small.path:
+            wait_until(lambda: os.stat(small.path).st_size == 2 * MiB)  # type: ignore[arg-type]
+        wait_until(settled(pool))
+        fresh = fresh_sizes(pool)
+        big = max(fresh)
+        grown = pool.acquire(big + 4 * PAGE, "j")  # up to 1/8 short: grows by the missing pages
+        assert grown.size == big + 4 * PAGE
+        grown.view()[:] = b"\x02" * grown.size  # every byte is there (no SIGBUS past the old end)
+        check_accounting(pool)
+    finally:
+        pool.close()
+
+
+def test_auto_reserve_learns_from_the_first_shard(directory: str | None) -> None:
+    pool = SegmentPool(directory, 64 * MiB, reserve=ReservePolicy(None))
+    try:
+        pool.start_reserve()
+        time.sleep(0.05)
+        assert pool.reserve_bytes == 0 and not pool.reserve_filling
+        first = pool.acquire(4 * MiB, "j")
+        wait_until(settled(pool))
+        assert fresh_sizes(pool) == [4 * MiB + 4 * MiB // HEADROOM] * 2
+        second = pool.acquire(4 * MiB, "j")
+        assert second.size == 4 * MiB  # taken from the reserve, trimmed to size
+        assert first is not second
+        check_accounting(pool)
+    finally:
+        pool.close()
+
+
+def test_the_reserve_gives_way_to_shards_and_never_exceeds_the_capacity(directory: str | None) -> None:
+    pool = SegmentPool(directory, 40 * MiB, reserve=ReservePolicy(40 * MiB, unit=16 * MiB))
+    try:
+        pool.start_reserve()
+        wait_until(settled(pool))
+        assert pool.used_bytes <= 40 * MiB
+        # Shards of another size: the reserve's segments are dropped to make room, the shards all fit.
+        held = [pool.acquire(12 * MiB + 5, f"job-{i}") for i in range(3)]
+        assert all(s.size >= 12 * MiB for s in held)
+        check_accounting(pool)
+        for s in held:
+            pool.release(s)
+        check_accounting(pool)
+    finally:
+        pool.close()
+
+
+def test_an_allocation_cancels_faulting_that_stands_in_its_way(directory: str | None) -> None:
+    pool = SegmentPool(directory, 24 * MiB, reserve=ReservePolicy(24 * MiB, unit=8 * MiB))
+    gate = threading.Event()
+    real_create = pool._create
+
+    def slow_create(size: int, cancel: threading.Event | None = None) -> object:
+        if cancel is not None:
+            gate.set()
+            assert cancel.wait(10), "the allocation did not cancel the reserve"
+        return real_create(size, cancel)
+
+    pool._create = slow_create  # type: ignore[method-assign]
+    try:
+        pool.start_reserve()
+        assert gate.wait(10)
+        seg = pool.acquire(20 * MiB, "j")  # 8 MiB being faulted (too small to wait for) + 20 MiB > 24 MiB: it must give way
+        assert seg.size >= 20 * MiB
+        check_accounting(pool)
+    finally:
+        pool.close()
+
+
+def test_peek_names_what_acquire_hands_out_and_preferred_wins(directory: str | None) -> None:
+    pool = SegmentPool(directory, 64 * MiB, reserve=ReservePolicy(32 * MiB, unit=4 * MiB))
+    try:
+        pool.start_reserve()
+        wait_until(settled(pool))
+        ahead = pool.peek(4 * MiB, "j")
+        assert ahead is not None and ahead in pool._free
+        assert pool.acquire(4 * MiB, "j") is ahead
+        candidates = [s for s in pool._free if s.owner == FRESH]
+        wanted = max(candidates, key=lambda s: s.path or str(id(s)))
+        if wanted.path:
+            assert pool.acquire(4 * MiB, "j", preferred=wanted.path) is wanted
+    finally:
+        pool.close()
+
+
+def test_close_stops_the_reserve_and_removes_its_files(tmp_path: Path) -> None:
+    directory = tmp_path / "segs"
+    pool = SegmentPool(str(directory), 256 * MiB, reserve=ReservePolicy(256 * MiB))
+    pool.start_reserve()
+    wait_until(lambda: pool.reserve_bytes > 0)
+    pool.close()
+    assert pool._reserve_thread is not None and not pool._reserve_thread.is_alive()
+    assert not directory.exists()

@@ -237,6 +237,12 @@ class StoreConfig:
         _size("--prefault-unit"),
         default=0,
     )
+    local_control: bool = _opt(
+        "Serve the save path (allocate, commit, release, status) of trainers on this machine over a Unix socket next "
+        "to the segment dir, in microseconds instead of gRPC's milliseconds; same checks and tokens as gRPC.",
+        _bool("--local-control"),
+        default=True,
+    )
     repair_interval: float = _opt(
         "Seconds between anti-entropy passes that restore missing replicas.", _positive_float("--repair-interval"), default=2.0
     )

@@ -42,6 +42,7 @@ from memstore.v1.manifests import manifest_from_pb
 from memstore.v1.security import Credentials
 from memstore.v1.streams import manifest_problem, put_requests, receive_chunks
 from trainer_client import serialization
+from trainer_client._local_control import LocalRpcError, LocalStub
 from trainer_client.errors import (
     CapacityExceededError,
     CorruptShardError,
@@ -276,6 +277,15 @@ class CheckpointClient:
         if use_shared_memory and not same_machine:
             raise InvalidArgumentError(f"store at {self.address} shares no memory with this process (different machine or no --shm-dir)")
         self.shared_memory = same_machine if use_shared_memory is None else use_shared_memory
+        # The save path's calls go over the store's Unix socket when this process shares its machine.
+        self._local: LocalStub | None = None
+        if self.shared_memory and self.hello.control_socket and os.path.exists(self.hello.control_socket):
+            local = LocalStub(self.hello.control_socket, self.credentials.token)
+            try:
+                local.connect(timeout)
+                self._local = local
+            except OSError as exc:
+                log.info("store control socket %s not usable (%s); the save path uses gRPC", self.hello.control_socket, exc)
         self.last_load_source = ""
         self.last_restore_note = ""
 
@@ -291,6 +301,23 @@ class CheckpointClient:
                     time.sleep(min(1.0, 0.1 * 2**attempt))
                     continue
                 raise_for_rpc(err, what)
+
+    def _control(self, name: str, request: Any, what: str, retries: int = 0, wait: float = 0.0) -> Any:
+        """A save-path call (``Allocate``, ``Commit``, ``Release``, ``WaitCommitted``, ``Open``): over the store's
+        Unix socket when there is one, else (or once it is gone) over gRPC; ``wait``: seconds the call may block
+        in the store beyond the usual deadline."""
+        local = self._local
+        if local is not None:
+            try:
+                return local.call(name, request, timeout=self.timeout + wait)
+            except LocalRpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or err.sent:
+                    raise_for_rpc(err, what)
+                log.warning("store control socket gone (%s); the save path uses gRPC from now on", err.details())
+                self._local = None
+                local.close()
+        method = getattr(self._stub, name)
+        return self._call(lambda t: method(request, timeout=t + wait), what, retries)
 
     def _key(self, step: int, rank: int | None = None, timeline: str = "") -> pb.ShardKey:
         rank = self.rank if rank is None else rank
@@ -394,25 +421,17 @@ class CheckpointClient:
         with self._premap_lock:
             preferred = self._premap[0] if self._premap is not None else ""
         request = pb.AllocateRequest(key=key, world_size=self.world_size, nbytes=layout.nbytes, preferred_segment=preferred)
-        alloc = self._call(lambda t: self._stub.Allocate(request, timeout=t), f"allocate step {key.step}")
+        alloc = self._control("Allocate", request, f"allocate step {key.step}")
         try:
             mm = self._map(alloc.segment_path, alloc.segment_bytes)
             layout.write_into(memoryview(mm)[: layout.nbytes])
         except BaseException:
-            self._stub.Release(pb.ReleaseRequest(lease_id=alloc.lease_id), timeout=self.timeout)
+            self._control("Release", pb.ReleaseRequest(lease_id=alloc.lease_id), f"release step {key.step}")
             raise
-        self._call(
-            lambda t: self._stub.Commit(
-                pb.CommitRequest(
-                    lease_id=alloc.lease_id,
-                    metrics=metrics,
-                    format_version=serialization.FORMAT_VERSION,
-                    spill_codec=self.spill_compression,
-                ),
-                timeout=t,
-            ),
-            f"commit step {key.step}",
+        commit = pb.CommitRequest(
+            lease_id=alloc.lease_id, metrics=metrics, format_version=serialization.FORMAT_VERSION, spill_codec=self.spill_compression
         )
+        self._control("Commit", commit, f"commit step {key.step}")
         if alloc.next_segment_path != alloc.segment_path:
             self._map_ahead(alloc.next_segment_path)
 
@@ -441,11 +460,8 @@ class CheckpointClient:
 
     def _wait_committed(self, step: int, timeout: float, timeline: str) -> tuple[pb.ShardInfo, bool]:
         key = self._key(step, timeline=timeline)
-        resp = self._call(
-            lambda t: self._stub.WaitCommitted(pb.WaitCommittedRequest(key=key, timeout_seconds=timeout), timeout=t + timeout),
-            f"status of step {step}",
-            retries=3,
-        )
+        request = pb.WaitCommittedRequest(key=key, timeout_seconds=timeout)
+        resp = self._control("WaitCommitted", request, f"status of step {step}", retries=3, wait=timeout)
         if resp.next_segment_path and self.shared_memory:
             self._map_ahead(resp.next_segment_path)
         return resp.info, resp.done
@@ -524,7 +540,7 @@ class CheckpointClient:
         raise AssertionError("unreachable")
 
     def _read_shared(self, key: pb.ShardKey, zero_copy: bool) -> Any:
-        opened = self._call(lambda t: self._stub.Open(pb.OpenRequest(key=key), timeout=t), f"open step {key.step}", retries=3)
+        opened = self._control("Open", pb.OpenRequest(key=key), f"open step {key.step}", retries=3)
         try:
             m = manifest_from_pb(opened.manifest)
             problem = manifest_problem(m)
@@ -553,7 +569,7 @@ class CheckpointClient:
             finally:
                 mm.close()
         finally:
-            self._stub.Release(pb.ReleaseRequest(lease_id=opened.lease_id), timeout=self.timeout)
+            self._control("Release", pb.ReleaseRequest(lease_id=opened.lease_id), f"release step {key.step}")
 
     def _read_streamed(self, key: pb.ShardKey) -> Any:
         call = self._stub.Get(pb.GetRequest(key=key), timeout=self.timeout + 600)
@@ -582,6 +598,9 @@ class CheckpointClient:
         for mm in self._mappings.values():
             mm.close()
         self._mappings.clear()
+        if self._local is not None:
+            self._local.close()
+            self._local = None
         self._channel.close()
 
     def __enter__(self) -> CheckpointClient:

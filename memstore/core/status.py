@@ -27,6 +27,7 @@ class HelloReport:
     slots: SlotTable = SlotTable()  # this store's slot table (peers adopt a newer one)
     draining: bool = False  # leaving on purpose: takes no new copies
     failure_domain: str = ""  # this store's own failure-domain label ("" = none); DNS discovery learns labels here
+    control_socket: str = ""  # the same-host control channel's Unix socket ("" = none)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from memstore.server.auth import Authenticator
 from memstore.server.dataserver import DataServer
 from memstore.server.discovery import ClusterFollower
 from memstore.server.health import HealthServer
+from memstore.server.local_control import LocalControlServer, control_socket_path
 from memstore.server.metrics import MetricsServer, StoreMetrics
 from memstore.server.servicer import StoreServicer
 from memstore.server.store import Store
@@ -107,7 +108,16 @@ class StoreServer:
         self.store.data_port = self.data_server.port
         self.follower = ClusterFollower(self.store, config, discovery)
         self.drain_requested = threading.Event()
-        pb_grpc.add_StoreServicer_to_server(StoreServicer(self.store, on_drain=self.drain_requested.set, auth=auth), self._server)
+        servicer = StoreServicer(self.store, on_drain=self.drain_requested.set, auth=auth)
+        pb_grpc.add_StoreServicer_to_server(servicer, self._server)
+        self.local_control: LocalControlServer | None = None
+        if config.local_control and self.store.pool.directory is not None:
+            path = control_socket_path(str(self.store.pool.directory))
+            try:
+                self.local_control = LocalControlServer(path, servicer)
+                self.store.control_socket = path
+            except OSError as exc:  # e.g. a path longer than a socket address allows: gRPC serves the save path
+                log.warning("no same-host control socket at %s (%s); clients use gRPC for the save path", path, exc)
 
     def join(self, timeout: float = 2.0) -> None:
         """Learn the members and the slot table, and refuse to start in a cluster that disagrees (``ClusterFollower.join``)."""
@@ -117,6 +127,8 @@ class StoreServer:
         if self.health is not None:
             self.health.start()
         self._server.start()
+        if self.local_control is not None:
+            self.local_control.start()
         self.data_server.start()
         self.store.start()
         self.follower.start()
@@ -136,6 +148,8 @@ class StoreServer:
         if self.health is not None:
             self.health.stop()
         self._server.stop(grace).wait(grace + 1)
+        if self.local_control is not None:
+            self.local_control.close()
         self.data_server.close()
         self.store.pool.keep_files_on_close = keep_files  # read by SegmentPool.close(), which Store.close() calls
         self.store.close()

@@ -103,6 +103,7 @@ class Store(Drain):
         self.repaired_table: SlotTable | None = None  # the table of the last repair pass that left nothing missing
         self.durable: DurableTier | None = None  # set by the composition root (memstore.server.app) when --spill is on
         self.data_port = 0  # set by the server once the data channel listens
+        self.control_socket = ""  # set by the server once the same-host control channel listens
         if config.peers:  # a fixed --peers list: the table is known before serving
             self.membership.apply({h: (a, config.failure_domains.get(h, "")) for h, a in config.peers})
         self.adopted_shards = self._adopt_segments()
@@ -156,6 +157,7 @@ class Store(Drain):
             slots=view.table,
             draining=self.draining.is_set(),
             failure_domain=self.config.failure_domain,
+            control_socket=self.control_socket,
         )
 
     def readiness(self) -> str:

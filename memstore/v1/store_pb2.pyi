@@ -97,7 +97,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("host_id", "version", "replicas", "peer_ids", "peer_addresses", "shm_dir", "boot_id", "capacity_bytes", "max_chunk_bytes", "placement", "data_port", "slots", "draining", "failure_domain")
+    __slots__ = ("host_id", "version", "replicas", "peer_ids", "peer_addresses", "shm_dir", "boot_id", "capacity_bytes", "max_chunk_bytes", "placement", "data_port", "slots", "draining", "failure_domain", "control_socket")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class HelloResponse(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     version: str
     replicas: int
@@ -126,7 +127,8 @@ class HelloResponse(_message.Message):
     slots: SlotTable
     draining: bool
     failure_domain: str
-    def __init__(self, host_id: _Optional[str] = ..., version: _Optional[str] = ..., replicas: _Optional[int] = ..., peer_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., boot_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., placement: _Optional[str] = ..., data_port: _Optional[int] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., draining: _Optional[bool] = ..., failure_domain: _Optional[str] = ...) -> None: ...
+    control_socket: str
+    def __init__(self, host_id: _Optional[str] = ..., version: _Optional[str] = ..., replicas: _Optional[int] = ..., peer_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., boot_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., placement: _Optional[str] = ..., data_port: _Optional[int] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., draining: _Optional[bool] = ..., failure_domain: _Optional[str] = ..., control_socket: _Optional[str] = ...) -> None: ...
 
 class SlotTable(_message.Message):
     __slots__ = ("version", "slots")

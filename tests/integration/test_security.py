@@ -19,6 +19,7 @@ from memstore.v1.channel import store_stub
 from memstore.v1.security import Credentials
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
+from trainer_client._local_control import LocalStub
 from trainer_client.errors import AccessDeniedError, AuthenticationError, StoreUnavailableError
 
 pytestmark = pytest.mark.integration
@@ -259,3 +260,46 @@ def test_data_channel_connections_per_address_are_bounded(make_cluster) -> None:
         for s in idle:
             s.close()
     assert cluster.health("h0") is not None  # and the store serves on
+
+
+def test_the_same_host_control_socket_checks_tokens_like_grpc(secured: LocalCluster) -> None:
+    """The save path over the store's Unix socket: same authentication and job isolation as over gRPC."""
+    socket_path = hello(secured, "h0").control_socket
+    assert socket_path and Path(socket_path).exists()
+    a_ops = {
+        "Allocate": pb.AllocateRequest(key=key(JOB_A, 9), world_size=2, nbytes=8),
+        "Open": pb.OpenRequest(key=key(JOB_A)),
+        "WaitCommitted": pb.WaitCommittedRequest(key=key(JOB_A), timeout_seconds=0),
+    }
+
+    def codes(token: str) -> dict[str, grpc.StatusCode]:
+        stub = LocalStub(socket_path, token)
+        out = {}
+        for name, request in a_ops.items():
+            try:
+                response = stub.call(name, request, timeout=5)
+                if name == "Allocate" or name == "Open":  # give the segment back
+                    stub.call("Release", pb.ReleaseRequest(lease_id=response.lease_id), timeout=5)
+                out[name] = grpc.StatusCode.OK
+            except grpc.RpcError as err:
+                for secret in (CLUSTER, ADMIN, *TOKENS.values()):
+                    assert secret not in (err.details() or "")
+                out[name] = err.code()
+        stub.close()
+        return out
+
+    for token in ("", "not-a-token-0123456789", CLUSTER[:-1] + "X"):
+        assert set(codes(token).values()) == {grpc.StatusCode.UNAUTHENTICATED}
+    assert set(codes(TOKENS[JOB_B]).values()) == {grpc.StatusCode.PERMISSION_DENIED}
+    assert set(codes(TOKENS[JOB_A]).values()) == {grpc.StatusCode.OK}
+    # The client library takes that path by itself, and with the wrong job's token a save is refused there too.
+    with CheckpointClient(JOB_A, 0, 2, store=secured.address("h0"), auth_token=TOKENS[JOB_B], run_id="r2", timeout=10) as c:
+        assert c._local is not None
+        with pytest.raises(AccessDeniedError):
+            c.save(5, rank_state(0, 5))
+
+
+def hello(cluster: LocalCluster, host: str) -> pb.HelloResponse:
+    channel, stub = store_stub(cluster.address(host), Credentials(token=CLUSTER))
+    with channel:
+        return stub.Hello(pb.HelloRequest(), timeout=10)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from memstore.bench import rpc
-from memstore.bench.options import BenchConfig
+from memstore.bench.options import PREFAULT_ENV, BenchConfig
 from memstore.bench.scenario_results import Endpoints, PullNote
 from memstore.bench.sysinfo import listening_pid
 from memstore.bench.units import MiB, round_page
@@ -60,6 +61,10 @@ class Stores:
     def log_text(self, host: str) -> str:
         return ""
 
+    def command(self) -> str:
+        """How the first store runs (its command line, with the environment the bench gave it): recorded with each figure."""
+        return ""
+
     def dump_logs(self) -> None:
         pass
 
@@ -70,10 +75,16 @@ class Stores:
 class LocalStores(Stores):
     local = True
 
-    def __init__(self, cluster: LocalCluster) -> None:
+    def __init__(self, cluster: LocalCluster, job: str = JOB_ID) -> None:
         self.cluster = cluster
         self.hosts = list(cluster.stores)
-        self.job = JOB_ID
+        self.job = job
+
+    def command(self) -> str:
+        sp = self.cluster.stores[self.hosts[0]]
+        env = {**(self.cluster.env or {}), **sp.env}
+        args = ["memstore", *sp.args[sp.args.index("serve") :]] if "serve" in sp.args else list(sp.args)
+        return shlex.join([*(f"{k}={v}" for k, v in sorted(env.items())), *args])
 
     def address(self, host: str) -> str:
         return self.cluster.address(host)
@@ -115,6 +126,9 @@ class RemoteStores(Stores):
     def address(self, host: str) -> str:
         return self.endpoints[host]
 
+    def command(self) -> str:
+        return f"already running stores: {', '.join(f'{h}={a}' for h, a in self.endpoints.items())}"
+
     def pid(self, host: str) -> int | None:
         return self._pids.get(host)
 
@@ -152,25 +166,75 @@ def load_endpoints(path: str) -> Endpoints:
     )
 
 
-def start_stores(config: BenchConfig, hosts: int, replicas: int, shard_bytes: int, endpoints: Endpoints | None) -> Stores:
+def store_env(config: BenchConfig, prefault: str | None = None) -> dict[str, str]:
+    """The environment the bench gives its stores: --store-env, then --prefault (or ``prefault``) as MEMSTORE_PREFAULT.
+    A store that does not know the setting ignores the variable (environment variables of unknown fields are not read)."""
+    env = dict(config.store_env)
+    value = prefault if prefault is not None else config.prefault
+    if value is not None:
+        env[PREFAULT_ENV] = value
+    return env
+
+
+def _prefault_bytes(env: dict[str, str]) -> int:
+    """The bytes a store is told to pre-fault (its reserve is part of --capacity, so the capacity must hold it); 0 for auto."""
+    from memstore.core.sizes import parse_size
+
+    value = env.get(PREFAULT_ENV, "auto")
+    try:
+        return 0 if value.strip().lower() == "auto" else parse_size(value.strip())
+    except ValueError:
+        return 0  # the store says what is wrong with it
+
+
+def start_stores(
+    config: BenchConfig, hosts: int, replicas: int, shard_bytes: int, endpoints: Endpoints | None, *, job: str = JOB_ID,
+    prefault: str | None = None, extra_args: list[str] | None = None, capacity_shards: int = 0,
+) -> Stores:  # fmt: skip
+    """Freshly started local stores (or the --endpoints cluster with a job of its own); ``prefault`` overrides --prefault,
+    ``extra_args`` go on every store's command line, ``capacity_shards`` (default keep+1) shards of ``shard_bytes`` fit."""
     if endpoints is not None:
-        return RemoteStores(endpoints.hosts, job=f"bench-{os.getpid()}-{int(time.time())}")
-    capacity = (config.keep + 1) * round_page(shard_bytes) + CAPACITY_SLACK
+        return RemoteStores(endpoints.hosts, job=f"{job}-{os.getpid()}-{int(time.time() * 1000) % 10**9}")
+    capacity = max((capacity_shards or config.keep + 1) * round_page(shard_bytes), _prefault_bytes(store_env(config, prefault)))
+    capacity += CAPACITY_SLACK
     # --repair-interval 3600: after the startup pass (when the stores are still empty) no anti-entropy pass runs during
     # the measurements, so the peer restore of a deleted copy is the Fetch path and nothing else. A replacement store
     # still runs its startup pass (that is how it gets back to R copies after a host loss).
     extra = ["--repair-interval", "3600"]
     if config.data_plane:
         extra += ["--data-plane", config.data_plane]
+    extra += extra_args or []
     cluster = LocalCluster(
-        hosts=hosts, replicas=replicas, capacity=str(capacity), keep=config.keep, extra_args=extra, env=dict(config.store_env) or None
-    )
+        hosts=hosts, replicas=replicas, capacity=str(capacity), keep=config.keep, extra_args=extra,
+        env=store_env(config, prefault) or None,
+    )  # fmt: skip
     try:
         cluster.start()
     except BaseException:
         cluster.stop()
         raise
-    return LocalStores(cluster)
+    return LocalStores(cluster, job)
+
+
+def wait_stores_idle(stores: Stores, timeout: float = 30.0, step_bytes: int = 8 * MiB) -> float:
+    """Wait until every local store's RSS stopped growing and none says it is filling its --prefault reserve (a store
+    pre-faulting memory at start-up has done so), as a job's first save comes well after its hosts' stores started; the
+    seconds waited (0.0 for stores that are not ours). Nothing is saved or copied meanwhile."""
+    from memstore.bench.sysinfo import proc_memory
+
+    pids = [p for p in (stores.pid(h) for h in stores.hosts) if p]
+    if not stores.local or not pids:
+        return 0.0
+    t0 = time.perf_counter()
+    last: list[int] | None = None
+    while time.perf_counter() - t0 < timeout:
+        now = [(m.rss or 0) if (m := proc_memory(p)) else 0 for p in pids]
+        steady = last is not None and all(abs(a - b) < step_bytes for a, b in zip(now, last, strict=True))
+        if steady and not any(rpc.reserve_filling(a) for a in stores.addresses()):
+            break
+        last = now
+        time.sleep(0.3)
+    return time.perf_counter() - t0
 
 
 def caught_up(stores: Stores, host: str, keep: int) -> bool:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from memstore.bench.scenario_results import DURABLE_NOTE
-
 METHOD: dict[str, str] = {
     "scenarios": (
         "state size x hosts x R; the baselines are measured once per state size, on the same bytes, before its scenarios; every "
@@ -15,16 +13,42 @@ METHOD: dict[str, str] = {
         "scenarios above --max-ram are skipped; the measured peak PSS is conditions.memory_peak_pss_bytes"
     ),
     "warmup": (
-        "each of the first keep+1 saves gets a new segment (the store pools a segment only once retention evicts the oldest "
-        "of keep steps), so save keep+2 is the first into a recycled, pre-faulted segment; those cold saves are reported apart"
+        "none: save 1 is the first save of a fresh job on freshly started stores (after their RSS stopped growing and, where "
+        "they say so, their --prefault reserve is filled: a job's first save comes well after its hosts' stores started; "
+        "stores_idle_wait_seconds); saves 2..keep+2 each get a new segment (the store pools a segment only once retention "
+        "evicts the oldest of keep steps) unless the store keeps a pre-faulted reserve; the saves after them are the steady "
+        "state. Every save is reported (phase first / early / steady)"
     ),
-    "stall": "wall time of CheckpointClient.save() over the measured saves",
+    "stall": "save() call -> return, every save; the steady-state summary is over the saves after keep+2",
+    "saves_from_the_first": (
+        "issue 16: per save, the stall and save() call -> SaveHandle.wait() returned (R copies), each right after a paired "
+        "memcpy of the same bytes; save 1's stall / its memcpy <= 3x, every later save's <= 1.5x (the worst counts), and for "
+        "every save state bytes / (call -> committed) >= 0.7x raw TCP (a save that did not commit counts 0). The headline's "
+        "own saves run with the store's defaults (or --prefault); without --prefault the same series runs again on fresh "
+        "stores and a fresh job with MEMSTORE_PREFAULT = 2x the shard rounded up to MiB (from_first_save.series[1])"
+    ),
+    "small_states": (
+        "1 MiB and 16 MiB states of the same layout, one rank, the headline's hosts and R, fresh stores and job each: save 1, "
+        "then --small-saves (30) saves, each paired with a memcpy and followed by retention settling; stall p50/p95 and "
+        "call -> committed p50 over the saves after save 1; the target is the 1 MiB stall p50 (other processes' CPU share in "
+        "conditions)"
+    ),
+    "per_tensor": (
+        "10,000 float32 tensors of 1024 elements vs one float32 tensor of the same bytes, one fresh cluster (headline shape), "
+        "a job each: save 1, saves 2..keep+2 and up to 10 steady saves, then 5 load()s of each in this process (zero-copy, "
+        "alternating); per tensor = (p50 many - p50 one) / 10,000, for the steady saves' stall and for load"
+    ),
+    "no_shared_memory": (
+        "CheckpointClient(use_shared_memory=False) on fresh stores (headline shape), the headline's state: save 1 and 3 more "
+        "(stall includes streaming the shard to the store over gRPC), then --restores loads each by a new client in this "
+        "process (connect + load(): a streamed Get into fresh memory); throughput = state bytes / time, over raw TCP"
+    ),
     "memcpy_floor": (
-        "paired: torch copy_ of the state's tensors into one pre-faulted uint8 buffer, right before each measured save "
+        "paired: torch copy_ of the state's tensors into one pre-faulted uint8 buffer, right before every save "
         "(same background load); standalone: median of 5 before the cluster starts; memmove single-thread, a /dev/shm "
         "mapping and fresh memory for reference"
     ),
-    "committed": "save() start until SaveHandle.wait() returned (all R copies verified); the next save starts after retention settled",
+    "committed": "save() call until SaveHandle.wait() returned (all R copies verified); the next save starts after retention settled",
     "replication_throughput": "shard bytes / (time to committed - save() wall time); includes the owner's xxh3 pass over the shard",
     "tcp_floor": "child python sendall of 4 MiB memoryview slices, this process recv_into a pre-faulted buffer; median of 3",
     "grpc_floors": (
@@ -48,17 +72,24 @@ METHOD: dict[str, str] = {
     "peer_pull": "Delete of the newest step on h0 (h0 stays up), then h0's Fetch RPC timed alone: the store's pull from peer RAM",
     "restore_peer_deleted": "as restore_local, after the newest step was deleted on h0: h0's Fetch pulls it from the group peer",
     "restore_peer": (
-        "after a host loss: h0 SIGKILLed, a new restore process waiting, h0's replacement started (empty RAM; its startup "
-        "repair pass pulls the newest keep steps and the client's Fetch joins the pull of the newest); timed from the "
-        "replacement's 'serving on' log line (its port accepts earlier, while it wipes the dead store's segments) to load() "
-        "returned in the new process; "
-        "the store's log says whether the repair pass, the Fetch, or both pulled"
+        "after a host replacement: h0 SIGKILLed, a new restore process waiting, h0's replacement started (empty RAM; its "
+        "startup repair pass pulls the newest keep steps and the client's Fetch joins the pull of the newest); timed from "
+        "the trainer's load call (CheckpointClient() + load() as soon as the replacement's port accepts) to load() returned: "
+        "each run is the first restore after its replacement; also recorded: from the replacement's process start "
+        "(start_to_loaded_seconds) and from its 'serving on' log line (restore_seconds, issue 3's timing); the store's log "
+        "says whether the repair pass, the Fetch, or both pulled"
     ),
-    "restore_durable": DURABLE_NOTE,
+    "restore_durable": (
+        "stores of their own (headline shape) with --spill file://DIR --spill-every-steps 1: one save, wait until the owner "
+        "reports the step spilled (Health.spill), then before each restore Delete the step on every store and wait until "
+        "LatestStep lists it again (from durable storage); a new process load()s it, timed from its load call as "
+        "restore_local (the owner pulls it from the spill into its pool); vs torch.load"
+    ),
     "store_memory": (
-        "after the measured saves: /proc/<pid>/status VmRSS (RssAnon, RssFile, RssShmem) and /proc/<pid>/smaps_rollup Pss of "
-        "each store process; shard bytes held = sum of nbytes over its List RPC; used_bytes (Health) = held segments + pooled "
-        "free segments; the target uses RSS / shard bytes held of the worst store holding shards"
+        "after the scenario's saves: /proc/<pid>/status VmRSS (RssAnon, RssFile, RssShmem) and /proc/<pid>/smaps_rollup Pss of "
+        "each store process; shard bytes held = sum of nbytes over its List RPC; pool = Health.pooled_bytes where the store "
+        "reports it (free segments kept faulted in: job pools and the --prefault reserve), else used_bytes - held; the "
+        "target uses RSS / (held + pool) of the worst store holding shards"
     ),
     "leak_check": (
         "a separate cluster (the headline's hosts and R) and a saving process: --leak-saves consecutive save() + wait() of a "
@@ -74,4 +105,4 @@ METHOD: dict[str, str] = {
 
 
 def method(warmup: int, keep: int) -> dict[str, str]:
-    return METHOD | {"warmup": f"{warmup} saves (keep+1={keep}+1): {METHOD['warmup']}"}
+    return METHOD | {"warmup": f"saves 2..{warmup + 1} (keep+2={keep}+2) reported apart; {METHOD['warmup']}"}

@@ -22,6 +22,11 @@ MATRIX_COMBOS: tuple[tuple[int, int], ...] = ((2, 1), (2, 2), (3, 2), (3, 3), (4
 MATRIX_SAVES = 3
 MATRIX_RESTORES = 1
 
+# From the first save (issue 16): the small states (one rank, the headline's cluster shape) and their saves after the first.
+SMALL_SIZES = (1 * MiB, 16 * MiB)
+SMALL_SAVES = 30
+PREFAULT_ENV = "MEMSTORE_PREFAULT"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every ``memstore bench`` flag."""
@@ -60,11 +65,20 @@ def _add_scenario_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_repetition_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--saves", type=int, default=None, help="measured (warm) saves after the warm-up ones (default 5; --quick 2)")
+    p.add_argument("--saves", type=int, default=None, help="steady-state saves after save 1 and saves 2..keep+2 (default 5; --quick 2)")
     p.add_argument(
         "--restores", type=int, default=None, help="repetitions of each restore and of the disk/DCP baselines (default 3; --quick 1)"
     )
-    p.add_argument("--keep", type=int, default=2, help="steps each store keeps (default 2); warm-up is keep+1 saves")
+    p.add_argument(
+        "--keep", type=int, default=2, help="steps each store keeps (default 2); saves 2..keep+2 are reported apart from the steady state"
+    )
+    p.add_argument(
+        "--small-saves",
+        type=int,
+        default=None,
+        help=f"saves after the first of the {'/'.join(f'{n >> 20} MiB' for n in SMALL_SIZES)} states (fixed cost per save) and "
+        f"of the per-tensor states (default {SMALL_SAVES}; 0 = skip those figures)",
+    )
     p.add_argument("--leak-saves", type=int, default=None, help="consecutive saves of the RSS leak check (default 100; 0 = skip)")
     p.add_argument("--leak-size", default=None, help="state size of the leak check (default 64MiB; --quick 16MiB)")
     p.add_argument(
@@ -93,6 +107,14 @@ def _add_store_arguments(p: argparse.ArgumentParser) -> None:
         choices=("tcp", "grpc"),
         default=None,
         help="passed to the stores as --data-plane (how replicas and pulls travel); default: the store's default",
+    )
+    p.add_argument(
+        "--prefault",
+        default=None,
+        metavar="SIZE|auto",
+        help="passed to the stores as MEMSTORE_PREFAULT (fresh memory they pre-fault at start-up; auto: learn shard sizes and keep "
+        "a reserve after the first shard). Default: nothing passed (the store's default), and the headline's saves from the first "
+        "are measured a second time on fresh stores with MEMSTORE_PREFAULT = 2x the state",
     )
     p.add_argument(
         "--store-env",
@@ -125,6 +147,10 @@ class BenchConfig:
     leak_size: int
     max_ram: int
     combos: list[tuple[int, int]] = field(default_factory=list)  # (hosts, R) pairs to run
+    # --prefault (or MEMSTORE_PREFAULT in --store-env): what the stores get; None = nothing (the store's default), and the
+    # headline's saves from the first are measured a second time with 2x the state pre-faulted
+    prefault: str | None = None
+    small_saves: int = SMALL_SAVES
     # the headline scenario, for the JSON's readers of issue 2 (one scenario per run)
     size: int = 0
     hosts_headline: int = 0
@@ -206,6 +232,29 @@ def _store_env(items: list[str] | None) -> dict[str, str]:
     return store_env
 
 
+def _prefault(args: argparse.Namespace, store_env: dict[str, str]) -> str | None:
+    from memstore.core.sizes import parse_size
+
+    value = args.prefault if args.prefault is not None else store_env.get(PREFAULT_ENV)
+    if value is None:
+        return None
+    value = value.strip()
+    if value.lower() == "auto":
+        return "auto"
+    try:
+        parse_size(value)
+    except ValueError:
+        raise ValueError(f"--prefault {value!r} is invalid: expected a size (e.g. 2GiB, 0) or auto") from None
+    return value
+
+
+def _small_saves(args: argparse.Namespace) -> int:
+    n = args.small_saves if args.small_saves is not None else SMALL_SAVES
+    if n < 0:
+        raise ValueError(f"--small-saves {n} is invalid: expected >= 0 (0 skips the small-state and per-tensor figures)")
+    return int(n)
+
+
 def plot_path_of(args: argparse.Namespace) -> str | None:
     """Where the figures go: --plot, else next to --json; None with --no-plot."""
     if args.no_plot:
@@ -245,4 +294,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         leak_size=leak_size,
         max_ram=parse_size(args.max_ram),
         combos=combos,
+        prefault=_prefault(args, store_env),
+        small_saves=_small_saves(args),
     )

@@ -1,5 +1,6 @@
-"""The figures of a run (matplotlib, the ``[bench]`` extra): bars of memstore vs the baselines for stall and restore
-(headline), throughput and stall vs size, store memory vs bytes held, and RSS over the leak check's saves."""
+"""The figures of a run (matplotlib, the ``[bench]`` extra): the saves from the first and the fixed costs
+(:mod:`memstore.bench.plot_first_save`), bars of memstore vs the baselines for stall and restore (headline), throughput
+and stall vs size, store memory vs bytes held, and RSS over the leak check's saves."""
 
 from __future__ import annotations
 
@@ -7,24 +8,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memstore.bench.fmt import fmt_pct, fmt_s, fmt_share
+from memstore.bench.fmt import fmt_pct, fmt_share
+from memstore.bench.plot_common import BASELINE, FLOOR, MEMSTORE, Bar, bars, log_seconds
+from memstore.bench.plot_first_save import fixed_costs_panel, series_panel
 from memstore.bench.scenario_results import LeakCheck
 from memstore.bench.units import GiB, MiB, fmt_bytes, short_size
 
 if TYPE_CHECKING:
     from memstore.bench.results import Floors
     from memstore.bench.run_result import BenchResult
-
-MEMSTORE, BASELINE, FLOOR = "#1f77b4", "#ff7f0e", "#7f7f7f"
-
-Bar = tuple[str, float | None, str]
-
-
-def _log_seconds(axis: Any) -> None:
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
-    axis.set_major_formatter(FuncFormatter(lambda v, _pos: fmt_s(v)))
-    axis.set_minor_formatter(NullFormatter())
 
 
 def _size_axis(ax: Any, sizes: list[int]) -> None:
@@ -37,52 +29,43 @@ def _size_axis(ax: Any, sizes: list[int]) -> None:
     ax.set_xlabel("state size")
 
 
-def _bars(ax: Any, items: list[Bar], title: str) -> None:
-    shown = [(n, float(v), c) for n, v, c in items if v]
-    ys = list(range(len(shown)))
-    ax.barh(ys, [v for _, v, _ in shown], color=[c for _, _, c in shown])
-    ax.set_yticks(ys, [n for n, _, _ in shown], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xscale("log")
-    _log_seconds(ax.xaxis)
-    ax.set_xlim(min(v for _, v, _ in shown) / 2, max(v for _, v, _ in shown) * 4)
-    ax.set_xlabel("seconds (log); blue: memstore, orange: baselines, grey: hardware floor")
-    ax.set_title(title, fontsize=10)
-    for y, (_, v, _) in zip(ys, shown, strict=True):
-        ax.text(v, y, f" {fmt_s(v)}", va="center", fontsize=7)
-
-
 def _stall_bars(ax: Any, result: BenchResult) -> None:
     head = result.cluster.measured
     fl = result.size_of(result.cluster).floors
     dcp = fl.dcp
     items: list[Bar] = [
-        ("memstore save() stall p50", head.stall_seconds.p50, MEMSTORE),
-        ("memstore save() stall p95", head.stall_seconds.p95, MEMSTORE),
+        ("memstore save 1 stall (fresh job, fresh stores)", head.first_save.save_wall_seconds, MEMSTORE),
+        ("memstore save() stall p50 (steady)", head.stall_seconds.p50, MEMSTORE),
+        ("memstore save() stall p95 (steady)", head.stall_seconds.p95, MEMSTORE),
         ("torch copy_ pre-faulted (paired)", head.paired_memcpy_seconds.p50, FLOOR),
         ("DCP async_save blocking (default)", dcp.default.blocking_seconds.p50, BASELINE),
         ("DCP async_save blocking (reused stager)", dcp.reused_stager.blocking_seconds.p50, BASELINE),
         ("torch.save + fsync", fl.disk.save_fsync_seconds, BASELINE),
-        ("memstore time to committed p50", head.committed_seconds.p50, MEMSTORE),
+        ("memstore save 1: call -> committed", head.first_save.committed_seconds, MEMSTORE),
+        ("memstore call -> committed p50 (steady)", head.committed_seconds.p50, MEMSTORE),
         ("DCP async_save total (fsynced)", dcp.default.total_seconds.p50, BASELINE),
     ]
-    _bars(ax, items, f"trainer stall [{head.name}]")
+    bars(ax, items, f"trainer stall [{head.name}]")
 
 
 def _restore_bars(ax: Any, result: BenchResult) -> None:
     head = result.cluster.measured
     fl = result.size_of(result.cluster).floors
+    durable = head.restore_durable.restore
+    ns = result.from_first_save.no_shared_memory if result.from_first_save else None
     items: list[Bar] = [
         ("local RAM, new process, zero-copy", head.restore_local.seconds.p50, MEMSTORE),
         ("local RAM, new process, copy", head.restore_local_copy.seconds.p50, MEMSTORE),
         ("peer RAM after host loss", head.restore_peer.seconds.p50 if head.restore_peer else None, MEMSTORE),
         ("peer RAM, owner's copy deleted", head.restore_peer_deleted.seconds.p50 if head.restore_peer_deleted else None, MEMSTORE),
         ("store pull alone (Fetch)", head.peer_pull.seconds.p50 if head.peer_pull else None, MEMSTORE),
+        ("durable storage (file:// spill), new process", durable.seconds.p50 if durable else None, MEMSTORE),
+        ("no shared memory: connect + load", ns.measured.load_seconds.p50 if ns else None, MEMSTORE),
         ("raw TCP, same bytes", fl.tcp.seconds.p50, FLOOR),
         ("torch.load, page cache warm", fl.disk.load_warm_seconds.p50, BASELINE),
         ("torch.load, page cache evicted", fl.disk.load_cold_seconds.p50, BASELINE),
     ]
-    _bars(ax, items, f"restore [{head.name}] (durable tier: n/a)")
+    bars(ax, items, f"restore [{head.name}] (peer: first restore after a host replacement, from the load call)")
 
 
 def _throughput_vs_size(ax: Any, result: BenchResult, sizes: list[int]) -> None:
@@ -128,7 +111,7 @@ def _stall_vs_size(ax: Any, result: BenchResult, sizes: list[int]) -> None:
         ax.plot([x / MiB for x in sizes], [value(result.sizes[str(x)].floors) for x in sizes], color=color, marker="s", lw=2, label=label)
     _size_axis(ax, sizes)
     ax.set_yscale("log")
-    _log_seconds(ax.yaxis)
+    log_seconds(ax.yaxis)
     ax.set_ylabel("seconds (log)")
     ax.set_title("stall vs size", fontsize=10)
     ax.legend(fontsize=7)
@@ -182,7 +165,8 @@ def _leak(ax: Any, result: BenchResult) -> None:
 
 
 def write_plot(result: BenchResult, path: str) -> None:
-    """Six panels into ``path`` (PNG); ImportError without matplotlib."""
+    """Eight panels into ``path`` (PNG): the saves from the first and the fixed costs (issue 16) on top, then stall and
+    restore bars, throughput and stall vs size, store memory and the leak check; ImportError without matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,13 +175,16 @@ def write_plot(result: BenchResult, path: str) -> None:
     head = result.cluster.measured
     nb = result.size_of(result.cluster).state.shard_bytes
     sizes = sorted(int(k) for k in result.sizes)
-    fig, axes = plt.subplots(2, 3, figsize=(19, 10.5))
-    _stall_bars(axes[0][0], result)
-    _restore_bars(axes[0][1], result)
-    _throughput_vs_size(axes[0][2], result, sizes)
-    _stall_vs_size(axes[1][0], result, sizes)
-    _store_memory(axes[1][1], result)
-    _leak(axes[1][2], result)
+    fig = plt.figure(figsize=(19, 16))
+    grid = fig.add_gridspec(3, 3)
+    series_panel(fig.add_subplot(grid[0, 0:2]), result)
+    fixed_costs_panel(fig.add_subplot(grid[0, 2]), result)
+    _stall_bars(fig.add_subplot(grid[1, 0]), result)
+    _restore_bars(fig.add_subplot(grid[1, 1]), result)
+    _throughput_vs_size(fig.add_subplot(grid[1, 2]), result, sizes)
+    _stall_vs_size(fig.add_subplot(grid[2, 0]), result, sizes)
+    _store_memory(fig.add_subplot(grid[2, 1]), result)
+    _leak(fig.add_subplot(grid[2, 2]), result)
     m = result.machine
     fig.suptitle(
         f"memstore bench: headline {head.name} ({fmt_bytes(nb)} shard), {len(result.scenarios)} scenario(s); "
@@ -205,7 +192,7 @@ def write_plot(result: BenchResult, path: str) -> None:
         f"{fmt_share(result.conditions.cpu_pressure_some_share_during_run)}",
         fontsize=11,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

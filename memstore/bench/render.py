@@ -8,19 +8,18 @@ from typing import TYPE_CHECKING
 
 from memstore.bench.fmt import fmt_bps, fmt_faster, fmt_pct, fmt_ratio, fmt_s, fmt_share, verdict
 from memstore.bench.render_details import render_diagnosis, render_floors, render_matrix, render_memory
-from memstore.bench.scenario_results import DURABLE_NOTE, LeakCheck
+from memstore.bench.render_first_save import render_first_save
+from memstore.bench.scenario_results import LeakCheck
 from memstore.bench.targets import (
     LEAK_MAX_PERCENT,
-    LOCAL_RESTORE_LOAD_MIN,
     PEER_RESTORE_LOAD_MIN,
     PEER_RESTORE_TCP_MIN,
     REPLICATION_MIN,
     STALL_DCP_MAX,
     STALL_DISK_MIN,
     STALL_MEMCPY_MAX,
-    STORE_RSS_MAX,
 )
-from memstore.bench.units import fmt_bytes, short_size
+from memstore.bench.units import fmt_bytes, percentile, short_size
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -33,6 +32,7 @@ if TYPE_CHECKING:
 def render(result: BenchResult, console: Console) -> None:
     head = result.cluster
     info = result.size_of(head)
+    render_first_save(result, head, info, console)
     render_headline(result, head, info, console)
     render_floors(head, info, console)
     render_memory(head, result.leak_check, console)
@@ -48,15 +48,18 @@ def _render_footer(result: BenchResult, console: Console) -> None:
     cond = result.conditions
     console.print(
         f"[dim]{m.cpu_count} CPUs ({m.cpu_model}), {fmt_bytes(m.ram_bytes)} RAM, Python {m.python}, torch {m.torch} "
-        f"({m.torch_threads} threads), grpcio {m.grpcio}. Warm-up: {cfg.warmup} cold saves (keep+1) so the store's "
-        f"segment pool is warm, then the measured saves. Peak memory (PSS, this process + stores + helpers): "
+        f"({m.torch_threads} threads), grpcio {m.grpcio}. Saves from the first of a fresh job on fresh stores, each timed "
+        f"from the save() call: save 1, saves 2..{cfg.warmup + 1} (keep+2), then the steady state. "
+        f"Peak memory (PSS, this process + stores + helpers): "
         f"{fmt_bytes(cond.memory_peak_pss_bytes)} during {cond.memory_peak_phase}. CPU pressure during the run: "
         f"{fmt_share(cond.cpu_pressure_some_share_during_run)} of the time some task (this bench's own included) waited for a CPU; "
         f"other processes took {fmt_share(cond.other_cpu_share_of_machine)} of the machine's CPU time. "
         f"Run took {result.duration_seconds:.0f} s.[/]"
     )
-    if cfg.store_env:
-        console.print(f"[yellow]store processes ran with extra environment: {' '.join(f'{k}={v}' for k, v in cfg.store_env.items())}[/]")
+    if cfg.store_env or cfg.prefault is not None:
+        env = {**cfg.store_env, **({"MEMSTORE_PREFAULT": cfg.prefault} if cfg.prefault is not None else {})}
+        extra = " ".join(f"{k}={v}" for k, v in env.items())
+        console.print(f"[yellow]store processes ran with extra environment: {extra}[/]")
     for f in result.failed:
         console.print(f"[bold red]scenario {f.name} failed: {f.error}[/]")
     for s in result.scenarios:
@@ -92,8 +95,9 @@ def _title(h: _Headline) -> str:
     cfg, m, st = h.result.config, h.cl.measured, h.info.state
     where = f"--endpoints {cfg.endpoints}" if cfg.endpoints else "127.0.0.1"
     return (
-        f"memstore bench [{m.name}{', headline' if len(h.result.scenarios) > 1 else ''}]: {fmt_bytes(st.bytes)} of float32 state "
-        f"({st.tensors} tensors) on 1 rank, {m.hosts} hosts, R={m.replicas}, {where}, data plane: {m.data_plane}"
+        f"memstore bench [{m.name}{', headline' if len(h.result.scenarios) > 1 else ''}]: steady state, older targets (issue 3) "
+        f"and references; {fmt_bytes(st.bytes)} of float32 state ({st.tensors} tensors) on 1 rank, {m.hosts} hosts, R={m.replicas}, "
+        f"{where}, data plane: {m.data_plane}"
     )
 
 
@@ -102,18 +106,17 @@ def _stall_rows(t: Table, h: _Headline) -> None:
     stall = m.stall_seconds
     paired = m.paired_memcpy_seconds.p50
     t.add_row(
-        f"save() stall p50 (warm, n={stall.n})",
+        f"save() stall p50 (steady state, n={stall.n})",
         f"{fmt_s(stall.p50)} ({fmt_bps(nb / stall.p50)})",
         f"torch copy_ pre-faulted {fmt_s(paired)} ({fmt_bps(nb / paired)})",
         fmt_ratio(ra.stall_p50_over_memcpy),
         f"<= {STALL_MEMCPY_MAX}x",
         verdict(tg.stall_vs_memcpy),
     )
-    t.add_row("save() stall p95 (warm)", fmt_s(stall.p95), "same", fmt_ratio(ra.stall_p95_over_memcpy), "", "")
-    cold = m.cold_saves_stall_seconds
+    t.add_row("save() stall p95 (steady state)", fmt_s(stall.p95), "same", fmt_ratio(ra.stall_p95_over_memcpy), "", "")
     t.add_row(
-        f"first save / cold saves p50, max (n={cold.n})",
-        f"{fmt_s(m.first_save.save_wall_seconds)} / {fmt_s(cold.p50)}, {fmt_s(cold.max)}",
+        "save 1 stall vs a copy into fresh memory (reference)",
+        fmt_s(m.first_save.save_wall_seconds),
         f"torch copy_ into fresh memory {fmt_s(fl.memcpy.torch_copy_fresh_seconds.p50)}",
         fmt_ratio(ra.first_save_over_memcpy_fresh),
         "",
@@ -172,19 +175,10 @@ def _dcp_rows(t: Table, h: _Headline) -> None:
 
 
 def _local_restore_rows(t: Table, h: _Headline) -> None:
-    m, ra, tg, nb = h.cl.measured, h.cl.ratios, h.cl.targets, h.nb
-    loc = m.restore_local
-    t.add_row(
-        f"restore from local RAM after a trainer crash: new process, zero-copy (n={loc.seconds.n})",
-        f"{fmt_s(loc.seconds.p50)} ({fmt_bps(nb / loc.seconds.p50)})",
-        h.load_floor,
-        f"{fmt_faster(ra.torch_load_warm_over_restore_local)} / {fmt_faster(ra.torch_load_cold_over_restore_local)}",
-        f">= {LOCAL_RESTORE_LOAD_MIN:.0f}x faster",
-        verdict(tg.restore_local_vs_torch_load),
-    )
+    m, ra, nb = h.cl.measured, h.cl.ratios, h.nb
     lc = m.restore_local_copy
     t.add_row(
-        "  same, load(zero_copy=False) (reference)",
+        "restore from local RAM after a trainer crash, load(zero_copy=False) (reference)",
         f"{fmt_s(lc.seconds.p50)} ({fmt_bps(nb / lc.seconds.p50)})",
         h.load_floor,
         fmt_faster(ra.torch_load_warm_over_restore_local_copy),
@@ -197,24 +191,17 @@ def _peer_restore_rows(t: Table, h: _Headline) -> None:
     m, ra, tg = h.cl.measured, h.cl.ratios, h.cl.targets
     peer = m.restore_peer
     if peer:
-        who = "+".join(peer.pulled_by or []) or "?"
         t.add_row(
-            f"restore from peer RAM after a host loss: replacement serving -> loaded, new process (n={peer.seconds.n}, "
-            f"src {','.join(peer.source_hosts)}, pulled by {who})",
-            f"{fmt_s(peer.seconds.p50)} ({fmt_bps(peer.bytes_per_second)})",
-            f"raw TCP loopback {fmt_bps(h.tcp_bps)}",
-            fmt_ratio(ra.restore_peer_over_raw_tcp),
-            f">= {PEER_RESTORE_TCP_MIN}x",
-            verdict(tg.restore_peer_vs_raw_tcp),
-        )
-        t.add_row(
-            "  same, vs torch.load",
+            "restore from peer RAM after a host replacement (from the trainer's load call) vs torch.load",
             fmt_s(peer.seconds.p50),
             h.load_floor,
             f"{fmt_faster(ra.torch_load_warm_over_restore_peer)} / {fmt_faster(ra.torch_load_cold_over_restore_peer)}",
             f">= {PEER_RESTORE_LOAD_MIN:.0f}x faster",
             verdict(tg.restore_peer_vs_torch_load),
         )
+        losses = [r.host_loss for r in peer.runs if r.host_loss]
+        serving = percentile([x.serving_to_loaded_seconds for x in losses if x.serving_to_loaded_seconds is not None], 50)
+        t.add_row("  same, from the replacement's 'serving on' log line (issue 3's timing; reference)", fmt_s(serving), "", "", "", "")
     elif m.replicas >= 2:
         t.add_row("restore from peer RAM after a host loss", "skipped", m.restore_peer_note or "", "", "", "")
     else:
@@ -246,25 +233,10 @@ def _peer_pull_rows(t: Table, h: _Headline) -> None:
             "",
             "",
         )
-    t.add_row("restore from durable storage", DURABLE_NOTE, "", "", "", "n/a")
 
 
 def _memory_rows(t: Table, h: _Headline) -> None:
-    m, ra, tg = h.cl.measured, h.cl.ratios, h.cl.targets
-    mem = m.store_memory
-    w = mem.stores[mem.worst_host] if mem.worst_host else None
-    if w and w.held and w.ratios and w.memory:
-        t.add_row(
-            f"store RSS / shard bytes held (worst: {mem.worst_host}, {w.held.shards} shards)",
-            f"{fmt_bytes(w.memory.rss)} / {fmt_bytes(w.held.shard_bytes_held)}",
-            f"RSS / (held + pooled free segments {fmt_bytes(w.held.pooled_bytes_estimate)}) = "
-            f"{fmt_ratio(w.ratios.rss_over_held_plus_pooled)}",
-            fmt_ratio(ra.store_rss_over_held_max),
-            f"<= {STORE_RSS_MAX}x",
-            verdict(tg.store_rss_vs_held),
-        )
-    else:
-        t.add_row("store RSS / shard bytes held", "n/a", mem.note, "", "", "n/a")
+    tg = h.cl.targets
     leak = h.result.leak_check
     if isinstance(leak, LeakCheck) and leak.processes:
         t.add_row(

@@ -1,5 +1,6 @@
 """The restores of one scenario, each in a NEW process: from local RAM after a trainer crash, from peer RAM
-(the store's pull alone, the owner's copy deleted, and after a host loss: the owner store SIGKILLed and replaced)."""
+(the store's pull alone, the owner's copy deleted, and after a host loss: the owner store SIGKILLed and replaced).
+The restore from durable storage, measured once per run on stores of its own, is :mod:`memstore.bench.durable`."""
 
 from __future__ import annotations
 
@@ -128,6 +129,7 @@ def _host_loss_once(ctx: RestoreContext) -> RestoreRun:
     timing: dict[str, float] = {}
 
     def replace_owner() -> None:
+        timing["start_unix"] = time.time()
         t = time.perf_counter()
         stores.restart(owner)
         timing["restart_seconds"] = time.perf_counter() - t
@@ -154,6 +156,7 @@ def _host_loss_once(ctx: RestoreContext) -> RestoreRun:
         fetch_pulls=sum(1 for p in pulls if p.by == "fetch"),
         repair_pulls=sum(1 for p in pulls if p.by == "repair"),
         pulled_twice=sorted(k for k, who in by_key.items() if len(who) > 1),
+        start_to_loaded_seconds=r.report.loaded_unix - timing["start_unix"] if "start_unix" in timing else None,
     )
     return r
 
@@ -166,7 +169,10 @@ def restore_after_host_loss(ctx: RestoreContext) -> RestoreSummary:
         runs.append(_host_loss_once(ctx))
         ctx.monitor.sample()
         ctx.step_done(f"{ctx.name}: restore from peer RAM after host loss {i + 1}/{ctx.restores}")
-    peer = restore_summary(runs, ctx.fingerprint, timed="restore_seconds")
+    # Timed from the trainer's load call: the new process calls CheckpointClient() + load() as soon as the replacement's
+    # port accepts (each run is the first restore after its replacement); serving -> loaded and the replacement's process
+    # start -> loaded are in each run (restore_seconds, start_to_loaded_seconds).
+    peer = restore_summary(runs, ctx.fingerprint)
     peer.bytes_per_second = ctx.shard_bytes / peer.seconds.p50
     peer.pulled_by = sorted({p.by for r in runs if r.host_loss for p in r.host_loss.pulls})
     return peer

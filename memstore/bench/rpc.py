@@ -87,10 +87,41 @@ def held(address: str) -> HeldBytes | None:
     held_bytes = sum(int(s.manifest.nbytes) for s in shards.shards)
     held_pages = sum(round_page(max(1, int(s.manifest.nbytes))) for s in shards.shards)
     used = int(status.used_bytes)
+    pooled = _field(status, "pooled_bytes")  # stores that report their pool (free segments and the --prefault reserve)
     return HeldBytes(
         shards=len(shards.shards),
         shard_bytes_held=held_bytes,
         used_bytes=used,
-        pooled_bytes_estimate=max(0, used - held_pages),
+        pooled_bytes_estimate=pooled if pooled is not None else max(0, used - held_pages),
         capacity_bytes=int(status.capacity_bytes),
+        pooled_bytes=pooled,
+        reserve_bytes=_field(status, "reserve_bytes"),
     )
+
+
+def _field(message: Any, name: str) -> int | None:
+    """An integer field of a response, None where this checkout's protocol has no such field."""
+    return int(getattr(message, name)) if name in type(message).DESCRIPTOR.fields_by_name else None
+
+
+def reserve_filling(address: str) -> bool:
+    """Whether the store is still faulting in its --prefault reserve (False where it does not say)."""
+    status = health(address)
+    return bool(status is not None and "reserve_filling" in type(status).DESCRIPTOR.fields_by_name and status.reserve_filling)
+
+
+def latest_step(address: str, job: str, timeout: float = 10.0) -> int | None:
+    """The newest restorable step of ``job`` as the store at ``address`` sees it (RAM copies and durable storage)."""
+    from memstore.v1 import store_pb2 as pb
+
+    resp = _rpc(address, lambda s, t: s.LatestStep(pb.LatestStepRequest(job_id=job), timeout=t), timeout)
+    return int(resp.step) if resp is not None and resp.found else None
+
+
+def spilled_step(address: str, job: str) -> int | None:
+    """The newest step of ``job`` the store at ``address`` has spilled to durable storage (its status), or None."""
+    status = health(address)
+    if status is None:
+        return None
+    steps = [int(j.last_spilled_step) for j in status.spill if j.job_id == job and int(j.last_spilled_step) >= 0]
+    return max(steps, default=None)

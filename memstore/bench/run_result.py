@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from memstore.bench.jsonable import FLATTEN
+from memstore.bench.first_save import FirstSaveResult, evaluate_first_save
+from memstore.bench.first_save_results import FirstSaveRuns
+from memstore.bench.jsonable import FLATTEN, OMIT_NONE
 from memstore.bench.method import method
 from memstore.bench.options import BenchConfig
 from memstore.bench.results import CostModel, Floors, MachineInfo, RunConditions, SizeResult, StateInfo
@@ -33,14 +35,16 @@ class ScenarioResult:
     targets_missed: int
 
     @classmethod
-    def evaluated(cls, scn: ScenarioMeasurement, info: SizeResult, leak: Leak) -> ScenarioResult:
-        ratios, targets = evaluate(scn, info, leak)
+    def evaluated(cls, scn: ScenarioMeasurement, info: SizeResult, leak: Leak, first: FirstSaveResult | None = None) -> ScenarioResult:
+        ratios, targets = evaluate(scn, info, leak, first)
         return cls(measured=scn, ratios=ratios, targets=targets, targets_passed=targets.passed, targets_missed=targets.missed)
 
     def verified(self) -> list[bool]:
         """Whether each restore of this scenario gave back the saved state."""
         m = self.measured
-        return [r.verified_equal for r in (m.restore_local, m.restore_local_copy, m.restore_peer_deleted, m.restore_peer) if r]
+        durable = m.restore_durable.restore
+        restores = (m.restore_local, m.restore_local_copy, m.restore_peer_deleted, m.restore_peer, durable)
+        return [r.verified_equal for r in restores if r]
 
 
 @dataclass
@@ -59,7 +63,8 @@ class BenchResult:
     failed: list[FailedScenario]
     sizes: dict[str, SizeResult]
     leak_check: Leak
-    restore_durable: DurableRestore
+    restore_durable: DurableRestore  # the headline's
+    from_first_save: FirstSaveResult | None = field(metadata=OMIT_NONE)  # issue 16, for the headline scenario
     # The headline scenario at the top level, as issue 2's JSON had it.
     state: StateInfo
     floors: Floors
@@ -85,14 +90,25 @@ def assemble(
     conditions: RunConditions,
     endpoints: Endpoints | None,
     failed: list[FailedScenario],
+    first_runs: FirstSaveRuns | None = None,
 ) -> BenchResult:
     from memstore.bench.sysinfo import machine_info
 
     verified = [not failed, not (isinstance(leak, LeakSkipped) and leak.failed)]
+    head_scn = next(m for m in measured if m.headline)
+    head_info = sizes[str(head_scn.size)]
+    first = None
+    if first_runs is not None:
+        fl = head_info.floors
+        first = evaluate_first_save(
+            first_runs, head_scn, command, head_info.state.bytes, head_info.state.shard_bytes, fl.tcp.bytes_per_second.p50,
+            fl.memcpy.torch_copy_seconds.p50,
+        )  # fmt: skip
+        verified += _first_verified(first)
     results: list[ScenarioResult] = []
     for scn in measured:
         info = sizes[str(scn.size)]
-        results.append(ScenarioResult.evaluated(scn, info, leak))
+        results.append(ScenarioResult.evaluated(scn, info, leak, first if scn.headline else None))
         verified += results[-1].verified()
         verified.append(info.floors.disk.load_verified)
     head = next(s for s in results if s.measured.headline)
@@ -113,7 +129,8 @@ def assemble(
         failed=failed,
         sizes=sizes,
         leak_check=leak,
-        restore_durable=DurableRestore(),
+        restore_durable=head.measured.restore_durable,
+        from_first_save=first,
         state=head_size.state,
         floors=head_size.floors,
         diagnosis=head_size.diagnosis,
@@ -122,3 +139,11 @@ def assemble(
         targets=head.targets,
         method=method(config.warmup, config.keep),
     )
+
+
+def _first_verified(first: FirstSaveResult) -> list[bool]:
+    """Whether each load of the figures measured once per run gave back the saved state."""
+    out = [first.no_shared_memory.measured.verified_equal] if first.no_shared_memory else []
+    if first.per_tensor:
+        out += [first.per_tensor.measured.many.verified_equal, first.per_tensor.measured.one.verified_equal]
+    return out

@@ -15,13 +15,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from memstore.bench.first_save_results import FirstSaveRuns
+from memstore.bench.first_save_runs import NO_SHM_SAVES, PREFAULT_STEADY_SAVES
 from memstore.bench.floors import FLOOR_STEPS
 from memstore.bench.jsonable import json_default, to_json
-from memstore.bench.options import BenchConfig, config_from_args
+from memstore.bench.options import SMALL_SIZES, BenchConfig, config_from_args
 from memstore.bench.plan import Scenario, plan_scenarios
 from memstore.bench.results import SizeResult, StateInfo
 from memstore.bench.run_result import BenchResult, assemble
-from memstore.bench.scenario_results import DURABLE_NOTE, Endpoints, FailedScenario, Leak, LeakSkipped, ScenarioMeasurement, Skipped
+from memstore.bench.scenario_results import (
+    DURABLE_ENDPOINTS_NOTE,
+    Endpoints,
+    FailedScenario,
+    Leak,
+    LeakSkipped,
+    ScenarioMeasurement,
+    Skipped,
+)
 from memstore.bench.units import short_size
 from memstore.errors import BenchSetupError
 
@@ -107,7 +117,15 @@ def _progress(console: Console) -> Progress:
 
 
 def _scenario_steps(config: BenchConfig, scn: Scenario) -> int:
-    return 4 + config.warmup + scn.saves + scn.restores + 3 * scn.restores
+    return 5 + config.warmup + scn.saves + scn.restores + 3 * scn.restores
+
+
+def _first_save_steps(config: BenchConfig, head: Scenario, endpoints: Endpoints | None) -> int:
+    """Progress steps of what a run measures once for its headline (issue 16)."""
+    prefault = 0 if config.prefault is not None or endpoints is not None else 1 + config.warmup + min(head.saves, PREFAULT_STEADY_SAVES)
+    durable = 0 if endpoints is not None else 1 + head.restores
+    small = len(SMALL_SIZES) + 3 if config.small_saves else 0
+    return prefault + NO_SHM_SAVES + 2 + durable + small
 
 
 def _announce(console: Console, scenarios: list[Scenario], skipped: list[Skipped], endpoints: Endpoints | None) -> None:
@@ -121,7 +139,8 @@ def _announce(console: Console, scenarios: list[Scenario], skipped: list[Skipped
             f"[yellow]--endpoints {endpoints.path}: {len(endpoints.hosts)} stores, R={endpoints.replicas}; the restore after a "
             "host loss (SIGKILL and replace a store) is skipped: the stores are not processes of this bench[/]"
         )
-    console.print(f"restore from durable storage: {DURABLE_NOTE}")
+    if endpoints is not None:
+        console.print(f"[yellow]restore from durable storage and the saves with memory pre-faulted: {DURABLE_ENDPOINTS_NOTE}[/]")
 
 
 @dataclass
@@ -134,6 +153,8 @@ class _Run:
     monitor: Monitor
     step_done: Callable[[str], None]
     describe: Callable[[str], None]
+    command: str
+    first: FirstSaveRuns
     sizes: dict[str, SizeResult] = field(default_factory=dict)
     measured: list[ScenarioMeasurement] = field(default_factory=list)
     failed: list[FailedScenario] = field(default_factory=list)
@@ -163,12 +184,67 @@ def _measure_size(run: _Run, size: int, todo: list[Scenario]) -> None:
     run.sizes[str(size)] = SizeResult(state=info, floors=floors, diagnosis=cost)
     for scn in todo:
         try:
-            run.measured.append(measure_scenario(config, scn, state, fingerprint, shard_bytes, run.endpoints, run.step_done, run.monitor))
+            m = measure_scenario(config, scn, state, fingerprint, shard_bytes, run.endpoints, run.step_done, run.monitor)
+            run.measured.append(m)
         except Exception as exc:  # one scenario failing (a real outcome) must not lose the others
             run.failed.append(FailedScenario(name=scn.name, size=scn.size, hosts=scn.hosts, replicas=scn.replicas, error=repr(exc)))
             run.console.print(f"[bold red]scenario {scn.name} failed: {exc!r}[/]")
+            continue
+        if scn.headline:
+            _headline_extras(run, scn, m, state, fingerprint, shard_bytes)
     del state, tensors
     gc.collect()
+
+
+def _note(run: _Run, what: str, exc: BaseException) -> None:
+    run.first.notes.append(f"{what} failed: {exc!r}")
+    run.console.print(f"[bold red]{what} failed: {exc!r}[/]")
+
+
+def _headline_extras(run: _Run, scn: Scenario, m: ScenarioMeasurement, state: object, fingerprint: str, shard_bytes: int) -> None:
+    """On the headline's state, on stores of their own: the saves from the first with memory pre-faulted (when --prefault is
+    not given), the path without shared memory, the restore from durable storage."""
+    from memstore.bench.durable import measure_durable
+    from memstore.bench.first_save_runs import measure_no_shm, measure_prefault_series
+
+    config, endpoints = run.config, run.endpoints
+    if config.prefault is None and endpoints is None:
+        run.first.prefault_series = measure_prefault_series(config, scn, state, shard_bytes, run.command, run.step_done, run.monitor)
+    elif endpoints is not None:
+        run.first.notes.append("saves with memory pre-faulted: skipped with --endpoints (the stores are not this bench's)")
+    else:
+        run.first.notes.append(f"--prefault {config.prefault} given: the headline's own saves ran with it, no second series")
+    try:
+        run.first.no_shared_memory = measure_no_shm(
+            config, scn, state, fingerprint, shard_bytes, endpoints, run.command, run.step_done, run.monitor
+        )
+    except Exception as exc:
+        _note(run, "the saves and loads without shared memory", exc)
+    m.restore_durable = measure_durable(
+        config, scn.hosts, scn.replicas, state, fingerprint, shard_bytes, endpoints, run.command, scn.restores, run.step_done, run.monitor
+    )
+    if m.restore_durable.error:
+        run.console.print(f"[bold red]restore from durable storage failed: {m.restore_durable.error}[/]")
+
+
+def _fixed_costs(run: _Run, head: Scenario) -> None:
+    """Small states and the per-tensor cost, on the headline's cluster shape (once per run; --small-saves 0 skips them)."""
+    from memstore.bench.small_states import measure_per_tensor, measure_small_states
+
+    config = run.config
+    if not config.small_saves:
+        run.first.notes.append("small states and per-tensor cost: skipped (--small-saves 0)")
+        return
+    try:
+        run.first.small_states = measure_small_states(
+            config, SMALL_SIZES, head.hosts, head.replicas, run.endpoints, run.command, run.step_done, run.monitor
+        )
+    except Exception as exc:
+        _note(run, "the small states", exc)
+    try:
+        run.first.per_tensor = measure_per_tensor(config, head.hosts, head.replicas, run.endpoints, run.command, run.step_done, run.monitor)
+    except Exception as exc:
+        _note(run, "the per-tensor cost", exc)
 
 
 def _leak_check(run: _Run, head: Scenario) -> Leak:
@@ -185,6 +261,7 @@ def _leak_check(run: _Run, head: Scenario) -> Leak:
 def run_bench(config: BenchConfig, command: str, console: Console | None = None) -> BenchResult:
     """Measure every planned scenario; BenchSetupError when none can run (or every one failed)."""
     from memstore.bench.cluster import load_endpoints
+    from memstore.bench.first_save_runs import prefault_supported
     from memstore.bench.sysinfo import Monitor
 
     console = console or _console()
@@ -194,17 +271,20 @@ def run_bench(config: BenchConfig, command: str, console: Console | None = None)
     _announce(console, scenarios, skipped, endpoints)
     head = next(s for s in scenarios if s.headline)
     total = sum(_scenario_steps(config, s) for s in scenarios) + FLOOR_STEPS * len({s.size for s in scenarios}) + config.leak_saves + 1
+    total += _first_save_steps(config, head, endpoints)
     with Monitor() as monitor, _progress(console) as progress:
         task = progress.add_task("starting", total=total)
         run = _Run(
             config, endpoints, console, monitor,
             step_done=lambda what: progress.update(task, advance=1, description=what),
             describe=lambda what: progress.update(task, description=what),
+            command=command, first=FirstSaveRuns(headline=head.name, prefault_supported=prefault_supported()),
         )  # fmt: skip
         for size in config.sizes:
             todo = [s for s in scenarios if s.size == size]
             if todo:
                 _measure_size(run, size, todo)
+        _fixed_costs(run, head)
         leak = _leak_check(run, head)
         run.step_done("done")
         conditions = monitor.report()
@@ -212,4 +292,4 @@ def run_bench(config: BenchConfig, command: str, console: Console | None = None)
         raise BenchSetupError("every scenario failed: " + "; ".join(f"{f.name}: {f.error}" for f in run.failed))
     if not any(m.headline for m in run.measured):
         run.measured[0].headline = True  # the planned headline failed: the first scenario that ran stands in
-    return assemble(config, command, started, run.sizes, run.measured, skipped, leak, conditions, endpoints, run.failed)
+    return assemble(config, command, started, run.sizes, run.measured, skipped, leak, conditions, endpoints, run.failed, run.first)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from memstore.bench import rpc
-from memstore.bench.cluster import Stores, start_stores, wait
+from memstore.bench.cluster import Stores, start_stores, wait_stores_idle
 from memstore.bench.plan import Scenario, ram_need
 from memstore.bench.restores import RestoreContext, RestorePhase, measure_restores
 from memstore.bench.results import ScenarioConditions, Summary
@@ -22,16 +22,14 @@ from memstore.bench.scenario_results import (
     StoreMemoryEntry,
     StoreRatios,
 )
-from memstore.bench.state import copy_all, nbytes_of, state_tensors
+from memstore.bench.series import STEADY, SeriesSpec, save_series
+from memstore.bench.state import nbytes_of, state_tensors
 from memstore.bench.sysinfo import CpuWindow, proc_memory
 from memstore.bench.units import MiB, ratio
 
 if TYPE_CHECKING:
-    import torch
-
     from memstore.bench.options import BenchConfig
     from memstore.bench.sysinfo import Monitor
-    from trainer_client import CheckpointClient
 
 
 def data_plane_name(flag: str | None, store_data_port: int) -> str:
@@ -52,7 +50,7 @@ def measure_store_memory(stores: Stores) -> StoreMemory:
         if mem and held and held.shard_bytes_held:
             entry.ratios = StoreRatios(
                 rss_over_held=ratio(mem.rss, held.shard_bytes_held),
-                rss_over_held_plus_pooled=ratio(mem.rss, held.used_bytes),
+                rss_over_held_plus_pooled=ratio(mem.rss, held.shard_bytes_held + held.pooled_bytes_estimate),
                 pss_over_held=ratio(mem.pss, held.shard_bytes_held),
             )
             if entry.ratios.rss_over_held is not None:
@@ -80,77 +78,38 @@ class SavePhase:
     data_plane: str
     errors: list[str]
     samples: list[SaveSample]
-
-
-def _one_save(
-    client: CheckpointClient, state: Any, step: int, paired: float | None, commit_timeout: float, shard_bytes: int, errors: list[str]
-) -> SaveSample:
-    from trainer_client.errors import ReplicationError
-
-    t0 = time.perf_counter()
-    handle = client.save(step, state)
-    t1 = time.perf_counter()
-    error = ""
-    try:
-        copies = int(handle.wait(timeout=commit_timeout).copies)
-    except ReplicationError as exc:
-        # A real outcome (e.g. a peer's PrepareReceive timing out): recorded, and the run goes on.
-        error = str(exc)
-        info = getattr(handle, "_info", None)  # the last status wait() saw
-        copies = int(info.copies) if info is not None else 0
-        errors.append(f"save of step {step}: {error}")
-    t2 = time.perf_counter()
-    rep = t2 - t1
-    return SaveSample(
-        step=step,
-        phase="measured" if paired is not None else "cold",
-        save_wall_seconds=t1 - t0,
-        stall_seconds=handle.stall_seconds,
-        committed_seconds=t2 - t0,
-        copies=copies,
-        replication_seconds=rep,
-        replication_bytes_per_second=shard_bytes / rep if rep > 0 else float("nan"),
-        paired_memcpy_seconds=paired,
-        error=error,
-    )
-
-
-def _paired_memcpy(floor_dst: torch.Tensor, tensors: list[torch.Tensor]) -> float:
-    t0 = time.perf_counter()
-    copy_all(floor_dst, tensors)
-    return time.perf_counter() - t0
+    stores_idle_wait_seconds: float = 0.0
 
 
 def measure_saves(
     config: BenchConfig, scn: Scenario, stores: Stores, state: Any, shard_bytes: int, step_done: Callable[[str], None], monitor: Monitor
 ) -> SavePhase:
-    """keep+1 cold saves, then ``scn.saves`` measured ones, each right after a paired memcpy of the same bytes."""
+    """Save 1 of a fresh job on the fresh stores, saves 2..keep+2, then ``scn.saves`` steady-state ones: each timed from
+    the save() call, right after a paired memcpy of the same bytes. Nothing is saved before save 1."""
     import torch
 
     from trainer_client import CheckpointClient
 
     monitor.phase = f"{scn.name}: saves"
-    commit_timeout = 60.0 + shard_bytes / (10 * MiB)
     tensors = state_tensors(state)
-    addresses = stores.addresses()
-    samples: list[SaveSample] = []
     errors: list[str] = []
     floor_dst = torch.empty(nbytes_of(tensors), dtype=torch.uint8)
     floor_dst.fill_(1)
+    idle = wait_stores_idle(stores)
     client = CheckpointClient(stores.job, 0, 1, store=stores.address(stores.hosts[0]))
     try:
         data_port = int(getattr(client.hello, "data_port", 0))  # 0: replicas and pulls travel over gRPC
-        phase = SavePhase(
-            client.shared_memory, client.hello.version, data_port, data_plane_name(config.data_plane, data_port), errors, samples
-        )
-        total = config.warmup + scn.saves
-        for i in range(total):
-            paired = _paired_memcpy(floor_dst, tensors) if i >= config.warmup else None
-            samples.append(_one_save(client, state, i + 1, paired, commit_timeout, shard_bytes, errors))
-            # Let retention evict the oldest step so the next save reuses its (pre-faulted) segment.
-            wait(lambda: rpc.settled(addresses, stores.job, config.keep), 60.0, 0.02, "retention to drop old steps")
+        total = 1 + config.warmup + scn.saves
+        spec = SeriesSpec(state, tensors, nbytes_of(tensors), shard_bytes, total, config.keep, paired=floor_dst)
+
+        def each(i: int) -> None:
             monitor.sample()
             step_done(f"{scn.name}: save {i + 1}/{total}")
+
+        samples = save_series(client, spec, stores, errors, each)
+        phase = SavePhase(
+            client.shared_memory, client.hello.version, data_port, data_plane_name(config.data_plane, data_port), errors, samples, idle
+        )
     finally:
         client.close()
         del floor_dst
@@ -164,7 +123,7 @@ def _measurement(
 ) -> ScenarioMeasurement:  # fmt: skip
     """The scenario's figures from its phases (at least one measured save reached R copies: _check_committed)."""
     samples = saves.samples
-    measured = [s for s in samples if s.phase == "measured"]
+    measured = [s for s in samples if s.phase == STEADY]
     committed = [s for s in measured if not s.error]
     return ScenarioMeasurement(
         name=scn.name,
@@ -193,7 +152,7 @@ def _measurement(
         replication_seconds=Summary.of([s.replication_seconds for s in committed]),
         replication_bytes_per_second=Summary.of([s.replication_bytes_per_second for s in committed]),
         first_save=samples[0],
-        cold_saves_stall_seconds=Summary.of([s.save_wall_seconds for s in samples if s.phase == "cold"]),
+        cold_saves_stall_seconds=Summary.of([s.save_wall_seconds for s in samples if s.phase != STEADY]),
         store_memory=store_memory,
         restore_local=restores.restore_local,
         restore_local_copy=restores.restore_local_copy,
@@ -204,11 +163,14 @@ def _measurement(
         restore_durable=restores.restore_durable,
         store_memory_end=store_memory_end,
         conditions=conditions,
+        prefault=config.prefault,
+        store_command=stores.command(),
+        stores_idle_wait_seconds=saves.stores_idle_wait_seconds,
     )
 
 
 def _check_committed(scn: Scenario, saves: SavePhase) -> None:
-    measured = [s for s in saves.samples if s.phase == "measured"]
+    measured = [s for s in saves.samples if s.phase == STEADY]
     if not any(not s.error for s in measured):
         raise RuntimeError(f"no measured save of {scn.name} reached R={scn.replicas} copies: {measured[-1].error}")
 

@@ -10,7 +10,8 @@ from memstore.bench.jsonable import FLATTEN, OMIT_EMPTY, OMIT_NONE, SKIP
 from memstore.bench.jsonable import key as json_key
 from memstore.bench.results import CpuReport, ProcMemory, ScenarioConditions, Summary
 
-DURABLE_NOTE = "n/a until the spill tier exists"
+DURABLE_NOTE = "measured once per run, for the headline scenario"
+DURABLE_ENDPOINTS_NOTE = "skipped with --endpoints: it needs stores this bench starts with --spill"
 
 
 # -- the plan ----------------------------------------------------------------------------------------
@@ -67,8 +68,10 @@ class HeldBytes:
     shards: int
     shard_bytes_held: int
     used_bytes: int  # in-use segments + pooled free segments, as the store accounts them against capacity
-    pooled_bytes_estimate: int
+    pooled_bytes_estimate: int  # the store's pooled_bytes where it reports them, else used_bytes - held (page-rounded)
     capacity_bytes: int
+    pooled_bytes: int | None = field(default=None, metadata=OMIT_NONE)  # Health.pooled_bytes: free segments kept faulted in
+    reserve_bytes: int | None = field(default=None, metadata=OMIT_NONE)  # Health.reserve_bytes: the --prefault reserve (in pooled)
 
 
 @dataclass
@@ -102,15 +105,17 @@ class StoreMemory:
 @dataclass
 class SaveSample:
     step: int
-    phase: str  # "cold" (a new segment: the first keep+1 saves) | "measured"
-    save_wall_seconds: float  # wall time of save()
+    phase: str  # "first" (save 1 of a fresh job on fresh stores) | "early" (saves 2..keep+2) | "steady" (the saves after them)
+    save_wall_seconds: float  # the stall: save() call -> return
     stall_seconds: float  # SaveHandle.stall_seconds (measured inside save())
-    committed_seconds: float  # save() start -> wait() returned
+    committed_seconds: float  # save() call -> wait() returned (R copies)
     copies: int
     replication_seconds: float  # committed - save wall
     replication_bytes_per_second: float
     paired_memcpy_seconds: float | None  # torch copy_ into pre-faulted memory, right before this save
     error: str = ""  # why the save did not reach R copies (wait() raised); such saves are left out of the commit figures
+    stall_over_memcpy: float | None = field(default=None, metadata=OMIT_NONE)  # save_wall_seconds / paired_memcpy_seconds
+    committed_bytes_per_second: float | None = field(default=None, metadata=OMIT_NONE)  # state bytes / committed_seconds
 
 
 # -- restores ----------------------------------------------------------------------------------------
@@ -159,6 +164,7 @@ class HostLoss:
     fetch_pulls: int
     repair_pulls: int
     pulled_twice: list[str]
+    start_to_loaded_seconds: float | None = None  # the replacement store's process started -> load() returned
 
 
 @dataclass
@@ -209,8 +215,19 @@ class PeerPull:
 
 @dataclass
 class DurableRestore:
+    """Restore from durable storage: stores started with --spill file://DIR --spill-every-steps 1, one save, the step
+    spilled, then removed from every store's RAM (Delete): a new process load()s it, the owner pulling from the spill."""
+
     available: bool = False
     note: str = DURABLE_NOTE
+    command: str | None = field(default=None, metadata=OMIT_NONE)
+    store_command: str | None = field(default=None, metadata=OMIT_NONE)
+    spill_url: str | None = field(default=None, metadata=OMIT_NONE)
+    save: SaveSample | None = field(default=None, metadata=OMIT_NONE)
+    spilled_seconds: float | None = field(default=None, metadata=OMIT_NONE)  # committed -> the owner reports the step spilled
+    deleted_copies: list[int] | None = field(default=None, metadata=OMIT_NONE)  # RAM copies deleted before each restore
+    restore: RestoreSummary | None = field(default=None, metadata=OMIT_NONE)  # new process, timed from its load call
+    error: str = field(default="", metadata=OMIT_EMPTY)
 
 
 # -- one scenario ------------------------------------------------------------------------------------
@@ -255,6 +272,9 @@ class ScenarioMeasurement:
     restore_durable: DurableRestore
     store_memory_end: StoreMemory
     conditions: ScenarioConditions
+    prefault: str | None = None  # MEMSTORE_PREFAULT its stores got; None: nothing (the store's default)
+    store_command: str = ""  # how its first store ran
+    stores_idle_wait_seconds: float = 0.0  # after the stores served, until their RSS stopped growing, before save 1
 
 
 # -- the leak check ----------------------------------------------------------------------------------

@@ -1,25 +1,51 @@
-"""Ratios of a scenario against the baselines of its state size, and the targets (PASS/MISS) they are held to.
+"""Ratios of a scenario against the baselines of its state size, and the targets (PASS/MISS) they are held to: issue
+16's (from the first save; :mod:`memstore.bench.target`) and the older ones of issue 3 that still apply.
 Pure: :func:`evaluate` only reads typed results."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
-from memstore.bench.jsonable import key as json_key
+from memstore.bench.first_save import FirstSaveResult, no_shm_targets, series_figures
 from memstore.bench.results import SizeResult
 from memstore.bench.scenario_results import Leak, LeakSkipped, ScenarioMeasurement
+from memstore.bench.target import (
+    COMMITTED_TCP_MIN,
+    FIRST_SAVE_MEMCPY_MAX,
+    LATER_SAVES_MEMCPY_MAX,
+    NO_SHM_TCP_MIN,
+    PER_TENSOR_MAX_US,
+    SMALL_STATE_STALL_MAX,
+    SMALL_STATE_TARGET_SIZE,
+    STORE_RSS_MAX,
+    Target,
+)
 from memstore.bench.units import ratio, short_size
 
-# Targets (issue 3), evaluated per scenario; the headline scenario is 1 GiB on one rank, 2 hosts, R=2.
-STALL_MEMCPY_MAX = 1.5  # save() stall p50 <= 1.5x torch copy_ into pre-faulted memory
+__all__ = [
+    "COMMITTED_TCP_MIN",
+    "FIRST_SAVE_MEMCPY_MAX",
+    "LATER_SAVES_MEMCPY_MAX",
+    "NO_SHM_TCP_MIN",
+    "PER_TENSOR_MAX_US",
+    "SMALL_STATE_STALL_MAX",
+    "STORE_RSS_MAX",
+    "Ratios",
+    "Target",
+    "Targets",
+    "evaluate",
+]
+
+HEADLINE_ONLY = "n/a: measured once per run, for the headline scenario"
+
+# Targets (issue 3) that still apply, evaluated per scenario; the headline scenario is 1 GiB on one rank, 2 hosts, R=2.
+STALL_MEMCPY_MAX = 1.5  # save() stall p50 (steady state) <= 1.5x torch copy_ into pre-faulted memory
 STALL_DISK_MIN = 20.0  # torch.save + fsync >= 20x the stall
 STALL_DCP_MAX = 0.2  # stall <= 1/5 of DCP async_save's blocking time
 REPLICATION_MIN = 0.7  # replication throughput >= 0.7x raw TCP
 PEER_RESTORE_TCP_MIN = 0.7  # restore from peer RAM >= 0.7x raw TCP throughput
 PEER_RESTORE_LOAD_MIN = 3.0  # ... and >= 3x faster than torch.load
 LOCAL_RESTORE_LOAD_MIN = 10.0  # restore from local RAM after a trainer crash >= 10x faster than torch.load
-STORE_RSS_MAX = 1.15  # store RSS <= 1.15x the shard bytes it holds
 LEAK_MAX_PERCENT = 5.0  # < 5% RSS growth over the leak-check saves
 
 
@@ -27,6 +53,10 @@ LEAK_MAX_PERCENT = 5.0  # < 5% RSS growth over the leak-check saves
 class Ratios:
     """memstore over its baselines (or the inverse, as named); None where a part was not measured."""
 
+    first_save_stall_over_memcpy: float | None  # save 1 of a fresh job on fresh stores, over its paired memcpy
+    later_saves_stall_over_memcpy_max: float | None  # the worst of saves 2..N
+    first_save_committed_over_raw_tcp: float | None  # state bytes / (save() call -> committed), over raw TCP
+    committed_over_raw_tcp_min: float | None  # the worst save (0 for a save that did not reach R copies)
     stall_p50_over_memcpy: float | None
     stall_p95_over_memcpy: float | None
     stall_p50_over_memcpy_standalone: float | None
@@ -52,32 +82,34 @@ class Ratios:
     restore_peer_deleted_over_raw_tcp: float | None
     torch_load_warm_over_restore_peer_deleted: float | None
     peer_pull_over_raw_tcp: float | None
+    restore_durable_over_raw_tcp: float | None
+    torch_load_warm_over_restore_durable: float | None
+    torch_load_cold_over_restore_durable: float | None
     store_rss_over_held_max: float | None
     store_rss_over_held_plus_pooled_max: float | None
 
 
 @dataclass
-class Target:
-    target: str
-    value: float | None
-    passed: bool | None = field(metadata=json_key("pass"))  # None: n/a (not measured)
-    note: str
-
-    @classmethod
-    def check(cls, text: str, value: float | None, ok: Callable[[float], bool], note: str = "") -> Target:
-        return cls(target=text, value=value, passed=None if value is None else bool(ok(value)), note=note)
-
-
-@dataclass
 class Targets:
+    """Issue 16's targets first (from the first save), then the older ones that still apply."""
+
+    first_save_stall_vs_memcpy: Target
+    later_saves_stall_vs_memcpy: Target
+    committed_vs_raw_tcp_every_save: Target
+    small_state_stall: Target
+    per_tensor_save_stall: Target
+    per_tensor_load: Target
+    no_shm_save_vs_raw_tcp: Target
+    no_shm_committed_vs_raw_tcp: Target
+    no_shm_load_vs_raw_tcp: Target
+    restore_local_vs_torch_load: Target
+    restore_peer_vs_raw_tcp: Target
+    store_rss_vs_held: Target
     stall_vs_memcpy: Target
     stall_vs_torch_save_fsync: Target
     stall_vs_dcp_async_save: Target
     replication_vs_raw_tcp: Target
-    restore_peer_vs_raw_tcp: Target
     restore_peer_vs_torch_load: Target
-    restore_local_vs_torch_load: Target
-    store_rss_vs_held: Target
     rss_growth_over_saves: Target
 
     def items(self) -> list[tuple[str, Target]]:
@@ -110,7 +142,7 @@ class _PeerFigures:
     def what(self) -> str:
         if self.host_loss is None and self.deleted is not None:
             return "with the owner's copy deleted (no host loss possible with --endpoints)"
-        return "after a host loss (replacement store serving -> loaded in a new process)"
+        return "after a host loss (the first restore after the replacement, timed from the trainer's load call in a new process)"
 
 
 def _peer(scn: ScenarioMeasurement) -> _PeerFigures:
@@ -118,6 +150,16 @@ def _peer(scn: ScenarioMeasurement) -> _PeerFigures:
         deleted=scn.restore_peer_deleted.seconds.p50 if scn.restore_peer_deleted else None,
         host_loss=scn.restore_peer.seconds.p50 if scn.restore_peer else None,
     )
+
+
+def _first_save_ratios(scn: ScenarioMeasurement, info: SizeResult) -> dict[str, float | None]:
+    fig = series_figures(scn.saves, info.floors.tcp.bytes_per_second.p50)
+    return {
+        "first_save_stall_over_memcpy": fig.first.stall_over_memcpy_max if fig.first else None,
+        "later_saves_stall_over_memcpy_max": fig.later_stall_over_memcpy_max,
+        "first_save_committed_over_raw_tcp": fig.first.committed_over_raw_tcp_min if fig.first else None,
+        "committed_over_raw_tcp_min": fig.committed_over_raw_tcp_min,
+    }
 
 
 def _stall_ratios(scn: ScenarioMeasurement, info: SizeResult) -> dict[str, float | None]:
@@ -167,11 +209,24 @@ def _transfer_ratios(scn: ScenarioMeasurement, info: SizeResult) -> dict[str, fl
     }
 
 
+def _durable_ratios(scn: ScenarioMeasurement, info: SizeResult) -> dict[str, float | None]:
+    fl = info.floors
+    d = scn.restore_durable.restore
+    seconds = d.seconds.p50 if d else None
+    return {
+        "restore_durable_over_raw_tcp": ratio(info.state.shard_bytes / seconds if seconds else None, fl.tcp.bytes_per_second.p50),
+        "torch_load_warm_over_restore_durable": ratio(fl.disk.load_warm_seconds.p50, seconds),
+        "torch_load_cold_over_restore_durable": ratio(fl.disk.load_cold_seconds.p50, seconds),
+    }
+
+
 def compute_ratios(scn: ScenarioMeasurement, info: SizeResult) -> Ratios:
     mem = scn.store_memory
     return Ratios(
+        **_first_save_ratios(scn, info),
         **_stall_ratios(scn, info),
         **_transfer_ratios(scn, info),
+        **_durable_ratios(scn, info),
         store_rss_over_held_max=mem.rss_over_held_max,
         store_rss_over_held_plus_pooled_max=mem.rss_over_held_plus_pooled_max,
     )
@@ -188,13 +243,63 @@ def _leak_target(leak: Leak) -> Target:
     return Target.check(text, leak.max_growth_percent, lambda v: v < LEAK_MAX_PERCENT)
 
 
-def compute_targets(scn: ScenarioMeasurement, ratios: Ratios, leak: Leak) -> Targets:
+def _first_save_targets(scn: ScenarioMeasurement, info: SizeResult) -> dict[str, Target]:
+    t = series_figures(scn.saves, info.floors.tcp.bytes_per_second.p50).targets
+    return dict(t.items())
+
+
+def _headline_targets(first: FirstSaveResult | None) -> dict[str, Target]:
+    """The figures measured once per run (small states, per tensor, without shared memory): the headline's only."""
+    size = short_size(SMALL_STATE_TARGET_SIZE)
+    small_text = f"a save of a {size} state: stall p50 <= {SMALL_STATE_STALL_MAX * 1000:.0f} ms (fixed cost per save; seconds)"
+    save_text = f"per-tensor cost of save() stall, (10,000 x 4 KiB - 1 tensor of the same bytes) / 10,000 <= {PER_TENSOR_MAX_US:.0f} us"
+    load_text = f"per-tensor cost of load(), (10,000 x 4 KiB - 1 tensor of the same bytes) / 10,000 <= {PER_TENSOR_MAX_US:.0f} us"
+    if first is None:
+        no_shm = no_shm_targets(None, HEADLINE_ONLY)
+        small, per_save, per_load = (Target.na(x, HEADLINE_ONLY) for x in (small_text, save_text, load_text))
+    else:
+        no_shm = no_shm_targets(first.no_shared_memory, "; ".join(first.notes) or "not measured")
+        small_r = next((r for r in first.small_states if r.measured.size == SMALL_STATE_TARGET_SIZE), None)
+        note = "" if small_r or first.small_states else "not measured (--small-saves 0)"
+        small = Target.check(small_text, small_r.stall_seconds.p50 if small_r else None, lambda v: v <= SMALL_STATE_STALL_MAX, note)
+        pt = first.per_tensor
+        pt_note = "" if pt else "not measured (--small-saves 0)"
+        per_save = Target.check(save_text, pt.save_stall_us_per_tensor if pt else None, lambda v: v <= PER_TENSOR_MAX_US, pt_note)
+        per_load = Target.check(load_text, pt.load_us_per_tensor if pt else None, lambda v: v <= PER_TENSOR_MAX_US, pt_note)
+    return {
+        "small_state_stall": small,
+        "per_tensor_save_stall": per_save,
+        "per_tensor_load": per_load,
+        "no_shm_save_vs_raw_tcp": no_shm[0],
+        "no_shm_committed_vs_raw_tcp": no_shm[1],
+        "no_shm_load_vs_raw_tcp": no_shm[2],
+    }
+
+
+def compute_targets(
+    scn: ScenarioMeasurement, info: SizeResult, ratios: Ratios, leak: Leak, first: FirstSaveResult | None = None
+) -> Targets:
     r1 = scn.replicas < 2
     no_peer = "n/a: R=1 keeps no peer copy" if r1 else ""
     peer_what = _peer(scn).what
     return Targets(
+        **_first_save_targets(scn, info),
+        **_headline_targets(first),
+        restore_local_vs_torch_load=Target.check(
+            f"restore from local RAM after a trainer crash (new process, zero-copy) >= {LOCAL_RESTORE_LOAD_MIN:.0f}x faster than "
+            "torch.load (page cache warm)", ratios.torch_load_warm_over_restore_local, lambda v: v >= LOCAL_RESTORE_LOAD_MIN,
+        ),
+        restore_peer_vs_raw_tcp=Target.check(
+            f"restore from peer RAM {peer_what} >= {PEER_RESTORE_TCP_MIN}x raw TCP throughput", ratios.restore_peer_over_raw_tcp,
+            lambda v: v >= PEER_RESTORE_TCP_MIN, no_peer,
+        ),
+        store_rss_vs_held=Target.check(
+            f"store RSS <= {STORE_RSS_MAX}x the shard bytes it holds plus its pool (used_bytes: pooled and pre-faulted segments; "
+            "worst store holding shards)", ratios.store_rss_over_held_plus_pooled_max, lambda v: v <= STORE_RSS_MAX,
+            scn.store_memory.note,
+        ),
         stall_vs_memcpy=Target.check(
-            f"save() stall p50 <= {STALL_MEMCPY_MAX}x torch copy_ of the same bytes into pre-faulted memory (paired p50)",
+            f"save() stall p50, steady state, <= {STALL_MEMCPY_MAX}x torch copy_ of the same bytes into pre-faulted memory (paired p50)",
             ratios.stall_p50_over_memcpy, lambda v: v <= STALL_MEMCPY_MAX,
         ),
         stall_vs_torch_save_fsync=Target.check(
@@ -209,27 +314,16 @@ def compute_targets(scn: ScenarioMeasurement, ratios: Ratios, leak: Leak) -> Tar
             f"replication throughput p50 >= {REPLICATION_MIN}x raw TCP on loopback", ratios.replication_over_raw_tcp,
             lambda v: v >= REPLICATION_MIN, "n/a: R=1 replicates nothing" if r1 else "",
         ),
-        restore_peer_vs_raw_tcp=Target.check(
-            f"restore from peer RAM {peer_what} >= {PEER_RESTORE_TCP_MIN}x raw TCP throughput", ratios.restore_peer_over_raw_tcp,
-            lambda v: v >= PEER_RESTORE_TCP_MIN, no_peer,
-        ),
         restore_peer_vs_torch_load=Target.check(
             f"restore from peer RAM {peer_what} >= {PEER_RESTORE_LOAD_MIN:.0f}x faster than torch.load (page cache warm)",
             ratios.torch_load_warm_over_restore_peer, lambda v: v >= PEER_RESTORE_LOAD_MIN, no_peer,
-        ),
-        restore_local_vs_torch_load=Target.check(
-            f"restore from local RAM after a trainer crash (new process, zero-copy) >= {LOCAL_RESTORE_LOAD_MIN:.0f}x faster than "
-            "torch.load (page cache warm)", ratios.torch_load_warm_over_restore_local, lambda v: v >= LOCAL_RESTORE_LOAD_MIN,
-        ),
-        store_rss_vs_held=Target.check(
-            f"store RSS <= {STORE_RSS_MAX}x the shard bytes it holds (worst store holding shards)", ratios.store_rss_over_held_max,
-            lambda v: v <= STORE_RSS_MAX, scn.store_memory.note,
         ),
         rss_growth_over_saves=_leak_target(leak),
     )  # fmt: skip
 
 
-def evaluate(scn: ScenarioMeasurement, info: SizeResult, leak: Leak) -> tuple[Ratios, Targets]:
-    """Ratios and targets (PASS/MISS) of one scenario against the baselines of its state size."""
+def evaluate(scn: ScenarioMeasurement, info: SizeResult, leak: Leak, first: FirstSaveResult | None = None) -> tuple[Ratios, Targets]:
+    """Ratios and targets (PASS/MISS) of one scenario against the baselines of its state size; ``first``: the figures
+    measured once per run, for the headline scenario (None for the others: their targets are n/a)."""
     ratios = compute_ratios(scn, info)
-    return ratios, compute_targets(scn, ratios, leak)
+    return ratios, compute_targets(scn, info, ratios, leak, first)

@@ -13,14 +13,23 @@ from memstore.bench import main
 pytestmark = pytest.mark.integration
 
 TARGETS = (
+    "first_save_stall_vs_memcpy",
+    "later_saves_stall_vs_memcpy",
+    "committed_vs_raw_tcp_every_save",
+    "small_state_stall",
+    "per_tensor_save_stall",
+    "per_tensor_load",
+    "no_shm_save_vs_raw_tcp",
+    "no_shm_committed_vs_raw_tcp",
+    "no_shm_load_vs_raw_tcp",
+    "restore_local_vs_torch_load",
+    "restore_peer_vs_raw_tcp",
+    "store_rss_vs_held",
     "stall_vs_memcpy",
     "stall_vs_torch_save_fsync",
     "stall_vs_dcp_async_save",
     "replication_vs_raw_tcp",
-    "restore_peer_vs_raw_tcp",
     "restore_peer_vs_torch_load",
-    "restore_local_vs_torch_load",
-    "store_rss_vs_held",
     "rss_growth_over_saves",
 )
 
@@ -33,7 +42,7 @@ def _finite(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "b.json"
     assert main(["--quick", "--json", str(out)]) == 0
@@ -59,13 +68,14 @@ def test_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
         "headline",
         "skipped",
         "restore_durable",
+        "from_first_save",
     ):
         assert key in data, key
     assert data["ok"] is True
     assert data["config"]["quick"] is True
     assert data["config"]["sizes"] == [64 << 20]
     assert data["config"]["saves"] == 2
-    assert data["restore_durable"]["available"] is False
+    assert data["config"]["prefault"] is None and data["config"]["small_saves"] == 30
     for key in ("cpu_count", "ram_bytes"):
         assert _positive(data["machine"][key]), key
     for key in ("python", "torch"):
@@ -75,6 +85,8 @@ def test_bench_quick_writes_json_and_plot(tmp_path: Path) -> None:
     _check_cluster(data)
     _check_memory_and_leaks(data)
     _check_ratios(data)
+    _check_first_save(data)
+    _check_fixed_costs_and_no_shm(data)
 
 
 def _check_floors(data: dict) -> None:  # type: ignore[type-arg]
@@ -101,8 +113,12 @@ def _check_floors(data: dict) -> None:  # type: ignore[type-arg]
 def _check_cluster(data: dict) -> None:  # type: ignore[type-arg]
     cluster = data["cluster"]
     phases = [s["phase"] for s in cluster["saves"]]
-    assert phases == ["cold"] * (data["config"]["keep"] + 1) + ["measured"] * 2
+    assert phases == ["first"] + ["early"] * (data["config"]["keep"] + 1) + ["steady"] * 2
     assert all(s["copies"] == 2 for s in cluster["saves"])
+    for save in cluster["saves"]:  # every save from the first: paired with a memcpy, timed from the call
+        for key in ("save_wall_seconds", "committed_seconds", "paired_memcpy_seconds", "stall_over_memcpy", "committed_bytes_per_second"):
+            assert _positive(save[key]), (save["step"], key)
+        assert save["committed_seconds"] >= save["save_wall_seconds"]
     for key in ("stall_seconds", "paired_memcpy_seconds", "committed_seconds", "replication_seconds", "replication_bytes_per_second"):
         assert _positive(cluster[key]["p50"]), key
         assert _positive(cluster[key]["p95"]), key
@@ -122,7 +138,17 @@ def _check_cluster(data: dict) -> None:  # type: ignore[type-arg]
     assert _positive(cluster["restore_peer"]["bytes_per_second"])
     assert _positive(cluster["restore_peer"]["runs"][0]["restart_seconds"])
     assert _positive(cluster["peer_pull"]["seconds"]["p50"])
-    assert cluster["restore_durable"]["available"] is False
+    for run in cluster["restore_peer"]["runs"]:  # timed from the load call; from the replacement's start for reference
+        assert _positive(run["start_to_loaded_seconds"]) and run["start_to_loaded_seconds"] >= run["connect_load_seconds"]
+    assert cluster["restore_peer"]["timed"] == "connect_load_seconds"
+
+    durable = cluster["restore_durable"]
+    assert durable == data["restore_durable"]
+    assert durable["available"] is True and "error" not in durable, durable
+    assert durable["spill_url"].startswith("file://") and "--spill" in durable["store_command"] and durable["command"]
+    assert _positive(durable["spilled_seconds"]) and all(n >= 1 for n in durable["deleted_copies"])
+    assert durable["restore"]["source_hosts"] == ["durable"] and durable["restore"]["verified_equal"] is True
+    assert _positive(durable["restore"]["seconds"]["p50"])
 
 
 def _check_memory_and_leaks(data: dict) -> None:  # type: ignore[type-arg]
@@ -178,3 +204,59 @@ def _check_ratios(data: dict) -> None:  # type: ignore[type-arg]
     for key in TARGETS:
         assert isinstance(data["targets"][key]["pass"], bool), key
         assert _finite(data["targets"][key]["value"]), key
+
+
+def _check_series(series: dict, keep: int) -> None:  # type: ignore[type-arg]
+    assert series["command"] and series["store_command"].startswith(("memstore serve", "MEMSTORE_"))
+    assert [s["phase"] for s in series["saves"]][: keep + 2] == ["first"] + ["early"] * (keep + 1)
+    fig = series["figures"]
+    assert fig["first"]["saves"] == "1" and fig["early"]["saves"] == f"2..{keep + 2}"
+    for phase in ("first", "early", "steady"):
+        for key in ("stall_seconds", "committed_seconds", "paired_memcpy_seconds"):
+            assert _positive(fig[phase][key]["p50"]), (phase, key)
+        assert _positive(fig[phase]["stall_over_memcpy_max"]) and _positive(fig[phase]["committed_over_raw_tcp_min"]), phase
+    assert _positive(fig["later_stall_over_memcpy_max"]) and _positive(fig["committed_over_raw_tcp_min"])
+    assert all(_positive(v) for v in fig["committed_over_raw_tcp"])
+    for key, target in fig["targets"].items():
+        assert isinstance(target["pass"], bool) and _positive(target["value"]), key
+
+
+def _check_first_save(data: dict) -> None:  # type: ignore[type-arg]
+    first = data["from_first_save"]
+    keep = data["config"]["keep"]
+    assert first["headline"] == data["headline"]
+    labels = [s["label"] for s in first["series"]]
+    assert labels[0] == "store defaults" and first["series"][0]["prefault"] is None
+    assert first["series"][0]["saves"] == data["cluster"]["saves"]
+    _check_series(first["series"][0], keep)
+    if first["prefault_supported"]:  # the stores know --prefault: the series with 2x the state pre-faulted ran
+        pre = first["series"][1]
+        assert pre["label"].endswith("(2x state)") and pre["store_command"].startswith("MEMSTORE_PREFAULT=")
+        assert "error" not in pre, pre.get("error")
+        _check_series(pre, keep)
+    for key in ("first_save_stall_over_memcpy", "later_saves_stall_over_memcpy_max", "first_save_committed_over_raw_tcp",
+                "committed_over_raw_tcp_min", "torch_load_warm_over_restore_durable", "restore_durable_over_raw_tcp"):  # fmt: skip
+        assert _positive(data["ratios"][key]), key
+
+
+def _check_fixed_costs_and_no_shm(data: dict) -> None:  # type: ignore[type-arg]
+    first = data["from_first_save"]
+    assert [s["size"] for s in first["small_states"]] == [1 << 20, 16 << 20]
+    for small in first["small_states"]:
+        assert len(small["saves"]) == 31 and small["saves"][0]["phase"] == "first"
+        assert small["stall_seconds"]["n"] == 30 and _positive(small["stall_seconds"]["p50"]) and _positive(small["stall_seconds"]["p95"])
+        assert _positive(small["committed_seconds"]["p50"]) and _positive(small["first_stall_seconds"])
+        assert small["command"] and small["store_command"]
+    pt = first["per_tensor"]
+    assert pt["count"] == 10_000 and pt["tensor_bytes"] == 4096
+    assert pt["many"]["tensors"] == 10_000 and pt["one"]["tensors"] == 1 and pt["many"]["state_bytes"] == pt["one"]["state_bytes"]
+    assert pt["many"]["verified_equal"] is True and pt["one"]["verified_equal"] is True
+    for key in ("many_save_stall_seconds", "one_save_stall_seconds", "many_load_seconds", "one_load_seconds"):
+        assert _positive(pt[key]), key
+    for key in ("save_stall_us_per_tensor", "load_us_per_tensor"):  # a difference: finite, its sign is the measurement's
+        assert _finite(pt[key]), key
+    ns = first["no_shared_memory"]
+    assert ns["shared_memory"] is False and ns["verified_equal"] is True and len(ns["saves"]) == 4
+    for key in ("stall_over_raw_tcp", "first_stall_over_raw_tcp", "committed_over_raw_tcp", "load_over_raw_tcp"):
+        assert _positive(ns[key]), key
+    assert all(s["copies"] == 2 for s in ns["saves"])

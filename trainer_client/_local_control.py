@@ -22,11 +22,11 @@ from memstore.v1.local_control import METHODS, NUMBERS, OK, FrameError, parse_er
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-class LocalRpcError(grpc.RpcError):
-    """A failed call on the control socket, shaped like a failed gRPC call. ``sent``: whether the request
-    may have reached the store (if not, the same call can safely go another way)."""
+class RpcFailure(grpc.RpcError):
+    """A failed call that did not go through gRPC (the control socket, the data channel), shaped like a failed
+    gRPC call. ``sent``: whether the request may have reached the store (if not, it can safely go another way)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, metadata: tuple[tuple[str, str], ...] = (), sent: bool = True) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, metadata: tuple[Any, ...] = (), sent: bool = True) -> None:
         super().__init__(details)
         self.sent = sent
         self._code = code
@@ -84,20 +84,20 @@ class LocalStub:
             try:
                 sock = self._connected(timeout)
             except OSError as exc:
-                raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, f"store control socket {self.path}: {exc}", sent=False) from None
+                raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"store control socket {self.path}: {exc}", sent=False) from None
             try:
                 send_request(sock, number, self._token, message)
                 status, payload = recv_response(sock)
             except TimeoutError:
                 self._drop()  # a late answer must not be read as the next call's
-                raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on {self.path} within {timeout}s") from None
+                raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on {self.path} within {timeout}s") from None
             except (OSError, FrameError) as exc:
                 self._drop()
-                raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, f"store control socket {self.path}: {exc}") from None
+                raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"store control socket {self.path}: {exc}") from None
         if status == OK:
             return response_type.FromString(payload)
         detail, metadata = parse_error(payload)
-        raise LocalRpcError(_CODES.get(status, grpc.StatusCode.UNKNOWN), detail, metadata)
+        raise RpcFailure(_CODES.get(status, grpc.StatusCode.UNKNOWN), detail, metadata)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name not in NUMBERS:

@@ -28,21 +28,24 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+import torch
 
-from memstore.errors import ConfigError, StreamError
+from memstore.errors import ConfigError
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import boot_id, store_stub
 from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
 from memstore.v1.manifests import manifest_from_pb
 from memstore.v1.security import Credentials
-from memstore.v1.streams import manifest_problem, put_requests, receive_chunks
+from memstore.v1.streams import manifest_problem
 from trainer_client import serialization
-from trainer_client._local_control import LocalRpcError, LocalStub
+from trainer_client._local_control import LocalStub, RpcFailure
+from trainer_client._remote import RemotePath, byte_view, empty_buffer
 from trainer_client.errors import (
     CapacityExceededError,
     CorruptShardError,
@@ -58,6 +61,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
+_MAX_BACKGROUND_SENDS = 2  # remote_save="background": staged saves in flight; the next waits for the oldest
 _MAPPING_CACHE = 4  # segments kept mapped between saves: the store recycles them, so re-saves skip page faults
 
 
@@ -147,8 +151,11 @@ class RestorePoint:
 class SaveHandle:
     """Tracks one save. ``wait()`` returns once R verified copies exist, or raises why not."""
 
-    def __init__(self, client: CheckpointClient, step: int, skipped_reason: str = "", timeline: str = "") -> None:
+    def __init__(
+        self, client: CheckpointClient, step: int, skipped_reason: str = "", timeline: str = "", sending: Future[None] | None = None
+    ) -> None:
         self._client = client
+        self._sending = sending  # a background send (remote_save="background") still to finish
         self.step = step
         self.timeline = timeline
         self.skipped_reason = skipped_reason
@@ -163,6 +170,11 @@ class SaveHandle:
     def done(self) -> bool:
         if self.skipped:
             return True
+        if self._sending is not None:
+            if not self._sending.done():
+                return False
+            if self._sending.exception() is not None:
+                return True
         info, done = self._client._wait_committed(self.step, 0.0, self.timeline)
         self._info = info
         return done
@@ -172,6 +184,11 @@ class SaveHandle:
         if self.skipped:
             raise ReplicationError(f"step {self.step} was skipped: {self.skipped_reason}")
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._sending is not None:
+            try:
+                self._sending.result(timeout=timeout)  # raises the send's own error (capacity, auth, ...)
+            except FutureTimeoutError:
+                raise TimeoutError(f"step {self.step} of rank {self._client.rank} still being sent after {timeout}s") from None
         while True:
             remaining = 10.0 if deadline is None else max(0.0, deadline - time.monotonic())
             info, done = self._client._wait_committed(self.step, min(10.0, remaining), self.timeline)
@@ -226,6 +243,7 @@ class CheckpointClient:
         use_shared_memory: bool | None = None,
         spill_compression: str | None = None,
         run_id: str | None = None,
+        remote_save: str = "sync",
         auth_token: str | None = None,
         tls_ca: str | None = None,
         tls_cert: str | None = None,
@@ -245,6 +263,9 @@ class CheckpointClient:
         if spill_compression is not None and spill_compression not in SPILL_CODECS:
             raise InvalidArgumentError(f"spill_compression {spill_compression!r} is invalid: expected one of {', '.join(SPILL_CODECS)}")
         self.spill_compression = spill_compression or ""
+        if remote_save not in ("sync", "background"):
+            raise InvalidArgumentError(f"remote_save {remote_save!r} is invalid: expected 'sync' or 'background'")
+        self.remote_save = remote_save
         if on_capacity not in ("raise", "skip"):
             raise InvalidArgumentError(f"on_capacity {on_capacity!r} is invalid: expected 'raise' or 'skip'")
         self.job_id = job_id
@@ -288,6 +309,12 @@ class CheckpointClient:
                 log.info("store control socket %s not usable (%s); the save path uses gRPC", self.hello.control_socket, exc)
         self.last_load_source = ""
         self.last_restore_note = ""
+        # Without shared memory: shards travel over the store's data channel, staged in buffers kept here.
+        self._remote = RemotePath(self._stub, self.address, self.credentials, timeout, self.hello.data_port)
+        self._free_staging: list[torch.Tensor] = []
+        self._sends: collections.deque[Future[None]] = collections.deque()
+        self._sender: ThreadPoolExecutor | None = None
+        self.last_save_path = ""  # how the last remote save travelled: "data channel" or "grpc"
 
     # -- plumbing -----------------------------------------------------------------------
     def _call(self, fn: Callable[[float], T], what: str, retries: int = 0) -> T:
@@ -310,7 +337,7 @@ class CheckpointClient:
         if local is not None:
             try:
                 return local.call(name, request, timeout=self.timeout + wait)
-            except LocalRpcError as err:
+            except RpcFailure as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE or err.sent:
                     raise_for_rpc(err, what)
                 log.warning("store control socket gone (%s); the save path uses gRPC from now on", err.details())
@@ -401,11 +428,12 @@ class CheckpointClient:
         clean_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
         t0 = time.perf_counter()
         layout = serialization.plan(state)
+        sending: Future[None] | None = None
         try:
             if self.shared_memory:
                 self._save_shared(key, layout, clean_metrics)
             else:
-                self._save_streamed(key, layout, clean_metrics)
+                sending = self._save_remote(key, layout, clean_metrics)
         except CapacityExceededError as exc:
             if self.on_capacity == "skip":
                 log.warning("skipping checkpoint of step %d (rank %d): %s", step, self.rank, exc)
@@ -413,7 +441,7 @@ class CheckpointClient:
             raise
         if timeline is None:
             self._saved(step, epoch)
-        handle = SaveHandle(self, step, timeline=key.timeline)
+        handle = SaveHandle(self, step, timeline=key.timeline, sending=sending)
         handle.stall_seconds = time.perf_counter() - t0
         return handle
 
@@ -435,28 +463,57 @@ class CheckpointClient:
         if alloc.next_segment_path != alloc.segment_path:
             self._map_ahead(alloc.next_segment_path)
 
-    def _save_streamed(self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float]) -> None:
-        buf = bytearray(layout.nbytes)
-        layout.write_into(memoryview(buf))
+    def _save_remote(self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float]) -> Future[None] | None:
+        """Without shared memory: stage the shard in this process, then send it over the store's data channel.
+
+        ``remote_save="sync"``: returns once the store holds verified bytes (crash-safe, the stall includes
+        the transfer). ``"background"``: returns after the staging copy; the send runs on a thread and the
+        save's handle reports it (a crash of this process before it finished loses the save).
+        """
+        buf = self._staging_buffer(layout.nbytes)
+        view = byte_view(buf, layout.nbytes)
+        layout.write_into(view)
         chunk = min(DEFAULT_CHUNK_BYTES, self.hello.max_chunk_bytes or DEFAULT_CHUNK_BYTES)
-        manifest = pb.Manifest(
-            key=key,
-            world_size=self.world_size,
-            nbytes=layout.nbytes,
-            chunk_size=chunk,
-            chunk_checksums=compute_checksums(memoryview(buf), layout.nbytes, chunk),
-            checksum_algo=CHECKSUM_ALGO,
-            format_version=serialization.FORMAT_VERSION,
-            metrics=metrics,
-            created_unix=time.time(),
-            spill_codec=self.spill_compression,
-        )
-        header = pb.PutHeader(manifest=manifest, origin=pb.PUT_ORIGIN_CLIENT, sender_host=f"client-rank-{self.rank}")
-        deadline = self.timeout + layout.nbytes / (50 << 20)
-        try:
-            self._stub.Put(put_requests(header, memoryview(buf)), timeout=deadline)
-        except grpc.RpcError as err:
-            raise_for_rpc(err, f"put step {key.step}")
+        created = time.time()
+
+        def send() -> None:
+            manifest = pb.Manifest(
+                key=key,
+                world_size=self.world_size,
+                nbytes=layout.nbytes,
+                chunk_size=chunk,
+                chunk_checksums=compute_checksums(view, layout.nbytes, chunk, workers=_VERIFY_THREADS),
+                checksum_algo=CHECKSUM_ALGO,
+                format_version=serialization.FORMAT_VERSION,
+                metrics=metrics,
+                created_unix=created,
+                spill_codec=self.spill_compression,
+            )
+            header = pb.PutHeader(manifest=manifest, origin=pb.PUT_ORIGIN_CLIENT, sender_host=f"client-rank-{self.rank}")
+            try:
+                self.last_save_path = self._remote.put(header, view, f"put step {key.step}")
+            finally:
+                self._free_staging.append(buf)
+
+        if self.remote_save == "sync":
+            send()
+            return None
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-send")
+        future = self._sender.submit(send)
+        self._sends.append(future)
+        return future
+
+    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """A free staging buffer of at least ``nbytes`` (kept between saves: its pages are faulted in once).
+        With background sends, at most two are in flight; a third save waits for the oldest."""
+        while self._sends and (self._sends[0].done() or len(self._sends) >= _MAX_BACKGROUND_SENDS):
+            self._sends.popleft().exception()  # waits; its handle reports the outcome
+        for i, buf in enumerate(self._free_staging):
+            if buf.numel() >= nbytes:
+                return self._free_staging.pop(i)
+        self._free_staging.clear()  # too small for this state: let them go
+        return empty_buffer(nbytes)
 
     def _wait_committed(self, step: int, timeout: float, timeline: str) -> tuple[pb.ShardInfo, bool]:
         key = self._key(step, timeline=timeline)
@@ -532,7 +589,7 @@ class CheckpointClient:
             )
             self.last_load_source = fetched.source_host or self.hello.host_id
             try:
-                return self._read_shared(key, zero_copy) if self.shared_memory else self._read_streamed(key)
+                return self._read_shared(key, zero_copy) if self.shared_memory else self._read_remote(key, zero_copy)
             except CorruptShardError as exc:
                 log.warning("rank %d: copy of step %d failed verification (%s); asking the store for another", self.rank, step, exc)
                 if attempt == 1:
@@ -571,21 +628,11 @@ class CheckpointClient:
         finally:
             self._control("Release", pb.ReleaseRequest(lease_id=opened.lease_id), f"release step {key.step}")
 
-    def _read_streamed(self, key: pb.ShardKey) -> Any:
-        call = self._stub.Get(pb.GetRequest(key=key), timeout=self.timeout + 600)
-        try:
-            first = next(call)
-            m = manifest_from_pb(first.manifest)
-            problem = manifest_problem(m)
-            if problem:
-                raise CorruptShardError(f"store sent a bad manifest for step {key.step}: {problem}")
-            buf = bytearray(m.nbytes)
-            receive_chunks((msg.chunk for msg in call), m, memoryview(buf))
-        except grpc.RpcError as err:
-            raise_for_rpc(err, f"read step {key.step}")
-        except StreamError as exc:
-            raise CorruptShardError(str(exc)) from None
-        return serialization.decode(memoryview(buf))
+    def _read_remote(self, key: pb.ShardKey, zero_copy: bool) -> Any:
+        """Without shared memory: the shard over the store's data channel (gRPC streams if it has none), every
+        chunk verified as it lands; with ``zero_copy`` large tensors are views of the received buffer."""
+        m, buf = self._remote.get(key, f"read step {key.step}")
+        return serialization.decode(byte_view(buf, m.nbytes), zero_copy=zero_copy)
 
     def close(self) -> None:
         with self._premap_lock:
@@ -595,6 +642,9 @@ class CheckpointClient:
             premap[1].add_done_callback(_close_mapping)
         if premapper is not None:
             premapper.shutdown(wait=True)
+        if self._sender is not None:
+            self._sender.shutdown(wait=True)  # a background save in flight is finished, not dropped
+            self._sender = None
         for mm in self._mappings.values():
             mm.close()
         self._mappings.clear()

@@ -39,9 +39,15 @@ def checksum(data: memoryview | bytes | bytearray) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def compute_checksums(buf: memoryview, nbytes: int, chunk_size: int) -> list[int]:
+def compute_checksums(buf: memoryview, nbytes: int, chunk_size: int, workers: int = 1) -> list[int]:
+    """Every chunk's checksum; ``workers > 1`` hashes on that many threads (xxhash releases the GIL)."""
     mv = memoryview(buf)
-    return [checksum(mv[off : off + length]) for off, length in chunk_spans(nbytes, chunk_size)]
+    spans = list(chunk_spans(nbytes, chunk_size))
+    workers = max(1, min(workers, len(spans)))
+    if workers == 1:
+        return [checksum(mv[off : off + length]) for off, length in spans]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda span: checksum(mv[span[0] : span[0] + span[1]]), spans))
 
 
 def first_mismatch(buf: memoryview, nbytes: int, chunk_size: int, expected: Sequence[int], workers: int = 1) -> int | None:

@@ -9,11 +9,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from memstore.devtools.cluster import wait_for
 from memstore.v1 import store_pb2 as pb
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
+from trainer_client.errors import CapacityExceededError, InvalidArgumentError
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,16 +67,39 @@ def test_corrupt_local_copy_is_discarded_and_peer_copy_used(make_cluster) -> Non
         c.close()
 
 
-def test_streamed_path_without_shared_memory(make_cluster) -> None:
+def test_path_without_shared_memory_uses_the_data_channel(make_cluster) -> None:
     cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
     c = CheckpointClient("remote", 0, 1, store=cluster.address("h0"), use_shared_memory=False)
     try:
         assert not c.shared_memory
         info = c.save(3, rank_state(0, 3, scale=8)).wait(timeout=30)
         assert info.copies == 2 and info.manifest.owner_host == "h0"
+        assert c.last_save_path == "data channel"
         assert_same(c.load(), rank_state(0, 3, scale=8))
+        assert_same(c.load(zero_copy=False), rank_state(0, 3, scale=8))
+        # A store without a data channel: the same save and load over gRPC streams.
+        c._remote.data_port = 0
+        c.save(4, rank_state(0, 4, scale=8)).wait(timeout=30)
+        assert c.last_save_path == "grpc"
+        assert_same(c.load(4), rank_state(0, 4, scale=8))
     finally:
         c.close()
+
+
+def test_background_remote_saves_report_at_wait(make_cluster) -> None:
+    """remote_save="background": save() returns after the staging copy; wait() reports the send and the commit."""
+    cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB")
+    with CheckpointClient("bg", 0, 1, store=cluster.address("h0"), use_shared_memory=False, remote_save="background") as c:
+        handles = [c.save(step, rank_state(0, step, scale=8)) for step in (1, 2, 3)]  # at most two sends in flight
+        for h in handles:
+            assert h.wait(timeout=30).copies == 2
+        assert_same(c.load(), rank_state(0, 3, scale=8))
+        too_big = c.save(4, {"x": torch.zeros(20 << 20)})  # 80 MiB > 64 MiB: refused after save() returned
+        with pytest.raises(CapacityExceededError):
+            too_big.wait(timeout=30)
+        assert too_big.done()
+    with pytest.raises(InvalidArgumentError, match="remote_save"):
+        CheckpointClient("bg", 0, 1, store=cluster.address("h0"), remote_save="later")
 
 
 def test_newer_save_does_not_wait_for_older_replication(make_cluster) -> None:

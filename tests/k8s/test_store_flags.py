@@ -89,7 +89,9 @@ def test_ports_agree_everywhere(store: Deployed) -> None:
     assert named_port(c, "health")["containerPort"] == health
     assert named_port(c, "metrics")["containerPort"] == metrics
     assert {p["name"] for p in c["ports"]} == {"grpc", "data", "health", "metrics"}
-    assert [p for p in c["ports"] if "hostPort" in p] == [named_port(c, "grpc")], f"{name}: hostPort on the gRPC port only"
+    assert named_port(c, "data")["hostPort"] == data, "trainers without the node's memory reach HOST_IP:<data port>"
+    hosted = [p["name"] for p in c["ports"] if "hostPort" in p]
+    assert hosted == ["grpc", "data"], f"{name}: hostPorts on the gRPC and data ports only"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["grpc"]["port"] == health
 
@@ -131,15 +133,16 @@ def test_network_policy_admits_trainers_stores_and_probes(store: Deployed) -> No
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     grpc, data, health = port_of(s.config.listen), s.config.data_port, port_of(s.config.health_listen)
     metrics = s.config.metrics_port
-    by_ports = {tuple(sorted(p["port"] for p in rule["ports"])): rule.get("from") for rule in policy["spec"]["ingress"]}
-    assert by_ports[(grpc, data)] == [{"podSelector": {"matchLabels": pod_labels}}], "store <-> store: gRPC and data channel"
-    (trainers,) = by_ports[(grpc,)]
+    rules = [(tuple(sorted(p["port"] for p in rule["ports"])), rule.get("from")) for rule in policy["spec"]["ingress"]]
+    stores = [{"podSelector": {"matchLabels": pod_labels}}]
+    assert ((grpc, data), stores) in rules, "store <-> store: gRPC and data channel"
+    (trainers,) = next(peers for ports, peers in rules if ports == (grpc, data) and peers != stores)
     assert trainers["namespaceSelector"] == {"matchLabels": {"memstore.io/trainers": "true"}}
     assert trainers["podSelector"] == {"matchLabels": {"memstore.io/trainer": "true"}}
     assert set(trainers) == {"namespaceSelector", "podSelector"}, "one peer: trainer pods in trainer namespaces (both selectors)"
-    assert by_ports[(health,)] is None, "health from anywhere: the kubelet probes from the node"
-    assert by_ports[(metrics,)] == [{"namespaceSelector": {}}], "metrics from every pod of the cluster (Prometheus), nothing else"
-    assert set(by_ports) == {(grpc, data), (grpc,), (health,), (metrics,)}
+    assert ((health,), None) in rules, "health from anywhere: the kubelet probes from the node"
+    assert ((metrics,), [{"namespaceSelector": {}}]) in rules, "metrics from every pod of the cluster (Prometheus), nothing else"
+    assert len(rules) == 4, "trainers (gRPC + data), stores (gRPC + data), health, metrics: nothing else"
 
 
 def test_prestop_drain_parses_and_fits_the_grace_period(store: Deployed, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,7 +207,8 @@ def test_example_job_reaches_its_node_store(tmp_path: Path) -> None:
     assert host_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
     # the stores' NetworkPolicy admits it
     policy = one(stores_objs, "NetworkPolicy")
-    (rule,) = [r for r in policy["spec"]["ingress"] if [p["port"] for p in r["ports"]] == [port_of(s.config.listen)]]
+    (rule,) = [r for r in policy["spec"]["ingress"] if any({"namespaceSelector", "podSelector"} <= set(f) for f in r.get("from", ()))]
+    assert [p["port"] for p in rule["ports"]] == [port_of(s.config.listen), s.config.data_port], "gRPC and the data channel"
     (peer,) = rule["from"]
     labels = job["spec"]["template"]["metadata"]["labels"]
     assert peer["podSelector"]["matchLabels"].items() <= labels.items()

@@ -28,7 +28,9 @@ POINTS = {
     "receive.after_chunk": "a peer has received N chunks of a shard",
     "receive.before_register": "a peer verified a full copy but has not registered it",
     "serve.after_chunk": "a store has sent N chunks of a shard to a reader or puller",
+    "repair.before_pass": "a store is about to look for shards to repair",
     "repair.after_pull": "a store pulled one missing shard during repair",
+    "fetch.before_pull": "a store is about to pull a shard a trainer asked to restore",
     "spill.after_chunk": "the spiller wrote N chunks of a shard",
     "spill.before_manifest": "the spiller wrote a shard but not its manifest",
 }

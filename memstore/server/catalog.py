@@ -145,6 +145,7 @@ class Catalog:
     _push: ThreadPoolExecutor
     _in_flight: int
     _repairs_in_flight: int
+    _fetching: int
     _stop: threading.Event
     _retention_due: threading.Event
 

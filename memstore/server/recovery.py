@@ -40,6 +40,8 @@ from memstore.v1.streams import receive_chunks, shard_manifest_problem
 
 log = logging.getLogger(__name__)
 
+RESTORE_FIRST_WAIT = 60.0  # the longest repair defers to restores in flight before it pulls anyway
+
 
 class Recovery(Catalog):
     """Fetches missing shards (for a restore or for repair), and answers what is restorable across the cluster."""
@@ -68,7 +70,15 @@ class Recovery(Catalog):
             assert entry.manifest is not None
             self.events.fetched("local", time.monotonic() - started)
             return entry.manifest, entry.source  # "" unless repair pulled it from a peer
-        source = self._pull(key, origin_note="fetch")
+        with self._lock:
+            self._fetching += 1  # restores first: repair starts no new pull while a trainer waits for one
+        try:
+            fault("fetch.before_pull")
+            source = self._pull(key, origin_note="fetch")
+        finally:
+            with self._lock:
+                self._fetching -= 1
+                self._lock.notify_all()
         entry = self._readable(key)
         assert entry.manifest is not None
         self.events.fetched(pull_source(source), time.monotonic() - started)
@@ -265,6 +275,7 @@ class Recovery(Catalog):
 
     def repair_once(self) -> int:
         """Pull every recent shard this host should hold but lacks. Returns how many were pulled."""
+        fault("repair.before_pass")
         view = self.membership.view  # one table for the whole pass
         owners = view.owned_slots()
         sources = view.repair_sources(owners)
@@ -288,9 +299,10 @@ class Recovery(Catalog):
             if self._stop.is_set() or key.version not in recent[key.job_id]:
                 continue
             with self._lock:
+                # Restores first: a trainer waiting for a shard gets the links and the memory before repair does.
+                self._lock.wait_for(lambda: not self._fetching or self._stop.is_set(), timeout=RESTORE_FIRST_WAIT)
                 if key in self._entries or key in self._receiving or key in self._pulls:
                     continue
-            with self._lock:
                 self._repairs_in_flight += 1
             try:
                 started = time.monotonic()

@@ -89,6 +89,7 @@ class Store(Drain):
         self._push = ThreadPoolExecutor(max_workers=max(2, 2 * (config.replicas - 1)), thread_name_prefix="push")
         self._in_flight = 0
         self._repairs_in_flight = 0
+        self._fetching = 0  # restores pulling a shard now (repair waits for them: memstore.server.recovery)
         self._stop = threading.Event()
         self._retention_due = threading.Event()
         self._threads = [

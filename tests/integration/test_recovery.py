@@ -147,3 +147,34 @@ def test_two_failures_in_different_groups_lose_nothing(make_cluster) -> None:
     finally:
         for c in cs:
             c.close()
+
+
+def test_a_restore_after_replacement_goes_before_repair(make_cluster) -> None:
+    """While a trainer waits for a shard, the replacement's repair starts no pull of its own (restores first).
+
+    The replacement's first repair pass is held back a second; the trainer's restore of step 1 is in flight by
+    then (held 3 s before its pull). Repair may pull step 2 only after that restore's pull is done.
+    """
+    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
+    with CheckpointClient("first", 0, 1, store=cluster.address("h0"), run_id="r", timeout=20) as c:
+        for step in (1, 2):
+            c.save(step, rank_state(0, step, scale=8)).wait(timeout=30)
+    cluster.restart("h0", env={"MEMSTORE_FAULTS": "repair.before_pass=stall:1.5,fetch.before_pull=stall:3"}, wait=False)
+    cluster.wait_healthy("h0", timeout=30)
+    with CheckpointClient("first", 0, 1, store=cluster.address("h0"), run_id="r", timeout=20) as c:
+        assert_same(c.load(1), rank_state(0, 1, scale=8))
+        wait_for(lambda: c.latest_step() == 2 and (2, 0) in held_keys_of(cluster, "h0", "first"), timeout=30, what="repair of step 2")
+    log = cluster.log_tail("h0", 400)
+    fetched = log.find("fetch: pulled")
+    repaired = log.find("repair: pulled")
+    assert fetched != -1 and repaired != -1, log
+    assert fetched < repaired, f"repair pulled before the waiting restore:\n{log}"
+
+
+def held_keys_of(cluster: LocalCluster, host: str, job: str) -> set[tuple[int, int]]:
+    from memstore.v1 import store_pb2_grpc as pb_grpc
+    from memstore.v1.channel import insecure_channel
+
+    with insecure_channel(cluster.address(host)) as ch:
+        resp = pb_grpc.StoreStub(ch).List(pb.ListRequest(job_id=job), timeout=5)
+    return {(s.manifest.key.step, s.manifest.key.rank) for s in resp.shards if s.verified}

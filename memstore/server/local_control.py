@@ -101,7 +101,8 @@ class LocalControlServer:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
             conn.close()
-        self._thread.join(timeout=2)
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from collections.abc import Iterator
 
 from memstore.core.model import Manifest, ShardKey
 from memstore.errors import (
+    ChecksumMismatch,
     InvalidArgument,
     ShardNotFound,
 )
@@ -18,19 +20,37 @@ from memstore.server.catalog import (
     Entry,
     Lease,
 )
+from memstore.v1.integrity import first_mismatch
 
 log = logging.getLogger(__name__)
+
+VERIFY_WORKERS = max(1, min(4, os.cpu_count() or 1))  # threads hashing a shard a trainer opens (xxhash lets go of the GIL)
 
 
 class Reading(Catalog):
     """Lends verified copies to readers (shared-memory mapping or stream) while keeping them pinned."""
 
     def open(self, key: ShardKey) -> tuple[str, Entry]:
+        """Lend the verified local copy of ``key`` to a reader on this machine, checked chunk by chunk now.
+
+        The store verifies, not the reader: its own mapping of the segment is faulted in already, so a
+        restore pays for hashing the bytes and nothing else, and the reader maps only what it touches. A copy
+        that fails is dropped and DATA_LOSS tells the reader to ask again (the store then pulls another).
+        """
         entry = self._readable(key)
         if entry.segment.path is None:
             raise InvalidArgument(f"store {self.host_id} has no shared-memory dir; read the shard with Get")
         if not self._pin(entry):
             raise ShardNotFound(f"shard {key} was evicted while opening it")
+        m = entry.manifest
+        assert m is not None
+        bad = first_mismatch(entry.segment.view(entry.nbytes), entry.nbytes, m.chunk_size, m.checksums, workers=VERIFY_WORKERS)
+        if bad is not None:
+            self._unpin(entry)
+            with self._lock:
+                self._drop(entry, reason="local copy failed verification when a trainer opened it")
+            log.warning("local copy of %s failed verification (chunk %d) when opened; dropped it", key, bad)
+            raise ChecksumMismatch(f"chunk {bad} of {key} failed its checksum on store {self.host_id}; the copy was dropped, ask again")
         entry.segment.exported = True
         lease_id = secrets.token_hex(16)
         with self._lock:

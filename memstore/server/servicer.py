@@ -157,7 +157,9 @@ class StoreServicer(pb_grpc.StoreServicer):
         self._allow(context, Need.JOB, request.key.job_id)
         lease_id, entry = self.store.open(key_from_pb(request.key))
         assert entry.manifest is not None
-        return pb.OpenResponse(lease_id=lease_id, segment_path=entry.segment.path or "", manifest=manifest_to_pb(entry.manifest))
+        return pb.OpenResponse(
+            lease_id=lease_id, segment_path=entry.segment.path or "", manifest=manifest_to_pb(entry.manifest), verified=True
+        )
 
     @rpc
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:

@@ -344,14 +344,16 @@ class OpenRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
-    __slots__ = ("lease_id", "segment_path", "manifest")
+    __slots__ = ("lease_id", "segment_path", "manifest", "verified")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     segment_path: str
     manifest: Manifest
-    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ...) -> None: ...
+    verified: bool
+    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., verified: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -15,7 +15,7 @@ already running cluster addressed by a JSON endpoints file) and measures:
 * the memory of every store process (RSS, PSS, shared/anonymous parts) against the shard bytes it holds and its pool,
 
 and, once per run for the headline scenario (issue 16, :mod:`memstore.bench.first_save`): the same saves from the first
-on fresh stores with memory pre-faulted (``--prefault``, 2x the state unless given), the fixed cost per save of small
+on fresh stores with memory pre-faulted (``--prefault``, (keep+2)x the state unless given), the fixed cost per save of small
 states (1 MiB, 16 MiB), the cost per tensor of a save and a load (10,000 x 4 KiB against one tensor), the path without
 shared memory (``use_shared_memory=False``), and the restore from durable storage (a ``file://`` spill);
 and, once per run, the RSS growth of the stores and of the saving client over ``--leak-saves`` (100)

@@ -192,10 +192,11 @@ def start_stores(
     prefault: str | None = None, extra_args: list[str] | None = None, capacity_shards: int = 0,
 ) -> Stores:  # fmt: skip
     """Freshly started local stores (or the --endpoints cluster with a job of its own); ``prefault`` overrides --prefault,
-    ``extra_args`` go on every store's command line, ``capacity_shards`` (default keep+1) shards of ``shard_bytes`` fit."""
+    ``extra_args`` go on every store's command line, ``capacity_shards`` (default keep+3) shards of ``shard_bytes`` fit."""
     if endpoints is not None:
         return RemoteStores(endpoints.hosts, job=f"{job}-{os.getpid()}-{int(time.time() * 1000) % 10**9}")
-    capacity = max((capacity_shards or config.keep + 1) * round_page(shard_bytes), _prefault_bytes(store_env(config, prefault)))
+    # keep+1 shards in use, plus the two segments the automatic reserve (--prefault auto) keeps ready.
+    capacity = max((capacity_shards or config.keep + 3) * round_page(shard_bytes), _prefault_bytes(store_env(config, prefault)))
     capacity += CAPACITY_SLACK
     # --repair-interval 3600: after the startup pass (when the stores are still empty) no anti-entropy pass runs during
     # the measurements, so the peer restore of a deleted copy is the Fetch path and nothing else. A replacement store

@@ -137,10 +137,10 @@ class SeriesResult:
     figures: SeriesFigures
 
 
-def scenario_series(scn: ScenarioMeasurement, command: str, state_bytes: int, shard_bytes: int) -> SaveSeries:
+def scenario_series(scn: ScenarioMeasurement, command: str, state_bytes: int, shard_bytes: int, keep: int = 2) -> SaveSeries:
     """The scenario's own saves as a series (its stores were started for it, its job fresh)."""
     return SaveSeries(
-        label=series_label(scn.prefault, shard_bytes), prefault=scn.prefault, command=command, store_command=scn.store_command,
+        label=series_label(scn.prefault, shard_bytes, keep), prefault=scn.prefault, command=command, store_command=scn.store_command,
         job=scn.job, hosts=scn.hosts, replicas=scn.replicas, state_bytes=state_bytes, shard_bytes=shard_bytes,
         cluster_start_seconds=scn.cluster_start_seconds, stores_idle_wait_seconds=scn.stores_idle_wait_seconds, saves=scn.saves,
     )  # fmt: skip
@@ -264,7 +264,7 @@ def no_shm_targets(r: NoShmResult | None, note: str) -> tuple[Target, Target, Ta
 @dataclass
 class FirstSaveResult:
     """From the first save (issue 16), for the headline scenario: ``series[0]`` is its own saves (the store's defaults,
-    or --prefault), ``series[1]`` the same on fresh stores with 2x the state pre-faulted (when --prefault is not given)."""
+    or --prefault), ``series[1]`` the same on fresh stores with (keep+2)x the state pre-faulted (when --prefault is not given)."""
 
     headline: str
     prefault_supported: bool
@@ -277,9 +277,9 @@ class FirstSaveResult:
 
 def evaluate_first_save(
     runs: FirstSaveRuns, head: ScenarioMeasurement, command: str, state_bytes: int, shard_bytes: int, tcp_bps: float | None,
-    memcpy_standalone: float | None = None,
+    memcpy_standalone: float | None = None, keep: int = 2,
 ) -> FirstSaveResult:  # fmt: skip
-    own = scenario_series(head, command, state_bytes, shard_bytes)
+    own = scenario_series(head, command, state_bytes, shard_bytes, keep)
     series = [SeriesResult(own, series_figures(own.saves, tcp_bps, standalone=memcpy_standalone))]
     if runs.prefault_series is not None:
         p = runs.prefault_series

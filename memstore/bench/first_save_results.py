@@ -12,23 +12,24 @@ from memstore.bench.scenario_results import SaveSample
 from memstore.bench.units import MiB, short_size
 
 
-def prefault_for(shard_bytes: int) -> str:
-    """2x the state, as a size the store parses: twice the shard (state + header) rounded up to MiB, so that a reserve
-    split in two units holds one shard each."""
-    return short_size(2 * (-(-shard_bytes // MiB) * MiB))
+def prefault_for(shard_bytes: int, keep: int) -> str:
+    """What docs/operations.md says to pre-fault: the segments one rank's shard cycles through, (keep+2) x the shard
+    (state + header) rounded up to MiB, as a size the store parses. Before it has seen a shard the store cuts its
+    reserve into keep+2 units, one shard each."""
+    return short_size((keep + 2) * (-(-shard_bytes // MiB) * MiB))
 
 
-def series_label(prefault: str | None, shard_bytes: int) -> str:
+def series_label(prefault: str | None, shard_bytes: int, keep: int) -> str:
     if prefault is None:
         return "store defaults"
-    return f"--prefault {prefault}" + (" (2x state)" if prefault == prefault_for(shard_bytes) else "")
+    return f"--prefault {prefault}" + (f" ({keep + 2}x state)" if prefault == prefault_for(shard_bytes, keep) else "")
 
 
 @dataclass
 class SaveSeries:
     """Saves 1..N of a fresh job on freshly started stores, each timed from the save() call."""
 
-    label: str  # "store defaults", "--prefault 2050MiB (2x state)", ...
+    label: str  # "store defaults", "--prefault 4100MiB (4x state)", ...
     prefault: str | None  # what the stores got as MEMSTORE_PREFAULT; None: nothing (the store's default)
     command: str  # the bench command that measured it
     store_command: str  # how the first store ran
@@ -107,7 +108,7 @@ class FirstSaveRuns:
 
     headline: str
     prefault_supported: bool  # whether the stores of this checkout know --prefault / MEMSTORE_PREFAULT
-    prefault_series: SaveSeries | None = field(default=None, metadata=OMIT_NONE)  # 2x state pre-faulted (no --prefault given)
+    prefault_series: SaveSeries | None = field(default=None, metadata=OMIT_NONE)  # (keep+2)x state pre-faulted (no --prefault given)
     small_states: list[SmallState] = field(default_factory=list)
     per_tensor: PerTensorRun | None = field(default=None, metadata=OMIT_NONE)
     no_shared_memory: NoShmRun | None = field(default=None, metadata=OMIT_NONE)

@@ -1,5 +1,5 @@
 """What a run measures once on the headline's state, on stores of its own (issue 16): the saves from the first one with
-memory pre-faulted (MEMSTORE_PREFAULT = 2x the state, when --prefault is not given), and the path without shared
+memory pre-faulted (MEMSTORE_PREFAULT = (keep+2)x the state, when --prefault is not given), and the path without shared
 memory (a trainer whose store is in another pod or host)."""
 
 from __future__ import annotations
@@ -44,15 +44,15 @@ def _floor_dst(nbytes: int) -> Any:
 def measure_prefault_series(
     config: BenchConfig, scn: Scenario, state: Any, shard_bytes: int, command: str, step_done: Callable[[str], None], monitor: Monitor,
 ) -> SaveSeries:  # fmt: skip
-    """Saves 1..N of a fresh job on fresh stores started with MEMSTORE_PREFAULT = 2x the state; a failure is recorded."""
+    """Saves 1..N of a fresh job on fresh stores started with MEMSTORE_PREFAULT = (keep+2)x the state; a failure is recorded."""
     from trainer_client import CheckpointClient
 
-    value = prefault_for(shard_bytes)
+    value = prefault_for(shard_bytes, config.keep)
     monitor.phase = f"{scn.name}: saves, --prefault {value}"
     tensors = state_tensors(state)
     state_bytes = nbytes_of(tensors)
     series = SaveSeries(
-        label=series_label(value, shard_bytes), prefault=value, command=command, store_command="", job="bench-prefault",
+        label=series_label(value, shard_bytes, config.keep), prefault=value, command=command, store_command="", job="bench-prefault",
         hosts=scn.hosts, replicas=scn.replicas, state_bytes=state_bytes, shard_bytes=shard_bytes, cluster_start_seconds=0.0,
         stores_idle_wait_seconds=0.0, saves=[],
     )  # fmt: skip

@@ -25,7 +25,7 @@ METHOD: dict[str, str] = {
         "memcpy of the same bytes; save 1's stall / its memcpy <= 3x, every later save's <= 1.5x (the worst counts), and for "
         "every save state bytes / (call -> committed) >= 0.7x raw TCP (a save that did not commit counts 0). The headline's "
         "own saves run with the store's defaults (or --prefault); without --prefault the same series runs again on fresh "
-        "stores and a fresh job with MEMSTORE_PREFAULT = 2x the shard rounded up to MiB (from_first_save.series[1])"
+        "stores and a fresh job with MEMSTORE_PREFAULT = (keep+2)x the shard rounded up to MiB (from_first_save.series[1])"
     ),
     "small_states": (
         "1 MiB and 16 MiB states of the same layout, one rank, the headline's hosts and R, fresh stores and job each: save 1, "

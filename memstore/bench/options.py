@@ -114,7 +114,7 @@ def _add_store_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SIZE|auto",
         help="passed to the stores as MEMSTORE_PREFAULT (fresh memory they pre-fault at start-up; auto: learn shard sizes and keep "
         "a reserve after the first shard). Default: nothing passed (the store's default), and the headline's saves from the first "
-        "are measured a second time on fresh stores with MEMSTORE_PREFAULT = 2x the state",
+        "are measured a second time on fresh stores with MEMSTORE_PREFAULT = (keep+2)x the state",
     )
     p.add_argument(
         "--store-env",
@@ -148,7 +148,7 @@ class BenchConfig:
     max_ram: int
     combos: list[tuple[int, int]] = field(default_factory=list)  # (hosts, R) pairs to run
     # --prefault (or MEMSTORE_PREFAULT in --store-env): what the stores get; None = nothing (the store's default), and the
-    # headline's saves from the first are measured a second time with 2x the state pre-faulted
+    # headline's saves from the first are measured a second time with (keep+2)x the state pre-faulted
     prefault: str | None = None
     small_saves: int = SMALL_SAVES
     # the headline scenario, for the JSON's readers of issue 2 (one scenario per run)

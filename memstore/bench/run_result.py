@@ -102,7 +102,7 @@ def assemble(
         fl = head_info.floors
         first = evaluate_first_save(
             first_runs, head_scn, command, head_info.state.bytes, head_info.state.shard_bytes, fl.tcp.bytes_per_second.p50,
-            fl.memcpy.torch_copy_seconds.p50,
+            fl.memcpy.torch_copy_seconds.p50, keep=config.keep,
         )  # fmt: skip
         verified += _first_verified(first)
     results: list[ScenarioResult] = []

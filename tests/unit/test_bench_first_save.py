@@ -116,9 +116,9 @@ def test_a_series_without_saves_or_raw_tcp_is_not_evaluated() -> None:
 
 
 def test_prefault_for_is_twice_the_shard_in_whole_mib() -> None:
-    assert prefault_for(GiB + 4096) == "2050MiB" and prefault_for(64 * MiB) == "128MiB" and prefault_for(GiB) == "2GiB"
-    assert series_label(None, GiB) == "store defaults"
-    assert series_label("2GiB", GiB) == "--prefault 2GiB (2x state)" and series_label("8GiB", GiB) == "--prefault 8GiB"
+    assert prefault_for(GiB + 4096, 2) == "4100MiB" and prefault_for(64 * MiB, 2) == "256MiB" and prefault_for(GiB, 1) == "3GiB"
+    assert series_label(None, GiB, 2) == "store defaults"
+    assert series_label("4GiB", GiB, 2) == "--prefault 4GiB (4x state)" and series_label("8GiB", GiB, 2) == "--prefault 8GiB"
 
 
 # -- the fixed costs and the path without shared memory --------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future
 
@@ -20,6 +21,8 @@ from memstore.v1.integrity import compute_checksums
 
 log = logging.getLogger(__name__)
 
+CHECKSUM_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
 
 class Replication(Catalog):
     """Checksums a captured shard, pushes it to the R-1 group peers and settles it (COMMITTED or UNDER_REPLICATED)."""
@@ -35,7 +38,8 @@ class Replication(Catalog):
     def _capture_and_replicate(self, entry: Entry) -> None:
         try:
             if entry.manifest is None:
-                checksums = compute_checksums(entry.segment.view(), entry.nbytes, self.config.chunk_bytes)
+                # On threads (xxhash lets go of the GIL): the time from save() to committed includes this pass.
+                checksums = compute_checksums(entry.segment.view(), entry.nbytes, self.config.chunk_bytes, workers=CHECKSUM_WORKERS)
                 manifest = Manifest(
                     key=entry.key,
                     world_size=entry.world_size,

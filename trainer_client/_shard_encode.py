@@ -1,6 +1,18 @@
 """Encoding side of the safe shard format: :func:`plan`, :class:`ShardLayout` and :func:`encode`.
 
 Re-exported by :mod:`trainer_client.serialization`, which documents the format.
+
+Built for states of tens of thousands of small tensors (optimizer states of MoE models),
+where per-tensor Python work, not bytes, used to dominate a save:
+
+* the walk only collects tensors; their metadata is then read for all of them at once
+  with ``map`` over C-level getters, checked with list counts, and looked up in a table
+  of the distinct (dtype, shape, flags) seen, so a state of 10k alike tensors validates
+  and describes a handful of :class:`_Kind` objects, not 10k records;
+* the header lists each distinct blob record once plus one small int per blob (format
+  version 2), rendered with one ``str.join``;
+* the writer re-checks every source and copies the small CPU tensors with one
+  ``map(ctypes.memmove, ...)``, again without Python bytecode per tensor.
 """
 
 from __future__ import annotations
@@ -8,12 +20,14 @@ from __future__ import annotations
 import collections
 import ctypes
 import json
-import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NoReturn
+import operator
+from itertools import accumulate, compress, repeat
+from operator import attrgetter
+from typing import Any, Final, NoReturn, cast
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import as_strided
 
 from trainer_client._shard_format import (
     _ALIGN_MASK,
@@ -41,12 +55,31 @@ from trainer_client._shard_format import (
     _GcPaused,
     _needs_raw_copy,
     _np_dtype_desc,
+    _parallel_memmove,
     _raw_byte_view,
 )
 from trainer_client.errors import InvalidArgumentError, SerializationError
 
 # A path is a linked list of segments, rendered only when an error needs it.
 _Path = tuple[Any, str, object] | None
+
+_STRIDED: Final = torch.strided
+_PARAMETER: Final = torch.nn.Parameter
+_TENSOR: Final = torch.Tensor
+
+# C-level getters, mapped over all tensors of a state at once. Methods as their
+# descriptors: about twice as fast as operator.methodcaller.
+_LAYOUT: Final = attrgetter("layout")
+_IS_NESTED: Final = attrgetter("is_nested")
+_IS_CPU: Final = attrgetter("is_cpu")
+_DTYPE: Final = attrgetter("dtype")
+_SHAPE: Final = attrgetter("shape")
+_REQUIRES_GRAD: Final = attrgetter("requires_grad")
+_IS_NEG: Final = torch.Tensor.is_neg
+_IS_CONJ: Final = torch.Tensor.is_conj
+_IS_COMPLEX: Final = attrgetter("is_complex")
+_IS_CONTIGUOUS: Final = torch.Tensor.is_contiguous
+_DATA_PTR: Final = torch.Tensor.data_ptr
 
 
 def _short_repr(value: object) -> str:
@@ -74,20 +107,73 @@ def _type_name(value: object) -> str:
     return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
-# A planned data slot: (kind, offset within the data area, nbytes, source, dtype, shape).
-# Plain tuples because a 10k-tensor state creates 10k of them on the trainer's clock.
-_Blob = tuple[str, int, int, Any, Any, tuple[int, ...]]
+def _json(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+# The tree the walk builds has no cycles (the walk refuses them), so the encoder need not
+# track the containers it is in: ~15% faster on a 10k-tensor tree.
+_encode_tree: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False, check_circular=False).encode
+
+
+class _Kind:
+    """What the header and the writer need to know about a blob, shared by alike blobs.
+
+    One per distinct tensor (dtype, shape, requires_grad, Parameter, device) of a state,
+    one per array or bytes object. Hashed by identity. ``record`` is the blob's entry in
+    the header's ``kinds`` table; ``slot`` its size rounded up to :data:`ALIGNMENT` and
+    ``gap`` the zero padding after it. ``memmove``: the blob is a non-empty CPU tensor of
+    at most ``_SMALL_COPY`` bytes, copied with one memmove; a conj/neg view of such a
+    tensor takes ``slow`` instead (same record, torch's ``copy_`` resolves the bit).
+    """
+
+    __slots__ = ("dtype", "gap", "is_complex", "kind", "memmove", "nbytes", "record", "shape", "slot", "slow")
+
+    def __init__(self, kind: str, nbytes: int, dtype: Any, shape: tuple[int, ...], record: dict[str, Any],
+                 memmove: bool = False) -> None:
+        self.kind = kind
+        self.nbytes = nbytes
+        self.dtype = dtype
+        self.shape = shape
+        self.slot = (nbytes + _ALIGN_MASK) & ~_ALIGN_MASK
+        self.gap = self.slot - nbytes
+        self.record = _json(record)
+        self.memmove = memmove
+        self.is_complex = kind == _BLOB_TENSOR and dtype.is_complex
+        self.slow = self
+        if memmove:
+            self.slow = _Kind(kind, nbytes, dtype, shape, record)
+
+
+_K_SLOT: Final = attrgetter("slot")
+_K_GAP: Final = attrgetter("gap")
+_K_NBYTES: Final = attrgetter("nbytes")
+_K_DTYPE: Final = attrgetter("dtype")
+_K_SHAPE: Final = attrgetter("shape")
+_K_MEMMOVE: Final = attrgetter("memmove")
 
 
 class _Planner:
-    """Walks the state once, validating values and assigning blob slots (no data copies)."""
+    """Walks the state once, validating values and listing blobs (no data copies).
+
+    Per blob, in blob-index order: its source object (``srcs``) and where the walk met it
+    (``paths``, for error messages). Arrays and bytes get their :class:`_Kind` right away
+    (``other_kinds``); tensors are described all at once by :meth:`finish_tensors`, which
+    fills in ``kinds`` (and, for the common case, ``dtypes`` and ``shapes`` of the tensors).
+    """
 
     def __init__(self) -> None:
-        self.blobs: list[_Blob] = []
-        self.records: list[dict[str, Any]] = []
+        self.srcs: list[Any] = []
+        self.paths: list[_Path] = []
+        self.other_kinds: dict[int, _Kind] = {}  # blob index -> kind, for blobs that are no tensors
+        self.kinds: list[_Kind] = []
+        self.dtypes: list[torch.dtype] | None = None
+        self.shapes: list[torch.Size] | None = None
         self.memo: dict[int, int] = {}  # id(blob source) -> blob index
         self.active: set[int] = set()  # ids of the containers on the current path
-        self.cursor = 0
+        # (dtype, shape, requires_grad, type[, device if not CPU]) -> _Kind
+        self.tensor_kinds: dict[tuple[Any, ...], _Kind] = {}
+        self.shape_kinds: dict[Any, dict[Any, _Kind]] = {}  # dtype -> shape -> _Kind of plain CPU tensors
 
     def fail(self, message: str, path: _Path) -> NoReturn:
         raise SerializationError(message, _render_path(path))
@@ -95,17 +181,16 @@ class _Planner:
     def unsupported(self, value: object, path: _Path, extra: str = "") -> NoReturn:
         self.fail(f"unsupported type {_type_name(value)}{extra}; {_HINT}", path)
 
-    def add_blob(self, src: Any, nbytes: int, dtype: Any, shape: tuple[int, ...],
-                 record: dict[str, Any]) -> int:
-        """Reserve an aligned slot; ``record`` already holds kind/offset/nbytes placeholders."""
-        index = len(self.blobs)
-        offset = (self.cursor + _ALIGN_MASK) & ~_ALIGN_MASK
-        self.cursor = offset + nbytes
-        record["offset"] = offset
-        self.blobs.append((record["kind"], offset, nbytes, src, dtype, shape))
-        self.records.append(record)
-        self.memo[id(src)] = index
+    def add_blob(self, src: Any, path: _Path) -> int:
+        srcs = self.srcs
+        index = self.memo[id(src)] = len(srcs)
+        srcs.append(src)
+        self.paths.append(path)
         return index
+
+    def add_tensor(self, v: torch.Tensor, path: _Path) -> int:
+        index = self.memo.get(id(v))
+        return self.add_blob(v, path) if index is None else index
 
     # -- values ----------------------------------------------------------------------
 
@@ -115,8 +200,8 @@ class _Planner:
             return v
         if t is int:
             return v if _INT64_MIN <= v < _UINT64_END else ["i", format(v, "x")]  # type: ignore[operator]
-        if t is torch.Tensor or t is torch.nn.Parameter:
-            return ["T", self.enc_tensor(v, path)]  # type: ignore[arg-type]
+        if t is _TENSOR or t is _PARAMETER:
+            return ["T", self.add_tensor(v, path)]  # type: ignore[arg-type]
         if t is dict or t is collections.OrderedDict:
             return self.enc_dict(v, path, depth)  # type: ignore[arg-type]
         if t is float:
@@ -185,7 +270,14 @@ class _Planner:
         return vid
 
     def enc_dict(self, v: dict[Any, Any], path: _Path, depth: int) -> list[Any]:
-        vid = self.enter(v, path, depth)
+        # self.enter(), inlined
+        if depth >= MAX_DEPTH:
+            self.fail(f"nesting deeper than {MAX_DEPTH} levels", path)
+        vid = id(v)
+        active = self.active
+        if vid in active:
+            self.fail(f"reference cycle: this {_type_name(v)} contains itself", path)
+        active.add(vid)
         out: list[Any]
         if type(v) is dict:
             out = ["d"]
@@ -195,19 +287,45 @@ class _Planner:
             if "_metadata" in attrs:
                 out = ["om", self.enc(attrs["_metadata"], (path, "attr", "._metadata"), depth + 1)]
         append = out.append
+        enc, enc_key, enc_dict = self.enc, self.enc_key, self.enc_dict
+        memo, srcs, paths = self.memo, self.srcs, self.paths
+        child_depth = depth + 1
+        # The common cases (str / 64-bit int keys; plain tensor and dict values) inline, with
+        # exactly the outcome of enc_key / enc (and add_tensor).
         for key, value in v.items():
             child: _Path = (path, "key", key)
-            append(self.enc_key(key, child, depth + 1))
-            append(self.enc(value, child, depth + 1))
-        self.active.discard(vid)
+            tk = type(key)
+            if tk is str or (tk is int and _INT64_MIN <= key < _UINT64_END):
+                append(key)
+            else:
+                append(enc_key(key, child, child_depth))
+            tv = type(value)
+            if tv is _TENSOR:
+                tid = id(value)
+                index = memo.get(tid)
+                if index is None:
+                    index = memo[tid] = len(srcs)
+                    srcs.append(value)
+                    paths.append(child)
+                append(["T", index])
+            elif tv is dict:
+                append(enc_dict(value, child, child_depth))
+            else:
+                append(enc(value, child, child_depth))
+        active.discard(vid)
         return out
 
     def enc_seq(self, tag: str, v: list[Any] | tuple[Any, ...], path: _Path, depth: int) -> list[Any]:
         vid = self.enter(v, path, depth)
         out: list[Any] = [tag]
         append = out.append
+        enc, add_tensor = self.enc, self.add_tensor
+        child_depth = depth + 1
         for i, item in enumerate(v):
-            append(self.enc(item, (path, "index", i), depth + 1))
+            if type(item) is _TENSOR:
+                append(["T", add_tensor(item, (path, "index", i))])
+            else:
+                append(enc(item, (path, "index", i), child_depth))
         self.active.discard(vid)
         return out
 
@@ -219,36 +337,6 @@ class _Planner:
             out.append(self.enc_key(item, (path, "attr", f"{{{_short_repr(item)}}}"), depth + 1))
         return out
 
-    def enc_tensor(self, v: torch.Tensor, path: _Path) -> int:
-        index = self.memo.get(id(v))
-        if index is not None:
-            return index
-        if v.layout is not torch.strided:
-            self.unsupported(v, path, f" with layout {v.layout} (only dense tensors; call .to_dense())")
-        if v.is_quantized:
-            self.unsupported(v, path, " (quantized tensor; dequantize it or store int_repr() and scales)")
-        if v.is_nested:
-            self.unsupported(v, path, " (nested tensor; store its components with .unbind())")
-        if v.is_meta:
-            self.unsupported(v, path, " on the meta device (it has no data)")
-        dtype = v.dtype
-        name = _TENSOR_DTYPE_NAMES.get(dtype)
-        if name is None:
-            self.unsupported(v, path, f" with dtype {dtype}")
-        shape = v.shape
-        # Keys that hold their default (False / "cpu") are left out to keep big headers small.
-        record: dict[str, Any] = {
-            "kind": _BLOB_TENSOR, "offset": 0, "nbytes": v.numel() * v.element_size(),
-            "dtype": name, "shape": list(shape),
-        }
-        if v.requires_grad:
-            record["requires_grad"] = True
-        if type(v) is torch.nn.Parameter:
-            record["parameter"] = True
-        if not v.is_cpu:
-            record["device"] = str(v.device)
-        return self.add_blob(v, record["nbytes"], dtype, shape, record)
-
     def enc_ndarray(self, v: np.ndarray[Any, Any], path: _Path) -> int:
         index = self.memo.get(id(v))
         if index is not None:
@@ -259,15 +347,19 @@ class _Planner:
             self.fail(f"{exc}; {_HINT}", path)
         shape = tuple(v.shape)
         nbytes = v.size * v.dtype.itemsize
-        record = {"kind": _BLOB_NDARRAY, "offset": 0, "nbytes": nbytes, "dtype": desc, "shape": list(shape)}
-        return self.add_blob(v, nbytes, v.dtype, shape, record)
+        record = {"kind": _BLOB_NDARRAY, "nbytes": nbytes, "dtype": desc, "shape": list(shape)}
+        index = self.add_blob(v, path)
+        self.other_kinds[index] = _Kind(_BLOB_NDARRAY, nbytes, v.dtype, shape, record)
+        return index
 
     def enc_bytes(self, v: bytes | bytearray) -> int:
         index = self.memo.get(id(v))
         if index is not None:
             return index
         kind = _BLOB_BYTES if type(v) is bytes else _BLOB_BYTEARRAY
-        return self.add_blob(v, len(v), None, (len(v),), {"kind": kind, "offset": 0, "nbytes": len(v)})
+        index = self.add_blob(v, None)
+        self.other_kinds[index] = _Kind(kind, len(v), None, (len(v),), {"kind": kind, "nbytes": len(v)})
+        return index
 
     def enc_np_scalar(self, v: np.generic, path: _Path) -> list[Any]:
         # Via a 0-d array: np.str_("") has itemsize-0 dtype "<U0" yet 4 bytes of data;
@@ -279,13 +371,172 @@ class _Planner:
             self.fail(f"{exc}; {_HINT}", path)
         return ["n", desc, arr.tobytes().hex()]
 
+    # -- tensors, all at once ---------------------------------------------------------------
 
-def _dumps(header: dict[str, Any]) -> bytes:
-    return json.dumps(header, separators=(",", ":"), allow_nan=False).encode("ascii")
+    def finish_tensors(self) -> None:
+        """Fill in ``kinds``: describe every tensor; raise for the first one that cannot be stored."""
+        srcs, paths, others = self.srcs, self.paths, self.other_kinds
+        if others:
+            is_tensor = [index not in others for index in range(len(srcs))]
+            tensors, paths = list(compress(srcs, is_tensor)), list(compress(paths, is_tensor))
+        else:
+            tensors = srcs
+        kinds = self.plain_tensor_kinds(tensors, paths) if tensors else []
+        if kinds is None:
+            kinds = list(map(self.tensor_kind, tensors, paths))
+        if others:
+            made = iter(kinds)
+            kinds = [others[index] if index in others else next(made) for index in range(len(srcs))]
+        self.kinds = kinds
+
+    def plain_tensor_kinds(self, tensors: list[torch.Tensor], paths: list[_Path]) -> list[_Kind] | None:
+        """Kinds of ``tensors`` if all are dense CPU tensors, found with C-level maps; else None.
+
+        Getters mapped over the list, checked by counting: no Python bytecode runs per tensor.
+        """
+        n = len(tensors)
+        if (
+            list(map(_LAYOUT, tensors)).count(_STRIDED) != n
+            or list(map(_IS_NESTED, tensors)).count(False) != n
+            or list(map(_IS_CPU, tensors)).count(True) != n  # CPU: not meta either
+        ):
+            return None
+        dtypes = list(map(_DTYPE, tensors))
+        shapes = list(map(_SHAPE, tensors))
+        dtype = dtypes[0]
+        # One dtype and no flags (the common case): the shape alone is the key.
+        plain = (
+            dtypes.count(dtype) == n
+            and list(map(_REQUIRES_GRAD, tensors)).count(False) == n
+            and list(map(type, tensors)).count(_TENSOR) == n
+        )
+        keys: list[Any]
+        if plain:
+            keys, known = shapes, self.shape_kinds.setdefault(dtype, {})
+        else:
+            keys = list(zip(dtypes, shapes, map(_REQUIRES_GRAD, tensors), map(type, tensors), strict=True))
+            known = self.tensor_kinds
+        found = list(map(known.get, keys))
+        if None in found:
+            # New keys, each in order of its first tensor: the first one that fails raises for
+            # the first tensor that cannot be stored.
+            for key in dict.fromkeys(compress(keys, map(operator.is_, found, repeat(None)))):
+                first = keys.index(key)
+                full_key = (dtype, key, False, _TENSOR) if plain else key
+                known[key] = self.tensor_kinds.get(full_key) or self.new_tensor_kind(tensors[first], full_key, paths[first])
+            found = list(map(known.get, keys))
+        kinds = cast(list[_Kind], found)
+        self.dtypes, self.shapes = dtypes, shapes
+        negs = list(map(_IS_NEG, tensors))
+        if True in negs:
+            kinds = [kind.slow if neg else kind for kind, neg in zip(kinds, negs, strict=True)]
+        if any(kind.is_complex for kind in known.values()):
+            kinds = [
+                kind.slow if kind.is_complex and t.is_conj() else kind for kind, t in zip(kinds, tensors, strict=True)
+            ]
+        return kinds
+
+    def reject_tensor(self, v: torch.Tensor, path: _Path) -> NoReturn:
+        """Raise the error for a tensor that cannot be stored (checks in their documented order)."""
+        if v.layout is not torch.strided:
+            self.unsupported(v, path, f" with layout {v.layout} (only dense tensors; call .to_dense())")
+        if v.is_quantized:
+            self.unsupported(v, path, " (quantized tensor; dequantize it or store int_repr() and scales)")
+        if v.is_nested:
+            self.unsupported(v, path, " (nested tensor; store its components with .unbind())")
+        if v.is_meta:
+            self.unsupported(v, path, " on the meta device (it has no data)")
+        self.unsupported(v, path, f" with dtype {v.dtype}")
+
+    def tensor_kind(self, v: torch.Tensor, path: _Path) -> _Kind:
+        """The kind of one tensor, any device (the careful path of :meth:`finish_tensors`)."""
+        if v.layout is not _STRIDED or v.is_nested:
+            self.reject_tensor(v, path)
+        is_cpu = v.is_cpu
+        if not is_cpu and v.is_meta:
+            self.reject_tensor(v, path)
+        key: tuple[Any, ...] = (v.dtype, v.shape, v.requires_grad, type(v))
+        if not is_cpu:
+            key += (str(v.device),)
+        kind = self.tensor_kinds.get(key)
+        if kind is None:
+            kind = self.new_tensor_kind(v, key, path)
+        if v.is_neg() or (kind.is_complex and v.is_conj()):
+            return kind.slow
+        return kind
+
+    def new_tensor_kind(self, v: torch.Tensor, key: tuple[Any, ...], path: _Path) -> _Kind:
+        """The kind shared by every tensor with this ``key`` (first met: ``v`` at ``path``)."""
+        dtype, shape, requires_grad, cls = key[:4]
+        device = key[4] if len(key) > 4 else None
+        name = _TENSOR_DTYPE_NAMES.get(dtype)
+        if name is None:  # quantized dtypes are left out of the table
+            self.reject_tensor(v, path)
+        nbytes = v.numel() * v.element_size()
+        # Keys that hold their default (False / "cpu") are left out to keep headers small.
+        record: dict[str, Any] = {"kind": _BLOB_TENSOR, "nbytes": nbytes, "dtype": name, "shape": list(shape)}
+        if requires_grad:
+            record["requires_grad"] = True
+        if cls is _PARAMETER:
+            record["parameter"] = True
+        if device is not None:
+            record["device"] = device
+        kind = _Kind(_BLOB_TENSOR, nbytes, dtype, shape, record, memmove=device is None and 0 < nbytes <= _SMALL_COPY)
+        self.tensor_kinds[key] = kind
+        return kind
+
+
+# --------------------------------------------------------------------------------------
+# header
+# --------------------------------------------------------------------------------------
 
 
 def _ndigits(n: int) -> int:
     return len(str(n))
+
+
+def _render_header(kinds: list[_Kind], data_len: int, root_json: str) -> tuple[bytes, int]:
+    """The header JSON and the data offset it implies.
+
+    What ``json.dumps(header, separators=(",", ":"))`` gives for ``{"version", "byteorder",
+    "nbytes", "data_offset", "kinds": [distinct records], "blobs": [kind index per blob],
+    "root"}``, assembled in one join (every megabyte-sized temporary string costs its page
+    faults again). Its length depends on the digits of the data offset, which depends on
+    its length: the fixed point is found first.
+    """
+    table: dict[str, str] = {}  # distinct records in order of first use -> their index in "kinds"
+    index_of = {kind: table.setdefault(kind.record, str(len(table))) for kind in dict.fromkeys(kinds)}
+    parts = [
+        '{"version":' + _json(FORMAT_VERSION) + ',"byteorder":' + _json(_BYTEORDER) + ',"nbytes":',
+        "",  # nbytes
+        ',"data_offset":',
+        "",  # data_offset
+        ',"kinds":[',
+        ",".join(table),
+        '],"blobs":[',
+        ",".join(map(index_of.__getitem__, kinds)),
+        '],"root":',
+        root_json,
+        "}",
+    ]
+    fixed = sum(map(len, parts))
+    data_offset = _align(_PRELUDE_SIZE + fixed)
+    while True:
+        length = fixed + _ndigits(data_offset + data_len) + _ndigits(data_offset)
+        needed = _align(_PRELUDE_SIZE + length)
+        if needed <= data_offset:  # length grows with data_offset: this is the fixed point
+            break
+        data_offset = needed
+    parts[1], parts[3] = str(data_offset + data_len), str(data_offset)
+    text = "".join(parts)
+    if len(text) != length:  # the arithmetic above is exact
+        raise AssertionError("shard header length disagrees with its planned data offset")
+    return text.encode("ascii"), data_offset
+
+
+# --------------------------------------------------------------------------------------
+# layout and writer
+# --------------------------------------------------------------------------------------
 
 
 class ShardLayout:
@@ -295,14 +546,37 @@ class ShardLayout:
     mutated between :func:`plan` and :meth:`write_into`.
     """
 
-    __slots__ = ("_blobs", "_header", "data_offset", "nbytes", "num_tensors")
+    __slots__ = ("_header", "_kinds", "_moved", "_moved_dtypes", "_moved_nbytes", "_moved_rels", "_moved_shapes",
+                 "_offsets", "_others", "_padding", "_srcs", "data_offset", "nbytes", "num_tensors")  # fmt: skip
 
-    def __init__(self, header: bytes, data_offset: int, nbytes: int, blobs: list[_Blob]) -> None:
+    def __init__(self, header: bytes, data_offset: int, data_len: int, planner: _Planner, offsets: list[int]) -> None:
+        srcs, kinds = planner.srcs, planner.kinds
         self._header = header
-        self._blobs = blobs  # offsets relative to data_offset
+        self._srcs = srcs
+        self._kinds = kinds
+        self._offsets = offsets  # relative to data_offset; one more than blobs
         self.data_offset = data_offset
-        self.nbytes = nbytes
-        self.num_tensors = len(blobs)
+        self.nbytes = data_offset + data_len
+        self.num_tensors = len(srcs)
+        # The memmove path: small CPU tensors, with what write_into re-checks them against.
+        count = len(srcs)
+        flags = list(map(_K_MEMMOVE, kinds))
+        if flags.count(True) == count:
+            moved, moved_kinds, rels, self._others = srcs, kinds, offsets[:count], []
+        else:
+            moved = list(compress(srcs, flags))
+            moved_kinds = list(compress(kinds, flags))
+            rels = list(compress(offsets, flags))
+            self._others = list(compress(range(count), map(operator.not_, flags)))
+        self._moved = moved
+        self._moved_rels = rels
+        self._moved_nbytes = list(map(_K_NBYTES, moved_kinds))
+        if moved is srcs and planner.dtypes is not None and planner.shapes is not None:
+            self._moved_dtypes, self._moved_shapes = planner.dtypes, planner.shapes  # read by plan()
+        else:
+            self._moved_dtypes = list(map(_K_DTYPE, moved_kinds))
+            self._moved_shapes = list(map(_K_SHAPE, moved_kinds))
+        self._padding = _padding(kinds, offsets)
 
     def __repr__(self) -> str:
         return (
@@ -315,10 +589,10 @@ class ShardLayout:
 
         ``buf`` must be a writable, C-contiguous buffer (bytearray, writable mmap,
         memoryview, ...) at least :attr:`nbytes` long. Padding is zeroed so identical
-        states give identical bytes even in a reused buffer. Tensor bytes are copied with
+        states give identical bytes even in a reused buffer. Contiguous CPU tensors are
+        copied with memmove (big ones in pieces on a few threads); others with
         ``Tensor.copy_`` straight from the (possibly strided, possibly non-CPU) source
-        into a view of ``buf``, which runs multi-threaded at memcpy speed and needs no
-        temporary.
+        into a view of ``buf``, which needs no temporary.
         """
         mv = _as_byte_view(buf)
         # Everything aliasing ``mv`` (the writer's uint8 tensor) must be dropped before
@@ -333,26 +607,84 @@ class ShardLayout:
                 )
             header = self._header
             header_end = _PRELUDE_SIZE + len(header)
+            data_offset = self.data_offset
             _PRELUDE.pack_into(mv, 0, MAGIC, FORMAT_VERSION, len(header))
             mv[_PRELUDE_SIZE:header_end] = header
-            pos = header_end
-            data_offset = self.data_offset
-            with torch.no_grad():
-                for index, (kind, rel, n, src, dtype, shape) in enumerate(self._blobs):
-                    offset = data_offset + rel
-                    if offset > pos:
-                        mv[pos:offset] = _ZEROS[: offset - pos]
-                    pos = offset + n
-                    if kind == _BLOB_TENSOR:
-                        writer.tensor(index, offset, n, src, dtype, shape)
-                    elif kind == _BLOB_NDARRAY:
-                        writer.ndarray(index, offset, n, src, dtype, shape)
-                    elif n:
-                        writer.raw_bytes(index, offset, n, src)
+            mv[header_end:data_offset] = _ZEROS[: data_offset - header_end]
+            if self._srcs:
+                with torch.no_grad(), _GcPaused():  # the checks make lists of 10k Size objects
+                    if not self._write_moved(writer, data_offset):
+                        self._write_each(writer, data_offset, range(len(self._srcs)))
+                    elif self._others:
+                        self._write_each(writer, data_offset, self._others)
+                size = self.nbytes - data_offset
+                for length, starts in self._padding:
+                    # Rows of `length` bytes starting at every byte of the data area; the
+                    # runs' rows are set to zero (all inside it: each run ends at a blob).
+                    # No name holds the view: nothing may keep `mv` exported after an error.
+                    as_strided(np.frombuffer(mv, np.uint8, size, data_offset), (size - length + 1, length), (1, 1))[starts] = 0
             _parallel_memmove(writer.moves)
         finally:
             writer.close()
             mv.release()
+
+    def _write_moved(self, writer: _BlobWriter, data_offset: int) -> bool:
+        """Copy the memmove-path tensors, unless one changed since plan(): then False, nothing written.
+
+        Re-checked here, not trusted from plan(): dtype and shape must be unchanged, and a
+        tensor moved, re-strided or given a neg/conj bit since then must not be read as n
+        bytes at its data pointer. All with C-level maps, like the copies.
+        """
+        moved = self._moved
+        if not moved:
+            return True
+        count = len(moved)
+        if (
+            list(map(_DTYPE, moved)) != self._moved_dtypes
+            or list(map(_SHAPE, moved)) != self._moved_shapes
+            or list(map(_IS_CPU, moved)).count(True) != count
+            or list(map(_IS_CONTIGUOUS, moved)).count(True) != count
+            or True in map(_IS_NEG, moved)
+            or (any(map(_IS_COMPLEX, self._moved_dtypes)) and True in map(_IS_CONJ, moved))
+        ):
+            return False
+        data = writer.base_address() + data_offset  # the slots lie inside buf (checked by write_into)
+        list(map(ctypes.memmove, map(data.__add__, self._moved_rels), map(_DATA_PTR, moved), self._moved_nbytes))
+        return True
+
+    def _write_each(self, writer: _BlobWriter, data_offset: int, indices: Any) -> None:
+        """Copy the given blobs one by one, each checked on its own (the general path)."""
+        srcs, kinds, offsets = self._srcs, self._kinds, self._offsets
+        for index in indices:
+            src, kind, offset = srcs[index], kinds[index], data_offset + offsets[index]
+            if kind.kind == _BLOB_TENSOR:
+                writer.tensor(index, offset, kind.nbytes, src, kind.dtype, kind.shape)
+            elif kind.kind == _BLOB_NDARRAY:
+                writer.ndarray(index, offset, kind.nbytes, src, kind.dtype, kind.shape)
+            elif kind.nbytes:
+                writer.raw_bytes(index, offset, kind.nbytes, src)
+
+
+def _padding(kinds: list[_Kind], offsets: list[int]) -> list[tuple[int, np.ndarray[Any, Any]]]:
+    """The padding between blobs, as (length, where each run of that length starts) pairs.
+
+    Positions are relative to the data offset. write_into zeroes each length's runs with
+    one numpy assignment (rows of a strided view of the buffer), not one call per run.
+    """
+    gaps = list(map(_K_GAP, kinds))[:-1]  # the last blob has no padding after it
+    if gaps.count(0) == len(gaps):
+        return []
+    present = list(map(bool, gaps))
+    lengths = list(compress(gaps, present))
+    starts = np.array(list(compress(map(operator.sub, offsets[1:], gaps), present)), dtype=np.int64)
+    if lengths.count(lengths[0]) == len(lengths):
+        return [(lengths[0], starts)]
+    by_length = np.array(lengths, dtype=np.int64)
+    return [(int(length), starts[by_length == length]) for length in np.unique(by_length)]
+
+
+def _changed(what: str, index: int) -> NoReturn:
+    raise SerializationError(f"{what} changed dtype or shape between plan() and write_into()", f"blob #{index}")
 
 
 class _BlobWriter:
@@ -375,26 +707,29 @@ class _BlobWriter:
     def close(self) -> None:
         self.base = None
 
-    def tensor(self, index: int, offset: int, n: int, src: Any, dtype: Any, shape: tuple[int, ...]) -> None:
-        if src.dtype != dtype or src.shape != shape:
-            raise SerializationError(
-                "tensor changed dtype or shape between plan() and write_into()",
-                f"blob #{index}",
-            )
-        if n == 0:
-            return
+    def base_address(self) -> int:
+        """The buffer's address (makes the uint8 alias on first use)."""
         if self.base is None:
             self.base = torch.frombuffer(self.mv, dtype=torch.uint8, count=self.nbytes)
             self.base_addr = self.base.data_ptr()
+        return self.base_addr
+
+    def tensor(self, index: int, offset: int, n: int, src: Any, dtype: Any, shape: tuple[int, ...]) -> None:
+        if src.dtype != dtype or src.shape != shape:
+            _changed("tensor", index)
+        if n == 0:
+            return
+        base_addr = self.base_address()
         if src.is_cpu and src.is_contiguous() and not src.is_conj() and not src.is_neg():
             # Its n bytes are contiguous at data_ptr(); the slot lies inside
             # buf (checked by write_into). Small ones right away (~6x less overhead than
             # three torch ops), large ones in parallel at the end.
             if n <= _SMALL_COPY:
-                ctypes.memmove(self.base_addr + offset, src.data_ptr(), n)
+                ctypes.memmove(base_addr + offset, src.data_ptr(), n)
             else:
-                self.moves.append((self.base_addr + offset, src.data_ptr(), n))
+                self.moves.append((base_addr + offset, src.data_ptr(), n))
             return
+        assert self.base is not None
         if _needs_raw_copy(dtype):
             self.base[offset : offset + n].view(*shape, src.element_size()).copy_(_raw_byte_view(src))
         else:
@@ -402,10 +737,7 @@ class _BlobWriter:
 
     def ndarray(self, index: int, offset: int, n: int, src: Any, dtype: Any, shape: tuple[int, ...]) -> None:
         if src.dtype != dtype or src.shape != shape:
-            raise SerializationError(
-                "array changed dtype or shape between plan() and write_into()",
-                f"blob #{index}",
-            )
+            _changed("array", index)
         if n == 0:
             return
         np.copyto(np.frombuffer(self.mv, dtype=np.uint8, count=n, offset=offset).view(dtype).reshape(shape), src, casting="no")
@@ -419,30 +751,6 @@ class _BlobWriter:
         self.mv[offset : offset + n] = src
 
 
-_COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
-_COPY_PIECE = 16 << 20
-_copy_pool: ThreadPoolExecutor | None = None
-
-
-def _parallel_memmove(moves: list[tuple[int, int, int]]) -> None:
-    """Copy (dst, src, n) ranges with plain memmove on a few threads (ctypes drops the GIL).
-
-    Why not ``Tensor.copy_``: its OpenMP workers spin-wait at a barrier, and when the trainer's
-    cores are busy (other ranks, data-loader workers, the store) one descheduled worker stalls
-    the whole copy: 10 MiB measured at 2.5 ms single-threaded took up to 335 ms that way.
-    Independent memmoves of 16 MiB pieces degrade gracefully instead.
-    """
-    global _copy_pool
-    pieces = [(d + off, s + off, min(_COPY_PIECE, n - off)) for d, s, n in moves for off in range(0, n, _COPY_PIECE)]
-    if len(pieces) <= 1 or _COPY_THREADS == 1:
-        for d, s, n in pieces:
-            ctypes.memmove(d, s, n)
-        return
-    if _copy_pool is None:
-        _copy_pool = ThreadPoolExecutor(max_workers=_COPY_THREADS, thread_name_prefix="memstore-copy")
-    list(_copy_pool.map(lambda p: ctypes.memmove(*p), pieces))
-
-
 def plan(state: object) -> ShardLayout:
     """Walk ``state`` once, validate every value and compute the shard layout.
 
@@ -453,48 +761,24 @@ def plan(state: object) -> ShardLayout:
     with _GcPaused():
         planner = _Planner()
         try:
-            root = planner.enc(state, None, 0)
-            records = planner.records
-            data_len = planner.cursor
-            header: dict[str, Any] = {
-                "version": FORMAT_VERSION,
-                "byteorder": _BYTEORDER,
-                "nbytes": 0,
-                "data_offset": 0,
-                "blobs": records,
-                "root": root,
-            }
-            # Blob offsets in the header are absolute, so the header's length depends on
-            # the data offset, which depends on the header's length. Dump once with
-            # relative offsets, then solve for the data offset arithmetically (only digit
-            # counts change), then dump the final header.
-            draft_len = len(_dumps(header))
-            relative = [record["offset"] for record in records]
-            rel_digits = sum(_ndigits(rel) for rel in relative)
-            data_offset = _align(_PRELUDE_SIZE + draft_len)
-            while True:
-                final_len = (
-                    draft_len
-                    + sum(_ndigits(data_offset + rel) for rel in relative) - rel_digits
-                    + _ndigits(data_offset) - 1
-                    + _ndigits(data_offset + data_len) - 1
-                )
-                needed = _align(_PRELUDE_SIZE + final_len)
-                if needed <= data_offset:
-                    break
-                data_offset = needed
-            header["data_offset"] = data_offset
-            header["nbytes"] = data_offset + data_len
-            for record, rel in zip(records, relative, strict=True):
-                record["offset"] = data_offset + rel
-            encoded = _dumps(header)
+            try:
+                root = planner.enc(state, None, 0)
+            except (SerializationError, RecursionError):
+                # Tensors are checked after the walk; one met before the walk failed
+                # comes first.
+                planner.finish_tensors()
+                raise
+            planner.finish_tensors()
+            root_json = _encode_tree(root)
         except RecursionError:
             raise SerializationError(
                 "state nests too deeply for Python's recursion limit", "state"
             ) from None
-    if _align(_PRELUDE_SIZE + len(encoded)) != data_offset:  # the arithmetic above is exact
-        raise AssertionError("shard header length disagrees with its planned data offset")
-    return ShardLayout(encoded, data_offset, data_offset + data_len, planner.blobs)
+        kinds = planner.kinds
+        offsets = list(accumulate(map(_K_SLOT, kinds), initial=0))  # blob i's slot starts at offsets[i]
+        data_len = offsets[-2] + kinds[-1].nbytes if kinds else 0  # no padding after the last blob
+        header, data_offset = _render_header(kinds, data_len, root_json)
+        return ShardLayout(header, data_offset, data_len, planner, offsets)
 
 
 def encode(state: object) -> bytearray:

@@ -7,12 +7,15 @@ allowlists. Nothing here deserializes code: numpy dtypes are rebuilt from JSON d
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
+import os
 import re
 import struct
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 import numpy as np
@@ -20,7 +23,9 @@ import torch
 
 from trainer_client.errors import CorruptShardError, InvalidArgumentError
 
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
+"""Version written. 2 added the compact blob table (``kinds`` + one index per blob)."""
+READABLE_VERSIONS: Final = (1, 2)
 MAGIC: Final = b"MSTSHRD1"
 ALIGNMENT: Final = 64
 
@@ -229,3 +234,31 @@ def _as_byte_view(buf: Buffer) -> memoryview:
         return mv.cast("B")
     finally:
         mv.release()
+
+
+# --------------------------------------------------------------------------------------
+# large copies
+# --------------------------------------------------------------------------------------
+
+_COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+_COPY_PIECE = 16 << 20
+_copy_pool: ThreadPoolExecutor | None = None
+
+
+def _parallel_memmove(moves: list[tuple[int, int, int]]) -> None:
+    """Copy (dst, src, n) ranges with plain memmove on a few threads (ctypes drops the GIL).
+
+    Why not ``Tensor.copy_``: its OpenMP workers spin-wait at a barrier, and when the trainer's
+    cores are busy (other ranks, data-loader workers, the store) one descheduled worker stalls
+    the whole copy: 10 MiB measured at 2.5 ms single-threaded took up to 335 ms that way.
+    Independent memmoves of 16 MiB pieces degrade gracefully instead.
+    """
+    global _copy_pool
+    pieces = [(d + off, s + off, min(_COPY_PIECE, n - off)) for d, s, n in moves for off in range(0, n, _COPY_PIECE)]
+    if len(pieces) <= 1 or _COPY_THREADS == 1:
+        for d, s, n in pieces:
+            ctypes.memmove(d, s, n)
+        return
+    if _copy_pool is None:
+        _copy_pool = ThreadPoolExecutor(max_workers=_COPY_THREADS, thread_name_prefix="memstore-copy")
+    list(_copy_pool.map(lambda p: ctypes.memmove(*p), pieces))

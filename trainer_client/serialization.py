@@ -10,19 +10,31 @@ since ``json.dumps`` escapes everything else), parsed with :func:`json.loads` on
 decoding never runs pickle, ``torch.load``, ``eval`` or any other code path that can
 execute data, because shard bytes may arrive over the network.
 
-Header keys::
+Header keys (format version 2, written since the compact blob table below)::
 
-    {"version": 1, "byteorder": "little", "nbytes": <total shard size>,
+    {"version": 2, "byteorder": "little", "nbytes": <total shard size>,
      "data_offset": <offset of the first blob slot>,
-     "blobs": [{"kind": "tensor" | "ndarray" | "bytes" | "bytearray",
-                "offset": <absolute offset in the shard>, "nbytes": ..., ...}, ...],
+     "kinds": [{"kind": "tensor" | "ndarray" | "bytes" | "bytearray", "nbytes": ..., ...}, ...],
+     "blobs": [<index into "kinds">, ...],
      "root": <encoded tree>}
 
-Tensor blobs add ``dtype`` (torch name, e.g. ``"bfloat16"``) and ``shape``, plus, only
+``kinds`` lists each distinct blob record once; ``blobs`` gives each blob (blob index =
+position in the list) the index of its record. Blobs are packed in blob order: the first
+at ``data_offset``, each next one at the first 64-byte boundary at or after the end of
+the one before, and the last one ends exactly at ``nbytes``. A state of 10k alike
+tensors thus has a header of a few records and 10k small ints, which decode validates
+without a Python loop per blob (a full record per blob cost more than the tensor itself).
+
+Format version 1, still read, has no ``kinds``: ``blobs`` lists one full record per blob,
+each with its ``"offset"`` (absolute, 64-byte aligned, after the end of the blob before,
+within ``nbytes``). A version-2 header may use that form too (:func:`peek_header`
+returns it so).
+
+Tensor records add ``dtype`` (torch name, e.g. ``"bfloat16"``) and ``shape``, plus, only
 when they differ from the default, ``"requires_grad": true``, ``"parameter": true`` and
 ``"device"`` (the device the tensor lived on when saved, if not CPU; informational only).
-Leaving defaults out keeps a 10k-tensor header about a third smaller. Array blobs add
-``dtype`` (a numpy dtype string or ``descr`` list) and ``shape``. Bytes blobs add nothing.
+Array records add ``dtype`` (a numpy dtype string or ``descr`` list) and ``shape``.
+Bytes records add nothing.
 
 The tree encodes every value either as a JSON scalar (``null``, ``true``/``false``,
 a string, or an int that fits in 64 bits) or as a JSON list whose first element is a
@@ -66,11 +78,15 @@ What is and is not preserved:
 """
 
 import collections
+import copy
 import ctypes
 import json
+import operator
 import struct
 import warnings
 from collections.abc import Callable
+from itertools import accumulate, compress, repeat
+from operator import attrgetter
 from typing import Any, Final, NoReturn, cast
 
 import numpy as np
@@ -78,6 +94,7 @@ import torch
 
 from trainer_client._shard_encode import ShardLayout, encode, plan
 from trainer_client._shard_format import (
+    _ALIGN_MASK,
     _BLOB_BYTEARRAY,
     _BLOB_BYTES,
     _BLOB_NDARRAY,
@@ -96,6 +113,7 @@ from trainer_client._shard_format import (
     FORMAT_VERSION,
     MAGIC,
     MAX_DEPTH,
+    READABLE_VERSIONS,
     Buffer,
     _align,
     _as_byte_view,
@@ -123,18 +141,32 @@ __all__ = [
 
 
 class _BlobSpec:
-    """A validated blob record from the header."""
+    """A validated blob record from the header, less its offset.
 
-    __slots__ = ("dtype", "kind", "nbytes", "offset", "parameter", "requires_grad", "shape")
+    Shared by every blob whose record differs only in the offset (a 10k-tensor optimizer
+    state has a handful of distinct ones), so decode validates each distinct record once.
+    """
 
-    def __init__(self, kind: str, offset: int, nbytes: int) -> None:
+    __slots__ = ("dtype", "kind", "nbytes", "parameter", "requires_grad", "shape", "template")
+
+    def __init__(self, kind: str, nbytes: int) -> None:
         self.kind = kind
-        self.offset = offset
         self.nbytes = nbytes
         self.dtype: Any = None
         self.shape: tuple[int, ...] = ()
         self.requires_grad = False
         self.parameter = False
+        # For a small non-empty tensor that is neither a Parameter nor requires grad: a
+        # tensor of its dtype and shape, which torch.empty_like copies in decode's hot loop
+        # (an expanded scalar, holding one element whatever the shape, where that gives
+        # empty_like's result the contiguous strides of torch.empty).
+        self.template: torch.Tensor | None = None
+
+
+_TEMPLATE: Final = attrgetter("template")
+_KIND: Final = attrgetter("kind")
+_NBYTES: Final = attrgetter("nbytes")
+_DATA_PTR: Final = torch.Tensor.data_ptr
 
 
 def _corrupt(message: str) -> NoReturn:
@@ -158,8 +190,11 @@ def _reject_constant(name: str) -> NoReturn:
     raise CorruptShardError(f"header JSON contains {name}, which the format never writes")
 
 
-def _read_header(mv: memoryview) -> tuple[dict[str, Any], list[_BlobSpec]]:
-    """Parse and validate the prelude, header JSON and blob table of a shard."""
+def _read_header(mv: memoryview) -> tuple[dict[str, Any], list[int], list[_BlobSpec]]:
+    """Parse and validate the prelude, header JSON and blob table of a shard.
+
+    Returns the header, and per blob its offset and its (shared) :class:`_BlobSpec`.
+    """
     size = len(mv)
     version, header_len = _read_prelude(mv, size)
     header = _parse_header_json(mv, header_len)
@@ -167,13 +202,117 @@ def _read_header(mv: memoryview) -> tuple[dict[str, Any], list[_BlobSpec]]:
     records = header["blobs"]
     if type(records) is not list:
         _corrupt("header 'blobs' must be a list")
+    if version >= 2 and "kinds" in header:
+        offsets, specs = _check_blob_table(header["kinds"], records, data_offset, total)
+    else:
+        offsets, specs = _check_blob_records(records, data_offset, total)
+    return header, offsets, specs
+
+
+def _check_blob_table(table: object, indices: list[Any], data_offset: int, total: int) -> tuple[list[int], list[_BlobSpec]]:
+    """Validate the compact blob table of format version 2.
+
+    ``table`` lists each distinct record once (a version-1 record less its offset);
+    ``indices`` holds each blob's index into it. Blobs are packed: each starts at the
+    first ALIGNMENT boundary at or after the end of the one before, the first at
+    ``data_offset``, and the last must end exactly at ``total``. Checked with C-level
+    maps, nothing per blob in Python.
+    """
+    if type(table) is not list:
+        _corrupt("header 'kinds' must be a list")
+    kinds = [_check_kind_record(record, f"kind #{index}") for index, record in enumerate(table)]
+    if indices and (set(map(type, indices)) != {int} or min(indices) < 0 or max(indices) >= len(kinds)):
+        _corrupt(f"header 'blobs' must hold indices into the {len(kinds)} 'kinds'")
+    specs = list(map(kinds.__getitem__, indices))
+    slots = [_align(kind.nbytes) for kind in kinds]
+    offsets = list(accumulate(map(slots.__getitem__, indices), initial=data_offset))  # one more than blobs
+    end = offsets[-2] + specs[-1].nbytes if specs else data_offset
+    if end != total:
+        _corrupt(f"blobs end at byte {end}, the shard at {total}")
+    return offsets, specs
+
+
+def _check_kind_record(record: object, where: str) -> _BlobSpec:
+    """Validate one record of the compact table: a version-1 blob record without the offset."""
+    if type(record) is not dict:
+        _corrupt(f"{where}: record must be an object")
+    kind = record.get("kind")
+    nbytes = record.get("nbytes")
+    if not _is_uint(nbytes):
+        _corrupt(f"{where}: nbytes must be a non-negative int")
+    assert type(nbytes) is int
+    spec = _BlobSpec(str(kind), nbytes)
+    if kind == _BLOB_TENSOR:
+        _check_tensor_record(record, spec, where)
+    elif kind == _BLOB_NDARRAY:
+        _check_ndarray_record(record, spec, where)
+    elif kind != _BLOB_BYTES and kind != _BLOB_BYTEARRAY:
+        _corrupt(f"{where}: unknown blob kind {kind!r:.40}")
+    return spec
+
+
+def _check_blob_records(records: list[Any], data_offset: int, total: int) -> tuple[list[int], list[_BlobSpec]]:
+    """Validate every blob record (:func:`_check_blob_record`), each distinct one only once.
+
+    The fast path takes records whose fields have the types the writer gives them; it
+    checks the offset itself and looks the rest up among the records validated before,
+    keyed by every field that validation reads (with types pinned: ``1 == 1.0 == True``
+    would otherwise share a key). Anything else, and the first record of each key, goes
+    through :func:`_check_blob_record`, so the outcome and the first error are the same.
+    """
+    offsets: list[int] = []
     specs: list[_BlobSpec] = []
+    add_offset, add_spec = offsets.append, specs.append
+    known: dict[tuple[Any, ...], _BlobSpec] = {}
     end = data_offset
-    for index, record in enumerate(records):
-        spec = _check_blob_record(record, f"blob #{index}", end, total)
-        end = spec.offset + spec.nbytes
-        specs.append(spec)
-    return header, specs
+    for record in records:
+        if type(record) is dict:
+            get = record.get
+            offset = get("offset")
+            nbytes = get("nbytes")
+            kind = get("kind")
+            name = get("dtype")
+            shape = get("shape")
+            if len(record) == 5:  # kind, offset, nbytes, dtype, shape: no flags
+                requires_grad = parameter = False
+            else:
+                requires_grad = get("requires_grad", False)
+                parameter = get("parameter", False)
+                if type(requires_grad) is not bool or type(parameter) is not bool or type(get("device", "cpu")) is not str:
+                    requires_grad = None  # off the fast path
+            if (
+                type(offset) is int
+                and type(nbytes) is int
+                and type(kind) is str
+                and type(name) is str
+                and type(shape) is list
+                and requires_grad is not None
+                and end <= offset
+                and not offset & _ALIGN_MASK
+                and 0 <= nbytes <= total - offset
+            ):
+                for d in shape:
+                    if type(d) is not int:
+                        break
+                else:
+                    key = (kind, name, nbytes, requires_grad, parameter, *shape)
+                    spec = known.get(key)
+                    if spec is not None:
+                        add_offset(offset)
+                        add_spec(spec)
+                        end = offset + nbytes
+                        continue
+        offset, spec = _check_blob_record(record, f"blob #{len(specs)}", end, total)
+        if type(record) is dict and spec.kind in (_BLOB_TENSOR, _BLOB_NDARRAY):
+            get = record.get
+            name = get("dtype")
+            requires_grad, parameter = get("requires_grad", False), get("parameter", False)
+            if type(name) is str and type(requires_grad) is bool and type(parameter) is bool:
+                known.setdefault((spec.kind, name, spec.nbytes, requires_grad, parameter, *spec.shape), spec)
+        add_offset(offset)
+        add_spec(spec)
+        end = offset + spec.nbytes
+    return offsets, specs
 
 
 def _read_prelude(mv: memoryview, size: int) -> tuple[int, int]:
@@ -183,8 +322,8 @@ def _read_prelude(mv: memoryview, size: int) -> tuple[int, int]:
     magic, version, header_len = _PRELUDE.unpack_from(mv, 0)
     if magic != MAGIC:
         _corrupt(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}: not a memstore shard")
-    if version != FORMAT_VERSION:
-        _corrupt(f"shard format version {version}, this reader understands only {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        _corrupt(f"shard format version {version}, this reader understands versions {list(READABLE_VERSIONS)}")
     if header_len > size - _PRELUDE_SIZE:
         _corrupt(
             f"header length {header_len} runs past the end of the {size}-byte buffer (truncated?)"
@@ -209,7 +348,7 @@ def _parse_header_json(mv: memoryview, header_len: int) -> dict[str, Any]:
 
 def _check_header_fields(header: dict[str, Any], version: int, header_len: int, size: int) -> tuple[int, int]:
     """Check version, byte order and sizes against the prelude; returns (data_offset, total)."""
-    if header["version"] != FORMAT_VERSION or type(header["version"]) is not int:
+    if header["version"] != version or type(header["version"]) is not int:
         _corrupt(f"header version {header['version']!r:.40} disagrees with prelude version {version}")
     if header["byteorder"] != _BYTEORDER:
         _corrupt(
@@ -228,7 +367,7 @@ def _check_header_fields(header: dict[str, Any], version: int, header_len: int, 
     return data_offset, total
 
 
-def _check_blob_record(record: object, where: str, end: int, total: int) -> _BlobSpec:
+def _check_blob_record(record: object, where: str, end: int, total: int) -> tuple[int, _BlobSpec]:
     """Validate one blob record: its slot must follow ``end`` (the previous blob's end) within ``total``."""
     if type(record) is not dict:
         _corrupt(f"{where}: record must be an object")
@@ -244,14 +383,14 @@ def _check_blob_record(record: object, where: str, end: int, total: int) -> _Blo
         _corrupt(f"{where}: offset {offset} overlaps the header or the previous blob (ends at {end})")
     if offset + nbytes > total:
         _corrupt(f"{where}: bytes [{offset}, {offset + nbytes}) run past the shard end {total}")
-    spec = _BlobSpec(str(kind), offset, nbytes)
+    spec = _BlobSpec(str(kind), nbytes)
     if kind == _BLOB_TENSOR:
         _check_tensor_record(record, spec, where)
     elif kind == _BLOB_NDARRAY:
         _check_ndarray_record(record, spec, where)
     elif kind != _BLOB_BYTES and kind != _BLOB_BYTEARRAY:
         _corrupt(f"{where}: unknown blob kind {kind!r:.40}")
-    return spec
+    return offset, spec
 
 
 def _check_tensor_record(record: dict[str, Any], spec: _BlobSpec, where: str) -> None:
@@ -277,6 +416,12 @@ def _check_tensor_record(record: dict[str, Any], spec: _BlobSpec, where: str) ->
         _corrupt(f"{where}: device must be a string")
     spec.dtype, spec.shape = dtype, shape
     spec.requires_grad, spec.parameter = requires_grad, parameter
+    if not requires_grad and not parameter and 0 < nbytes <= _SMALL_COPY:
+        scalar = torch.empty((), dtype=dtype)
+        template = scalar.expand(shape) if numel > 1 else scalar.reshape(shape)
+        if not torch.empty_like(template).is_contiguous():  # not so far; a real one would do
+            template = torch.empty(size=shape, dtype=dtype)
+        spec.template = template
 
 
 def _check_ndarray_record(record: dict[str, Any], spec: _BlobSpec, where: str) -> None:
@@ -295,13 +440,16 @@ def _check_ndarray_record(record: dict[str, Any], spec: _BlobSpec, where: str) -
 class _Decoder:
     """Rebuilds the state tree, copying each referenced blob out of the shard once."""
 
-    def __init__(self, mv: memoryview, specs: list[_BlobSpec], share: object = None) -> None:
+    def __init__(self, mv: memoryview, offsets: list[int], specs: list[_BlobSpec], share: object = None) -> None:
         self.mv = mv
+        self.offsets = offsets
         self.specs = specs
         # zero-copy decode: large tensors and arrays become views of this writable buffer object
         self.share = share
         self.share_base: torch.Tensor | None = None
-        self.objects: dict[int, Any] = {}
+        self.objects: list[Any] = []  # blob index -> its object (materialize_all)
+        # blob index -> whether it is a tensor, what a ["T", index] node may refer to
+        self.tensor_blobs: list[bool] = list(map(_BLOB_TENSOR.__eq__, map(_KIND, specs)))
         self.base: torch.Tensor | None = None
         self.base_addr = 0
         self.np_base: np.ndarray[Any, Any] | None = None
@@ -381,9 +529,30 @@ class _Decoder:
     def fill_pairs(self, out: dict[Any, Any], node: list[Any], start: int, depth: int) -> None:
         if (len(node) - start) % 2:
             _corrupt("dict node has a key without a value")
-        dec, dec_key = self.dec, self.dec_key
+        dec, dec_key, fill_pairs = self.dec, self.dec_key, self.fill_pairs
+        objects, tensor_blobs, count = self.objects, self.tensor_blobs, len(self.objects)
+        child = depth + 1
+        # str / int keys, ["T", index] and ["d", ...] values inline; everything else (and
+        # anything malformed) through dec_key / dec, which check it.
         for i in range(start, len(node), 2):
-            out[dec_key(node[i], depth + 1)] = dec(node[i + 1], depth + 1)
+            key = node[i]
+            tk = type(key)
+            if tk is not str and tk is not int:
+                key = dec_key(key, child)
+            value = node[i + 1]
+            if type(value) is list and value:
+                tag = value[0]
+                if tag == "T" and len(value) == 2:
+                    index = value[1]
+                    if type(index) is int and 0 <= index < count and tensor_blobs[index]:
+                        out[key] = objects[index]
+                        continue
+                elif tag == "d" and child <= MAX_DEPTH + 2:  # dec()'s depth check
+                    inner: dict[Any, Any] = {}
+                    out[key] = inner
+                    fill_pairs(inner, value, 1, child)
+                    continue
+            out[key] = dec(value, child)
 
     def dec_dict(self, node: list[Any], depth: int) -> dict[Any, Any]:
         out: dict[Any, Any] = {}
@@ -453,15 +622,64 @@ class _Decoder:
         spec = self.specs[index]
         if spec.kind != self._KINDS[node[0]]:
             _corrupt(f"tree node {node[0]!r} refers to blob #{index} of kind {spec.kind!r}")
-        obj = self.objects.get(index)
-        if obj is None:
-            obj = self.materialize(spec)
-            self.objects[index] = obj
-        return obj
+        return self.objects[index]
 
-    def shared_view(self, spec: _BlobSpec) -> Any:
+    def materialize_all(self) -> None:
+        """Make every blob's object, in blob order (a blob referenced twice is one object).
+
+        The hot path of a restore: small plain tensors (those with a template), each one
+        ``torch.empty_like`` and one memmove from the shard, both mapped over all of them
+        at once. Offsets and sizes were bounds-checked by :func:`_read_header`.
+        """
+        specs, offsets = self.specs, self.offsets
+        templates = list(map(_TEMPLATE, specs))
+        count = len(specs)
+        flags = list(map(operator.is_not, templates, repeat(None)))  # (not templates.count: Tensor.__eq__)
+        plain = flags.count(True)
+        if plain == count:
+            picked, picked_specs, picked_offsets = templates, specs, offsets
+        else:
+            picked = list(compress(templates, flags))
+            picked_specs, picked_offsets = list(compress(specs, flags)), list(compress(offsets, flags))
+        tensors = list(map(torch.empty_like, picked))
+        if tensors:
+            base_addr = self.base_address()
+            # Each a fresh contiguous tensor of exactly spec.nbytes bytes.
+            list(map(ctypes.memmove, map(_DATA_PTR, tensors), map(base_addr.__add__, picked_offsets), map(_NBYTES, picked_specs)))
+        if plain == count:
+            self.objects = tensors
+            return
+        made = iter(tensors)
+        share, materialize, share_or_copy = self.share, self.materialize, self.share_or_copy
+        self.objects = [
+            next(made) if template is not None
+            else materialize(offset, spec) if share is None or spec.nbytes <= _SMALL_COPY
+            else share_or_copy(offset, spec)
+            for template, offset, spec in zip(templates, offsets, specs, strict=False)  # offsets: one more
+        ]
+
+    def base_address(self) -> int:
+        """Address of the shard buffer (via a read-only uint8 alias made on first use)."""
+        if self.base is None:
+            with warnings.catch_warnings():
+                # torch warns that read-only buffers (bytes, read-only mmap) give
+                # tensors it cannot protect; this alias is only ever read from.
+                warnings.simplefilter("ignore", UserWarning)
+                self.base = torch.frombuffer(self.mv, dtype=torch.uint8)
+                self.base_addr = self.base.data_ptr()
+        return self.base_addr
+
+    def share_or_copy(self, offset: int, spec: _BlobSpec) -> Any:
+        """zero_copy: a large tensor or array as a view of the shared buffer where it can be."""
+        if spec.kind in (_BLOB_TENSOR, _BLOB_NDARRAY):
+            shared = self.shared_view(offset, spec)
+            if shared is not None:
+                return shared
+        return self.materialize(offset, spec)
+
+    def shared_view(self, offset: int, spec: _BlobSpec) -> Any:
         """A tensor/array aliasing the shared buffer, or None where a copy is needed (odd dtypes)."""
-        start, end = spec.offset, spec.offset + spec.nbytes
+        start, end = offset, offset + spec.nbytes
         if spec.kind == _BLOB_NDARRAY:
             return np.frombuffer(self.share, dtype=spec.dtype, count=spec.nbytes // spec.dtype.itemsize, offset=start).reshape(spec.shape)  # type: ignore[call-overload]
         if _needs_raw_copy(spec.dtype):
@@ -475,27 +693,19 @@ class _Decoder:
             tensor.requires_grad_(True)
         return tensor
 
-    def materialize(self, spec: _BlobSpec) -> Any:
-        start, end = spec.offset, spec.offset + spec.nbytes
-        if self.share is not None and spec.nbytes > _SMALL_COPY and spec.kind in (_BLOB_TENSOR, _BLOB_NDARRAY):
-            shared = self.shared_view(spec)
-            if shared is not None:
-                return shared
+    def materialize(self, offset: int, spec: _BlobSpec) -> Any:
+        """A fresh object owning a copy of the blob's bytes."""
+        start, end = offset, offset + spec.nbytes
         if spec.kind == _BLOB_TENSOR:
-            tensor = torch.empty(spec.shape, dtype=spec.dtype)
+            tensor = torch.empty(size=spec.shape, dtype=spec.dtype)
             if spec.nbytes:
-                if self.base is None:
-                    with warnings.catch_warnings():
-                        # torch warns that read-only buffers (bytes, read-only mmap) give
-                        # tensors it cannot protect; this alias is only ever read from.
-                        warnings.simplefilter("ignore", UserWarning)
-                        self.base = torch.frombuffer(self.mv, dtype=torch.uint8)
-                        self.base_addr = self.base.data_ptr()
+                base_addr = self.base_address()
                 if spec.nbytes <= _SMALL_COPY:
                     # Fresh contiguous tensor of exactly nbytes; the source range was
                     # bounds-checked against the buffer by _read_header.
-                    ctypes.memmove(tensor.data_ptr(), self.base_addr + start, spec.nbytes)
+                    ctypes.memmove(tensor.data_ptr(), base_addr + start, spec.nbytes)
                 else:
+                    assert self.base is not None
                     tensor.reshape(-1).view(torch.uint8).copy_(self.base[start:end])
             if spec.parameter:
                 return torch.nn.Parameter(tensor, requires_grad=spec.requires_grad)
@@ -536,8 +746,9 @@ def decode(buf: Buffer, *, zero_copy: bool = False) -> object:
     try:
         try:
             with _GcPaused():
-                header, specs = _read_header(mv)
-                decoder = _Decoder(mv, specs, share=buf if zero_copy else None)
+                header, offsets, specs = _read_header(mv)
+                decoder = _Decoder(mv, offsets, specs, share=buf if zero_copy else None)
+                decoder.materialize_all()
                 return decoder.dec(header["root"], 0)
         except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError,
                 RuntimeError, struct.error) as exc:
@@ -551,15 +762,36 @@ def decode(buf: Buffer, *, zero_copy: bool = False) -> object:
 
 
 def peek_header(buf: Buffer) -> dict[str, Any]:
-    """Parse and validate the prelude and JSON header only; blobs are not touched."""
+    """Parse and validate the prelude and JSON header only; blobs are not touched.
+
+    The blob table comes back in its full form whatever the shard stores: ``blobs`` holds
+    one record per blob with its absolute ``offset`` (as in format version 1) and there is
+    no ``kinds`` key. Serialized again, that header describes the same shard.
+    """
     mv = _as_byte_view(buf)
     try:
         try:
             with _GcPaused():
-                header, _ = _read_header(mv)
+                header, offsets, _ = _read_header(mv)
         except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError,
                 struct.error) as exc:
             raise CorruptShardError(f"malformed shard header: {type(exc).__name__}: {exc}") from None
+        if header["version"] >= 2 and "kinds" in header:
+            header = _expand_blob_table(header, offsets)
         return header
     finally:
         mv.release()
+
+
+def _expand_blob_table(header: dict[str, Any], offsets: list[int]) -> dict[str, Any]:
+    """``header`` (validated, with a compact blob table) with one full record per blob instead."""
+    kinds = header["kinds"]
+    expanded = {key: value for key, value in header.items() if key != "kinds"}
+    blobs = []
+    for index, offset in zip(header["blobs"], offsets, strict=False):  # offsets: one more
+        record = kinds[index]
+        full = {"kind": record["kind"], "offset": offset}
+        full.update((key, copy.deepcopy(value)) for key, value in record.items() if key not in full)
+        blobs.append(full)
+    expanded["blobs"] = blobs
+    return expanded

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import builtins
 import collections
+import copy
 import functools
 import json
 import math
@@ -13,6 +15,7 @@ import random
 import struct
 import sys
 import warnings
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -106,19 +109,67 @@ def _random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) ->
     return raw.view(dtype).reshape(shape)
 
 
-def _with_header(buf: bytes | bytearray, mutate: Callable[[dict[str, Any]], None]) -> bytearray:
-    """Copy of ``buf`` whose header JSON went through ``mutate``; data area kept in place."""
-    out = bytearray(buf)
+def _relayout(header: dict[str, Any], data: bytes, version: int, slack: int = 128) -> bytearray:
+    """A shard of blob area ``data`` under ``header``, laid out anew for the header's length.
+
+    ``data_offset``, ``nbytes`` and (in the full form) every record's ``offset`` move with
+    the data; the header JSON is padded with spaces (JSON allows trailing whitespace) to
+    leave ``slack`` bytes of room for edits in place.
+    """
+    header = copy.deepcopy(header)
+    while True:
+        text = json.dumps(header, separators=(",", ":")).encode()
+        data_offset = ser._align(20 + len(text) + slack)
+        shift = data_offset - header["data_offset"]
+        if not shift:
+            break
+        if "kinds" not in header:
+            for record in header["blobs"]:
+                record["offset"] += shift
+        header["data_offset"] += shift
+        header["nbytes"] += shift
+    text = text.ljust(data_offset - 20)
+    return bytearray(MAGIC + struct.pack("<IQ", version, len(text)) + text + data)
+
+
+def _full_form(buf: bytes | bytearray, version: int = FORMAT_VERSION) -> bytearray:
+    """``buf`` with the header peek_header gives (one full record per blob), as a ``version`` shard."""
+    header = peek_header(buf)
+    header["version"] = version
+    return _relayout(header, bytes(buf[header["data_offset"] : header["nbytes"]]), version)
+
+
+def _edit_header(shard: bytearray, header: dict[str, Any]) -> bytearray:
+    """``shard`` (laid out with slack) with ``header`` written over its header, in place: the data area stays."""
+    old_len = struct.unpack_from("<Q", shard, 12)[0]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= old_len, "the edit needs more room than the slack"
+    shard[20 : 20 + old_len] = text.ljust(old_len)
+    return shard
+
+
+def _with_header(buf: bytes | bytearray, mutate: Callable[[dict[str, Any]], None], version: int = FORMAT_VERSION) -> bytearray:
+    """``buf`` in the full form (one record per blob; see _full_form) whose header went through ``mutate``."""
+    out = _full_form(buf, version)
     header = peek_header(out)
     mutate(header)
-    old_len = struct.unpack_from("<Q", out, 12)[0]
-    text = json.dumps(header, separators=(",", ":")).encode()
-    if len(text) < old_len:
-        text += b" " * (old_len - len(text))  # JSON allows trailing whitespace
-    assert ser._align(20 + len(text)) == ser._align(20 + old_len), "mutation changed data_offset"
-    struct.pack_into("<Q", out, 12, len(text))
-    out[20 : 20 + len(text)] = text
-    return out
+    return _edit_header(out, header)
+
+
+def _raw_header(buf: bytes | bytearray) -> dict[str, Any]:
+    """The header JSON as stored (the compact blob table of version 2, not peek_header's full form)."""
+    header_len = struct.unpack_from("<Q", buf, 12)[0]
+    header: dict[str, Any] = json.loads(bytes(buf[20 : 20 + header_len]))
+    return header
+
+
+def _with_raw_header(buf: bytes | bytearray, mutate: Callable[[dict[str, Any]], None]) -> bytearray:
+    """``buf`` whose stored (compact) header went through ``mutate``; data area kept."""
+    header = _raw_header(buf)
+    out = _relayout(header, bytes(buf[header["data_offset"] : header["nbytes"]]), FORMAT_VERSION)
+    header = _raw_header(out)
+    mutate(header)
+    return _edit_header(out, header)
 
 
 def _sample_state() -> dict[str, Any]:
@@ -138,23 +189,44 @@ def _sample_state() -> dict[str, Any]:
 
 
 def test_layout_matches_the_documented_format() -> None:
-    state = _sample_state()
+    state = {**_sample_state(), "w2": torch.ones(3, 4), "b2": torch.zeros(3, dtype=torch.bfloat16)}
     layout = plan(state)
     assert isinstance(layout, ShardLayout)
-    assert layout.num_tensors == 5  # 3 tensors + 1 array + 1 bytes object
+    assert layout.num_tensors == 7  # 5 tensors + 1 array + 1 bytes object
     buf = encode(state)
     assert len(buf) == layout.nbytes
     assert bytes(buf[:8]) == MAGIC
-    assert struct.unpack_from("<I", buf, 8)[0] == FORMAT_VERSION == 1
+    assert struct.unpack_from("<I", buf, 8)[0] == FORMAT_VERSION == 2
     header_len = struct.unpack_from("<Q", buf, 12)[0]
     header = json.loads(bytes(buf[20 : 20 + header_len]))
-    assert header == peek_header(buf)
-    assert header["version"] == 1
+    assert list(header) == ["version", "byteorder", "nbytes", "data_offset", "kinds", "blobs", "root"]
+    assert header["version"] == 2
     assert header["data_offset"] == ser._align(20 + header_len) and header["data_offset"] % 64 == 0
     assert header["nbytes"] == layout.nbytes
-    assert all(blob["offset"] % 64 == 0 for blob in header["blobs"])
-    assert {blob["kind"] for blob in header["blobs"]} == {"tensor", "ndarray", "bytes"}
+    # alike tensors share one record of the compact table
+    assert header["kinds"] == [
+        {"kind": "tensor", "nbytes": 48, "dtype": "float32", "shape": [3, 4]},
+        {"kind": "tensor", "nbytes": 6, "dtype": "bfloat16", "shape": [3]},
+        {"kind": "tensor", "nbytes": 8, "dtype": "float32", "shape": [2], "requires_grad": True, "parameter": True},
+        {"kind": "ndarray", "nbytes": 8, "dtype": "<i2", "shape": [4]},
+        {"kind": "bytes", "nbytes": 3},
+    ]
+    assert header["blobs"] == [0, 1, 2, 3, 4, 0, 1]
     assert bytes(buf[20 + header_len : header["data_offset"]]) == bytes(header["data_offset"] - 20 - header_len)
+    # peek_header: the same header with one full record per blob, at packed 64-byte aligned offsets
+    full = peek_header(buf)
+    assert "kinds" not in full and {k: v for k, v in header.items() if k not in ("kinds", "blobs")} == {
+        k: v for k, v in full.items() if k != "blobs"
+    }
+    offsets = [blob["offset"] for blob in full["blobs"]]
+    assert offsets[0] == header["data_offset"] and all(offset % 64 == 0 for offset in offsets)
+    ends = [blob["offset"] + blob["nbytes"] for blob in full["blobs"]]
+    assert offsets[1:] == [ser._align(end) for end in ends[:-1]] and ends[-1] == header["nbytes"]
+    assert [{k: v for k, v in blob.items() if k != "offset"} for blob in full["blobs"]] == [header["kinds"][i] for i in header["blobs"]]
+    assert list(full["blobs"][0]) == ["kind", "offset", "nbytes", "dtype", "shape"]
+    # padding between blobs is zero
+    for end, offset in zip(ends, offsets[1:], strict=False):
+        assert bytes(buf[end:offset]) == bytes(offset - end)
 
 
 def test_plan_copies_nothing_and_write_into_is_deterministic() -> None:
@@ -666,10 +738,11 @@ def test_bad_magic_version_and_header_length() -> None:
     bad[:8] = b"PK\x03\x04xxxx"
     with pytest.raises(CorruptShardError, match="magic"):
         decode(bad)
-    bad = bytearray(buf)
-    struct.pack_into("<I", bad, 8, 2)
-    with pytest.raises(CorruptShardError, match="version"):
-        decode(bad)
+    for version in (0, 3, 2**32 - 1):
+        bad = bytearray(buf)
+        struct.pack_into("<I", bad, 8, version)
+        with pytest.raises(CorruptShardError, match="version"):
+            decode(bad)
     bad = bytearray(buf)
     struct.pack_into("<Q", bad, 12, 2**63)
     with pytest.raises(CorruptShardError, match="header length"):
@@ -747,7 +820,8 @@ def _drop(key: str) -> Callable[[dict[str, Any]], None]:
         (_set_blob(3, dtype=[["a", "O"]]), "objects"),
         (_set(nbytes=10**7), "truncated"),
         (_set(data_offset=0), "data_offset"),
-        (_set(version=2), "version"),
+        (_set(version=1), "version"),
+        (_set(version=3), "version"),
         (_set(byteorder="big" if sys.byteorder == "little" else "little"), "endian"),
         (_set(blobs={}), "list"),
         (_drop("root"), "root"),
@@ -770,9 +844,107 @@ def _drop(key: str) -> Callable[[dict[str, Any]], None]:
 )
 def test_inconsistent_headers_raise_corrupt_shard(mutate: Callable[[dict[str, Any]], None], message: str) -> None:
     buf = encode(_sample_state())
+    assert_same(_sample_state(), decode(_with_header(buf, lambda header: None)))  # the full form decodes
     bad = _with_header(buf, mutate)
     with pytest.raises(CorruptShardError, match=message):
         decode(bad)
+    with pytest.raises(CorruptShardError, match=message):
+        peek_header(bad) if message not in _CHECKED_BY_DECODE_ONLY else decode(bad)
+
+
+_CHECKED_BY_DECODE_ONLY = {"unknown tag", "out of range", "refers to blob", "without a value", "key", "malformed",
+                           "float", "int", "dtype", "device", "bytes", "set member", "Size"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (_set_blob(0, offset=10**9), "past the shard end"),
+        (_set_blob(1, offset=65), "aligned"),
+        (_set_blob(0, nbytes=4), "do not match"),
+        (_set_blob(0, dtype="qint8"), "dtype"),
+        (_set_blob(3, dtype="O"), "objects"),
+        (_set(version=2), "version"),
+        (_set(blobs={}), "list"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_version_1_headers_are_still_validated(mutate: Callable[[dict[str, Any]], None], message: str) -> None:
+    buf = encode(_sample_state())
+    assert_same(_sample_state(), decode(_with_header(buf, lambda header: None, version=1)))
+    with pytest.raises(CorruptShardError, match=message):
+        decode(_with_header(buf, mutate, version=1))
+
+
+def _set_kind(index: int, **fields: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(header: dict[str, Any]) -> None:
+        header["kinds"][index].update(fields)
+
+    return mutate
+
+
+def _drop_kind_field(index: int, key: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(header: dict[str, Any]) -> None:
+        del header["kinds"][index][key]
+
+    return mutate
+
+
+def _set_ids(ids: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(header: dict[str, Any]) -> None:
+        header["blobs"] = ids
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (_set(kinds={}), "'kinds' must be a list"),
+        (_set(kinds=[]), "indices"),
+        (_set(kinds=[1]), "record must be an object"),
+        (_set_kind(0, kind="pickle"), "kind"),
+        (_set_kind(0, nbytes=-48), "nbytes"),
+        (_set_kind(0, nbytes=True), "nbytes"),
+        (_drop_kind_field(0, "nbytes"), "nbytes"),
+        (_set_kind(0, nbytes=44), "do not match"),
+        (_set_kind(0, shape=[4, 4]), "do not match"),
+        (_set_kind(0, shape=[3, 4.0]), "shape"),
+        (_set_kind(0, shape=[True, 12]), "shape"),
+        (_set_kind(0, dtype="float33"), "dtype"),
+        (_set_kind(0, dtype="qint8"), "dtype"),
+        (_set_kind(0, requires_grad=1), "boolean"),
+        (_set_kind(3, dtype="O"), "objects"),
+        (_set_kind(3, dtype=[["a", "O"]]), "objects"),
+        (_set_kind(3, dtype="<i2", shape=[2]), "do not match"),
+        (_set_kind(4, nbytes=4), "blobs end"),
+        (_set_ids(None), "'blobs' must be a list"),
+        (_set_ids([0, 1, 2, 3]), "blobs end"),
+        (_set_ids([0, 1, 2, 3, 4, 4]), "blobs end"),
+        (_set_ids([0, 1, 2, 3, 5]), "indices"),
+        (_set_ids([0, 1, 2, 3, -1]), "indices"),
+        (_set_ids([0, 1, 2, 3, True]), "indices"),
+        (_set_ids([0, 1, 2, 3, 4.0]), "indices"),
+        (_set_ids([0, 1, 2, 3, "4"]), "indices"),
+        (_set_ids([[0], 1, 2, 3, 4]), "indices"),
+        (_set_ids([3, 1, 2, 0, 4]), "refers to blob"),  # blob 0 becomes the array, the tree says tensor
+        (_set(nbytes=10**7), "truncated"),
+        (_set_root(["T", 4]), "refers to blob"),
+        (_set_root(["T", 5]), "out of range"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_inconsistent_compact_tables_raise_corrupt_shard(mutate: Callable[[dict[str, Any]], None], message: str) -> None:
+    buf = encode(_sample_state())
+    assert_same(_sample_state(), decode(_with_raw_header(buf, lambda header: None)))
+    bad = _with_raw_header(buf, mutate)
+    with pytest.raises(CorruptShardError, match=message):
+        decode(bad)
+    if message in ("refers to blob", "out of range"):  # the tree: decode's to check
+        peek_header(bad)
+    else:
+        with pytest.raises(CorruptShardError, match=message):
+            peek_header(bad)
 
 
 def test_header_flip_fuzz_only_raises_corrupt_shard() -> None:
@@ -833,3 +1005,65 @@ def test_zero_copy_decode_views_the_buffer() -> None:
     assert again["w"][0].item() == 42.0 and again["a"][1] == 7 and again["small"][0].item() == 1.0
     with pytest.raises(TypeError, match="writable"):
         ser.decode(bytes(data), zero_copy=True)
+
+
+# --------------------------------------------------------------------------------------
+# format version 1 (one full record per blob), still read
+# --------------------------------------------------------------------------------------
+
+# A shard written by the version-1 encoder (before the compact blob table), of _v1_state().
+_V1_SHARD = zlib.decompress(base64.b64decode(
+    "eNrt18Fym0YYwHHSNGnSvgVnDsuCEPIh9nR66KU9NLlpNB4kllRTDApg15qMZ/IofZQ8Wr/FwkauSmKjW/4rr63d337fsssKjX97++7tr3/84j9zHOfmtdOWj+6Vqep1Wbgnvucut40pq9RU7ombr5smN67nFra3dk/iYOqHnpsmTXJeZlltGvdEh7NIwvJyKQPmH92/1kUqsY0p6rKS2P1xXSZt0zTbjZGhWV4mTaBlbP1nYnvm2gsWN95Arkmk7nP5eijXFzJF9kq6TNF9omWbyY8ekSmO7zMNLm84z3Sij7S22I+OtLY4VkdZ2ywMj7O2QKn4OGsL1FQfY22BH0RHWptW6khr01F4lLUFurfb8eBHd+G5lflwua5Mff6+SiRfU10az90kVXJhGvtgsR3D082+9pb4h6cbzB5OejcqVsrudjfDuniwHMuDexPv51NDV6s8/Zhc/YekXNjejQ+/8IiMg4nunaKgd4rKMv+/E1SkSVUl2/08ce8M6d763qzDXp5JP8/t6H6WKOw/HR8M/e+kU793AvSNvctlKTJ3Uxl3UaZG1jB3ywv723Z1f7vvMs9fSNDftvud6ynbKDfN+m583SSN2TXUrs9cb86Tq/e7GHu0dj3n9Yddpz3edWM2u2Ygef2D0eGh6Ml+dCTR+mD09FB0vB89k+jg8JWrQ+G+vx/v64XdlfZzKR+d8nJTW8m7Hcor+y6Td9kqmWV+qsM00hMVZK6ELU2TtOObbtQqXd0Vs2pH3YJexlM/Smcrk01NZqGbtptQySba73zPlb72U+xlSV6b2wvsrtf63RLt/i7Xd027s+Zi02y7jkg6ilXXsvu57Bp2H4s26+/SmtmzlbQHRUZou3XLxLZ+lpbdsuvdRfq75ah+CUMl6ywu81z2drcdgb35c9ucyC2Wd2uJCtXDItuwuHGeUj6dyq8z+ZH6Seo/Z843U+zau/qEctq+Rs4/qpz16hNmt6/R848JP7uvjy+fT+1r7PxjSjv75xH3/83YE2z/9/pO6nOp30t9IfUlhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEYhmEY9k2b7XklI144r2XMS+dHGfWD85PzteVZm310eXiJj4i88sdMfL39F3+Q2vk="
+))  # fmt: skip
+
+
+def _v1_state() -> dict[str, Any]:
+    od: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict(w=torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    od._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    return {
+        "model": od,
+        "optim": {
+            "state": {
+                i: {
+                    "exp_avg": torch.full((3,), float(i)),
+                    "exp_avg_sq": torch.full((3,), i * 0.5, dtype=torch.bfloat16),
+                    "step": torch.tensor(float(i)),
+                }
+                for i in range(4)
+            },
+            "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), "params": [0, 1, 2, 3], "amsgrad": False}],
+        },
+        "p": torch.nn.Parameter(torch.tensor([1.5, -2.0])),
+        "g": torch.tensor([0.25], requires_grad=True),
+        "big": torch.arange(20000, dtype=torch.int32) % 7,
+        "empty": torch.empty(0, 2),
+        "nc": torch.arange(12, dtype=torch.int16).reshape(3, 4).t(),
+        "b": torch.tensor([True, False, True]),
+        "np": np.arange(5, dtype=">i4"),
+        "raw": b"\x00\x01v1",
+        "ba": bytearray(b"xy"),
+        "x": [1, 2.5, None, "s", (3, 4), {5, 6}, 2**70],
+    }
+
+
+def test_version_1_shards_still_decode() -> None:
+    assert struct.unpack_from("<I", _V1_SHARD, 8)[0] == 1
+    header = peek_header(_V1_SHARD)
+    assert header["version"] == 1 and header == _raw_header(_V1_SHARD)  # the full form is what version 1 stores
+    assert_same(_v1_state(), decode(_V1_SHARD))
+    assert_same(_v1_state(), ser.decode(bytearray(_V1_SHARD), zero_copy=True))
+    # re-encoded, it is the same state in the current format, same blob layout
+    again = encode(decode(_V1_SHARD))
+    assert struct.unpack_from("<I", again, 8)[0] == FORMAT_VERSION
+    assert [{k: v for k, v in blob.items() if k != "offset"} for blob in peek_header(again)["blobs"]] == [
+        {k: v for k, v in blob.items() if k != "offset"} for blob in header["blobs"]
+    ]
+    assert bytes(again[peek_header(again)["data_offset"] :]) == _V1_SHARD[header["data_offset"] :]
+
+
+def test_any_shard_in_version_1_form_decodes_the_same() -> None:
+    model, opt = _trained()
+    for state in (_sample_state(), {"model": model.state_dict(), "optim": opt.state_dict()}, _v1_state(), {}, [torch.ones(2)] * 3):
+        buf = encode(state)
+        assert_same(state, decode(_full_form(buf, version=1)))
+        assert_same(state, decode(_full_form(buf)))  # the full form is a valid version-2 header too

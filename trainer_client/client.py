@@ -397,7 +397,7 @@ class CheckpointClient:
             return None
         try:
             return premap[1].result()
-        except OSError:
+        except (OSError, ValueError):  # gone, or resized by the store meanwhile: map it afresh
             return None
 
     def _map_ahead(self, path: str) -> None:

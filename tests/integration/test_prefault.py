@@ -48,14 +48,14 @@ def test_saves_take_prefaulted_segments_and_the_next_one_is_mapped_ahead(make_cl
     c = CheckpointClient("pf", 0, 1, store=cluster.address("h0"))
     try:
         c.save(1, state(1)).wait(timeout=30)
-        first = next(iter(c._mappings))  # noqa: SLF001 - the segment the first save was copied into
+        first = next(iter(c._mappings))
         assert first in ready, "the first save of a fresh job should land in memory faulted in at start-up"
         # The store named the segment the next save gets; the client mapped it in the background.
-        assert c._premap is not None  # noqa: SLF001
-        ahead = c._premap[0]  # noqa: SLF001
+        assert c._premap is not None
+        ahead = c._premap[0]
         assert ahead != first and os.path.exists(ahead)
         c.save(2, state(2)).wait(timeout=30)
-        assert list(c._mappings)[-1] == ahead  # noqa: SLF001 - the second save used the mapped-ahead segment
+        assert list(c._mappings)[-1] == ahead
         assert c.load(2)["w"][0].item() == 2.0
         # The peer's copies came from its reserve too: no segment created on h1 beyond what it had.
         wait_for(lambda: settled(cluster, "h1"), timeout=30, what="h1's reserve refilled")
@@ -74,7 +74,7 @@ def test_auto_reserve_fills_after_the_first_shard(make_cluster) -> None:
         wait_for(lambda: health(cluster, "h1").reserve_bytes >= 8 * MiB, timeout=30, what="the peer learned from the replica")
         before = segments(cluster, "h0")
         c.save(2, state(2)).wait(timeout=30)
-        assert list(c._mappings)[-1] in before  # noqa: SLF001 - the second save took a pre-faulted segment
+        assert list(c._mappings)[-1] in before
     finally:
         c.close()
 
@@ -87,3 +87,20 @@ def test_prefault_off_keeps_nothing(make_cluster) -> None:
         assert health(cluster, "h0").reserve_bytes == 0
     finally:
         c.close()
+
+
+def test_a_failed_background_mapping_only_costs_the_mapping(make_cluster) -> None:
+    """The segment mapped ahead may change size (the store trims reserve segments) before the mapping is made:
+    the save that gets it maps it afresh instead of failing (seen once in a chaos run)."""
+    from concurrent.futures import Future
+
+    cluster = make_cluster(hosts=1, replicas=1, capacity="128MiB", extra_args=["--prefault", "32MiB", "--prefault-unit", "4MiB"])
+    wait_for(lambda: settled(cluster, "h0"), timeout=30, what="reserve faulted in")
+    with CheckpointClient("pf-race", 0, 1, store=cluster.address("h0")) as c:
+        c.save(1, state(1)).wait(timeout=30)
+        assert c._premap is not None
+        failed: Future = Future()
+        failed.set_exception(ValueError("mmap length is greater than file size"))
+        c._premap = (c._premap[0], failed)
+        c.save(2, state(2)).wait(timeout=30)
+        assert c.load(2)["w"][0].item() == 2.0

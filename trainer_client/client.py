@@ -1,13 +1,16 @@
 """``CheckpointClient``: save a rank's state into the host's store and restore it.
 
 Save path on the same machine as the store (the common case): the store hands out a shared-memory
-segment it owns, the client copies the state straight into it, and ``commit`` transfers ownership.
-``save()`` returns then: the only stall is that copy, and a trainer crash afterwards loses nothing.
-Checksums and replication happen in the store, in the background. Without shared memory (a store on
-another machine) the bytes go over a gRPC stream instead, checksummed here.
+segment it owns (pre-faulted, and mapped here ahead of time when the store could name it), the client
+copies the state straight into it, and ``commit`` transfers ownership; these calls go over the
+store's Unix socket (``trainer_client._local_control``). ``save()`` returns then: the only stall is
+that copy, and a trainer crash afterwards loses nothing. Checksums and replication happen in the store,
+in the background. Without shared memory (a store on another machine) the client stages the shard,
+checksums it and sends it over the store's data channel (``trainer_client._remote``).
 
-Load path: the local store first makes sure it holds a verified copy (pulling from a peer if not),
-then the client maps it read-only, verifies every chunk and decodes. Bytes are never unpickled.
+Load path: the local store first makes sure it holds a verified copy (pulling from a peer if not) and
+verifies it again when the client opens it; the client maps it copy-on-write and decodes. Bytes are
+never unpickled.
 
 Timelines: every shard is saved under the timeline of the save that produced it, and a step restores
 only from shards of one timeline, so a restore never mixes two saves of a step. A client's timeline is
@@ -229,6 +232,10 @@ class CheckpointClient:
             must pass it: otherwise their shards never form a restorable step, and ``load()`` says so.
             A job restarted inside the same process (tests, notebooks) must pass a new one: saving a
             step again under a timeline that already holds it raises ``AlreadySavedError``.
+        remote_save: without shared memory, ``"sync"`` (default) returns from ``save()`` once the store
+            holds verified bytes (crash-safe; the stall includes the transfer), ``"background"`` once the
+            state is staged in this process (the stall is one copy; the send runs on a thread, at most two
+            in flight, and a crash before it finished loses that save; ``handle.wait()`` reports it).
     """
 
     def __init__(

@@ -126,7 +126,7 @@ class RemotePath:
         try:
             with datachannel.connect(self._host, prepared.data_port, self._timeout, self._ssl, self._credentials.server_name) as sock:
                 sock.sendall(prepared.ticket)
-                datachannel.receive_verified(sock, m, byte_view(buf, m.nbytes), deadline)
+                datachannel.receive_verified(sock, m, byte_view(buf, m.nbytes), deadline, fault_ahead=True)
         except StreamError as exc:
             raise CorruptShardError(f"{what}: {exc}") from None
         except (DataChannelError, OSError) as exc:

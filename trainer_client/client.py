@@ -44,6 +44,7 @@ from memstore.v1.channel import boot_id, store_stub
 from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
 from memstore.v1.manifests import manifest_from_pb
+from memstore.v1.pagefaults import FaultAhead
 from memstore.v1.security import Credentials
 from memstore.v1.streams import manifest_problem
 from trainer_client import serialization
@@ -477,9 +478,14 @@ class CheckpointClient:
         the transfer). ``"background"``: returns after the staging copy; the send runs on a thread and the
         save's handle reports it (a crash of this process before it finished loses the save).
         """
-        buf = self._staging_buffer(layout.nbytes)
+        buf, fresh = self._staging_buffer(layout.nbytes)
         view = byte_view(buf, layout.nbytes)
-        layout.write_into(view)
+        ahead = FaultAhead(view) if fresh else None  # a new buffer's pages fault in beside the copy
+        try:
+            layout.write_into(view)
+        finally:
+            if ahead is not None:
+                ahead.stop()
         chunk = min(DEFAULT_CHUNK_BYTES, self.hello.max_chunk_bytes or DEFAULT_CHUNK_BYTES)
         created = time.time()
 
@@ -511,16 +517,16 @@ class CheckpointClient:
         self._sends.append(future)
         return future
 
-    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
-        """A free staging buffer of at least ``nbytes`` (kept between saves: its pages are faulted in once).
-        With background sends, at most two are in flight; a third save waits for the oldest."""
+    def _staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]:
+        """A free staging buffer of at least ``nbytes`` (kept between saves: its pages are faulted in once), and
+        whether it is new. With background sends, at most two are in flight; a third save waits for the oldest."""
         while self._sends and (self._sends[0].done() or len(self._sends) >= _MAX_BACKGROUND_SENDS):
             self._sends.popleft().exception()  # waits; its handle reports the outcome
         for i, buf in enumerate(self._free_staging):
             if buf.numel() >= nbytes:
-                return self._free_staging.pop(i)
+                return self._free_staging.pop(i), False
         self._free_staging.clear()  # too small for this state: let them go
-        return empty_buffer(nbytes)
+        return empty_buffer(nbytes), True
 
     def _wait_committed(self, step: int, timeout: float, timeline: str) -> tuple[pb.ShardInfo, bool]:
         key = self._key(step, timeline=timeline)

@@ -7,16 +7,15 @@ for its system call, so a store's other threads keep serving while memory faults
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 import os
 import threading
-from collections.abc import Callable
+
+from memstore.v1.pagefaults import MADV_POPULATE_WRITE, address_of, madvise
 
 PAGE = mmap.PAGESIZE
 FAULT_STEP = 64 << 20  # fault_in works in steps of this many bytes, checking for cancellation between them
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
@@ -28,33 +27,12 @@ def advise_huge(mm: mmap.mmap) -> None:
         mm.madvise(_MADV_HUGEPAGE)
 
 
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-_madvise = _libc_madvise()  # through ctypes, which lets go of the GIL (mmap.madvise holds it for the whole call)
-
-
-def _address(mm: mmap.mmap) -> int:
-    anchor = ctypes.c_char.from_buffer(mm)
-    try:
-        return ctypes.addressof(anchor)
-    finally:
-        del anchor  # no export left behind: the map can still be resized or closed
-
-
 def populate(mm: mmap.mmap, fd: int, start: int, length: int) -> None:
     """Fault in [start, start+length) of ``mm`` for writing: pages allocated, zeroed and mapped.
 
     The store's other threads keep running meanwhile (the GIL is released): the reserve faults memory in
     while the store serves saves."""
-    if _madvise is not None and _madvise(_address(mm) + start, length, _MADV_POPULATE_WRITE) == 0:
+    if madvise is not None and madvise(address_of(mm) + start, length, MADV_POPULATE_WRITE) == 0:
         return
     if fd < 0:
         mv = memoryview(mm)
@@ -71,7 +49,7 @@ def populate(mm: mmap.mmap, fd: int, start: int, length: int) -> None:
 
 def give_back(mm: mmap.mmap, start: int) -> bool:
     """Drop the pages of anonymous ``mm`` from ``start`` to its end (they read as zeros again); whether it could."""
-    return _madvise is not None and not mm.closed and _madvise(_address(mm) + start, len(mm) - start, _MADV_DONTNEED) == 0
+    return madvise is not None and not mm.closed and madvise(address_of(mm) + start, len(mm) - start, _MADV_DONTNEED) == 0
 
 
 def fault_in(fd: int, size: int, cancel: threading.Event) -> mmap.mmap:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from memstore.core.model import Manifest
 from memstore.errors import DataChannelError
 from memstore.v1.integrity import chunk_spans
+from memstore.v1.pagefaults import FaultAhead
 from memstore.v1.streams import verify_chunk
 
 TICKET_BYTES = 16
@@ -87,16 +88,30 @@ def _set_deadline(sock: socket.socket, deadline: float) -> None:
 
 
 def receive_verified(
-    sock: socket.socket, manifest: Manifest, dest: memoryview, deadline: float, on_chunk: Callable[[], None] | None = None
+    sock: socket.socket,
+    manifest: Manifest,
+    dest: memoryview,
+    deadline: float,
+    on_chunk: Callable[[], None] | None = None,
+    fault_ahead: bool = False,
 ) -> None:
-    """Read the shard's bytes into ``dest`` chunk by chunk, verifying each; StreamError on a mismatch."""
+    """Read the shard's bytes into ``dest`` chunk by chunk, verifying each; StreamError on a mismatch.
+
+    ``fault_ahead``: ``dest`` is fresh memory; a second thread faults its pages in ahead of the socket
+    (``FaultAhead``), so allocating and zeroing them overlaps the transfer instead of adding to it.
+    """
     out = memoryview(dest)
-    for index, (off, length) in enumerate(chunk_spans(manifest.nbytes, manifest.chunk_size)):
-        piece = out[off : off + length]
-        recv_exact(sock, piece, deadline)
-        verify_chunk(manifest, index, piece, where=" on the data channel")
-        if on_chunk:
-            on_chunk()
+    ahead = FaultAhead(out[: manifest.nbytes]) if fault_ahead else None
+    try:
+        for index, (off, length) in enumerate(chunk_spans(manifest.nbytes, manifest.chunk_size)):
+            piece = out[off : off + length]
+            recv_exact(sock, piece, deadline)
+            verify_chunk(manifest, index, piece, where=" on the data channel")
+            if on_chunk:
+                on_chunk()
+    finally:
+        if ahead is not None:
+            ahead.stop()
 
 
 def send_status(sock: socket.socket, error: str | None) -> None:

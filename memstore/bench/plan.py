@@ -32,10 +32,11 @@ class Scenario:
 def ram_need(size: int, replicas: int, hosts: int, keep: int) -> RamNeed:
     """Estimated RAM a scenario needs on this machine.
 
-    The stores: keep steps, one being saved and the two segments of the automatic reserve (--prefault auto) of the
-    one benchmarked rank on each of its R holders, (keep+3) x size x R. With one rank per host (a real job) that would be x hosts more, reported as
-    ``one_rank_per_host_bytes`` for reference. The bench process: the state plus up to two transient copies. Plus the
-    processes themselves (Python, torch, gRPC): the bench, a restore process, ~40-60 MiB per store.
+    The stores: keep steps, one being saved and the two segments of the automatic reserve (--prefault auto)
+    of the one benchmarked rank on each of its R holders, (keep+3) x size x R. With one rank per host (a real
+    job) that would be x hosts more, reported as ``one_rank_per_host_bytes`` for reference. The bench
+    process: the state plus up to two transient copies. Plus the processes themselves (Python, torch,
+    gRPC): the bench, a restore process, ~40-60 MiB per store.
     """
     segment = round_page(size + SHARD_HEADER)
     stores = (keep + 3) * segment * replicas

@@ -229,9 +229,9 @@ def _check_first_save(data: dict) -> None:  # type: ignore[type-arg]
     assert labels[0] == "store defaults" and first["series"][0]["prefault"] is None
     assert first["series"][0]["saves"] == data["cluster"]["saves"]
     _check_series(first["series"][0], keep)
-    if first["prefault_supported"]:  # the stores know --prefault: the series with 2x the state pre-faulted ran
+    if first["prefault_supported"]:  # the stores know --prefault: the series with (keep+2)x the state pre-faulted ran
         pre = first["series"][1]
-        assert pre["label"].endswith("(2x state)") and pre["store_command"].startswith("MEMSTORE_PREFAULT=")
+        assert pre["label"].endswith(f"({keep + 2}x state)") and pre["store_command"].startswith("MEMSTORE_PREFAULT=")
         assert "error" not in pre, pre.get("error")
         _check_series(pre, keep)
     for key in ("first_save_stall_over_memcpy", "later_saves_stall_over_memcpy_max", "first_save_committed_over_raw_tcp",

@@ -103,7 +103,14 @@ def test_series_follow_a_save_a_spill_a_refused_call_a_lost_host_and_a_restore(m
     assert value(h1, "memstore_job_bytes", job_id=JOB) == value(h0, "memstore_job_bytes", job_id=JOB)
 
     # -- the spill (--spill-every-steps 1): the spilled step, its age, the durable tier's counts --------------------
-    h0 = scrape_until(cluster, "h0", lambda s: value(s, "memstore_newest_step", job_id=JOB, kind="spilled") == 1, "step 1 spilled")
+    # The spilled step is read from the durable tier, where its manifest is published before the spill's timing is
+    # recorded: wait for both (a scrape in between saw the step spilled and no spill timed yet).
+    h0 = scrape_until(
+        cluster,
+        "h0",
+        lambda s: value(s, "memstore_newest_step", job_id=JOB, kind="spilled") == 1 and value(s, "memstore_spill_seconds_count") >= 1,
+        "step 1 spilled",
+    )
     assert (("memstore_spill_age_seconds", frozenset({("job_id", JOB)}))) in h0
     assert 0 <= value(h0, "memstore_spill_age_seconds", job_id=JOB) < 60
     assert value(h0, "memstore_spill_seconds_count") >= 1

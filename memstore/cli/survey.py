@@ -97,6 +97,8 @@ def _ask(host: str, address: str, timeout: float, job: str) -> tuple[dict[str, A
         "draining": h.draining,
         "drain_progress": h.drain_progress,
         "used": h.used_bytes,
+        "pooled": h.pooled_bytes,  # part of used: free segments kept faulted in
+        "reserve": h.reserve_bytes,  # part of pooled: the --prefault reserve
         "capacity": h.capacity_bytes,
         "shards": h.shards,
         "replicating": h.replications_in_flight,

@@ -50,6 +50,7 @@ def test_status_ls_inspect_tables_and_json(cluster: LocalCluster) -> None:
     status = as_json("status", "--store", store)
     assert [(h["host"], h["slot"], h["ready"]) for h in status["hosts"]] == [("h0", 0, True), ("h1", 1, True), ("h2", 2, True)]
     assert all(h["used"] > 0 and h["capacity"] == 64 << 20 for h in status["hosts"])
+    assert all(0 <= h["reserve"] <= h["pooled"] <= h["used"] for h in status["hosts"])
     (job,) = status["jobs"]
     assert (job["job"], job["newest_committed"], job["newest_restorable"], job["newest_spilled"], job["steps_in_ram"]) == (JOB, 2, 2, 2, 2)
     table = memstore("status", env={"MEMSTORE_STORE": store})  # no --store: MEMSTORE_STORE

@@ -64,6 +64,7 @@ _REUSE_SLACK = 1.25  # reuse a pooled segment up to 25% larger than needed rathe
 
 FRESH = ""  # owner of a reserve segment: it never held any job's bytes, so any job may take it
 _GROW_FRACTION = 8  # a fresh segment up to 1/8 short of a shard grows to fit it
+_TRIM_FACTOR = 8  # ... and one up to 8x the shard is trimmed to it; a far smaller shard faults in fresh memory of its own
 _CANCEL_WAIT_SECONDS = 5.0  # how long an allocation waits for the reserve to give back bytes it is faulting in
 
 
@@ -409,7 +410,8 @@ class SegmentPool:
         and would be handed to ``owner`` (see ``peek``), else the best pooled one, else a fresh one.
 
         Pooled segments are only handed back to the job that used them, so one job's leftover bytes are
-        never mapped by another job's trainer. Raises CapacityExceeded with the byte counts if it can't fit,
+        never mapped by another job's trainer; fresh ones of the reserve (which never held any job's bytes)
+        go to any job. Raises CapacityExceeded with the byte counts if it can't fit,
         QuotaExceeded if the job's segments in use would exceed ``quota`` bytes (0 = no quota).
         """
         if self._leftovers_pending:
@@ -508,7 +510,11 @@ class SegmentPool:
                     return seg
                 if own is None or seg.size < own.size:
                     own = seg
-            elif seg.owner == FRESH and (low if seg.path else nbytes) <= seg.size and (max_size is None or size <= max_size):
+            elif (
+                seg.owner == FRESH
+                and (low if seg.path else nbytes) <= seg.size <= _TRIM_FACTOR * size
+                and (max_size is None or size <= max_size)
+            ):
                 # (an anonymous segment can't grow: shared anonymous memory has a fixed size)
                 if preferred and seg.path == preferred:
                     return seg

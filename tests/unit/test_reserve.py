@@ -232,3 +232,17 @@ def test_close_stops_the_reserve_and_removes_its_files(tmp_path: Path) -> None:
     pool.close()
     assert pool._reserve_thread is not None and not pool._reserve_thread.is_alive()
     assert not directory.exists()
+
+
+def test_a_far_smaller_shard_leaves_the_reserve_alone(directory: str | None) -> None:
+    pool = SegmentPool(directory, 64 * MiB, reserve=ReservePolicy(32 * MiB, unit=16 * MiB))
+    try:
+        pool.start_reserve()
+        wait_until(settled(pool))
+        before = fresh_sizes(pool)
+        tiny = pool.acquire(64 * 1024, "j")  # 1/256 of a unit: fresh memory of its own, not a trimmed unit
+        assert tiny.size == 64 * 1024
+        assert fresh_sizes(pool) == before
+        check_accounting(pool)
+    finally:
+        pool.close()

@@ -232,6 +232,18 @@ def _check_blob_table(table: object, indices: list[Any], data_offset: int, total
     return offsets, specs
 
 
+def _checked_spec(record: dict[str, Any], kind: object, nbytes: int, where: str) -> _BlobSpec:
+    """The spec of a blob record of ``kind`` and ``nbytes``, its kind-specific fields checked."""
+    spec = _BlobSpec(str(kind), nbytes)
+    if kind == _BLOB_TENSOR:
+        _check_tensor_record(record, spec, where)
+    elif kind == _BLOB_NDARRAY:
+        _check_ndarray_record(record, spec, where)
+    elif kind != _BLOB_BYTES and kind != _BLOB_BYTEARRAY:
+        _corrupt(f"{where}: unknown blob kind {kind!r:.40}")
+    return spec
+
+
 def _check_kind_record(record: object, where: str) -> _BlobSpec:
     """Validate one record of the compact table: a version-1 blob record without the offset."""
     if type(record) is not dict:
@@ -241,13 +253,7 @@ def _check_kind_record(record: object, where: str) -> _BlobSpec:
     if not _is_uint(nbytes):
         _corrupt(f"{where}: nbytes must be a non-negative int")
     assert type(nbytes) is int
-    spec = _BlobSpec(str(kind), nbytes)
-    if kind == _BLOB_TENSOR:
-        _check_tensor_record(record, spec, where)
-    elif kind == _BLOB_NDARRAY:
-        _check_ndarray_record(record, spec, where)
-    elif kind != _BLOB_BYTES and kind != _BLOB_BYTEARRAY:
-        _corrupt(f"{where}: unknown blob kind {kind!r:.40}")
+    spec = _checked_spec(record, kind, nbytes, where)
     return spec
 
 
@@ -383,13 +389,7 @@ def _check_blob_record(record: object, where: str, end: int, total: int) -> tupl
         _corrupt(f"{where}: offset {offset} overlaps the header or the previous blob (ends at {end})")
     if offset + nbytes > total:
         _corrupt(f"{where}: bytes [{offset}, {offset + nbytes}) run past the shard end {total}")
-    spec = _BlobSpec(str(kind), nbytes)
-    if kind == _BLOB_TENSOR:
-        _check_tensor_record(record, spec, where)
-    elif kind == _BLOB_NDARRAY:
-        _check_ndarray_record(record, spec, where)
-    elif kind != _BLOB_BYTES and kind != _BLOB_BYTEARRAY:
-        _corrupt(f"{where}: unknown blob kind {kind!r:.40}")
+    spec = _checked_spec(record, kind, nbytes, where)
     return offset, spec
 
 

@@ -53,7 +53,8 @@ class ReserveGoal:
 
 
 class ReservePolicy:
-    """Learns shard sizes and says how much fresh memory to keep ready."""
+    """Learns shard sizes and says how much fresh memory to keep ready. Not thread-safe: the pool calls it
+    under its lock."""
 
     def __init__(self, prefault: int | None, unit: int = 0, keep: int = 2) -> None:
         if prefault is not None and prefault < 0:

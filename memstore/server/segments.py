@@ -418,10 +418,10 @@ class SegmentPool:
             self._settle_leftovers(None)  # nobody adopted them: a store that does not adopt starts clean
         size = _round_up(nbytes)
         victims: list[Segment] = []
-        if self.reserve is not None:
-            self.reserve.saw(nbytes)
-            self._reserve_wake.set()
         with self._lock:
+            if self.reserve is not None:
+                self.reserve.saw(nbytes)  # under the lock: goal() iterates what saw() appends to
+                self._reserve_wake.set()
             used = self._owner_bytes(owner) if quota else 0
             max_size = quota - used if quota else None
             seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred)

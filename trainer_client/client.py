@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from memstore.core.agreement import Seen
 from memstore.errors import ConfigError
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import boot_id, store_stub
@@ -48,6 +49,7 @@ from memstore.v1.pagefaults import FaultAhead
 from memstore.v1.security import Credentials
 from memstore.v1.streams import manifest_problem
 from trainer_client import serialization
+from trainer_client._agreement import Agreements, AgreementStats, agree
 from trainer_client._local_control import LocalStub, RpcFailure
 from trainer_client._remote import RemotePath, byte_view, empty_buffer
 from trainer_client.errors import (
@@ -317,6 +319,7 @@ class CheckpointClient:
                 log.info("store control socket %s not usable (%s); the save path uses gRPC", self.hello.control_socket, exc)
         self.last_load_source = ""
         self.last_restore_note = ""
+        self.agreement = Agreements()  # latest_step(group=...): its last cost, its answer, versions found durable
         # Without shared memory: shards travel over the store's data channel, staged in buffers kept here.
         self._remote = RemotePath(self._stub, self.address, self.credentials, timeout, self.hello.data_port)
         self._free_staging: list[torch.Tensor] = []
@@ -537,9 +540,16 @@ class CheckpointClient:
         return resp.info, resp.done
 
     # -- restore ------------------------------------------------------------------------
-    def latest_step(self) -> int | None:
-        """Newest step restorable for every rank of the job, or None if there is none."""
-        point = self.restore_point()
+    def latest_step(self, group: Any = None) -> int | None:
+        """Newest step restorable for every rank of the job, or None if there is none.
+
+        ``group``: the job's ``torch.distributed`` process group (rank i of it is the client of rank i). Then
+        this is a collective (every rank calls it at the same point) that costs each rank one call to its own
+        store, which asks only its placement group, plus a few small all-reduces: O(replicas) calls per rank
+        instead of O(hosts) (``memstore.core.agreement``). Without a group every call asks every store.
+        """
+        point = self.restore_point(group=group)
+        self.agreement.point = point if group is not None else None
         if point is not None and point.world_size != self.world_size:
             raise InvalidArgumentError(
                 f"step {point.step} of job {self.job_id} was saved by {point.world_size} ranks but this client has world_size "
@@ -547,15 +557,43 @@ class CheckpointClient:
             )
         return None if point is None else point.step
 
-    def restore_point(self, step: int | None = None) -> RestorePoint | None:
+    def restore_point(self, step: int | None = None, group: Any = None) -> RestorePoint | None:
         """The version to restore: of the newest restorable step, or of exactly ``step``; None if there is none.
 
         Every rank's shard of the returned (step, timeline) is verified somewhere; shards of other saves
-        of that step are never part of it.
+        of that step are never part of it. ``group``: agree over the job's process group (see ``latest_step``).
         """
         problem = job_id_problem(self.job_id) or (None if step is None else key_problem(self.job_id, step, 0))
         if problem:
             raise InvalidArgumentError(problem)
+        if group is not None:
+            return self._agreed_point(step, group)
+        return self._cluster_point(step)
+
+    def _agreed_point(self, step: int | None, group: Any) -> RestorePoint | None:
+        self.agreement.stats = stats = AgreementStats()
+
+        def ask_local() -> list[Seen]:
+            request = pb.LatestStepRequest(job_id=self.job_id, ranks=[self.rank], include_durable=self.rank == 0)
+            stats.rpcs += 1
+            resp = self._call(lambda t: self._stub.LatestStep(request, timeout=t), "latest_step", retries=3)
+            return [Seen(v.step, v.timeline, v.world_size, v.created_unix, tuple(v.ranks), v.durable) for v in resp.versions]
+
+        def ask_cluster() -> Seen | None:
+            stats.rpcs += 1
+            point = self._cluster_point(step)
+            return None if point is None else Seen(point.step, point.timeline, point.world_size, 0.0)
+
+        agreed = agree(group, self.rank, self.world_size, step, ask_local, ask_cluster, stats)
+        if agreed is None:
+            self.last_restore_note = self.last_restore_note if stats.fallback else ""
+            return None
+        self.last_restore_note = ""
+        if agreed.durable:
+            self.agreement.durable.add((agreed.step, agreed.timeline))
+        return RestorePoint(agreed.step, agreed.world_size, agreed.timeline)
+
+    def _cluster_point(self, step: int | None) -> RestorePoint | None:
         request = pb.LatestStepRequest(job_id=self.job_id, step=step)
         try:
             resp = self._call(lambda t: self._stub.LatestStep(request, timeout=t), "latest_step", retries=3)
@@ -570,7 +608,9 @@ class CheckpointClient:
         self.last_restore_note = ""
         return RestorePoint(int(resp.step), int(resp.world_size), resp.timeline)
 
-    def load(self, step: int | None = None, *, rank: int | None = None, zero_copy: bool = True, timeline: str | None = None) -> Any:
+    def load(
+        self, step: int | None = None, *, rank: int | None = None, zero_copy: bool = True, timeline: str | None = None, group: Any = None
+    ) -> Any:
         """Restore this rank's state at ``step`` (default: the latest restorable step); bytes verified first.
 
         The shard comes from the step's restorable version (``restore_point``), or from ``timeline`` when
@@ -578,9 +618,13 @@ class CheckpointClient:
         With shared memory and ``zero_copy`` (the default), large tensors are copy-on-write views of the
         store's segment: no copy, no fresh page faults. Pass ``zero_copy=False`` for tensors with
         memory of their own.
+
+        ``group``: the job's process group; the version is then agreed over it (a collective, see ``latest_step``),
+        and a ``load(step, group=...)`` right after ``latest_step(group=...)`` returned ``step`` reuses that answer.
         """
         if timeline is None or step is None:
-            point = self.restore_point(step)
+            agreed, self.agreement.point = self.agreement.point, None
+            point = agreed if group is not None and agreed is not None and agreed.step == step else self.restore_point(step, group)
             if point is None:
                 note = f": {self.last_restore_note}" if self.last_restore_note else ""
                 if step is None:
@@ -594,7 +638,8 @@ class CheckpointClient:
             step, timeline = point.step, point.timeline
         key = self._key(step, rank, timeline)
         for attempt in range(2):
-            request = pb.FetchRequest(key=key, discard_local=attempt > 0)
+            durable_known = (key.step, key.timeline) in self.agreement.durable  # agreed from the durable tier's one listing
+            request = pb.FetchRequest(key=key, discard_local=attempt > 0, durable_known=durable_known)
             fetched = self._call(
                 lambda t, request=request: self._stub.Fetch(request, timeout=t + 600),  # type: ignore[misc]
                 f"load step {step}",

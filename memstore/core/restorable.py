@@ -128,7 +128,11 @@ def latest_restorable(holdings: Iterable[Holding], job_id: str, step: int | None
     For an explicit step, a superseded version is still returned when it is the only restorable one
     of that step (the caller asked for that step by number); a live one is preferred.
     """
-    complete = restorable_versions(holdings, job_id)
+    return latest_among(restorable_versions(holdings, job_id), step)
+
+
+def latest_among(complete: list[Version], step: int | None = None) -> Version | None:
+    """:func:`latest_restorable` over restorable versions already known (the rule, without the holdings)."""
     live = [v for v in complete if not any(supersedes(w, v.step, v.timeline, v.created_unix) for w in complete)]
     if step is None:
         return max(live, key=lambda v: (v.step, v.created_unix), default=None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from memstore.core.agreement import Seen
 from memstore.core.model import PutOrigin, ShardInfo, ShardState, TransferHeader
 from memstore.core.restorable import RestoreAnswer
 from memstore.core.slots import Slot, SlotTable
@@ -30,6 +31,7 @@ __all__ = [
     "latest_to_pb",
     "manifest_from_pb",
     "manifest_to_pb",
+    "seen_to_pb",
     "sidecar_bytes",
     "sidecar_info",
     "state_from_pb",
@@ -104,6 +106,12 @@ def latest_to_pb(answer: RestoreAnswer) -> pb.LatestStepResponse:
     if answer.version is not None:
         resp.step, resp.world_size, resp.timeline = answer.version.step, answer.version.world_size, answer.version.timeline
     return resp
+
+
+def seen_to_pb(seen: list[Seen], unreachable: list[str]) -> pb.LatestStepResponse:
+    versions = [pb.SeenVersion(step=v.step, timeline=v.timeline, world_size=v.world_size, created_unix=v.created_unix,
+                               ranks=v.ranks, durable=v.durable) for v in seen]  # fmt: skip
+    return pb.LatestStepResponse(found=bool(seen), versions=versions, unreachable_hosts=unreachable)
 
 
 def hello_to_pb(h: HelloReport) -> pb.HelloResponse:

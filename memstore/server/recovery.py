@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from memstore.core.agreement import Seen, seen_versions
 from memstore.core.model import Holding, Manifest, ShardInfo, ShardKey, ShardState
 from memstore.core.restorable import RestoreAnswer, latest_restorable, sources_for, split_timelines
 from memstore.core.retention import newest_versions
@@ -48,8 +49,9 @@ class Recovery(Catalog):
 
     repaired_table: SlotTable | None  # the table of the last repair pass that left nothing missing (readiness)
 
-    def fetch(self, key: ShardKey, discard_local: bool) -> tuple[Manifest, str]:
-        """Make sure this store holds a verified copy of ``key``, pulling it from a peer if needed."""
+    def fetch(self, key: ShardKey, discard_local: bool, durable_known: bool = False) -> tuple[Manifest, str]:
+        """Make sure this store holds a verified copy of ``key``, pulling it from a peer if needed (``durable_known``:
+        a durable copy is known to exist; see :meth:`_sources`)."""
         ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
         started = time.monotonic()
         with self._lock:
@@ -74,7 +76,7 @@ class Recovery(Catalog):
             self._fetching += 1  # restores first: repair starts no new pull while a trainer waits for one
         try:
             fault("fetch.before_pull")
-            source = self._pull(key, origin_note="fetch")
+            source = self._pull(key, origin_note="fetch", durable_known=durable_known)
         finally:
             with self._lock:
                 self._fetching -= 1
@@ -84,22 +86,36 @@ class Recovery(Catalog):
         self.events.fetched(pull_source(source), time.monotonic() - started)
         return entry.manifest, source
 
-    def _pull(self, key: ShardKey, origin_note: str, candidates: list[str] | None = None) -> str:
+    def _sources(self, key: ShardKey, durable_known: bool) -> list[str]:
+        """Where to pull ``key`` from: this host's placement group first (a few calls); only when no member holds
+        it, every store and the durable tier (``durable_known``: the caller knows a durable copy exists, so it is
+        read without listing anything)."""
+        view = self.membership.view
+        group = view.repair_sources(view.owned_slots())
+        listings = self.peers.list_all(key.job_id, self.config.peer_timeout, hosts=group)
+        holdings = [h for host, shards in listings.items() if not isinstance(shards, StoreError) for h in holdings_of(host, shards)]
+        candidates = sources_for(holdings, key, prefer=group)
+        if candidates or (durable_known and self.durable is not None):
+            return candidates or ["durable"]
+        listings = self.peers.list_all(key.job_id, self.config.peer_timeout, hosts=[h for h in view.table.members() if h not in group])
+        holdings += [h for host, shards in listings.items() if not isinstance(shards, StoreError) for h in holdings_of(host, shards)]
+        candidates = sources_for(holdings, key, prefer=tuple(view.table.members()))
+        unreachable = [h for h, r in listings.items() if isinstance(r, StoreError)]
+        durable = self._durable_holdings(key.job_id, unreachable)
+        if any(h.key == key for h in durable):
+            candidates.append("durable")  # the most expensive tier comes last
+        holdings += durable
+        if not candidates:
+            if not any(h.key.job_id == key.job_id for h in holdings) and not unreachable:
+                raise UnknownJob(f"job {key.job_id!r} is unknown to every store")
+            extra = f" ({len(unreachable)} unreachable: {', '.join(unreachable)})" if unreachable else ""
+            raise ShardNotFound(f"no reachable store holds a verified copy of {key}{extra}")
+        return candidates
+
+    def _pull(self, key: ShardKey, origin_note: str, candidates: list[str] | None = None, durable_known: bool = False) -> str:
         """Copy ``key`` from the first peer that has a verified copy. Returns that peer's id."""
         if candidates is None:
-            listings = self.peers.list_all(key.job_id, self.config.peer_timeout)
-            holdings = [h for host, shards in listings.items() if not isinstance(shards, StoreError) for h in holdings_of(host, shards)]
-            candidates = sources_for(holdings, key, prefer=tuple(self.membership.view.table.members()))
-            unreachable = [h for h, r in listings.items() if isinstance(r, StoreError)]
-            durable = self._durable_holdings(key.job_id, unreachable)
-            if any(h.key == key for h in durable):
-                candidates.append("durable")  # the most expensive tier comes last
-            holdings += durable
-            if not candidates:
-                if not any(h.key.job_id == key.job_id for h in holdings) and not unreachable:
-                    raise UnknownJob(f"job {key.job_id!r} is unknown to every store")
-                extra = f" ({len(unreachable)} unreachable: {', '.join(unreachable)})" if unreachable else ""
-                raise ShardNotFound(f"no reachable store holds a verified copy of {key}{extra}")
+            candidates = self._sources(key, durable_known)
         with self._lock:
             pending = self._pulls.get(key)
             if pending is None:
@@ -263,6 +279,22 @@ class Recovery(Catalog):
             )
             return RestoreAnswer(None, tuple(unreachable), note)
         return RestoreAnswer(found, tuple(unreachable))
+
+    def scoped_versions(self, job_id: str, ranks: list[int], include_durable: bool) -> tuple[list[Seen], list[str]]:
+        """The scoped LatestStep (``memstore.core.agreement``): per version of ``job_id``, which of ``ranks`` have a
+        verified copy here or on this host's placement group; with ``include_durable``, also the versions complete
+        on the durable tier (one listing: only one rank of a job asks for it). Returns them and who did not answer."""
+        ensure(job_id_problem(job_id))
+        if not ranks or any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
+            raise InvalidArgument(f"ranks {ranks[:8]} are invalid: expected distinct ints >= 0")
+        view = self.membership.view
+        group = view.repair_sources(view.owned_slots())  # the hosts holding copies of what this host holds
+        listings = self.peers.list_all(job_id, self.config.peer_timeout, hosts=group)
+        unreachable = sorted(h for h, r in listings.items() if isinstance(r, StoreError))
+        holdings = holdings_of(self.host_id, self.list_shards(job_id))
+        holdings += [h for host, r in listings.items() if not isinstance(r, StoreError) for h in holdings_of(host, r)]
+        durable = self._durable_holdings(job_id, unreachable) if include_durable else []
+        return seen_versions(holdings, job_id, ranks, durable), unreachable
 
     def _repair_loop(self) -> None:
         while not self._stop.is_set():

@@ -28,6 +28,7 @@ from memstore.server.convert import (
     key_to_pb,
     latest_to_pb,
     manifest_to_pb,
+    seen_to_pb,
     transfer_from_pb,
 )
 from memstore.server.events import StoreEvents
@@ -176,7 +177,7 @@ class StoreServicer(pb_grpc.StoreServicer):
     @rpc
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchResponse:
         self._allow(context, Need.JOB, request.key.job_id)
-        manifest, source = self.store.fetch(key_from_pb(request.key), request.discard_local)
+        manifest, source = self.store.fetch(key_from_pb(request.key), request.discard_local, request.durable_known)
         return pb.FetchResponse(manifest=manifest_to_pb(manifest), source_host=source)
 
     @rpc
@@ -215,4 +216,7 @@ class StoreServicer(pb_grpc.StoreServicer):
     @rpc
     def LatestStep(self, request: pb.LatestStepRequest, context: grpc.ServicerContext) -> pb.LatestStepResponse:
         self._allow(context, Need.JOB, request.job_id)
+        if request.ranks:  # scoped: this rank's view, for agreement over the job's process group
+            seen, unreachable = self.store.scoped_versions(request.job_id, list(request.ranks), request.include_durable)
+            return seen_to_pb(seen, unreachable)
         return latest_to_pb(self.store.latest_step(request.job_id, request.step if request.HasField("step") else None))

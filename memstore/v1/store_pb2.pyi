@@ -382,12 +382,14 @@ class GetResponse(_message.Message):
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("key", "discard_local")
+    __slots__ = ("key", "discard_local", "durable_known")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DISCARD_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_KNOWN_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     discard_local: bool
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., discard_local: _Optional[bool] = ...) -> None: ...
+    durable_known: bool
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., discard_local: _Optional[bool] = ..., durable_known: _Optional[bool] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("manifest", "source_host")
@@ -440,28 +442,50 @@ class DeleteResponse(_message.Message):
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
 class LatestStepRequest(_message.Message):
-    __slots__ = ("job_id", "step")
+    __slots__ = ("job_id", "step", "ranks", "include_durable")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_DURABLE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     step: int
-    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    include_durable: bool
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., include_durable: _Optional[bool] = ...) -> None: ...
+
+class SeenVersion(_message.Message):
+    __slots__ = ("step", "timeline", "world_size", "created_unix", "ranks", "durable")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    timeline: str
+    world_size: int
+    created_unix: float
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    durable: bool
+    def __init__(self, step: _Optional[int] = ..., timeline: _Optional[str] = ..., world_size: _Optional[int] = ..., created_unix: _Optional[float] = ..., ranks: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class LatestStepResponse(_message.Message):
-    __slots__ = ("found", "step", "world_size", "unreachable_hosts", "timeline", "note")
+    __slots__ = ("found", "step", "world_size", "unreachable_hosts", "timeline", "note", "versions")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_HOSTS_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     found: bool
     step: int
     world_size: int
     unreachable_hosts: _containers.RepeatedScalarFieldContainer[str]
     timeline: str
     note: str
-    def __init__(self, found: _Optional[bool] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., unreachable_hosts: _Optional[_Iterable[str]] = ..., timeline: _Optional[str] = ..., note: _Optional[str] = ...) -> None: ...
+    versions: _containers.RepeatedCompositeFieldContainer[SeenVersion]
+    def __init__(self, found: _Optional[bool] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., unreachable_hosts: _Optional[_Iterable[str]] = ..., timeline: _Optional[str] = ..., note: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[SeenVersion, _Mapping]]] = ...) -> None: ...
 
 class DataTicket(_message.Message):
     __slots__ = ("ticket", "data_port")

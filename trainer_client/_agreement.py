@@ -1,0 +1,149 @@
+"""The collectives of ``latest_step(group=...)``: every rank's local view, agreed over the job's process group.
+
+The protocol and its rules are :mod:`memstore.core.agreement`; this module only moves its values
+between ranks. It uses nothing but ``all_reduce`` (a broadcast is an all-reduce MAX with zeros from
+every other rank), so any ``torch.distributed`` process group works: one made by ``init_process_group``
+or ``new_group``, or a backend object made directly. Tensors live on the GPU for NCCL groups, else on
+the CPU.
+
+Every rank takes part in every collective even when its own question failed: a failure travels in
+the values (an ``ok`` flag), so all ranks raise together instead of some waiting forever in a
+collective the others left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memstore.core.agreement import Seen, decide, decode_candidates, encode_candidates, rank_vector
+from trainer_client.errors import InvalidArgumentError, StoreUnavailableError
+
+_FAILED = b"!"  # rank 0 shares this instead of candidates when its own question failed
+
+
+@dataclass
+class AgreementStats:
+    """What one agreement cost this rank: calls to its store, collectives, and whether the fallback ran."""
+
+    rpcs: int = 0
+    collectives: int = 0
+    fallback: bool = False
+
+
+@dataclass
+class Agreements:
+    """A client's memory of ``latest_step(group=...)``: what the last one cost, the point it agreed (used once by
+    the ``load(step, group=...)`` right after it), and agreed versions complete on the durable tier (a restore of
+    those reads durable storage without listing it)."""
+
+    stats: AgreementStats = field(default_factory=AgreementStats)
+    point: Any = None
+    durable: set[tuple[int, str]] = field(default_factory=set)
+
+
+def _device(group: Any) -> torch.device:
+    name = str(group.name()).lower() if hasattr(group, "name") else ""
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in name else torch.device("cpu")
+
+
+def check_group(group: Any, rank: int, world_size: int) -> None:
+    """The group must be the job's: one member per rank, this client's rank at its own place."""
+    try:
+        size, me = int(group.size()), int(group.rank())
+    except (AttributeError, TypeError, RuntimeError) as exc:
+        raise InvalidArgumentError(f"group {group!r:.80} is not a torch.distributed process group: {exc}") from None
+    if size != world_size or me != rank:
+        raise InvalidArgumentError(
+            f"group has {size} ranks and this process is its rank {me}, but the client is rank {rank} of {world_size}: "
+            "pass the job's process group (its rank i must be the client of rank i)"
+        )
+
+
+class _Collectives:
+    def __init__(self, group: Any, stats: AgreementStats) -> None:
+        self.group = group
+        self.device = _device(group)
+        self.stats = stats
+
+    def _reduce(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        self.stats.collectives += 1
+        dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor.cpu()
+
+    def share(self, data: bytes | None) -> bytes:
+        """Rank 0's bytes (``data``; None on the others) on every rank: its length, then its bytes."""
+        import torch.distributed as dist
+
+        n = torch.tensor([0 if data is None else len(data)], dtype=torch.int64, device=self.device)
+        length = int(self._reduce(n, dist.ReduceOp.MAX)[0])
+        buf = torch.zeros(length, dtype=torch.uint8)
+        if data is not None and length:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return bytes(self._reduce(buf.to(self.device), dist.ReduceOp.MAX).numpy().tobytes())
+
+    def minimum(self, values: list[int]) -> list[int]:
+        import torch.distributed as dist
+
+        return [int(x) for x in self._reduce(torch.tensor(values, dtype=torch.int64, device=self.device), dist.ReduceOp.MIN).tolist()]
+
+
+def agree(
+    group: Any,
+    rank: int,
+    world_size: int,
+    step: int | None,
+    ask_local: Callable[[], list[Seen]],
+    ask_cluster: Callable[[], Seen | None],
+    stats: AgreementStats,
+) -> Seen | None:
+    """The version every rank restores (the same on all of them), or None if nothing is restorable.
+
+    ``ask_local``: this rank's scoped question to its store; ``ask_cluster``: the cluster-wide one (rank 0
+    asks it only when the scoped views cannot decide). A failure of either raises on every rank.
+    """
+    check_group(group, rank, world_size)
+    comm = _Collectives(group, stats)
+    mine: list[Seen] = []
+    error: Exception | None = None
+    try:
+        mine = ask_local()
+    except Exception as exc:  # raised on every rank below, after the collectives
+        error = exc
+    shared = comm.share((_FAILED if error else encode_candidates(mine)) if rank == 0 else None)
+    if shared == _FAILED:
+        _raise(error, "rank 0's store could not say which versions it holds")
+    candidates = decode_candidates(shared)
+    reduced = comm.minimum([*rank_vector(candidates, mine, rank), 0 if error else 1])
+    if reduced[-1] == 0:
+        _raise(error, "the store of at least one rank could not say which versions it holds")
+    decision = decide(candidates, reduced[:-1], world_size, step)
+    if decision.version is not None and not decision.fallback:
+        chosen = next(c for c in candidates if (c.step, c.timeline) == (decision.version.step, decision.version.timeline))
+        return Seen(chosen.step, chosen.timeline, world_size, decision.version.created_unix, (), chosen.durable)
+    if not decision.fallback:
+        return None
+    stats.fallback = True
+    answer: list[Seen] = []
+    if rank == 0:
+        try:
+            found = ask_cluster()
+            answer = [] if found is None else [found]
+        except Exception as exc:
+            error = exc
+    shared = comm.share((_FAILED if error else encode_candidates(answer)) if rank == 0 else None)
+    if shared == _FAILED:
+        _raise(error, "rank 0 could not ask the cluster which step is restorable")
+    agreed = decode_candidates(shared)
+    return agreed[0] if agreed else None
+
+
+def _raise(error: Exception | None, what: str) -> None:
+    if error is not None:
+        raise error
+    raise StoreUnavailableError(f"latest_step(group=...): {what}; every rank of the group raises")

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from memstore.core.agreement import Seen, seen_versions
 from memstore.core.model import Holding, Manifest, ShardInfo, ShardKey, ShardState
@@ -42,6 +43,7 @@ from memstore.v1.streams import receive_chunks, shard_manifest_problem
 log = logging.getLogger(__name__)
 
 RESTORE_FIRST_WAIT = 60.0  # the longest repair defers to restores in flight before it pulls anyway
+REPAIR_STREAMS = 4  # shards one repair pass pulls at once, spread over the holders
 
 
 class Recovery(Catalog):
@@ -305,6 +307,29 @@ class Recovery(Catalog):
                 log.exception("repair pass failed")
             self._stop.wait(self.config.repair_interval)
 
+    def _repair_one(self, key: ShardKey, candidates: list[str]) -> bool | None:
+        """Pull one shard this host lacks: True pulled, False failed, None not needed (here, arriving, or stopping)."""
+        if self._stop.is_set():
+            return None
+        with self._lock:
+            # Restores first: a trainer waiting for a shard gets the links and the memory before repair does.
+            self._lock.wait_for(lambda: not self._fetching or self._stop.is_set(), timeout=RESTORE_FIRST_WAIT)
+            if key in self._entries or key in self._receiving or key in self._pulls or self._stop.is_set():
+                return None
+            self._repairs_in_flight += 1
+        try:
+            started = time.monotonic()
+            source = self._pull(key, origin_note="repair", candidates=candidates)
+            self.events.repaired(pull_source(source), time.monotonic() - started)
+            fault("repair.after_pull")
+            return True
+        except StoreError as exc:
+            log.warning("repair of %s failed: %s", key, exc)
+            return False
+        finally:
+            with self._lock:
+                self._repairs_in_flight -= 1
+
     def repair_once(self) -> int:
         """Pull every recent shard this host should hold but lacks. Returns how many were pulled."""
         fault("repair.before_pass")
@@ -326,28 +351,15 @@ class Recovery(Catalog):
         self.unreachable_sources = tuple(sorted(h for h, r in listings.items() if isinstance(r, StoreError)))
         wanted, copies = _wanted(listings, view, owners)
         recent = {job: newest_versions(held, self.config.keep) for job, held in copies.items()}  # the abandoned run's steps rank lower
-        pulled = 0
-        for key in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank, k.timeline)):
-            if self._stop.is_set() or key.version not in recent[key.job_id]:
-                continue
-            with self._lock:
-                # Restores first: a trainer waiting for a shard gets the links and the memory before repair does.
-                self._lock.wait_for(lambda: not self._fetching or self._stop.is_set(), timeout=RESTORE_FIRST_WAIT)
-                if key in self._entries or key in self._receiving or key in self._pulls:
-                    continue
-                self._repairs_in_flight += 1
-            try:
-                started = time.monotonic()
-                source = self._pull(key, origin_note="repair", candidates=wanted[key])
-                self.events.repaired(pull_source(source), time.monotonic() - started)
-                pulled += 1
-                fault("repair.after_pull")
-            except StoreError as exc:
-                complete = False
-                log.warning("repair of %s failed: %s", key, exc)
-            finally:
-                with self._lock:
-                    self._repairs_in_flight -= 1
+        todo = [k for k in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank, k.timeline)) if k.version in recent[k.job_id]]
+        # Several pulls at once, each starting at a different holder: a replacement fills up from its whole group.
+        spread = [(key, wanted[key][i % len(wanted[key]) :] + wanted[key][: i % len(wanted[key])]) for i, key in enumerate(todo)]
+        results: list[bool | None] = []
+        if spread:
+            with ThreadPoolExecutor(max_workers=min(REPAIR_STREAMS, len(spread)), thread_name_prefix="memstore-repair") as pool:
+                results = list(pool.map(lambda job: self._repair_one(*job), spread))
+        pulled = results.count(True)
+        complete = complete and False not in results
         if complete and not self._stop.is_set():
             self.repaired_table = view.table  # every source answered and every shard we lacked is here: readiness
         with self._lock:

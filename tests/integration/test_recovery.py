@@ -178,3 +178,25 @@ def held_keys_of(cluster: LocalCluster, host: str, job: str) -> set[tuple[int, i
     with insecure_channel(cluster.address(host)) as ch:
         resp = pb_grpc.StoreStub(ch).List(pb.ListRequest(job_id=job), timeout=5)
     return {(s.manifest.key.step, s.manifest.key.rank) for s in resp.shards if s.verified}
+
+
+def test_a_replacement_pulls_from_every_holder_at_once(make_cluster) -> None:
+    # One group of three (R=3): a replaced h2 can pull from h0 and h1. Each source stalls the first shard it
+    # serves for 3 s; pulls one at a time would finish that first (newest) shard first, pulls at once do not.
+    cluster = make_cluster(hosts=3, replicas=3, capacity="256MiB", keep=2, env={"MEMSTORE_FAULTS": "serve.after_chunk:1=stall:3"})
+    cs = [CheckpointClient(JOB, r, 6, store=cluster.address(f"h{r // 2}"), timeout=20) for r in range(6)]
+    try:
+        for step in (1, 2):
+            for h in [c.save(step, rank_state(c.rank, step)) for c in cs]:
+                assert h.wait(timeout=30).copies == 3
+    finally:
+        for c in cs:
+            c.close()
+    cluster.kill("h2")
+    cluster.restart("h2")
+    wait_for(lambda: len(held_keys(cluster, "h2")) == 12, timeout=60, what="h2 repaired")
+    log = (cluster.workdir / "h2.log").read_text()
+    pulls = [line.rsplit(" from ", 1)[1].strip() for line in log.splitlines() if "repair: pulled" in line]
+    assert len(pulls) == 12 and {"h0", "h1"} <= set(pulls)
+    first = next(line for line in log.splitlines() if "repair: pulled" in line)
+    assert "/step=2/rank=0@" not in first and "/step=2/rank=1@" not in first, first  # a later shard landed during the stalls

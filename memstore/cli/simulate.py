@@ -1,4 +1,5 @@
-"""``memstore simulate``: the scale simulator's command (flags and run in :mod:`memstore.sim.cli`)."""
+"""``memstore simulate``: the scale simulator's command (flags and run in :mod:`memstore.sim.cli`; the ``protocol`` mode in
+:mod:`memstore.sim.protocol_cli`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 
 from memstore.sim import cli as sim_cli
 
-HELP = "scale simulator: ETTR and wasted GPU-hours, memstore vs storage checkpoints"
+HELP = "scale simulator: ETTR and wasted GPU-hours, memstore vs storage checkpoints; `simulate protocol`: restore messages at scale"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

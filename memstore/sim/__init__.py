@@ -2,6 +2,8 @@
 
 :mod:`memstore.sim.model` is the model (plain Python, deterministic per seed), :mod:`memstore.sim.report`
 renders tables / JSON / plots and :mod:`memstore.sim.cli` is the ``memstore simulate`` command.
+:mod:`memstore.sim.protocol` models the restore protocol's messages and restart time at scale
+(``memstore simulate protocol``, flags in :mod:`memstore.sim.protocol_cli`).
 """
 
 from memstore.sim.model import (
@@ -23,6 +25,7 @@ from memstore.sim.model import (
     simulate,
     trial_rng,
 )
+from memstore.sim.protocol import ProtocolConfig, ProtocolCost, ProtocolPoint, run_protocol, run_protocol_sweep
 
 __all__ = [
     "DEFAULT_FAILURE_DATA",
@@ -32,6 +35,9 @@ __all__ = [
     "FailureData",
     "FailureEvent",
     "PointResult",
+    "ProtocolConfig",
+    "ProtocolCost",
+    "ProtocolPoint",
     "RunStats",
     "SimConfig",
     "StrategySummary",
@@ -39,6 +45,8 @@ __all__ = [
     "failures_per_gpu_hour_from_job",
     "ram_recovery_probability",
     "run_point",
+    "run_protocol",
+    "run_protocol_sweep",
     "run_sweep",
     "simulate",
     "trial_rng",

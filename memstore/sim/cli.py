@@ -9,7 +9,6 @@ naming the flag, exit code 2: argparse's own checks, and :func:`run`'s checks of
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +16,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from memstore.sim import protocol_cli
+from memstore.sim.flags import (
+    fraction,
+    host_list,
+    integer,
+    interval,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+)
 from memstore.sim.model import (
     DEFAULT_FAILURE_DATA,
     FAILURE_DATA,
@@ -27,84 +36,10 @@ from memstore.sim.model import (
 )
 
 DEFAULT_HOSTS = "16,128,1000,4096,16384"
-MAX_HOSTS = 1 << 18
 #: Upper bound on failure events simulated in one invocation (all host counts, all trials, one strategy).
 MAX_EVENTS = 5_000_000
 #: The flags' defaults (a configuration's fields; the host count is a placeholder).
 DEFAULTS = SimConfig(hosts=16)
-
-
-# --------------------------------------------------------------------------------------------------
-# Argument types: each error message is printed after "argument --flag:"
-# --------------------------------------------------------------------------------------------------
-
-
-def _float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return v
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
-def _positive_float(text: str) -> float:
-    v = _float(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
-def _nonnegative_float(text: str) -> float:
-    v = _float(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def _fraction(text: str) -> float:
-    v = _float(text)
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    v = _int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return v
-
-
-def _host_list(text: str) -> list[int]:
-    parts = [p.strip() for p in text.split(",")]
-    if not text.strip() or any(not p for p in parts):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of host counts like 16,128,1000, got {text!r}")
-    out: list[int] = []
-    for p in parts:
-        try:
-            n = int(p.replace("_", ""))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{p!r} is not an integer host count (in {text!r})") from None
-        if not 1 <= n <= MAX_HOSTS:
-            raise argparse.ArgumentTypeError(f"host counts must be between 1 and {MAX_HOSTS:,}, got {n}")
-        if n not in out:
-            out.append(n)
-    return sorted(out)
-
-
-def _interval(text: str) -> float | None:
-    if text.strip().lower() in ("auto", "young-daly", "daly", "young"):
-        return None
-    return _positive_float(text)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,7 +50,8 @@ def _interval(text: str) -> float | None:
 DESCRIPTION = (
     "Seeded scale simulator: replays one Poisson failure trace per trial against memstore (checkpoint to peer RAM "
     "every iteration, spill to storage in the background) and a baseline (checkpoint to remote storage every X "
-    "minutes), and reports ETTR and wasted GPU-hours. See docs/simulator.md."
+    "minutes), and reports ETTR and wasted GPU-hours. `memstore simulate protocol`: message counts and restart time of the "
+    "restore protocol at 1,000s of hosts. See docs/simulator.md."
 )
 #: The help shows every flag's default.
 FORMATTER = argparse.ArgumentDefaultsHelpFormatter
@@ -128,28 +64,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Every ``memstore simulate`` flag, in groups."""
+    """Every ``memstore simulate`` flag, in groups, and the ``protocol`` mode with flags of its own."""
     _add_job_arguments(p)
     _add_failure_arguments(p)
     _add_memstore_arguments(p)
     _add_baseline_arguments(p)
     _add_output_arguments(p)
+    modes = p.add_subparsers(
+        dest="simulate_mode",
+        title="modes",
+        metavar="{protocol}",
+        description="without a mode: the ETTR sweep above. `memstore simulate protocol --help` for the restore protocol's model",
+    )
+    q = modes.add_parser("protocol", help=protocol_cli.HELP, description=protocol_cli.DESCRIPTION, formatter_class=FORMATTER)
+    protocol_cli.add_arguments(q)
 
 
 def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     g = p.add_argument_group("job")
-    g.add_argument("--hosts", type=_host_list, default=DEFAULT_HOSTS, metavar="N[,N...]", help="host counts to sweep")
-    g.add_argument("--gpus-per-host", type=_positive_int, default=d.gpus_per_host, help="GPUs per host")
-    g.add_argument("--replicas", type=_positive_int, default=d.replicas, help="copies of each checkpoint, owner included (GEMINI's m)")
+    g.add_argument("--hosts", type=host_list, default=DEFAULT_HOSTS, metavar="N[,N...]", help="host counts to sweep")
+    g.add_argument("--gpus-per-host", type=positive_int, default=d.gpus_per_host, help="GPUs per host")
+    g.add_argument("--replicas", type=positive_int, default=d.replicas, help="copies of each checkpoint, owner included (GEMINI's m)")
     g.add_argument("--placement", choices=("mixed", "ring"), default=d.placement, help="replica placement (GEMINI mixed groups or ring)")
-    g.add_argument("--days", type=_positive_float, default=d.days, help="wall-clock length of the simulated job")
-    g.add_argument("--iteration-seconds", type=_positive_float, default=d.iteration_seconds, help="training iteration time")
+    g.add_argument("--days", type=positive_float, default=d.days, help="wall-clock length of the simulated job")
+    g.add_argument("--iteration-seconds", type=positive_float, default=d.iteration_seconds, help="training iteration time")
     g.add_argument(
-        "--checkpoint-gb", type=_positive_float, default=None, help=f"total checkpoint size, 10^9 bytes (default {d.checkpoint_gb:g})"
+        "--checkpoint-gb", type=positive_float, default=None, help=f"total checkpoint size, 10^9 bytes (default {d.checkpoint_gb:g})"
     )
     g.add_argument(
-        "--checkpoint-gb-per-host", type=_positive_float, default=None, help="checkpoint size per host instead (total grows with --hosts)"
+        "--checkpoint-gb-per-host", type=positive_float, default=None, help="checkpoint size per host instead (total grows with --hosts)"
     )
 
 
@@ -164,53 +108,53 @@ def _add_failure_arguments(p: argparse.ArgumentParser) -> None:
         help=f"published failure figure giving a per-GPU rate (default {DEFAULT_FAILURE_DATA}): "
         + "; ".join(f"{k}: {v.job_mttf_hours:.2f} h job MTTF at {v.gpus:,} GPUs" for k, v in FAILURE_DATA.items()),
     )
-    rate.add_argument("--mttf-hours", type=_positive_float, default=None, help="job mean time to failure in hours (see --rate-at-hosts)")
-    rate.add_argument("--failures-per-day", type=_nonnegative_float, default=None, help="job failures per day (see --rate-at-hosts)")
+    rate.add_argument("--mttf-hours", type=positive_float, default=None, help="job mean time to failure in hours (see --rate-at-hosts)")
+    rate.add_argument("--failures-per-day", type=nonnegative_float, default=None, help="job failures per day (see --rate-at-hosts)")
     g.add_argument(
         "--rate-at-hosts",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="host count at which --mttf-hours / --failures-per-day hold; the per-GPU rate derived there scales to the other host "
         "counts. Default: the figure holds as given for every simulated host count",
     )
     g.add_argument(
         "--correlated-fraction",
-        type=_fraction,
+        type=fraction,
         default=d.correlated_fraction,
         help="fraction of failures that hit --burst-hosts hosts at once",
     )
-    g.add_argument("--burst-hosts", type=_positive_int, default=d.burst_hosts, help="hosts lost in a correlated failure (rack / switch)")
-    g.add_argument("--restart-seconds", type=_nonnegative_float, default=d.restart_seconds, help="detection + job restart per failure")
+    g.add_argument("--burst-hosts", type=positive_int, default=d.burst_hosts, help="hosts lost in a correlated failure (rack / switch)")
+    g.add_argument("--restart-seconds", type=nonnegative_float, default=d.restart_seconds, help="detection + job restart per failure")
 
 
 def _add_memstore_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     g = p.add_argument_group("memstore")
     g.add_argument(
-        "--memstore-stall-seconds", type=_nonnegative_float, default=d.memstore_stall_seconds, help="training stall per RAM checkpoint"
+        "--memstore-stall-seconds", type=nonnegative_float, default=d.memstore_stall_seconds, help="training stall per RAM checkpoint"
     )
     g.add_argument(
-        "--network-gbps", type=_positive_float, default=d.network_gbps, help="per-host network bandwidth (replication, peer restore)"
+        "--network-gbps", type=positive_float, default=d.network_gbps, help="per-host network bandwidth (replication, peer restore)"
     )
     g.add_argument(
-        "--spill-every-minutes", type=_positive_float, default=d.spill_every_minutes, help="background spill to durable storage every H"
+        "--spill-every-minutes", type=positive_float, default=d.spill_every_minutes, help="background spill to durable storage every H"
     )
 
 
 def _add_baseline_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     g = p.add_argument_group("baseline (remote storage)")
-    g.add_argument("--storage-gbps", type=_positive_float, default=d.storage_gbps, help="aggregate remote storage bandwidth of the job")
+    g.add_argument("--storage-gbps", type=positive_float, default=d.storage_gbps, help="aggregate remote storage bandwidth of the job")
     g.add_argument(
         "--baseline-every-minutes",
-        type=_interval,
+        type=interval,
         default=None,
         metavar="MIN|auto",
         help="checkpoint interval; auto = Young/Daly sqrt(2 * write time * MTTF)",
     )
     g.add_argument(
         "--baseline-async-fraction",
-        type=_fraction,
+        type=fraction,
         default=d.baseline_async_fraction,
         help="share of the storage write hidden from training (0 = the whole write stalls)",
     )
@@ -219,8 +163,8 @@ def _add_baseline_arguments(p: argparse.ArgumentParser) -> None:
 def _add_output_arguments(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     g = p.add_argument_group("run and output")
-    g.add_argument("--seed", type=_int, default=d.seed, help="random seed (same seed, same result)")
-    g.add_argument("--trials", type=_positive_int, default=20, help="independent failure traces per host count")
+    g.add_argument("--seed", type=integer, default=d.seed, help="random seed (same seed, same result)")
+    g.add_argument("--trials", type=positive_int, default=20, help="independent failure traces per host count")
     g.add_argument("--json", metavar="PATH", default=None, help="write all results as JSON")
     g.add_argument("--plot", metavar="PATH.png", default=None, help="write ETTR / wasted GPU-hours plots (matplotlib)")
     g.add_argument("--markdown", metavar="PATH", default=None, help="write the tables as Markdown")
@@ -370,6 +314,9 @@ def run(args: argparse.Namespace) -> int:
 
     Raises :class:`argparse.ArgumentError` if the flags do not fit together (before simulating anything).
     """
+    if getattr(args, "simulate_mode", None) == "protocol":
+        _reject_sweep_flags(args)
+        return protocol_cli.run(args)
     configs, parameters = configs_from_args(args)
     started = time.perf_counter()
     points: list[PointResult] = [run_point(cfg) for cfg in configs]
@@ -378,6 +325,18 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_table:
         _print_tables(points, title, f"{sum(c.trials for c in configs)} traces simulated in {elapsed:.2f} s")
     return _write_outputs(args, points, parameters, title)
+
+
+def _reject_sweep_flags(args: argparse.Namespace) -> None:
+    """``memstore simulate --days 3 protocol``: the sweep's flags would be ignored; say so instead."""
+    defaults = vars(build_parser().parse_args([]))
+    given = [k for k, v in defaults.items() if k != "simulate_mode" and getattr(args, k, v) != v]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise _usage_error(
+            f"{flag} is a flag of the ETTR sweep; `memstore simulate protocol` takes its own flags after the word protocol "
+            "(see memstore simulate protocol --help)"
+        )
 
 
 def _print_tables(points: list[PointResult], title: str, footer: str) -> None:

@@ -1,10 +1,12 @@
-"""Rendering simulation results: a rich table on the terminal, a JSON document, a matplotlib PNG.
+"""Rendering simulation results: a rich table on the terminal, a JSON document, a matplotlib PNG; and the tables of
+``memstore simulate protocol`` (:mod:`memstore.sim.protocol`).
 
 rich and matplotlib are imported where used, so importing this module stays cheap.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import textwrap
 from collections.abc import Sequence
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memstore.sim.model import STRATEGIES, PointResult
+from memstore.sim.protocol import COMPLEXITY, PROTOCOL_LABELS, PROTOCOLS, ProtocolConfig, ProtocolCost, ProtocolPoint, growth
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -245,3 +248,174 @@ def plot(points: Sequence[PointResult], path: str | Path, title: str) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# ``memstore simulate protocol``: the restore protocol's messages and restart timeline
+# --------------------------------------------------------------------------------------------------
+
+PROTOCOL_JSON_VERSION = 1
+PROTOCOL_NOTE = "model outputs (memstore.sim.protocol), not measurements"
+
+#: (header, right-aligned) of the protocol table.
+PROTOCOL_COLUMNS: tuple[tuple[str, bool], ...] = (
+    ("hosts", True),
+    ("ranks", True),
+    ("protocol", False),
+    ("RPCs/rank", True),
+    ("RPCs/restart", True),
+    ("ListShards served/store", True),
+    ("durable listings", True),
+    ("durable LIST requests", True),
+    ("collectives", True),
+    ("latest_step s", True),
+    ("load s", True),
+    ("restart s", True),
+)
+
+#: (phase key in ProtocolCost.phases, header) of the timeline table, in order.
+PROTOCOL_PHASES: tuple[tuple[str, str], ...] = (
+    ("start", "start"),
+    ("latest_step.local_rpc", "local RPC"),
+    ("latest_step.peer_listing", "peer ListShards"),
+    ("latest_step.durable_listing", "durable listing"),
+    ("latest_step.collectives", "collectives"),
+    ("latest_step.fallback", "fallback"),
+    ("load.query", "load: query again"),
+    ("load.fetch_open", "load: Fetch+Open"),
+    ("load.data", "load: bytes"),
+)
+
+
+def _count(v: float) -> str:
+    """A message count: whole numbers with separators, a mean with up to 3 decimals."""
+    if float(v).is_integer():
+        return f"{int(v):,}"
+    return f"{v:,.3f}".rstrip("0").rstrip(".")
+
+
+def _secs(v: float) -> str:
+    if v == 0:
+        return "0"
+    return f"{v:,.0f}" if v >= 1000 else f"{v:.3g}"
+
+
+def _exponent(e: float | None) -> str:
+    return "-" if e is None else f"{e:.2f}"
+
+
+def _costs(point: ProtocolPoint) -> list[ProtocolCost]:
+    return [point.costs[k] for k in (*PROTOCOLS, "group_expected") if k in point.costs]
+
+
+def _label(cost: ProtocolCost, cfg: ProtocolConfig) -> str:
+    label = PROTOCOL_LABELS[cost.protocol]
+    return f"{label} (p={cfg.fallback_probability:g})" if cost.protocol == "group_expected" else label
+
+
+def protocol_rows(points: Sequence[ProtocolPoint]) -> list[list[str]]:
+    """One row per (host count, protocol)."""
+    rows = []
+    for p in points:
+        for j, c in enumerate(_costs(p)):
+            rows.append(
+                [
+                    f"{p.config.hosts:,}" if j == 0 else "",
+                    f"{p.config.world:,}" if j == 0 else "",
+                    _label(c, p.config),
+                    _count(c.rpcs_per_rank),
+                    _count(c.rpcs_total),
+                    _count(c.list_shards_served_per_store),
+                    _count(c.durable_listings),
+                    _count(c.durable_list_requests),
+                    _count(c.collectives),
+                    _secs(c.latest_step_s),
+                    _secs(c.load_s),
+                    _secs(c.restart_s),
+                ]
+            )
+    return rows
+
+
+def timeline_rows(points: Sequence[ProtocolPoint]) -> list[list[str]]:
+    """The slowest rank's restart, phase by phase (seconds), one row per (host count, protocol)."""
+    rows = []
+    for p in points:
+        for j, c in enumerate(_costs(p)):
+            phases = [_secs(c.phases[k]) if k in c.phases else "-" for k, _ in PROTOCOL_PHASES]
+            rows.append([f"{p.config.hosts:,}" if j == 0 else "", _label(c, p.config), *phases, _secs(c.restart_s)])
+    return rows
+
+
+def growth_rows(points: Sequence[ProtocolPoint]) -> tuple[list[str], list[list[str]]]:
+    """(headers, rows): per metric, each protocol's order of growth and its empirical exponents between host counts."""
+    ordered = sorted(points, key=lambda p: p.config.hosts)
+    steps = [f"{a.config.hosts:,}->{b.config.hosts:,}" for a, b in itertools.pairwise(ordered)]
+    exps = growth(ordered)
+    headers = ["metric", "legacy", *(f"legacy e {s}" for s in steps), "group", *(f"group e {s}" for s in steps)]
+    rows = []
+    for name, (label, legacy_order, group_order) in COMPLEXITY.items():
+        rows.append(
+            [
+                label,
+                legacy_order,
+                *(_exponent(e) for e in exps[name]["legacy"]),
+                group_order,
+                *(_exponent(e) for e in exps[name]["group"]),
+            ]
+        )
+    return headers, rows
+
+
+def render_protocol(points: Sequence[ProtocolPoint], console: Console, title: str) -> None:
+    """The three protocol tables on the terminal: messages and times, the timeline, growth with N."""
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for name, right in PROTOCOL_COLUMNS:
+        t.add_column(name, justify="right" if right else "left")
+    rows = protocol_rows(points)
+    for i, row in enumerate(rows):
+        last_of_point = i + 1 == len(rows) or rows[i + 1][0] != ""
+        t.add_row(*row, style=None if row[2].startswith("legacy") else "green", end_section=last_of_point and i + 1 < len(rows))
+    console.print(t)
+    tl = Table(title="restart timeline of the slowest rank (s)", title_justify="left")
+    for name in ("hosts", "protocol", *(h for _, h in PROTOCOL_PHASES), "total"):
+        tl.add_column(name, justify="left" if name == "protocol" else "right")
+    for row in timeline_rows(points):
+        tl.add_row(*row)
+    console.print(tl)
+    headers, grows = growth_rows(points)
+    if len(points) > 1:
+        g = Table(title="growth with N (e: empirical exponent, value ~ N^e, between consecutive host counts)", title_justify="left")
+        for name in headers:
+            g.add_column(name, justify="right" if " e " in name else "left")
+        for row in grows:
+            g.add_row(*row)
+        console.print(g)
+
+
+def protocol_markdown(points: Sequence[ProtocolPoint], title: str) -> str:
+    """The protocol tables as Markdown (``memstore simulate protocol --markdown``)."""
+    main = _markdown([c for c, _ in PROTOCOL_COLUMNS], [r for _, r in PROTOCOL_COLUMNS], protocol_rows(points))
+    heads = ["hosts", "protocol", *(h for _, h in PROTOCOL_PHASES), "total"]
+    timeline = _markdown(heads, [h != "protocol" for h in heads], timeline_rows(points))
+    out = f"{title}\n\n{main}\n\nRestart timeline of the slowest rank (s):\n\n{timeline}\n"
+    if len(points) > 1:
+        headers, rows = growth_rows(points)
+        growth_md = _markdown(headers, [" e " in h for h in headers], rows)
+        out += f"\nGrowth with N (e: empirical exponent between consecutive host counts):\n\n{growth_md}\n"
+    return out
+
+
+def protocol_to_json(points: Sequence[ProtocolPoint], parameters: dict[str, Any]) -> dict[str, Any]:
+    """The JSON document ``memstore simulate protocol --json`` writes."""
+    return {
+        "tool": "memstore simulate protocol",
+        "version": PROTOCOL_JSON_VERSION,
+        "note": PROTOCOL_NOTE,
+        "parameters": parameters,
+        "points": [p.to_dict() for p in points],
+        "growth": growth(points),
+        "complexity": {name: {"legacy": lo, "group": go} for name, (_, lo, go) in COMPLEXITY.items()},
+    }

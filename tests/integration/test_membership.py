@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -85,12 +86,18 @@ def test_a_fifth_host_joins_while_saving(make_cluster) -> None:
     cluster = make_cluster(hosts=HOSTS, replicas=2, capacity="256MiB", keep=3, discovery="file")
     save_steps(cluster, range(1, 3))
     seen: list[int] = []
+    errors: list[str] = []
     stop = threading.Event()
 
     def watch() -> None:
         with client(cluster, 0, "h0") as c:
             while not stop.is_set():
-                latest = c.latest_step()
+                started = time.monotonic()
+                try:
+                    latest = c.latest_step()
+                except Exception as exc:  # recorded, not fatal: a dead watcher would freeze `seen` and hide why
+                    errors.append(f"{type(exc).__name__} after {time.monotonic() - started:.1f}s: {exc}")
+                    latest = None
                 if latest is not None:
                     seen.append(latest)
                 stop.wait(0.05)
@@ -107,6 +114,7 @@ def test_a_fifth_host_joins_while_saving(make_cluster) -> None:
         stop.set()
         watcher.join()
     assert seen and seen == sorted(seen), f"latest_step went backwards: {seen}"
+    assert not errors, errors
     assert seen[-1] == 7
     assert_restores(cluster, 7, {r: host_of(r) for r in range(WORLD)})
     # The new slot holds copies too (mixed placement over 5 slots gives it a group).

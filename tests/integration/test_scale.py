@@ -1,0 +1,27 @@
+"""The restore protocol on 32 real store processes: what latest_step() and a full restore cost per rank."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memstore.devtools import scale
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+HOSTS, R = 32, 2
+
+
+def test_agreement_costs_each_rank_a_constant_number_of_calls_at_32_hosts() -> None:
+    result = scale.run(hosts=HOSTS, ranks_per_host=1, replicas=R)
+    print(json.dumps(result, indent=1))
+    cluster_wide, agreed = result["latest_step"], result["latest_step_group"]
+    # Without a group every rank's store lists every other store: 1 + (hosts - 1) calls per rank.
+    assert cluster_wide["calls"] == {"LatestStep": HOSTS, "List": HOSTS * (HOSTS - 1)}
+    # With one: its store asks its placement group only, 1 + (R - 1) per rank, whatever the host count.
+    assert agreed["calls"] == {"LatestStep": HOSTS, "List": HOSTS * (R - 1)}
+    # A full restore after a replacement: the replaced host's ranks pull from its group peer either way.
+    assert {*result["restore"]["replaced_host_sources"], *result["restore_group"]["replaced_host_sources"]} <= {"h0", "h1"}
+    assert result["restore_group"]["calls"].get("List", 0) <= HOSTS * (R - 1) + 2 * (R - 1)  # + the replacement's own asks
+    assert result["restore"]["calls"]["List"] >= HOSTS * (HOSTS - 1)
+    assert result["restore_group"]["calls_per_rank"] * 4 < result["restore"]["calls_per_rank"]

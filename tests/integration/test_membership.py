@@ -87,17 +87,22 @@ def test_a_fifth_host_joins_while_saving(make_cluster) -> None:
     save_steps(cluster, range(1, 3))
     seen: list[int] = []
     errors: list[str] = []
+    calls: list[tuple[float, float, int | None]] = []
+    t0 = time.monotonic()
     stop = threading.Event()
 
     def watch() -> None:
         with client(cluster, 0, "h0") as c:
-            while not stop.is_set():
+            last = False
+            while not last:
+                last = stop.is_set()  # one more call after the saves finished: the final answer must be step 7
                 started = time.monotonic()
                 try:
                     latest = c.latest_step()
                 except Exception as exc:  # recorded, not fatal: a dead watcher would freeze `seen` and hide why
                     errors.append(f"{type(exc).__name__} after {time.monotonic() - started:.1f}s: {exc}")
                     latest = None
+                calls.append((round(started - t0, 2), round(time.monotonic() - started, 2), latest))
                 if latest is not None:
                     seen.append(latest)
                 stop.wait(0.05)
@@ -115,7 +120,7 @@ def test_a_fifth_host_joins_while_saving(make_cluster) -> None:
         watcher.join()
     assert seen and seen == sorted(seen), f"latest_step went backwards: {seen}"
     assert not errors, errors
-    assert seen[-1] == 7
+    assert seen[-1] == 7, (round(time.monotonic() - t0, 2), calls[-20:])
     assert_restores(cluster, 7, {r: host_of(r) for r in range(WORLD)})
     # The new slot holds copies too (mixed placement over 5 slots gives it a group).
     wait_for(lambda: any(step == 7 for step, _ in held(cluster, "h4")), timeout=30, what="h4 to hold copies of step 7")

@@ -13,6 +13,25 @@ import pytest
 from memstore.devtools.cluster import LocalCluster
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect (not skip) the tests marked ``gpu`` where torch sees no CUDA device.
+
+    A deselected test is reported as such ("N deselected"), never as passed or skipped, so a run without a
+    GPU cannot be mistaken for one that exercised the GPU paths (tests/gpu/).
+    """
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu or _cuda_available():
+        return
+    config.hook.pytest_deselected(items=gpu)
+    items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+
+
 @pytest.fixture
 def dns_server() -> Iterator[Any]:
     """A real DNS server on 127.0.0.1 whose records the test sets (tests/harness/dns.py), for --discovery dns://."""

@@ -23,6 +23,8 @@ rollback), which every rank of an SPMD job does at the same point.
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import logging
 import mmap
 import os
@@ -37,6 +39,7 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from memstore.core.agreement import Seen
 from memstore.errors import ConfigError
@@ -45,11 +48,11 @@ from memstore.v1.channel import boot_id, store_stub
 from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
 from memstore.v1.manifests import manifest_from_pb
-from memstore.v1.pagefaults import FaultAhead
 from memstore.v1.security import Credentials
 from memstore.v1.streams import manifest_problem
 from trainer_client import serialization
 from trainer_client._agreement import Agreements, AgreementStats, agree
+from trainer_client._capture import CAPTURE_MODES, Capture, Captures, decode_onto, host_writer, parse_map_location
 from trainer_client._local_control import LocalStub, RpcFailure
 from trainer_client._remote import RemotePath, byte_view, empty_buffer
 from trainer_client.errors import (
@@ -158,10 +161,12 @@ class SaveHandle:
     """Tracks one save. ``wait()`` returns once R verified copies exist, or raises why not."""
 
     def __init__(
-        self, client: CheckpointClient, step: int, skipped_reason: str = "", timeline: str = "", sending: Future[None] | None = None
-    ) -> None:
+        self, client: CheckpointClient, step: int, skipped_reason: str = "", timeline: str = "", sending: Future[None] | None = None,
+        capture: Capture | None = None,
+    ) -> None:  # fmt: skip
         self._client = client
         self._sending = sending  # a background send (remote_save="background") still to finish
+        self._capture = capture  # capture="enqueued": the copies, then the commit or send, in the background
         self.step = step
         self.timeline = timeline
         self.skipped_reason = skipped_reason
@@ -170,10 +175,25 @@ class SaveHandle:
 
     @property
     def skipped(self) -> bool:
-        """True when the store had no room and the client was told to skip rather than raise."""
+        """True when the store had no room and the client was told to skip rather than raise (with
+        ``capture="enqueued"`` and no shared memory: known once the capture finished)."""
+        if self._capture is not None and self._capture.skipped_reason:
+            self.skipped_reason = self._capture.skipped_reason
         return bool(self.skipped_reason)
 
+    def wait_captured(self, timeout: float | None = None, *, block: bool = False) -> None:
+        """Return once the trainer may modify the saved state (at once unless the save used ``capture="enqueued"``).
+
+        Waits for the copy of the CPU tensors; CUDA tensors' copies gate each device's current stream instead
+        (later work on it, e.g. the optimizer step, runs after them; the host goes on). ``block=True`` waits
+        on the host for the whole capture, commit or send included. Raises the capture's error, or TimeoutError.
+        """
+        if self._capture is not None:
+            self._capture.wait_captured(timeout, block)
+
     def done(self) -> bool:
+        if self._capture is not None and (not self._capture.done() or self._capture.failed()):
+            return self._capture.done()
         if self.skipped:
             return True
         if self._sending is not None:
@@ -186,7 +206,10 @@ class SaveHandle:
         return done
 
     def wait(self, timeout: float | None = None) -> pb.ShardInfo:
-        """Block until the shard is committed (returns its info) or replication failed (raises ReplicationError)."""
+        """Block until the shard is committed (returns its info) or replication failed (raises ReplicationError);
+        with ``capture="enqueued"``, until the capture is done first (raising its error, if any)."""
+        if self._capture is not None:
+            self._capture.result(timeout)
         if self.skipped:
             raise ReplicationError(f"step {self.step} was skipped: {self.skipped_reason}")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -327,6 +350,10 @@ class CheckpointClient:
         self._sender: ThreadPoolExecutor | None = None
         self.last_save_path = ""  # how the last remote save travelled: "data channel" or "grpc"
 
+    @functools.cached_property
+    def _captures(self) -> Captures:
+        return Captures()  # CUDA copies (pinned destinations, side streams), the capture="enqueued" save in flight
+
     # -- plumbing -----------------------------------------------------------------------
     def _call(self, fn: Callable[[float], T], what: str, retries: int = 0) -> T:
         attempt = 0
@@ -389,11 +416,13 @@ class CheckpointClient:
             mm = self._take_premapped(path)
         if mm is None or mm.closed or len(mm) < size:
             if mm is not None:
+                self._captures.unpin(mm)
                 mm.close()
             mm = _map_segment(path, size)
         self._mappings[path] = mm
         while len(self._mappings) > _MAPPING_CACHE:
             _, old = self._mappings.popitem(last=False)
+            self._captures.unpin(old)  # before unmapping: a pin outliving its mapping would pin the old pages
             old.close()
         return mm
 
@@ -425,12 +454,22 @@ class CheckpointClient:
         if old is not None:
             old[1].add_done_callback(_close_mapping)
 
-    def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None, *, timeline: str | None = None) -> SaveHandle:
+    def save(
+        self, step: int, state: Any, metrics: Mapping[str, float] | None = None, *, timeline: str | None = None, capture: str = "copied"
+    ) -> SaveHandle:
         """Capture ``state`` for ``step`` into the store's memory; returns once the store owns the bytes.
 
         ``timeline`` overrides the client's own (``<run id>.<epoch>``), e.g. one id per DCP save chosen by
         the coordinator; every rank of one save must pass the same.
+
+        CUDA tensors are copied straight into the store's (pinned) memory. ``capture="enqueued"`` returns once the
+        copies are under way (CUDA ones enqueued, CPU ones on a thread), then commits in the background: **the
+        state must not be modified before** ``handle.wait_captured()`` (``gate(optimizer)`` calls it before each
+        step), which, like ``wait()``, raises the background part's error. One capture in flight per client.
         """
+        if capture not in CAPTURE_MODES:
+            raise InvalidArgumentError(f"capture {capture!r} is invalid: expected 'copied' or 'enqueued'")
+        self._captures.settle()
         if timeline is not None and (not timeline or timeline_problem(timeline)):
             raise InvalidArgumentError(timeline_problem(timeline) or "timeline '' is invalid: expected 1-128 characters of [A-Za-z0-9._-]")
         self._key(step)  # validate before a run id is drawn
@@ -439,56 +478,76 @@ class CheckpointClient:
         clean_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
         t0 = time.perf_counter()
         layout = serialization.plan(state)
-        sending: Future[None] | None = None
         try:
             if self.shared_memory:
-                self._save_shared(key, layout, clean_metrics)
+                job = self._save_shared(key, layout, clean_metrics)
             else:
-                sending = self._save_remote(key, layout, clean_metrics)
+                job = self._save_remote(key, layout, clean_metrics, capture)
+            if capture == "copied":
+                job.run()
         except CapacityExceededError as exc:
             if self.on_capacity == "skip":
                 log.warning("skipping checkpoint of step %d (rank %d): %s", step, self.rank, exc)
                 return SaveHandle(self, step, skipped_reason=str(exc), timeline=key.timeline)
             raise
-        if timeline is None:
-            self._saved(step, epoch)
-        handle = SaveHandle(self, step, timeline=key.timeline, sending=sending)
+        if capture == "enqueued":
+            job.skip_capacity = self.on_capacity == "skip"
+            job.on_success = None if timeline is not None else lambda: self._saved(step, epoch)
+            self._captures.start(job)
+            handle = SaveHandle(self, step, timeline=key.timeline, capture=job)
+        else:
+            if timeline is None:
+                self._saved(step, epoch)
+            handle = SaveHandle(self, step, timeline=key.timeline, sending=job.handed_off)
         handle.stall_seconds = time.perf_counter() - t0
         return handle
 
-    def _save_shared(self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float]) -> None:
+    def gate(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
+        """Hold each ``optimizer.step()`` until the latest ``capture="enqueued"`` save no longer needs the state.
+
+        Registers a step pre-hook calling that save's ``wait_captured()`` (CUDA copies gate the current
+        stream, the host goes on; a failed capture raises its error there, once). Returns the hook's handle.
+        """
+        return optimizer.register_step_pre_hook(self._captures.gate_hook())
+
+    def _save_shared(self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float]) -> Capture:
         with self._premap_lock:
             preferred = self._premap[0] if self._premap is not None else ""
         request = pb.AllocateRequest(key=key, world_size=self.world_size, nbytes=layout.nbytes, preferred_segment=preferred)
         alloc = self._control("Allocate", request, f"allocate step {key.step}")
+
+        def release() -> None:
+            self._control("Release", pb.ReleaseRequest(lease_id=alloc.lease_id), f"release step {key.step}")
+
         try:
             mm = self._map(alloc.segment_path, alloc.segment_bytes)
-            layout.write_into(memoryview(mm)[: layout.nbytes])
+            blobs, copies = self._captures.device_copies(layout, mm, alloc.segment_path)
         except BaseException:
-            self._control("Release", pb.ReleaseRequest(lease_id=alloc.lease_id), f"release step {key.step}")
+            release()
             raise
-        commit = pb.CommitRequest(
-            lease_id=alloc.lease_id, metrics=metrics, format_version=serialization.FORMAT_VERSION, spill_codec=self.spill_compression
-        )
-        self._control("Commit", commit, f"commit step {key.step}")
-        if alloc.next_segment_path != alloc.segment_path:
-            self._map_ahead(alloc.next_segment_path)
 
-    def _save_remote(self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float]) -> Future[None] | None:
+        def commit() -> None:
+            request = pb.CommitRequest(
+                lease_id=alloc.lease_id, metrics=metrics, format_version=serialization.FORMAT_VERSION, spill_codec=self.spill_compression
+            )
+            self._control("Commit", request, f"commit step {key.step}")
+            if alloc.next_segment_path != alloc.segment_path:
+                self._map_ahead(alloc.next_segment_path)
+
+        return Capture(copies, host_writer(layout, blobs, mm), commit, release)
+
+    def _save_remote(self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float], capture: str) -> Capture:
         """Without shared memory: stage the shard in this process, then send it over the store's data channel.
 
         ``remote_save="sync"``: returns once the store holds verified bytes (crash-safe, the stall includes
         the transfer). ``"background"``: returns after the staging copy; the send runs on a thread and the
-        save's handle reports it (a crash of this process before it finished loses the save).
+        save's handle reports it (a crash of this process before it finished loses the save). With
+        ``capture="enqueued"`` the capture thread sends once the copies are done. The staging buffer is
+        registered for CUDA copies like a segment (it is kept between saves too).
         """
         buf, fresh = self._staging_buffer(layout.nbytes)
         view = byte_view(buf, layout.nbytes)
-        ahead = FaultAhead(view) if fresh else None  # a new buffer's pages fault in beside the copy
-        try:
-            layout.write_into(view)
-        finally:
-            if ahead is not None:
-                ahead.stop()
+        blobs, copies = self._captures.device_copies(layout, buf)  # (a failure here only loses the buffer for reuse)
         chunk = min(DEFAULT_CHUNK_BYTES, self.hello.max_chunk_bytes or DEFAULT_CHUNK_BYTES)
         created = time.time()
 
@@ -511,14 +570,17 @@ class CheckpointClient:
             finally:
                 self._free_staging.append(buf)
 
-        if self.remote_save == "sync":
-            send()
-            return None
-        if self._sender is None:
-            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-send")
-        future = self._sender.submit(send)
-        self._sends.append(future)
-        return future
+        def finish() -> Future[None] | None:
+            if self.remote_save == "sync" or capture == "enqueued":
+                send()
+                return None
+            if self._sender is None:
+                self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-send")
+            future = self._sender.submit(send)
+            self._sends.append(future)
+            return future
+
+        return Capture(copies, host_writer(layout, blobs, view, fault_ahead=fresh), finish, lambda: self._free_staging.append(buf))
 
     def _staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]:
         """A free staging buffer of at least ``nbytes`` (kept between saves: its pages are faulted in once), and
@@ -528,6 +590,7 @@ class CheckpointClient:
         for i, buf in enumerate(self._free_staging):
             if buf.numel() >= nbytes:
                 return self._free_staging.pop(i), False
+        self._captures.unpin(*self._free_staging)
         self._free_staging.clear()  # too small for this state: let them go
         return empty_buffer(nbytes), True
 
@@ -609,8 +672,9 @@ class CheckpointClient:
         return RestorePoint(int(resp.step), int(resp.world_size), resp.timeline)
 
     def load(
-        self, step: int | None = None, *, rank: int | None = None, zero_copy: bool = True, timeline: str | None = None, group: Any = None
-    ) -> Any:
+        self, step: int | None = None, *, rank: int | None = None, zero_copy: bool = True, timeline: str | None = None,
+        map_location: str | torch.device | None = None, group: Any = None,
+    ) -> Any:  # fmt: skip
         """Restore this rank's state at ``step`` (default: the latest restorable step); bytes verified first.
 
         The shard comes from the step's restorable version (``restore_point``), or from ``timeline`` when
@@ -619,9 +683,14 @@ class CheckpointClient:
         store's segment: no copy, no fresh page faults. Pass ``zero_copy=False`` for tensors with
         memory of their own.
 
+        ``map_location``: None / ``"cpu"`` (CPU tensors, as above) or a device (``"cuda:0"``, ``"cuda"``, a
+        ``torch.device``) every tensor lands on, copied straight from the shard's memory (pinned read-only
+        for asynchronous DMA, done before returning); ``zero_copy`` then only keeps numpy arrays as views.
+
         ``group``: the job's process group; the version is then agreed over it (a collective, see ``latest_step``),
         and a ``load(step, group=...)`` right after ``latest_step(group=...)`` returned ``step`` reuses that answer.
         """
+        device = parse_map_location(map_location)
         if timeline is None or step is None:
             agreed, self.agreement.point = self.agreement.point, None
             point = agreed if group is not None and agreed is not None and agreed.step == step else self.restore_point(step, group)
@@ -647,14 +716,14 @@ class CheckpointClient:
             )
             self.last_load_source = fetched.source_host or self.hello.host_id
             try:
-                return self._read_shared(key, zero_copy) if self.shared_memory else self._read_remote(key, zero_copy)
+                return self._read_shared(key, zero_copy, device) if self.shared_memory else self._read_remote(key, zero_copy, device)
             except CorruptShardError as exc:
                 log.warning("rank %d: copy of step %d failed verification (%s); asking the store for another", self.rank, step, exc)
                 if attempt == 1:
                     raise
         raise AssertionError("unreachable")
 
-    def _read_shared(self, key: pb.ShardKey, zero_copy: bool) -> Any:
+    def _read_shared(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
         opened = self._control("Open", pb.OpenRequest(key=key), f"open step {key.step}", retries=3)
         try:
             m = manifest_from_pb(opened.manifest)
@@ -678,6 +747,12 @@ class CheckpointClient:
                 if bad is not None:
                     mm.close()
                     raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
+            if device is not None:
+                try:
+                    return decode_onto(mm, device, zero_copy)
+                finally:
+                    with contextlib.suppress(BufferError):  # numpy arrays still viewing it (zero_copy) keep it mapped
+                        mm.close()
             if zero_copy:
                 return serialization.decode(mm, zero_copy=True)  # tensors keep the mapping alive
             try:
@@ -687,13 +762,16 @@ class CheckpointClient:
         finally:
             self._control("Release", pb.ReleaseRequest(lease_id=opened.lease_id), f"release step {key.step}")
 
-    def _read_remote(self, key: pb.ShardKey, zero_copy: bool) -> Any:
+    def _read_remote(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
         """Without shared memory: the shard over the store's data channel (gRPC streams if it has none), every
         chunk verified as it lands; with ``zero_copy`` large tensors are views of the received buffer."""
         m, buf = self._remote.get(key, f"read step {key.step}")
+        if device is not None:
+            return decode_onto(byte_view(buf, m.nbytes), device, zero_copy)
         return serialization.decode(byte_view(buf, m.nbytes), zero_copy=zero_copy)
 
     def close(self) -> None:
+        self._captures.close()  # an enqueued capture in flight is finished, then every registration undone
         with self._premap_lock:
             premap, self._premap = self._premap, None
             premapper, self._premapper = self._premapper, None

@@ -72,6 +72,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from memstore.v1.keys import job_id_problem, key_problem
+from trainer_client._capture import HostToDevice
 from trainer_client.client import CheckpointClient, client_credentials
 from trainer_client.dcp_metadata import MemStoreStorageInfo, _item_key, decode_metadata, encode_metadata
 from trainer_client.errors import (
@@ -401,9 +402,7 @@ class MemStoreWriter(StorageWriter):
             else:
                 if not isinstance(data, torch.Tensor):
                     raise InvalidArgumentError(f"{item.index.fqn}: planner returned {type(data).__qualname__} for a tensor item")
-                value = data.detach()
-                if value.device.type != "cpu":
-                    value = value.to("cpu")
+                value = data.detach()  # on its device: CUDA tensors are copied straight into the store's memory
                 size = value.numel() * value.element_size()
             items[key] = value
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=MemStoreStorageInfo(info.rank, key)))
@@ -547,7 +546,8 @@ class MemStoreReader(StorageReader):
             of any rank are fetched through it.
         timeout: deadline of each control call to the store, in seconds.
         zero_copy: map shards copy-on-write instead of copying them (they are copied into the
-            destination tensors anyway).
+            destination tensors anyway). Destinations on a CUDA device are filled straight from that
+            memory (registered read-only while it is read: asynchronous DMA), synchronized per shard.
         use_shared_memory: passed to ``CheckpointClient`` (default: automatic).
 
     ``read_metadata`` resolves ``(step, world_size, timeline)`` once (``CheckpointClient.restore_point``:
@@ -694,24 +694,28 @@ class MemStoreReader(StorageReader):
     # -- helpers --------------------------------------------------------------------------------
     def _resolve_items(self, shard: Mapping[str, Any], reqs: list[tuple[ReadItem, MemStoreStorageInfo]], planner: LoadPlanner) -> None:
         items = shard["items"]
-        for req, info in reqs:
-            where = f"{self.checkpoint_id} rank {info.rank} item {info.key!r}"
-            if info.key not in items:
-                raise CorruptShardError(f"{where} is named by the metadata but missing from the shard")
-            value = items[info.key]
-            if req.type == LoadItemType.BYTE_IO:
-                if not isinstance(value, (bytes, bytearray)):
-                    raise CorruptShardError(f"{where}: expected bytes, found {type(value).__qualname__}")
-                planner.load_bytes(req, io.BytesIO(value))
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise CorruptShardError(f"{where}: expected a tensor, found {type(value).__qualname__}")
-            source = _narrow(value, req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != source.size():
-                raise CorruptShardError(f"{where}: DCP asks for {tuple(target.size())} but the stored slice is {tuple(source.size())}")
-            target.copy_(source)
-            planner.commit_tensor(req, target)
+        copies = HostToDevice()  # onto CUDA targets: from the shard's pinned memory, asynchronous, done before returning
+        try:
+            for req, info in reqs:
+                where = f"{self.checkpoint_id} rank {info.rank} item {info.key!r}"
+                if info.key not in items:
+                    raise CorruptShardError(f"{where} is named by the metadata but missing from the shard")
+                value = items[info.key]
+                if req.type == LoadItemType.BYTE_IO:
+                    if not isinstance(value, (bytes, bytearray)):
+                        raise CorruptShardError(f"{where}: expected bytes, found {type(value).__qualname__}")
+                    planner.load_bytes(req, io.BytesIO(value))
+                    continue
+                if not isinstance(value, torch.Tensor):
+                    raise CorruptShardError(f"{where}: expected a tensor, found {type(value).__qualname__}")
+                source = _narrow(value, req.storage_offsets, req.lengths)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != source.size():
+                    raise CorruptShardError(f"{where}: DCP asks for {tuple(target.size())} but the stored slice is {tuple(source.size())}")
+                copies.copy_into(target, source)
+                planner.commit_tensor(req, target)
+        finally:
+            copies.finish()
 
     def _client_for(self, world_size: int | None) -> CheckpointClient:
         """A client of ``world_size`` ranks (None: any; restore_point does not depend on it).

@@ -58,6 +58,14 @@ class ReplicationError(MemstoreClientError):
     """A shard did not reach its replication factor; the message says which peer failed and why."""
 
 
+class CaptureError(MemstoreClientError):
+    """Copying the state's CUDA tensors into host memory failed (a CUDA error on the copy or its event).
+
+    Raised by ``save()`` (``capture="copied"``) or by the handle's ``wait_captured()`` / ``wait()``
+    (``capture="enqueued"``); the shard was not committed.
+    """
+
+
 class AlreadySavedError(InvalidArgumentError):
     """The store already holds this rank's shard of this step on this timeline: a re-save needs a new timeline."""
 

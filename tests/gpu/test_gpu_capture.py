@@ -1,0 +1,226 @@
+"""CUDA tensors into the store and back onto a device, against real stores (docs/gpu.md).
+
+Every test here is marked ``gpu``: where torch sees no CUDA device, tests/conftest.py deselects them (they are
+reported as deselected, never as passed). Run them on a GPU machine with ``pytest tests/gpu``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.states import assert_same
+from trainer_client import CheckpointClient, _capture
+from trainer_client.dcp import MemStoreReader, MemStoreWriter
+
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+
+
+def devices() -> list[torch.device]:
+    return [torch.device("cuda", i) for i in range(min(2, torch.cuda.device_count()))]
+
+
+def gpu_state(seed: int, scale: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A state with CUDA tensors (on two devices when there are two) and its expected CPU copy."""
+    g = torch.Generator().manual_seed(seed)
+    devs = devices()
+    other = devs[-1]
+    cpu: dict[str, Any] = {
+        "w": torch.randn(256 * scale, 128, generator=g),
+        "bf16": torch.randn(1024 * scale, generator=g).to(torch.bfloat16),
+        "int_t": torch.randint(-1000, 1000, (64, 32), generator=g),
+        "empty": torch.zeros(0, 3),
+        "scalar": torch.tensor(3.5),
+        "mask": torch.rand(10, generator=g) > 0.5,
+        "fp8": torch.randn(64, generator=g).to(torch.float8_e4m3fn),
+        "complex": torch.randn(8, dtype=torch.complex64, generator=g),
+        "big": torch.randn(4 << 20, generator=g),  # 16 MiB
+        "on_cpu": torch.randn(100, generator=g),
+    }
+    state: dict[str, Any] = {
+        "w": cpu["w"].to(devs[0]),
+        "bf16": cpu["bf16"].to(other),
+        "int_t": cpu["int_t"].t().contiguous().to(devs[0]).t(),  # non-contiguous on the device
+        "empty": cpu["empty"].to(devs[0]),
+        "scalar": cpu["scalar"].to(other),
+        "mask": cpu["mask"].to(devs[0]),
+        "fp8": cpu["fp8"].to(devs[0]),
+        "conj": cpu["complex"].to(devs[0]).conj(),  # a conj view: stored resolved
+        "neg": cpu["complex"].to(other).conj().imag,  # a neg view
+        "big": cpu["big"].to(other),
+        "param": torch.nn.Parameter(cpu["w"][:4].clone().to(devs[0])),
+        "on_cpu": cpu["on_cpu"],
+        "step": 7,
+    }
+    expected = {
+        "w": cpu["w"],
+        "bf16": cpu["bf16"],
+        "int_t": cpu["int_t"].t().contiguous().t(),
+        "empty": cpu["empty"],
+        "scalar": cpu["scalar"],
+        "mask": cpu["mask"],
+        "fp8": cpu["fp8"],
+        "conj": cpu["complex"].conj().resolve_conj(),
+        "neg": cpu["complex"].conj().imag.resolve_neg(),
+        "big": cpu["big"],
+        "param": torch.nn.Parameter(cpu["w"][:4].clone()),
+        "on_cpu": cpu["on_cpu"],
+        "step": 7,
+    }
+    return state, expected
+
+
+class RecordingCudart:
+    """torch's cudart bindings, with every cudaHostRegister / cudaHostUnregister call recorded."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.registered: list[tuple[int, int, int]] = []  # successful registrations, in order
+        self.unregistered: list[int] = []
+        self.failed: list[tuple[int, int, int, int]] = []
+        self.live: dict[int, int] = {}  # address -> size, while registered
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> Any:
+        code = self.real.cudaHostRegister(ptr, size, flags)
+        if int(code) == 0:
+            self.registered.append((ptr, size, flags))
+            self.live[ptr] = size
+        else:
+            self.failed.append((ptr, size, flags, int(code)))
+        return code
+
+    def cudaHostUnregister(self, ptr: int) -> Any:
+        self.unregistered.append(ptr)
+        self.live.pop(ptr, None)
+        return self.real.cudaHostUnregister(ptr)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+@pytest.fixture
+def cudart(monkeypatch: pytest.MonkeyPatch) -> RecordingCudart:
+    recorder = RecordingCudart(torch.cuda.cudart())
+    monkeypatch.setattr(_capture, "_cudart", lambda: recorder)
+    return recorder
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shm", "remote"])
+@pytest.mark.parametrize("capture", ["copied", "enqueued"])
+def test_cuda_state_round_trips_bit_exact(make_cluster, shared: bool, capture: str) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(hosts=1, replicas=1, capacity="1GiB")
+    state, expected = gpu_state(1)
+    with CheckpointClient(f"gpu-rt-{capture}", 0, 1, store=cluster.address("h0"), use_shared_memory=shared) as client:
+        for step in (1, 2, 3):  # the later saves reuse registered memory
+            handle = client.save(step, state, capture=capture)
+            handle.wait_captured(block=True)
+            assert handle.wait(60).state
+            assert_same(client.load(step), expected)
+            assert_same(client.load(step, zero_copy=False), expected)
+
+
+def test_registration_happens_once_per_mapping_at_its_exact_size(make_cluster, cudart: RecordingCudart) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(hosts=1, replicas=1, capacity="1GiB")
+    state, expected = gpu_state(2, scale=8)
+    client = CheckpointClient("gpu-pin", 0, 1, store=cluster.address("h0"))
+    try:
+        assert client.shared_memory
+        for step in range(1, 7):
+            client.save(step, state).wait(60)
+            mapped = {_capture.address_of(mm): len(mm) for mm in client._mappings.values()}
+            for ptr, size in cudart.live.items():
+                assert mapped.get(ptr) == size, "a live registration covers exactly a mapping the client holds"
+        assert cudart.failed == []  # (a second registration of a live range would fail: 712)
+        assert 1 <= len(cudart.registered) < 6, "recycled segments must reuse their registration"
+        assert all(flags == _capture.HOST_REGISTER_PORTABLE for _, _, flags in cudart.registered)
+        assert client._captures._copier is not None and client._captures._copier.pins.registered == len(cudart.registered)
+        assert_same(client.load(6), expected)
+    finally:
+        client.close()
+    assert cudart.live == {} and len(cudart.unregistered) == len(cudart.registered), "close() unregisters every mapping"
+
+
+def test_enqueued_capture_is_gated_before_the_optimizer_step(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(hosts=1, replicas=1, capacity="2GiB")
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 4096)).to(device)  # 128 MiB of weights
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(64, 4096, device=device)
+    with CheckpointClient("gpu-gate", 0, 1, store=cluster.address("h0")) as client:
+        gate = client.gate(opt)
+        before = collections.OrderedDict((k, v.detach().cpu().clone()) for k, v in model.state_dict().items())
+        model(x).square().mean().backward()  # gradients ready before the save
+        t0 = time.perf_counter()
+        handle = client.save(1, model.state_dict(), capture="enqueued")
+        stall = time.perf_counter() - t0
+        calls: list[bool] = []
+        assert handle._capture is not None
+        real = handle._capture.wait_captured
+        handle._capture.wait_captured = lambda timeout, block: (calls.append(block), real(timeout, block))[1]  # type: ignore[method-assign]
+        opt.step()  # in place on the weights being copied: the gate orders it after the copies, on the GPU
+        assert calls == [False]
+        handle.wait(60)
+        assert_same(client.load(1), before)  # the state as it was at save(), not after the step
+        after = model.state_dict()
+        assert not torch.equal(after["0.weight"].cpu(), before["0.weight"])
+        gate.remove()
+        print(f"enqueued stall {stall * 1e3:.2f} ms")
+
+
+def test_wait_captured_block_and_the_state_changed_afterwards(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(hosts=1, replicas=1, capacity="1GiB")
+    state, expected = gpu_state(3, scale=16)
+    with CheckpointClient("gpu-wait", 0, 1, store=cluster.address("h0")) as client:
+        handle = client.save(1, state, capture="enqueued")
+        handle.wait_captured()  # default: the current streams wait for the copies
+        for key in ("w", "big", "bf16"):
+            state[key].add_(1)  # enqueued on the current stream: after the copies
+        handle2 = client.save(2, state, capture="enqueued")
+        handle2.wait_captured(block=True)
+        assert handle.wait(60).state and handle2.wait(60).state
+        assert_same(client.load(1), expected)
+        loaded2 = client.load(2)
+        assert torch.equal(loaded2["big"], expected["big"] + 1)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shm", "remote"])
+def test_load_onto_cuda_bit_exact(make_cluster, cudart: RecordingCudart, shared: bool) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(hosts=1, replicas=1, capacity="1GiB")
+    state, expected = gpu_state(4, scale=8)
+    with CheckpointClient("gpu-load", 0, 1, store=cluster.address("h0"), use_shared_memory=shared) as client:
+        client.save(1, state).wait(60)
+        cudart.registered.clear()
+        cudart.unregistered.clear()
+        for where in ("cuda", "cuda:0", torch.device("cuda", 0)):
+            out = client.load(1, map_location=where)
+            for key, value in expected.items():
+                if isinstance(value, torch.Tensor):
+                    assert out[key].device == torch.device("cuda", 0), key
+            assert type(out["param"]) is torch.nn.Parameter
+            assert_same({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in out.items()},
+                        {k: v.detach() if isinstance(v, torch.nn.Parameter) else v for k, v in expected.items()})  # fmt: skip
+        read_only = [r for r in cudart.registered if r[2] & _capture.HOST_REGISTER_READ_ONLY]
+        assert read_only, "the shard's memory is registered read-only for the copies"
+        assert sorted(p for p, _, _ in cudart.registered) == sorted(cudart.unregistered), "and unregistered before load returns"
+
+
+def test_dcp_save_and_load_of_gpu_tensors(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(hosts=1, replicas=1, capacity="1GiB")
+    addr, job = cluster.address("h0"), "gpu-dcp"
+    device = torch.device("cuda", 0)
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 256)).to(device).to(torch.bfloat16)
+    state = {"model": model.state_dict(), "extra": {"step": 3}}
+    dcp.save(state, storage_writer=MemStoreWriter(job, 1, store=addr))
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "extra": {"step": 0}}
+    dcp.load(target, storage_reader=MemStoreReader(job, store=addr))
+    for key, value in state["model"].items():
+        assert target["model"][key].device == device
+        assert torch.equal(target["model"][key], value), key
+    assert target["extra"]["step"] == 3

@@ -1,13 +1,13 @@
 """GPU capture and device restores: CUDA tensors straight into the store's memory, and loads onto a device.
 
-Save. :func:`device_blobs` finds the CUDA tensors of a planned shard. :class:`DeviceCopier` (one per
+Save. ``ShardLayout.device_tensors()`` finds the CUDA tensors of a planned shard. :class:`DeviceCopier` (one per
 client) registers the destination (a segment mapping, or a staging buffer without shared memory) with
 ``cudaHostRegister`` at its exact size, once, and keeps the registration while the client keeps the
 memory (:class:`HostRegistrations`); it enqueues one ``copy_(src, non_blocking=True)`` per CUDA tensor on
 a side stream per device (ordered after the trainer's current stream, ``record_stream`` keeping the
 source's memory from being reused early) and records an event per device (:class:`DeviceCopies`).
-``write_into`` writes everything else (header, CPU tensors) meanwhile, skipping the CUDA blobs
-(:func:`host_part`). :class:`Capture` runs the rest of one save: the host part, waiting for the events,
+``write_into(skip=...)`` writes everything else (header, CPU tensors) meanwhile (:func:`host_writer`).
+:class:`Capture` runs the rest of one save: the host part, waiting for the events,
 then the step that hands the bytes to the store (commit or send), inline (``capture="copied"``) or on
 the client's capture thread (``capture="enqueued"``).
 
@@ -28,7 +28,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
@@ -39,8 +39,8 @@ import torch
 
 from memstore.v1.pagefaults import FaultAhead
 from trainer_client import serialization
-from trainer_client._shard_encode import ShardLayout, _BlobWriter, _changed
-from trainer_client._shard_format import _BLOB_TENSOR, _raw_byte_view
+from trainer_client._shard_encode import ShardLayout
+from trainer_client._shard_format import _raw_byte_view
 from trainer_client.errors import CapacityExceededError, CaptureError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -203,51 +203,19 @@ def host_writer(layout: ShardLayout, skip: list[int], memory: mmap.mmap | memory
 
     ``fault_ahead``: a thread faults fresh pages in beside the copy (``memstore.v1.pagefaults.FaultAhead``).
     """
-    part = host_part(layout, skip)
+    skipped = frozenset(skip)
 
     def write() -> None:
         view = memoryview(memory)[: layout.nbytes]  # released below: an mmap with a live export cannot close
         ahead = FaultAhead(view) if fault_ahead else None
         try:
-            part.write_into(view)
+            layout.write_into(view, skip=skipped)
         finally:
             if ahead is not None:
                 ahead.stop()
             view.release()
 
     return write
-
-
-def device_blobs(layout: ShardLayout) -> list[int]:
-    """Indices of the layout's blobs that are CUDA tensors ([] for a CPU state, at no per-tensor cost).
-
-    CUDA tensors never take the memmove path, so only the layout's other blobs are looked at.
-    """
-    srcs, kinds = layout._srcs, layout._kinds
-    return [i for i in layout._others if kinds[i].kind == _BLOB_TENSOR and srcs[i].is_cuda]
-
-
-class _HostPart(ShardLayout):
-    """A layout whose ``write_into`` leaves the slots of the blobs in ``_skip`` alone (the device copies fill them)."""
-
-    __slots__ = ("_skip",)
-    _skip: frozenset[int]
-
-    def _write_each(self, writer: _BlobWriter, data_offset: int, indices: Any) -> None:
-        skip = self._skip
-        super()._write_each(writer, data_offset, [i for i in indices if i not in skip])
-
-
-def host_part(layout: ShardLayout, skip: Iterable[int]) -> ShardLayout:
-    """``layout`` itself, or a copy of it whose ``write_into`` writes every blob but those in ``skip``."""
-    skipped = frozenset(skip)
-    if not skipped:
-        return layout
-    part = _HostPart.__new__(_HostPart)
-    for name in ShardLayout.__slots__:
-        setattr(part, name, getattr(layout, name))
-    part._skip = skipped
-    return part
 
 
 class DeviceCopies:
@@ -309,9 +277,7 @@ class DeviceCopier:
         copies.keep.append(target)
         by_device: dict[torch.device, list[int]] = collections.defaultdict(list)
         for index in blobs:
-            src, kind = layout._srcs[index], layout._kinds[index]
-            if src.dtype != kind.dtype or src.shape != kind.shape:
-                _changed("tensor", index)
+            src, _, _ = layout.slot(index)  # raises if it changed since plan()
             by_device[src.device].append(index)
         used: list[torch.cuda.Stream] = []
         try:
@@ -335,8 +301,8 @@ class DeviceCopier:
 
     @staticmethod
     def _copy(copies: DeviceCopies, layout: ShardLayout, index: int, target: torch.Tensor, side: torch.cuda.Stream) -> None:
-        src, kind = layout._srcs[index], layout._kinds[index]
-        if kind.nbytes == 0:
+        src, offset, nbytes = layout.slot(index)
+        if nbytes == 0:
             return
         src.record_stream(side)  # the allocator may not hand its memory out again before the side stream read it
         if src.is_conj() or src.is_neg():
@@ -344,8 +310,7 @@ class DeviceCopier:
         raw = _raw_byte_view(src)  # uint8, shape + (itemsize,): every dtype copies as bytes
         if not raw.is_contiguous():
             raw = raw.contiguous()  # on the side stream, on the GPU
-        offset = layout.data_offset + layout._offsets[index]
-        target[offset : offset + kind.nbytes].view(raw.shape).copy_(raw, non_blocking=True)
+        target[offset : offset + nbytes].view(raw.shape).copy_(raw, non_blocking=True)
         copies.keep.append(raw)
 
 
@@ -473,7 +438,7 @@ class Captures:
     def device_copies(self, layout: ShardLayout, memory: mmap.mmap | torch.Tensor, path: str = "") -> tuple[list[int], DeviceCopies | None]:
         """The CUDA blobs of ``layout`` and their copies, enqueued into ``memory`` (the segment mapping of ``path``,
         or a staging buffer), registered first; ``([], None)`` for a state without CUDA tensors."""
-        blobs = device_blobs(layout)
+        blobs = layout.device_tensors()
         if not blobs:
             return blobs, None
         if self._copier is None:

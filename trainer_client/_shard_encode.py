@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
 
+from trainer_client._blob_writer import _BlobWriter, _changed
 from trainer_client._shard_format import (
     _ALIGN_MASK,
     _BLOB_BYTEARRAY,
@@ -53,10 +54,8 @@ from trainer_client._shard_format import (
     _align,
     _as_byte_view,
     _GcPaused,
-    _needs_raw_copy,
     _np_dtype_desc,
     _parallel_memmove,
-    _raw_byte_view,
 )
 from trainer_client.errors import InvalidArgumentError, SerializationError
 
@@ -584,7 +583,21 @@ class ShardLayout:
             f"header_bytes={len(self._header)})"
         )
 
-    def write_into(self, buf: Buffer) -> None:
+    def device_tensors(self) -> list[int]:
+        """Indices of the blobs that are CUDA tensors: the slots a device copy fills instead (``write_into(skip=...)``).
+        Found without looking at every tensor: small CPU tensors take the memmove path, CUDA tensors never do."""
+        srcs, kinds = self._srcs, self._kinds
+        return [i for i in self._others if kinds[i].kind == _BLOB_TENSOR and srcs[i].is_cuda]
+
+    def slot(self, index: int) -> tuple[Any, int, int]:
+        """Blob ``index``'s source, its slot's offset in the shard and its length; raises SerializationError if a
+        tensor changed dtype or shape since :func:`plan`."""
+        src, kind = self._srcs[index], self._kinds[index]
+        if kind.kind == _BLOB_TENSOR and (src.dtype != kind.dtype or src.shape != kind.shape):
+            _changed("tensor", index)
+        return src, self.data_offset + self._offsets[index], kind.nbytes
+
+    def write_into(self, buf: Buffer, skip: frozenset[int] = frozenset()) -> None:
         """Write the shard into ``buf[:nbytes]``: header, then every blob into its slot.
 
         ``buf`` must be a writable, C-contiguous buffer (bytearray, writable mmap,
@@ -592,7 +605,8 @@ class ShardLayout:
         states give identical bytes even in a reused buffer. Contiguous CPU tensors are
         copied with memmove (big ones in pieces on a few threads); others with
         ``Tensor.copy_`` straight from the (possibly strided, possibly non-CPU) source
-        into a view of ``buf``, which needs no temporary.
+        into a view of ``buf``, which needs no temporary. The slots of the blobs in ``skip`` are left as they
+        are (``device_tensors()``: asynchronous device copies fill them).
         """
         mv = _as_byte_view(buf)
         # Everything aliasing ``mv`` (the writer's uint8 tensor) must be dropped before
@@ -614,9 +628,9 @@ class ShardLayout:
             if self._srcs:
                 with torch.no_grad(), _GcPaused():  # the checks make lists of 10k Size objects
                     if not self._write_moved(writer, data_offset):
-                        self._write_each(writer, data_offset, range(len(self._srcs)))
+                        self._write_each(writer, data_offset, [i for i in range(len(self._srcs)) if i not in skip])
                     elif self._others:
-                        self._write_each(writer, data_offset, self._others)
+                        self._write_each(writer, data_offset, [i for i in self._others if i not in skip] if skip else self._others)
                 size = self.nbytes - data_offset
                 for length, starts in self._padding:
                     # Rows of `length` bytes starting at every byte of the data area; the
@@ -681,74 +695,6 @@ def _padding(kinds: list[_Kind], offsets: list[int]) -> list[tuple[int, np.ndarr
         return [(lengths[0], starts)]
     by_length = np.array(lengths, dtype=np.int64)
     return [(int(length), starts[by_length == length]) for length in np.unique(by_length)]
-
-
-def _changed(what: str, index: int) -> NoReturn:
-    raise SerializationError(f"{what} changed dtype or shape between plan() and write_into()", f"blob #{index}")
-
-
-class _BlobWriter:
-    """Copies blobs into the shard buffer for :meth:`ShardLayout.write_into`.
-
-    Holds the only long-lived alias of the buffer (``base``, a uint8 tensor made on first
-    use); the methods keep no other alias in a local, so an exception leaves nothing
-    behind that would stop the caller from releasing the buffer once :meth:`close` ran.
-    """
-
-    __slots__ = ("base", "base_addr", "moves", "mv", "nbytes")
-
-    def __init__(self, mv: memoryview, nbytes: int) -> None:
-        self.mv = mv
-        self.nbytes = nbytes
-        self.base: torch.Tensor | None = None
-        self.base_addr = 0
-        self.moves: list[tuple[int, int, int]] = []  # large contiguous copies, done in parallel at the end
-
-    def close(self) -> None:
-        self.base = None
-
-    def base_address(self) -> int:
-        """The buffer's address (makes the uint8 alias on first use)."""
-        if self.base is None:
-            self.base = torch.frombuffer(self.mv, dtype=torch.uint8, count=self.nbytes)
-            self.base_addr = self.base.data_ptr()
-        return self.base_addr
-
-    def tensor(self, index: int, offset: int, n: int, src: Any, dtype: Any, shape: tuple[int, ...]) -> None:
-        if src.dtype != dtype or src.shape != shape:
-            _changed("tensor", index)
-        if n == 0:
-            return
-        base_addr = self.base_address()
-        if src.is_cpu and src.is_contiguous() and not src.is_conj() and not src.is_neg():
-            # Its n bytes are contiguous at data_ptr(); the slot lies inside
-            # buf (checked by write_into). Small ones right away (~6x less overhead than
-            # three torch ops), large ones in parallel at the end.
-            if n <= _SMALL_COPY:
-                ctypes.memmove(base_addr + offset, src.data_ptr(), n)
-            else:
-                self.moves.append((base_addr + offset, src.data_ptr(), n))
-            return
-        assert self.base is not None
-        if _needs_raw_copy(dtype):
-            self.base[offset : offset + n].view(*shape, src.element_size()).copy_(_raw_byte_view(src))
-        else:
-            self.base[offset : offset + n].view(dtype).view(shape).copy_(src)
-
-    def ndarray(self, index: int, offset: int, n: int, src: Any, dtype: Any, shape: tuple[int, ...]) -> None:
-        if src.dtype != dtype or src.shape != shape:
-            _changed("array", index)
-        if n == 0:
-            return
-        np.copyto(np.frombuffer(self.mv, dtype=np.uint8, count=n, offset=offset).view(dtype).reshape(shape), src, casting="no")
-
-    def raw_bytes(self, index: int, offset: int, n: int, src: Any) -> None:
-        if len(src) != n:
-            raise SerializationError(
-                "bytearray changed length between plan() and write_into()",
-                f"blob #{index}",
-            )
-        self.mv[offset : offset + n] = src
 
 
 def plan(state: object) -> ShardLayout:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trainer_client import _capture, serialization
-from trainer_client.errors import CapacityExceededError, InvalidArgumentError, StoreUnavailableError
+from trainer_client.errors import CapacityExceededError, InvalidArgumentError, SerializationError, StoreUnavailableError
 
 pytestmark = pytest.mark.unit
 
@@ -55,8 +55,9 @@ def cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
 
 
 def _slot(layout: serialization.ShardLayout, tensor: torch.Tensor) -> tuple[int, int, int]:
-    (index,) = [i for i, src in enumerate(layout._srcs) if src is tensor]
-    return index, layout.data_offset + layout._offsets[index], layout._kinds[index].nbytes
+    (index,) = [i for i in range(layout.num_tensors) if layout.slot(i)[0] is tensor]
+    _, offset, nbytes = layout.slot(index)
+    return index, offset, nbytes
 
 
 def test_host_part_writes_everything_but_the_skipped_blobs() -> None:
@@ -64,7 +65,7 @@ def test_host_part_writes_everything_but_the_skipped_blobs() -> None:
     state = {"a": torch.randn(100), "skipped": skipped, "big": torch.randn(1 << 18), "n": np.arange(7), "b": b"xyz"}
     layout = serialization.plan(state)
     index, start, n = _slot(layout, skipped)
-    assert _capture.device_blobs(layout) == []  # a CPU state has no blob for the device copier
+    assert layout.device_tensors() == []  # a CPU state has no blob for the device copier
     buf = bytearray(b"\xab" * layout.nbytes)
     _capture.host_writer(layout, [index], buf)()
     assert bytes(buf[start : start + n]) == b"\xab" * n  # left for the DMA
@@ -84,9 +85,12 @@ def assert_decodes(buf: bytearray, state: dict[str, Any]) -> None:
             assert out[key] == value, key
 
 
-def test_host_part_without_skips_is_the_layout_itself() -> None:
-    layout = serialization.plan({"x": torch.ones(3)})
-    assert _capture.host_part(layout, []) is layout
+def test_a_tensor_changed_since_plan_is_refused_by_slot() -> None:
+    state = {"x": torch.ones(3, 4).t()}
+    layout = serialization.plan(state)
+    state["x"].resize_(5)
+    with pytest.raises(SerializationError, match="changed dtype or shape"):
+        layout.slot(0)
 
 
 # -- registrations --------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import math
 
 from memstore.devtools import scale
 
-PHASES = ("latest_step", "latest_step_group", "restore", "restore_group")
+PHASES = ("save", "latest_step", "latest_step_group", "restore", "restore_group")
 
 
 def main() -> None:

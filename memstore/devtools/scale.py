@@ -5,7 +5,8 @@ One scenario, used by ``tests/integration/test_scale.py`` and ``benchmarks/resto
 1. ``hosts`` store processes on 127.0.0.1 (R replicas, small capacity), ``ranks_per_host`` ranks each. Ranks
    are threads of this process, each with its own ``CheckpointClient`` to its own host's store and its own
    member of one gloo process group (a HashStore rendezvous): the real collectives, without one torch
-   process per rank. Every rank saves ``steps`` steps of a small state.
+   process per rank. Every rank saves ``steps`` steps of a small state, keeping ``steps - 1``: the last save
+   is measured too (``save``), since it is the first that makes every store's retention evict.
 2. Every rank calls ``latest_step()`` at once, first without a group (each store lists every store), then
    with ``group=`` (each rank asks its store, which asks its placement group; three all-reduces).
 3. A full restore: one host is killed and replaced (same id, empty memory), then every rank restores at once
@@ -106,7 +107,7 @@ def on_every_rank(count: int, fn: Callable[[int, Any], Any], timeout: float = 30
     return results, seconds
 
 
-def run(hosts: int = 32, ranks_per_host: int = 1, replicas: int = 2, state_kib: int = 256, steps: int = 2) -> dict[str, Any]:
+def run(hosts: int = 32, ranks_per_host: int = 1, replicas: int = 2, state_kib: int = 256, steps: int = 3) -> dict[str, Any]:
     """The scenario above; returns its phases (seconds, calls by method, calls per rank) and the setup."""
     from trainer_client import CheckpointClient
 
@@ -120,7 +121,7 @@ def run(hosts: int = 32, ranks_per_host: int = 1, replicas: int = 2, state_kib: 
         return {"w": torch.randn(state_kib * 256, generator=g), "step": step}
 
     out: dict[str, Any] = {"hosts": hosts, "ranks": world, "replicas": replicas, "state_kib": state_kib}
-    cluster = LocalCluster(hosts=hosts, replicas=replicas, capacity="64MiB", keep=steps, metrics=True,
+    cluster = LocalCluster(hosts=hosts, replicas=replicas, capacity="64MiB", keep=steps - 1, metrics=True,
                            extra_args=["--repair-interval", "600"])  # fmt: skip
     try:
         cluster.start(timeout=60 + 2 * hosts)
@@ -137,9 +138,11 @@ def run(hosts: int = 32, ranks_per_host: int = 1, replicas: int = 2, state_kib: 
 
         cs = clients("scale-run")
         try:
-            for step in range(1, steps + 1):
+            for step in range(1, steps):
                 for h in [c.save(step, state(c.rank, step)) for c in cs]:
                     h.wait(timeout=120)
+            # The last save is measured: it is the first beyond --keep, so retention runs on every store.
+            phase("save", lambda r, g: cs[r].save(steps, state(r, steps)).wait(timeout=120))
             assert phase("latest_step", lambda r, g: cs[r].latest_step()) == [steps] * world
             assert phase("latest_step_group", lambda r, g: cs[r].latest_step(group=g)) == [steps] * world
         finally:

@@ -31,7 +31,9 @@ def host_of(rank: int, hosts: int = HOSTS, world: int = WORLD) -> str:
     return f"h{rank // (world // hosts)}"
 
 
-def on_every_rank(clients: list[CheckpointClient], fn: Callable[[CheckpointClient, Any], T], timeout: float = 120) -> list[T | BaseException]:
+def on_every_rank(
+    clients: list[CheckpointClient], fn: Callable[[CheckpointClient, Any], T], timeout: float = 120
+) -> list[T | BaseException]:
     """Run ``fn(client, group)`` on every rank at once, each with its member of one fresh gloo group."""
     rendezvous = dist.HashStore()
     results: list[T | BaseException] = [TimeoutError("rank did not finish")] * len(clients)
@@ -168,7 +170,7 @@ def test_a_group_that_is_not_the_jobs_is_refused(make_cluster) -> None:
         group = dist.ProcessGroupGloo(dist.PrefixStore("one", dist.HashStore()), 0, 1)
         with pytest.raises(InvalidArgumentError, match="rank 1 of 4"):
             client.latest_step(group=group)
-        with pytest.raises(InvalidArgumentError, match="not a torch.distributed process group"):
+        with pytest.raises(InvalidArgumentError, match=r"not a torch\.distributed process group"):
             client.latest_step(group=object())
     finally:
         client.close()

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/ddp_torchrun.py --store 127.0.0.1:PORT --steps 20
 
 Each rank talks to the store on its own host (here all ranks share one machine, so one address);
-``latest_step()`` is the newest step every rank can restore, so all ranks resume from the same step.
+``latest_step(group=...)`` is the newest step every rank can restore, agreed over the job's process group
+(each rank asks only its own store), so all ranks resume from the same step.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def main() -> None:
 
     with CheckpointClient(args.job, rank=rank, world_size=world, store=args.store) as client:
         step = 0
-        latest = client.latest_step()
+        latest = client.latest_step(group=dist.group.WORLD)  # a collective: each rank asks only its own store
         if latest is not None:
-            step = ts.restore(client.load(latest))["step"]
+            step = ts.restore(client.load(latest, group=dist.group.WORLD))["step"]
             print(f"rank {rank}: resumed from step {step}", flush=True)
         pending = None
         while step < args.steps:

@@ -200,31 +200,22 @@ class _Checkpoints:
         return time.perf_counter() - self.saves[-1]["t0"]
 
 
-def _agreed_latest_step(client: Any) -> int | None:
-    """``latest_step()``, agreed by every rank (the oldest answer wins): a spill finishing between two ranks'
-    calls must not make one rank restore a step while another starts fresh."""
-    import torch
-    import torch.distributed as dist
-
-    latest = client.latest_step()
-    mine = torch.tensor([-1 if latest is None else latest], dtype=torch.int64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MIN)
-    agreed = int(mine.item())
-    return None if agreed < 0 else agreed
-
-
 def _restore(client: Any, training: _Training, rank: int) -> dict[str, Any]:
     """Restore the newest step restorable for every rank: {step, seconds, source}.
 
     With nothing restorable (every copy of the job was lost before it was spilled, as when a whole group
     dies early) the job starts again from step 0, as a scheduler would restart it.
     """
+    import torch.distributed as dist
+
     t0 = time.perf_counter()
-    latest = _agreed_latest_step(client)
+    # Agreed over the job's group: every rank asks only its own store, and all get the same step even if a
+    # spill finishes between two ranks' questions (one rank must not restore while another starts fresh).
+    latest = client.latest_step(group=dist.group.WORLD)
     if latest is None:
         print(f"rank {rank}: nothing restorable (lost before any step was spilled); starting from step 0", file=sys.stderr)
         return {"step": 0, "seconds": time.perf_counter() - t0, "source": ""}
-    info = training.state.restore(client.load(latest))
+    info = training.state.restore(client.load(latest, group=dist.group.WORLD))  # reuses the agreed version
     return {"step": info["step"], "seconds": time.perf_counter() - t0, "source": client.last_load_source}
 
 

@@ -19,10 +19,7 @@ the counts (a replacement's first pass at start-up is counted: a user pays it).
 
 from __future__ import annotations
 
-import datetime
 import re
-import threading
-import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -31,6 +28,7 @@ from typing import Any
 import torch
 
 from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.devtools.ranks import on_every_rank
 
 _SAMPLE = re.compile(r'^memstore_rpcs_total\{method="([A-Za-z]+)"\} ([0-9.e+]+)$', re.M)
 JOB = "scale"
@@ -72,41 +70,6 @@ def _delta(after: dict[str, int], before: dict[str, int], background: bool) -> d
     return {m: after[m] - before.get(m, 0) for m in sorted(after) if after[m] - before.get(m, 0) and (m in BACKGROUND) == background}
 
 
-def on_every_rank(count: int, fn: Callable[[int, Any], Any], timeout: float = 300) -> tuple[list[Any], float]:
-    """Run ``fn(rank, group)`` on ``count`` threads at once (each with its member of one fresh gloo group).
-    Returns the results and the seconds from the common start to the last finish; raises a rank's error."""
-    import torch.distributed as dist
-
-    rendezvous = dist.HashStore()
-    groups: list[Any] = [None] * count
-    results: list[Any] = [None] * count
-    errors: list[BaseException] = []
-    ready = threading.Barrier(count + 1)
-
-    def run(rank: int) -> None:
-        try:
-            groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("scale", rendezvous), rank, count, datetime.timedelta(seconds=timeout))
-            ready.wait()
-            results[rank] = fn(rank, groups[rank])
-        except BaseException as exc:
-            errors.append(exc)
-            ready.abort()
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(count)]
-    for t in threads:
-        t.start()
-    ready.wait(timeout)  # every group member exists: time from here
-    started = time.perf_counter()
-    for t in threads:
-        t.join(timeout)
-    seconds = time.perf_counter() - started
-    if errors:
-        raise errors[0]
-    if any(t.is_alive() for t in threads):
-        raise TimeoutError(f"a rank did not finish within {timeout}s")
-    return results, seconds
-
-
 def run(hosts: int = 32, ranks_per_host: int = 1, replicas: int = 2, state_kib: int = 256, steps: int = 3) -> dict[str, Any]:
     """The scenario above; returns its phases (seconds, calls by method, calls per rank) and the setup."""
     from trainer_client import CheckpointClient
@@ -132,6 +95,9 @@ def run(hosts: int = 32, ranks_per_host: int = 1, replicas: int = 2, state_kib: 
         def phase(name: str, fn: Callable[[int, Any], Any]) -> list[Any]:
             before = rpc_counts(cluster)
             results, seconds = on_every_rank(world, fn)
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed
             after = rpc_counts(cluster)
             out[name] = Phase(seconds, _delta(after, before, False), world, _delta(after, before, True)).to_dict()
             return results

@@ -1,13 +1,11 @@
 """latest_step(group=...): every rank asks only its own store, and the ranks agree over a real gloo process group.
 
-Ranks are threads of this process, each with its own CheckpointClient and its own gloo group member
-(a HashStore rendezvous): the same collectives as ranks in separate processes, without starting one
-torch process per rank.
+Ranks are threads of this process (``memstore.devtools.ranks``), each with its own CheckpointClient and its
+own gloo group member: the same collectives as ranks in separate processes, without a torch process per rank.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.devtools.ranks import on_every_rank as run_on_ranks
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
 from trainer_client.errors import InvalidArgumentError, StoreUnavailableError
@@ -31,26 +30,9 @@ def host_of(rank: int, hosts: int = HOSTS, world: int = WORLD) -> str:
     return f"h{rank // (world // hosts)}"
 
 
-def on_every_rank(
-    clients: list[CheckpointClient], fn: Callable[[CheckpointClient, Any], T], timeout: float = 120
-) -> list[T | BaseException]:
-    """Run ``fn(client, group)`` on every rank at once, each with its member of one fresh gloo group."""
-    rendezvous = dist.HashStore()
-    results: list[T | BaseException] = [TimeoutError("rank did not finish")] * len(clients)
-
-    def run(i: int) -> None:
-        try:
-            group = dist.ProcessGroupGloo(dist.PrefixStore("agree", rendezvous), i, len(clients))
-            results[i] = fn(clients[i], group)
-        except BaseException as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(clients))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a rank hung in the agreement"
+def on_every_rank(clients: list[CheckpointClient], fn: Callable[[CheckpointClient, Any], T]) -> list[T | BaseException]:
+    """Run ``fn(client, group)`` on every rank at once; each rank's result, or the exception it raised."""
+    results, _ = run_on_ranks(len(clients), lambda r, g: fn(clients[r], g), timeout=120)
     return results
 
 

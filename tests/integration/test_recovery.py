@@ -183,8 +183,8 @@ def held_keys_of(cluster: LocalCluster, host: str, job: str) -> set[tuple[int, i
 
 def test_a_replacement_pulls_from_every_holder_at_once(make_cluster) -> None:
     # One group of three (R=3): a replaced h2 can pull from h0 and h1. Each source stalls the first shard it
-    # serves for 5 s (after its first 1 MiB piece: the shards are 2 MiB). Pulls one at a time land one shard, wait 5 s for the other source's stalled one, then
-    # the rest; pulls at once land most shards while the two stalled ones wait.
+    # serves for 5 s (after its first 1 MiB piece: the shards are 2 MiB). Pulls one at a time land one shard,
+    # wait 5 s for the other source's stalled one, then the rest; pulls at once land most shards meanwhile.
     cluster = make_cluster(hosts=3, replicas=3, capacity="256MiB", keep=2, env={"MEMSTORE_FAULTS": "serve.after_chunk:1=stall:5"})
     cs = [CheckpointClient(JOB, r, 6, store=cluster.address(f"h{r // 2}"), timeout=20) for r in range(6)]
     try:

@@ -95,14 +95,15 @@ class Recovery(Catalog):
         view = self.membership.view
         group = view.repair_sources(view.owned_slots())
         listings = self.peers.list_all(key.job_id, self.config.peer_timeout, hosts=group)
-        holdings = [h for host, shards in listings.items() if not isinstance(shards, StoreError) for h in holdings_of(host, shards)]
+        holdings, unreachable = _answers(listings)
         candidates = sources_for(holdings, key, prefer=group)
         if candidates or (durable_known and self.durable is not None):
             return candidates or ["durable"]
         listings = self.peers.list_all(key.job_id, self.config.peer_timeout, hosts=[h for h in view.table.members() if h not in group])
-        holdings += [h for host, shards in listings.items() if not isinstance(shards, StoreError) for h in holdings_of(host, shards)]
+        rest, more_unreachable = _answers(listings)
+        holdings += rest
+        unreachable += more_unreachable
         candidates = sources_for(holdings, key, prefer=tuple(view.table.members()))
-        unreachable = [h for h, r in listings.items() if isinstance(r, StoreError)]
         durable = self._durable_holdings(key.job_id, unreachable)
         if any(h.key == key for h in durable):
             candidates.append("durable")  # the most expensive tier comes last
@@ -247,9 +248,7 @@ class Recovery(Catalog):
     def cluster_holdings(self, job_id: str) -> tuple[list[Holding], list[str]]:
         """What every reachable store (this one included) holds of ``job_id``, and who did not answer."""
         mine = holdings_of(self.host_id, self.list_shards(job_id))
-        listings = self.peers.list_all(job_id, self.config.peer_timeout)
-        unreachable = sorted(h for h, r in listings.items() if isinstance(r, StoreError))
-        theirs = [h for host, r in listings.items() if not isinstance(r, StoreError) for h in holdings_of(host, r)]
+        theirs, unreachable = _answers(self.peers.list_all(job_id, self.config.peer_timeout))
         return mine + theirs + self._durable_holdings(job_id, unreachable), unreachable
 
     def _durable_holdings(self, job_id: str, unreachable: list[str]) -> list[Holding]:
@@ -291,10 +290,8 @@ class Recovery(Catalog):
             raise InvalidArgument(f"ranks {ranks[:8]} are invalid: expected distinct ints >= 0")
         view = self.membership.view
         group = view.repair_sources(view.owned_slots())  # the hosts holding copies of what this host holds
-        listings = self.peers.list_all(job_id, self.config.peer_timeout, hosts=group)
-        unreachable = sorted(h for h, r in listings.items() if isinstance(r, StoreError))
-        holdings = holdings_of(self.host_id, self.list_shards(job_id))
-        holdings += [h for host, r in listings.items() if not isinstance(r, StoreError) for h in holdings_of(host, r)]
+        theirs, unreachable = _answers(self.peers.list_all(job_id, self.config.peer_timeout, hosts=group))
+        holdings = holdings_of(self.host_id, self.list_shards(job_id)) + theirs
         durable = self._durable_holdings(job_id, unreachable) if include_durable else []
         return seen_versions(holdings, job_id, ranks, durable), unreachable
 
@@ -368,6 +365,12 @@ class Recovery(Catalog):
             listings, here, view.slot_name_of_owner, owners, self.host_id, self.config.replicas, self.config.keep
         )
         return pulled
+
+
+def _answers(listings: dict[str, list[ShardInfo] | StoreError]) -> tuple[list[Holding], list[str]]:
+    """The holdings in peers' listings, and (sorted) the peers that did not answer."""
+    held = [h for host, r in listings.items() if not isinstance(r, StoreError) for h in holdings_of(host, r)]
+    return held, sorted(h for h, r in listings.items() if isinstance(r, StoreError))
 
 
 def count_under_replicated(

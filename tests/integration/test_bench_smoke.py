@@ -11,7 +11,8 @@ import pytest
 from memstore.bench import main
 from tests.unit.test_bench_results import TARGET_ORDER
 
-pytestmark = pytest.mark.integration
+# A minute on 2 cores: in the slow stage, which CI runs after the default suite (keeps that under 15 minutes).
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 

@@ -50,17 +50,19 @@ def _device(group: Any) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if "nccl" in name else torch.device("cpu")
 
 
-def check_group(group: Any, rank: int, world_size: int) -> None:
-    """The group must be the job's: one member per rank, this client's rank at its own place."""
+def group_problem(group: Any, rank: int, world_size: int) -> tuple[int, InvalidArgumentError | None]:
+    """This process's rank in ``group``, and why the group is not the job's (None when it is): one member per rank,
+    this client's rank at its own place. Raises at once for an object that is no process group at all."""
     try:
         size, me = int(group.size()), int(group.rank())
     except (AttributeError, TypeError, RuntimeError) as exc:
         raise InvalidArgumentError(f"group {group!r:.80} is not a torch.distributed process group: {exc}") from None
     if size != world_size or me != rank:
-        raise InvalidArgumentError(
+        return me, InvalidArgumentError(
             f"group has {size} ranks and this process is its rank {me}, but the client is rank {rank} of {world_size}: "
             "pass the job's process group (its rank i must be the client of rank i)"
         )
+    return me, None
 
 
 class _Collectives:
@@ -107,21 +109,23 @@ def agree(
     ``ask_local``: this rank's scoped question to its store; ``ask_cluster``: the cluster-wide one (rank 0
     asks it only when the scoped views cannot decide). A failure of either raises on every rank.
     """
-    check_group(group, rank, world_size)
+    me, problem = group_problem(group, rank, world_size)  # a wrong group still takes part: its members raise together
+    error: Exception | None = problem
+    root = me == 0
     comm = _Collectives(group, stats)
     mine: list[Seen] = []
-    error: Exception | None = None
-    try:
-        mine = ask_local()
-    except Exception as exc:  # raised on every rank below, after the collectives
-        error = exc
-    shared = comm.share((_FAILED if error else encode_candidates(mine)) if rank == 0 else None)
+    if error is None:
+        try:
+            mine = ask_local()
+        except Exception as exc:  # raised on every rank below, after the collectives
+            error = exc
+    shared = comm.share((_FAILED if error else encode_candidates(mine)) if root else None)
     if shared == _FAILED:
         _raise(error, "rank 0's store could not say which versions it holds")
     candidates = decode_candidates(shared)
     reduced = comm.minimum([*rank_vector(candidates, mine, rank), 0 if error else 1])
     if reduced[-1] == 0:
-        _raise(error, "the store of at least one rank could not say which versions it holds")
+        _raise(error, "at least one rank could not ask its store (or passed a group that is not the job's)")
     decision = decide(candidates, reduced[:-1], world_size, step)
     if decision.version is not None and not decision.fallback:
         chosen = next(c for c in candidates if (c.step, c.timeline) == (decision.version.step, decision.version.timeline))
@@ -130,13 +134,13 @@ def agree(
         return None
     stats.fallback = True
     answer: list[Seen] = []
-    if rank == 0:
+    if root:
         try:
             found = ask_cluster()
             answer = [] if found is None else [found]
         except Exception as exc:
             error = exc
-    shared = comm.share((_FAILED if error else encode_candidates(answer)) if rank == 0 else None)
+    shared = comm.share((_FAILED if error else encode_candidates(answer)) if root else None)
     if shared == _FAILED:
         _raise(error, "rank 0 could not ask the cluster which step is restorable")
     agreed = decode_candidates(shared)

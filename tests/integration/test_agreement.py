@@ -156,3 +156,16 @@ def test_a_group_that_is_not_the_jobs_is_refused(make_cluster) -> None:
             client.latest_step(group=object())
     finally:
         client.close()
+
+
+def test_ranks_given_each_others_group_members_all_raise_instead_of_hanging(make_cluster) -> None:
+    cluster = make_cluster(hosts=3, replicas=3, capacity="64MiB")
+    clients = connect(cluster, range(3), world=3, hosts=3, run_id="run-f")
+    try:
+        swapped = [0, 2, 1]  # group member i is given to the client of rank swapped[i]: ranks 1 and 2 are mixed up
+        results, _ = run_on_ranks(3, lambda r, g: clients[swapped[r]].latest_step(group=g), timeout=60)
+        assert isinstance(results[1], InvalidArgumentError) and isinstance(results[2], InvalidArgumentError), results
+        assert isinstance(results[0], StoreUnavailableError) and "not the job's" in str(results[0]), results[0]
+    finally:
+        for c in clients:
+            c.close()

@@ -13,7 +13,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from memstore.sim import protocol_cli
@@ -360,12 +359,9 @@ def _write_outputs(args: argparse.Namespace, points: list[PointResult], paramete
         out = write_json(args.json, to_json(points, parameters))
         print(f"wrote {out}")
     if args.markdown:
-        from memstore.sim.report import markdown
+        from memstore.sim.report import markdown, write_text
 
-        md = Path(args.markdown)
-        md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(markdown(points, title))
-        print(f"wrote {md}")
+        print(f"wrote {write_text(args.markdown, markdown(points, title))}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401

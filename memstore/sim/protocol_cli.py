@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from memstore.sim.flags import fraction, host_list, nonnegative_float, nonnegative_int, positive_float, positive_int
@@ -152,10 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"wrote {write_json(args.protocol_json, protocol_to_json(points, parameters))}")
     if args.protocol_markdown:
-        from memstore.sim.report import protocol_markdown
+        from memstore.sim.report import protocol_markdown, write_text
 
-        md = Path(args.protocol_markdown)
-        md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(protocol_markdown(points, title))
-        print(f"wrote {md}")
+        print(f"wrote {write_text(args.protocol_markdown, protocol_markdown(points, title))}")
     return 0

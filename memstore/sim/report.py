@@ -40,11 +40,16 @@ def to_json(points: Sequence[PointResult], parameters: dict[str, Any]) -> dict[s
     }
 
 
-def write_json(path: str | Path, doc: dict[str, Any]) -> Path:
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path``, making its folder; returns the path (for the "wrote ..." line)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    out.write_text(text)
     return out
+
+
+def write_json(path: str | Path, doc: dict[str, Any]) -> Path:
+    return write_text(path, json.dumps(doc, indent=2, sort_keys=False) + "\n")
 
 
 def _gpuh(v: float) -> str:

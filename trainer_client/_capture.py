@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memstore.v1.pagefaults import FaultAhead
+from memstore.v1.pagefaults import FaultAhead, address_of
 from trainer_client import serialization
 from trainer_client._shard_encode import ShardLayout
 from trainer_client._shard_format import _raw_byte_view
@@ -118,15 +118,6 @@ def host_unregister(addr: int) -> None:
     if code != 0:
         _clear_cuda_error()
         log.warning("cudaHostUnregister(%#x) failed: %s", addr, _error_text(code))
-
-
-def address_of(buffer: Any) -> int:
-    """The address of a writable buffer (an mmap)."""
-    cell = ctypes.c_char.from_buffer(buffer)
-    try:
-        return ctypes.addressof(cell)
-    finally:
-        del cell
 
 
 @dataclass

@@ -23,10 +23,8 @@ Nothing here touches CUDA unless the state holds CUDA tensors or the load target
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import mmap
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -38,150 +36,72 @@ import numpy as np
 import torch
 
 from memstore.v1.pagefaults import FaultAhead, address_of
-from trainer_client import serialization
+from trainer_client import _cuda, serialization
 from trainer_client._shard_encode import ShardLayout
-from trainer_client._shard_format import _raw_byte_view
+from trainer_client._shard_format import ALIGNMENT, _raw_byte_view
 from trainer_client.errors import CapacityExceededError, CaptureError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
 
 CAPTURE_MODES = ("copied", "enqueued")
-HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: pinned for every CUDA context, so for every device
-HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the device only reads the range
+SMALL_COPY_BYTES = 1 << 20  # device tensors under this are batched with their neighbours into one copy
+BOUNCE_BUFFERS = 4  # registered buffers of a restore's bounce ring (per process) ...
+BOUNCE_CHUNK_BYTES = 16 << 20  # ... of this many bytes each: 64 MiB pinned in all
 MIN_PIN_BYTES = 2 << 20  # smaller sources are copied from pageable memory: registering them costs more than it saves
 _PAGE = mmap.PAGESIZE
 
 
 # --------------------------------------------------------------------------------------
-# cudaHostRegister
+# registered staging buffers (without shared memory)
 # --------------------------------------------------------------------------------------
-
-
-def _cudart() -> Any:
-    """torch's libcudart bindings (a function of its own so tests can put a recording wrapper in between)."""
-    return torch.cuda.cudart()
-
-
-_libcudart: Any = None  # the libcudart this process loaded, for cudaGetLastError; False: none found
-
-
-def _find_libcudart() -> Any:
-    try:
-        with open("/proc/self/maps") as fh:
-            paths = sorted({line.split()[-1] for line in fh if "libcudart" in line})
-    except OSError:
-        paths = []
-    for path in paths:
-        if os.path.basename(path).startswith("libcudart.so"):
-            try:
-                lib = ctypes.CDLL(path)  # the library already loaded: dlopen hands back the same instance
-            except OSError:
-                continue
-            lib.cudaGetLastError.restype = ctypes.c_int
-            return lib
-    log.warning("libcudart not found among this process's libraries: a failed cudaHostRegister stays recorded as the last CUDA error")
-    return False
-
-
-def _clear_cuda_error() -> None:
-    """Reset the calling thread's last CUDA error after a call that failed.
-
-    torch's bindings return the error code but leave it recorded, and torch reads the last error after
-    every kernel launch: left there, it would be reported as the failure of some unrelated kernel.
-    torch exposes no cudaGetLastError, so it is called in the libcudart the process loaded.
-    """
-    global _libcudart
-    if _libcudart is None:
-        _libcudart = _find_libcudart()
-    if _libcudart:
-        _libcudart.cudaGetLastError()
-
-
-def _error_text(code: int) -> str:
-    try:
-        cudart = _cudart()
-        return f"{cudart.cudaGetErrorString(cudart.cudaError(code))} (CUDA error {code})"
-    except Exception:  # an unknown code, or a test's stand-in
-        return f"CUDA error {code}"
-
-
-def host_register(addr: int, size: int, flags: int) -> int:
-    """``cudaHostRegister(addr, size, flags)``; the CUDA error code (0: registered), a failure's error cleared."""
-    code = int(_cudart().cudaHostRegister(addr, size, flags))
-    if code != 0:
-        _clear_cuda_error()
-    return code
-
-
-def host_unregister(addr: int) -> None:
-    code = int(_cudart().cudaHostUnregister(addr))
-    if code != 0:
-        _clear_cuda_error()
-        log.warning("cudaHostUnregister(%#x) failed: %s", addr, _error_text(code))
 
 
 @dataclass
 class _Pin:
-    owner: Any  # the mapping or buffer, kept alive while its memory is registered
+    owner: Any  # the buffer, kept alive while its memory is registered
     addr: int
-    size: int
-    stamp: object
     ok: bool
 
 
 class HostRegistrations:
-    """Host memory registered with ``cudaHostRegister`` at its exact size, kept until :meth:`release`.
+    """Staging buffers registered with ``cudaHostRegister`` at their exact size, kept until :meth:`release`.
 
-    One registration per segment mapping or staging buffer the client keeps between saves: registering
-    costs about as much as faulting the range in again, so only the first save into a piece of memory
-    pays it (the store recycles segments; the client keeps up to four mapped). A range that failed to
-    register is remembered, not retried each save; copies into it go through pageable memory. Every
-    owner must be released before its memory is unmapped: a registration outliving its mapping would
-    pin the old pages, and a new mapping at the same address would not be the memory the GPU writes.
+    Without shared memory the client keeps its staging buffers between saves, so only the first save into
+    one pays the registration. Segments of the shared-memory path are the capture ring's
+    (``trainer_client._ring``). A buffer that failed to register is remembered, not retried each save.
     """
 
     def __init__(self) -> None:
         self._pins: dict[int, _Pin] = {}  # id(owner) -> its registration
-        self.registered = 0  # successful cudaHostRegister calls (tests and the benchmark read it)
+        self.registered = 0  # successful cudaHostRegister calls
+        self.failed = ""  # the last failure's cause
 
     def __len__(self) -> int:
         return len(self._pins)
 
-    def pin(self, owner: Any, addr: int, size: int, stamp: object = None) -> bool:
-        """Register ``owner``'s ``size`` bytes at ``addr`` unless already done; whether they are pinned.
-
-        ``stamp`` identifies the memory's state (a segment file's inode, size and ctime): when it changes,
-        the store truncated or regrew the file, which orphans pinned pages, so the range is registered anew.
-        """
+    def pin(self, owner: Any, addr: int, size: int) -> bool:
+        """Register ``owner``'s ``size`` bytes at ``addr`` unless already done; whether they are pinned."""
         pin = self._pins.get(id(owner))
-        if pin is not None and (pin.addr, pin.size, pin.stamp) == (addr, size, stamp):
-            return pin.ok
         if pin is not None:
-            self.release(owner)
-        code = host_register(addr, size, HOST_REGISTER_PORTABLE)
+            return pin.ok
+        code = _cuda.register(addr, size, _cuda.HOST_REGISTER_PORTABLE)
         if code != 0:
-            log.warning("cudaHostRegister of %d bytes failed (%s): CUDA tensors are copied through pageable memory",
-                        size, _error_text(code))
+            self.failed = _cuda.error_text(code)
+            log.warning("cudaHostRegister of %d bytes failed (%s): CUDA tensors are copied through pageable memory", size, self.failed)
         else:
             self.registered += 1
-        self._pins[id(owner)] = _Pin(owner, addr, size, stamp, code == 0)
+        self._pins[id(owner)] = _Pin(owner, addr, code == 0)
         return code == 0
 
     def release(self, owner: Any) -> None:
-        """Unregister ``owner``'s memory (no-op if it is not registered); call before unmapping or dropping it."""
+        """Unregister ``owner``'s memory (no-op if it is not registered); call before dropping it."""
         pin = self._pins.pop(id(owner), None)
         if pin is not None and pin.ok:
-            host_unregister(pin.addr)
+            _cuda.unregister(pin.addr)
 
     def release_all(self) -> None:
         for pin in list(self._pins.values()):
             self.release(pin.owner)
-
-
-def segment_stamp(path: str) -> object:
-    """What changes when the store truncates or regrows a segment file (its pinned pages would be orphaned)."""
-    st = os.stat(path)
-    return (st.st_ino, st.st_size, st.st_ctime_ns)
 
 
 # --------------------------------------------------------------------------------------
@@ -232,16 +152,77 @@ class DeviceCopies:
             torch.cuda.current_stream(device).wait_event(event)
 
 
+@dataclass(frozen=True)
+class CopyRun:
+    """Blobs whose slots follow each other in the shard, copied as one: ``(index, offset, nbytes)`` each; the run
+    covers ``[start, end)`` of the shard (their slots and the zero padding between them)."""
+
+    blobs: tuple[tuple[int, int, int], ...]
+
+    @property
+    def start(self) -> int:
+        return self.blobs[0][1]
+
+    @property
+    def end(self) -> int:
+        return self.blobs[-1][1] + self.blobs[-1][2]
+
+
+def copy_runs(slots: list[tuple[int, int, int]], small: int = SMALL_COPY_BYTES) -> list[CopyRun]:
+    """Group blobs ``(index, offset, nbytes)`` of one device into runs: neighbouring small blobs (under ``small``
+    bytes, slots adjacent up to the alignment padding) form one run, copied in one transfer; others are alone."""
+    runs: list[list[tuple[int, int, int]]] = []
+    for blob in sorted(slots, key=lambda b: b[1]):
+        _, offset, nbytes = blob
+        if runs and nbytes < small:
+            last = runs[-1][-1]
+            if last[2] < small and offset == _aligned(last[1] + last[2]):
+                runs[-1].append(blob)
+                continue
+        runs.append([blob])
+    return [CopyRun(tuple(run)) for run in runs]
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def gather_run(run: CopyRun, sources: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes of ``run`` (its slots and zero padding) as one uint8 tensor on the sources' device, filled by one
+    batched copy (``torch._foreach_copy_``: a launch or two for any number of tensors, not one per tensor).
+    ``sources``: each blob's bytes as a contiguous uint8 tensor, in the run's order."""
+    packed = torch.zeros(run.end - run.start, dtype=torch.uint8, device=sources[0].device)
+    views = [packed[offset - run.start : offset - run.start + nbytes] for _, offset, nbytes in run.blobs]
+    torch._foreach_copy_(views, [src.reshape(-1) for src in sources])
+    return packed
+
+
+def raw_bytes(src: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a contiguous uint8 tensor on its device (a view when it is contiguous)."""
+    if src.is_conj() or src.is_neg():
+        src = src.resolve_conj().resolve_neg()
+    raw = _raw_byte_view(src)  # uint8, shape + (itemsize,): every dtype copies as bytes
+    return raw if raw.is_contiguous() else raw.contiguous()
+
+
+def mark_streams(layout: ShardLayout, blobs: list[int]) -> dict[torch.device, torch.cuda.Event]:
+    """An event on the current stream of every device holding one of ``blobs``: the copies start after it, so they
+    see the state as the trainer had it when it called ``save()`` (and not what it enqueues later)."""
+    marks: dict[torch.device, torch.cuda.Event] = {}
+    for index in blobs:
+        device = layout.slot(index)[0].device
+        if device not in marks:
+            event = marks[device] = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+    return marks
+
+
 class DeviceCopier:
-    """A client's side streams (one per CUDA device) and its registrations of save destinations."""
+    """A client's side streams (one per CUDA device) and its registered staging buffers (no shared memory)."""
 
     def __init__(self) -> None:
         self.pins = HostRegistrations()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def pin_mapping(self, mm: mmap.mmap, path: str) -> bool:
-        """Register a segment mapping (all of it) unless it is already; whether it is pinned."""
-        return self.pins.pin(mm, address_of(mm), len(mm), segment_stamp(path))
 
     def pin_buffer(self, buf: torch.Tensor) -> bool:
         """Register a staging buffer's whole storage, if large enough and page-aligned (a huge-page mapping)."""
@@ -257,30 +238,37 @@ class DeviceCopier:
             stream = self._streams[device] = torch.cuda.Stream(device=device)
         return stream
 
-    def start(self, layout: ShardLayout, blobs: list[int], target: torch.Tensor) -> DeviceCopies:
+    def start(
+        self, layout: ShardLayout, blobs: list[int], target: torch.Tensor, after: dict[torch.device, torch.cuda.Event] | None = None
+    ) -> DeviceCopies:
         """Enqueue the copies of the CUDA blobs ``blobs`` into their slots of ``target`` (uint8, the shard's bytes).
 
-        Each device's copies run on its side stream after everything the trainer's current stream has
-        enqueued so far (so they see the state as it is now), non_blocking: asynchronous DMA when
-        ``target`` is registered. The caller must keep ``target``'s memory until :meth:`DeviceCopies.synchronize`.
+        Each device's copies run on its side stream after ``after[device]`` (an event :func:`mark_streams` recorded
+        when the save was called), else after everything the trainer's current stream has enqueued so far;
+        non_blocking: asynchronous DMA when ``target`` is registered. Neighbouring small tensors go as one copy
+        (:func:`copy_runs`). The caller must keep ``target``'s memory until :meth:`DeviceCopies.synchronize`.
         """
         copies = DeviceCopies()
         copies.keep.append(target)
-        by_device: dict[torch.device, list[int]] = collections.defaultdict(list)
+        by_device: dict[torch.device, list[tuple[int, int, int]]] = collections.defaultdict(list)
         for index in blobs:
-            src, _, _ = layout.slot(index)  # raises if it changed since plan()
-            by_device[src.device].append(index)
+            src, offset, nbytes = layout.slot(index)  # raises if it changed since plan()
+            if nbytes:
+                by_device[src.device].append((index, offset, nbytes))
         used: list[torch.cuda.Stream] = []
         try:
             with torch.no_grad():
-                for device, indices in by_device.items():
+                for device, slots in by_device.items():
                     side = self._stream(device)
                     used.append(side)
                     with torch.cuda.device(device):
-                        side.wait_stream(torch.cuda.current_stream(device))
+                        if after is not None and device in after:
+                            side.wait_event(after[device])
+                        else:
+                            side.wait_stream(torch.cuda.current_stream(device))
                         with torch.cuda.stream(side):
-                            for index in indices:
-                                self._copy(copies, layout, index, target, side)
+                            for run in copy_runs(slots):
+                                self._copy(copies, layout, run, target, side)
                         event = torch.cuda.Event(blocking=True)  # a waiting thread sleeps instead of spinning on a core
                         event.record(side)
                     copies.events[device] = event
@@ -291,18 +279,16 @@ class DeviceCopier:
         return copies
 
     @staticmethod
-    def _copy(copies: DeviceCopies, layout: ShardLayout, index: int, target: torch.Tensor, side: torch.cuda.Stream) -> None:
-        src, offset, nbytes = layout.slot(index)
-        if nbytes == 0:
-            return
-        src.record_stream(side)  # the allocator may not hand its memory out again before the side stream read it
-        if src.is_conj() or src.is_neg():
-            src = src.resolve_conj().resolve_neg()
-        raw = _raw_byte_view(src)  # uint8, shape + (itemsize,): every dtype copies as bytes
-        if not raw.is_contiguous():
-            raw = raw.contiguous()  # on the side stream, on the GPU
-        target[offset : offset + nbytes].view(raw.shape).copy_(raw, non_blocking=True)
-        copies.keep.append(raw)
+    def _copy(copies: DeviceCopies, layout: ShardLayout, run: CopyRun, target: torch.Tensor, side: torch.cuda.Stream) -> None:
+        sources = []
+        for index, _, _ in run.blobs:
+            src = layout.slot(index)[0]
+            src.record_stream(side)  # the allocator may not hand its memory out again before the side stream read it
+            sources.append(raw_bytes(src))
+        data = sources[0].reshape(-1) if len(sources) == 1 else gather_run(run, sources)
+        target[run.start : run.end].copy_(data, non_blocking=True)
+        copies.keep.extend(sources)
+        copies.keep.append(data)
 
 
 # --------------------------------------------------------------------------------------
@@ -311,10 +297,11 @@ class DeviceCopier:
 
 
 class Capture:
-    """The rest of one save once its device copies are enqueued: host part, wait, then commit or send.
+    """One save once its destination is chosen: device copies, host part, wait, then commit or send.
 
     Args:
-        copies: the save's device copies (None: a CPU state).
+        start_copies: enqueues the device copies (None: a CPU state); run by :meth:`run`, so on the capture
+            thread with ``capture="enqueued"`` (the copies start after the events recorded at ``save()``).
         write_host: writes the header and every non-CUDA blob.
         finish: hands the written bytes to the store (commit, send); runs only after every copy is done; may
             return a future of a step it left running (``handed_off``).
@@ -327,19 +314,20 @@ class Capture:
 
     def __init__(
         self,
-        copies: DeviceCopies | None,
+        start_copies: Callable[[], DeviceCopies] | None,
         write_host: Callable[[], None],
         finish: Callable[[], Future[None] | None],
         abort: Callable[[], None],
     ) -> None:
-        self.copies = copies
+        self._start_copies = start_copies
+        self.copies: DeviceCopies | None = None
         self._write_host = write_host
         self._finish = finish
         self._abort = abort
         self.skip_capacity = False
         self.on_success: Callable[[], None] | None = None
         self.skipped_reason = ""
-        self.host_written: threading.Event | None = None  # start(): set once the CPU tensors are copied (or that failed)
+        self.host_written: threading.Event | None = None  # start(): set once the copies are enqueued and the CPU tensors copied
         self.host_error: BaseException | None = None
         self.future: Future[None] | None = None
         self.handed_off: Future[None] | None = None  # what ``finish`` left running (remote_save="background": the send)
@@ -347,6 +335,8 @@ class Capture:
     def run(self) -> None:
         try:
             try:
+                if self._start_copies is not None:
+                    self.copies = self._start_copies()
                 self._write_host()
             except BaseException as exc:
                 self.host_error = exc
@@ -426,24 +416,39 @@ class Captures:
         self._thread: ThreadPoolExecutor | None = None
         self.in_flight: Capture | None = None  # the latest capture="enqueued" save's
 
-    def device_copies(self, layout: ShardLayout, memory: mmap.mmap | torch.Tensor, path: str = "") -> tuple[list[int], DeviceCopies | None]:
-        """The CUDA blobs of ``layout`` and their copies, enqueued into ``memory`` (the segment mapping of ``path``,
-        or a staging buffer), registered first; ``([], None)`` for a state without CUDA tensors."""
+    @staticmethod
+    def wants_pinning(layout: ShardLayout) -> bool:
+        """Whether the save's memory must be registered for DMA: the state holds CUDA tensors (or the installed
+        CUDA runtime registers host states too: the CPU suite's fake)."""
+        return bool(layout.device_tensors()) or _cuda.runtime().pins_host_states
+
+    def device_copies(
+        self, layout: ShardLayout, target: torch.Tensor, deferred: bool = False
+    ) -> tuple[list[int], Callable[[], DeviceCopies] | None]:
+        """The CUDA blobs of ``layout`` and what enqueues their copies into ``target`` (uint8: the segment mapping, or
+        a staging buffer, registered by the caller); ``([], None)`` for a state without CUDA tensors.
+
+        ``deferred``: the copies are enqueued later, on the capture thread: the current streams are marked now.
+        """
         blobs = layout.device_tensors()
         if not blobs:
             return blobs, None
+        copier = self.copier
+        after = mark_streams(layout, blobs) if deferred else None
+        return blobs, lambda: copier.start(layout, blobs, target, after)
+
+    @property
+    def has_copier(self) -> bool:
+        return self._copier is not None
+
+    @property
+    def copier(self) -> DeviceCopier:
         if self._copier is None:
             self._copier = DeviceCopier()
-        if isinstance(memory, mmap.mmap):
-            self._copier.pin_mapping(memory, path)
-            target = torch.frombuffer(memory, dtype=torch.uint8, count=layout.nbytes)
-        else:
-            self._copier.pin_buffer(memory)
-            target = memory[: layout.nbytes]
-        return blobs, self._copier.start(layout, blobs, target)
+        return self._copier
 
     def unpin(self, *owners: Any) -> None:
-        """Unregister mappings or buffers the client is about to unmap or drop (no-op for those not registered)."""
+        """Unregister buffers the client is about to drop (no-op for those not registered)."""
         if self._copier is not None:
             for owner in owners:
                 self._copier.pins.release(owner)
@@ -473,7 +478,7 @@ class Captures:
         return hook
 
     def close(self) -> None:
-        """Finish the capture in flight, stop the thread, unregister everything."""
+        """Finish the capture in flight, stop the thread, unregister the staging buffers."""
         self.settle()
         if self._thread is not None:
             self._thread.shutdown(wait=True)
@@ -519,59 +524,151 @@ def parse_map_location(value: object) -> torch.device | None:
     return device
 
 
-class HostToDevice:
-    """Host->device copies out of one shard's memory, finished (and unpinned) by :meth:`finish`.
+def _record(target: torch.Tensor) -> torch.cuda.Event | None:
+    """An event after the work enqueued so far on ``target``'s device (None on the CPU: copies there are done)."""
+    if not target.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(target.device))
+    return event
 
-    A large source's storage (the shard's copy-on-write mapping, or the received buffer) is registered
-    read-only the first time a copy reads it, so the copies are asynchronous DMA; they are enqueued
-    ``non_blocking`` on the current stream of the target's device. Sources that are small, not
-    page-aligned or fail to register are copied from pageable memory, which is correct too.
+
+class BounceRing:
+    """Registered host buffers that stage host->device copies out of memory that is not registered.
+
+    A restore reads a shard out of a mapping this process has not registered (a fresh process after a crash,
+    a shard pulled from a peer, a copy-on-write mapping). Registering it would cost more than the copy itself
+    (0.7-1.1 s/GiB measured for a copy-on-write mapping), and a pageable copy is synchronous and slow. So each
+    chunk goes through one of ``buffers`` buffers of ``chunk`` bytes, registered once per process: a CPU copy
+    into the buffer (torch's, on its threads), then an asynchronous copy to the device; a buffer is refilled
+    once the event of its previous device copy has passed, so the CPU copies of one chunk overlap the DMA of
+    the last. Targets on the CPU (tests) take the same path with synchronous copies.
     """
 
-    _warned = False
+    def __init__(self, buffers: int = BOUNCE_BUFFERS, chunk: int = BOUNCE_CHUNK_BYTES) -> None:
+        self.chunk = chunk
+        self._maps: list[mmap.mmap] = []
+        self._tensors: list[torch.Tensor] = []
+        self._events: list[torch.cuda.Event | None] = [None] * buffers
+        self._next = 0
+        self.lock = threading.Lock()  # one restore at a time uses the ring (held by HostToDevice until finish())
+        self.registered = 0
 
-    def __init__(self) -> None:
-        self._pinned: dict[int, torch.UntypedStorage | None] = {}  # storage address -> storage if registered
+    def _buffer(self, i: int) -> torch.Tensor:
+        while len(self._tensors) <= i:
+            mm = mmap.mmap(-1, self.chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+            code = _cuda.register(address_of(mm), self.chunk, _cuda.HOST_REGISTER_PORTABLE)
+            if code == 0:
+                self.registered += 1
+            else:
+                log.warning("cudaHostRegister of a %d-byte bounce buffer failed (%s): restores copy from pageable memory",
+                            self.chunk, _cuda.error_text(code))  # fmt: skip
+            self._maps.append(mm)
+            self._tensors.append(torch.frombuffer(mm, dtype=torch.uint8))
+        return self._tensors[i]
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """Copy ``source`` (uint8, 1-D, host) into ``target`` (uint8, 1-D, same length) chunk by chunk; the device
+        copies are enqueued on the current stream of ``target``'s device (:meth:`drain` waits for them)."""
+        for offset in range(0, source.numel(), self.chunk):
+            n = min(self.chunk, source.numel() - offset)
+            i = self._next
+            self._next = (i + 1) % len(self._events)
+            event = self._events[i]
+            if event is not None:
+                event.synchronize()  # the buffer's previous device copy has read it
+            staged = self._buffer(i)[:n]
+            staged.copy_(source[offset : offset + n])
+            target[offset : offset + n].copy_(staged, non_blocking=True)
+            self._events[i] = _record(target)
+
+    def drain(self) -> None:
+        """Wait until every device copy out of the buffers is done."""
+        for i, event in enumerate(self._events):
+            if event is not None:
+                event.synchronize()
+                self._events[i] = None
+
+    def close(self) -> None:
+        self.drain()
+        self._tensors.clear()
+        for mm in self._maps:
+            _cuda.unregister(address_of(mm))
+            mm.close()
+        self._maps.clear()
+
+
+_bounce: BounceRing | None = None
+_bounce_lock = threading.Lock()
+
+
+def bounce_ring() -> BounceRing:
+    """The process's bounce ring (made on first use: its buffers are registered once per process)."""
+    global _bounce
+    with _bounce_lock:
+        if _bounce is None:
+            _bounce = BounceRing()
+        return _bounce
+
+
+class HostToDevice:
+    """Host->device copies out of one shard's memory, finished by :meth:`finish`.
+
+    A source in memory the client registered (``registered(addr, nbytes)``: a segment of its capture ring, which
+    a same-process restore reads in place) is copied straight to the device, asynchronously. Other large
+    contiguous sources go through the process's :class:`BounceRing`; small or strided ones are copied from
+    pageable memory. No mapping is registered per restore. Copies are enqueued on the current stream of the
+    target's device.
+    """
+
+    def __init__(self, registered: Callable[[int, int], bool] | None = None, staged: Callable[[torch.Tensor], bool] | None = None) -> None:
+        self._registered = registered or (lambda addr, nbytes: False)
+        self._staged = staged or (lambda target: target.is_cuda)  # which targets the bounce ring serves (tests: CPU ones too)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def _pin(self, source: torch.Tensor) -> None:
-        storage = source.untyped_storage()
-        addr, size = storage.data_ptr(), storage.nbytes()
-        if addr in self._pinned or size < MIN_PIN_BYTES or addr % _PAGE:
-            return
-        code = host_register(addr, size, HOST_REGISTER_PORTABLE | HOST_REGISTER_READ_ONLY)
-        self._pinned[addr] = storage if code == 0 else None
-        if code != 0 and not HostToDevice._warned:
-            HostToDevice._warned = True
-            log.warning("read-only cudaHostRegister failed (%s): restores copy from pageable memory", _error_text(code))
+        self._bounce: BounceRing | None = None
+        self.direct = 0  # copies straight out of registered memory
+        self.bounced = 0  # copies through the bounce ring
 
     def copy_into(self, target: torch.Tensor, source: torch.Tensor) -> None:
         """``target.copy_(source)``; asynchronous when ``target`` is on a CUDA device and ``source`` in host memory."""
-        if not (target.is_cuda and source.is_cpu):
+        if not (self._staged(target) and source.is_cpu) or target.dtype != source.dtype:
             target.copy_(source)
             return
-        self._pin(source)
-        self._streams.setdefault(target.device, torch.cuda.current_stream(target.device))
-        target.copy_(source, non_blocking=True)
+        if target.is_cuda:
+            self._streams.setdefault(target.device, torch.cuda.current_stream(target.device))
+        nbytes = source.numel() * source.element_size()
+        if self._registered(source.data_ptr(), nbytes):
+            target.copy_(source, non_blocking=True)
+            self.direct += 1
+            return
+        if nbytes < MIN_PIN_BYTES or not (source.is_contiguous() and target.is_contiguous()):
+            target.copy_(source)  # small or strided: pageable (torch stages it)
+            return
+        if self._bounce is None:
+            self._bounce = bounce_ring()
+            self._bounce.lock.acquire()  # released by finish()
+        self._bounce.copy(raw_bytes(target).reshape(-1), raw_bytes(source).reshape(-1))
+        self.bounced += 1
 
     def to(self, source: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``source`` on ``device`` (asynchronous onto a CUDA device until :meth:`finish`)."""
-        if device.type != "cuda":
+        if device.type != "cuda" and not self._staged(source):
             return source.to(device)
-        self._pin(source)
-        self._streams.setdefault(device, torch.cuda.current_stream(device))
-        return source.to(device, non_blocking=True)
+        target = torch.empty_like(source, device=device)
+        self.copy_into(target, source)
+        return target
 
     def finish(self) -> None:
-        """Wait for every copy, then unregister the sources."""
+        """Wait for every copy."""
         try:
+            if self._bounce is not None:
+                self._bounce.drain()
             for stream in self._streams.values():
                 stream.synchronize()
         finally:
-            for addr, storage in self._pinned.items():
-                if storage is not None:
-                    host_unregister(addr)
-            self._pinned.clear()
+            if self._bounce is not None:
+                self._bounce.lock.release()
+                self._bounce = None
             self._streams.clear()
 
 
@@ -627,15 +724,16 @@ def move_tree(tree: Any, move: Callable[[torch.Tensor], torch.Tensor], copy_arra
     return _TreeMover(move, copy_arrays).visit(tree)
 
 
-def decode_onto(buffer: Any, device: torch.device, zero_copy: bool) -> Any:
+def decode_onto(buffer: Any, device: torch.device, zero_copy: bool, copies: HostToDevice | None = None) -> Any:
     """Decode a shard and put every tensor on ``device``, copied straight from ``buffer`` (no CPU copy first).
 
-    ``buffer`` must be writable and unchanging (the copy-on-write mapping, the received buffer). Copies
-    have finished when this returns; the caller may close the mapping then (``zero_copy=False``: numpy
-    arrays are copies too, so nothing refers to it any more).
+    ``buffer`` must be writable and unchanging (the copy-on-write mapping, the received buffer, a registered
+    segment of the client's capture ring under a read lease). Copies have finished when this returns; the
+    caller may close the mapping then (``zero_copy=False``: numpy arrays are copies too, so nothing refers to
+    it any more). ``copies``: how to copy (default: through the bounce ring).
     """
     state = serialization.decode(buffer, zero_copy=True)
-    copies = HostToDevice()
+    copies = copies or HostToDevice()
     try:
         return move_tree(state, lambda t: copies.to(t, device), copy_arrays=not zero_copy)
     finally:

@@ -29,7 +29,6 @@ import logging
 import mmap
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,13 +45,15 @@ from memstore.v1.channel import boot_id, store_stub
 from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
 from memstore.v1.manifests import manifest_from_pb
+from memstore.v1.pagefaults import address_of
 from memstore.v1.security import Credentials
 from memstore.v1.streams import manifest_problem
-from trainer_client import serialization
+from trainer_client import _cuda, serialization
 from trainer_client._agreement import Agreements, AgreementStats, agree
-from trainer_client._capture import CAPTURE_MODES, Capture, Captures, decode_onto, host_writer, parse_map_location
+from trainer_client._capture import CAPTURE_MODES, Capture, Captures, HostToDevice, decode_onto, host_writer, parse_map_location
 from trainer_client._local_control import LocalStub, RpcFailure
 from trainer_client._remote import RemotePath, byte_view, empty_buffer
+from trainer_client._ring import CaptureRing, CaptureStats
 from trainer_client.errors import (
     CapacityExceededError,
     CorruptShardError,
@@ -69,7 +70,6 @@ T = TypeVar("T")
 
 _VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 _MAX_BACKGROUND_SENDS = 2  # remote_save="background": staged saves in flight; the next waits for the oldest
-_MAPPING_CACHE = 4  # segments kept mapped between saves: the store recycles them, so re-saves skip page faults
 
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
@@ -86,21 +86,6 @@ def _populate_for_reading(mm: mmap.mmap) -> None:
         mm.madvise(_MADV_POPULATE_READ)
     except (OSError, ValueError):
         pass
-
-
-def _map_segment(path: str, size: int) -> mmap.mmap:
-    """Map a store segment read-write and fault its pages in (``size`` 0: the whole file)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, size or os.fstat(fd).st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-
-
-def _close_mapping(future: Future[mmap.mmap]) -> None:
-    """Done-callback of a background mapping nobody will use."""
-    if not future.cancelled() and future.exception() is None:
-        future.result().close()
 
 
 RUN_ID_ENV = "MEMSTORE_RUN_ID"
@@ -220,11 +205,6 @@ class CheckpointClient:
         self.on_capacity = on_capacity
         self.credentials = client_credentials(auth_token, tls_ca, tls_cert, tls_key)
         self._channel, self._stub = store_stub(self.address, self.credentials)
-        self._mappings: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
-        # The segment the store will hand the next save (AllocateResponse.next_segment_path), mapped in the background.
-        self._premap: tuple[str, Future[mmap.mmap]] | None = None
-        self._premapper: ThreadPoolExecutor | None = None
-        self._premap_lock = threading.Lock()
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -251,6 +231,11 @@ class CheckpointClient:
                 self._local = local
             except OSError as exc:
                 log.info("store control socket %s not usable (%s); the save path uses gRPC", self.hello.control_socket, exc)
+        # The segments this rank's saves land in, mapped (and registered for DMA) once; the next save's reserved ahead.
+        self._ring = CaptureRing(
+            lambda request: self._control("Allocate", request, f"allocate memory for rank {rank}'s save"),
+            lambda lease_id: self._control("Release", pb.ReleaseRequest(lease_id=lease_id), "release an unused capture lease"),
+        )
         self.last_load_source = ""
         self.last_restore_note = ""
         self.agreement = Agreements()  # latest_step(group=...): its last cost, its answer, versions found durable
@@ -321,50 +306,7 @@ class CheckpointClient:
     def _saved(self, step: int, epoch: int) -> None:
         self._epoch, self._last_saved_step = epoch, step
 
-    def _map(self, path: str, size: int) -> mmap.mmap:
-        mm = self._mappings.pop(path, None)
-        if mm is None:
-            mm = self._take_premapped(path)
-        if mm is None or mm.closed or len(mm) < size:
-            if mm is not None:
-                self._captures.unpin(mm)
-                mm.close()
-            mm = _map_segment(path, size)
-        self._mappings[path] = mm
-        while len(self._mappings) > _MAPPING_CACHE:
-            _, old = self._mappings.popitem(last=False)
-            self._captures.unpin(old)  # before unmapping: a pin outliving its mapping would pin the old pages
-            old.close()
-        return mm
-
     # -- save ---------------------------------------------------------------------------
-    def _take_premapped(self, path: str) -> mmap.mmap | None:
-        with self._premap_lock:
-            premap, self._premap = self._premap, None
-        if premap is None:
-            return None
-        if premap[0] != path:
-            premap[1].add_done_callback(_close_mapping)
-            return None
-        try:
-            return premap[1].result()
-        except (OSError, ValueError):  # gone, or resized by the store meanwhile: map it afresh
-            return None
-
-    def _map_ahead(self, path: str) -> None:
-        """Map the segment the next save will get, in the background, so that save skips the page-table cost
-        of fresh pages (~0.1 s per GiB on 4 KiB pages)."""
-        if not path or path in self._mappings:
-            return
-        with self._premap_lock:
-            if self._premap is not None and self._premap[0] == path:
-                return
-            if self._premapper is None:
-                self._premapper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-premap")
-            old, self._premap = self._premap, (path, self._premapper.submit(_map_segment, path, 0))
-        if old is not None:
-            old[1].add_done_callback(_close_mapping)
-
     def save(
         self, step: int, state: Any, metrics: Mapping[str, float] | None = None, *, timeline: str | None = None, capture: str = "copied"
     ) -> SaveHandle:
@@ -391,7 +333,7 @@ class CheckpointClient:
         layout = serialization.plan(state)
         try:
             if self.shared_memory:
-                job = self._save_shared(key, layout, clean_metrics)
+                job = self._save_shared(key, layout, clean_metrics, deferred=capture == "enqueued", started=t0)
             else:
                 job = self._save_remote(key, layout, clean_metrics, capture)
             if capture == "copied":
@@ -421,31 +363,76 @@ class CheckpointClient:
         """
         return optimizer.register_step_pre_hook(self._captures.gate_hook())
 
-    def _save_shared(self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float]) -> Capture:
-        with self._premap_lock:
-            preferred = self._premap[0] if self._premap is not None else ""
-        request = pb.AllocateRequest(key=key, world_size=self.world_size, nbytes=layout.nbytes, preferred_segment=preferred)
-        alloc = self._control("Allocate", request, f"allocate step {key.step}")
+    def _save_shared(
+        self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float], deferred: bool, started: float
+    ) -> Capture:
+        """Into a segment of this rank's capture ring: the one reserved ahead (no call) or one allocated now.
+
+        ``deferred`` (``capture="enqueued"``): the device copies are enqueued on the capture thread, after events
+        recorded now on the trainer's streams. After the commit the ring reserves the next save's segment ahead.
+        """
+        ring = self._ring
+        if not ring.pinning and self._captures.wants_pinning(layout):
+            ring.pinning = True  # from now on every ring segment is registered once (this slot below, the rest as used)
+        slot = ring.slot(key, self.world_size, layout.nbytes)
 
         def release() -> None:
-            self._control("Release", pb.ReleaseRequest(lease_id=alloc.lease_id), f"release step {key.step}")
+            ring.give_back(slot)
 
         try:
-            mm = self._map(alloc.segment_path, alloc.segment_bytes)
-            blobs, copies = self._captures.device_copies(layout, mm, alloc.segment_path)
+            target = torch.frombuffer(slot.mm, dtype=torch.uint8, count=layout.nbytes)
+            blobs, start_copies = self._captures.device_copies(layout, target, deferred=deferred)
         except BaseException:
             release()
             raise
 
         def commit() -> None:
             request = pb.CommitRequest(
-                lease_id=alloc.lease_id, metrics=metrics, format_version=serialization.FORMAT_VERSION, spill_codec=self.spill_compression
-            )
+                lease_id=slot.lease_id, metrics=metrics, format_version=serialization.FORMAT_VERSION, spill_codec=self.spill_compression,
+                capture=ring.report(), capture_seconds=time.perf_counter() - started,
+            )  # fmt: skip
+            if slot.ahead:
+                request.key.CopyFrom(key)
+                request.nbytes = layout.nbytes
             self._control("Commit", request, f"commit step {key.step}")
-            if alloc.next_segment_path != alloc.segment_path:
-                self._map_ahead(alloc.next_segment_path)
+            ring.reserve_ahead(key, self.world_size, layout.nbytes)
 
-        return Capture(copies, host_writer(layout, blobs, mm), commit, release)
+        return Capture(start_copies, host_writer(layout, blobs, slot.mm), commit, release)
+
+    def prepare(self, state_or_nbytes: Any) -> None:
+        """Make the next save fast from the first one: reserve its memory in the store now, map it, and (for a state
+        with CUDA tensors) register it for DMA. ``state_or_nbytes``: the state the next save will hold (or one like
+        it) or its size in bytes. Without shared memory this makes the staging buffer (registered likewise).
+
+        Later saves need no call: after each commit the next save's memory is reserved ahead in the background.
+        """
+        if isinstance(state_or_nbytes, int) and not isinstance(state_or_nbytes, bool):
+            if state_or_nbytes <= 0:
+                raise InvalidArgumentError(f"prepare({state_or_nbytes}): expected a state or a positive number of bytes")
+            nbytes, pin = state_or_nbytes, _cuda.runtime().pins_host_states
+        else:
+            layout = serialization.plan(state_or_nbytes)
+            nbytes, pin = layout.nbytes, self._captures.wants_pinning(layout)
+        if not self.shared_memory:
+            buf, _ = self._staging_buffer(nbytes)
+            if pin:
+                self._captures.copier.pin_buffer(buf)
+            self._free_staging.append(buf)
+            return
+        if pin:
+            self._ring.pinning = True
+            self._ring.pin_all()
+        self._ring.prepare(self._key(0), self.world_size, nbytes)
+
+    @property
+    def capture_stats(self) -> CaptureStats:
+        """What this client's captures cost: registrations made (none after warm-up), fallbacks to pageable memory."""
+        ring = self._ring.stats
+        copier = self._captures.copier.pins if self._captures.has_copier else None
+        if copier is None:
+            return ring
+        fallback = ring.last_fallback or copier.failed
+        return CaptureStats(ring.registrations + copier.registered, ring.fallbacks, fallback)
 
     def _save_remote(self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float], capture: str) -> Capture:
         """Without shared memory: stage the shard in this process, then send it over the store's data channel.
@@ -458,7 +445,9 @@ class CheckpointClient:
         """
         buf, fresh = self._staging_buffer(layout.nbytes)
         view = byte_view(buf, layout.nbytes)
-        blobs, copies = self._captures.device_copies(layout, buf)  # (a failure here only loses the buffer for reuse)
+        if self._captures.wants_pinning(layout):
+            self._captures.copier.pin_buffer(buf)
+        blobs, start_copies = self._captures.device_copies(layout, buf, deferred=capture == "enqueued")
         chunk = min(DEFAULT_CHUNK_BYTES, self.hello.max_chunk_bytes or DEFAULT_CHUNK_BYTES)
         created = time.time()
 
@@ -491,7 +480,7 @@ class CheckpointClient:
             self._sends.append(future)
             return future
 
-        return Capture(copies, host_writer(layout, blobs, view, fault_ahead=fresh), finish, lambda: self._free_staging.append(buf))
+        return Capture(start_copies, host_writer(layout, blobs, view, fault_ahead=fresh), finish, lambda: self._free_staging.append(buf))
 
     def _staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]:
         """A free staging buffer of at least ``nbytes`` (kept between saves: its pages are faulted in once), and
@@ -509,8 +498,6 @@ class CheckpointClient:
         key = self._key(step, timeline=timeline)
         request = pb.WaitCommittedRequest(key=key, timeout_seconds=timeout)
         resp = self._control("WaitCommitted", request, f"status of step {step}", retries=3, wait=timeout)
-        if resp.next_segment_path and self.shared_memory:
-            self._map_ahead(resp.next_segment_path)
         return resp.info, resp.done
 
     # -- restore ------------------------------------------------------------------------
@@ -595,8 +582,10 @@ class CheckpointClient:
         memory of their own.
 
         ``map_location``: None / ``"cpu"`` (CPU tensors, as above) or a device (``"cuda:0"``, ``"cuda"``, a
-        ``torch.device``) every tensor lands on, copied straight from the shard's memory (pinned read-only
-        for asynchronous DMA, done before returning); ``zero_copy`` then only keeps numpy arrays as views.
+        ``torch.device``) every tensor lands on, copied out of the shard's memory before returning: straight
+        from this rank's registered capture ring when the shard is one this client saved, else through a small
+        registered bounce ring (nothing is registered per load); numpy arrays are copies then (``zero_copy`` is
+        ignored), so the segment stays in the ring.
 
         ``group``: the job's process group; the version is then agreed over it (a collective, see ``latest_step``),
         and a ``load(step, group=...)`` right after ``latest_step(group=...)`` returned ``step`` reuses that answer.
@@ -635,12 +624,18 @@ class CheckpointClient:
         raise AssertionError("unreachable")
 
     def _read_shared(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
-        opened = self._control("Open", pb.OpenRequest(key=key), f"open step {key.step}", retries=3)
+        # Onto a device the bytes are copied out before Release, so the segment stays recyclable (in its ring).
+        request = pb.OpenRequest(key=key, transient=device is not None)
+        opened = self._control("Open", request, f"open step {key.step}", retries=3)
         try:
             m = manifest_from_pb(opened.manifest)
             problem = manifest_problem(m)
             if problem:
                 raise CorruptShardError(f"store sent a bad manifest for step {key.step}: {problem}")
+            if device is not None and opened.verified:
+                with self._ring.registered_view(opened.segment_path, m.nbytes) as ring_mm:
+                    if ring_mm is not None:  # a segment of this rank's ring (a same-process restore): DMA straight out of it
+                        return self._decode_registered(ring_mm, m.nbytes, device, zero_copy)
             fd = os.open(opened.segment_path, os.O_RDONLY)
             try:
                 # A private (copy-on-write) mapping: the trainer may modify restored tensors freely and
@@ -660,7 +655,7 @@ class CheckpointClient:
                     raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
             if device is not None:
                 try:
-                    return decode_onto(mm, device, zero_copy)
+                    return decode_onto(mm, device, zero_copy=False)  # nothing may keep the mapping: the lease was transient
                 finally:
                     with contextlib.suppress(BufferError):  # numpy arrays still viewing it (zero_copy) keep it mapped
                         mm.close()
@@ -673,6 +668,22 @@ class CheckpointClient:
         finally:
             self._control("Release", pb.ReleaseRequest(lease_id=opened.lease_id), f"release step {key.step}")
 
+    @staticmethod
+    def _decode_registered(mm: mmap.mmap, nbytes: int, device: torch.device, zero_copy: bool) -> Any:
+        """Decode a shard held in a registered mapping of this client's ring onto ``device``: the copies read it in
+        place (no copy-on-write mapping, no registration, no bounce). Numpy arrays are copied out of it: the
+        segment goes back to the ring."""
+        start = address_of(mm)
+
+        def registered(addr: int, n: int) -> bool:
+            return start <= addr and addr + n <= start + nbytes
+
+        view = memoryview(mm)[:nbytes]
+        try:
+            return decode_onto(view, device, zero_copy=False, copies=HostToDevice(registered=registered))
+        finally:
+            view.release()
+
     def _read_remote(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
         """Without shared memory: the shard over the store's data channel (gRPC streams if it has none), every
         chunk verified as it lands; with ``zero_copy`` large tensors are views of the received buffer."""
@@ -683,19 +694,10 @@ class CheckpointClient:
 
     def close(self) -> None:
         self._captures.close()  # an enqueued capture in flight is finished, then every registration undone
-        with self._premap_lock:
-            premap, self._premap = self._premap, None
-            premapper, self._premapper = self._premapper, None
-        if premap is not None:
-            premap[1].add_done_callback(_close_mapping)
-        if premapper is not None:
-            premapper.shutdown(wait=True)
+        self._ring.close()  # the lease reserved ahead is given back; ring segments unregistered and unmapped
         if self._sender is not None:
             self._sender.shutdown(wait=True)  # a background save in flight is finished, not dropped
             self._sender = None
-        for mm in self._mappings.values():
-            mm.close()
-        self._mappings.clear()
         if self._local is not None:
             self._local.close()
             self._local = None

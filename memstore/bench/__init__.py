@@ -22,15 +22,16 @@ and, once per run, the RSS growth of the stores and of the saving client over ``
 consecutive saves. In the same run and on the same bytes it measures the baselines they are compared with:
 a torch ``copy_`` into pre-faulted memory (also right before every measured save, so both see the same
 background load), raw TCP between two Python processes on loopback, ``torch.save`` + fsync /
-``torch.load``, and ``torch.distributed.checkpoint.async_save`` (blocking part and total, fsynced). For
+``torch.load``, and ``torch.distributed.checkpoint.async_save`` (blocking part and total, fsynced; reported as
+unavailable, with the reason, where this torch's DCP cannot do it). For
 diagnosis it also measures gRPC-Python streaming and an in-process cost model of the save and
 replication paths, and records the machine's CPU pressure and the CPU time other processes took.
 
 Results: rich tables, ``--json PATH`` (every raw number) and ``--plot PATH.png`` (matplotlib, the ``[bench]``
 extra; written next to the JSON by default).
 
-Modules, by role: ``options`` (flags and the run configuration), ``plan`` (scenarios, RAM need), ``floors`` and
-``floors_disk`` (baselines; ``senders``: the child processes that send for the TCP/gRPC floors), ``costmodel``
+Modules, by role: ``options`` (flags and the run configuration), ``plan`` (scenarios, RAM need), ``floors``,
+``floors_disk`` and ``floors_dcp`` (baselines; ``senders``: the child processes that send for the TCP/gRPC floors), ``costmodel``
 (diagnosis), ``cluster`` and ``rpc`` (the stores), ``series`` (saves from the first), ``scenario``, ``restores``,
 ``durable``, ``first_save_runs``, ``small_states`` and ``leak`` (the measurements; ``workers``: the restore and
 leak-check processes, ``child``: how the bench talks to them), ``state`` and ``sysinfo`` (the benchmarked state; the

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from memstore.bench.costmodel import replication_cost_model, save_path_model
-from memstore.bench.floors_disk import FLOOR_TIMEOUT, floor_dcp, floor_disk
+from memstore.bench.floors_dcp import floor_dcp
+from memstore.bench.floors_disk import FLOOR_TIMEOUT, floor_disk
 from memstore.bench.results import CostModel, Floors, GrpcFloor, MemcpyFloor, Summary, TcpFloor
 from memstore.bench.senders import SINK_METHOD
 from memstore.bench.state import copy_all, nbytes_of, prefaulted, shared_mapping

@@ -20,6 +20,11 @@ def fmt_ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def fmt_ratio_over(v: float | None, unavailable: str | None) -> str:
+    """A ratio over a baseline this torch may not have measured (a DCP staging): "n/a" then, the reason printed beside."""
+    return "n/a" if unavailable else fmt_ratio(v)
+
+
 def fmt_faster(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}x faster" if v >= 1 else f"{1 / v:.1f}x slower"
 

@@ -61,7 +61,9 @@ METHOD: dict[str, str] = {
         "torch.distributed.checkpoint.async_save(state, storage_writer=FileSystemWriter(dir, sync_files=True), no_dist=True) "
         "in this process, no process group; blocking = until it returns, total = until its future completes (files fsynced); "
         "default staging (a new stager per call: fresh staging memory) and a reused caller-owned DefaultStager (cached, "
-        "pre-faulted staging memory; its first call reported apart); the targets use the default"
+        "pre-faulted staging memory; its first call reported apart); the targets use the default. no_dist, async_stager and "
+        "DefaultStager are used where this torch has them; a staging torch's DCP raises on (e.g. a reused DefaultStager on "
+        "torch 2.11: KeyError <class 'type'>) is reported unavailable, with the reason, and its ratios and target are n/a"
     ),
     "restore_local": (
         "after a trainer-process crash: a NEW process (torch and trainer_client imported before the clock starts) connects to "

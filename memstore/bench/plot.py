@@ -4,6 +4,7 @@ and stall vs size, store memory vs bytes held, and RSS over the leak check's sav
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,12 +39,12 @@ def _stall_bars(ax: Any, result: BenchResult) -> None:
         ("memstore save() stall p50 (steady)", head.stall_seconds.p50, MEMSTORE),
         ("memstore save() stall p95 (steady)", head.stall_seconds.p95, MEMSTORE),
         ("torch copy_ pre-faulted (paired)", head.paired_memcpy_seconds.p50, FLOOR),
-        ("DCP async_save blocking (default)", dcp.default.blocking_seconds.p50, BASELINE),
-        ("DCP async_save blocking (reused stager)", dcp.reused_stager.blocking_seconds.p50, BASELINE),
+        ("DCP async_save blocking (default)", dcp.default.blocking_p50, BASELINE),  # None (no bar): unavailable on this torch
+        ("DCP async_save blocking (reused stager)", dcp.reused_stager.blocking_p50, BASELINE),
         ("torch.save + fsync", fl.disk.save_fsync_seconds, BASELINE),
         ("memstore save 1: call -> committed", head.first_save.committed_seconds, MEMSTORE),
         ("memstore call -> committed p50 (steady)", head.committed_seconds.p50, MEMSTORE),
-        ("DCP async_save total (fsynced)", dcp.default.total_seconds.p50, BASELINE),
+        ("DCP async_save total (fsynced)", dcp.default.total_p50, BASELINE),
     ]
     bars(ax, items, f"trainer stall [{head.name}]")
 
@@ -102,13 +103,16 @@ def _stall_vs_size(ax: Any, result: BenchResult, sizes: list[int]) -> None:
     for label, spts in sorted(stall_series.items()):
         spts.sort()
         ax.plot([x / MiB for x, _ in spts], [v for _, v in spts], marker="o", label=f"memstore stall {label}")
-    floors: tuple[tuple[Callable[[Floors], float], str, str], ...] = (
+    floors: tuple[tuple[Callable[[Floors], float | None], str, str], ...] = (
         (lambda f: f.memcpy.torch_copy_seconds.p50, "torch copy_ pre-faulted", FLOOR),
-        (lambda f: f.dcp.default.blocking_seconds.p50, "DCP async_save blocking", BASELINE),
+        (lambda f: f.dcp.default.blocking_p50, "DCP async_save blocking", BASELINE),  # None: unavailable on this torch
         (lambda f: f.disk.save_fsync_seconds, "torch.save + fsync", "k"),
     )
     for value, label, color in floors:
-        ax.plot([x / MiB for x in sizes], [value(result.sizes[str(x)].floors) for x in sizes], color=color, marker="s", lw=2, label=label)
+        ys = [value(result.sizes[str(x)].floors) for x in sizes]
+        if all(y is None for y in ys):
+            continue
+        ax.plot([x / MiB for x in sizes], [math.nan if y is None else y for y in ys], color=color, marker="s", lw=2, label=label)
     _size_axis(ax, sizes)
     ax.set_yscale("log")
     log_seconds(ax.yaxis)

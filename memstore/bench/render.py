@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from memstore.bench.fmt import fmt_bps, fmt_faster, fmt_pct, fmt_ratio, fmt_s, fmt_share, verdict
+from memstore.bench.fmt import fmt_bps, fmt_faster, fmt_pct, fmt_ratio, fmt_ratio_over, fmt_s, fmt_share, verdict
 from memstore.bench.render_details import render_diagnosis, render_floors, render_matrix, render_memory
 from memstore.bench.render_first_save import render_first_save
 from memstore.bench.scenario_results import LeakCheck
@@ -136,28 +136,33 @@ def _stall_rows(t: Table, h: _Headline) -> None:
 def _dcp_rows(t: Table, h: _Headline) -> None:
     m, ra, tg, fl = h.cl.measured, h.cl.ratios, h.cl.targets, h.info.floors
     stall, dcp = m.stall_seconds, fl.dcp
+    default, reused, na = dcp.default, dcp.reused_stager, ra.unavailable
+    returns = f"DCP async_save returns after {fmt_s(default.blocking_p50)} (default staging, n={dcp.reps})"
     t.add_row(
         "save() stall p50 vs DCP async_save (blocking)",
         fmt_s(stall.p50),
-        f"DCP async_save returns after {fmt_s(dcp.default.blocking_seconds.p50)} (default staging, n={dcp.reps})",
-        fmt_ratio(ra.stall_p50_over_dcp_async_blocking),
+        f"DCP async_save (default staging) {default.unavailable}" if default.unavailable else returns,
+        fmt_ratio_over(ra.stall_p50_over_dcp_async_blocking, na.get("stall_p50_over_dcp_async_blocking")),
         f"<= {STALL_DCP_MAX:.2f}x",
         verdict(tg.stall_vs_dcp_async_save),
     )
+    returns = f"DCP async_save returns after {fmt_s(reused.blocking_p50)} (cached staging memory)"
     t.add_row(
         "  same, DCP with a reused stager (reference)",
         fmt_s(stall.p50),
-        f"DCP async_save returns after {fmt_s(dcp.reused_stager.blocking_seconds.p50)} (cached staging memory)",
-        fmt_ratio(ra.stall_p50_over_dcp_async_blocking_reused_stager),
+        f"DCP async_save (reused stager) {reused.unavailable}" if reused.unavailable else returns,
+        fmt_ratio_over(ra.stall_p50_over_dcp_async_blocking_reused_stager, na.get("stall_p50_over_dcp_async_blocking_reused_stager")),
         "",
         "",
     )
     com = m.committed_seconds
+    dcp_done = f"DCP async_save done (fsynced) {fmt_s(default.total_p50)}"
+    dcp_done = "DCP async_save unavailable (see above)" if default.unavailable else dcp_done
     t.add_row(
         f"time to committed p50 / p95 (R={m.replicas} copies)",
         f"{fmt_s(com.p50)} / {fmt_s(com.p95)}",
-        f"DCP async_save done (fsynced) {fmt_s(dcp.default.total_seconds.p50)}; torch.save + fsync {fmt_s(fl.disk.save_fsync_seconds)}",
-        fmt_ratio(ra.committed_p50_over_dcp_async_total),
+        f"{dcp_done}; torch.save + fsync {fmt_s(fl.disk.save_fsync_seconds)}",
+        fmt_ratio_over(ra.committed_p50_over_dcp_async_total, na.get("committed_p50_over_dcp_async_total")),
         "",
         "",
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from memstore.bench.floors import GRPC_REPS, TCP_REPS
-from memstore.bench.fmt import fmt_bps, fmt_faster, fmt_pct, fmt_ratio, fmt_s, fmt_share
+from memstore.bench.fmt import fmt_bps, fmt_faster, fmt_pct, fmt_ratio, fmt_ratio_over, fmt_s, fmt_share
 from memstore.bench.scenario_results import Leak, LeakCheck
 from memstore.bench.units import MiB, fmt_bytes, percentile, ratio, short_size
 
@@ -67,6 +67,9 @@ def _storage_rows(f: Table, info: SizeResult) -> None:
     f.add_row(f"torch.load, page cache evicted (p50 of {n_loads})", fmt_s(cold_load), fmt_bps(nb / cold_load))
     f.add_row(f"torch.load, page cache warm (p50 of {n_loads})", fmt_s(warm), fmt_bps(nb / warm))
     for d, label in ((dcp.default, "default staging"), (dcp.reused_stager, "reused DefaultStager")):
+        if d.blocking_seconds is None or d.total_seconds is None:
+            f.add_row(f"DCP async_save, {label}", "unavailable", d.unavailable or "not measured")
+            continue
         f.add_row(
             f"DCP async_save, {label}: blocking / total incl. fsync (p50 of {d.blocking_seconds.n})",
             f"{fmt_s(d.blocking_seconds.p50)} / {fmt_s(d.total_seconds.p50)}",
@@ -232,7 +235,7 @@ def _matrix_row(s: ScenarioResult) -> list[str]:
     return [
         m.name + (" *" if m.headline else ""),
         f"{fmt_s(m.stall_seconds.p50)} ({fmt_ratio(ra.stall_p50_over_memcpy)})",
-        fmt_ratio(ra.stall_p50_over_dcp_async_blocking),
+        fmt_ratio_over(ra.stall_p50_over_dcp_async_blocking, ra.unavailable.get("stall_p50_over_dcp_async_blocking")),
         fmt_s(m.committed_seconds.p50),
         repl,
         f"{fmt_s(m.restore_local.seconds.p50)} ({fmt_faster(ra.torch_load_warm_over_restore_local)})",

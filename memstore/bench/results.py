@@ -187,9 +187,24 @@ class DcpCall:
 
 @dataclass
 class DcpMode:
-    blocking_seconds: Summary
-    total_seconds: Summary
+    """One staging mode of the DCP baseline: its timings, or (both None) why this torch could not measure it."""
+
+    blocking_seconds: Summary | None
+    total_seconds: Summary | None
     first_call: DcpCall | None = field(default=None, metadata=OMIT_NONE)  # reused stager: the call that fills its cache, reported apart
+    unavailable: str | None = field(default=None, metadata=OMIT_NONE)  # e.g. "unavailable on torch 2.11.0: KeyError: ..."
+
+    @classmethod
+    def not_measured(cls, reason: str) -> DcpMode:
+        return cls(blocking_seconds=None, total_seconds=None, unavailable=reason)
+
+    @property
+    def blocking_p50(self) -> float | None:
+        return self.blocking_seconds.p50 if self.blocking_seconds else None
+
+    @property
+    def total_p50(self) -> float | None:
+        return self.total_seconds.p50 if self.total_seconds else None
 
 
 @dataclass
@@ -200,7 +215,7 @@ class DcpFloor:
     reps: int
     dir: str
     filesystem: str
-    file_bytes: int
+    file_bytes: int | None  # None: no async_save completed
     default: DcpMode
     reused_stager: DcpMode
 

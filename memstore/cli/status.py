@@ -88,6 +88,12 @@ def _problems(s: Any, hosts: list[dict[str, Any]]) -> list[Any]:
         if h["discovery"]["error"]:
             lines.append(render.bad(f"{h['host']}: discovery FAILING ({h['discovery']['source']}), keeping the last good "
                                     f"membership: {h['discovery']['error']}"))  # fmt: skip
+        capture = h.get("capture", {})
+        if capture.get("fallbacks"):
+            lines.append(render.bad(
+                f"{h['host']}: {capture['fallbacks']} captures copied through PAGEABLE memory (cudaHostRegister failed: "
+                f"{capture['fallback_cause'] or 'unknown cause'}): saves there are synchronous and slow"
+            ))  # fmt: skip
         for j in h["spill"]:
             if j["failures"]:
                 lines.append(render.bad(f"{h['host']}: spill of {j['job']} FAILING x{j['failures']}: {j['error']}"))

@@ -108,6 +108,12 @@ def _ask(host: str, address: str, timeout: float, job: str) -> tuple[dict[str, A
         "spill": [_spill_row(j) for j in h.spill],
         "orphans": [{"path": o.path, "host_id": o.host_id, "bytes": o.bytes, "files": o.files} for o in h.orphans],
         "adopted_shards": h.adopted_shards,
+        "capture": {
+            "registrations": h.capture.registrations,
+            "fallbacks": h.capture.fallbacks,
+            "fallback_cause": h.capture.fallback_cause,
+        },
+        "saves_superseded": h.saves_superseded,
         "discovery": {"source": h.discovery.source, "members": h.discovery.members, "error": h.discovery.error},
     }
     return health, [shard_row(x) for x in listing.shards]

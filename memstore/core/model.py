@@ -100,3 +100,4 @@ class ShardInfo:
     verified: bool
     error: str = ""  # why replication failed, when it did
     copies: int = 0  # the owner's count of acknowledged copies, its own included
+    superseded: bool = False  # not replicated: a newer save of the same rank was captured first (newest wins)

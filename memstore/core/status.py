@@ -53,6 +53,18 @@ class Orphan:
 
 
 @dataclass(frozen=True)
+class CaptureReport:
+    """How clients' copies into this store's memory went (each Commit reports the client's counts since its last)."""
+
+    registrations: int = 0  # cudaHostRegister calls that succeeded: after warm-up a client registers nothing more
+    fallbacks: int = 0  # captures into memory that could not be registered (pageable and synchronous): should stay 0
+    fallback_cause: str = ""  # the last fallback's cause, as the client's CUDA runtime named it
+
+    def plus(self, registrations: int, fallbacks: int, cause: str) -> CaptureReport:
+        return CaptureReport(self.registrations + registrations, self.fallbacks + fallbacks, cause or self.fallback_cause)
+
+
+@dataclass(frozen=True)
 class HealthReport:
     """A store's load and upkeep at one moment."""
 
@@ -76,6 +88,8 @@ class HealthReport:
     pooled_bytes: int = 0  # part of used_bytes: free segments kept faulted in (job pools and the reserve)
     reserve_bytes: int = 0  # part of pooled_bytes: the fresh reserve (--prefault), with what is being faulted in
     reserve_filling: bool = False  # the reserve is being faulted in toward its goal
+    capture: CaptureReport = CaptureReport()  # clients' captures into this store, summed over their commits
+    saves_superseded: int = 0  # saves not replicated because a newer save of the same rank came first
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from memstore.config import StoreConfig
 from memstore.core.limits import admits, room_by_dropping
 from memstore.core.model import Holding, Manifest, PutOrigin, ShardInfo, ShardKey, ShardState
 from memstore.core.retention import pressure_victims
+from memstore.core.status import CaptureReport
 from memstore.errors import (
     AlreadySaved,
     CapacityExceeded,
@@ -33,7 +34,7 @@ from memstore.server.convert import sidecar_bytes, sidecar_info
 from memstore.server.events import StoreEvents
 from memstore.server.membership import Membership
 from memstore.server.peers import PeerDirectory
-from memstore.server.segments import Segment, SegmentPool
+from memstore.server.segments import NO_RING, Segment, SegmentPool
 from memstore.spill.port import DurableTier
 from memstore.v1.integrity import SPILL_CODECS, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
@@ -63,6 +64,7 @@ class Entry:
     created_unix: float = field(default_factory=time.time)
     source: str = ""  # peer a pulled copy came from
     spill_codec: str = ""  # the job's choice of durable codec ("" = the store's default)
+    checksumming: bool = False  # replication took it up (its checksums are being computed): no longer supersedable
     allocated_at: float = field(default_factory=time.monotonic)  # when this entry was made (Allocate, or registration)
     taken_at: float = 0.0  # when the store took a client's save in (Commit, or its stream's end): replication starts
 
@@ -99,6 +101,7 @@ def sender_error(exc: BaseException) -> BaseException:
 class Lease:
     entry: Entry
     expires: float
+    ahead: bool = False  # an allocation for a rank's next save, whose step is named at commit
 
 
 def codec_problem(codec: str) -> str | None:
@@ -130,6 +133,9 @@ class Catalog:
     data_port: int
     last_repair_error: str
     events: StoreEvents  # the metrics' event points (a no-op without --metrics-port)
+    capture: CaptureReport  # what clients reported of their captures (summed over commits)
+    saves_superseded: int  # saves dropped before replication because a newer save of the same rank came (newest wins)
+    _superseded: dict[ShardKey, int]  # recently superseded saves -> the newer step (WaitCommitted reports them)
     under_replicated: int  # from the last repair pass: recent shards of this store's slots with fewer than R reachable copies
     unreachable_sources: tuple[str, ...]  # from the last repair pass: holders of this store's slots that did not answer
     _lock: threading.Condition
@@ -214,7 +220,7 @@ class Catalog:
     def spilled(self) -> None:
         self._retention_due.set()
 
-    def _acquire(self, key: ShardKey, nbytes: int, preferred: str = "") -> Segment:
+    def _acquire(self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING) -> Segment:
         """A segment for ``key``, within the store's capacity and the job's quota (``--job-quota``).
 
         Over either limit, drop the fewest of what ``pressure_victims`` offers (the job's own older copies,
@@ -223,7 +229,9 @@ class Catalog:
         """
         while True:
             try:
-                return self.pool.acquire(nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred)
+                return self.pool.acquire(
+                    nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred, ring=ring
+                )
             except CapacityExceeded as exc:  # QuotaExceeded included: its numbers are the job's
                 with self._lock:
                     job = [e for e in self._entries.values() if e.key.job_id == key.job_id]

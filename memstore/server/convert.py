@@ -15,7 +15,7 @@ from memstore.core.agreement import Seen
 from memstore.core.model import PutOrigin, ShardInfo, ShardState, TransferHeader
 from memstore.core.restorable import RestoreAnswer
 from memstore.core.slots import Slot, SlotTable
-from memstore.core.status import HealthReport, HelloReport
+from memstore.core.status import CaptureReport, HealthReport, HelloReport
 from memstore.errors import InvalidArgument
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.manifests import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb
@@ -66,14 +66,23 @@ def state_from_pb(state: int) -> ShardState | None:
 
 
 # -- shard reports and sidecars -------------------------------------------------------
+def capture_from_pb(c: pb.CaptureStats) -> CaptureReport:
+    return CaptureReport(c.registrations, c.fallbacks, c.fallback_cause)
+
+
 def info_to_pb(info: ShardInfo) -> pb.ShardInfo:
     return pb.ShardInfo(
-        manifest=manifest_to_pb(info.manifest), state=state_to_pb(info.state), verified=info.verified, error=info.error, copies=info.copies
+        manifest=manifest_to_pb(info.manifest),
+        state=state_to_pb(info.state),
+        verified=info.verified,
+        error=info.error,
+        copies=info.copies,
+        superseded=info.superseded,
     )
 
 
 def info_from_pb(info: pb.ShardInfo) -> ShardInfo:
-    return ShardInfo(manifest_from_pb(info.manifest), state_from_pb(info.state), info.verified, info.error, info.copies)
+    return ShardInfo(manifest_from_pb(info.manifest), state_from_pb(info.state), info.verified, info.error, info.copies, info.superseded)
 
 
 def sidecar_bytes(info: ShardInfo) -> bytes:
@@ -180,6 +189,10 @@ def health_to_pb(h: HealthReport) -> pb.HealthResponse:
         drain_progress=h.drain_progress,
         slots=slots_to_pb(h.slots),
         not_ready=h.not_ready,
+        capture=pb.CaptureStats(
+            registrations=h.capture.registrations, fallbacks=h.capture.fallbacks, fallback_cause=h.capture.fallback_cause
+        ),
+        saves_superseded=h.saves_superseded,
         discovery=None
         if h.discovery is None
         else pb.DiscoveryStatus(

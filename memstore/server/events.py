@@ -30,6 +30,10 @@ class StoreEvents:
         """A client's save was taken in: ``path`` in SAVE_PATHS; from Allocate to Commit (shm), or from the
         transfer's header to its last verified chunk (stream)."""
 
+    def captured(self, registrations: int, fallbacks: int) -> None:
+        """A client's Commit reported its capture: ``registrations`` cudaHostRegister calls made and ``fallbacks``
+        copies through pageable memory, since its previous commit."""
+
     def pushed(self, nbytes: int) -> None:
         """One group peer acknowledged a verified copy of an owned shard of ``nbytes``."""
 

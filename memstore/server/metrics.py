@@ -118,6 +118,24 @@ def state_families(s: Snapshot) -> list[Metric]:
             sum(o.bytes for o in h.orphans),
         ),
     ]
+    out += [
+        CounterMetricFamily(
+            PREFIX + "capture_registrations",
+            "cudaHostRegister calls clients made for their captures into this store (0 after warm-up: each rank's ring "
+            "of capture segments is registered once).",
+            value=h.capture.registrations,
+        ),
+        CounterMetricFamily(
+            PREFIX + "capture_fallbacks",
+            "Client captures that went through pageable memory because registration failed (should stay 0).",
+            value=h.capture.fallbacks,
+        ),
+        CounterMetricFamily(
+            PREFIX + "saves_superseded",
+            "Saves dropped before replication because a newer save of the same rank came first (newest wins).",
+            value=h.saves_superseded,
+        ),
+    ]
     job_bytes = _gauge("job_bytes", "Shard bytes of a job held in this store's RAM (its own shards, replicas, saves in flight).",
                        labels=["job_id"])  # fmt: skip
     shards = _gauge("shards", "Shards of a job held per tier: ram (copies here), durable (published, as last listed).",

@@ -30,8 +30,12 @@ VERIFY_WORKERS = max(1, min(4, os.cpu_count() or 1))  # threads hashing a shard 
 class Reading(Catalog):
     """Lends verified copies to readers (shared-memory mapping or stream) while keeping them pinned."""
 
-    def open(self, key: ShardKey) -> tuple[str, Entry]:
+    def open(self, key: ShardKey, transient: bool = False) -> tuple[str, Entry]:
         """Lend the verified local copy of ``key`` to a reader on this machine, checked chunk by chunk now.
+
+        ``transient``: the reader copies the bytes out and unmaps before it releases the lease (a restore onto a
+        device), so the segment stays recyclable (a segment of a capture ring stays in its ring). Otherwise the
+        reader may keep a copy-on-write mapping for as long as it likes, so the segment is never reused.
 
         The store verifies, not the reader: its own mapping of the segment is faulted in already, so a
         restore pays for hashing the bytes and nothing else, and the reader maps only what it touches. A copy
@@ -51,7 +55,8 @@ class Reading(Catalog):
                 self._drop(entry, reason="local copy failed verification when a trainer opened it")
             log.warning("local copy of %s failed verification (chunk %d) when opened; dropped it", key, bad)
             raise ChecksumMismatch(f"chunk {bad} of {key} failed its checksum on store {self.host_id}; the copy was dropped, ask again")
-        entry.segment.exported = True
+        if not transient:
+            entry.segment.exported = True
         lease_id = secrets.token_hex(16)
         with self._lock:
             self._read_leases[lease_id] = Lease(entry, time.monotonic() + READ_LEASE_SECONDS)

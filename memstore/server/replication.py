@@ -29,13 +29,20 @@ class Replication(Catalog):
 
     def foreground_busy(self) -> bool:
         """A trainer is copying a save in (an open allocation) or a shard is being checksummed/replicated."""
-        return bool(self._alloc_leases) or self._in_flight > 0
+        return any(not lease.ahead for lease in self._alloc_leases.values()) or self._in_flight > 0
 
     def _in_flight_add(self, n: int) -> None:
         with self._lock:
             self._in_flight += n
 
     def _capture_and_replicate(self, entry: Entry) -> None:
+        with self._lock:
+            superseded = entry.dropped
+            entry.checksumming = True
+        if superseded:  # a newer save of its rank came first (Saving._supersede_older)
+            self._in_flight_add(-1)
+            self._retention_due.set()
+            return
         try:
             if entry.manifest is None:
                 # On threads (xxhash lets go of the GIL): the time from save() to committed includes this pass.

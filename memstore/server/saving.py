@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from memstore.core.limits import transfer_sender
 from memstore.core.model import Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, TransferHeader
+from memstore.core.status import CaptureReport
 from memstore.errors import (
     AlreadySaved,
     Draining,
@@ -35,14 +36,40 @@ from memstore.v1.streams import receive_chunks, shard_manifest_problem
 
 log = logging.getLogger(__name__)
 
+
+def _bind_problem(lease: Lease, key: ShardKey | None, nbytes: int) -> str | None:
+    """What is wrong with committing ``lease`` as ``key`` of ``nbytes`` (ahead leases name their shard at commit)."""
+    held = lease.entry
+    if not lease.ahead:
+        if key is not None and key != held.key:
+            return f"commit names shard {key} but the lease holds {held.key}"
+        if nbytes and nbytes != held.nbytes:
+            return f"commit names {nbytes} bytes but the lease was allocated for {held.nbytes}"
+        return None
+    if key is None:
+        return "an ahead lease (allocated before its step was known) needs the shard's key at commit"
+    if (key.job_id, key.rank) != (held.key.job_id, held.key.rank):
+        return f"commit names shard {key} but the ahead lease is rank {held.key.rank} of job {held.key.job_id!r}"
+    if nbytes < 0 or nbytes > held.segment.size:
+        return f"commit names {nbytes} bytes but the ahead lease's segment holds {held.segment.size}"
+    return None
+
 MAX_WAIT_SECONDS = 10.0  # WaitCommitted blocks a server thread at most this long; clients loop
+SUPERSEDED_REMEMBERED = 4096  # superseded saves WaitCommitted can still name as such
 
 
 class Saving(Replication):
     """Takes shards in: shared-memory captures, gRPC streams; and reports when they are committed."""
 
-    def allocate(self, key: ShardKey, world_size: int, nbytes: int, preferred: str = "") -> tuple[str, Segment]:
-        """A lease on a segment for ``key``'s ``nbytes``: ``preferred`` (a path from ``next_segment``) if still free."""
+    def allocate(self, key: ShardKey, world_size: int, nbytes: int, preferred: str = "", ahead: bool = False) -> tuple[str, Segment]:
+        """A lease on a segment of this rank's capture ring for ``key``'s ``nbytes``: ``preferred`` (a segment of the
+        ring the client has mapped) if still free.
+
+        ``ahead``: for the rank's next save, whose step is not known yet (``key.step`` and ``key.timeline`` are
+        ignored): ``commit`` names the shard. The client maps the segment meanwhile, so its save makes no call.
+        """
+        if ahead:
+            key = ShardKey(key.job_id, 0, key.rank)
         ensure(key_problem(key.job_id, key.step, key.rank, world_size, key.timeline))
         if nbytes <= 0:
             raise InvalidArgument(f"nbytes {nbytes} is invalid: expected > 0")
@@ -55,14 +82,19 @@ class Saving(Replication):
         if self.pool.directory is None:
             raise InvalidArgument(f"store {self.host_id} has no shared-memory dir (--shm-dir ''); send the shard with Put")
         self._refuse_if_draining()
-        with self._lock:
-            self._refuse_resave(key)
-        segment = self._acquire(key, nbytes, preferred)
+        if not ahead:
+            with self._lock:
+                self._refuse_resave(key)
+        segment = self._acquire(key, nbytes, preferred, ring=key.rank)
         entry = Entry(key, world_size, nbytes, segment, self.host_id, ShardState.CAPTURED)
         lease_id = secrets.token_hex(16)
         with self._lock:
-            self._alloc_leases[lease_id] = Lease(entry, time.monotonic() + ALLOCATE_LEASE_SECONDS)
+            self._alloc_leases[lease_id] = Lease(entry, time.monotonic() + ALLOCATE_LEASE_SECONDS, ahead=ahead)
         return lease_id, segment
+
+    def ring_paths(self, job_id: str, rank: int) -> list[str]:
+        """The segments of ``rank``'s capture ring (``AllocateResponse.ring_paths``): its client keeps them mapped."""
+        return self.pool.ring_paths(job_id, rank)
 
     def next_segment(self, job_id: str, nbytes: int) -> str:
         """The path of the free, faulted-in segment the next save of ``nbytes`` by ``job_id`` would get ('' if none):
@@ -70,13 +102,38 @@ class Saving(Replication):
         seg = self.pool.peek(nbytes, job_id)
         return (seg.path or "") if seg is not None else ""
 
-    def commit(self, lease_id: str, metrics: dict[str, float], format_version: int, spill_codec: str = "") -> ShardKey:
+    def commit(
+        self,
+        lease_id: str,
+        metrics: dict[str, float],
+        format_version: int,
+        spill_codec: str = "",
+        key: ShardKey | None = None,
+        nbytes: int = 0,
+        capture: CaptureReport | None = None,
+        capture_seconds: float = 0.0,
+    ) -> ShardKey:
+        """Take a client's capture in: the shard of ``lease_id`` is the store's from now on; replication starts.
+
+        An ahead lease (``allocate(ahead=True)``) needs ``key``, the shard it holds (same job and rank), and
+        ``nbytes`` when the shard is smaller than the lease. ``capture``: what the client's copies cost it since its
+        last commit (summed into ``memstore status`` and the metrics); ``capture_seconds``: its save's time until
+        this commit (the store sees an ahead lease's save start nowhere).
+        """
         ensure(codec_problem(spill_codec) or metrics_problem(metrics))
+        if key is not None:
+            ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
         with self._lock:
-            lease = self._alloc_leases.pop(lease_id, None)
+            lease = self._alloc_leases.get(lease_id)
             if lease is None:
                 raise LeaseError(f"allocation lease {lease_id!r} is unknown or expired; allocate again")
             entry = lease.entry
+            ensure(_bind_problem(lease, key, nbytes))
+            del self._alloc_leases[lease_id]
+            if lease.ahead:
+                assert key is not None
+                entry.key = key
+                entry.nbytes = nbytes or entry.nbytes
             try:
                 self._refuse_resave(entry.key)
             except AlreadySaved:
@@ -87,11 +144,40 @@ class Saving(Replication):
             entry.spill_codec = spill_codec
             entry.taken_at = time.monotonic()
             self._register(entry)
-        self.events.saved("shm", entry.taken_at - entry.allocated_at)
+            self._supersede_older(entry)
+            if capture is not None and (capture.registrations or capture.fallbacks):
+                self.capture = self.capture.plus(capture.registrations, capture.fallbacks, capture.fallback_cause)
+        if capture is not None and capture.fallbacks:
+            log.warning(
+                "rank %d of job %s copied %d captures through pageable memory (registration failed: %s)",
+                entry.key.rank, entry.key.job_id, capture.fallbacks, capture.fallback_cause,
+            )  # fmt: skip
+        self.events.captured(capture.registrations if capture else 0, capture.fallbacks if capture else 0)
+        self.events.saved("shm", capture_seconds or entry.taken_at - entry.allocated_at)
         self._in_flight_add(1)
         self._replication.submit(self._capture_and_replicate, entry)
         fault("commit.before_ack")
         return entry.key
+
+    def _supersede_older(self, entry: Entry) -> None:
+        """Newest wins (caller holds the lock): older captures of the same rank that replication has not taken up yet
+        are dropped, so saves that come faster than the store can checksum and push them never pile up in RAM.
+
+        Only captures not yet checksummed go: none of them is verified, so none can be a restorable step.
+        """
+        key = entry.key
+        older = [
+            e for k, e in self._entries.items()
+            if k.job_id == key.job_id and k.rank == key.rank and e is not entry and e.state is ShardState.CAPTURED
+            and not e.checksumming and e.pins == 0 and e.allocated_at <= entry.allocated_at
+        ]  # fmt: skip
+        for old in older:
+            self._superseded[old.key] = key.step
+            self.saves_superseded += 1
+            self._drop(old, reason=f"superseded by step {key.step} before it was replicated (newest wins)")
+            log.info("%s superseded by step %d before replication took it up (newest wins)", old.key, key.step)
+        while len(self._superseded) > SUPERSEDED_REMEMBERED:
+            del self._superseded[next(iter(self._superseded))]
 
     def wait_committed(self, key: ShardKey, timeout: float) -> tuple[ShardInfo, bool]:
         ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
@@ -99,6 +185,11 @@ class Saving(Replication):
         with self._lock:
             while True:
                 entry = self._entries.get(key)
+                if entry is None and key in self._superseded:
+                    newer = self._superseded[key]
+                    m = Manifest(key, 0, 0, chunk_size=0, checksums=(), owner_host=self.host_id)
+                    why = f"superseded by step {newer} before it was replicated (newest wins)"
+                    return ShardInfo(m, ShardState.UNDER_REPLICATED, False, why, 0, superseded=True), True
                 if entry is None:
                     raise ShardNotFound(f"shard {key} is not held by store {self.host_id}")
                 if entry.state.settled:

@@ -63,9 +63,17 @@ log = logging.getLogger(__name__)
 _REUSE_SLACK = 1.25  # reuse a pooled segment up to 25% larger than needed rather than allocating anew
 
 FRESH = ""  # owner of a reserve segment: it never held any job's bytes, so any job may take it
+NO_RING = -1  # Segment.ring of a segment in no rank's capture ring
+RING_SPARES = 2  # pooled segments a capture ring keeps beyond those in use; more go back to the job's pool
 _GROW_FRACTION = 8  # a fresh segment up to 1/8 short of a shard grows to fit it
 _TRIM_FACTOR = 8  # ... and one up to 8x the shard is trimmed to it; a far smaller shard faults in fresh memory of its own
 _CANCEL_WAIT_SECONDS = 5.0  # how long an allocation waits for the reserve to give back bytes it is faulting in
+
+
+def _ring_order(seg: Segment, ring: int) -> tuple[bool, int]:
+    """Sort key among a job's pooled segments for a save of rank ``ring``: that ring's first (its client has them
+    mapped and registered), then the smallest."""
+    return seg.ring != ring, seg.size
 
 
 def _round_up(n: int) -> int:
@@ -75,11 +83,14 @@ def _round_up(n: int) -> int:
 class Segment:
     """One mapped region. ``path`` is None for anonymous memory (no shm dir configured)."""
 
-    __slots__ = ("_closed", "described", "exported", "mm", "owner", "path", "size")
+    __slots__ = ("_closed", "described", "exported", "mm", "owner", "path", "ring", "size")
 
     def __init__(self, path: str | None, size: int, mm: mmap.mmap) -> None:
         self.path = path
         self.owner = ""  # job whose bytes the segment last held; pooled segments are reused by that job only
+        # The rank of ``owner`` whose capture ring it belongs to (NO_RING: none): it goes back to that rank's saves
+        # only, because its client keeps it mapped and registered for DMA (never resized while in a ring).
+        self.ring = NO_RING
         # A reader mapped it (copy-on-write): its bytes must never change, so it is unlinked, not recycled.
         self.exported = False
         self.described = False  # a sidecar exists next to it (SegmentPool.describe)
@@ -405,13 +416,17 @@ class SegmentPool:
     def _owner_bytes(self, owner: str) -> int:
         return sum(s.size for s in self._in_use if s.owner == owner) + self._creating.get(owner, 0)
 
-    def acquire(self, nbytes: int, owner: str, what: str = "shard", quota: int = 0, preferred: str = "") -> Segment:
+    def acquire(
+        self, nbytes: int, owner: str, what: str = "shard", quota: int = 0, preferred: str = "", ring: int = NO_RING
+    ) -> Segment:
         """A segment of at least ``nbytes`` for job ``owner``: the pooled one at path ``preferred`` if it is free
         and would be handed to ``owner`` (see ``peek``), else the best pooled one, else a fresh one.
 
         Pooled segments are only handed back to the job that used them, so one job's leftover bytes are
         never mapped by another job's trainer; fresh ones of the reserve (which never held any job's bytes)
-        go to any job. Raises CapacityExceeded with the byte counts if it can't fit,
+        go to any job. ``ring``: the rank of ``owner`` whose capture ring the segment serves (a client's save):
+        a segment of that ring first, and the segment joins the ring; segments of a ring go to no other save
+        (replicas and pulls pass NO_RING). Raises CapacityExceeded with the byte counts if it can't fit,
         QuotaExceeded if the job's segments in use would exceed ``quota`` bytes (0 = no quota).
         """
         if self._leftovers_pending:
@@ -424,12 +439,13 @@ class SegmentPool:
                 self._reserve_wake.set()
             used = self._owner_bytes(owner) if quota else 0
             max_size = quota - used if quota else None
-            seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred)
+            seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred, ring=ring)
             if seg is None and self._warming >= size - size // _GROW_FRACTION:
                 # The reserve is faulting in a segment that fits: finishing it is faster than starting another.
                 self._changed.wait_for(lambda: not self._warming or self._closed, timeout=_CANCEL_WAIT_SECONDS * 4)
-                seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred)
+                seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred, ring=ring)
             if seg is not None:
+                seg.ring = ring
                 self._in_use.add(seg)
                 self._in_use_bytes += seg.size
                 return seg
@@ -469,6 +485,7 @@ class SegmentPool:
         try:
             seg = self._create(size)
             seg.owner = owner
+            seg.ring = ring
         except BaseException:
             with self._lock:
                 self._in_use_bytes -= size
@@ -490,25 +507,33 @@ class SegmentPool:
         if left > 0:
             self._creating[owner] = left
 
-    def peek(self, nbytes: int, owner: str) -> Segment | None:
-        """The pooled segment ``acquire(nbytes, owner)`` would hand out now, left in the pool (None: none would)."""
+    def peek(self, nbytes: int, owner: str, ring: int = NO_RING) -> Segment | None:
+        """The pooled segment ``acquire(nbytes, owner, ring=ring)`` would hand out now, left in the pool (None: none would)."""
         with self._lock:
-            return self._pick_pooled(nbytes, owner)
+            return self._pick_pooled(nbytes, owner, ring=ring)
 
-    def _pick_pooled(self, nbytes: int, owner: str, max_size: int | None = None, preferred: str = "") -> Segment | None:
+    def ring_paths(self, owner: str, ring: int) -> list[str]:
+        """The paths of the segments of ``owner``'s rank ``ring``'s capture ring, in use and pooled."""
+        with self._lock:
+            return sorted(s.path for s in itertools.chain(self._in_use, self._free) if s.path and s.owner == owner and s.ring == ring)
+
+    def _pick_pooled(
+        self, nbytes: int, owner: str, max_size: int | None = None, preferred: str = "", ring: int = NO_RING
+    ) -> Segment | None:
         """The smallest pooled segment of ``owner`` that fits ``nbytes`` without wasting much (and is at most
         ``max_size``), else the smallest fresh one of the reserve that fits after resizing; ``preferred`` (a
-        path) first when it is one of those candidates."""
+        path) first when it is one of those candidates. A segment of ``ring`` (this rank's capture ring) comes
+        before any other of ``owner``; segments of another ring are never candidates."""
         top = _REUSE_SLACK * nbytes + PAGE if max_size is None else min(_REUSE_SLACK * nbytes + PAGE, max_size)
         size = _round_up(nbytes)
         low = size - size // _GROW_FRACTION  # a fresh segment a little short of the shard grows to fit it
         own: Segment | None = None
         fresh: Segment | None = None
         for seg in self._free:
-            if seg.owner == owner and owner != FRESH and nbytes <= seg.size <= top:
+            if seg.owner == owner and owner != FRESH and nbytes <= seg.size <= top and seg.ring in (ring, NO_RING):
                 if preferred and seg.path == preferred:
                     return seg
-                if own is None or seg.size < own.size:
+                if own is None or _ring_order(seg, ring) < _ring_order(own, ring):
                     own = seg
             elif (
                 seg.owner == FRESH
@@ -522,9 +547,11 @@ class SegmentPool:
                     fresh = seg
         return own or fresh
 
-    def _take_pooled(self, nbytes: int, owner: str, max_size: int | None = None, preferred: str = "") -> Segment | None:
+    def _take_pooled(
+        self, nbytes: int, owner: str, max_size: int | None = None, preferred: str = "", ring: int = NO_RING
+    ) -> Segment | None:
         """Take ``_pick_pooled``'s segment out of the pool; a fresh one is resized to fit."""
-        best = self._pick_pooled(nbytes, owner, max_size, preferred)
+        best = self._pick_pooled(nbytes, owner, max_size, preferred, ring)
         if best is None:
             return None
         if best.owner != FRESH:
@@ -768,6 +795,8 @@ class SegmentPool:
                     os.unlink(sidecar_path(seg.path))
                 seg.described = False
             if not seg.exported and self._pooled_bytes + seg.size <= self.max_pooled_bytes:
+                if seg.ring != NO_RING and sum(1 for s in self._free if s.owner == seg.owner and s.ring == seg.ring) >= RING_SPARES:
+                    seg.ring = NO_RING  # the ring has spares enough: this one serves the job's other saves and replicas
                 self._free.append(seg)
                 self._pooled_bytes += seg.size
                 return

@@ -20,7 +20,9 @@ import grpc
 from memstore.core.model import PutOrigin, TransferHeader
 from memstore.errors import InvalidArgument, StoreError
 from memstore.server.auth import Authenticator, Need, Principal
+from memstore.server.catalog import ALLOCATE_LEASE_SECONDS
 from memstore.server.convert import (
+    capture_from_pb,
     health_to_pb,
     hello_to_pb,
     info_to_pb,
@@ -115,18 +117,29 @@ class StoreServicer(pb_grpc.StoreServicer):
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         self._allow(context, Need.JOB, request.key.job_id)
         key = key_from_pb(request.key)
-        lease_id, segment = self.store.allocate(key, request.world_size, request.nbytes, request.preferred_segment)
+        lease_id, segment = self.store.allocate(key, request.world_size, request.nbytes, request.preferred_segment, request.ahead)
         return pb.AllocateResponse(
             lease_id=lease_id,
             segment_path=segment.path or "",
             segment_bytes=segment.size,
             next_segment_path=self.store.next_segment(key.job_id, request.nbytes),
+            ring_paths=self.store.ring_paths(key.job_id, key.rank),
+            lease_seconds=ALLOCATE_LEASE_SECONDS,
         )
 
     @rpc
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
         self._allow(context, Need.ANY)  # the lease id, issued to an authorized Allocate, is the capability
-        key = self.store.commit(request.lease_id, dict(request.metrics), request.format_version, request.spill_codec)
+        key = self.store.commit(
+            request.lease_id,
+            dict(request.metrics),
+            request.format_version,
+            request.spill_codec,
+            key=key_from_pb(request.key) if request.HasField("key") else None,
+            nbytes=request.nbytes,
+            capture=capture_from_pb(request.capture),
+            capture_seconds=request.capture_seconds,
+        )
         return pb.CommitResponse(key=key_to_pb(key))
 
     @rpc
@@ -156,7 +169,7 @@ class StoreServicer(pb_grpc.StoreServicer):
     @rpc
     def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
         self._allow(context, Need.JOB, request.key.job_id)
-        lease_id, entry = self.store.open(key_from_pb(request.key))
+        lease_id, entry = self.store.open(key_from_pb(request.key), transient=request.transient)
         assert entry.manifest is not None
         return pb.OpenResponse(
             lease_id=lease_id, segment_path=entry.segment.path or "", manifest=manifest_to_pb(entry.manifest), verified=True

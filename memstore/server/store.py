@@ -32,7 +32,7 @@ from memstore.config import StoreConfig
 from memstore.core.model import ShardKey
 from memstore.core.reserve import ReservePolicy
 from memstore.core.slots import SlotTable
-from memstore.core.status import DiscoveryReport, HealthReport, HelloReport, JobCensus, SpillReport, job_census
+from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, SpillReport, job_census
 from memstore.server.catalog import Entry, Lease, Ticket
 from memstore.server.drain import Drain
 from memstore.server.events import StoreEvents
@@ -100,6 +100,9 @@ class Store(Drain):
         self.advertised_address = advertised_address or config.listen
         self.last_repair_error = ""
         self.under_replicated = 0  # set by each repair pass
+        self.capture = CaptureReport()
+        self.saves_superseded = 0
+        self._superseded: dict[ShardKey, int] = {}
         self.unreachable_sources: tuple[str, ...] = ()  # set by each repair pass
         self.repaired_table: SlotTable | None = None  # the table of the last repair pass that left nothing missing
         self.durable: DurableTier | None = None  # set by the composition root (memstore.server.app) when --spill is on
@@ -227,4 +230,6 @@ class Store(Drain):
             slots=self.membership.view.table,
             discovery=self.discovery,
             not_ready=self.readiness(),
+            capture=self.capture,
+            saves_superseded=self.saves_superseded,
         )

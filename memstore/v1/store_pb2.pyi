@@ -79,18 +79,20 @@ class Manifest(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum_algo: _Optional[str] = ..., owner_host: _Optional[str] = ..., format_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_unix: _Optional[float] = ..., spill_codec: _Optional[str] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("manifest", "state", "verified", "error", "copies")
+    __slots__ = ("manifest", "state", "verified", "error", "copies", "superseded")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     state: ShardState
     verified: bool
     error: str
     copies: int
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., state: _Optional[_Union[ShardState, str]] = ..., verified: _Optional[bool] = ..., error: _Optional[str] = ..., copies: _Optional[int] = ...) -> None: ...
+    superseded: bool
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., state: _Optional[_Union[ShardState, str]] = ..., verified: _Optional[bool] = ..., error: _Optional[str] = ..., copies: _Optional[int] = ..., superseded: _Optional[bool] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ()
@@ -173,7 +175,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "host_id", "used_bytes", "capacity_bytes", "shards", "replications_in_flight", "repairs_in_flight", "uptime_seconds", "spill_url", "spill", "orphans", "adopted_shards", "draining", "drain_progress", "slots", "discovery", "not_ready", "pooled_bytes", "reserve_bytes", "reserve_filling")
+    __slots__ = ("serving", "host_id", "used_bytes", "capacity_bytes", "shards", "replications_in_flight", "repairs_in_flight", "uptime_seconds", "spill_url", "spill", "orphans", "adopted_shards", "draining", "drain_progress", "slots", "discovery", "not_ready", "pooled_bytes", "reserve_bytes", "reserve_filling", "capture", "saves_superseded")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +196,8 @@ class HealthResponse(_message.Message):
     POOLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FILLING_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    SAVES_SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     host_id: str
     used_bytes: int
@@ -214,7 +218,9 @@ class HealthResponse(_message.Message):
     pooled_bytes: int
     reserve_bytes: int
     reserve_filling: bool
-    def __init__(self, serving: _Optional[bool] = ..., host_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., replications_in_flight: _Optional[int] = ..., repairs_in_flight: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., spill_url: _Optional[str] = ..., spill: _Optional[_Iterable[_Union[SpillStatus, _Mapping]]] = ..., orphans: _Optional[_Iterable[_Union[OrphanedSegments, _Mapping]]] = ..., adopted_shards: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_progress: _Optional[str] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., discovery: _Optional[_Union[DiscoveryStatus, _Mapping]] = ..., not_ready: _Optional[str] = ..., pooled_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., reserve_filling: _Optional[bool] = ...) -> None: ...
+    capture: CaptureStats
+    saves_superseded: int
+    def __init__(self, serving: _Optional[bool] = ..., host_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., replications_in_flight: _Optional[int] = ..., repairs_in_flight: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., spill_url: _Optional[str] = ..., spill: _Optional[_Iterable[_Union[SpillStatus, _Mapping]]] = ..., orphans: _Optional[_Iterable[_Union[OrphanedSegments, _Mapping]]] = ..., adopted_shards: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_progress: _Optional[str] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., discovery: _Optional[_Union[DiscoveryStatus, _Mapping]] = ..., not_ready: _Optional[str] = ..., pooled_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., reserve_filling: _Optional[bool] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., saves_superseded: _Optional[int] = ...) -> None: ...
 
 class OrphanedSegments(_message.Message):
     __slots__ = ("path", "host_id", "bytes", "files")
@@ -245,31 +251,37 @@ class SpillStatus(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., last_spilled_step: _Optional[int] = ..., last_spill_unix: _Optional[float] = ..., consecutive_failures: _Optional[int] = ..., last_error: _Optional[str] = ..., bytes_written: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("key", "world_size", "nbytes", "preferred_segment")
+    __slots__ = ("key", "world_size", "nbytes", "preferred_segment", "ahead")
     KEY_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     world_size: int
     nbytes: int
     preferred_segment: str
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., preferred_segment: _Optional[str] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("lease_id", "segment_path", "segment_bytes", "next_segment_path")
+    __slots__ = ("lease_id", "segment_path", "segment_bytes", "next_segment_path", "ring_paths", "lease_seconds")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
+    RING_PATHS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     segment_path: str
     segment_bytes: int
     next_segment_path: str
-    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ...) -> None: ...
+    ring_paths: _containers.RepeatedScalarFieldContainer[str]
+    lease_seconds: float
+    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ..., ring_paths: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "metrics", "format_version", "spill_codec")
+    __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -281,11 +293,29 @@ class CommitRequest(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPILL_CODEC_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     metrics: _containers.ScalarMap[str, float]
     format_version: int
     spill_codec: str
-    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ..., spill_codec: _Optional[str] = ...) -> None: ...
+    key: ShardKey
+    nbytes: int
+    capture: CaptureStats
+    capture_seconds: float
+    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ..., spill_codec: _Optional[str] = ..., key: _Optional[_Union[ShardKey, _Mapping]] = ..., nbytes: _Optional[int] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., capture_seconds: _Optional[float] = ...) -> None: ...
+
+class CaptureStats(_message.Message):
+    __slots__ = ("registrations", "fallbacks", "fallback_cause")
+    REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    registrations: int
+    fallbacks: int
+    fallback_cause: str
+    def __init__(self, registrations: _Optional[int] = ..., fallbacks: _Optional[int] = ..., fallback_cause: _Optional[str] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("key",)
@@ -338,10 +368,12 @@ class WaitCommittedResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ShardInfo, _Mapping]] = ..., done: _Optional[bool] = ..., next_segment_path: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("key",)
+    __slots__ = ("key", "transient")
     KEY_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ...) -> None: ...
+    transient: bool
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., transient: _Optional[bool] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("lease_id", "segment_path", "manifest", "verified")

@@ -307,6 +307,26 @@ def test_r1_and_endpoints_targets() -> None:
     assert remote.restore_peer_vs_torch_load.value == pytest.approx(5.0)
 
 
+def test_unavailable_dcp_staging_makes_its_ratios_and_target_na() -> None:
+    why = "unavailable on torch 2.11.0+cu130: KeyError: <class 'type'> in torch's DCP stager"
+    info = size_result()
+    info.floors.dcp.reused_stager = DcpMode.not_measured(why)
+    ra, tg = evaluate(measurement(), info, leak())
+    assert ra.stall_p50_over_dcp_async_blocking_reused_stager is None and ra.stall_p50_over_dcp_async_blocking == pytest.approx(0.125)
+    assert ra.unavailable == {"stall_p50_over_dcp_async_blocking_reused_stager": why} and tg.stall_vs_dcp_async_save.passed is True
+    assert to_json(info.floors.dcp.reused_stager) == {"blocking_seconds": None, "total_seconds": None, "unavailable": why}
+
+    info.floors.dcp.default = DcpMode.not_measured(why)
+    ra, tg = evaluate(measurement(), info, leak())
+    assert ra.stall_p50_over_dcp_async_blocking is None and ra.committed_p50_over_dcp_async_total is None
+    assert set(to_json(ra)["unavailable"]) == {
+        "stall_p50_over_dcp_async_blocking", "stall_p50_over_dcp_async_blocking_reused_stager", "committed_p50_over_dcp_async_total",
+    }  # fmt: skip
+    t = tg.stall_vs_dcp_async_save
+    assert (t.passed, t.value, t.note) == (None, None, f"n/a: DCP async_save (default staging) {why}")
+    assert "unavailable" not in to_json(evaluate(measurement(), size_result(), leak())[0])  # every baseline measured: no key
+
+
 def test_leak_target_when_skipped() -> None:
     _, tg = evaluate(measurement(), size_result(), LeakSkipped("--leak-saves 0"))
     t = tg.rss_growth_over_saves

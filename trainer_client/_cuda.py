@@ -1,0 +1,177 @@
+"""The CUDA runtime calls the client makes (host-memory registration), behind one small seam.
+
+Everything that pins host memory goes through :func:`register` / :func:`unregister`, which call the
+installed :class:`CudaRuntime`: :class:`TorchCudaRuntime` by default (torch's ``torch.cuda.cudart()``
+bindings, plus ``cudaGetLastError`` from the libcudart the process loaded), or a stand-in installed with
+:func:`install` / :func:`installed`. The tests' stand-in (``tests.harness.fake_cuda.FakeCudaRuntime``)
+enforces the rules of ``cudaHostRegister`` measured on an H200, so the CPU test suite catches the
+mistakes real CUDA would refuse:
+
+- a size of 0: ``cudaErrorInvalidValue`` (1);
+- any part of the range not mapped in the process, or a part of a file mapping past the (page-rounded)
+  end of its file (the pages cannot be faulted in): 1;
+- a range overlapping a live registration: ``cudaErrorHostMemoryAlreadyRegistered`` (712);
+- ``cudaHostUnregister`` of an address that does not start a live registration:
+  ``cudaErrorHostMemoryNotRegistered`` (713);
+- every failure also stays recorded as the thread's last CUDA error until ``cudaGetLastError`` reads it.
+  torch checks the last error after each kernel launch, so one left behind would be reported as the
+  failure of some unrelated kernel: :func:`register` and :func:`unregister` clear it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: pinned for every CUDA context, so for every device
+HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the device only reads the range
+ERROR_INVALID_VALUE = 1  # cudaErrorInvalidValue
+ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+ERROR_HOST_MEMORY_NOT_REGISTERED = 713  # cudaErrorHostMemoryNotRegistered
+
+
+class CudaRuntime(Protocol):
+    """The CUDA runtime calls behind the seam; codes are raw ``cudaError_t`` values (0: success)."""
+
+    pins_host_states: bool
+    """Register capture memory even for CPU-only states (only the tests' fake: it lets the CPU suite run the pinning logic)."""
+
+    def host_register(self, addr: int, size: int, flags: int) -> int:
+        """``cudaHostRegister(addr, size, flags)``; a failure also stays recorded as the last error."""
+        ...
+
+    def host_unregister(self, addr: int) -> int:
+        """``cudaHostUnregister(addr)``; a failure also stays recorded as the last error."""
+        ...
+
+    def get_last_error(self) -> int:
+        """``cudaGetLastError()``: the last error recorded, which is reset to 0."""
+        ...
+
+    def error_text(self, code: int) -> str:
+        """A readable description of ``code`` for messages."""
+        ...
+
+
+class TorchCudaRuntime:
+    """The real runtime: torch's libcudart bindings, and ``cudaGetLastError`` from the libcudart the process loaded
+    (torch exposes none). Constructing one touches nothing; the library is looked for at the first
+    :meth:`get_last_error`."""
+
+    pins_host_states = False
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._libcudart: Any = None  # the loaded libcudart; False: none found
+
+    @staticmethod
+    def _cudart() -> Any:
+        import torch
+
+        return torch.cuda.cudart()
+
+    def host_register(self, addr: int, size: int, flags: int) -> int:
+        return int(self._cudart().cudaHostRegister(addr, size, flags))
+
+    def host_unregister(self, addr: int) -> int:
+        return int(self._cudart().cudaHostUnregister(addr))
+
+    def get_last_error(self) -> int:
+        with self._lock:
+            if self._libcudart is None:
+                self._libcudart = _find_libcudart()
+        if not self._libcudart:
+            return 0
+        return int(self._libcudart.cudaGetLastError())
+
+    def error_text(self, code: int) -> str:
+        try:
+            cudart = self._cudart()
+            return f"{cudart.cudaGetErrorString(cudart.cudaError(code))} (CUDA error {code})"
+        except Exception:  # an unknown code, or no CUDA
+            return f"CUDA error {code}"
+
+
+def _find_libcudart() -> Any:
+    """The libcudart this process loaded (``ctypes.CDLL``), or False, logged once, where none is found."""
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = sorted({line.split()[-1] for line in fh if "libcudart" in line})
+    except OSError:
+        paths = []
+    for path in paths:
+        if os.path.basename(path).startswith("libcudart.so"):
+            try:
+                lib = ctypes.CDLL(path)  # the library already loaded: dlopen hands back the same instance
+            except OSError:
+                continue
+            lib.cudaGetLastError.restype = ctypes.c_int
+            return lib
+    log.warning("libcudart not found among this process's libraries: a failed cudaHostRegister stays recorded as the last CUDA error")
+    return False
+
+
+_runtime: CudaRuntime | None = None  # installed with install(); None: the default, created at first use
+_default: TorchCudaRuntime | None = None
+_runtime_lock = threading.Lock()
+
+
+def runtime() -> CudaRuntime:
+    """The installed runtime; by default a :class:`TorchCudaRuntime`, created at the first call."""
+    global _default
+    rt = _runtime
+    if rt is not None:
+        return rt
+    with _runtime_lock:
+        if _default is None:
+            _default = TorchCudaRuntime()
+        return _default
+
+
+def install(rt: CudaRuntime | None) -> CudaRuntime | None:
+    """Make ``rt`` the runtime (None: back to the default); returns the one installed before (None: the default)."""
+    global _runtime
+    with _runtime_lock:
+        previous, _runtime = _runtime, rt
+    return previous
+
+
+@contextlib.contextmanager
+def installed(rt: CudaRuntime) -> Iterator[CudaRuntime]:
+    """Install ``rt`` for the duration of the block, then put back the runtime installed before."""
+    previous = install(rt)
+    try:
+        yield rt
+    finally:
+        install(previous)
+
+
+def register(addr: int, size: int, flags: int) -> int:
+    """``cudaHostRegister(addr, size, flags)``; the CUDA error code (0: registered), a failure's error cleared."""
+    rt = runtime()
+    code = rt.host_register(addr, size, flags)
+    if code != 0:
+        rt.get_last_error()
+    return code
+
+
+def unregister(addr: int) -> int:
+    """``cudaHostUnregister(addr)``; the CUDA error code, a failure's error cleared and logged."""
+    rt = runtime()
+    code = rt.host_unregister(addr)
+    if code != 0:
+        rt.get_last_error()
+        log.warning("cudaHostUnregister(%#x) failed: %s", addr, rt.error_text(code))
+    return code
+
+
+def error_text(code: int) -> str:
+    """The installed runtime's description of a CUDA error code."""
+    return runtime().error_text(code)

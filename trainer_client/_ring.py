@@ -1,0 +1,308 @@
+"""A client's capture ring: the store segments its saves land in, mapped once and registered once.
+
+The store hands every save of one rank a segment of that rank's *capture ring* (``memstore.server.segments``:
+a pooled segment goes back to the rank that used it, replicas and pulls never take it) and lists the ring in
+each ``AllocateResponse.ring_paths``. :class:`CaptureRing` keeps each ring segment mapped at exactly the size
+the store allocated (a mapping never reaches past its file's end, and the store never resizes a ring
+segment), registers it for DMA (``cudaHostRegister``, through ``trainer_client._cuda``) the first time a
+save with CUDA tensors lands in it, and unregisters and unmaps what left the ring. After warm-up every save
+lands in memory registered before: no registration, no mapping, no page fault.
+
+After each commit the ring reserves the next save's segment ahead (``AllocateRequest.ahead``) on its own
+thread, maps and registers it there: ``save()`` then makes no call to the store at all. ``prepare`` does the
+same before the first save.
+
+A registration that fails is retried once after re-mapping the segment; if it fails again the save copies
+through pageable memory (synchronously) and the failure is counted (``CaptureStats``, sent with the next
+commit: the store's metrics and ``memstore status`` show it) and logged with its cause.
+``MEMSTORE_STRICT_PINNING=1`` turns such a fallback into a :class:`~trainer_client.errors.CaptureError`
+(the GPU tests run so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from memstore.v1 import store_pb2 as pb
+from memstore.v1.pagefaults import address_of
+from trainer_client import _cuda
+from trainer_client.errors import CaptureError
+
+log = logging.getLogger(__name__)
+
+STRICT_ENV = "MEMSTORE_STRICT_PINNING"  # "1": a capture that would fall back to pageable memory raises instead
+_RENEW_MARGIN = 60.0  # an ahead lease this close to its expiry is given back and the save allocates anew
+
+
+def strict_pinning() -> bool:
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class CaptureStats:
+    """What this client's captures cost: ``registrations`` (cudaHostRegister calls that succeeded; 0 more after
+    warm-up), ``fallbacks`` (saves copied through pageable memory because registration failed; should be 0) and
+    the last fallback's cause."""
+
+    registrations: int = 0
+    fallbacks: int = 0
+    last_fallback: str = ""
+
+
+@dataclass
+class Slot:
+    """One lease on a ring segment: where a save writes."""
+
+    lease_id: str
+    path: str
+    size: int  # the segment's bytes: the mapping's length
+    nbytes: int  # the bytes asked for
+    mm: mmap.mmap
+    ahead: bool  # allocated before its step was known: the commit names the shard
+    expires: float  # time.monotonic() when the store lets the lease go
+    pinned: bool = False
+
+
+@dataclass
+class _Mapped:
+    mm: mmap.mmap
+    inode: int
+    pinned: bool = False
+    failed: str = ""  # registration failed twice: the cause (copies into it fall back)
+    busy: int = 0  # restores reading it now: not unmapped until they are done
+
+
+def map_segment(path: str, size: int) -> mmap.mmap:
+    """Map a store segment read-write at exactly ``size`` bytes and fault its pages in."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+
+
+class CaptureRing:
+    """The ring segments of one client (job, rank), their mappings and registrations, and the next save's lease.
+
+    Args:
+        allocate: sends an ``AllocateRequest`` to the store (the client's control path).
+        release: gives a lease back (``Release``).
+    """
+
+    def __init__(self, allocate: Callable[[pb.AllocateRequest], pb.AllocateResponse], release: Callable[[str], None]) -> None:
+        self._allocate = allocate
+        self._release = release
+        self._lock = threading.RLock()
+        self._maps: dict[str, _Mapped] = {}
+        self._ahead: Future[Slot] | None = None
+        self._thread: ThreadPoolExecutor | None = None
+        self.pinning = False  # register ring segments: once a save held CUDA tensors (or the runtime pins host states)
+        self._registrations = 0
+        self._fallbacks = 0
+        self._last_fallback = ""
+        self._reported = CaptureStats()
+
+    # -- stats ---------------------------------------------------------------------------
+    @property
+    def stats(self) -> CaptureStats:
+        with self._lock:
+            return CaptureStats(self._registrations, self._fallbacks, self._last_fallback)
+
+    def report(self) -> pb.CaptureStats:
+        """The counts since the last report (sent with each commit), and mark them reported."""
+        with self._lock:
+            now, before = self.stats, self._reported
+            self._reported = now
+        return pb.CaptureStats(
+            registrations=now.registrations - before.registrations,
+            fallbacks=now.fallbacks - before.fallbacks,
+            fallback_cause=now.last_fallback if now.fallbacks > before.fallbacks else "",
+        )
+
+    @property
+    def mapped_paths(self) -> list[str]:
+        with self._lock:
+            return sorted(self._maps)
+
+    # -- slots ---------------------------------------------------------------------------
+    def slot(self, key: pb.ShardKey, world_size: int, nbytes: int) -> Slot:
+        """Where the save of ``key`` writes its ``nbytes``: the lease reserved ahead when it fits (no call), else a
+        fresh allocation of ``key`` now. Pinned when ``pinning`` (a fallback is counted, or raised when strict)."""
+        slot = self._take_ahead(nbytes)
+        if slot is None:
+            request = pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes)
+            slot = self._adopt(self._allocate(request), nbytes, ahead=False)
+        if self.pinning and not slot.pinned:
+            slot.pinned = self._pin(slot.path)
+            if not slot.pinned:
+                self._fell_back(slot)
+        return slot
+
+    def _take_ahead(self, nbytes: int) -> Slot | None:
+        with self._lock:
+            future, self._ahead = self._ahead, None
+        if future is None:
+            return None
+        try:
+            slot = future.result()
+        except Exception as exc:  # the save allocates itself, and raises what the store says then
+            log.info("reserving the next save's memory ahead failed (%s); allocating now", exc)
+            return None
+        if nbytes <= slot.size and slot.expires - time.monotonic() > _RENEW_MARGIN:
+            slot.nbytes = nbytes
+            return slot
+        self.give_back(slot)  # too small for this state, or about to expire: the store takes it back into the ring
+        return None
+
+    def reserve_ahead(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
+        """Reserve, map (and register) the next save's segment on the ring's thread (no-op if one is reserved)."""
+        with self._lock:
+            if self._ahead is not None:
+                return
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-ring")
+            ahead = pb.ShardKey(job_id=key.job_id, rank=key.rank)
+            self._ahead = self._thread.submit(self._reserve, ahead, world_size, nbytes)
+
+    def prepare(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
+        """Reserve the next save's memory now and wait for it (mapped, and registered when ``pinning``)."""
+        self.reserve_ahead(key, world_size, nbytes)
+        with self._lock:
+            future = self._ahead
+        if future is not None:
+            future.result()  # raises what the store said (capacity, quota, ...)
+
+    def _reserve(self, key: pb.ShardKey, world_size: int, nbytes: int) -> Slot:
+        response = self._allocate(pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes, ahead=True))
+        slot = self._adopt(response, nbytes, ahead=True)
+        if self.pinning:
+            slot.pinned = self._pin(slot.path)  # a failure is counted when a save uses the slot
+        return slot
+
+    def give_back(self, slot: Slot) -> None:
+        """Release an unused lease (its segment stays in the ring, mapped and registered)."""
+        try:
+            self._release(slot.lease_id)
+        except Exception as exc:  # the lease expires on its own
+            log.info("releasing an unused capture lease failed (%s); the store lets it expire", exc)
+
+    def _fell_back(self, slot: Slot) -> None:
+        with self._lock:
+            cause = self._maps[slot.path].failed if slot.path in self._maps else "not registered"
+            self._fallbacks += 1
+            self._last_fallback = cause
+        message = (
+            f"the save's memory ({slot.path}, {slot.size} bytes) could not be registered for DMA ({cause}): CUDA tensors are "
+            "copied through pageable memory, synchronously"
+        )
+        if strict_pinning():
+            self.give_back(slot)
+            raise CaptureError(f"{message}; refused because {STRICT_ENV} is set")
+        log.warning("%s", message)
+
+    # -- mappings ------------------------------------------------------------------------
+    def _adopt(self, response: pb.AllocateResponse, nbytes: int, ahead: bool) -> Slot:
+        path, size = response.segment_path, int(response.segment_bytes)
+        expires = time.monotonic() + (response.lease_seconds or 600.0)
+        try:
+            with self._lock:
+                mapped = self._map(path, size)
+                self._prune({*response.ring_paths, path})
+            return Slot(response.lease_id, path, size, nbytes, mapped.mm, ahead, expires, pinned=mapped.pinned)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._release(response.lease_id)
+            raise
+
+    def _map(self, path: str, size: int) -> _Mapped:
+        """The mapping of ``path`` at exactly ``size`` bytes: the one kept if it is still that file at that size."""
+        inode = os.stat(path).st_ino
+        mapped = self._maps.get(path)
+        if mapped is not None and (len(mapped.mm), mapped.inode) == (size, inode) and not mapped.mm.closed:
+            return mapped
+        if mapped is not None:
+            self._unmap(path)
+        mapped = self._maps[path] = _Mapped(map_segment(path, size), inode)
+        return mapped
+
+    def _prune(self, keep: set[str]) -> None:
+        """Unmap (after unregistering) every mapping of a segment no longer in the ring."""
+        for path in [p for p, m in self._maps.items() if p not in keep and not m.busy]:
+            self._unmap(path)
+
+    def _unmap(self, path: str) -> None:
+        mapped = self._maps.pop(path)
+        if mapped.pinned:
+            _cuda.unregister(address_of(mapped.mm))  # before unmapping: a registration must not outlive its pages
+        with contextlib.suppress(BufferError):  # a view still exported: the pages go with it
+            mapped.mm.close()
+
+    def _pin(self, path: str) -> bool:
+        """Register ``path``'s mapping for DMA unless done; retried once after re-mapping. Whether it is registered."""
+        with self._lock:
+            mapped = self._maps[path]
+            if mapped.pinned or mapped.failed:
+                return mapped.pinned
+            size = len(mapped.mm)
+            for attempt in range(2):
+                if os.stat(path).st_size < size:  # never register past the file's end (CUDA refuses it: invalid argument)
+                    code, cause = _cuda.ERROR_INVALID_VALUE, f"the file is shorter than its {size}-byte mapping"
+                else:
+                    code = _cuda.register(address_of(mapped.mm), size, _cuda.HOST_REGISTER_PORTABLE)
+                    cause = _cuda.error_text(code) if code else ""
+                if code == 0:
+                    mapped.pinned = True
+                    self._registrations += 1
+                    return True
+                log.warning("cudaHostRegister of %d bytes of %s failed (attempt %d of 2): %s", size, path, attempt + 1, cause)
+                if attempt == 0:
+                    self._unmap(path)
+                    mapped = self._maps[path] = _Mapped(map_segment(path, size), os.stat(path).st_ino)
+            mapped.failed = cause
+            return False
+
+    def pin_all(self) -> None:
+        """Register every ring mapping now (the client starts pinning: its first save with CUDA tensors)."""
+        with self._lock:
+            for path in list(self._maps):
+                self._pin(path)
+
+    @contextlib.contextmanager
+    def registered_view(self, path: str, nbytes: int) -> Iterator[mmap.mmap | None]:
+        """The registered ring mapping of ``path`` while a restore reads its first ``nbytes`` (None: not one)."""
+        with self._lock:
+            mapped = self._maps.get(path)
+            if mapped is None or not mapped.pinned or len(mapped.mm) < nbytes or mapped.inode != os.stat(path).st_ino:
+                mapped = None
+            else:
+                mapped.busy += 1
+        if mapped is None:
+            yield None
+            return
+        try:
+            yield mapped.mm
+        finally:
+            with self._lock:
+                mapped.busy -= 1
+
+    def close(self) -> None:
+        """Give back the lease reserved ahead, unregister and unmap everything."""
+        with self._lock:
+            future, self._ahead = self._ahead, None
+            thread, self._thread = self._thread, None
+        if future is not None:
+            with contextlib.suppress(Exception):
+                self.give_back(future.result())
+        if thread is not None:
+            thread.shutdown(wait=True)
+        with self._lock:
+            for path in list(self._maps):
+                self._unmap(path)

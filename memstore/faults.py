@@ -4,8 +4,8 @@ Inert unless the environment says otherwise, e.g.::
 
     MEMSTORE_FAULTS="replicate.after_chunk:3=kill,spill.before_manifest=stall:5"
 
-Each entry is ``POINT[:N]=ACTION``: on the N-th time (default: the first) the process reaches
-``POINT``, it performs ACTION: ``kill`` (SIGKILL itself, no cleanup, like a power cut), ``stall:S``
+Each entry is ``POINT[:N]=ACTION``: on the N-th time (default: the first; ``*``: every time) the process
+reaches ``POINT``, it performs ACTION: ``kill`` (SIGKILL itself, no cleanup, like a power cut), ``stall:S``
 (sleep S seconds), ``error`` (raise ``FaultInjected``) or ``exit`` (``os._exit(1)``). The points
 are listed in ``POINTS``; an unknown point or action in the variable is a startup error, so a typo
 cannot silently disable a test.
@@ -48,7 +48,7 @@ def parse(spec: str) -> dict[str, tuple[int, str, float]]:
         if name not in ACTIONS:
             raise FaultConfigError(f"MEMSTORE_FAULTS entry {item!r}: unknown action {name!r}; expected one of {', '.join(ACTIONS)}")
         try:
-            nth = int(count) if count else 1
+            nth = 0 if count == "*" else int(count) if count else 1
             seconds = float(arg) if arg else 0.0
         except ValueError:
             raise FaultConfigError(f"MEMSTORE_FAULTS entry {item!r}: count and stall seconds must be numbers") from None
@@ -71,7 +71,7 @@ def fault(point: str) -> None:
     nth, action, seconds = planned
     with _LOCK:
         _HITS[point] = _HITS.get(point, 0) + 1
-        hit = _HITS[point] == nth
+        hit = nth == 0 or _HITS[point] == nth
     if not hit:
         return
     if action == "kill":

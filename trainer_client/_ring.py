@@ -109,6 +109,7 @@ class CaptureRing:
         self._fallbacks = 0
         self._last_fallback = ""
         self._reported = CaptureStats()
+        self._limit = 1  # segments the ring holds once warm, as the store said (AllocateResponse.ring_limit)
 
     # -- stats ---------------------------------------------------------------------------
     @property
@@ -127,6 +128,15 @@ class CaptureRing:
             fallback_cause=now.last_fallback if now.fallbacks > before.fallbacks else "",
         )
 
+    def ahead_path(self) -> str:
+        """The segment reserved for the next save ("" if none): waits for a reservation under way."""
+        with self._lock:
+            future = self._ahead
+        try:
+            return future.result().path if future is not None else ""
+        except Exception:
+            return ""
+
     @property
     def mapped_paths(self) -> list[str]:
         with self._lock:
@@ -142,6 +152,8 @@ class CaptureRing:
             slot = self._adopt(self._allocate(request), nbytes, ahead=False)
         if self.pinning and not slot.pinned:
             slot.pinned = self._pin(slot.path)
+            with self._lock:
+                slot.mm = self._maps[slot.path].mm  # re-mapped if the first registration failed
             if not slot.pinned:
                 self._fell_back(slot)
         return slot
@@ -173,18 +185,34 @@ class CaptureRing:
             self._ahead = self._thread.submit(self._reserve, ahead, world_size, nbytes)
 
     def prepare(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
-        """Reserve the next save's memory now and wait for it (mapped, and registered when ``pinning``)."""
+        """Fill the ring now: as many segments as it holds once warm (``AllocateResponse.ring_limit``), each mapped
+        (and registered when ``pinning``), all but one given back to the ring's pool; the one kept is the next save's.
+        Without it the ring fills over the first saves (each new segment mapped and registered ahead, off the
+        save's path, but a save that comes sooner waits for it)."""
         self.reserve_ahead(key, world_size, nbytes)
         with self._lock:
             future = self._ahead
-        if future is not None:
-            future.result()  # raises what the store said (capacity, quota, ...)
+        if future is None:
+            return
+        first = future.result()  # raises what the store said (capacity, quota, ...)
+        spares: list[Slot] = []
+        try:
+            ahead = pb.ShardKey(job_id=key.job_id, rank=key.rank)
+            while 1 + len(spares) < self._limit and len(self._maps) < self._limit:
+                spares.append(self._reserve(ahead, world_size, nbytes))
+        finally:
+            for slot in spares:
+                self.give_back(slot)
+        with self._lock:
+            self._ahead = future if first is not None else None
 
     def _reserve(self, key: pb.ShardKey, world_size: int, nbytes: int) -> Slot:
         response = self._allocate(pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes, ahead=True))
         slot = self._adopt(response, nbytes, ahead=True)
         if self.pinning:
             slot.pinned = self._pin(slot.path)  # a failure is counted when a save uses the slot
+            with self._lock:
+                slot.mm = self._maps[slot.path].mm
         return slot
 
     def give_back(self, slot: Slot) -> None:
@@ -211,6 +239,7 @@ class CaptureRing:
     # -- mappings ------------------------------------------------------------------------
     def _adopt(self, response: pb.AllocateResponse, nbytes: int, ahead: bool) -> Slot:
         path, size = response.segment_path, int(response.segment_bytes)
+        self._limit = int(response.ring_limit) or self._limit
         expires = time.monotonic() + (response.lease_seconds or 600.0)
         try:
             with self._lock:

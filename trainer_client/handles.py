@@ -47,6 +47,12 @@ class SaveHandle:
         self.stall_seconds = 0.0
 
     @property
+    def superseded(self) -> bool:
+        """True once ``wait()`` (or ``done()``) learned that the store dropped this save before replicating it because a
+        newer save of this rank was captured first: saves came faster than replication could take them (newest wins)."""
+        return self._info is not None and self._info.superseded
+
+    @property
     def skipped(self) -> bool:
         """True when the store had no room and the client was told to skip rather than raise (with
         ``capture="enqueued"`` and no shared memory: known once the capture finished)."""
@@ -80,7 +86,8 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> pb.ShardInfo:
         """Block until the shard is committed (returns its info) or replication failed (raises ReplicationError);
-        with ``capture="enqueued"``, until the capture is done first (raising its error, if any)."""
+        with ``capture="enqueued"``, until the capture is done first (raising its error, if any). A save superseded by
+        a newer one of this rank before it was replicated returns (``superseded`` is then True): it holds no copy."""
         if self._capture is not None:
             self._capture.result(timeout)
         if self.skipped:
@@ -96,7 +103,7 @@ class SaveHandle:
             info, done = self._client._wait_committed(self.step, min(10.0, remaining), self.timeline)
             self._info = info
             if done:
-                if info.state == pb.SHARD_STATE_COMMITTED:
+                if info.state == pb.SHARD_STATE_COMMITTED or info.superseded:
                     return info
                 raise ReplicationError(
                     f"step {self.step} of rank {self._client.rank} did not reach R copies: {info.error or pb.ShardState.Name(info.state)}"

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 ALLOCATE_LEASE_SECONDS = 600.0  # a trainer that allocated but never committed (it crashed) frees the segment after this
 READ_LEASE_SECONDS = 600.0
+GONE_REMEMBERED = 4096  # own shards dropped lately whose outcome WaitCommitted still reports
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Entry:
     source: str = ""  # peer a pulled copy came from
     spill_codec: str = ""  # the job's choice of durable codec ("" = the store's default)
     checksumming: bool = False  # replication took it up (its checksums are being computed): no longer supersedable
+    superseded: bool = False  # dropped before replication: a newer save of its rank came first (newest wins)
     allocated_at: float = field(default_factory=time.monotonic)  # when this entry was made (Allocate, or registration)
     taken_at: float = 0.0  # when the store took a client's save in (Commit, or its stream's end): replication starts
 
@@ -135,7 +137,7 @@ class Catalog:
     events: StoreEvents  # the metrics' event points (a no-op without --metrics-port)
     capture: CaptureReport  # what clients reported of their captures (summed over commits)
     saves_superseded: int  # saves dropped before replication because a newer save of the same rank came (newest wins)
-    _superseded: dict[ShardKey, int]  # recently superseded saves -> the newer step (WaitCommitted reports them)
+    _gone: dict[ShardKey, ShardInfo]  # this store's own shards dropped lately, as they ended (WaitCommitted reports them)
     under_replicated: int  # from the last repair pass: recent shards of this store's slots with fewer than R reachable copies
     unreachable_sources: tuple[str, ...]  # from the last repair pass: holders of this store's slots that did not answer
     _lock: threading.Condition
@@ -220,7 +222,7 @@ class Catalog:
     def spilled(self) -> None:
         self._retention_due.set()
 
-    def _acquire(self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING) -> Segment:
+    def _acquire(self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING, ring_wait: float = 0.0) -> Segment:
         """A segment for ``key``, within the store's capacity and the job's quota (``--job-quota``).
 
         Over either limit, drop the fewest of what ``pressure_victims`` offers (the job's own older copies,
@@ -230,7 +232,8 @@ class Catalog:
         while True:
             try:
                 return self.pool.acquire(
-                    nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred, ring=ring
+                    nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred, ring=ring,
+                    ring_wait=ring_wait,
                 )
             except CapacityExceeded as exc:  # QuotaExceeded included: its numbers are the job's
                 with self._lock:
@@ -302,6 +305,10 @@ class Catalog:
         """Remove from the catalog (caller holds the lock); free the segment once nobody reads it."""
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
+            if entry.owner_host == self.host_id and entry.state is not ShardState.REPLICA:
+                self._gone[entry.key] = self._info(entry)  # a client's wait() on it still learns how it ended
+                while len(self._gone) > GONE_REMEMBERED:
+                    del self._gone[next(iter(self._gone))]
         if not entry.error and not entry.state.settled:
             entry.error = reason
         entry.dropped = True
@@ -344,7 +351,7 @@ class Catalog:
         m = entry.manifest
         if m is None:  # not checksummed yet: what is known of it
             m = Manifest(entry.key, entry.world_size, entry.nbytes, chunk_size=0, checksums=(), owner_host=entry.owner_host)
-        return ShardInfo(m, entry.state, entry.verified, entry.error, entry.copies)
+        return ShardInfo(m, entry.state, entry.verified, entry.error, entry.copies, entry.superseded)
 
     def list_shards(self, job_id: str) -> list[ShardInfo]:
         """Every copy this store holds (of ``job_id``, or of every job when it is ""), in key order."""

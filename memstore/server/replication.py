@@ -22,6 +22,7 @@ from memstore.v1.integrity import compute_checksums
 log = logging.getLogger(__name__)
 
 CHECKSUM_WORKERS = max(1, min(4, os.cpu_count() or 1))
+SUPERSEDED = "superseded"  # how a push skipped for a newer capture of the same rank starts its error
 
 
 class Replication(Catalog):
@@ -87,7 +88,7 @@ class Replication(Catalog):
                 return f"{entry.key} was dropped before it reached {peer_id}: {entry.error}"
             newer = self._newer_capture(entry)
             if newer is not None:
-                return f"superseded by step {newer} before it was sent to {peer_id}"
+                return f"{SUPERSEDED} by step {newer} before it was sent to {peer_id}"
             pinned = self._pin(entry)
             if not pinned:
                 return f"{entry.key} was dropped before it reached {peer_id}"
@@ -104,6 +105,10 @@ class Replication(Catalog):
 
         futures: list[Future[str | None]] = [self._push.submit(push, p) for p in peers]
         errors = [e for e in (f.result() for f in futures) if e]
+        if errors and all(e.startswith(SUPERSEDED) for e in errors):
+            with self._lock:
+                entry.superseded = True  # newest wins: the client's wait() returns, saying so
+                self.saves_superseded += 1
         if not errors and entry.taken_at:
             self.events.replicated(time.monotonic() - entry.taken_at)  # the last peer's ack
         self._settle(entry, copies=1 + len(peers) - len(errors), errors=errors)

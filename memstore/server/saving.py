@@ -55,7 +55,7 @@ def _bind_problem(lease: Lease, key: ShardKey | None, nbytes: int) -> str | None
     return None
 
 MAX_WAIT_SECONDS = 10.0  # WaitCommitted blocks a server thread at most this long; clients loop
-SUPERSEDED_REMEMBERED = 4096  # superseded saves WaitCommitted can still name as such
+AHEAD_RING_WAIT_SECONDS = 10.0  # an ahead allocation waits this long for its full ring to free a segment before growing it
 
 
 class Saving(Replication):
@@ -85,7 +85,8 @@ class Saving(Replication):
         if not ahead:
             with self._lock:
                 self._refuse_resave(key)
-        segment = self._acquire(key, nbytes, preferred, ring=key.rank)
+        # An ahead allocation is off the save's path: it may wait for retention to give a ring segment back.
+        segment = self._acquire(key, nbytes, preferred, ring=key.rank, ring_wait=AHEAD_RING_WAIT_SECONDS if ahead else 0.0)
         entry = Entry(key, world_size, nbytes, segment, self.host_id, ShardState.CAPTURED)
         lease_id = secrets.token_hex(16)
         with self._lock:
@@ -172,12 +173,13 @@ class Saving(Replication):
             and not e.checksumming and e.pins == 0 and e.allocated_at <= entry.allocated_at
         ]  # fmt: skip
         for old in older:
-            self._superseded[old.key] = key.step
+            old.superseded = True
+            old.state = ShardState.UNDER_REPLICATED  # ended: no copy anywhere
+            old.copies = 0
+            old.error = f"superseded by step {key.step} before it was replicated (newest wins)"
             self.saves_superseded += 1
-            self._drop(old, reason=f"superseded by step {key.step} before it was replicated (newest wins)")
+            self._drop(old, reason=old.error)
             log.info("%s superseded by step %d before replication took it up (newest wins)", old.key, key.step)
-        while len(self._superseded) > SUPERSEDED_REMEMBERED:
-            del self._superseded[next(iter(self._superseded))]
 
     def wait_committed(self, key: ShardKey, timeout: float) -> tuple[ShardInfo, bool]:
         ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
@@ -185,11 +187,8 @@ class Saving(Replication):
         with self._lock:
             while True:
                 entry = self._entries.get(key)
-                if entry is None and key in self._superseded:
-                    newer = self._superseded[key]
-                    m = Manifest(key, 0, 0, chunk_size=0, checksums=(), owner_host=self.host_id)
-                    why = f"superseded by step {newer} before it was replicated (newest wins)"
-                    return ShardInfo(m, ShardState.UNDER_REPLICATED, False, why, 0, superseded=True), True
+                if entry is None and key in self._gone:  # dropped since (superseded, or evicted after it settled)
+                    return self._gone[key], True
                 if entry is None:
                     raise ShardNotFound(f"shard {key} is not held by store {self.host_id}")
                 if entry.state.settled:

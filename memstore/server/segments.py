@@ -47,6 +47,7 @@ from memstore.core.sizes import format_size
 from memstore.core.status import Orphan
 from memstore.errors import CapacityExceeded, ConfigError, QuotaExceeded, StaleLock
 from memstore.server.pages import MAP_FLAGS, PAGE, fault_in, give_back
+from memstore.server.segment import NO_RING, Segment
 from memstore.server.shm_dirs import (
     CLAIM_WAIT_SECONDS,
     LOCK_NAME,
@@ -63,8 +64,15 @@ log = logging.getLogger(__name__)
 _REUSE_SLACK = 1.25  # reuse a pooled segment up to 25% larger than needed rather than allocating anew
 
 FRESH = ""  # owner of a reserve segment: it never held any job's bytes, so any job may take it
-NO_RING = -1  # Segment.ring of a segment in no rank's capture ring
-RING_SPARES = 2  # pooled segments a capture ring keeps beyond those in use; more go back to the job's pool
+
+
+def ring_limit(keep: int) -> int:
+    """How many segments a rank's capture ring may hold before released ones go back to the job's pool: the ``keep``
+    steps retention keeps, the save just committed (retention evicts the oldest once it settles), the one reserved
+    ahead, and two for retention running late (an ahead allocation that finds the ring full waits for it, and the
+    save after it would wait for that). A full ring takes only its own segments back (waiting for one off
+    the save's path), so after that many saves its client registers nothing more."""
+    return keep + 4
 _GROW_FRACTION = 8  # a fresh segment up to 1/8 short of a shard grows to fit it
 _TRIM_FACTOR = 8  # ... and one up to 8x the shard is trimmed to it; a far smaller shard faults in fresh memory of its own
 _CANCEL_WAIT_SECONDS = 5.0  # how long an allocation waits for the reserve to give back bytes it is faulting in
@@ -78,49 +86,6 @@ def _ring_order(seg: Segment, ring: int) -> tuple[bool, int]:
 
 def _round_up(n: int) -> int:
     return max(PAGE, -(-n // PAGE) * PAGE)
-
-
-class Segment:
-    """One mapped region. ``path`` is None for anonymous memory (no shm dir configured)."""
-
-    __slots__ = ("_closed", "described", "exported", "mm", "owner", "path", "ring", "size")
-
-    def __init__(self, path: str | None, size: int, mm: mmap.mmap) -> None:
-        self.path = path
-        self.owner = ""  # job whose bytes the segment last held; pooled segments are reused by that job only
-        # The rank of ``owner`` whose capture ring it belongs to (NO_RING: none): it goes back to that rank's saves
-        # only, because its client keeps it mapped and registered for DMA (never resized while in a ring).
-        self.ring = NO_RING
-        # A reader mapped it (copy-on-write): its bytes must never change, so it is unlinked, not recycled.
-        self.exported = False
-        self.described = False  # a sidecar exists next to it (SegmentPool.describe)
-        self.size = size
-        self.mm = mm
-        self._closed = False
-
-    def view(self, nbytes: int | None = None) -> memoryview:
-        """The first ``nbytes`` (default ``size``; the map may be longer after a shrink, see ``SegmentPool``)."""
-        return memoryview(self.mm)[: self.size if nbytes is None else nbytes]
-
-    def unmap(self) -> None:
-        """Unmap, keeping the file (and sidecar) on the tmpfs."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.mm.close()
-        except BufferError:
-            # A memoryview still references the map (an in-flight reader); the pages go when it does.
-            log.debug("segment %s still exported; unmapped when its last view is released", self.path)
-
-    def destroy(self) -> None:
-        """Unmap and unlink the file and its sidecar."""
-        self.unmap()
-        if self.path:
-            for path in (self.path, sidecar_path(self.path)):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            self.described = False
 
 
 class SegmentPool:
@@ -138,6 +103,7 @@ class SegmentPool:
         *,
         adopt_leftovers: bool = False,
         reserve: ReservePolicy | None = None,
+        ring_limit: int = 6,
     ) -> None:
         """Claim ``directory`` (None: anonymous memory). What a previous store of the directory left there
         is deleted now, or with ``adopt_leftovers`` kept for ``adopt()``, which must then come next (if it
@@ -150,6 +116,7 @@ class SegmentPool:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # the reserve gave back or added bytes
         self.reserve = reserve
+        self.ring_limit = ring_limit  # segments a capture ring keeps (``ring_limit()``); more go back to the job's pool
         self._fresh_bytes = 0  # pooled bytes in FRESH segments (the reserve), part of _pooled_bytes
         self._warming = 0  # bytes the reserve is faulting in right now (not pooled yet; count against the capacity)
         self._room_wanted = 0  # allocations waiting for the reserve to give bytes back
@@ -417,7 +384,14 @@ class SegmentPool:
         return sum(s.size for s in self._in_use if s.owner == owner) + self._creating.get(owner, 0)
 
     def acquire(
-        self, nbytes: int, owner: str, what: str = "shard", quota: int = 0, preferred: str = "", ring: int = NO_RING
+        self,
+        nbytes: int,
+        owner: str,
+        what: str = "shard",
+        quota: int = 0,
+        preferred: str = "",
+        ring: int = NO_RING,
+        ring_wait: float = 0.0,
     ) -> Segment:
         """A segment of at least ``nbytes`` for job ``owner``: the pooled one at path ``preferred`` if it is free
         and would be handed to ``owner`` (see ``peek``), else the best pooled one, else a fresh one.
@@ -426,8 +400,11 @@ class SegmentPool:
         never mapped by another job's trainer; fresh ones of the reserve (which never held any job's bytes)
         go to any job. ``ring``: the rank of ``owner`` whose capture ring the segment serves (a client's save):
         a segment of that ring first, and the segment joins the ring; segments of a ring go to no other save
-        (replicas and pulls pass NO_RING). Raises CapacityExceeded with the byte counts if it can't fit,
-        QuotaExceeded if the job's segments in use would exceed ``quota`` bytes (0 = no quota).
+        (replicas and pulls pass NO_RING). A ring grows (a new or untagged segment joins it) until it holds
+        ``ring_limit`` segments, so its warm-up is over after that many saves; then it takes only its own pooled
+        segments: with none free, it waits up to ``ring_wait`` seconds for one (retention running late) before it
+        grows beyond. Raises CapacityExceeded with the byte counts if it can't fit, QuotaExceeded if the job's
+        segments in use would exceed ``quota`` bytes (0 = no quota).
         """
         if self._leftovers_pending:
             self._settle_leftovers(None)  # nobody adopted them: a store that does not adopt starts clean
@@ -440,6 +417,8 @@ class SegmentPool:
             used = self._owner_bytes(owner) if quota else 0
             max_size = quota - used if quota else None
             seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred, ring=ring)
+            if seg is None and ring != NO_RING and ring_wait > 0:
+                seg = self._wait_for_ring(nbytes, owner, ring, ring_wait, max_size, preferred)
             if seg is None and self._warming >= size - size // _GROW_FRACTION:
                 # The reserve is faulting in a segment that fits: finishing it is faster than starting another.
                 self._changed.wait_for(lambda: not self._warming or self._closed, timeout=_CANCEL_WAIT_SECONDS * 4)
@@ -512,6 +491,20 @@ class SegmentPool:
         with self._lock:
             return self._pick_pooled(nbytes, owner, ring=ring)
 
+    def _wait_for_ring(self, nbytes: int, owner: str, ring: int, wait: float, max_size: int | None, preferred: str) -> Segment | None:
+        """A full ring's own segment once one comes free within ``wait`` seconds (lock held); None: it grows."""
+        if self._ring_size(owner, ring) < self.ring_limit:
+            return None
+        self._changed.wait_for(lambda: self._closed or self._pick_pooled(nbytes, owner, max_size, preferred, ring) is not None, timeout=wait)
+        seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred, ring=ring)
+        if seg is None:
+            log.info("capture ring of rank %d of job %s grows beyond %d segments: none came free within %.0fs", ring, owner,
+                     self.ring_limit, wait)  # fmt: skip
+        return seg
+
+    def _ring_size(self, owner: str, ring: int) -> int:
+        return sum(1 for s in itertools.chain(self._in_use, self._free) if s.owner == owner and s.ring == ring)
+
     def ring_paths(self, owner: str, ring: int) -> list[str]:
         """The paths of the segments of ``owner``'s rank ``ring``'s capture ring, in use and pooled."""
         with self._lock:
@@ -529,14 +522,18 @@ class SegmentPool:
         low = size - size // _GROW_FRACTION  # a fresh segment a little short of the shard grows to fit it
         own: Segment | None = None
         fresh: Segment | None = None
+        # A ring short of its limit grows (its pooled segments wait as spares); a full one reuses only its own.
+        grow = ring == NO_RING or self._ring_size(owner, ring) < self.ring_limit
+        allowed = (NO_RING,) if grow else (ring,)
         for seg in self._free:
-            if seg.owner == owner and owner != FRESH and nbytes <= seg.size <= top and seg.ring in (ring, NO_RING):
+            if seg.owner == owner and owner != FRESH and nbytes <= seg.size <= top and seg.ring in allowed:
                 if preferred and seg.path == preferred:
                     return seg
                 if own is None or _ring_order(seg, ring) < _ring_order(own, ring):
                     own = seg
             elif (
-                seg.owner == FRESH
+                grow
+                and seg.owner == FRESH
                 and (low if seg.path else nbytes) <= seg.size <= _TRIM_FACTOR * size
                 and (max_size is None or size <= max_size)
             ):
@@ -795,10 +792,12 @@ class SegmentPool:
                     os.unlink(sidecar_path(seg.path))
                 seg.described = False
             if not seg.exported and self._pooled_bytes + seg.size <= self.max_pooled_bytes:
-                if seg.ring != NO_RING and sum(1 for s in self._free if s.owner == seg.owner and s.ring == seg.ring) >= RING_SPARES:
-                    seg.ring = NO_RING  # the ring has spares enough: this one serves the job's other saves and replicas
+                if seg.ring != NO_RING and self._ring_size(seg.owner, seg.ring) >= self.ring_limit:  # (seg is out of it now)
+                    seg.ring = NO_RING  # the ring is larger than it needs: this one serves the job's other saves and replicas
                 self._free.append(seg)
                 self._pooled_bytes += seg.size
+                if seg.ring != NO_RING:
+                    self._changed.notify_all()  # an ahead allocation may wait for its ring
                 return
         seg.destroy()
 

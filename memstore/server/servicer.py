@@ -125,6 +125,7 @@ class StoreServicer(pb_grpc.StoreServicer):
             next_segment_path=self.store.next_segment(key.job_id, request.nbytes),
             ring_paths=self.store.ring_paths(key.job_id, key.rank),
             lease_seconds=ALLOCATE_LEASE_SECONDS,
+            ring_limit=self.store.pool.ring_limit,
         )
 
     @rpc

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from memstore import __version__
 from memstore.config import StoreConfig
-from memstore.core.model import ShardKey
+from memstore.core.model import ShardInfo, ShardKey
 from memstore.core.reserve import ReservePolicy
 from memstore.core.slots import SlotTable
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, SpillReport, job_census
@@ -38,7 +38,7 @@ from memstore.server.drain import Drain
 from memstore.server.events import StoreEvents
 from memstore.server.membership import ClusterView, Membership
 from memstore.server.peers import PeerDirectory
-from memstore.server.segments import SegmentPool
+from memstore.server.segments import SegmentPool, ring_limit
 from memstore.server.shm_dirs import segment_dir
 from memstore.spill.port import DurableTier
 from memstore.v1.channel import boot_id
@@ -69,6 +69,7 @@ class Store(Drain):
             config.capacity,
             adopt_leftovers=True,
             reserve=ReservePolicy(config.prefault, config.prefault_unit, config.keep),
+            ring_limit=ring_limit(config.keep),
         )
         self.peers = PeerDirectory(self.host_id, credentials=credentials)
         # Who holds which slot: fed by the discovery watcher and gossip (memstore.server.app); moves the peer directory along.
@@ -102,7 +103,7 @@ class Store(Drain):
         self.under_replicated = 0  # set by each repair pass
         self.capture = CaptureReport()
         self.saves_superseded = 0
-        self._superseded: dict[ShardKey, int] = {}
+        self._gone: dict[ShardKey, ShardInfo] = {}
         self.unreachable_sources: tuple[str, ...] = ()  # set by each repair pass
         self.repaired_table: SlotTable | None = None  # the table of the last repair pass that left nothing missing
         self.durable: DurableTier | None = None  # set by the composition root (memstore.server.app) when --spill is on

@@ -265,20 +265,22 @@ class AllocateRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("lease_id", "segment_path", "segment_bytes", "next_segment_path", "ring_paths", "lease_seconds")
+    __slots__ = ("lease_id", "segment_path", "segment_bytes", "next_segment_path", "ring_paths", "lease_seconds", "ring_limit")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     RING_PATHS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RING_LIMIT_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     segment_path: str
     segment_bytes: int
     next_segment_path: str
     ring_paths: _containers.RepeatedScalarFieldContainer[str]
     lease_seconds: float
-    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ..., ring_paths: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    ring_limit: int
+    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ..., ring_paths: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., ring_limit: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds")

@@ -99,8 +99,10 @@ def test_gpu_capture_script_on_cpu_writes_every_figure(tmp_path: Path) -> None:
         assert _number(run[key]) and run[key] > 0, key
     assert loop["final_bit_exact"] is True, loop["final_mismatches"]
     assert loop["final_tensors_compared"] == state["tensors"]
+    assert loop["registrations_during_runs"] == 0
 
     figures = {t["figure"]: t for t in data["targets"]}
-    assert len(figures) == 7  # steady capture, enqueued save(), two restores, the loop at k=3, registrations, fallbacks
+    assert len(figures) == 8  # steady capture, enqueued save(), two restores, the loop at k=3 and its registrations,
+    #                           registrations after the warm-up, fallbacks
     assert all(t["pass"] in (True, False) for t in figures.values() if t["target"])
     assert figures["loop k=3, mean step / baseline"]["pass"] is None  # the loop's target is for k=25

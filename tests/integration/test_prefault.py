@@ -48,14 +48,13 @@ def test_saves_take_prefaulted_segments_and_the_next_one_is_mapped_ahead(make_cl
     c = CheckpointClient("pf", 0, 1, store=cluster.address("h0"))
     try:
         c.save(1, state(1)).wait(timeout=30)
-        first = next(iter(c._mappings))
+        (first,) = set(c._ring.mapped_paths) - {c._ring.ahead_path()}
         assert first in ready, "the first save of a fresh job should land in memory faulted in at start-up"
-        # The store named the segment the next save gets; the client mapped it in the background.
-        assert c._premap is not None
-        ahead = c._premap[0]
-        assert ahead != first and os.path.exists(ahead)
+        # The client reserved the next save's segment after the commit and mapped it in the background.
+        ahead = c._ring.ahead_path()
+        assert ahead != first and os.path.exists(ahead) and ahead in c._ring.mapped_paths
         c.save(2, state(2)).wait(timeout=30)
-        assert list(c._mappings)[-1] == ahead
+        assert ahead in c._ring.mapped_paths and c._ring.ahead_path() not in (ahead, "")
         assert c.load(2)["w"][0].item() == 2.0
         # The peer's copies came from its reserve too: no segment created on h1 beyond what it had.
         wait_for(lambda: settled(cluster, "h1"), timeout=30, what="h1's reserve refilled")
@@ -73,8 +72,9 @@ def test_auto_reserve_fills_after_the_first_shard(make_cluster) -> None:
         wait_for(lambda: settled(cluster, "h0") and health(cluster, "h0").reserve_bytes >= 8 * MiB, timeout=30, what="auto reserve")
         wait_for(lambda: health(cluster, "h1").reserve_bytes >= 8 * MiB, timeout=30, what="the peer learned from the replica")
         before = segments(cluster, "h0")
+        ahead = c._ring.ahead_path()
+        assert ahead in before  # the segment reserved for save 2 is one the reserve had faulted in
         c.save(2, state(2)).wait(timeout=30)
-        assert list(c._mappings)[-1] in before
     finally:
         c.close()
 
@@ -89,18 +89,20 @@ def test_prefault_off_keeps_nothing(make_cluster) -> None:
         c.close()
 
 
-def test_a_failed_background_mapping_only_costs_the_mapping(make_cluster) -> None:
-    """The segment mapped ahead may change size (the store trims reserve segments) before the mapping is made:
-    the save that gets it maps it afresh instead of failing (seen once in a chaos run)."""
+def test_a_failed_reservation_ahead_only_costs_the_reservation(make_cluster) -> None:
+    """The next save's segment is reserved and mapped on the ring's thread; if that failed (the store was briefly
+    full, the mapping failed), the save allocates and maps its memory itself instead of failing."""
     from concurrent.futures import Future
 
     cluster = make_cluster(hosts=1, replicas=1, capacity="128MiB", extra_args=["--prefault", "32MiB", "--prefault-unit", "4MiB"])
     wait_for(lambda: settled(cluster, "h0"), timeout=30, what="reserve faulted in")
     with CheckpointClient("pf-race", 0, 1, store=cluster.address("h0")) as c:
         c.save(1, state(1)).wait(timeout=30)
-        assert c._premap is not None
+        assert c._ring.ahead_path()
+        lease = c._ring._ahead.result()  # type: ignore[union-attr]
+        c._ring.give_back(lease)
         failed: Future = Future()
         failed.set_exception(ValueError("mmap length is greater than file size"))
-        c._premap = (c._premap[0], failed)
+        c._ring._ahead = failed
         c.save(2, state(2)).wait(timeout=30)
         assert c.load(2)["w"][0].item() == 2.0

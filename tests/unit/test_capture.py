@@ -1,11 +1,14 @@
-"""trainer_client._capture without a GPU: the host part of a write, the registration cache (with a stand-in for
-torch's cudart bindings), the capture sequence, map_location parsing and the device walk of a decoded state."""
+"""trainer_client._capture without a GPU: the host part of a write, the registration cache (through the CUDA seam,
+with tests.harness.fake_cuda's runtime enforcing cudaHostRegister's rules), the capture sequence, map_location parsing
+and the device walk of a decoded state."""
 
 from __future__ import annotations
 
 import collections
 import mmap
+import os
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -14,41 +17,21 @@ import numpy as np
 import pytest
 import torch
 
-from trainer_client import _capture, serialization
+from tests.harness.fake_cuda import FakeCudaRuntime
+from trainer_client import _capture, _cuda, serialization
 from trainer_client.errors import CapacityExceededError, InvalidArgumentError, SerializationError, StoreUnavailableError
 
 pytestmark = pytest.mark.unit
 
-
-class FakeCudart:
-    """Stands in for ``torch.cuda.cudart()``: records calls, answers ``codes`` (addr -> error) or success."""
-
-    def __init__(self) -> None:
-        self.registered: dict[int, tuple[int, int]] = {}  # addr -> (size, flags), while registered
-        self.calls: list[tuple[Any, ...]] = []
-        self.fail: dict[int, int] = {}  # addr -> CUDA error code cudaHostRegister returns for it
-
-    def cudaHostRegister(self, addr: int, size: int, flags: int) -> int:
-        self.calls.append(("register", addr, size, flags))
-        if addr in self.fail:
-            return self.fail[addr]
-        assert addr not in self.registered, "registered twice"
-        self.registered[addr] = (size, flags)
-        return 0
-
-    def cudaHostUnregister(self, addr: int) -> int:
-        self.calls.append(("unregister", addr))
-        return 0 if self.registered.pop(addr, None) is not None else 1
+PAGE = mmap.PAGESIZE
+PORTABLE = _cuda.HOST_REGISTER_PORTABLE
 
 
 @pytest.fixture
-def cudart(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
-    fake = FakeCudart()
-    monkeypatch.setattr(_capture, "_cudart", lambda: fake)
-    cleared: list[bool] = []
-    monkeypatch.setattr(_capture, "_clear_cuda_error", lambda: cleared.append(True))
-    fake.cleared = cleared  # type: ignore[attr-defined]
-    return fake
+def fake() -> Iterator[FakeCudaRuntime]:
+    with _cuda.installed(FakeCudaRuntime()) as rt:
+        assert isinstance(rt, FakeCudaRuntime)
+        yield rt
 
 
 # -- host part -------------------------------------------------------------------------------
@@ -67,7 +50,7 @@ def test_host_part_writes_everything_but_the_skipped_blobs() -> None:
     index, start, n = _slot(layout, skipped)
     assert layout.device_tensors() == []  # a CPU state has no blob for the device copier
     buf = bytearray(b"\xab" * layout.nbytes)
-    _capture.host_writer(layout, [index], buf)()
+    _capture.host_writer(layout, [index], memoryview(buf))()
     assert bytes(buf[start : start + n]) == b"\xab" * n  # left for the DMA
     buf[start : start + n] = skipped.contiguous().numpy().tobytes()
     assert bytes(buf) == bytes(serialization.encode(state))  # and every other byte is what write_into writes
@@ -96,55 +79,107 @@ def test_a_tensor_changed_since_plan_is_refused_by_slot() -> None:
 # -- registrations --------------------------------------------------------------------------
 
 
-def test_a_mapping_is_registered_once_at_its_exact_size(tmp_path: Path, cudart: FakeCudart) -> None:
-    seg = tmp_path / "seg"
-    seg.write_bytes(b"\0" * (3 * mmap.PAGESIZE + 123))  # no power of two
-    with open(seg, "r+b") as fh:
-        mm = mmap.mmap(fh.fileno(), 0)
-    copier = _capture.DeviceCopier()
+def _anonymous(size: int) -> mmap.mmap:
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def test_a_staging_buffer_is_registered_once_at_its_exact_size(fake: FakeCudaRuntime) -> None:
+    size = 3 * PAGE + 123  # no power of two, not whole pages
+    mm = _anonymous(size)
     addr = _capture.address_of(mm)
-    assert copier.pin_mapping(mm, str(seg)) and copier.pin_mapping(mm, str(seg))
-    assert cudart.calls == [("register", addr, len(mm), _capture.HOST_REGISTER_PORTABLE)]
-    assert copier.pins.registered == 1
+    pins = _capture.HostRegistrations()
+    assert pins.pin(mm, addr, size) and pins.pin(mm, addr, size)  # the next save finds it registered
+    assert fake.calls == [("register", addr, size, PORTABLE)]
+    assert pins.registered == 1 and len(pins) == 1 and fake.live == {addr: (size, PORTABLE)}
 
-    # The store truncated and regrew the file: the pinned pages are no longer the file's, so it is pinned afresh.
-    with open(seg, "r+b") as fh:
-        fh.truncate(mmap.PAGESIZE)
-        fh.truncate(len(mm))
-    assert copier.pin_mapping(mm, str(seg))
-    assert cudart.calls[1:] == [("unregister", addr), ("register", addr, len(mm), _capture.HOST_REGISTER_PORTABLE)]
+    pins.release(mm)
+    pins.release(mm)  # once only
+    assert fake.calls[1:] == [("unregister", addr)] and fake.live == {} and len(pins) == 0
 
-    copier.pins.release(mm)
-    copier.pins.release(mm)  # once only
-    assert cudart.registered == {} and cudart.calls[-1] == ("unregister", addr)
+    assert pins.pin(mm, addr, size)  # released, then kept again: registered afresh
+    assert fake.registrations == 2 and pins.registered == 2
+    pins.release_all()
+    assert fake.live == {} and fake.failures == [] and fake.last_error == 0
     mm.close()
 
 
-def test_a_failed_registration_is_remembered_cleared_and_never_unregistered(cudart: FakeCudart) -> None:
+def test_a_failed_registration_is_remembered_cleared_and_never_unregistered(fake: FakeCudaRuntime) -> None:
+    mm = _anonymous(2 * PAGE)
+    addr = _capture.address_of(mm)
     pins = _capture.HostRegistrations()
-    owner = object()
-    cudart.fail[4096] = 712  # cudaErrorHostMemoryAlreadyRegistered
-    assert not pins.pin(owner, 4096, 8192)
-    assert not pins.pin(owner, 4096, 8192)  # not retried every save
-    assert [c[0] for c in cudart.calls] == ["register"] and cudart.cleared == [True]  # type: ignore[attr-defined]
+    fake.fail_next = [_cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED]
+    assert not pins.pin(mm, addr, 2 * PAGE)
+    assert not pins.pin(mm, addr, 2 * PAGE)  # not retried every save
+    assert [c[0] for c in fake.calls] == ["register"] and fake.last_error == 0  # the seam cleared the sticky error
+    assert "712" in pins.failed and pins.registered == 0 and len(pins) == 1
     pins.release_all()
-    assert [c[0] for c in cudart.calls] == ["register"]
+    assert [c[0] for c in fake.calls] == ["register"]  # nothing to unregister
     assert len(pins) == 0
+    mm.close()
 
 
-def test_staging_buffers_are_pinned_only_when_large_and_page_aligned(cudart: FakeCudart) -> None:
+def test_an_overlapping_buffer_fails_alone_and_only_the_registered_one_is_unregistered(fake: FakeCudaRuntime) -> None:
+    mm = _anonymous(4 * PAGE)
+    addr = _capture.address_of(mm)
+    pins = _capture.HostRegistrations()
+    assert pins.pin(mm, addr, 4 * PAGE)
+    inner = object()  # another owner whose bytes lie inside the first: CUDA refuses the second registration
+    assert not pins.pin(inner, addr + PAGE, PAGE)
+    assert fake.failures == [(addr + PAGE, PAGE, _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED)] and fake.last_error == 0
+    pins.release(inner)  # must not unregister the first owner's range (it never registered anything)
+    assert fake.live == {addr: (4 * PAGE, PORTABLE)}
+    pins.release_all()
+    assert fake.live == {} and [c for c in fake.calls if c[0] == "unregister"] == [("unregister", addr)]
+    assert all(code != _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED for _, _, code in fake.failures)
+    mm.close()
+
+
+def test_a_buffer_reaching_past_its_file_is_refused(tmp_path: Path, fake: FakeCudaRuntime) -> None:
+    path = tmp_path / "seg"
+    path.write_bytes(b"\0" * (4 * PAGE))
+    with open(path, "r+b") as fh:
+        mm = mmap.mmap(fh.fileno(), 0)
+    os.truncate(path, PAGE)  # the file shrank under the mapping: its last pages cannot be faulted in
+    addr = _capture.address_of(mm)
+    pins = _capture.HostRegistrations()
+    assert not pins.pin(mm, addr, 4 * PAGE)
+    assert fake.failures == [(addr, 4 * PAGE, _cuda.ERROR_INVALID_VALUE)] and fake.last_error == 0 and pins.failed
+    pins.release_all()
+    assert fake.live == {} and [c[0] for c in fake.calls] == ["register"]
+    mm.close()
+
+
+def test_staging_buffers_are_pinned_only_when_large_and_page_aligned(fake: FakeCudaRuntime) -> None:
     from trainer_client._remote import empty_buffer
 
     copier = _capture.DeviceCopier()
     small = torch.empty(1000, dtype=torch.uint8)
     assert not copier.pin_buffer(small)
     big = empty_buffer(4 << 20)  # an anonymous mapping: page-aligned
-    assert copier.pin_buffer(big)
-    assert cudart.registered == {big.data_ptr(): (4 << 20, _capture.HOST_REGISTER_PORTABLE)}
+    assert copier.pin_buffer(big) and copier.pin_buffer(big)
+    assert fake.live == {big.data_ptr(): (4 << 20, PORTABLE)} and fake.registrations == 1
     captures = _capture.Captures()
     captures._copier = copier
     captures.unpin(small, big)
-    assert cudart.registered == {}
+    assert fake.live == {}
+
+    other = empty_buffer(4 << 20)
+    assert captures.copier.pin_buffer(other)
+    captures.close()  # unregisters the staging buffers it still holds
+    assert fake.live == {} and fake.failures == []
+
+
+def test_a_cpu_state_is_pinned_only_under_a_runtime_that_pins_host_states() -> None:
+    layout = serialization.plan({"w": torch.ones(4), "n": np.arange(3)})
+    target = torch.empty(layout.nbytes, dtype=torch.uint8)
+    captures = _capture.Captures()
+    with _cuda.installed(FakeCudaRuntime()):
+        assert captures.wants_pinning(layout)  # the CPU suite's fake: the pinning logic runs without CUDA
+    with _cuda.installed(FakeCudaRuntime(pins_host_states=False)):
+        assert not captures.wants_pinning(layout)  # like real CUDA: a CPU state needs no DMA
+    assert captures.device_copies(layout, target) == ([], None)
+    assert captures.device_copies(layout, target, deferred=True) == ([], None)
+    assert not captures.has_copier  # nothing CUDA was made for it
 
 
 # -- one capture ----------------------------------------------------------------------------
@@ -162,6 +197,18 @@ class FakeCopies(_capture.DeviceCopies):
         self.log.append("gate")
 
 
+def starter(log: list[str], threads: list[str] | None = None) -> Callable[[], _capture.DeviceCopies]:
+    """A ``start_copies``: logs "start" (and the thread it ran on) and hands back FakeCopies."""
+
+    def start() -> _capture.DeviceCopies:
+        log.append("start")
+        if threads is not None:
+            threads.append(threading.current_thread().name)
+        return FakeCopies(log)
+
+    return start
+
+
 def test_capture_order_and_abort_only_after_the_copies_stopped() -> None:
     log: list[str] = []
 
@@ -169,20 +216,35 @@ def test_capture_order_and_abort_only_after_the_copies_stopped() -> None:
         log.append("write")
         raise OSError("boom")
 
-    job = _capture.Capture(FakeCopies(log), fail, lambda: log.append("finish"), lambda: log.append("abort"))  # type: ignore[func-returns-value]
+    job = _capture.Capture(starter(log), fail, lambda: log.append("finish"), lambda: log.append("abort"))  # type: ignore[func-returns-value]
+    assert job.copies is None  # nothing enqueued before run()
     with pytest.raises(OSError, match="boom"):
         job.run()
-    assert log == ["write", "synchronize", "abort"]  # the destination goes back only once nothing writes into it
+    assert log == ["start", "write", "synchronize", "abort"]  # the destination goes back only once nothing writes into it
 
     log.clear()
-    ok = _capture.Capture(FakeCopies(log), lambda: log.append("write"), lambda: log.append("finish"), lambda: log.append("abort"))  # type: ignore[func-returns-value]
+    ok = _capture.Capture(starter(log), lambda: log.append("write"), lambda: log.append("finish"), lambda: log.append("abort"))  # type: ignore[func-returns-value]
     ok.on_success = lambda: log.append("saved")
     ok.run()
-    assert log == ["write", "synchronize", "finish", "saved"]
+    assert log == ["start", "write", "synchronize", "finish", "saved"]
+
+
+def test_copies_that_fail_to_start_abort_without_writing() -> None:
+    log: list[str] = []
+
+    def start() -> _capture.DeviceCopies:
+        log.append("start")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    job = _capture.Capture(start, lambda: log.append("write"), lambda: log.append("finish"), lambda: log.append("abort"))  # type: ignore[func-returns-value]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        job.run()
+    assert log == ["start", "abort"] and job.copies is None
 
 
 def test_enqueued_capture_wait_captured_and_errors() -> None:
     log: list[str] = []
+    threads: list[str] = []
     committing = threading.Event()
     release = threading.Event()
 
@@ -191,12 +253,13 @@ def test_enqueued_capture_wait_captured_and_errors() -> None:
         assert release.wait(10)
         raise StoreUnavailableError("commit step 1: store gone")
 
-    job = _capture.Capture(FakeCopies(log), lambda: log.append("write"), commit, lambda: log.append("abort"))
-    with ThreadPoolExecutor(1) as pool:
+    job = _capture.Capture(starter(log, threads), lambda: log.append("write"), commit, lambda: log.append("abort"))
+    with ThreadPoolExecutor(1, thread_name_prefix="capture-test") as pool:
         job.start(pool)
         assert committing.wait(10)
+        assert threads and threads[0].startswith("capture-test")  # the copies were enqueued on the capture thread
         job.wait_captured(None, block=False)  # the host part is done: the device copies gate the streams
-        assert log == ["write", "synchronize", "gate"] and not job.done()
+        assert log == ["start", "write", "synchronize", "gate"] and not job.done()
         with pytest.raises(TimeoutError):
             job.wait_captured(0.05, block=True)
         release.set()
@@ -207,6 +270,7 @@ def test_enqueued_capture_wait_captured_and_errors() -> None:
         with pytest.raises(StoreUnavailableError):
             job.result()
         assert job.done() and job.failed()
+    assert "abort" not in log  # the commit failed after the copies: the store, not abort, owns the destination
 
 
 def test_a_full_store_in_the_background_becomes_a_skipped_save_when_asked() -> None:
@@ -266,7 +330,8 @@ def test_move_tree_keeps_structure_identity_and_flags() -> None:
         "size": torch.Size([2, 3]),
     }
     out = _capture.move_tree(tree, lambda t: t.to("meta"), copy_arrays=True)
-    assert out["od"] is od and type(out["od"]) is collections.OrderedDict and out["od"]._metadata == {"": {"version": 1}}
+    assert out["od"]._metadata == {"": {"version": 1}}
+    assert out["od"] is od and type(out["od"]) is collections.OrderedDict
     assert out["od"]["w"].is_meta and out["od"]["w"].shape == (2, 3)
     assert out["list"][0] is out["list"][1]["again"] and out["list"][0].is_meta  # one tensor stays one
     assert type(out["tuple"]) is tuple and out["tuple"][0].is_meta and out["tuple"][1:] == (5, "s")
@@ -277,7 +342,12 @@ def test_move_tree_keeps_structure_identity_and_flags() -> None:
 
 
 def test_decode_onto_meta_moves_every_tensor() -> None:
-    state = {"w": torch.randn(64, 32), "b": torch.randn(32).to(torch.bfloat16), "t": torch.arange(12).reshape(3, 4).t(), "n": 3}
+    state: dict[str, Any] = {
+        "w": torch.randn(64, 32),
+        "b": torch.randn(32).to(torch.bfloat16),
+        "t": torch.arange(12).reshape(3, 4).t(),
+        "n": 3,
+    }
     buf = serialization.encode(state)
     out: Any = _capture.decode_onto(buf, torch.device("meta"), zero_copy=False)
     for key in ("w", "b", "t"):

@@ -1,0 +1,219 @@
+"""SegmentPool's capture rings: a rank's ring grows to ``ring_limit`` segments, then its saves get back only the segments
+its client keeps mapped and registered (waiting up to ``ring_wait`` for one); replicas, pulls and other ranks never get
+them; released segments of a ring over its limit go back to the job's pool; a ring segment is never resized."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from memstore.server.segments import NO_RING, PAGE, Segment, SegmentPool, ring_limit
+
+pytestmark = pytest.mark.unit
+
+JOB = "job"
+LIMIT = 3  # the ring_limit of the `limited` pool
+
+
+@pytest.fixture
+def full(tmp_path: Path) -> Iterator[SegmentPool]:
+    """A pool whose rings are full with one segment: a ring's saves take its own pooled segments from the start."""
+    p = SegmentPool(str(tmp_path / "h0-1"), 256 * PAGE, ring_limit=1)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def limited(tmp_path: Path) -> Iterator[SegmentPool]:
+    p = SegmentPool(str(tmp_path / "h0-2"), 256 * PAGE, ring_limit=LIMIT)
+    yield p
+    p.close()
+
+
+def file_size(seg: Segment) -> int:
+    assert seg.path is not None
+    return os.stat(seg.path).st_size
+
+
+def paths(segs: list[Segment]) -> list[str]:
+    return sorted(s.path for s in segs if s.path)
+
+
+def test_ring_limit_covers_what_retention_holds() -> None:
+    for keep in (1, 2, 5):
+        assert ring_limit(keep) >= keep + 2  # the kept steps, the save just committed, the one reserved ahead
+
+
+# -- a full ring takes its own back ---------------------------------------------------------------
+
+
+def test_a_ring_segment_goes_back_to_its_ring_first(full: SegmentPool) -> None:
+    ringed = full.acquire(5 * PAGE, JOB, ring=0)
+    plain = full.acquire(4 * PAGE, JOB)  # a replica's: smaller, so the better fit by size alone
+    assert ringed.ring == 0 and plain.ring == NO_RING
+    full.release(plain)
+    full.release(ringed)
+    assert ringed.ring == 0 and full.ring_paths(JOB, 0) == [ringed.path]  # pooled, still the ring's
+    assert full.peek(4 * PAGE, JOB, ring=0) is ringed
+    again = full.acquire(4 * PAGE, JOB, ring=0)
+    assert again is ringed and again.path == ringed.path and again.ring == 0
+    assert full.peek(4 * PAGE, JOB) is plain  # the untagged one is left for the job's replicas
+
+
+def test_a_ring_short_of_its_limit_grows_and_its_pooled_segments_wait(limited: SegmentPool) -> None:
+    first = limited.acquire(2 * PAGE, JOB, ring=0)
+    limited.release(first)
+    second = limited.acquire(2 * PAGE, JOB, ring=0)  # warm-up: a new segment joins the ring, the pooled one waits as a spare
+    assert second is not first and first.ring == 0 == second.ring
+    plain = limited.acquire(2 * PAGE, JOB)
+    limited.release(plain)
+    third = limited.acquire(2 * PAGE, JOB, ring=0)  # the job's untagged segment joins the ring before a fresh one
+    assert third is plain and plain.ring == 0
+    assert limited.ring_paths(JOB, 0) == paths([first, second, third])
+    fourth = limited.acquire(2 * PAGE, JOB, ring=0)  # full now: its own pooled segment comes back
+    assert fourth is first
+    assert limited.segment_count == LIMIT  # no segment beyond the ring's
+
+
+def test_a_replica_never_gets_a_pooled_ring_segment(full: SegmentPool) -> None:
+    ringed = full.acquire(4 * PAGE, JOB, ring=0)
+    full.release(ringed)
+    assert full.peek(4 * PAGE, JOB) is None  # NO_RING: nothing pooled it may take
+    replica = full.acquire(4 * PAGE, JOB)
+    assert replica is not ringed and replica.path != ringed.path and replica.ring == NO_RING  # a fresh one
+    full.release(replica)
+    again = full.acquire(4 * PAGE, JOB)  # an untagged pooled one is fine for a replica
+    assert again is replica and again.ring == NO_RING
+    assert full.ring_paths(JOB, 0) == [ringed.path] and ringed.ring == 0  # still the ring's, still pooled
+    assert full.acquire(4 * PAGE, JOB, ring=0) is ringed
+
+
+def test_another_rank_or_job_never_gets_a_ring_segment(full: SegmentPool) -> None:
+    ringed = full.acquire(4 * PAGE, JOB, ring=0)
+    full.release(ringed)
+    other_rank = full.acquire(4 * PAGE, JOB, ring=1)
+    other_job = full.acquire(4 * PAGE, "other-job", ring=0)
+    assert ringed not in (other_rank, other_job)
+    assert ringed.path not in (other_rank.path, other_job.path)
+    assert other_rank.ring == 1 and other_job.ring == 0
+    assert full.ring_paths(JOB, 1) == [other_rank.path] and full.ring_paths("other-job", 0) == [other_job.path]
+    assert full.ring_paths(JOB, 0) == [ringed.path]
+    full.release(other_rank)
+    assert full.peek(4 * PAGE, JOB, ring=0) is ringed and full.peek(4 * PAGE, JOB, ring=1) is other_rank
+
+
+def test_ring_paths_lists_in_use_and_pooled_and_drops_a_destroyed_one(limited: SegmentPool) -> None:
+    a = limited.acquire(2 * PAGE, JOB, ring=3)
+    b = limited.acquire(2 * PAGE, JOB, ring=3)
+    limited.acquire(2 * PAGE, JOB)  # no ring
+    limited.acquire(2 * PAGE, JOB, ring=4)
+    assert limited.ring_paths(JOB, 3) == paths([a, b])
+    limited.release(b)  # pooled: still the ring's
+    assert limited.ring_paths(JOB, 3) == paths([a, b])
+    a.exported = True  # a reader mapped it copy-on-write: released, it is destroyed, not recycled
+    limited.release(a)
+    assert a.path is not None and not os.path.exists(a.path)
+    assert limited.ring_paths(JOB, 3) == [b.path]
+    limited.trim()  # the pooled one goes too
+    assert limited.ring_paths(JOB, 3) == [] and len(limited.ring_paths(JOB, 4)) == 1
+    assert limited.ring_paths("nobody", 3) == []
+
+
+# -- the ring's size -----------------------------------------------------------------------------------
+
+
+def test_a_ring_within_its_limit_never_loses_a_segment(limited: SegmentPool) -> None:
+    ring = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT)]
+    held = paths(ring)
+    for _ in range(3 * LIMIT):  # steady state: the oldest step goes, the next save comes
+        oldest = ring.pop(0)
+        limited.release(oldest)
+        assert oldest.ring == 0
+        nxt = limited.acquire(2 * PAGE, JOB, ring=0)
+        assert nxt is oldest  # its client has it mapped and registered: nothing new to register
+        ring.append(nxt)
+    assert limited.ring_paths(JOB, 0) == held and limited.segment_count == LIMIT
+
+
+def test_a_full_ring_waits_for_its_own_segment(limited: SegmentPool) -> None:
+    ring = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT)]
+    timer = threading.Timer(0.2, limited.release, args=(ring[0],))  # retention running late
+    started = time.monotonic()
+    timer.start()
+    try:
+        seg = limited.acquire(2 * PAGE, JOB, ring=0, ring_wait=10.0)
+    finally:
+        timer.join()
+    assert seg is ring[0] and 0.1 < time.monotonic() - started < 5.0
+    assert limited.ring_paths(JOB, 0) == paths(ring)
+
+    started = time.monotonic()
+    grown = limited.acquire(2 * PAGE, JOB, ring=0, ring_wait=0.1)  # nothing comes free: it grows beyond its limit
+    assert grown not in ring and grown.ring == 0 and time.monotonic() - started >= 0.09
+    assert limited.ring_paths(JOB, 0) == paths([*ring, grown])
+
+
+def test_a_full_ring_waits_even_with_an_unfit_segment_pooled(limited: SegmentPool) -> None:
+    big = limited.acquire(16 * PAGE, JOB, ring=0)
+    ring = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT - 1)]
+    limited.release(big)  # the ring's, but far too large for the next save
+    timer = threading.Timer(0.2, limited.release, args=(ring[0],))
+    timer.start()
+    try:
+        seg = limited.acquire(2 * PAGE, JOB, ring=0, ring_wait=10.0)
+    finally:
+        timer.join()
+    assert seg is ring[0]
+
+
+def test_a_ring_over_its_limit_hands_released_segments_to_the_job(limited: SegmentPool) -> None:
+    segs = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT + 3)]  # a burst: retention fell behind
+    assert limited.ring_paths(JOB, 0) == paths(segs)
+    for seg in segs:
+        limited.release(seg)
+    untagged = [s for s in segs if s.ring == NO_RING]
+    tagged = [s for s in segs if s.ring == 0]
+    assert len(untagged) >= 2 and segs[: len(untagged)] == untagged  # those released while the ring was over its limit
+    assert limited.ring_paths(JOB, 0) == paths(tagged)
+    assert limited.segment_count == len(segs)  # still pooled, for the job's other saves and its replicas
+    # a replica may take an untagged one now; the ring's saves get the ring's own
+    replica = limited.acquire(2 * PAGE, JOB)
+    assert replica in untagged and replica.ring == NO_RING
+    ring_save = limited.acquire(2 * PAGE, JOB, ring=0)
+    assert ring_save in tagged
+
+
+def test_a_ring_that_grew_shrinks_back_to_its_limit(limited: SegmentPool) -> None:
+    segs = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT + 3)]
+    for seg in segs:
+        limited.release(seg)
+    assert len(limited.ring_paths(JOB, 0)) == LIMIT
+
+
+# -- sizes ------------------------------------------------------------------------------------------
+
+
+def test_a_ring_segment_is_never_resized(full: SegmentPool) -> None:
+    seg = full.acquire(8 * PAGE, JOB, ring=0)
+    path, size = seg.path, seg.size
+    assert size == 8 * PAGE == file_size(seg)
+    full.release(seg)
+
+    smaller = full.acquire(7 * PAGE, JOB, ring=0)  # within the 25% reuse slack: the same segment, at its size
+    assert smaller is seg and smaller.size == size and file_size(seg) == size
+    full.release(smaller)
+
+    bigger = full.acquire(9 * PAGE, JOB, ring=0)  # does not fit: another segment, this one left as it is
+    assert bigger.path != path and bigger.size == 9 * PAGE
+    assert seg.size == size and file_size(seg) == size
+
+    tiny = full.acquire(2 * PAGE, JOB, ring=0)  # far smaller: it would waste too much, so another one too
+    assert tiny.path not in (path, bigger.path) and tiny.size == 2 * PAGE
+    assert seg.size == size and file_size(seg) == size
+    assert full.ring_paths(JOB, 0) == paths([seg, bigger, tiny])
+    assert full.peek(7 * PAGE, JOB, ring=0) is seg  # still pooled, for the next save of its size

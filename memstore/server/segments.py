@@ -47,13 +47,15 @@ from memstore.core.sizes import format_size
 from memstore.core.status import Orphan
 from memstore.errors import CapacityExceeded, ConfigError, QuotaExceeded, StaleLock
 from memstore.server.pages import MAP_FLAGS, PAGE, fault_in, give_back
+from memstore.server.rings import ring_limit, ring_members, ring_order
 from memstore.server.segment import NO_RING, Segment
 from memstore.server.shm_dirs import (
     CLAIM_WAIT_SECONDS,
     LOCK_NAME,
     SEGMENT_PREFIX,
     TMP_INFIX,
-    is_segment_name,
+    delete_except,
+    described_segments,
     orphaned_dirs,
     sidecar_path,
     try_lock,
@@ -66,22 +68,9 @@ _REUSE_SLACK = 1.25  # reuse a pooled segment up to 25% larger than needed rathe
 FRESH = ""  # owner of a reserve segment: it never held any job's bytes, so any job may take it
 
 
-def ring_limit(keep: int) -> int:
-    """How many segments a rank's capture ring may hold before released ones go back to the job's pool: the ``keep``
-    steps retention keeps, the save just committed (retention evicts the oldest once it settles), the one reserved
-    ahead, and two for retention running late (an ahead allocation that finds the ring full waits for it, and the
-    save after it would wait for that). A full ring takes only its own segments back (waiting for one off
-    the save's path), so after that many saves its client registers nothing more."""
-    return keep + 4
 _GROW_FRACTION = 8  # a fresh segment up to 1/8 short of a shard grows to fit it
 _TRIM_FACTOR = 8  # ... and one up to 8x the shard is trimmed to it; a far smaller shard faults in fresh memory of its own
 _CANCEL_WAIT_SECONDS = 5.0  # how long an allocation waits for the reserve to give back bytes it is faulting in
-
-
-def _ring_order(seg: Segment, ring: int) -> tuple[bool, int]:
-    """Sort key among a job's pooled segments for a save of rank ``ring``: that ring's first (its client has them
-    mapped and registered), then the smallest."""
-    return seg.ring != ring, seg.size
 
 
 def _round_up(n: int) -> int:
@@ -103,7 +92,7 @@ class SegmentPool:
         *,
         adopt_leftovers: bool = False,
         reserve: ReservePolicy | None = None,
-        ring_limit: int = 6,
+        ring_limit: int = ring_limit(2),
     ) -> None:
         """Claim ``directory`` (None: anonymous memory). What a previous store of the directory left there
         is deleted now, or with ``adopt_leftovers`` kept for ``adopt()``, which must then come next (if it
@@ -201,24 +190,12 @@ class SegmentPool:
 
     def _adopt(self, check: Callable[[Segment, bytes], bool]) -> list[tuple[Segment, bytes]]:
         assert self.directory is not None
-        candidates: list[tuple[float, str, int]] = []
-        try:
-            with os.scandir(self.directory) as it:
-                for e in it:
-                    if not is_segment_name(e.name) or not e.is_file(follow_symlinks=False):
-                        continue
-                    try:
-                        size = e.stat(follow_symlinks=False).st_size
-                        described_at = os.stat(sidecar_path(e.path)).st_mtime
-                    except OSError:
-                        continue  # no sidecar: never described (or being allocated when the store died)
-                    candidates.append((described_at, e.path, size))
-        except OSError as exc:
-            log.warning("cannot list %s to adopt its segments: %s", self.directory, exc)
+        candidates = described_segments(self.directory)
+        if candidates is None:
             return []
         kept: list[tuple[Segment, bytes]] = []
         rejected = 0
-        for _, path, size in sorted(candidates, key=lambda c: (-c[0], c[1])):
+        for _, path, size in candidates:
             if size <= 0:
                 rejected += 1
                 continue
@@ -279,25 +256,7 @@ class SegmentPool:
                     keep.add(os.path.basename(seg.path))
                     if seg.described:
                         keep.add(os.path.basename(sidecar_path(seg.path)))
-        removed = 0
-        try:
-            children = list(self.directory.iterdir())
-        except OSError:
-            return 0
-        for child in children:
-            if child.name in keep:
-                continue
-            try:
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child)
-                else:
-                    child.unlink()
-                removed += 1
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.warning("cannot delete %s: %s", child, exc)
-        return removed
+        return delete_except(self.directory, keep)
 
     def close(self, keep_files: bool | None = None) -> None:
         """Unmap and unlink every segment (in use and pooled) with its sidecar, and remove the directory.
@@ -495,7 +454,9 @@ class SegmentPool:
         """A full ring's own segment once one comes free within ``wait`` seconds (lock held); None: it grows."""
         if self._ring_size(owner, ring) < self.ring_limit:
             return None
-        self._changed.wait_for(lambda: self._closed or self._pick_pooled(nbytes, owner, max_size, preferred, ring) is not None, timeout=wait)
+        self._changed.wait_for(
+            lambda: self._closed or self._pick_pooled(nbytes, owner, max_size, preferred, ring) is not None, timeout=wait
+        )
         seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred, ring=ring)
         if seg is None:
             log.info("capture ring of rank %d of job %s grows beyond %d segments: none came free within %.0fs", ring, owner,
@@ -503,12 +464,12 @@ class SegmentPool:
         return seg
 
     def _ring_size(self, owner: str, ring: int) -> int:
-        return sum(1 for s in itertools.chain(self._in_use, self._free) if s.owner == owner and s.ring == ring)
+        return len(ring_members(itertools.chain(self._in_use, self._free), owner, ring))
 
     def ring_paths(self, owner: str, ring: int) -> list[str]:
         """The paths of the segments of ``owner``'s rank ``ring``'s capture ring, in use and pooled."""
         with self._lock:
-            return sorted(s.path for s in itertools.chain(self._in_use, self._free) if s.path and s.owner == owner and s.ring == ring)
+            return sorted(s.path for s in ring_members(itertools.chain(self._in_use, self._free), owner, ring) if s.path)
 
     def _pick_pooled(
         self, nbytes: int, owner: str, max_size: int | None = None, preferred: str = "", ring: int = NO_RING
@@ -529,7 +490,7 @@ class SegmentPool:
             if seg.owner == owner and owner != FRESH and nbytes <= seg.size <= top and seg.ring in allowed:
                 if preferred and seg.path == preferred:
                     return seg
-                if own is None or _ring_order(seg, ring) < _ring_order(own, ring):
+                if own is None or ring_order(seg, ring) < ring_order(own, ring):
                     own = seg
             elif (
                 grow

@@ -13,6 +13,7 @@ import fcntl
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
 from memstore.core.sizes import format_size
@@ -76,6 +77,50 @@ def try_lock(directory: Path, create: bool) -> int | None:
 
 def is_segment_name(name: str) -> bool:
     return name.startswith(SEGMENT_PREFIX) and TMP_INFIX not in name
+
+
+def described_segments(directory: Path) -> list[tuple[float, str, int]] | None:
+    """The segments of ``directory`` that have a sidecar (adoptable): (sidecar mtime, path, size), newest first;
+    None if the directory cannot be listed (logged)."""
+    candidates: list[tuple[float, str, int]] = []
+    try:
+        with os.scandir(directory) as it:
+            for e in it:
+                if not is_segment_name(e.name) or not e.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    size = e.stat(follow_symlinks=False).st_size
+                    described_at = os.stat(sidecar_path(e.path)).st_mtime
+                except OSError:
+                    continue  # no sidecar: never described (or being allocated when the store died)
+                candidates.append((described_at, e.path, size))
+    except OSError as exc:
+        log.warning("cannot list %s to adopt its segments: %s", directory, exc)
+        return None
+    return sorted(candidates, key=lambda c: (-c[0], c[1]))
+
+
+def delete_except(directory: Path, keep: set[str]) -> int:
+    """Delete every entry of ``directory`` whose name is not in ``keep`` (files and directories); how many went."""
+    removed = 0
+    try:
+        children = list(directory.iterdir())
+    except OSError:
+        return 0
+    for child in children:
+        if child.name in keep:
+            continue
+        try:
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("cannot delete %s: %s", child, exc)
+    return removed
 
 
 def _is_ours(name: str) -> bool:

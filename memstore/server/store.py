@@ -38,7 +38,8 @@ from memstore.server.drain import Drain
 from memstore.server.events import StoreEvents
 from memstore.server.membership import ClusterView, Membership
 from memstore.server.peers import PeerDirectory
-from memstore.server.segments import SegmentPool, ring_limit
+from memstore.server.rings import ring_limit
+from memstore.server.segments import SegmentPool
 from memstore.server.shm_dirs import segment_dir
 from memstore.spill.port import DurableTier
 from memstore.v1.channel import boot_id

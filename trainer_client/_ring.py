@@ -110,6 +110,7 @@ class CaptureRing:
         self._last_fallback = ""
         self._reported = CaptureStats()
         self._limit = 1  # segments the ring holds once warm, as the store said (AllocateResponse.ring_limit)
+        self._ring_size = 0  # segments in the ring, as the store last listed them
 
     # -- stats ---------------------------------------------------------------------------
     @property
@@ -174,8 +175,9 @@ class CaptureRing:
         self.give_back(slot)  # too small for this state, or about to expire: the store takes it back into the ring
         return None
 
-    def reserve_ahead(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
-        """Reserve, map (and register) the next save's segment on the ring's thread (no-op if one is reserved)."""
+    def reserve_ahead(self, key: pb.ShardKey, world_size: int, nbytes: int, grow: bool = True) -> None:
+        """Reserve, map (and register) the next save's segment on the ring's thread (no-op if one is reserved); then,
+        with ``grow``, add segments to the ring there until it is warm (``_grow``)."""
         with self._lock:
             if self._ahead is not None:
                 return
@@ -183,28 +185,37 @@ class CaptureRing:
                 self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-ring")
             ahead = pb.ShardKey(job_id=key.job_id, rank=key.rank)
             self._ahead = self._thread.submit(self._reserve, ahead, world_size, nbytes)
+            if grow and self._ring_size < self._limit:
+                self._thread.submit(self._grow, ahead, world_size, nbytes)
 
     def prepare(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
         """Fill the ring now: as many segments as it holds once warm (``AllocateResponse.ring_limit``), each mapped
         (and registered when ``pinning``), all but one given back to the ring's pool; the one kept is the next save's.
-        Without it the ring fills over the first saves (each new segment mapped and registered ahead, off the
-        save's path, but a save that comes sooner waits for it)."""
-        self.reserve_ahead(key, world_size, nbytes)
+        Without it the ring fills over the first saves, on the ring's thread (see ``_grow``)."""
+        self.reserve_ahead(key, world_size, nbytes, grow=False)
         with self._lock:
             future = self._ahead
-        if future is None:
-            return
-        first = future.result()  # raises what the store said (capacity, quota, ...)
+        if future is not None:
+            future.result()  # raises what the store said (capacity, quota, ...)
+            self._grow(pb.ShardKey(job_id=key.job_id, rank=key.rank), world_size, nbytes)
+
+    def _grow(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
+        """Add segments to the ring until it holds what it will once warm: each one reserved (none of the ring's is
+        free while the next save's lease is held, so the store adds one), mapped, registered, given back.
+
+        Run on the ring's thread after a reservation, so saves never wait for a new segment to be made; a save
+        that comes while it runs finds its own lease reserved already."""
         spares: list[Slot] = []
         try:
-            ahead = pb.ShardKey(job_id=key.job_id, rank=key.rank)
-            while 1 + len(spares) < self._limit and len(self._maps) < self._limit:
-                spares.append(self._reserve(ahead, world_size, nbytes))
+            while self._ring_size < self._limit:  # (the store counts the spares held: they are the ring's)
+                spares.append(self._reserve(key, world_size, nbytes))
+                if spares[-1].path in {s.path for s in spares[:-1]}:
+                    break  # the store handed back one we hold: it cannot grow the ring (at its limit already)
+        except Exception as exc:  # capacity, quota: the ring stays smaller; saves still find their lease
+            log.info("growing the capture ring stopped: %s", exc)
         finally:
             for slot in spares:
                 self.give_back(slot)
-        with self._lock:
-            self._ahead = future if first is not None else None
 
     def _reserve(self, key: pb.ShardKey, world_size: int, nbytes: int) -> Slot:
         response = self._allocate(pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes, ahead=True))
@@ -240,6 +251,7 @@ class CaptureRing:
     def _adopt(self, response: pb.AllocateResponse, nbytes: int, ahead: bool) -> Slot:
         path, size = response.segment_path, int(response.segment_bytes)
         self._limit = int(response.ring_limit) or self._limit
+        self._ring_size = len(response.ring_paths)
         expires = time.monotonic() + (response.lease_seconds or 600.0)
         try:
             with self._lock:

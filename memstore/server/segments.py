@@ -359,10 +359,10 @@ class SegmentPool:
         never mapped by another job's trainer; fresh ones of the reserve (which never held any job's bytes)
         go to any job. ``ring``: the rank of ``owner`` whose capture ring the segment serves (a client's save):
         a segment of that ring first, and the segment joins the ring; segments of a ring go to no other save
-        (replicas and pulls pass NO_RING). A ring grows (a new or untagged segment joins it) until it holds
-        ``ring_limit`` segments, so its warm-up is over after that many saves; then it takes only its own pooled
-        segments: with none free, it waits up to ``ring_wait`` seconds for one (retention running late) before it
-        grows beyond. Raises CapacityExceeded with the byte counts if it can't fit, QuotaExceeded if the job's
+        (replicas and pulls pass NO_RING). With none of the ring's own free, a ring short of ``ring_limit``
+        segments grows (a new or untagged segment joins it; the client grows it so ahead of need, see
+        ``trainer_client._ring``); a full one waits up to ``ring_wait`` seconds for one of its own (retention
+        running late) before it grows beyond. Raises CapacityExceeded with the byte counts if it can't fit, QuotaExceeded if the job's
         segments in use would exceed ``quota`` bytes (0 = no quota).
         """
         if self._leftovers_pending:
@@ -483,9 +483,9 @@ class SegmentPool:
         low = size - size // _GROW_FRACTION  # a fresh segment a little short of the shard grows to fit it
         own: Segment | None = None
         fresh: Segment | None = None
-        # A ring short of its limit grows (its pooled segments wait as spares); a full one reuses only its own.
+        # A ring takes its own pooled segments first; short of its limit it may grow, a full one takes only its own.
         grow = ring == NO_RING or self._ring_size(owner, ring) < self.ring_limit
-        allowed = (NO_RING,) if grow else (ring,)
+        allowed = (ring, NO_RING) if grow else (ring,)
         for seg in self._free:
             if seg.owner == owner and owner != FRESH and nbytes <= seg.size <= top and seg.ring in allowed:
                 if preferred and seg.path == preferred:

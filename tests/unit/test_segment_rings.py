@@ -65,19 +65,19 @@ def test_a_ring_segment_goes_back_to_its_ring_first(full: SegmentPool) -> None:
     assert full.peek(4 * PAGE, JOB) is plain  # the untagged one is left for the job's replicas
 
 
-def test_a_ring_short_of_its_limit_grows_and_its_pooled_segments_wait(limited: SegmentPool) -> None:
+def test_a_ring_short_of_its_limit_reuses_its_own_first_and_grows_only_when_none_is_free(limited: SegmentPool) -> None:
     first = limited.acquire(2 * PAGE, JOB, ring=0)
     limited.release(first)
-    second = limited.acquire(2 * PAGE, JOB, ring=0)  # warm-up: a new segment joins the ring, the pooled one waits as a spare
-    assert second is not first and first.ring == 0 == second.ring
+    again = limited.acquire(2 * PAGE, JOB, ring=0)  # its own pooled segment: no new memory, nothing to register
+    assert again is first
     plain = limited.acquire(2 * PAGE, JOB)
     limited.release(plain)
-    third = limited.acquire(2 * PAGE, JOB, ring=0)  # the job's untagged segment joins the ring before a fresh one
-    assert third is plain and plain.ring == 0
+    second = limited.acquire(2 * PAGE, JOB, ring=0)  # none of its own free: the job's untagged segment joins the ring
+    assert second is plain and plain.ring == 0
+    third = limited.acquire(2 * PAGE, JOB, ring=0)  # nothing pooled: a new segment (the ring is short of its limit)
+    assert third not in (first, second) and third.ring == 0
     assert limited.ring_paths(JOB, 0) == paths([first, second, third])
-    fourth = limited.acquire(2 * PAGE, JOB, ring=0)  # full now: its own pooled segment comes back
-    assert fourth is first
-    assert limited.segment_count == LIMIT  # no segment beyond the ring's
+    assert limited.segment_count == LIMIT
 
 
 def test_a_replica_never_gets_a_pooled_ring_segment(full: SegmentPool) -> None:

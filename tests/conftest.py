@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from memstore.devtools.cluster import LocalCluster
+from tests.harness.fake_cuda import FakeCudaRuntime
+from trainer_client import _cuda
 
 
 def _cuda_available() -> bool:
@@ -109,3 +111,12 @@ def moto(tmp_path) -> Iterator[MotoServer]:  # type: ignore[no-untyped-def]
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def fake_cuda() -> Iterator[FakeCudaRuntime]:
+    """The CUDA runtime replaced, for this test, by a fake that enforces real CUDA's registration rules and registers
+    CPU states' memory too (``tests/harness/fake_cuda.py``): the pinning path runs without a GPU."""
+    with _cuda.installed(FakeCudaRuntime()) as runtime:
+        assert isinstance(runtime, FakeCudaRuntime)
+        yield runtime

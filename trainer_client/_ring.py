@@ -93,12 +93,21 @@ class CaptureRing:
     """The ring segments of one client (job, rank), their mappings and registrations, and the next save's lease.
 
     Args:
-        allocate: sends an ``AllocateRequest`` to the store (the client's control path).
+        allocate: sends an ``AllocateRequest`` to the store (the client's control path: a save allocating now).
         release: gives a lease back (``Release``).
+        allocate_ahead: sends an ``AllocateRequest`` from the ring's thread (default ``allocate``); the client
+            passes its gRPC channel, so the ring's calls never queue behind the save's on the one-call-at-a-time
+            Unix socket (nor the save's behind the ring's).
     """
 
-    def __init__(self, allocate: Callable[[pb.AllocateRequest], pb.AllocateResponse], release: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        allocate: Callable[[pb.AllocateRequest], pb.AllocateResponse],
+        release: Callable[[str], None],
+        allocate_ahead: Callable[[pb.AllocateRequest], pb.AllocateResponse] | None = None,
+    ) -> None:
         self._allocate = allocate
+        self._allocate_ahead = allocate_ahead or allocate
         self._release = release
         self._lock = threading.RLock()
         self._maps: dict[str, _Mapped] = {}
@@ -111,6 +120,9 @@ class CaptureRing:
         self._reported = CaptureStats()
         self._limit = 1  # segments the ring holds once warm, as the store said (AllocateResponse.ring_limit)
         self._ring_size = 0  # segments in the ring, as the store last listed them
+        self._leased: set[str] = set()  # segments this client holds a lease on (reserved, or a save writing into it)
+        self._seq = 0  # Allocate requests sent
+        self._pruned_at = 0  # the request whose answer last pruned the mappings
 
     # -- stats ---------------------------------------------------------------------------
     @property
@@ -150,7 +162,8 @@ class CaptureRing:
         slot = self._take_ahead(nbytes)
         if slot is None:
             request = pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes)
-            slot = self._adopt(self._allocate(request), nbytes, ahead=False)
+            seq = self._next_seq()
+            slot = self._adopt(self._allocate(request), nbytes, ahead=False, seq=seq)
         if self.pinning and not slot.pinned:
             slot.pinned = self._pin(slot.path)
             with self._lock:
@@ -160,6 +173,8 @@ class CaptureRing:
         return slot
 
     def _take_ahead(self, nbytes: int) -> Slot | None:
+        """The lease reserved ahead, if it fits (waiting for a reservation under way: one Allocate and, while the
+        ring is warming up, mapping a segment)."""
         with self._lock:
             future, self._ahead = self._ahead, None
         if future is None:
@@ -199,6 +214,13 @@ class CaptureRing:
             future.result()  # raises what the store said (capacity, quota, ...)
             self._grow(pb.ShardKey(job_id=key.job_id, rank=key.rank), world_size, nbytes)
 
+    def wait_ahead(self) -> None:
+        """Wait until the next save's lease is reserved (tests and benchmarks that want the steady state)."""
+        with self._lock:
+            future = self._ahead
+        if future is not None:
+            future.exception()
+
     def _grow(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
         """Add segments to the ring until it holds what it will once warm: each one reserved (none of the ring's is
         free while the next save's lease is held, so the store adds one), mapped, registered, given back.
@@ -218,16 +240,23 @@ class CaptureRing:
                 self.give_back(slot)
 
     def _reserve(self, key: pb.ShardKey, world_size: int, nbytes: int) -> Slot:
-        response = self._allocate(pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes, ahead=True))
-        slot = self._adopt(response, nbytes, ahead=True)
+        seq = self._next_seq()
+        response = self._allocate_ahead(pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes, ahead=True))
+        slot = self._adopt(response, nbytes, ahead=True, seq=seq)
         if self.pinning:
             slot.pinned = self._pin(slot.path)  # a failure is counted when a save uses the slot
             with self._lock:
                 slot.mm = self._maps[slot.path].mm
         return slot
 
+    def committed(self, slot: Slot) -> None:
+        """The store took ``slot``'s shard in: its segment may leave the ring (and be unmapped) from now on."""
+        with self._lock:
+            self._leased.discard(slot.path)
+
     def give_back(self, slot: Slot) -> None:
         """Release an unused lease (its segment stays in the ring, mapped and registered)."""
+        self.committed(slot)
         try:
             self._release(slot.lease_id)
         except Exception as exc:  # the lease expires on its own
@@ -248,7 +277,15 @@ class CaptureRing:
         log.warning("%s", message)
 
     # -- mappings ------------------------------------------------------------------------
-    def _adopt(self, response: pb.AllocateResponse, nbytes: int, ahead: bool) -> Slot:
+    def _next_seq(self) -> int:
+        with self._lock:
+            self._seq += 1
+            return self._seq
+
+    def _adopt(self, response: pb.AllocateResponse, nbytes: int, ahead: bool, seq: int) -> Slot:
+        """Map the segment of an Allocate's answer, and drop the mappings of segments that left the ring: only by the
+        answer to the latest request (an older one, arriving late, lists the ring as it was), and never one whose
+        lease this client holds."""
         path, size = response.segment_path, int(response.segment_bytes)
         self._limit = int(response.ring_limit) or self._limit
         self._ring_size = len(response.ring_paths)
@@ -256,7 +293,10 @@ class CaptureRing:
         try:
             with self._lock:
                 mapped = self._map(path, size)
-                self._prune({*response.ring_paths, path})
+                self._leased.add(path)
+                if seq > self._pruned_at:
+                    self._pruned_at = seq
+                    self._prune({*response.ring_paths, *self._leased})
             return Slot(response.lease_id, path, size, nbytes, mapped.mm, ahead, expires, pinned=mapped.pinned)
         except BaseException:
             with contextlib.suppress(Exception):

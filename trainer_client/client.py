@@ -235,6 +235,7 @@ class CheckpointClient:
         self._ring = CaptureRing(
             lambda request: self._control("Allocate", request, f"allocate memory for rank {rank}'s save"),
             lambda lease_id: self._control("Release", pb.ReleaseRequest(lease_id=lease_id), "release an unused capture lease"),
+            lambda request: self._call(lambda t: self._stub.Allocate(request, timeout=t), f"reserve memory for rank {rank}'s next save"),
         )
         self.last_load_source = ""
         self.last_restore_note = ""
@@ -394,7 +395,10 @@ class CheckpointClient:
             if slot.ahead:
                 request.key.CopyFrom(key)
                 request.nbytes = layout.nbytes
-            self._control("Commit", request, f"commit step {key.step}")
+            try:
+                self._control("Commit", request, f"commit step {key.step}")
+            finally:
+                ring.committed(slot)  # taken in, or refused (the lease then expires in the store)
             ring.reserve_ahead(key, self.world_size, layout.nbytes)
 
         return Capture(start_copies, host_writer(layout, blobs, slot.mm), commit, release)

@@ -222,20 +222,22 @@ class Catalog:
     def spilled(self) -> None:
         self._retention_due.set()
 
-    def _acquire(self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING, ring_wait: float = 0.0) -> Segment:
+    def _acquire(self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING, evict: bool = True) -> Segment:
         """A segment for ``key``, within the store's capacity and the job's quota (``--job-quota``).
 
         Over either limit, drop the fewest of what ``pressure_victims`` offers (the job's own older copies,
         never its newest settled version nor its protected steps) that make room, and try again; when even
         all of them would not, refuse at once and drop nothing (``memstore.core.limits.room_by_dropping``).
+        ``evict=False`` (memory reserved ahead of a save, which may never come): refuse rather than drop anything.
         """
         while True:
             try:
                 return self.pool.acquire(
-                    nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred, ring=ring,
-                    ring_wait=ring_wait,
+                    nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred, ring=ring
                 )
             except CapacityExceeded as exc:  # QuotaExceeded included: its numbers are the job's
+                if not evict:
+                    raise
                 with self._lock:
                     job = [e for e in self._entries.values() if e.key.job_id == key.job_id]
                     held = [(e.key, e.state, e.created_unix) for e in job]

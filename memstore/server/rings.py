@@ -15,11 +15,11 @@ from memstore.server.segment import Segment
 
 
 def ring_limit(keep: int) -> int:
-    """How many segments a rank's capture ring holds once warm: the ``keep`` steps retention keeps, the save just
-    committed (retention evicts the oldest once it settles), the one reserved ahead, and two for retention running
-    late (an ahead allocation that finds the ring full waits for it off the save's path, and the save after it
-    would wait for that). A full ring takes only its own segments back, so after that many saves its client
-    registers nothing more."""
+    """How many segments a client fills its rank's capture ring to (``prepare()``, or over its first saves): the
+    ``keep`` steps retention keeps, the save just committed (retention evicts the oldest once it settles), the one
+    reserved ahead, and two for retention running late. A ring that needs no more takes only its own segments
+    back, so its client registers nothing more; one that does (retention later still) grows, off the save's path,
+    and keeps up to twice this many."""
     return keep + 4
 
 

@@ -55,7 +55,6 @@ def _bind_problem(lease: Lease, key: ShardKey | None, nbytes: int) -> str | None
     return None
 
 MAX_WAIT_SECONDS = 10.0  # WaitCommitted blocks a server thread at most this long; clients loop
-AHEAD_RING_WAIT_SECONDS = 10.0  # an ahead allocation waits this long for its full ring to free a segment before growing it
 
 
 class Saving(Replication):
@@ -67,6 +66,8 @@ class Saving(Replication):
 
         ``ahead``: for the rank's next save, whose step is not known yet (``key.step`` and ``key.timeline`` are
         ignored): ``commit`` names the shard. The client maps the segment meanwhile, so its save makes no call.
+        Reserving ahead never drops a held step to make room: over the capacity or the job's quota it is refused,
+        and the save allocates (and makes room) when it comes.
         """
         if ahead:
             key = ShardKey(key.job_id, 0, key.rank)
@@ -85,8 +86,7 @@ class Saving(Replication):
         if not ahead:
             with self._lock:
                 self._refuse_resave(key)
-        # An ahead allocation is off the save's path: it may wait for retention to give a ring segment back.
-        segment = self._acquire(key, nbytes, preferred, ring=key.rank, ring_wait=AHEAD_RING_WAIT_SECONDS if ahead else 0.0)
+        segment = self._acquire(key, nbytes, preferred, ring=key.rank, evict=not ahead)
         entry = Entry(key, world_size, nbytes, segment, self.host_id, ShardState.CAPTURED)
         lease_id = secrets.token_hex(16)
         with self._lock:

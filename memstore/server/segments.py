@@ -105,7 +105,7 @@ class SegmentPool:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # the reserve gave back or added bytes
         self.reserve = reserve
-        self.ring_limit = ring_limit  # segments a capture ring keeps (``ring_limit()``); more go back to the job's pool
+        self.ring_limit = ring_limit  # segments a client fills its capture ring to (``ring_limit()``); it keeps twice that
         self._fresh_bytes = 0  # pooled bytes in FRESH segments (the reserve), part of _pooled_bytes
         self._warming = 0  # bytes the reserve is faulting in right now (not pooled yet; count against the capacity)
         self._room_wanted = 0  # allocations waiting for the reserve to give bytes back
@@ -350,7 +350,6 @@ class SegmentPool:
         quota: int = 0,
         preferred: str = "",
         ring: int = NO_RING,
-        ring_wait: float = 0.0,
     ) -> Segment:
         """A segment of at least ``nbytes`` for job ``owner``: the pooled one at path ``preferred`` if it is free
         and would be handed to ``owner`` (see ``peek``), else the best pooled one, else a fresh one.
@@ -359,11 +358,11 @@ class SegmentPool:
         never mapped by another job's trainer; fresh ones of the reserve (which never held any job's bytes)
         go to any job. ``ring``: the rank of ``owner`` whose capture ring the segment serves (a client's save):
         a segment of that ring first, and the segment joins the ring; segments of a ring go to no other save
-        (replicas and pulls pass NO_RING). With none of the ring's own free, a ring short of ``ring_limit``
-        segments grows (a new or untagged segment joins it; the client grows it so ahead of need, see
-        ``trainer_client._ring``); a full one waits up to ``ring_wait`` seconds for one of its own (retention
-        running late) before it grows beyond. Raises CapacityExceeded with the byte counts if it can't fit, QuotaExceeded if the job's
-        segments in use would exceed ``quota`` bytes (0 = no quota).
+        (replicas and pulls pass NO_RING). With none of the ring's own free, the ring grows: a new or untagged
+        segment joins it (its client fills it to ``ring_limit`` ahead of need, see ``trainer_client._ring``; beyond
+        that it grows only when retention runs late, and keeps up to twice that many). Raises CapacityExceeded
+        with the byte counts if it can't fit, QuotaExceeded if the job's segments in use would exceed ``quota``
+        bytes (0 = no quota).
         """
         if self._leftovers_pending:
             self._settle_leftovers(None)  # nobody adopted them: a store that does not adopt starts clean
@@ -376,8 +375,6 @@ class SegmentPool:
             used = self._owner_bytes(owner) if quota else 0
             max_size = quota - used if quota else None
             seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred, ring=ring)
-            if seg is None and ring != NO_RING and ring_wait > 0:
-                seg = self._wait_for_ring(nbytes, owner, ring, ring_wait, max_size, preferred)
             if seg is None and self._warming >= size - size // _GROW_FRACTION:
                 # The reserve is faulting in a segment that fits: finishing it is faster than starting another.
                 self._changed.wait_for(lambda: not self._warming or self._closed, timeout=_CANCEL_WAIT_SECONDS * 4)
@@ -450,19 +447,6 @@ class SegmentPool:
         with self._lock:
             return self._pick_pooled(nbytes, owner, ring=ring)
 
-    def _wait_for_ring(self, nbytes: int, owner: str, ring: int, wait: float, max_size: int | None, preferred: str) -> Segment | None:
-        """A full ring's own segment once one comes free within ``wait`` seconds (lock held); None: it grows."""
-        if self._ring_size(owner, ring) < self.ring_limit:
-            return None
-        self._changed.wait_for(
-            lambda: self._closed or self._pick_pooled(nbytes, owner, max_size, preferred, ring) is not None, timeout=wait
-        )
-        seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred, ring=ring)
-        if seg is None:
-            log.info("capture ring of rank %d of job %s grows beyond %d segments: none came free within %.0fs", ring, owner,
-                     self.ring_limit, wait)  # fmt: skip
-        return seg
-
     def _ring_size(self, owner: str, ring: int) -> int:
         return len(ring_members(itertools.chain(self._in_use, self._free), owner, ring))
 
@@ -483,9 +467,7 @@ class SegmentPool:
         low = size - size // _GROW_FRACTION  # a fresh segment a little short of the shard grows to fit it
         own: Segment | None = None
         fresh: Segment | None = None
-        # A ring takes its own pooled segments first; short of its limit it may grow, a full one takes only its own.
-        grow = ring == NO_RING or self._ring_size(owner, ring) < self.ring_limit
-        allowed = (ring, NO_RING) if grow else (ring,)
+        allowed = (ring, NO_RING)  # a ring takes its own pooled segments first (ring_order), then grows
         for seg in self._free:
             if seg.owner == owner and owner != FRESH and nbytes <= seg.size <= top and seg.ring in allowed:
                 if preferred and seg.path == preferred:
@@ -493,8 +475,7 @@ class SegmentPool:
                 if own is None or ring_order(seg, ring) < ring_order(own, ring):
                     own = seg
             elif (
-                grow
-                and seg.owner == FRESH
+                seg.owner == FRESH
                 and (low if seg.path else nbytes) <= seg.size <= _TRIM_FACTOR * size
                 and (max_size is None or size <= max_size)
             ):
@@ -753,8 +734,8 @@ class SegmentPool:
                     os.unlink(sidecar_path(seg.path))
                 seg.described = False
             if not seg.exported and self._pooled_bytes + seg.size <= self.max_pooled_bytes:
-                if seg.ring != NO_RING and self._ring_size(seg.owner, seg.ring) >= self.ring_limit:  # (seg is out of it now)
-                    seg.ring = NO_RING  # the ring is larger than it needs: this one serves the job's other saves and replicas
+                if seg.ring != NO_RING and self._ring_size(seg.owner, seg.ring) >= 2 * self.ring_limit:  # (seg is out of it now)
+                    seg.ring = NO_RING  # the ring is larger than it ever needs: this one serves the job's other saves and replicas
                 self._free.append(seg)
                 self._pooled_bytes += seg.size
                 if seg.ring != NO_RING:

@@ -8,7 +8,7 @@ import collections
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,13 +25,6 @@ pytestmark = pytest.mark.unit
 
 PAGE = mmap.PAGESIZE
 PORTABLE = _cuda.HOST_REGISTER_PORTABLE
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeCudaRuntime]:
-    with _cuda.installed(FakeCudaRuntime()) as rt:
-        assert isinstance(rt, FakeCudaRuntime)
-        yield rt
 
 
 # -- host part -------------------------------------------------------------------------------
@@ -83,58 +76,58 @@ def _anonymous(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-def test_a_staging_buffer_is_registered_once_at_its_exact_size(fake: FakeCudaRuntime) -> None:
+def test_a_staging_buffer_is_registered_once_at_its_exact_size(fake_cuda: FakeCudaRuntime) -> None:
     size = 3 * PAGE + 123  # no power of two, not whole pages
     mm = _anonymous(size)
     addr = _capture.address_of(mm)
     pins = _capture.HostRegistrations()
     assert pins.pin(mm, addr, size) and pins.pin(mm, addr, size)  # the next save finds it registered
-    assert fake.calls == [("register", addr, size, PORTABLE)]
-    assert pins.registered == 1 and len(pins) == 1 and fake.live == {addr: (size, PORTABLE)}
+    assert fake_cuda.calls == [("register", addr, size, PORTABLE)]
+    assert pins.registered == 1 and len(pins) == 1 and fake_cuda.live == {addr: (size, PORTABLE)}
 
     pins.release(mm)
     pins.release(mm)  # once only
-    assert fake.calls[1:] == [("unregister", addr)] and fake.live == {} and len(pins) == 0
+    assert fake_cuda.calls[1:] == [("unregister", addr)] and fake_cuda.live == {} and len(pins) == 0
 
     assert pins.pin(mm, addr, size)  # released, then kept again: registered afresh
-    assert fake.registrations == 2 and pins.registered == 2
+    assert fake_cuda.registrations == 2 and pins.registered == 2
     pins.release_all()
-    assert fake.live == {} and fake.failures == [] and fake.last_error == 0
+    assert fake_cuda.live == {} and fake_cuda.failures == [] and fake_cuda.last_error == 0
     mm.close()
 
 
-def test_a_failed_registration_is_remembered_cleared_and_never_unregistered(fake: FakeCudaRuntime) -> None:
+def test_a_failed_registration_is_remembered_cleared_and_never_unregistered(fake_cuda: FakeCudaRuntime) -> None:
     mm = _anonymous(2 * PAGE)
     addr = _capture.address_of(mm)
     pins = _capture.HostRegistrations()
-    fake.fail_next = [_cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED]
+    fake_cuda.fail_next = [_cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED]
     assert not pins.pin(mm, addr, 2 * PAGE)
     assert not pins.pin(mm, addr, 2 * PAGE)  # not retried every save
-    assert [c[0] for c in fake.calls] == ["register"] and fake.last_error == 0  # the seam cleared the sticky error
+    assert [c[0] for c in fake_cuda.calls] == ["register"] and fake_cuda.last_error == 0  # the seam cleared the sticky error
     assert "712" in pins.failed and pins.registered == 0 and len(pins) == 1
     pins.release_all()
-    assert [c[0] for c in fake.calls] == ["register"]  # nothing to unregister
+    assert [c[0] for c in fake_cuda.calls] == ["register"]  # nothing to unregister
     assert len(pins) == 0
     mm.close()
 
 
-def test_an_overlapping_buffer_fails_alone_and_only_the_registered_one_is_unregistered(fake: FakeCudaRuntime) -> None:
+def test_an_overlapping_buffer_fails_alone_and_only_the_registered_one_is_unregistered(fake_cuda: FakeCudaRuntime) -> None:
     mm = _anonymous(4 * PAGE)
     addr = _capture.address_of(mm)
     pins = _capture.HostRegistrations()
     assert pins.pin(mm, addr, 4 * PAGE)
     inner = object()  # another owner whose bytes lie inside the first: CUDA refuses the second registration
     assert not pins.pin(inner, addr + PAGE, PAGE)
-    assert fake.failures == [(addr + PAGE, PAGE, _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED)] and fake.last_error == 0
+    assert fake_cuda.failures == [(addr + PAGE, PAGE, _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED)] and fake_cuda.last_error == 0
     pins.release(inner)  # must not unregister the first owner's range (it never registered anything)
-    assert fake.live == {addr: (4 * PAGE, PORTABLE)}
+    assert fake_cuda.live == {addr: (4 * PAGE, PORTABLE)}
     pins.release_all()
-    assert fake.live == {} and [c for c in fake.calls if c[0] == "unregister"] == [("unregister", addr)]
-    assert all(code != _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED for _, _, code in fake.failures)
+    assert fake_cuda.live == {} and [c for c in fake_cuda.calls if c[0] == "unregister"] == [("unregister", addr)]
+    assert all(code != _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED for _, _, code in fake_cuda.failures)
     mm.close()
 
 
-def test_a_buffer_reaching_past_its_file_is_refused(tmp_path: Path, fake: FakeCudaRuntime) -> None:
+def test_a_buffer_reaching_past_its_file_is_refused(tmp_path: Path, fake_cuda: FakeCudaRuntime) -> None:
     path = tmp_path / "seg"
     path.write_bytes(b"\0" * (4 * PAGE))
     with open(path, "r+b") as fh:
@@ -143,13 +136,13 @@ def test_a_buffer_reaching_past_its_file_is_refused(tmp_path: Path, fake: FakeCu
     addr = _capture.address_of(mm)
     pins = _capture.HostRegistrations()
     assert not pins.pin(mm, addr, 4 * PAGE)
-    assert fake.failures == [(addr, 4 * PAGE, _cuda.ERROR_INVALID_VALUE)] and fake.last_error == 0 and pins.failed
+    assert fake_cuda.failures == [(addr, 4 * PAGE, _cuda.ERROR_INVALID_VALUE)] and fake_cuda.last_error == 0 and pins.failed
     pins.release_all()
-    assert fake.live == {} and [c[0] for c in fake.calls] == ["register"]
+    assert fake_cuda.live == {} and [c[0] for c in fake_cuda.calls] == ["register"]
     mm.close()
 
 
-def test_staging_buffers_are_pinned_only_when_large_and_page_aligned(fake: FakeCudaRuntime) -> None:
+def test_staging_buffers_are_pinned_only_when_large_and_page_aligned(fake_cuda: FakeCudaRuntime) -> None:
     from trainer_client._remote import empty_buffer
 
     copier = _capture.DeviceCopier()
@@ -157,16 +150,16 @@ def test_staging_buffers_are_pinned_only_when_large_and_page_aligned(fake: FakeC
     assert not copier.pin_buffer(small)
     big = empty_buffer(4 << 20)  # an anonymous mapping: page-aligned
     assert copier.pin_buffer(big) and copier.pin_buffer(big)
-    assert fake.live == {big.data_ptr(): (4 << 20, PORTABLE)} and fake.registrations == 1
+    assert fake_cuda.live == {big.data_ptr(): (4 << 20, PORTABLE)} and fake_cuda.registrations == 1
     captures = _capture.Captures()
     captures._copier = copier
     captures.unpin(small, big)
-    assert fake.live == {}
+    assert fake_cuda.live == {}
 
     other = empty_buffer(4 << 20)
     assert captures.copier.pin_buffer(other)
     captures.close()  # unregisters the staging buffers it still holds
-    assert fake.live == {} and fake.failures == []
+    assert fake_cuda.live == {} and fake_cuda.failures == []
 
 
 def test_a_cpu_state_is_pinned_only_under_a_runtime_that_pins_host_states() -> None:
@@ -174,7 +167,7 @@ def test_a_cpu_state_is_pinned_only_under_a_runtime_that_pins_host_states() -> N
     target = torch.empty(layout.nbytes, dtype=torch.uint8)
     captures = _capture.Captures()
     with _cuda.installed(FakeCudaRuntime()):
-        assert captures.wants_pinning(layout)  # the CPU suite's fake: the pinning logic runs without CUDA
+        assert captures.wants_pinning(layout)  # the CPU suite's fake_cuda: the pinning logic runs without CUDA
     with _cuda.installed(FakeCudaRuntime(pins_host_states=False)):
         assert not captures.wants_pinning(layout)  # like real CUDA: a CPU state needs no DMA
     assert captures.device_copies(layout, target) == ([], None)

@@ -29,20 +29,13 @@ def staged(target: torch.Tensor) -> bool:
 
 
 @pytest.fixture
-def fake() -> Iterator[FakeCudaRuntime]:
-    with _cuda.installed(FakeCudaRuntime()) as rt:
-        assert isinstance(rt, FakeCudaRuntime)
-        yield rt
-
-
-@pytest.fixture
-def ring(fake: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch) -> Iterator[BounceRing]:
+def ring(fake_cuda: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch) -> Iterator[BounceRing]:
     """A small bounce ring standing in for the process's (4 KiB chunks, 2 buffers), closed after the test."""
     small = BounceRing(buffers=2, chunk=4096)
     monkeypatch.setattr(_capture, "_bounce", small)
     yield small
     small.close()
-    assert fake.live == {}
+    assert fake_cuda.live == {}
 
 
 def blobs(runs: list[CopyRun]) -> list[list[int]]:
@@ -144,7 +137,7 @@ def test_raw_bytes_resolves_neg_and_conj_views() -> None:
 # -- the bounce ring -----------------------------------------------------------------------------
 
 
-def test_bounce_ring_copies_chunk_by_chunk_bit_exactly(fake: FakeCudaRuntime) -> None:
+def test_bounce_ring_copies_chunk_by_chunk_bit_exactly(fake_cuda: FakeCudaRuntime) -> None:
     bounce = BounceRing(buffers=2, chunk=4096)
     g = torch.Generator().manual_seed(3)
     sizes = [5 * 4096 + 17, 4096, 3, 2 * 4096]  # several chunks, a partial last one, exactly one, one tiny
@@ -154,22 +147,22 @@ def test_bounce_ring_copies_chunk_by_chunk_bit_exactly(fake: FakeCudaRuntime) ->
         bounce.copy(target, source)
         bounce.drain()
         assert torch.equal(target, source), n
-    assert fake.registrations == 2 == bounce.registered  # each buffer once, not per chunk or per copy
-    assert len(fake.live) == 2 and all(size == 4096 for size, _ in fake.live.values())
-    assert all(flags == _cuda.HOST_REGISTER_PORTABLE for _, flags in fake.live.values())
+    assert fake_cuda.registrations == 2 == bounce.registered  # each buffer once, not per chunk or per copy
+    assert len(fake_cuda.live) == 2 and all(size == 4096 for size, _ in fake_cuda.live.values())
+    assert all(flags == _cuda.HOST_REGISTER_PORTABLE for _, flags in fake_cuda.live.values())
     bounce.close()
-    assert fake.live == {} and fake.failures == [] and fake.last_error == 0
+    assert fake_cuda.live == {} and fake_cuda.failures == [] and fake_cuda.last_error == 0
 
 
-def test_bounce_ring_whose_registration_fails_still_copies(fake: FakeCudaRuntime) -> None:
-    fake.fail_next = [_cuda.ERROR_INVALID_VALUE]
+def test_bounce_ring_whose_registration_fails_still_copies(fake_cuda: FakeCudaRuntime) -> None:
+    fake_cuda.fail_next = [_cuda.ERROR_INVALID_VALUE]
     bounce = BounceRing(buffers=2, chunk=4096)
     source = torch.randint(0, 256, (3 * 4096,), dtype=torch.uint8)
     target = torch.zeros_like(source)
     bounce.copy(target, source)
-    assert torch.equal(target, source) and bounce.registered == 1 and fake.last_error == 0
+    assert torch.equal(target, source) and bounce.registered == 1 and fake_cuda.last_error == 0
     bounce.close()
-    assert fake.live == {}
+    assert fake_cuda.live == {}
 
 
 # -- HostToDevice routing ------------------------------------------------------------------------
@@ -180,7 +173,7 @@ def _ptr_range(t: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
-def test_host_to_device_routes_registered_large_small_and_strided_sources(ring: BounceRing, fake: FakeCudaRuntime) -> None:
+def test_host_to_device_routes_registered_large_small_and_strided_sources(ring: BounceRing, fake_cuda: FakeCudaRuntime) -> None:
     g = torch.Generator().manual_seed(11)
     pinned = torch.randn(1 << 16, generator=g)  # 256 KiB: small, but in registered memory
     large = torch.randn(1 << 20, generator=g)  # 4 MiB, contiguous, not registered
@@ -205,7 +198,7 @@ def test_host_to_device_routes_registered_large_small_and_strided_sources(ring: 
         assert dst is not src and dst.data_ptr() != src.data_ptr()
         assert dst.dtype == src.dtype and dst.shape == src.shape
         assert bytes(raw_bytes(dst).numpy()) == bytes(raw_bytes(src).numpy())
-    assert ring.registered == 2 and fake.registrations == 2  # the ring's buffers only: no source is registered per restore
+    assert ring.registered == 2 and fake_cuda.registrations == 2  # the ring's buffers only: no source is registered per restore
 
 
 def test_host_to_device_copy_into_a_strided_target_and_a_dtype_change(ring: BounceRing) -> None:
@@ -278,7 +271,7 @@ def _inside(buf: bytearray, ptr: int) -> bool:
     return base <= ptr < base + len(buf)
 
 
-def test_decode_onto_through_the_bounce_ring_equals_the_state(ring: BounceRing, fake: FakeCudaRuntime) -> None:
+def test_decode_onto_through_the_bounce_ring_equals_the_state(ring: BounceRing, fake_cuda: FakeCudaRuntime) -> None:
     state = _state()
     buf = serialization.encode(state)
     copies = HostToDevice(staged=staged)
@@ -295,10 +288,10 @@ def test_decode_onto_through_the_bounce_ring_equals_the_state(ring: BounceRing, 
     assert not _inside(buf, out["arr"].ctypes.data)
     buf[:] = bytes(len(buf))
     _assert_equal(out, state)  # unchanged by the shard's bytes changing
-    assert fake.registrations == 2  # the ring's two buffers, nothing per load
+    assert fake_cuda.registrations == 2  # the ring's two buffers, nothing per load
 
 
-def test_decode_onto_out_of_registered_memory_copies_direct(ring: BounceRing, fake: FakeCudaRuntime) -> None:
+def test_decode_onto_out_of_registered_memory_copies_direct(ring: BounceRing, fake_cuda: FakeCudaRuntime) -> None:
     state = _state()
     buf = serialization.encode(state)
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
@@ -306,6 +299,6 @@ def test_decode_onto_out_of_registered_memory_copies_direct(ring: BounceRing, fa
     out: Any = _capture.decode_onto(buf, CPU, zero_copy=False, copies=copies)
     # the large tensors are views of the "ring segment": straight out of it (decode copies small ones out already)
     assert copies.bounced == 0 and copies.direct == 2
-    assert fake.registrations == 0  # the bounce ring was never needed
+    assert fake_cuda.registrations == 0  # the bounce ring was never needed
     buf[:] = bytes(len(buf))
     _assert_equal(out, state)

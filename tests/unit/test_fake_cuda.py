@@ -36,13 +36,6 @@ def _mmap(addr: int, length: int, flags: int, fd: int = -1) -> int:
 
 
 @pytest.fixture
-def fake() -> Iterator[FakeCudaRuntime]:
-    with _cuda.installed(FakeCudaRuntime()) as rt:
-        assert isinstance(rt, FakeCudaRuntime)
-        yield rt
-
-
-@pytest.fixture
 def anon() -> Iterator[tuple[int, int]]:
     """Three anonymous pages, as raw memory: (address, length)."""
     addr = _mmap(0, 3 * PAGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -56,82 +49,82 @@ def _file(tmp_path: Path, pages: int, name: str = "seg") -> int:
     return fd
 
 
-def test_size_zero_is_invalid(fake: FakeCudaRuntime, anon: tuple[int, int]) -> None:
+def test_size_zero_is_invalid(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, _ = anon
-    assert fake.host_register(addr, 0, 0) == _cuda.ERROR_INVALID_VALUE
-    assert fake.failures == [(addr, 0, _cuda.ERROR_INVALID_VALUE)]
-    assert fake.live == {}
+    assert fake_cuda.host_register(addr, 0, 0) == _cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.failures == [(addr, 0, _cuda.ERROR_INVALID_VALUE)]
+    assert fake_cuda.live == {}
 
 
-def test_anonymous_mapping_registers(fake: FakeCudaRuntime, anon: tuple[int, int]) -> None:
+def test_anonymous_mapping_registers(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, length = anon
-    assert fake.host_register(addr, length, _cuda.HOST_REGISTER_PORTABLE) == 0
-    assert fake.live == {addr: (length, _cuda.HOST_REGISTER_PORTABLE)}
-    assert fake.registrations == 1
-    assert fake.calls == [("register", addr, length, _cuda.HOST_REGISTER_PORTABLE)]
-    assert fake.last_error == 0
+    assert fake_cuda.host_register(addr, length, _cuda.HOST_REGISTER_PORTABLE) == 0
+    assert fake_cuda.live == {addr: (length, _cuda.HOST_REGISTER_PORTABLE)}
+    assert fake_cuda.registrations == 1
+    assert fake_cuda.calls == [("register", addr, length, _cuda.HOST_REGISTER_PORTABLE)]
+    assert fake_cuda.last_error == 0
 
 
-def test_unmapped_address_is_invalid(fake: FakeCudaRuntime) -> None:
-    assert fake.host_register(PAGE, PAGE, 0) == _cuda.ERROR_INVALID_VALUE  # below mmap_min_addr: never mapped
+def test_unmapped_address_is_invalid(fake_cuda: FakeCudaRuntime) -> None:
+    assert fake_cuda.host_register(PAGE, PAGE, 0) == _cuda.ERROR_INVALID_VALUE  # below mmap_min_addr: never mapped
 
 
-def test_range_running_into_a_hole_is_invalid(fake: FakeCudaRuntime, anon: tuple[int, int]) -> None:
+def test_range_running_into_a_hole_is_invalid(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, length = anon
     _libc.munmap(addr + PAGE, PAGE)  # [mapped][hole][mapped]
-    assert fake.host_register(addr, length, 0) == _cuda.ERROR_INVALID_VALUE
-    assert fake.host_register(addr, PAGE + 1, 0) == _cuda.ERROR_INVALID_VALUE
-    assert fake.host_register(addr, PAGE, 0) == 0
-    assert fake.host_register(addr + 2 * PAGE, PAGE, 0) == 0
+    assert fake_cuda.host_register(addr, length, 0) == _cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.host_register(addr, PAGE + 1, 0) == _cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.host_register(addr, PAGE, 0) == 0
+    assert fake_cuda.host_register(addr + 2 * PAGE, PAGE, 0) == 0
 
 
-def test_range_past_the_end_of_its_file_is_invalid(fake: FakeCudaRuntime, tmp_path: Path) -> None:
+def test_range_past_the_end_of_its_file_is_invalid(fake_cuda: FakeCudaRuntime, tmp_path: Path) -> None:
     fd = _file(tmp_path, 3)
     with mmap.mmap(fd, 3 * PAGE) as m:
         addr = address_of(m)
         os.ftruncate(fd, 2 * PAGE)  # the mapping now reaches a page past the file
-        assert fake.host_register(addr, 3 * PAGE, 0) == _cuda.ERROR_INVALID_VALUE
-        assert fake.host_register(addr + 2 * PAGE, 1, 0) == _cuda.ERROR_INVALID_VALUE
-        assert fake.host_register(addr, 2 * PAGE, 0) == 0
-        assert fake.host_unregister(addr) == 0
+        assert fake_cuda.host_register(addr, 3 * PAGE, 0) == _cuda.ERROR_INVALID_VALUE
+        assert fake_cuda.host_register(addr + 2 * PAGE, 1, 0) == _cuda.ERROR_INVALID_VALUE
+        assert fake_cuda.host_register(addr, 2 * PAGE, 0) == 0
+        assert fake_cuda.host_unregister(addr) == 0
         os.ftruncate(fd, 2 * PAGE + 1)  # the last page is partly in the file: it can be faulted in
-        assert fake.host_register(addr, 3 * PAGE, 0) == 0
-        assert fake.host_unregister(addr) == 0
+        assert fake_cuda.host_register(addr, 3 * PAGE, 0) == 0
+        assert fake_cuda.host_unregister(addr) == 0
     os.close(fd)
 
 
-def test_file_mapping_at_an_offset(fake: FakeCudaRuntime, tmp_path: Path) -> None:
+def test_file_mapping_at_an_offset(fake_cuda: FakeCudaRuntime, tmp_path: Path) -> None:
     fd = _file(tmp_path, 4)
     with mmap.mmap(fd, 2 * PAGE, offset=2 * PAGE) as m:
         addr = address_of(m)
-        assert fake.host_register(addr, 2 * PAGE, 0) == 0
-        assert fake.host_unregister(addr) == 0
+        assert fake_cuda.host_register(addr, 2 * PAGE, 0) == 0
+        assert fake_cuda.host_unregister(addr) == 0
         os.ftruncate(fd, 3 * PAGE)  # the mapping's second page (file page 3) is gone
-        assert fake.host_register(addr, 2 * PAGE, 0) == _cuda.ERROR_INVALID_VALUE
-        assert fake.host_register(addr, PAGE, 0) == 0
+        assert fake_cuda.host_register(addr, 2 * PAGE, 0) == _cuda.ERROR_INVALID_VALUE
+        assert fake_cuda.host_register(addr, PAGE, 0) == 0
     os.close(fd)
 
 
-def test_range_across_adjacent_mappings_checks_each(fake: FakeCudaRuntime, tmp_path: Path, anon: tuple[int, int]) -> None:
+def test_range_across_adjacent_mappings_checks_each(fake_cuda: FakeCudaRuntime, tmp_path: Path, anon: tuple[int, int]) -> None:
     addr, length = anon
     fd = _file(tmp_path, 2)
     # [anonymous page][two file pages], one range over both
     assert _mmap(addr + PAGE, 2 * PAGE, mmap.MAP_SHARED | _MAP_FIXED, fd) == addr + PAGE
-    assert fake.host_register(addr, length, 0) == 0
-    assert fake.host_unregister(addr) == 0
+    assert fake_cuda.host_register(addr, length, 0) == 0
+    assert fake_cuda.host_unregister(addr) == 0
     os.ftruncate(fd, PAGE)  # the last page of the range is past the file
-    assert fake.host_register(addr, length, 0) == _cuda.ERROR_INVALID_VALUE
-    assert fake.host_register(addr, 2 * PAGE, 0) == 0
+    assert fake_cuda.host_register(addr, length, 0) == _cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.host_register(addr, 2 * PAGE, 0) == 0
     os.close(fd)
 
 
-def test_deleted_file_is_still_checked(fake: FakeCudaRuntime, tmp_path: Path) -> None:
+def test_deleted_file_is_still_checked(fake_cuda: FakeCudaRuntime, tmp_path: Path) -> None:
     fd = _file(tmp_path, 2)
     with mmap.mmap(fd, 2 * PAGE) as m:
         addr = address_of(m)
         os.unlink(tmp_path / "seg")  # /proc/self/maps now shows "... (deleted)"
-        assert fake.host_register(addr, 2 * PAGE, 0) == 0
-        assert fake.host_unregister(addr) == 0
+        assert fake_cuda.host_register(addr, 2 * PAGE, 0) == 0
+        assert fake_cuda.host_unregister(addr) == 0
         os.ftruncate(fd, PAGE)
         try:
             os.stat(f"/proc/self/map_files/{addr:x}-{addr + 2 * PAGE:x}")
@@ -139,77 +132,77 @@ def test_deleted_file_is_still_checked(fake: FakeCudaRuntime, tmp_path: Path) ->
             expected = 0  # the file's size cannot be known here: accepted
         else:
             expected = _cuda.ERROR_INVALID_VALUE
-        assert fake.host_register(addr, 2 * PAGE, 0) == expected
+        assert fake_cuda.host_register(addr, 2 * PAGE, 0) == expected
     os.close(fd)
 
 
-def test_overlapping_a_live_registration(fake: FakeCudaRuntime, anon: tuple[int, int]) -> None:
+def test_overlapping_a_live_registration(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, _ = anon
-    assert fake.host_register(addr, 2 * PAGE, 0) == 0
-    assert fake.host_register(addr, 2 * PAGE, 0) == _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
-    assert fake.host_register(addr + PAGE, 2 * PAGE, 0) == _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
-    assert fake.host_register(addr + PAGE, 1, 0) == _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
-    assert fake.host_register(addr + 2 * PAGE, PAGE, 0) == 0  # adjacent, not overlapping
-    assert fake.registrations == 2
-    assert [code for _, _, code in fake.failures] == [_cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED] * 3
+    assert fake_cuda.host_register(addr, 2 * PAGE, 0) == 0
+    assert fake_cuda.host_register(addr, 2 * PAGE, 0) == _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    assert fake_cuda.host_register(addr + PAGE, 2 * PAGE, 0) == _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    assert fake_cuda.host_register(addr + PAGE, 1, 0) == _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    assert fake_cuda.host_register(addr + 2 * PAGE, PAGE, 0) == 0  # adjacent, not overlapping
+    assert fake_cuda.registrations == 2
+    assert [code for _, _, code in fake_cuda.failures] == [_cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED] * 3
 
 
-def test_unregister_needs_the_start_of_a_live_registration(fake: FakeCudaRuntime, anon: tuple[int, int]) -> None:
+def test_unregister_needs_the_start_of_a_live_registration(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, _ = anon
-    assert fake.host_unregister(addr) == _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
-    assert fake.host_register(addr, 2 * PAGE, 0) == 0
-    assert fake.host_unregister(addr + PAGE) == _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
-    assert fake.host_unregister(addr) == 0
-    assert fake.live == {}
-    assert fake.host_unregister(addr) == _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
-    assert fake.calls[-1] == ("unregister", addr)
-    assert fake.host_register(addr, 2 * PAGE, 0) == 0  # registrable again
+    assert fake_cuda.host_unregister(addr) == _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
+    assert fake_cuda.host_register(addr, 2 * PAGE, 0) == 0
+    assert fake_cuda.host_unregister(addr + PAGE) == _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
+    assert fake_cuda.host_unregister(addr) == 0
+    assert fake_cuda.live == {}
+    assert fake_cuda.host_unregister(addr) == _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
+    assert fake_cuda.calls[-1] == ("unregister", addr)
+    assert fake_cuda.host_register(addr, 2 * PAGE, 0) == 0  # registrable again
 
 
-def test_last_error_is_sticky_until_read(fake: FakeCudaRuntime, anon: tuple[int, int]) -> None:
+def test_last_error_is_sticky_until_read(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, _ = anon
-    assert fake.host_register(addr, 0, 0) == _cuda.ERROR_INVALID_VALUE
-    assert fake.host_register(addr, PAGE, 0) == 0  # a success leaves it
-    assert fake.host_unregister(addr) == 0
-    assert fake.last_error == _cuda.ERROR_INVALID_VALUE
-    assert fake.get_last_error() == _cuda.ERROR_INVALID_VALUE
-    assert fake.last_error == 0
-    assert fake.get_last_error() == 0
+    assert fake_cuda.host_register(addr, 0, 0) == _cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.host_register(addr, PAGE, 0) == 0  # a success leaves it
+    assert fake_cuda.host_unregister(addr) == 0
+    assert fake_cuda.last_error == _cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.get_last_error() == _cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.last_error == 0
+    assert fake_cuda.get_last_error() == 0
 
 
 def test_seam_register_and_unregister_clear_the_error(
-    fake: FakeCudaRuntime, anon: tuple[int, int], caplog: pytest.LogCaptureFixture
+    fake_cuda: FakeCudaRuntime, anon: tuple[int, int], caplog: pytest.LogCaptureFixture
 ) -> None:
     addr, _ = anon
     assert _cuda.register(addr, PAGE, 0) == 0
     assert _cuda.register(addr, PAGE, 0) == _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
-    assert fake.last_error == 0
+    assert fake_cuda.last_error == 0
     assert _cuda.unregister(addr) == 0
     with caplog.at_level(logging.WARNING, logger="trainer_client._cuda"):
         assert _cuda.unregister(addr) == _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
-    assert fake.last_error == 0
+    assert fake_cuda.last_error == 0
     assert "pointer does not correspond to a registered memory region (CUDA error 713)" in caplog.text
 
 
-def test_fail_next(fake: FakeCudaRuntime, anon: tuple[int, int]) -> None:
+def test_fail_next(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, _ = anon
-    fake.fail_next = [_cuda.ERROR_INVALID_VALUE, 0]
-    assert fake.host_register(addr, PAGE, _cuda.HOST_REGISTER_READ_ONLY) == _cuda.ERROR_INVALID_VALUE
-    assert fake.last_error == _cuda.ERROR_INVALID_VALUE
-    assert fake.host_register(addr, 0, 0) == _cuda.ERROR_INVALID_VALUE  # 0: checked as usual
-    assert fake.host_register(addr, PAGE, 0) == 0
-    assert fake.fail_next == []
-    assert fake.registrations == 1
-    assert len(fake.calls) == 3
+    fake_cuda.fail_next = [_cuda.ERROR_INVALID_VALUE, 0]
+    assert fake_cuda.host_register(addr, PAGE, _cuda.HOST_REGISTER_READ_ONLY) == _cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.last_error == _cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.host_register(addr, 0, 0) == _cuda.ERROR_INVALID_VALUE  # 0: checked as usual
+    assert fake_cuda.host_register(addr, PAGE, 0) == 0
+    assert fake_cuda.fail_next == []
+    assert fake_cuda.registrations == 1
+    assert len(fake_cuda.calls) == 3
 
 
 def test_error_text() -> None:
-    fake = FakeCudaRuntime()
-    assert fake.error_text(1) == "invalid argument (CUDA error 1)"
-    assert fake.error_text(712) == "part or all of the requested memory range is already mapped (CUDA error 712)"
-    assert fake.error_text(713) == "pointer does not correspond to a registered memory region (CUDA error 713)"
-    assert fake.error_text(999) == "CUDA error 999"
-    with _cuda.installed(fake):
+    fake_cuda = FakeCudaRuntime()
+    assert fake_cuda.error_text(1) == "invalid argument (CUDA error 1)"
+    assert fake_cuda.error_text(712) == "part or all of the requested memory range is already mapped (CUDA error 712)"
+    assert fake_cuda.error_text(713) == "pointer does not correspond to a registered memory region (CUDA error 713)"
+    assert fake_cuda.error_text(999) == "CUDA error 999"
+    with _cuda.installed(fake_cuda):
         assert _cuda.error_text(1) == "invalid argument (CUDA error 1)"
 
 
@@ -228,13 +221,13 @@ def test_installed_restores_the_previous_runtime() -> None:
 
 
 def test_install_returns_the_previous() -> None:
-    fake = FakeCudaRuntime()
-    previous = _cuda.install(fake)
+    fake_cuda = FakeCudaRuntime()
+    previous = _cuda.install(fake_cuda)
     try:
-        assert _cuda.runtime() is fake
+        assert _cuda.runtime() is fake_cuda
     finally:
-        assert _cuda.install(previous) is fake
-    assert _cuda.runtime() is not fake
+        assert _cuda.install(previous) is fake_cuda
+    assert _cuda.runtime() is not fake_cuda
 
 
 def test_torch_runtime_without_cuda() -> None:

@@ -1,11 +1,10 @@
 """SegmentPool's capture rings: a rank's ring grows to ``ring_limit`` segments, then its saves get back only the segments
-its client keeps mapped and registered (waiting up to ``ring_wait`` for one); replicas, pulls and other ranks never get
+its client keeps mapped and registered; replicas, pulls and other ranks never get
 them; released segments of a ring over its limit go back to the job's pool; a ring segment is never resized."""
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,59 +139,28 @@ def test_a_ring_within_its_limit_never_loses_a_segment(limited: SegmentPool) -> 
     assert limited.ring_paths(JOB, 0) == held and limited.segment_count == LIMIT
 
 
-def test_a_full_ring_waits_for_its_own_segment(limited: SegmentPool) -> None:
+def test_a_ring_with_none_of_its_own_free_grows_at_once(limited: SegmentPool) -> None:
+    """Retention running late: the ring grows (off the save's path: the client reserves ahead) instead of waiting."""
     ring = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT)]
-    timer = threading.Timer(0.2, limited.release, args=(ring[0],))  # retention running late
     started = time.monotonic()
-    timer.start()
-    try:
-        seg = limited.acquire(2 * PAGE, JOB, ring=0, ring_wait=10.0)
-    finally:
-        timer.join()
-    assert seg is ring[0] and 0.1 < time.monotonic() - started < 5.0
-    assert limited.ring_paths(JOB, 0) == paths(ring)
-
-    started = time.monotonic()
-    grown = limited.acquire(2 * PAGE, JOB, ring=0, ring_wait=0.1)  # nothing comes free: it grows beyond its limit
-    assert grown not in ring and grown.ring == 0 and time.monotonic() - started >= 0.09
+    grown = limited.acquire(2 * PAGE, JOB, ring=0)
+    assert grown not in ring and grown.ring == 0 and time.monotonic() - started < 1.0
     assert limited.ring_paths(JOB, 0) == paths([*ring, grown])
 
 
-def test_a_full_ring_waits_even_with_an_unfit_segment_pooled(limited: SegmentPool) -> None:
-    big = limited.acquire(16 * PAGE, JOB, ring=0)
-    ring = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT - 1)]
-    limited.release(big)  # the ring's, but far too large for the next save
-    timer = threading.Timer(0.2, limited.release, args=(ring[0],))
-    timer.start()
-    try:
-        seg = limited.acquire(2 * PAGE, JOB, ring=0, ring_wait=10.0)
-    finally:
-        timer.join()
-    assert seg is ring[0]
-
-
-def test_a_ring_over_its_limit_hands_released_segments_to_the_job(limited: SegmentPool) -> None:
-    segs = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT + 3)]  # a burst: retention fell behind
+def test_a_ring_keeps_up_to_twice_its_limit_then_hands_released_segments_to_the_job(limited: SegmentPool) -> None:
+    segs = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(2 * LIMIT + 2)]  # a burst: retention fell far behind
     assert limited.ring_paths(JOB, 0) == paths(segs)
     for seg in segs:
         limited.release(seg)
     untagged = [s for s in segs if s.ring == NO_RING]
     tagged = [s for s in segs if s.ring == 0]
-    assert len(untagged) >= 2 and segs[: len(untagged)] == untagged  # those released while the ring was over its limit
-    assert limited.ring_paths(JOB, 0) == paths(tagged)
+    assert segs[:2] == untagged  # those released while the rest of the ring held twice its limit
+    assert limited.ring_paths(JOB, 0) == paths(tagged) and len(tagged) == 2 * LIMIT
     assert limited.segment_count == len(segs)  # still pooled, for the job's other saves and its replicas
-    # a replica may take an untagged one now; the ring's saves get the ring's own
-    replica = limited.acquire(2 * PAGE, JOB)
+    replica = limited.acquire(2 * PAGE, JOB)  # a replica may take an untagged one; the ring's saves get the ring's own
     assert replica in untagged and replica.ring == NO_RING
-    ring_save = limited.acquire(2 * PAGE, JOB, ring=0)
-    assert ring_save in tagged
-
-
-def test_a_ring_that_grew_shrinks_back_to_its_limit(limited: SegmentPool) -> None:
-    segs = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT + 3)]
-    for seg in segs:
-        limited.release(seg)
-    assert len(limited.ring_paths(JOB, 0)) == LIMIT
+    assert limited.acquire(2 * PAGE, JOB, ring=0) in tagged
 
 
 # -- sizes ------------------------------------------------------------------------------------------

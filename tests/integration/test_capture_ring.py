@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -185,6 +187,10 @@ def test_a_fallback_is_counted_reported_and_refused_in_strict_mode(
         assert same(client.load(1), state)
         h = health(cluster, "h0")
         assert h.capture.fallbacks == 1 and "invalid argument" in h.capture.fallback_cause
+        status = subprocess.run(
+            [sys.executable, "-m", "memstore", "status", "--store", cluster.address("h0")], capture_output=True, text=True, timeout=60
+        )
+        assert "PAGEABLE" in status.stdout and "invalid argument" in status.stdout, status.stdout
 
     monkeypatch.setenv(_ring.STRICT_ENV, "1")
     fake_cuda.fail_next = [_cuda.ERROR_INVALID_VALUE] * 2

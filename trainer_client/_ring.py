@@ -112,7 +112,9 @@ class CaptureRing:
         self._lock = threading.RLock()
         self._maps: dict[str, _Mapped] = {}
         self._ahead: Future[Slot] | None = None
-        self._thread: ThreadPoolExecutor | None = None
+        self._thread: ThreadPoolExecutor | None = None  # reserves the next save's lease
+        self._grower: ThreadPoolExecutor | None = None  # fills the ring during warm-up (never ahead of a reservation)
+        self._growing: Future[None] | None = None
         self.pinning = False  # register ring segments: once a save held CUDA tensors (or the runtime pins host states)
         self._registrations = 0
         self._fallbacks = 0
@@ -200,8 +202,10 @@ class CaptureRing:
                 self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-ring")
             ahead = pb.ShardKey(job_id=key.job_id, rank=key.rank)
             self._ahead = self._thread.submit(self._reserve, ahead, world_size, nbytes)
-            if grow and self._ring_size < self._limit:
-                self._thread.submit(self._grow, ahead, world_size, nbytes)
+            if grow and self._ring_size < self._limit and (self._growing is None or self._growing.done()):
+                if self._grower is None:
+                    self._grower = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-ring-fill")
+                self._growing = self._grower.submit(self._grow, ahead, world_size, nbytes)
 
     def prepare(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
         """Fill the ring now: as many segments as it holds once warm (``AllocateResponse.ring_limit``), each mapped
@@ -222,26 +226,20 @@ class CaptureRing:
             future.exception()
 
     def _grow(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
-        """Add segments to the ring until it holds what it will once warm: each one reserved (none of the ring's is
-        free while the next save's lease is held, so the store adds one), mapped, registered, given back.
+        """Add segments to the ring until it holds what it will once warm: each one reserved as a new member
+        (``AllocateRequest.grow``), mapped, registered and given back at once.
 
-        Run on the ring's thread after a reservation, so saves never wait for a new segment to be made; a save
-        that comes while it runs finds its own lease reserved already."""
-        spares: list[Slot] = []
+        Run on a thread of its own after a reservation, so neither a save nor the next reservation waits for a new
+        segment to be made."""
         try:
-            while self._ring_size < self._limit:  # (the store counts the spares held: they are the ring's)
-                spares.append(self._reserve(key, world_size, nbytes))
-                if spares[-1].path in {s.path for s in spares[:-1]}:
-                    break  # the store handed back one we hold: it cannot grow the ring (at its limit already)
+            while self._ring_size < self._limit:
+                self.give_back(self._reserve(key, world_size, nbytes, grow=True))  # pooled at once: the next save may take it
         except Exception as exc:  # capacity, quota: the ring stays smaller; saves still find their lease
             log.info("growing the capture ring stopped: %s", exc)
-        finally:
-            for slot in spares:
-                self.give_back(slot)
 
-    def _reserve(self, key: pb.ShardKey, world_size: int, nbytes: int) -> Slot:
+    def _reserve(self, key: pb.ShardKey, world_size: int, nbytes: int, grow: bool = False) -> Slot:
         seq = self._next_seq()
-        response = self._allocate_ahead(pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes, ahead=True))
+        response = self._allocate_ahead(pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes, ahead=True, grow=grow))
         slot = self._adopt(response, nbytes, ahead=True, seq=seq)
         if self.pinning:
             slot.pinned = self._pin(slot.path)  # a failure is counted when a save uses the slot
@@ -378,11 +376,12 @@ class CaptureRing:
         """Give back the lease reserved ahead, unregister and unmap everything."""
         with self._lock:
             future, self._ahead = self._ahead, None
-            thread, self._thread = self._thread, None
+            threads = [t for t in (self._thread, self._grower) if t is not None]
+            self._thread = self._grower = None
         if future is not None:
             with contextlib.suppress(Exception):
                 self.give_back(future.result())
-        if thread is not None:
+        for thread in threads:
             thread.shutdown(wait=True)
         with self._lock:
             for path in list(self._maps):

@@ -222,7 +222,9 @@ class Catalog:
     def spilled(self) -> None:
         self._retention_due.set()
 
-    def _acquire(self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING, evict: bool = True) -> Segment:
+    def _acquire(
+        self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING, evict: bool = True, grow: bool = False
+    ) -> Segment:
         """A segment for ``key``, within the store's capacity and the job's quota (``--job-quota``).
 
         Over either limit, drop the fewest of what ``pressure_victims`` offers (the job's own older copies,
@@ -233,7 +235,7 @@ class Catalog:
         while True:
             try:
                 return self.pool.acquire(
-                    nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred, ring=ring
+                    nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred, ring=ring, grow=grow
                 )
             except CapacityExceeded as exc:  # QuotaExceeded included: its numbers are the job's
                 if not evict:

@@ -60,14 +60,17 @@ MAX_WAIT_SECONDS = 10.0  # WaitCommitted blocks a server thread at most this lon
 class Saving(Replication):
     """Takes shards in: shared-memory captures, gRPC streams; and reports when they are committed."""
 
-    def allocate(self, key: ShardKey, world_size: int, nbytes: int, preferred: str = "", ahead: bool = False) -> tuple[str, Segment]:
+    def allocate(
+        self, key: ShardKey, world_size: int, nbytes: int, preferred: str = "", ahead: bool = False, grow: bool = False
+    ) -> tuple[str, Segment]:
         """A lease on a segment of this rank's capture ring for ``key``'s ``nbytes``: ``preferred`` (a segment of the
         ring the client has mapped) if still free.
 
         ``ahead``: for the rank's next save, whose step is not known yet (``key.step`` and ``key.timeline`` are
         ignored): ``commit`` names the shard. The client maps the segment meanwhile, so its save makes no call.
         Reserving ahead never drops a held step to make room: over the capacity or the job's quota it is refused,
-        and the save allocates (and makes room) when it comes.
+        and the save allocates (and makes room) when it comes. ``grow`` (with ``ahead``): a segment that joins the
+        ring, never one of the ring's own (the client fills its ring so during warm-up).
         """
         if ahead:
             key = ShardKey(key.job_id, 0, key.rank)
@@ -86,7 +89,9 @@ class Saving(Replication):
         if not ahead:
             with self._lock:
                 self._refuse_resave(key)
-        segment = self._acquire(key, nbytes, preferred, ring=key.rank, evict=not ahead)
+        if grow and not ahead:
+            raise InvalidArgument("grow needs ahead: only a reservation for a later save may add a segment to the ring")
+        segment = self._acquire(key, nbytes, preferred, ring=key.rank, evict=not ahead, grow=grow)
         entry = Entry(key, world_size, nbytes, segment, self.host_id, ShardState.CAPTURED)
         lease_id = secrets.token_hex(16)
         with self._lock:

@@ -350,6 +350,7 @@ class SegmentPool:
         quota: int = 0,
         preferred: str = "",
         ring: int = NO_RING,
+        grow: bool = False,
     ) -> Segment:
         """A segment of at least ``nbytes`` for job ``owner``: the pooled one at path ``preferred`` if it is free
         and would be handed to ``owner`` (see ``peek``), else the best pooled one, else a fresh one.
@@ -360,7 +361,8 @@ class SegmentPool:
         a segment of that ring first, and the segment joins the ring; segments of a ring go to no other save
         (replicas and pulls pass NO_RING). With none of the ring's own free, the ring grows: a new or untagged
         segment joins it (its client fills it to ``ring_limit`` ahead of need, see ``trainer_client._ring``; beyond
-        that it grows only when retention runs late, and keeps up to twice that many). Raises CapacityExceeded
+        that it grows only when retention runs late, and keeps up to twice that many). ``grow``: a segment that
+        joins the ring, never one of its own (the client filling it). Raises CapacityExceeded
         with the byte counts if it can't fit, QuotaExceeded if the job's segments in use would exceed ``quota``
         bytes (0 = no quota).
         """
@@ -374,11 +376,11 @@ class SegmentPool:
                 self._reserve_wake.set()
             used = self._owner_bytes(owner) if quota else 0
             max_size = quota - used if quota else None
-            seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred, ring=ring)
+            seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred, ring=ring, grow=grow)
             if seg is None and self._warming >= size - size // _GROW_FRACTION:
                 # The reserve is faulting in a segment that fits: finishing it is faster than starting another.
                 self._changed.wait_for(lambda: not self._warming or self._closed, timeout=_CANCEL_WAIT_SECONDS * 4)
-                seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred, ring=ring)
+                seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred, ring=ring, grow=grow)
             if seg is not None:
                 seg.ring = ring
                 self._in_use.add(seg)
@@ -456,7 +458,7 @@ class SegmentPool:
             return sorted(s.path for s in ring_members(itertools.chain(self._in_use, self._free), owner, ring) if s.path)
 
     def _pick_pooled(
-        self, nbytes: int, owner: str, max_size: int | None = None, preferred: str = "", ring: int = NO_RING
+        self, nbytes: int, owner: str, max_size: int | None = None, preferred: str = "", ring: int = NO_RING, grow: bool = False
     ) -> Segment | None:
         """The smallest pooled segment of ``owner`` that fits ``nbytes`` without wasting much (and is at most
         ``max_size``), else the smallest fresh one of the reserve that fits after resizing; ``preferred`` (a
@@ -467,7 +469,7 @@ class SegmentPool:
         low = size - size // _GROW_FRACTION  # a fresh segment a little short of the shard grows to fit it
         own: Segment | None = None
         fresh: Segment | None = None
-        allowed = (ring, NO_RING)  # a ring takes its own pooled segments first (ring_order), then grows
+        allowed = (NO_RING,) if grow else (ring, NO_RING)  # a ring takes its own pooled segments first (ring_order)
         for seg in self._free:
             if seg.owner == owner and owner != FRESH and nbytes <= seg.size <= top and seg.ring in allowed:
                 if preferred and seg.path == preferred:
@@ -487,10 +489,10 @@ class SegmentPool:
         return own or fresh
 
     def _take_pooled(
-        self, nbytes: int, owner: str, max_size: int | None = None, preferred: str = "", ring: int = NO_RING
+        self, nbytes: int, owner: str, max_size: int | None = None, preferred: str = "", ring: int = NO_RING, grow: bool = False
     ) -> Segment | None:
         """Take ``_pick_pooled``'s segment out of the pool; a fresh one is resized to fit."""
-        best = self._pick_pooled(nbytes, owner, max_size, preferred, ring)
+        best = self._pick_pooled(nbytes, owner, max_size, preferred, ring, grow)
         if best is None:
             return None
         if best.owner != FRESH:

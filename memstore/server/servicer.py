@@ -117,7 +117,9 @@ class StoreServicer(pb_grpc.StoreServicer):
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         self._allow(context, Need.JOB, request.key.job_id)
         key = key_from_pb(request.key)
-        lease_id, segment = self.store.allocate(key, request.world_size, request.nbytes, request.preferred_segment, request.ahead)
+        lease_id, segment = self.store.allocate(
+            key, request.world_size, request.nbytes, request.preferred_segment, request.ahead, grow=request.grow
+        )
         return pb.AllocateResponse(
             lease_id=lease_id,
             segment_path=segment.path or "",

@@ -4,7 +4,7 @@
         [--layers 12] [--dim 2048] [--hosts 1] [--replicas 1] [--saves 50] [--warmup 5]
         [--loop] [--steps 200] [--every 25 | --every 2,10,25] [--batch 8] [--seq 1024] [--json out.json]
 
-Starts a ``--hosts``-host, R=``--replicas`` local cluster on 127.0.0.1 (capacity: five times the state plus
+Starts a ``--hosts``-host, R=``--replicas`` local cluster on 127.0.0.1 (capacity: twelve times the state plus
 512 MiB per store unless ``--capacity``; stopped at the end) and builds the state on ``--device``:
 
 - ``--state tensors`` (default): ``--tensors`` float32 tensors of ``--size`` bytes in all;
@@ -614,7 +614,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     floors = Floors(state, device)
     d2h, h2d = floors.d2h(), floors.h2d()
     del floors
-    capacity = args.capacity or str(5 * nbytes + (512 << 20))
+    capacity = args.capacity or str(12 * nbytes + (512 << 20))  # the capture ring (--keep + 4 segments) and the peers' copies
     out: dict[str, Any] = {
         "device": device_name(device), "device_type": device.type, "torch": torch.__version__, "python": platform.python_version(),
         "config": {k: v for k, v in vars(args).items() if k not in ("restore_only", "store", "step")},
@@ -732,7 +732,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=8192, help="token vocabulary of the fixed embedding")
     p.add_argument("--hosts", type=int, default=1, help="stores of the local cluster")
     p.add_argument("--replicas", type=int, default=1, help="R: copies of each save")
-    p.add_argument("--capacity", help="each store's --capacity (default: 5x the state + 512 MiB)")
+    p.add_argument("--capacity", help="each store's --capacity (default: 12x the state + 512 MiB: the capture ring and the peers' copies)")
     p.add_argument("--saves", type=int, default=50, help="steady saves per capture mode, after the warm-up")
     p.add_argument("--warmup", type=int, default=5, help="warm-up saves per capture mode (and untimed loop steps)")
     p.add_argument("--loop", action="store_true", help="also run the training loop benchmark")

@@ -115,6 +115,7 @@ class CaptureRing:
         self._thread: ThreadPoolExecutor | None = None  # reserves the next save's lease
         self._grower: ThreadPoolExecutor | None = None  # fills the ring during warm-up (never ahead of a reservation)
         self._growing: Future[None] | None = None
+        self._closing = threading.Event()
         self.pinning = False  # register ring segments: once a save held CUDA tensors (or the runtime pins host states)
         self._registrations = 0
         self._fallbacks = 0
@@ -232,8 +233,16 @@ class CaptureRing:
         Run on a thread of its own after a reservation, so neither a save nor the next reservation waits for a new
         segment to be made."""
         try:
-            while self._ring_size < self._limit:
-                self.give_back(self._reserve(key, world_size, nbytes, grow=True))  # pooled at once: the next save may take it
+            size = self._ring_size
+            for _ in range(self._limit):
+                if size >= self._limit or self._closing.is_set():
+                    return
+                slot = self._reserve(key, world_size, nbytes, grow=True)
+                grown, size = self._ring_size > size, self._ring_size
+                self.give_back(slot)  # pooled at once: the next save may take it
+                if not grown:  # the last one given back was not kept (the store's pool is full): stop there
+                    log.info("the capture ring stays at %d segments: the store keeps no more pooled for it", size)
+                    return
         except Exception as exc:  # capacity, quota: the ring stays smaller; saves still find their lease
             log.info("growing the capture ring stopped: %s", exc)
 
@@ -374,6 +383,7 @@ class CaptureRing:
 
     def close(self) -> None:
         """Give back the lease reserved ahead, unregister and unmap everything."""
+        self._closing.set()
         with self._lock:
             future, self._ahead = self._ahead, None
             threads = [t for t in (self._thread, self._grower) if t is not None]

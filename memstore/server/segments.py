@@ -397,13 +397,13 @@ class SegmentPool:
                     used=used,
                     quota=quota,
                 )
-            # Make room by dropping pooled segments (largest first) before giving up.
+            # Make room by dropping pooled segments (largest first) before giving up; a ring's warm-up (``grow``) never does.
             self._free.sort(key=lambda s: s.size)
-            while self._free and self._in_use_bytes + self._pooled_bytes + self._warming + size > self.capacity:
+            while self._free and not grow and self._in_use_bytes + self._pooled_bytes + self._warming + size > self.capacity:
                 victim = self._free.pop()
                 self._unpool(victim)
                 victims.append(victim)
-            if self._in_use_bytes + size > self.capacity:
+            if self._in_use_bytes + (self._pooled_bytes + self._warming if grow else 0) + size > self.capacity:
                 for v in victims:
                     v.destroy()
                 raise CapacityExceeded(

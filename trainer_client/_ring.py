@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.pagefaults import address_of
@@ -77,7 +77,8 @@ class _Mapped:
     inode: int
     pinned: bool = False
     failed: str = ""  # registration failed twice: the cause (copies into it fall back)
-    busy: int = 0  # restores reading it now: not unmapped until they are done
+    busy: int = 0  # restores reading it, or a registration under way: not unmapped until they are done
+    pinning: threading.Lock = field(default_factory=threading.Lock)  # one registration at a time
 
 
 def map_segment(path: str, size: int) -> mmap.mmap:
@@ -87,6 +88,15 @@ def map_segment(path: str, size: int) -> mmap.mmap:
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     finally:
         os.close(fd)
+
+
+def _unmap(mapped: _Mapped) -> None:
+    """Unregister (if registered) and unmap: a registration must not outlive the pages it pinned."""
+    if mapped.pinned:
+        _cuda.unregister(address_of(mapped.mm))
+        mapped.pinned = False
+    with contextlib.suppress(BufferError):  # a view still exported: the pages go with it
+        mapped.mm.close()
 
 
 class CaptureRing:
@@ -292,18 +302,25 @@ class CaptureRing:
     def _adopt(self, response: pb.AllocateResponse, nbytes: int, ahead: bool, seq: int) -> Slot:
         """Map the segment of an Allocate's answer, and drop the mappings of segments that left the ring: only by the
         answer to the latest request (an older one, arriving late, lists the ring as it was), and never one whose
-        lease this client holds."""
+        lease this client holds or that a restore or a registration is using.
+
+        Mapping, registering and unmapping run outside the ring's lock (each can take a good part of a second for a
+        few GiB): a save taking its reserved lease never waits for the ring's threads."""
         path, size = response.segment_path, int(response.segment_bytes)
-        self._limit = int(response.ring_limit) or self._limit
-        self._ring_size = len(response.ring_paths)
         expires = time.monotonic() + (response.lease_seconds or 600.0)
         try:
+            mapped = self._map(path, size)
             with self._lock:
-                mapped = self._map(path, size)
+                self._limit = int(response.ring_limit) or self._limit
+                self._ring_size = len(response.ring_paths)
                 self._leased.add(path)
+                gone: list[_Mapped] = []
                 if seq > self._pruned_at:
                     self._pruned_at = seq
-                    self._prune({*response.ring_paths, *self._leased})
+                    keep = {*response.ring_paths, *self._leased}
+                    gone = [self._maps.pop(p) for p, m in list(self._maps.items()) if p not in keep and not m.busy]
+            for old in gone:
+                _unmap(old)
             return Slot(response.lease_id, path, size, nbytes, mapped.mm, ahead, expires, pinned=mapped.pinned)
         except BaseException:
             with contextlib.suppress(Exception):
@@ -313,55 +330,69 @@ class CaptureRing:
     def _map(self, path: str, size: int) -> _Mapped:
         """The mapping of ``path`` at exactly ``size`` bytes: the one kept if it is still that file at that size."""
         inode = os.stat(path).st_ino
-        mapped = self._maps.get(path)
-        if mapped is not None and (len(mapped.mm), mapped.inode) == (size, inode) and not mapped.mm.closed:
-            return mapped
-        if mapped is not None:
-            self._unmap(path)
-        mapped = self._maps[path] = _Mapped(map_segment(path, size), inode)
-        return mapped
-
-    def _prune(self, keep: set[str]) -> None:
-        """Unmap (after unregistering) every mapping of a segment no longer in the ring."""
-        for path in [p for p, m in self._maps.items() if p not in keep and not m.busy]:
-            self._unmap(path)
-
-    def _unmap(self, path: str) -> None:
-        mapped = self._maps.pop(path)
-        if mapped.pinned:
-            _cuda.unregister(address_of(mapped.mm))  # before unmapping: a registration must not outlive its pages
-        with contextlib.suppress(BufferError):  # a view still exported: the pages go with it
-            mapped.mm.close()
+        with self._lock:
+            mapped = self._maps.get(path)
+            if mapped is not None and (len(mapped.mm), mapped.inode) == (size, inode) and not mapped.mm.closed:
+                return mapped
+        fresh = _Mapped(map_segment(path, size), inode)
+        old: _Mapped | None
+        with self._lock:
+            mapped = self._maps.get(path)
+            if mapped is not None and (len(mapped.mm), mapped.inode) == (size, inode) and not mapped.mm.closed:
+                old, kept = fresh, mapped  # another thread mapped it meanwhile
+            else:
+                old, kept = mapped, fresh
+                self._maps[path] = fresh
+        if old is not None:
+            _unmap(old)
+        return kept
 
     def _pin(self, path: str) -> bool:
         """Register ``path``'s mapping for DMA unless done; retried once after re-mapping. Whether it is registered."""
         with self._lock:
-            mapped = self._maps[path]
-            if mapped.pinned or mapped.failed:
-                return mapped.pinned
-            size = len(mapped.mm)
-            for attempt in range(2):
-                if os.stat(path).st_size < size:  # never register past the file's end (CUDA refuses it: invalid argument)
-                    code, cause = _cuda.ERROR_INVALID_VALUE, f"the file is shorter than its {size}-byte mapping"
-                else:
-                    code = _cuda.register(address_of(mapped.mm), size, _cuda.HOST_REGISTER_PORTABLE)
-                    cause = _cuda.error_text(code) if code else ""
-                if code == 0:
+            mapped = self._maps.get(path)
+            if mapped is None:
+                return False
+            mapped.busy += 1  # not unmapped while it is being registered
+        try:
+            with mapped.pinning:
+                if mapped.pinned or mapped.failed:
+                    return mapped.pinned
+                return self._register(path, mapped)
+        finally:
+            with self._lock:
+                mapped.busy -= 1
+
+    def _register(self, path: str, mapped: _Mapped) -> bool:
+        size = len(mapped.mm)
+        cause = ""
+        for attempt in range(2):
+            if os.stat(path).st_size < size:  # never register past the file's end (CUDA refuses it: invalid argument)
+                code, cause = _cuda.ERROR_INVALID_VALUE, f"the file is shorter than its {size}-byte mapping"
+            else:
+                code = _cuda.register(address_of(mapped.mm), size, _cuda.HOST_REGISTER_PORTABLE)
+                cause = _cuda.error_text(code) if code else ""
+            if code == 0:
+                with self._lock:
                     mapped.pinned = True
                     self._registrations += 1
-                    return True
-                log.warning("cudaHostRegister of %d bytes of %s failed (attempt %d of 2): %s", size, path, attempt + 1, cause)
-                if attempt == 0:
-                    self._unmap(path)
-                    mapped = self._maps[path] = _Mapped(map_segment(path, size), os.stat(path).st_ino)
-            mapped.failed = cause
-            return False
+                return True
+            log.warning("cudaHostRegister of %d bytes of %s failed (attempt %d of 2): %s", size, path, attempt + 1, cause)
+            if attempt == 0:  # map it afresh (same object: its users see the new mapping) and try once more
+                fresh = map_segment(path, size)
+                with self._lock:
+                    stale, mapped.mm, mapped.inode = mapped.mm, fresh, os.stat(path).st_ino
+                with contextlib.suppress(BufferError):
+                    stale.close()
+        mapped.failed = cause
+        return False
 
     def pin_all(self) -> None:
         """Register every ring mapping now (the client starts pinning: its first save with CUDA tensors)."""
         with self._lock:
-            for path in list(self._maps):
-                self._pin(path)
+            paths = list(self._maps)
+        for path in paths:
+            self._pin(path)
 
     @contextlib.contextmanager
     def registered_view(self, path: str, nbytes: int) -> Iterator[mmap.mmap | None]:
@@ -394,5 +425,6 @@ class CaptureRing:
         for thread in threads:
             thread.shutdown(wait=True)
         with self._lock:
-            for path in list(self._maps):
-                self._unmap(path)
+            maps, self._maps = list(self._maps.values()), {}
+        for mapped in maps:
+            _unmap(mapped)

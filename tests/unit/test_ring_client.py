@@ -1,0 +1,149 @@
+"""trainer_client._ring.CaptureRing against a fake store (segment files in a temp dir) and the fake CUDA runtime:
+the lease reserved ahead, exact-size mappings, pruning by the newest answer, and a save that never waits for the
+ring's threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memstore.v1 import store_pb2 as pb
+from tests.harness.fake_cuda import FakeCudaRuntime
+from trainer_client._ring import CaptureRing
+
+pytestmark = pytest.mark.unit
+PAGE = 4096
+KEY = pb.ShardKey(job_id="j", step=1, rank=0)
+
+
+class FakeStore:
+    """Hands out segment files; the ring is every segment it made (``ring`` overrides what it lists)."""
+
+    def __init__(self, directory: Path, file_bytes: int = 0) -> None:
+        self.directory = directory
+        self.file_bytes = file_bytes  # > segment_bytes: a file longer than the allocation (a reserve segment not trimmed yet)
+        self.paths: list[str] = []
+        self.ring: list[str] | None = None
+        self.requests: list[pb.AllocateRequest] = []
+        self.released: list[str] = []
+        self.hold = threading.Event()
+        self.hold.set()
+
+    def allocate(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
+        self.hold.wait(10)
+        self.requests.append(request)
+        path = str(self.directory / f"seg-{len(self.paths)}")
+        size = -(-request.nbytes // PAGE) * PAGE
+        Path(path).write_bytes(b"\0" * max(size, self.file_bytes))
+        self.paths.append(path)
+        ring = self.paths if self.ring is None else [*self.ring, path]
+        return pb.AllocateResponse(
+            lease_id=f"lease-{len(self.paths)}", segment_path=path, segment_bytes=size, ring_paths=ring, lease_seconds=600, ring_limit=3
+        )
+
+    def release(self, lease_id: str) -> None:
+        self.released.append(lease_id)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FakeStore:
+    return FakeStore(tmp_path)
+
+
+def make_ring(store: FakeStore, ahead: Any = None) -> CaptureRing:
+    return CaptureRing(store.allocate, store.release, ahead)
+
+
+def test_a_save_takes_the_lease_reserved_ahead_without_a_call(store: FakeStore, fake_cuda: FakeCudaRuntime) -> None:
+    ring = make_ring(store)
+    ring.pinning = True
+    ring.reserve_ahead(KEY, 1, 3 * PAGE, grow=False)
+    ring.wait_ahead()
+    calls = len(store.requests)
+    slot = ring.slot(KEY, 1, 3 * PAGE)
+    assert len(store.requests) == calls and slot.ahead and slot.pinned
+    assert store.requests[0].ahead and not store.requests[0].grow
+    assert fake_cuda.registrations == 1
+    ring.close()
+    assert fake_cuda.live == {}
+
+
+def test_a_segment_is_mapped_at_exactly_its_allocated_size(tmp_path: Path, fake_cuda: FakeCudaRuntime) -> None:
+    store = FakeStore(tmp_path, file_bytes=8 * PAGE)  # the file is longer: the store trims it later
+    ring = make_ring(store)
+    ring.pinning = True
+    slot = ring.slot(KEY, 1, 2 * PAGE)
+    assert len(slot.mm) == slot.size == 2 * PAGE
+    ((size, _),) = fake_cuda.live.values()
+    assert size == 2 * PAGE
+    Path(slot.path).write_bytes(b"\0" * 2 * PAGE)  # the store trims it to the allocation: nothing registered past its end
+    ring.close()
+    assert fake_cuda.failures == []
+
+
+def test_only_the_newest_answer_prunes_and_never_a_leased_segment(store: FakeStore, fake_cuda: FakeCudaRuntime) -> None:
+    ring = make_ring(store)
+    first = ring.slot(KEY, 1, PAGE)
+    store.ring = []  # the store now lists nothing but the new segment
+    second = ring.slot(KEY, 1, PAGE)
+    assert first.path in ring.mapped_paths, "a segment this client holds a lease on is never unmapped"
+    ring.committed(first)
+    ring.committed(second)
+    third = ring.slot(KEY, 1, PAGE)
+    assert ring.mapped_paths == [third.path]  # the others left the ring: unmapped once no lease held them
+    ring.close()
+
+
+def test_a_late_answer_to_an_older_request_does_not_prune(store: FakeStore, fake_cuda: FakeCudaRuntime) -> None:
+    ring = make_ring(store)
+    old = ring._next_seq()
+    stale = store.allocate(pb.AllocateRequest(key=KEY, world_size=1, nbytes=PAGE))  # answered first, listing seg-0 only
+    newer = ring.slot(KEY, 1, PAGE)  # sent later: its answer lists seg-0 and seg-1
+    ring.committed(newer)
+    store.ring = []
+    late = ring._adopt(stale, PAGE, ahead=False, seq=old)  # arrives last: it must not unmap seg-1
+    assert newer.path in ring.mapped_paths and late.path in ring.mapped_paths
+    ring.close()
+
+
+def test_a_save_never_waits_for_a_registration_on_the_rings_threads(store: FakeStore, fake_cuda: FakeCudaRuntime) -> None:
+    """The ring's fill thread registers (0.06-0.5 s per GiB on a GPU) outside the ring's lock: a save that finds its
+    lease reserved takes it at once."""
+    ring = make_ring(store)
+    ring.pinning = True
+    ring.reserve_ahead(KEY, 1, PAGE, grow=False)
+    ring.wait_ahead()
+    gate, entered = threading.Event(), threading.Event()
+    register = fake_cuda.host_register
+
+    def slow_register(addr: int, size: int, flags: int) -> int:
+        entered.set()
+        gate.wait(10)
+        return register(addr, size, flags)
+
+    fake_cuda.host_register = slow_register  # type: ignore[method-assign]
+    filler = threading.Thread(target=lambda: ring._reserve(pb.ShardKey(job_id="j", rank=0), 1, PAGE, grow=True))
+    filler.start()
+    try:
+        assert entered.wait(10)
+        started = time.monotonic()
+        slot = ring.slot(KEY, 1, PAGE)
+        assert time.monotonic() - started < 1.0 and slot.ahead and slot.pinned
+    finally:
+        gate.set()
+        filler.join(10)
+    ring.close()
+    assert fake_cuda.live == {}
+
+
+def test_the_fill_stops_when_the_store_keeps_no_more(store: FakeStore, fake_cuda: FakeCudaRuntime) -> None:
+    """A store whose pool cannot keep the ring's segments (each given back is destroyed) must not be asked forever."""
+    store.ring = []  # every answer lists only the segment it hands out: the ring never grows
+    ring = make_ring(store)
+    ring.prepare(KEY, 1, PAGE)
+    assert len(store.requests) <= 3 and all(r.ahead for r in store.requests)
+    ring.close()

@@ -22,6 +22,7 @@ from memstore.devtools.cluster import LocalCluster, wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from tests.harness.fake_cuda import FakeCudaRuntime
+from tests.harness.listing import own_steps
 from trainer_client import CheckpointClient, _cuda, _ring
 from trainer_client.errors import CaptureError, ReplicationError
 
@@ -42,16 +43,6 @@ def health(cluster: LocalCluster, host: str) -> pb.HealthResponse:
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def own_steps(cluster: LocalCluster, host: str, job: str, rank: int) -> int:
-    """Steps of ``rank`` the store ``host`` holds as their owner (its retention keeps --keep of them, 2 here)."""
-    channel, stub = store_stub(cluster.address(host))
-    try:
-        listing = stub.List(pb.ListRequest(job_id=job), timeout=10)
-    finally:
-        channel.close()
-    return sum(1 for s in listing.shards if s.manifest.key.rank == rank and s.manifest.owner_host == host)
 
 
 def test_after_prepare_fifty_saves_register_nothing_while_a_peer_replicates(make_cluster: Any, fake_cuda: FakeCudaRuntime) -> None:

@@ -23,6 +23,20 @@ from memstore.devtools.cluster import LocalCluster
 from trainer_client import CheckpointClient
 
 
+def timed_saves(client: CheckpointClient, state: Any, saves: int) -> tuple[list[float], list[float]]:
+    """Steps 1..``saves`` with ``capture="enqueued"``, each replicated before the next: the seconds until ``save()``
+    returned and until the capture was done (``wait_captured(block=True)``), per save."""
+    returned, captured = [], []
+    for step in range(1, saves + 1):
+        t0 = time.perf_counter()
+        handle = client.save(step, state, capture="enqueued")
+        returned.append(time.perf_counter() - t0)
+        handle.wait_captured(block=True)
+        captured.append(time.perf_counter() - t0)
+        handle.wait(300)
+    return returned, captured
+
+
 def run(address: str, job: str, state: dict[str, torch.Tensor], saves: int, prepare: bool) -> dict[str, Any]:
     with CheckpointClient(job, 0, 1, store=address) as client:
         prepared = 0.0
@@ -30,14 +44,7 @@ def run(address: str, job: str, state: dict[str, torch.Tensor], saves: int, prep
             t0 = time.perf_counter()
             client.prepare(state)
             prepared = time.perf_counter() - t0
-        returned, captured = [], []
-        for step in range(1, saves + 1):
-            t0 = time.perf_counter()
-            handle = client.save(step, state, capture="enqueued")
-            returned.append(time.perf_counter() - t0)
-            handle.wait_captured(block=True)
-            captured.append(time.perf_counter() - t0)
-            handle.wait(300)
+        returned, captured = timed_saves(client, state, saves)
         return {
             "prepare_ms": round(prepared * 1e3, 1),
             "returned_ms": [round(x * 1e3, 2) for x in returned],

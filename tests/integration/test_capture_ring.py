@@ -12,12 +12,12 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from typing import Any
 
 import pytest
 import torch
 
+from benchmarks.enqueued_cpu import timed_saves
 from memstore.devtools.cluster import LocalCluster, wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
@@ -140,14 +140,7 @@ def test_an_enqueued_save_makes_no_call_and_registers_nothing_on_the_callers_thr
         monkeypatch.setattr(client, "_control", control)
         client.prepare(state)
         on_caller.clear()  # prepare() itself may work on the caller's thread: that is what it is for
-        stalls, captures = [], []
-        for step in range(1, 9):
-            t0 = time.perf_counter()
-            handle = client.save(step, state, capture="enqueued")
-            stalls.append(time.perf_counter() - t0)
-            handle.wait_captured(block=True)
-            captures.append(time.perf_counter() - t0)
-            handle.wait(60)
+        stalls, captures = timed_saves(client, state, 8)  # what benchmarks/enqueued_cpu.py measures
         assert on_caller == []
         # The stall is a small part of the capture itself (the copy runs on the capture thread): the absolute figures
         # (about a millisecond against hundreds for the copy) are in docs/benchmarks.md.

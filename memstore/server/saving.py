@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections.abc import Iterable
@@ -31,7 +32,7 @@ from memstore.server.catalog import (
 from memstore.server.replication import Replication
 from memstore.server.segments import Segment
 from memstore.v1.integrity import MAX_CHUNKS_PER_SHARD, chunk_count
-from memstore.v1.keys import host_id_problem, key_problem, metrics_problem
+from memstore.v1.keys import capture_problem, host_id_problem, key_problem, metrics_problem
 from memstore.v1.streams import receive_chunks, shard_manifest_problem
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ def _bind_problem(lease: Lease, key: ShardKey | None, nbytes: int) -> str | None
         return f"commit names {nbytes} bytes but the ahead lease's segment holds {held.segment.size}"
     return None
 
+MAX_CAPTURE_SECONDS = 86400.0  # a client's reported time from save() to Commit (0: not reported)
 MAX_WAIT_SECONDS = 10.0  # WaitCommitted blocks a server thread at most this long; clients loop
 
 
@@ -127,6 +129,10 @@ class Saving(Replication):
         this commit (the store sees an ahead lease's save start nowhere).
         """
         ensure(codec_problem(spill_codec) or metrics_problem(metrics))
+        if capture is not None:
+            ensure(capture_problem(capture.registrations, capture.fallbacks, capture.fallback_cause))
+        if not (math.isfinite(capture_seconds) and 0.0 <= capture_seconds <= MAX_CAPTURE_SECONDS):
+            raise InvalidArgument(f"capture_seconds {capture_seconds!r} is out of range: expected 0..{MAX_CAPTURE_SECONDS:.0f}")
         if key is not None:
             ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
         with self._lock:

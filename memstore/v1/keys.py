@@ -67,6 +67,20 @@ def key_problem(job_id: str, step: int, rank: int, world_size: int | None = None
     return None
 
 
+MAX_CAPTURE_COUNT = 1 << 20  # registrations or fallbacks one Commit may report (a client makes a handful)
+MAX_CAUSE_CHARS = 512  # a reported fallback cause, as the CUDA runtime names it
+
+
+def capture_problem(registrations: int, fallbacks: int, cause: str) -> str | None:
+    """Why the capture counts a client reported with a Commit cannot be taken (out of range, a cause too long), or None."""
+    for name, value in (("registrations", registrations), ("fallbacks", fallbacks)):
+        if not 0 <= value <= MAX_CAPTURE_COUNT:
+            return f"capture.{name} {value} is out of range: a commit reports 0..{MAX_CAPTURE_COUNT} (MAX_CAPTURE_COUNT)"
+    if len(cause) > MAX_CAUSE_CHARS or "\0" in cause:
+        return f"capture.fallback_cause is invalid: at most {MAX_CAUSE_CHARS} characters (MAX_CAUSE_CHARS), no NUL"
+    return None
+
+
 def metrics_problem(metrics: Mapping[str, float]) -> str | None:
     """Why the metrics passed with a save cannot be kept (too many, a name too long or empty), or None."""
     if len(metrics) > MAX_METRICS:

@@ -267,3 +267,37 @@ def test_absurd_manifests_are_refused_before_they_cost_memory(stub: pb_grpc.Stor
     with pytest.raises(grpc.RpcError) as err:
         stub.PrepareReceive(pb.PutHeader(manifest=big, origin=pb.PUT_ORIGIN_REPLICA, sender_host="h1"), timeout=20)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--capacity" in (err.value.details() or "")
+
+
+def test_capture_rings_wrong_calls_are_refused_and_counts_stay_in_range(cluster: LocalCluster, stub: pb_grpc.StoreStub) -> None:
+    """Ahead leases, ring growth and the capture counts a Commit reports: each wrong value is refused naming it, and
+    Health stays answerable (the fuzzer once made it fail by reporting registrations beyond uint32)."""
+    other = "bad-input-ring"
+
+    def allocate(**extra: object) -> pb.AllocateResponse:
+        return stub.Allocate(pb.AllocateRequest(key=key(other, 1), world_size=2, nbytes=4096, **extra), timeout=10)  # type: ignore[arg-type]
+
+    def refused(fn) -> str:  # type: ignore[no-untyped-def]
+        with pytest.raises(grpc.RpcError) as err:
+            fn()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        return str(err.value.details())
+
+    assert "grow needs ahead" in refused(lambda: allocate(grow=True))
+    ahead = allocate(ahead=True)
+    assert "needs the shard's key" in refused(lambda: stub.Commit(pb.CommitRequest(lease_id=ahead.lease_id), timeout=10))
+    elsewhere = pb.CommitRequest(lease_id=ahead.lease_id, key=key(other, 1, rank=1))
+    assert "ahead lease is rank 0" in refused(lambda: stub.Commit(elsewhere, timeout=10))
+    too_big = pb.CommitRequest(lease_id=ahead.lease_id, key=key(other, 1), nbytes=1 << 40)
+    assert "segment holds" in refused(lambda: stub.Commit(too_big, timeout=10))
+    absurd = pb.CommitRequest(lease_id=ahead.lease_id, key=key(other, 1), capture=pb.CaptureStats(registrations=7058651275))
+    assert "capture.registrations 7058651275 is out of range" in refused(lambda: stub.Commit(absurd, timeout=10))
+    chatty = pb.CommitRequest(lease_id=ahead.lease_id, key=key(other, 1), capture=pb.CaptureStats(fallbacks=1, fallback_cause="x" * 5000))
+    assert "fallback_cause" in refused(lambda: stub.Commit(chatty, timeout=10))
+    negative = pb.CommitRequest(lease_id=ahead.lease_id, key=key(other, 1), capture_seconds=-1.0)
+    assert "capture_seconds" in refused(lambda: stub.Commit(negative, timeout=10))
+    # The lease survived every refusal: a right commit takes it, and Health reports the (in-range) counts.
+    good = pb.CommitRequest(lease_id=ahead.lease_id, key=key(other, 1), capture=pb.CaptureStats(registrations=3))
+    assert stub.Commit(good, timeout=10).key.step == 1
+    assert stub.Health(pb.HealthRequest(), timeout=10).capture.registrations >= 3
+    stub.Delete(pb.DeleteRequest(job_id=other, step=-1, rank=-1), timeout=10)

@@ -376,6 +376,8 @@ class SegmentPool:
                 self._reserve_wake.set()
             used = self._owner_bytes(owner) if quota else 0
             max_size = quota - used if quota else None
+            if grow:
+                self._refuse_growth_without_headroom(size, owner, used, quota)
             seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred, ring=ring, grow=grow)
             if seg is None and self._warming >= size - size // _GROW_FRACTION:
                 # The reserve is faulting in a segment that fits: finishing it is faster than starting another.
@@ -448,6 +450,20 @@ class SegmentPool:
         """The pooled segment ``acquire(nbytes, owner, ring=ring)`` would hand out now, left in the pool (None: none would)."""
         with self._lock:
             return self._pick_pooled(nbytes, owner, ring=ring)
+
+    def _refuse_growth_without_headroom(self, size: int, owner: str, used: int, quota: int) -> None:
+        """A ring grows (``acquire(grow=True)``) only with room left for it and for a save beside it, so the segment it
+        holds while its client maps it never makes a save drop a step or fail (lock held)."""
+        total = self._in_use_bytes + self._pooled_bytes + self._warming
+        if total + 2 * size > self.capacity or (quota and used + 2 * size > quota):
+            limit, held = (quota, used) if quota and used + 2 * size > quota else (self.capacity, total)
+            raise CapacityExceeded(
+                f"no room to grow the capture ring of job {owner!r}: {format_size(held)} held of {format_size(limit)}, and a "
+                f"{format_size(size)} segment plus a save beside it would not fit",
+                needed=2 * size,
+                used=held,
+                capacity=limit,
+            )
 
     def _ring_size(self, owner: str, ring: int) -> int:
         return len(ring_members(itertools.chain(self._in_use, self._free), owner, ring))

@@ -104,12 +104,6 @@ class Saving(Replication):
         """The segments of ``rank``'s capture ring (``AllocateResponse.ring_paths``): its client keeps them mapped."""
         return self.pool.ring_paths(job_id, rank)
 
-    def next_segment(self, job_id: str, nbytes: int) -> str:
-        """The path of the free, faulted-in segment the next save of ``nbytes`` by ``job_id`` would get ('' if none):
-        a client maps it ahead so that save does not pay for mapping fresh pages."""
-        seg = self.pool.peek(nbytes, job_id)
-        return (seg.path or "") if seg is not None else ""
-
     def commit(
         self,
         lease_id: str,

@@ -124,7 +124,6 @@ class StoreServicer(pb_grpc.StoreServicer):
             lease_id=lease_id,
             segment_path=segment.path or "",
             segment_bytes=segment.size,
-            next_segment_path=self.store.next_segment(key.job_id, request.nbytes),
             ring_paths=self.store.ring_paths(key.job_id, key.rank),
             lease_seconds=ALLOCATE_LEASE_SECONDS,
             ring_limit=self.store.pool.ring_limit,
@@ -166,8 +165,7 @@ class StoreServicer(pb_grpc.StoreServicer):
     def WaitCommitted(self, request: pb.WaitCommittedRequest, context: grpc.ServicerContext) -> pb.WaitCommittedResponse:
         self._allow(context, Need.JOB, request.key.job_id)
         info, done = self.store.wait_committed(key_from_pb(request.key), request.timeout_seconds)
-        ahead = self.store.next_segment(request.key.job_id, info.manifest.nbytes) if done and info.manifest.nbytes else ""
-        return pb.WaitCommittedResponse(info=info_to_pb(info), done=done, next_segment_path=ahead)
+        return pb.WaitCommittedResponse(info=info_to_pb(info), done=done)
 
     @rpc
     def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:

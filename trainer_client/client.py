@@ -50,7 +50,8 @@ from memstore.v1.security import Credentials
 from memstore.v1.streams import manifest_problem
 from trainer_client import _cuda, serialization
 from trainer_client._agreement import Agreements, AgreementStats, agree
-from trainer_client._capture import CAPTURE_MODES, Capture, Captures, HostToDevice, decode_onto, host_writer, parse_map_location
+from trainer_client._capture import CAPTURE_MODES, Capture, Captures, host_writer
+from trainer_client._device_restore import HostToDevice, decode_onto, parse_map_location
 from trainer_client._local_control import LocalStub, RpcFailure
 from trainer_client._remote import RemotePath, byte_view, empty_buffer
 from trainer_client._ring import CaptureRing, CaptureStats

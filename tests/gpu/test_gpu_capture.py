@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from memstore.devtools.cluster import wait_for
 from tests.harness.listing import own_steps
 from tests.states import assert_same
-from trainer_client import CheckpointClient, _capture, _cuda
+from trainer_client import CheckpointClient, _cuda, _device_restore
 from trainer_client._ring import STRICT_ENV, CaptureStats
 from trainer_client.dcp import MemStoreReader, MemStoreWriter
 
@@ -237,8 +237,8 @@ def test_load_onto_cuda_bit_exact(make_cluster, cudart: RecordingRuntime, shared
                         {k: v.detach() if isinstance(v, torch.nn.Parameter) else v for k, v in expected.items()})  # fmt: skip
         # Nothing is registered per load: the shard is read in place from the ring (same process) or through the
         # process's bounce ring, whose buffers are registered once.
-        assert all(size == _capture.BOUNCE_CHUNK_BYTES for _, size, _ in cudart.registered), cudart.registered
-        assert len(cudart.registered) <= _capture.BOUNCE_BUFFERS
+        assert all(size == _device_restore.BOUNCE_CHUNK_BYTES for _, size, _ in cudart.registered), cudart.registered
+        assert len(cudart.registered) <= _device_restore.BOUNCE_BUFFERS
 
 
 def test_dcp_save_and_load_of_gpu_tensors(make_cluster) -> None:  # type: ignore[no-untyped-def]

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from memstore.v1.pagefaults import address_of
 from tests.harness.fake_cuda import FakeCudaRuntime
-from trainer_client import _capture, _cuda, serialization
+from trainer_client import _capture, _cuda, _device_restore, serialization
 from trainer_client.errors import CapacityExceededError, InvalidArgumentError, SerializationError, StoreUnavailableError
 
 pytestmark = pytest.mark.unit
@@ -79,7 +80,7 @@ def _anonymous(size: int) -> mmap.mmap:
 def test_a_staging_buffer_is_registered_once_at_its_exact_size(fake_cuda: FakeCudaRuntime) -> None:
     size = 3 * PAGE + 123  # no power of two, not whole pages
     mm = _anonymous(size)
-    addr = _capture.address_of(mm)
+    addr = address_of(mm)
     pins = _capture.HostRegistrations()
     assert pins.pin(mm, addr, size) and pins.pin(mm, addr, size)  # the next save finds it registered
     assert fake_cuda.calls == [("register", addr, size, PORTABLE)]
@@ -98,7 +99,7 @@ def test_a_staging_buffer_is_registered_once_at_its_exact_size(fake_cuda: FakeCu
 
 def test_a_failed_registration_is_remembered_cleared_and_never_unregistered(fake_cuda: FakeCudaRuntime) -> None:
     mm = _anonymous(2 * PAGE)
-    addr = _capture.address_of(mm)
+    addr = address_of(mm)
     pins = _capture.HostRegistrations()
     fake_cuda.fail_next = [_cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED]
     assert not pins.pin(mm, addr, 2 * PAGE)
@@ -113,7 +114,7 @@ def test_a_failed_registration_is_remembered_cleared_and_never_unregistered(fake
 
 def test_an_overlapping_buffer_fails_alone_and_only_the_registered_one_is_unregistered(fake_cuda: FakeCudaRuntime) -> None:
     mm = _anonymous(4 * PAGE)
-    addr = _capture.address_of(mm)
+    addr = address_of(mm)
     pins = _capture.HostRegistrations()
     assert pins.pin(mm, addr, 4 * PAGE)
     inner = object()  # another owner whose bytes lie inside the first: CUDA refuses the second registration
@@ -133,7 +134,7 @@ def test_a_buffer_reaching_past_its_file_is_refused(tmp_path: Path, fake_cuda: F
     with open(path, "r+b") as fh:
         mm = mmap.mmap(fh.fileno(), 0)
     os.truncate(path, PAGE)  # the file shrank under the mapping: its last pages cannot be faulted in
-    addr = _capture.address_of(mm)
+    addr = address_of(mm)
     pins = _capture.HostRegistrations()
     assert not pins.pin(mm, addr, 4 * PAGE)
     assert fake_cuda.failures == [(addr, 4 * PAGE, _cuda.ERROR_INVALID_VALUE)] and fake_cuda.last_error == 0 and pins.failed
@@ -284,12 +285,12 @@ def test_a_full_store_in_the_background_becomes_a_skipped_save_when_asked() -> N
 
 @pytest.mark.parametrize("value", [None, "cpu", "cpu:0", torch.device("cpu")])
 def test_map_location_cpu_is_the_default_path(value: Any) -> None:
-    assert _capture.parse_map_location(value) is None
+    assert _device_restore.parse_map_location(value) is None
 
 
 def test_map_location_meta() -> None:
-    assert _capture.parse_map_location("meta") == torch.device("meta")
-    assert _capture.parse_map_location(torch.device("meta")) == torch.device("meta")
+    assert _device_restore.parse_map_location("meta") == torch.device("meta")
+    assert _device_restore.parse_map_location(torch.device("meta")) == torch.device("meta")
 
 
 @pytest.mark.parametrize(
@@ -298,14 +299,14 @@ def test_map_location_meta() -> None:
 )
 def test_bad_map_location_is_named(value: Any, named: str) -> None:
     with pytest.raises(InvalidArgumentError, match="map_location") as err:
-        _capture.parse_map_location(value)
+        _device_restore.parse_map_location(value)
     assert named in str(err.value)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
 def test_map_location_cuda_without_cuda() -> None:
     with pytest.raises(InvalidArgumentError, match="'cuda:0': CUDA is not available"):
-        _capture.parse_map_location("cuda:0")
+        _device_restore.parse_map_location("cuda:0")
 
 
 def test_move_tree_keeps_structure_identity_and_flags() -> None:
@@ -322,7 +323,7 @@ def test_move_tree_keeps_structure_identity_and_flags() -> None:
         "arr": arr,
         "size": torch.Size([2, 3]),
     }
-    out = _capture.move_tree(tree, lambda t: t.to("meta"), copy_arrays=True)
+    out = _device_restore.move_tree(tree, lambda t: t.to("meta"), copy_arrays=True)
     assert out["od"]._metadata == {"": {"version": 1}}
     assert out["od"] is od and type(out["od"]) is collections.OrderedDict
     assert out["od"]["w"].is_meta and out["od"]["w"].shape == (2, 3)
@@ -342,7 +343,7 @@ def test_decode_onto_meta_moves_every_tensor() -> None:
         "n": 3,
     }
     buf = serialization.encode(state)
-    out: Any = _capture.decode_onto(buf, torch.device("meta"), zero_copy=False)
+    out: Any = _device_restore.decode_onto(buf, torch.device("meta"), zero_copy=False)
     for key in ("w", "b", "t"):
         assert out[key].is_meta and out[key].shape == state[key].shape and out[key].dtype == state[key].dtype
     assert out["n"] == 3

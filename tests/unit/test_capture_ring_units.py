@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from tests.harness.fake_cuda import FakeCudaRuntime
-from trainer_client import _capture, _cuda, serialization
-from trainer_client._capture import BounceRing, CopyRun, HostToDevice, copy_runs, gather_run, raw_bytes
+from trainer_client import _capture, _cuda, _device_restore, serialization
+from trainer_client._capture import CopyRun, copy_runs, gather_run, raw_bytes
+from trainer_client._device_restore import BounceRing, HostToDevice
 
 pytestmark = pytest.mark.unit
 
@@ -32,7 +33,7 @@ def staged(target: torch.Tensor) -> bool:
 def ring(fake_cuda: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch) -> Iterator[BounceRing]:
     """A small bounce ring standing in for the process's (4 KiB chunks, 2 buffers), closed after the test."""
     small = BounceRing(buffers=2, chunk=4096)
-    monkeypatch.setattr(_capture, "_bounce", small)
+    monkeypatch.setattr(_device_restore, "_bounce", small)
     yield small
     small.close()
     assert fake_cuda.live == {}
@@ -275,7 +276,7 @@ def test_decode_onto_through_the_bounce_ring_equals_the_state(ring: BounceRing, 
     state = _state()
     buf = serialization.encode(state)
     copies = HostToDevice(staged=staged)
-    out: Any = _capture.decode_onto(buf, CPU, zero_copy=False, copies=copies)
+    out: Any = _device_restore.decode_onto(buf, CPU, zero_copy=False, copies=copies)
     assert copies.bounced == 2 and copies.direct == 0 and not ring.lock.locked()
     _assert_equal(out, state)
     assert out["model"]._metadata == {"": {"version": 2}}
@@ -296,7 +297,7 @@ def test_decode_onto_out_of_registered_memory_copies_direct(ring: BounceRing, fa
     buf = serialization.encode(state)
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     copies = HostToDevice(registered=lambda addr, n: base <= addr and addr + n <= base + len(buf), staged=staged)
-    out: Any = _capture.decode_onto(buf, CPU, zero_copy=False, copies=copies)
+    out: Any = _device_restore.decode_onto(buf, CPU, zero_copy=False, copies=copies)
     # the large tensors are views of the "ring segment": straight out of it (decode copies small ones out already)
     assert copies.bounced == 0 and copies.direct == 2
     assert fake_cuda.registrations == 0  # the bounce ring was never needed

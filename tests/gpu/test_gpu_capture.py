@@ -224,6 +224,7 @@ def test_load_onto_cuda_bit_exact(make_cluster, cudart: RecordingRuntime, shared
     cluster = make_cluster(hosts=1, replicas=1, capacity="1GiB")
     state, expected = gpu_state(4, scale=8)
     with CheckpointClient("gpu-load", 0, 1, store=cluster.address("h0"), use_shared_memory=shared) as client:
+        client.prepare(state)  # the ring is full before the save: its fill thread registers nothing during the loads
         client.save(1, state).wait(60)
         cudart.registered.clear()
         cudart.unregistered.clear()

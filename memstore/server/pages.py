@@ -1,6 +1,6 @@
 """Faulting memory in ahead of need: populate mappings, ask for huge pages, give pages back.
 
-Used by the segment pool's reserve (``memstore.server.segments``); every call here lets go of the GIL
+Used by the segment pool's reserve (``memstore.server.reserve``); every call here lets go of the GIL
 for its system call, so a store's other threads keep serving while memory faults in.
 """
 
@@ -18,6 +18,11 @@ FAULT_STEP = 64 << 20  # fault_in works in steps of this many bytes, checking fo
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+
+
+def round_up(n: int) -> int:
+    """``n`` bytes rounded up to whole pages, at least one page: what a segment of ``n`` bytes takes."""
+    return max(PAGE, -(-n // PAGE) * PAGE)
 
 
 def advise_huge(mm: mmap.mmap) -> None:

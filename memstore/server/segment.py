@@ -1,16 +1,26 @@
-"""One shared-memory segment: a mapped region of a file on the tmpfs (or anonymous memory) holding one shard.
+"""One shared-memory segment: a mapped region of a file on the tmpfs (or anonymous memory) holding one shard,
+and ``SegmentMaker``, which makes them.
 
-``memstore.server.segments.SegmentPool`` makes, recycles and accounts them.
+``memstore.server.segments.SegmentPool`` recycles and accounts them; ``memstore.server.reserve.Reserve`` keeps
+fresh ones faulted in ahead of need; ``memstore.server.leftovers.Leftovers`` maps those a previous store left.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import mmap
 import os
+import secrets
+import threading
+from collections.abc import Callable
+from pathlib import Path
 
-from memstore.server.shm_dirs import sidecar_path
+from memstore.core.sizes import format_size
+from memstore.errors import CapacityExceeded
+from memstore.server.pages import MAP_FLAGS, fault_in, give_back
+from memstore.server.shm_dirs import SEGMENT_PREFIX, sidecar_path
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +46,36 @@ class Segment:
         self._closed = False
 
     def view(self, nbytes: int | None = None) -> memoryview:
-        """The first ``nbytes`` (default ``size``; the map may be longer after a shrink, see ``SegmentPool``)."""
+        """The first ``nbytes`` (default ``size``; the map may be longer after a shrink, see ``shrink_to``)."""
         return memoryview(self.mm)[: self.size if nbytes is None else nbytes]
+
+    def extend(self, size: int) -> bool:
+        """Make the file and the map ``size`` bytes long, the file's blocks reserved now (a full tmpfs fails here,
+        not with SIGBUS later); whether it could (anonymous memory cannot grow). ``size`` is the caller's to set."""
+        if not self.path:
+            return False
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+            self.mm.resize(size)  # sets the file's size and remaps
+        except (OSError, ValueError, TypeError) as exc:
+            log.debug("cannot grow segment %s to %d bytes: %s", self.path, size, exc)
+            return False
+        return True
+
+    def shrink_to(self, size: int) -> None:
+        """Give the pages past ``size`` back (the map keeps its length; nothing reads past ``size``). Costs ~0.2 s
+        per GiB: the reserve's thread calls it, off the saves' path. Failures are logged."""
+        try:
+            if self.path:
+                os.truncate(self.path, size)
+            else:
+                give_back(self.mm, size)
+        except (OSError, ValueError) as exc:
+            log.debug("cannot trim segment %s to %d bytes: %s", self.path, size, exc)
 
     def unmap(self) -> None:
         """Unmap, keeping the file (and sidecar) on the tmpfs."""
@@ -58,3 +96,64 @@ class Segment:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             self.described = False
+
+
+class SegmentMaker:
+    """Makes segments: files ``seg-<pid>-<n>-<hex>`` in ``directory`` on the tmpfs (None: anonymous memory)."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self._names = itertools.count()
+
+    def create(self, size: int, *, used: int, capacity: int) -> Segment:
+        """A fresh segment of ``size`` bytes, its file's blocks reserved and its pages mapped populated. Raises
+        CapacityExceeded (with ``used`` and ``capacity``, the pool's counts) if the tmpfs cannot hold it."""
+        if self.directory is None:
+            return Segment(None, size, mmap.mmap(-1, size, flags=MAP_FLAGS))
+        directory = self.directory
+
+        def reserve_and_map(fd: int) -> mmap.mmap:
+            try:
+                os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS later, if tmpfs is full
+            except OSError as exc:
+                raise CapacityExceeded(
+                    f"shared memory {directory} cannot hold {format_size(size)} more: {exc.strerror}; "
+                    "enlarge the tmpfs (/dev/shm) or lower --capacity",
+                    needed=size,
+                    used=used,
+                    capacity=capacity,
+                ) from None
+            return mmap.mmap(fd, size, flags=MAP_FLAGS)
+
+        return self._new_file(size, reserve_and_map)
+
+    def create_cancellable(self, size: int, cancel: threading.Event) -> Segment:
+        """A fresh segment of ``size`` bytes faulted in step by step (``memstore.server.pages.fault_in``), raising
+        InterruptedError as soon as ``cancel`` is set: the reserve's, which gives way to an allocation."""
+        if self.directory is None:
+            return Segment(None, size, fault_in(-1, size, cancel))
+        return self._new_file(size, lambda fd: fault_in(fd, size, cancel))
+
+    def map_existing(self, path: str, size: int) -> Segment:
+        """Map the first ``size`` bytes of the segment file at ``path`` (one a previous store left)."""
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, size, flags=MAP_FLAGS)
+        finally:
+            os.close(fd)
+        return Segment(path, size, mm)
+
+    def _new_file(self, size: int, map_fd: Callable[[int], mmap.mmap]) -> Segment:
+        assert self.directory is not None
+        path = self.directory / f"{SEGMENT_PREFIX}{os.getpid()}-{next(self._names)}-{secrets.token_hex(4)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = map_fd(fd)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return Segment(str(path), size, mm)

@@ -1,7 +1,7 @@
 """A store's segment directory on the tmpfs: its name, its lock, and orphans that no running store holds.
 
 Files of one store live in ``<shm_dir>/<host_id>-<port>/`` (``segment_dir``), locked by ``.lock``
-(``flock``) while the store runs (``memstore.server.segments.SegmentPool`` claims it). A directory whose
+(``flock``) while the store runs (``claim``, by ``memstore.server.segments.SegmentPool``). A directory whose
 ``.lock`` nobody holds belongs to no running store: an *orphan* (``orphaned_dirs``), removable with
 ``reclaim_orphans`` (``memstore reclaim-shm``).
 """
@@ -14,11 +14,12 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 from memstore.core.sizes import format_size
 from memstore.core.status import Orphan
-from memstore.errors import StaleLock
+from memstore.errors import ConfigError, StaleLock
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,28 @@ def try_lock(directory: Path, create: bool) -> int | None:
         os.close(fd)
         raise StaleLock(str(path))
     return fd
+
+
+def claim(directory: Path) -> int:
+    """Own ``directory`` exclusively (created if missing): the fd of its flocked ``.lock``, held until closed.
+    Waits up to ``CLAIM_WAIT_SECONDS`` for a lock held briefly (an orphan probe, a reclaim); ConfigError if a
+    running store holds it or the directory is not usable."""
+    deadline = time.monotonic() + CLAIM_WAIT_SECONDS
+    while True:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = try_lock(directory, create=True)
+        except StaleLock:
+            fd = None  # reclaimed under our feet: recreate it
+        except OSError as exc:
+            raise ConfigError(f"--shm-dir {directory} is not usable: {exc}") from None
+        if fd is not None:
+            return fd
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                f"--shm-dir {directory} is in use by another running store (same --host-id and --listen port?); give each store its own"
+            )
+        time.sleep(0.02)
 
 
 def is_segment_name(name: str) -> bool:

@@ -14,7 +14,9 @@ from memstore.config import StoreConfig
 from memstore.core.reserve import HEADROOM, MIN_UNIT, ReserveGoal, ReservePolicy
 from memstore.devtools.cluster import wait_for
 from memstore.errors import ConfigError
-from memstore.server.segments import FRESH, PAGE, SegmentPool
+from memstore.server.pages import PAGE
+from memstore.server.segment import Segment
+from memstore.server.segments import SegmentPool
 
 pytestmark = pytest.mark.unit
 MiB = 1 << 20
@@ -29,16 +31,17 @@ def settled(pool: SegmentPool) -> Callable[[], bool]:
 
 
 def fresh_sizes(pool: SegmentPool) -> list[int]:
-    return sorted(s.size for s in pool._free if s.owner == FRESH)
+    return sorted(s.size for s in pool.reserve.segments())
 
 
 def check_accounting(pool: SegmentPool) -> None:
-    with pool._lock:
-        free = list(pool._free)
-        in_use = list(pool._in_use)
-        assert pool.used_bytes == sum(s.size for s in free + in_use)
-        assert pool.used_bytes <= pool.capacity
-        assert pool._fresh_bytes == sum(s.size for s in free if s.owner == FRESH)
+    """Every byte accounted, and within the capacity (polled: the reserve's thread may be adding a segment)."""
+
+    def exact() -> bool:
+        used, tracked, fresh = pool.used_bytes, pool.tracked_bytes, pool.reserve.fresh_bytes
+        return used == tracked <= pool.capacity and fresh == sum(fresh_sizes(pool))
+
+    wait_until(exact)
 
 
 # -- policy ------------------------------------------------------------------------------
@@ -189,15 +192,14 @@ def test_the_reserve_gives_way_to_shards_and_never_exceeds_the_capacity(director
 def test_an_allocation_cancels_faulting_that_stands_in_its_way(directory: str | None) -> None:
     pool = SegmentPool(directory, 24 * MiB, reserve=ReservePolicy(24 * MiB, unit=8 * MiB))
     gate = threading.Event()
-    real_create = pool._create
+    real_create = pool.maker.create_cancellable
 
-    def slow_create(size: int, cancel: threading.Event | None = None) -> object:
-        if cancel is not None:
-            gate.set()
-            assert cancel.wait(10), "the allocation did not cancel the reserve"
+    def slow_create(size: int, cancel: threading.Event) -> Segment:
+        gate.set()
+        assert cancel.wait(10), "the allocation did not cancel the reserve"
         return real_create(size, cancel)
 
-    pool._create = slow_create  # type: ignore[method-assign]
+    pool.maker.create_cancellable = slow_create  # type: ignore[method-assign]
     try:
         pool.start_reserve()
         assert gate.wait(10)
@@ -214,9 +216,9 @@ def test_peek_names_what_acquire_hands_out_and_preferred_wins(directory: str | N
         pool.start_reserve()
         wait_until(settled(pool))
         ahead = pool.peek(4 * MiB, "j")
-        assert ahead is not None and ahead in pool._free
+        assert ahead is not None and ahead in pool.reserve.segments()
         assert pool.acquire(4 * MiB, "j") is ahead
-        candidates = [s for s in pool._free if s.owner == FRESH]
+        candidates = pool.reserve.segments()
         wanted = max(candidates, key=lambda s: s.path or str(id(s)))
         if wanted.path:
             assert pool.acquire(4 * MiB, "j", preferred=wanted.path) is wanted
@@ -230,7 +232,7 @@ def test_close_stops_the_reserve_and_removes_its_files(tmp_path: Path) -> None:
     pool.start_reserve()
     wait_until(lambda: pool.reserve_bytes > 0)
     pool.close()
-    assert pool._reserve_thread is not None and not pool._reserve_thread.is_alive()
+    assert pool.reserve.thread is not None and not pool.reserve.thread.is_alive()
     assert not directory.exists()
 
 

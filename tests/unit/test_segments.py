@@ -18,7 +18,7 @@ from memstore.cli import build_parser
 from memstore.cli import main as cli_main
 from memstore.config import StoreConfig
 from memstore.errors import CapacityExceeded, ConfigError
-from memstore.server import segments
+from memstore.server import shm_dirs
 from memstore.server.segments import PAGE, Segment, SegmentPool
 from memstore.server.shm_dirs import orphaned_dirs, reclaim_orphans, segment_dir, sidecar_path
 
@@ -73,7 +73,7 @@ def test_segment_dir_is_host_and_port() -> None:
 
 
 def test_same_host_id_different_ports_do_not_collide(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(segments, "CLAIM_WAIT_SECONDS", 0.1)
+    monkeypatch.setattr(shm_dirs, "CLAIM_WAIT_SECONDS", 0.1)
     shm = str(tmp_path / "shm")
     a = SegmentPool(segment_dir(shm, "h0", "127.0.0.1:7070"), 1 << 20)
     b = SegmentPool(segment_dir(shm, "h0", "127.0.0.1:8080"), 1 << 20)

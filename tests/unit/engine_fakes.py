@@ -28,7 +28,7 @@ KiB = 1024
 
 def config(**flags: str) -> StoreConfig:
     """A store's config for host h0 (R=1, 64 KiB, chunks of 4 KiB, keep 2), ``flags`` on top."""
-    cli = {"host_id": "h0", "replicas": "1", "capacity": "64KiB", "chunk_bytes": "4KiB", "keep": "2", "shm_dir": ""}
+    cli = {"host_id": "h0", "replicas": "1", "capacity": "64KiB", "chunk_bytes": "4KiB", "keep": "2", "shm_dir": "", "discovery": "fed"}
     return StoreConfig.load({**cli, **flags}, env={})
 
 

@@ -98,7 +98,8 @@ def test_inbound_transfers_count_against_their_sender_and_give_their_slot_back()
     inbound = []
     for rank in (0, 1):
         catalog.admit_inbound(key(1, rank), "peer:h1", client=False)
-        inbound.append(Inbound(key(1, rank), manifest_of(key(1, rank), DATA, owner="h1"), PutOrigin.REPLICA, pool.acquire(8 * KiB, "job"), "peer:h1"))
+        m = manifest_of(key(1, rank), DATA, owner="h1")
+        inbound.append(Inbound(key(1, rank), m, PutOrigin.REPLICA, pool.acquire(8 * KiB, "job"), "peer:h1"))
     with pytest.raises(TooManyStreams) as err:
         catalog.admit_inbound(key(1, 2), "peer:h1", client=False)
     assert (err.value.active, err.value.max_streams) == (2, 2)

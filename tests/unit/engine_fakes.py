@@ -75,13 +75,14 @@ class FakePeer:
     host_id: str
     held: dict[ShardKey, tuple[Manifest, bytes]] = field(default_factory=dict)
     refuse: str = ""  # push/pull fail with PeerUnavailable(refuse)
+    refuse_push: str = ""  # only pushes fail (the peer answers Hello and listings)
     draining: bool = False
     pushes: list[ShardKey] = field(default_factory=list)
     data_channel: bool = False
 
     def push(self, header: TransferHeader, view: memoryview, timeout: float) -> None:
-        if self.refuse:
-            raise PeerUnavailable(self.refuse)
+        if self.refuse or self.refuse_push:
+            raise PeerUnavailable(self.refuse or self.refuse_push)
         self.pushes.append(header.manifest.key)
         self.held[header.manifest.key] = (header.manifest, bytes(view))
 

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
-from memstore.core.model import Holding, ShardKey, ShardState
+from memstore.core.model import ShardKey, ShardState
 from memstore.errors import ChecksumMismatch, ShardNotFound, UnknownJob
-from memstore.server import janitor as janitor_module
-from memstore.server.janitor import Janitor
 from memstore.server.recovery import Recovery
-from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, captured, config, make_catalog, manifest_of, membership, settled
+from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, config, make_catalog, manifest_of, membership, settled
 
 pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 32  # 8 KiB
@@ -97,51 +94,3 @@ def test_repair_does_not_pull_what_is_arriving_or_already_pulled() -> None:
     rec, catalog, _, _, _ = recovery(holding(FakePeer("h1"), key))
     catalog.mark_receiving(key)
     assert rec.repair_once() == 0 and catalog.get(key) is None
-
-
-def janitor(holdings: list[Holding]):  # type: ignore[no-untyped-def]
-    cfg = config(keep="2")
-    catalog, _, stop = make_catalog(cfg)
-    asked: list[str] = []
-
-    def cluster_holdings(job: str) -> tuple[list[Holding], list[str]]:
-        asked.append(job)
-        return holdings, []
-
-    return Janitor(catalog, cfg, cluster_holdings, stop, threading.Event()), catalog, asked
-
-
-def test_retention_keeps_k_and_asks_the_cluster_only_when_something_would_go() -> None:
-    jan, catalog, asked = janitor([])
-    for step in (1, 2):
-        settled(catalog, ShardKey("job", step, 0), DATA, created=float(step))
-    jan.apply_retention()
-    assert asked == []  # two steps, keep 2: nothing to decide
-    settled(catalog, ShardKey("job", 3, 0), DATA, created=3.0)
-    jan.apply_retention()
-    assert asked == ["job"] and sorted(k.step for k, _, _ in catalog.held("job")) == [2, 3]
-
-
-def test_the_durable_tier_keeps_steps_due_for_spilling() -> None:
-    class Durable:
-        def protected_steps(self, job: str) -> set[int]:
-            return {1}
-
-    jan, catalog, _ = janitor([])
-    jan.durable = Durable()  # type: ignore[assignment]
-    for step in (1, 2, 3):
-        settled(catalog, ShardKey("job", step, 0), DATA, created=float(step))
-    jan.apply_retention()
-    assert sorted(k.step for k, _, _ in catalog.held("job")) == [1, 2, 3]
-
-
-def test_a_pass_frees_what_expired_leases_held(monkeypatch: pytest.MonkeyPatch) -> None:
-    jan, catalog, _ = janitor([])
-    entry = captured(catalog, ShardKey("job", 1, 0), DATA)
-    catalog.lease_allocation(entry, ahead=False)  # a trainer that allocated and crashed
-    jan.pass_once()
-    assert catalog.pool.used == len(DATA)  # type: ignore[attr-defined]  # not expired yet
-    later = time.monotonic() + 3600
-    monkeypatch.setattr(janitor_module.time, "monotonic", lambda: later)
-    jan.pass_once()
-    assert catalog.pool.used == 0  # type: ignore[attr-defined]

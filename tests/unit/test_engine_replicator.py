@@ -6,11 +6,9 @@ import threading
 
 import pytest
 
-from memstore.core.model import PutOrigin, ShardKey, ShardState, TransferHeader
-from memstore.errors import Draining, InvalidArgument
+from memstore.core.model import ShardKey, ShardState
 from memstore.server.replication import Replicator
-from memstore.server.saving import Saver
-from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, commit, config, make_catalog, manifest_of, membership
+from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, commit, config, make_catalog, membership
 
 pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 32  # 8 KiB
@@ -76,46 +74,3 @@ def test_tcp_data_plane_falls_back_to_streams_for_a_peer_without_a_data_channel(
     rep, catalog, _, _, _ = replicator(plain, fast, replicas=3, hosts=("h0", "h1", "h2"), data_plane="tcp")
     replicate(rep, ShardKey("job", 1, 0))
     assert catalog.list_shards("job")[0].copies == 3 and plain.pushes and fast.pushes
-
-
-def saver(**flags: str):  # type: ignore[no-untyped-def]
-    rep, catalog, pool, events, due = replicator(FakePeer("h1"), **flags)
-    submitted = []
-    rep.submit = submitted.append  # type: ignore[method-assign]  # the replicator's executor is not this test's
-    draining = threading.Event()
-    return Saver(catalog, rep, rep.config, pool, events, draining, due), catalog, pool, events, submitted, draining  # type: ignore[arg-type]
-
-
-def test_the_saver_hands_a_commit_to_replication_and_counts_the_save() -> None:
-    s, catalog, _, events, submitted, _ = saver()
-    lease, seg = s.allocate(ShardKey("job", 1, 0), 1, len(DATA))
-    seg.view(len(DATA))[:] = DATA
-    key = s.commit(lease, {"loss": 0.5}, 1, capture_seconds=0.25)
-    assert key == ShardKey("job", 1, 0) and [e.key for e in submitted] == [key]
-    assert events.named("saved") == [("shm", 0.25)] and catalog.get(key) is submitted[0]
-    info, done = s.wait_committed(key, 0.0)
-    assert not done and info.state is ShardState.CAPTURED
-
-
-def test_the_saver_refuses_while_draining_and_checks_sizes() -> None:
-    s, _, pool, _, _, draining = saver()
-    with pytest.raises(InvalidArgument, match="nbytes 0"):
-        s.allocate(ShardKey("job", 1, 0), 1, 0)
-    with pytest.raises(InvalidArgument, match="grow needs ahead"):
-        s.allocate(ShardKey("job", 1, 0), 1, 10, grow=True)
-    draining.set()
-    with pytest.raises(Draining):
-        s.allocate(ShardKey("job", 1, 0), 1, 10)
-    assert pool.used == 0
-
-
-def test_a_stream_from_a_client_is_verified_registered_and_replicated() -> None:
-    s, catalog, pool, events, submitted, _ = saver()
-    key = ShardKey("job", 1, 0)
-    m = manifest_of(key, DATA, owner="")
-    got = s.receive(TransferHeader(m, PutOrigin.CLIENT, ""), [DATA[:4096], DATA[4096:]])
-    assert got.owner_host == "h0" and [e.key for e in submitted] == [key] and events.named("saved")[0][0] == "stream"
-    bad = manifest_of(ShardKey("job", 2, 0), DATA, owner="")
-    with pytest.raises(Exception, match="checksum"):
-        s.receive(TransferHeader(bad, PutOrigin.CLIENT, ""), [DATA[:4096], DATA[::-1][4096:]])
-    assert catalog.open_streams() == {} and catalog.get(ShardKey("job", 2, 0)) is None and pool.used == len(DATA)

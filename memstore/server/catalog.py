@@ -248,12 +248,15 @@ class Catalog:
         move to a new timeline themselves when they save a step again; this catches a reused run id.
         """
         with self._lock:
-            held = self._entries.get(key)
-            if held is not None and not held.dropped:
-                raise AlreadySaved(
-                    f"shard {key} is already saved on store {self.host_id}: saving a step again needs a new timeline "
-                    "(the client starts one when it saves a step at or below one it saved; a restarted job needs a new run id)"
-                )
+            self._refuse_resave_locked(key)
+
+    def _refuse_resave_locked(self, key: ShardKey) -> None:
+        held = self._entries.get(key)
+        if held is not None and not held.dropped:
+            raise AlreadySaved(
+                f"shard {key} is already saved on store {self.host_id}: saving a step again needs a new timeline "
+                "(the client starts one when it saves a step at or below one it saved; a restarted job needs a new run id)"
+            )
 
     def _register_locked(self, entry: Entry) -> None:
         """Put ``entry`` in the catalog, replacing an older copy of the same shard.
@@ -390,7 +393,7 @@ class Catalog:
                 entry.key = key
                 entry.nbytes = nbytes or entry.nbytes
             try:
-                self.refuse_resave(entry.key)
+                self._refuse_resave_locked(entry.key)
             except AlreadySaved:
                 self.pool.release(entry.segment)
                 raise
@@ -458,7 +461,7 @@ class Catalog:
         save, refused when the shard is held already). ``cancel_inbound`` or ``abort_inbound``/``register_inbound`` end it."""
         with self._lock:
             if client:
-                self.refuse_resave(key)
+                self._refuse_resave_locked(key)
             active = self._streams.get(sender, 0)
             limit = self.config.max_streams_per_peer
             if not admits(active, limit):

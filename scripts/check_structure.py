@@ -6,7 +6,10 @@
 - Ray is imported only inside ``memstore.ray`` (the ``[ray]`` extra): the store and the client run without it;
 - ``prometheus_client`` is imported only by ``memstore.server.metrics``: the engine reports events through
   ``memstore.server.events`` and never depends on the metrics library;
-- no hand-written module over 800 lines (generated ``*_pb2*`` files excepted).
+- no hand-written module over 800 lines (generated ``*_pb2*`` files excepted);
+- no multiple inheritance and no mixins in ``memstore.server``: the engine's parts collaborate through their
+  constructors, so no class there has two bases or inherits from another class of the package (errors, Protocol,
+  Enum, NamedTuple, TypedDict, the generated gRPC servicers and the event hooks ``ENGINE_HOOKS`` excepted).
 
     python scripts/check_structure.py
 """
@@ -107,6 +110,45 @@ def oversized(files: list[Path]) -> list[str]:
     return [f"{p.relative_to(ROOT)} has {n} lines (at most {MAX_LINES}): split it by responsibility" for p, n in too_long]
 
 
+ENGINE = "memstore/server"  # where classes compose instead of inheriting
+EXEMPT_BASES = {"Exception", "Protocol", "Generic", "Enum", "IntEnum", "StrEnum", "Flag", "NamedTuple", "TypedDict"}
+ENGINE_HOOKS = {"StoreEvents": "the engine's no-op event hooks, which the metrics override"}
+
+
+def _base_name(node: ast.expr) -> str:
+    if isinstance(node, ast.Subscript):
+        return _base_name(node.value)
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ast.unparse(node)
+
+
+def _exempt_base(node: ast.expr) -> bool:
+    name = _base_name(node)
+    generated = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id.endswith("_grpc")
+    return generated or name in EXEMPT_BASES or name.endswith(("Error", "Exception"))
+
+
+def inheritance(files: list[Path]) -> list[str]:
+    """Classes of ``memstore.server`` that inherit from more than one base, from a mixin, or from another class of the package."""
+    engine = [p for p in files if p.relative_to(ROOT).as_posix().startswith(ENGINE + "/")]
+    trees = {p: ast.parse(p.read_text()) for p in engine}
+    ours = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    problems = []
+    for p, tree in trees.items():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            where, names = f"{module_name(p)}.{cls.name}", [_base_name(b) for b in cls.bases]
+            if not all(map(_exempt_base, cls.bases[1:])):  # a second base is only ever Protocol, Generic and the like
+                problems.append(f"{where} has {len(names)} bases ({', '.join(names)}): no multiple inheritance in {ENGINE}, compose")
+                continue
+            if "mixin" in cls.name.lower():
+                problems.append(f"{where} is a mixin: give it the object it needs in its constructor")
+            for base, name in zip(cls.bases, names, strict=True):
+                if "Protocol" not in names and name in ours and name not in ENGINE_HOOKS and not _exempt_base(base):
+                    problems.append(f"{where} inherits from {name}, a class of {ENGINE}: give it the object it needs in its constructor")
+    return problems
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     graph = dict(graph)
     # A package's __init__ importing its own submodules is how packages expose names, not a cycle of logic.
@@ -151,6 +193,7 @@ def main() -> int:
     graph = graph_of(files)
     problems = ["import cycle: " + " <-> ".join(comp) for comp in cycles(graph)] + forbidden_imports(graph)
     problems += misplaced_imports(files) + oversized(files)
+    problems += inheritance(files)
     for problem in problems:
         print(problem)
     return 1 if problems else 0

@@ -1,163 +1,137 @@
-"""The catalog of the store engine: entries and their pins, segments, adoption after a crash, listings.
+"""The catalog of the store engine: the one object that owns the shards held, their leases, tickets and pins.
 
-Every other part of the engine (``memstore.server.store`` puts them together) works on the state
-declared here, under ``_lock``. It also implements the durable tier's port (``memstore.spill.port.ShardSource``).
-A settled copy's sidecar holds its ShardInfo, encoded and decoded by ``memstore.server.convert``.
+Every other part of the engine (``memstore.server.store`` builds them) gets the catalog in its constructor and
+changes what it holds only through the catalog's methods, each of which takes the engine's one lock (a
+``threading.Condition``) itself. It serves the durable tier's reads (``memstore.spill.port.ShardSource``, through
+the ``Store``). A settled copy's sidecar holds its ShardInfo, encoded and decoded by ``memstore.server.convert``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 from memstore.config import StoreConfig
 from memstore.core.limits import admits, room_by_dropping
-from memstore.core.model import Holding, Manifest, PutOrigin, ShardInfo, ShardKey, ShardState
-from memstore.core.retention import pressure_victims
+from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState
+from memstore.core.retention import pressure_victims, retention_victims
 from memstore.core.status import CaptureReport
 from memstore.errors import (
     AlreadySaved,
     CapacityExceeded,
-    ChecksumMismatch,
     InvalidArgument,
+    LeaseError,
     QuotaExceeded,
     ShardNotFound,
     TooManyStreams,
     UnknownJob,
 )
 from memstore.server.convert import sidecar_bytes, sidecar_info
-from memstore.server.events import StoreEvents
-from memstore.server.membership import Membership
-from memstore.server.peers import PeerDirectory
+from memstore.server.entries import (
+    ALLOCATE_LEASE_SECONDS,
+    GONE_REMEMBERED,
+    READ_LEASE_SECONDS,
+    Entry,
+    Inbound,
+    Lease,
+    Ticket,
+    bind_problem,
+    ensure,
+)
 from memstore.server.segments import NO_RING, Segment, SegmentPool
-from memstore.spill.port import DurableTier
-from memstore.v1.integrity import SPILL_CODECS, first_mismatch
+from memstore.v1.integrity import first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import manifest_problem
 
 log = logging.getLogger(__name__)
 
-ALLOCATE_LEASE_SECONDS = 600.0  # a trainer that allocated but never committed (it crashed) frees the segment after this
-READ_LEASE_SECONDS = 600.0
-GONE_REMEMBERED = 4096  # own shards dropped lately whose outcome WaitCommitted still reports
-
-
-@dataclass
-class Entry:
-    key: ShardKey
-    world_size: int
-    nbytes: int
-    segment: Segment
-    owner_host: str
-    state: ShardState
-    manifest: Manifest | None = None  # None until checksums are computed
-    error: str = ""
-    copies: int = 1
-    pins: int = 0
-    dropped: bool = False  # removed from the catalog while pinned; segment freed at last unpin
-    metrics: dict[str, float] = field(default_factory=dict)
-    format_version: int = 0
-    created_unix: float = field(default_factory=time.time)
-    source: str = ""  # peer a pulled copy came from
-    spill_codec: str = ""  # the job's choice of durable codec ("" = the store's default)
-    checksumming: bool = False  # replication took it up (its checksums are being computed): no longer supersedable
-    superseded: bool = False  # dropped before replication: a newer save of its rank came first (newest wins)
-    allocated_at: float = field(default_factory=time.monotonic)  # when this entry was made (Allocate, or registration)
-    taken_at: float = 0.0  # when the store took a client's save in (Commit, or its stream's end): replication starts
-
-    @property
-    def verified(self) -> bool:
-        return self.manifest is not None and self.state is not ShardState.CAPTURED
-
-
-@dataclass
-class Inbound:
-    key: ShardKey
-    manifest: Manifest
-    origin: PutOrigin
-    segment: Segment
-    sender: str = ""  # whom the transfer counts against (memstore.core.limits.transfer_sender)
-    started: float = field(default_factory=time.monotonic)  # when its header was accepted
-
-
-@dataclass
-class Ticket:
-    deadline: float
-    inbound: Inbound | None = None
-    outbound: Entry | None = None
-
-
-def sender_error(exc: BaseException) -> BaseException:
-    """The error the sender of a failed transfer sees: stream and channel errors are typed already."""
-    if isinstance(exc, ChecksumMismatch):
-        return type(exc)(f"{exc}; the copy was discarded, the sender should retry")
-    return exc
-
-
-@dataclass
-class Lease:
-    entry: Entry
-    expires: float
-    ahead: bool = False  # an allocation for a rank's next save, whose step is named at commit
-
-
-def codec_problem(codec: str) -> str | None:
-    if codec and codec not in SPILL_CODECS:
-        return f"spill codec {codec!r} is unknown: expected one of {', '.join(SPILL_CODECS)} (or empty for the store's default)"
-    return None
-
-
-def ensure(problem: str | None) -> None:
-    if problem:
-        raise InvalidArgument(problem)
-
-
-def holdings_of(host: str, shards: Iterable[ShardInfo]) -> list[Holding]:
-    return [Holding(host, i.manifest.key, i.manifest.world_size, i.verified, i.manifest.created_unix) for i in shards]
-
 
 class Catalog:
-    """Entries, pins and segments of the shards this store holds."""
+    """The shards this store holds, and everything that refers to them, under the engine's one lock.
 
-    # The engine's state, set by ``Store.__init__``; every part of the engine reads it through here.
-    config: StoreConfig
-    host_id: str
-    membership: Membership
-    draining: threading.Event
-    pool: SegmentPool
-    peers: PeerDirectory
-    durable: DurableTier | None
-    data_port: int
-    last_repair_error: str
-    events: StoreEvents  # the metrics' event points (a no-op without --metrics-port)
-    capture: CaptureReport  # what clients reported of their captures (summed over commits)
-    saves_superseded: int  # saves dropped before replication because a newer save of the same rank came (newest wins)
-    _gone: dict[ShardKey, ShardInfo]  # this store's own shards dropped lately, as they ended (WaitCommitted reports them)
-    under_replicated: int  # from the last repair pass: recent shards of this store's slots with fewer than R reachable copies
-    unreachable_sources: tuple[str, ...]  # from the last repair pass: holders of this store's slots that did not answer
-    _lock: threading.Condition
-    _entries: dict[ShardKey, Entry]
-    _alloc_leases: dict[str, Lease]
-    _read_leases: dict[str, Lease]
-    _receiving: set[ShardKey]
-    _streams: dict[str, int]  # sender -> inbound transfers open (Put streams, receive tickets); see _admit_stream
-    _tickets: dict[bytes, Ticket]
-    _pulls: dict[ShardKey, threading.Event]  # in-flight pulls, shared by fetch and repair
-    _protected: dict[str, int]  # job -> newest restorable step, protected from eviction
-    _replication: ThreadPoolExecutor
-    _push: ThreadPoolExecutor
-    _in_flight: int
-    _repairs_in_flight: int
-    _fetching: int
-    _stop: threading.Event
-    _retention_due: threading.Event
+    It owns the entries (and the outcome of this store's own shards dropped lately), the allocation and read
+    leases, the data-channel tickets, the pins, the inbound transfers and pulls in flight, and the counters the
+    engine's parts share. Every change goes through one of its methods, each of which takes the lock itself;
+    methods ending in ``_locked`` expect the caller (this class) to hold it. The segment pool is its port:
+    a dropped entry's segment goes back there once nobody reads it.
+    """
 
-    def _adopt_segments(self) -> int:
+    def __init__(self, host_id: str, config: StoreConfig, pool: SegmentPool, stop: threading.Event) -> None:
+        """``stop``: set when the store closes; waits on the lock give up then (``wake`` wakes them)."""
+        self.host_id = host_id
+        self.config = config
+        self.pool = pool
+        self._stop = stop
+        self._lock = threading.Condition()
+        self._entries: dict[ShardKey, Entry] = {}
+        self._gone: dict[ShardKey, ShardInfo] = {}  # this store's own shards dropped lately, as they ended (WaitCommitted)
+        self._alloc_leases: dict[str, Lease] = {}
+        self._read_leases: dict[str, Lease] = {}
+        self._tickets: dict[bytes, Ticket] = {}
+        self._receiving: set[ShardKey] = set()
+        self._streams: dict[str, int] = {}  # sender -> inbound transfers open, at most --max-streams-per-peer
+        self._pulls: dict[ShardKey, threading.Event] = {}  # in-flight pulls, shared by fetch and repair
+        self._protected: dict[str, int] = {}  # job -> newest restorable step, protected from eviction
+        self._in_flight = 0  # shards being checksummed or replicated
+        self._repairs_in_flight = 0
+        self._fetching = 0  # restores pulling a shard now (repair waits for them: memstore.server.recovery)
+        self._saves_superseded = 0  # saves dropped before replication because a newer save of the same rank came
+        self._capture = CaptureReport()  # what clients reported of their captures (summed over commits)
+
+    # ---- counters and snapshots (read-only views for the store's reports)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def repairs_in_flight(self) -> int:
+        return self._repairs_in_flight
+
+    @property
+    def saves_superseded(self) -> int:
+        return self._saves_superseded
+
+    @property
+    def capture(self) -> CaptureReport:
+        return self._capture
+
+    def get(self, key: ShardKey) -> Entry | None:
+        with self._lock:
+            return self._entries.get(key)
+
+    def open_streams(self) -> dict[str, int]:
+        """Sender -> inbound transfers open (a copy)."""
+        with self._lock:
+            return dict(self._streams)
+
+    def census_copies(self) -> list[tuple[ShardKey, int, ShardState]]:
+        with self._lock:
+            return [(k, e.nbytes, e.state) for k, e in self._entries.items() if not e.dropped]
+
+    def shard_count(self) -> int:
+        with self._lock:
+            return sum(1 for e in self._entries.values() if not e.dropped)
+
+    def alive(self, timeout: float) -> bool:
+        """The lock can be taken within ``timeout`` seconds (a deadlocked store says False)."""
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._lock.release()
+        return True
+
+    def wake(self) -> None:
+        """Wake every wait on the lock (the store is closing: ``stop`` is set)."""
+        with self._lock:
+            self._lock.notify_all()
+
+    # ---- adoption after a crash, sidecars
+
+    def adopt_segments(self) -> int:
         """Take over the verified shards a previous incarnation of this host left in shared memory.
 
         Each settled copy has a sidecar (its ShardInfo) next to its segment; a segment is adopted only if
@@ -174,26 +148,31 @@ class Catalog:
             return first_mismatch(seg.view(), m.nbytes, m.chunk_size, m.checksums) is None
 
         adopted = self.pool.adopt(check)
-        for seg, meta in adopted:
-            info = sidecar_info(meta)
-            m = info.manifest
-            seg.owner = m.key.job_id  # never pooled for another job
-            state = info.state or ShardState.REPLICA
-            self._entries[m.key] = Entry(
-                m.key, m.world_size, m.nbytes, seg, m.owner_host, state, manifest=m, metrics=dict(m.metrics),
-                format_version=m.format_version, copies=info.copies, created_unix=m.created_unix or time.time(), spill_codec=m.spill_codec,
-            )  # fmt: skip
+        with self._lock:
+            for seg, meta in adopted:
+                info = sidecar_info(meta)
+                m = info.manifest
+                seg.owner = m.key.job_id  # never pooled for another job
+                state = info.state or ShardState.REPLICA
+                self._entries[m.key] = Entry(
+                    m.key, m.world_size, m.nbytes, seg, m.owner_host, state, manifest=m, metrics=dict(m.metrics),
+                    format_version=m.format_version, copies=info.copies, created_unix=m.created_unix or time.time(),
+                    spill_codec=m.spill_codec,
+                )  # fmt: skip
+            held = sum(e.nbytes for e in self._entries.values())
         if adopted:
             log.info(
                 "adopted %d shards (%d bytes) left in shared memory by this host's previous incarnation; verified every chunk",
-                len(adopted), sum(e.nbytes for e in self._entries.values()),
+                len(adopted), held,
             )  # fmt: skip
         return len(adopted)
 
-    def _describe(self, entry: Entry) -> None:
-        """Record a settled copy next to its segment (caller holds the lock) so a restart can adopt it."""
+    def _describe_locked(self, entry: Entry) -> None:
+        """Record a settled copy next to its segment so a restart can adopt it."""
         if entry.verified and entry.state.settled and not entry.dropped:
-            self.pool.describe(entry.segment, sidecar_bytes(self._info(entry)))
+            self.pool.describe(entry.segment, sidecar_bytes(self.info(entry)))
+
+    # ---- the durable tier's reads (memstore.spill.port.ShardSource)
 
     def owned_shards(self) -> list[Manifest]:
         with self._lock:
@@ -207,9 +186,8 @@ class Catalog:
 
     @contextlib.contextmanager
     def pinned_bytes(self, key: ShardKey) -> Iterator[memoryview | None]:
-        with self._lock:
-            entry = self._entries.get(key)
-        if entry is None or not self._pin(entry):
+        entry = self.get(key)
+        if entry is None or not self.pin(entry):
             yield None
             return
         view = entry.segment.view(entry.nbytes)
@@ -217,12 +195,15 @@ class Catalog:
             yield view
         finally:
             view.release()
-            self._unpin(entry)
+            self.unpin(entry)
 
-    def spilled(self) -> None:
-        self._retention_due.set()
+    def foreground_busy(self) -> bool:
+        """A trainer is copying a save in (an open allocation) or a shard is being checksummed/replicated."""
+        return any(not lease.ahead for lease in list(self._alloc_leases.values())) or self._in_flight > 0
 
-    def _acquire(
+    # ---- memory
+
+    def acquire(
         self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING, evict: bool = True, grow: bool = False
     ) -> Segment:
         """A segment for ``key``, within the store's capacity and the job's quota (``--job-quota``).
@@ -252,38 +233,24 @@ class Catalog:
                     what = "the job's quota" if isinstance(exc, QuotaExceeded) else "memory"
                     for victim in (self._entries[k] for k in victims):
                         log.warning("pressure on %s: dropping %s (%s) to fit %s", what, victim.key, victim.state.value, key)
-                        self._drop(victim, reason=f"dropped under pressure on {what} for step {key.step}")
+                        self._drop_locked(victim, reason=f"dropped under pressure on {what} for step {key.step}")
 
-    def _admit_stream(self, sender: str) -> None:
-        """Count one more open inbound transfer of ``sender`` (caller holds the lock); refused beyond --max-streams-per-peer."""
-        active = self._streams.get(sender, 0)
-        limit = self.config.max_streams_per_peer
-        if not admits(active, limit):
-            kind, _, who = sender.partition(":")
-            whom = f"the clients of job {who!r}" if kind == "job" else f"peer {who!r}"
-            raise TooManyStreams(
-                f"{whom} already have {active} transfers open to store {self.host_id}, the most allowed "
-                f"(--max-streams-per-peer {limit}); retry once one has finished, or raise --max-streams-per-peer",
-                sender=sender,
-                active=active,
-                max_streams=limit,
-            )
-        self._streams[sender] = active + 1
+    def release_segment(self, segment: Segment) -> None:
+        """Give back a segment from ``acquire`` that never joined the catalog (a pull that failed)."""
+        self.pool.release(segment)
 
-    def _end_stream(self, sender: str) -> None:
-        """An inbound transfer of ``sender`` ended, stored or not (caller holds the lock)."""
-        left = self._streams.get(sender, 0) - 1
-        if left > 0:
-            self._streams[sender] = left
-        else:
-            self._streams.pop(sender, None)
+    # ---- entries: registration, drop, pins
 
-    def _refuse_resave(self, key: ShardKey) -> None:
-        """A client capture of a shard already held on the same timeline (caller holds the lock): refused.
+    def refuse_resave(self, key: ShardKey) -> None:
+        """A client capture of a shard already held on the same timeline: refused.
 
         Two captures of one (job, step, rank, timeline) would make that step a mix of two saves. Clients
         move to a new timeline themselves when they save a step again; this catches a reused run id.
         """
+        with self._lock:
+            self._refuse_resave_locked(key)
+
+    def _refuse_resave_locked(self, key: ShardKey) -> None:
         held = self._entries.get(key)
         if held is not None and not held.dropped:
             raise AlreadySaved(
@@ -291,8 +258,8 @@ class Catalog:
                 "(the client starts one when it saves a step at or below one it saved; a restarted job needs a new run id)"
             )
 
-    def _register(self, entry: Entry) -> None:
-        """Put ``entry`` in the catalog (caller holds the lock), replacing an older copy of the same shard.
+    def _register_locked(self, entry: Entry) -> None:
+        """Put ``entry`` in the catalog, replacing an older copy of the same shard.
 
         The same shard means the same (job, step, rank, timeline): a re-save of a step on another timeline
         is another shard, and the old version stays until retention finds it superseded
@@ -300,17 +267,21 @@ class Catalog:
         """
         old = self._entries.get(entry.key)
         if old is not None and old is not entry:
-            self._drop(old, reason="replaced by a newer copy of the same shard")
+            self._drop_locked(old, reason="replaced by a newer copy of the same shard")
         self._entries[entry.key] = entry
-        self._describe(entry)
+        self._describe_locked(entry)
         self._lock.notify_all()
 
-    def _drop(self, entry: Entry, reason: str) -> None:
-        """Remove from the catalog (caller holds the lock); free the segment once nobody reads it."""
+    def drop(self, entry: Entry, reason: str) -> None:
+        """Remove from the catalog; free the segment once nobody reads it."""
+        with self._lock:
+            self._drop_locked(entry, reason)
+
+    def _drop_locked(self, entry: Entry, reason: str) -> None:
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
             if entry.owner_host == self.host_id and entry.state is not ShardState.REPLICA:
-                self._gone[entry.key] = self._info(entry)  # a client's wait() on it still learns how it ended
+                self._gone[entry.key] = self.info(entry)  # a client's wait() on it still learns how it ended
                 while len(self._gone) > GONE_REMEMBERED:
                     del self._gone[next(iter(self._gone))]
         if not entry.error and not entry.state.settled:
@@ -320,20 +291,21 @@ class Catalog:
             self.pool.release(entry.segment)
         self._lock.notify_all()
 
-    def _pin(self, entry: Entry) -> bool:
+    def pin(self, entry: Entry) -> bool:
+        """Keep ``entry``'s segment from being freed or reused (False: it was dropped already)."""
         with self._lock:
             if entry.dropped:
                 return False
             entry.pins += 1
             return True
 
-    def _unpin(self, entry: Entry) -> None:
+    def unpin(self, entry: Entry) -> None:
         with self._lock:
             entry.pins -= 1
             if entry.pins == 0 and entry.dropped:
                 self.pool.release(entry.segment)
 
-    def _readable(self, key: ShardKey, wait: float = 30.0) -> Entry:
+    def readable(self, key: ShardKey, wait: float = 30.0) -> Entry:
         """The verified local copy of ``key`` (waits briefly while its checksums are computed)."""
         ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
         deadline = time.monotonic() + wait
@@ -351,7 +323,23 @@ class Catalog:
                     raise ShardNotFound(f"shard {key} on store {self.host_id} is still being captured")
                 self._lock.wait(remaining)
 
-    def _info(self, entry: Entry) -> ShardInfo:
+    def wait_settled(self, key: ShardKey, deadline: float) -> tuple[ShardInfo, bool]:
+        """``key``'s info once it settled, or as it is at ``deadline`` (or when the store stops); True if it settled."""
+        with self._lock:
+            while True:
+                entry = self._entries.get(key)
+                if entry is None and key in self._gone:  # dropped since (superseded, or evicted after it settled)
+                    return self._gone[key], True
+                if entry is None:
+                    raise ShardNotFound(f"shard {key} is not held by store {self.host_id}")
+                if entry.state.settled:
+                    return self.info(entry), True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stop.is_set():
+                    return self.info(entry), False
+                self._lock.wait(remaining)
+
+    def info(self, entry: Entry) -> ShardInfo:
         m = entry.manifest
         if m is None:  # not checksummed yet: what is known of it
             m = Manifest(entry.key, entry.world_size, entry.nbytes, chunk_size=0, checksums=(), owner_host=entry.owner_host)
@@ -362,7 +350,7 @@ class Catalog:
         if job_id:
             ensure(job_id_problem(job_id))
         with self._lock:
-            return [self._info(e) for k, e in sorted(self._entries.items()) if not job_id or k.job_id == job_id]
+            return [self.info(e) for k, e in sorted(self._entries.items()) if not job_id or k.job_id == job_id]
 
     def delete(self, job_id: str, step: int, rank: int) -> int:
         """Drop the copies of ``job_id`` at ``step`` and ``rank`` (-1: every step, every rank); returns how many."""
@@ -375,5 +363,312 @@ class Catalog:
             if not victims and not any(k.job_id == job_id for k in self._entries):
                 raise UnknownJob(f"job {job_id!r} is unknown to store {self.host_id}")
             for e in victims:
-                self._drop(e, reason="deleted")
+                self._drop_locked(e, reason="deleted")
         return len(victims)
+
+    # ---- saves: allocation leases, commit, newest wins
+
+    def lease_allocation(self, entry: Entry, ahead: bool) -> str:
+        """An allocation lease on ``entry`` (not in the catalog until committed); returns its id."""
+        lease_id = secrets.token_hex(16)
+        with self._lock:
+            self._alloc_leases[lease_id] = Lease(entry, time.monotonic() + ALLOCATE_LEASE_SECONDS, ahead=ahead)
+        return lease_id
+
+    def commit_lease(
+        self, lease_id: str, key: ShardKey | None, nbytes: int, metrics: dict[str, float], format_version: int, spill_codec: str,
+        capture: CaptureReport | None,
+    ) -> Entry:  # fmt: skip
+        """Register the shard of allocation lease ``lease_id`` (see ``Saver.commit``); older captures of its rank that
+        replication has not taken up yet are superseded (newest wins). Returns its entry."""
+        with self._lock:
+            lease = self._alloc_leases.get(lease_id)
+            if lease is None:
+                raise LeaseError(f"allocation lease {lease_id!r} is unknown or expired; allocate again")
+            entry = lease.entry
+            ensure(bind_problem(lease, key, nbytes))
+            del self._alloc_leases[lease_id]
+            if lease.ahead:
+                assert key is not None
+                entry.key = key
+                entry.nbytes = nbytes or entry.nbytes
+            try:
+                self._refuse_resave_locked(entry.key)
+            except AlreadySaved:
+                self.pool.release(entry.segment)
+                raise
+            entry.metrics = dict(metrics)
+            entry.format_version = format_version
+            entry.spill_codec = spill_codec
+            entry.taken_at = time.monotonic()
+            self._register_locked(entry)
+            self._supersede_older_locked(entry)
+            if capture is not None and (capture.registrations or capture.fallbacks):
+                self._capture = self._capture.plus(capture.registrations, capture.fallbacks, capture.fallback_cause)
+        return entry
+
+    def _supersede_older_locked(self, entry: Entry) -> None:
+        """Newest wins: older captures of the same rank that replication has not taken up yet are dropped, so saves
+        that come faster than the store can checksum and push them never pile up in RAM.
+
+        Only captures not yet checksummed go: none of them is verified, so none can be a restorable step.
+        """
+        key = entry.key
+        older = [
+            e for k, e in self._entries.items()
+            if k.job_id == key.job_id and k.rank == key.rank and e is not entry and e.state is ShardState.CAPTURED
+            and not e.checksumming and e.pins == 0 and e.allocated_at <= entry.allocated_at
+        ]  # fmt: skip
+        for old in older:
+            old.superseded = True
+            old.state = ShardState.UNDER_REPLICATED  # ended: no copy anywhere
+            old.copies = 0
+            old.error = f"superseded by step {key.step} before it was replicated (newest wins)"
+            self._saves_superseded += 1
+            self._drop_locked(old, reason=old.error)
+            log.info("%s superseded by step %d before replication took it up (newest wins)", old.key, key.step)
+
+    # ---- reads: read leases
+
+    def lease_reader(self, entry: Entry) -> str:
+        """A read lease on a pinned ``entry``; returns its id (``release_lease`` unpins it)."""
+        lease_id = secrets.token_hex(16)
+        with self._lock:
+            self._read_leases[lease_id] = Lease(entry, time.monotonic() + READ_LEASE_SECONDS)
+        return lease_id
+
+    def release_lease(self, lease_id: str) -> None:
+        """End a read lease (unpin) or an allocation lease that was never committed (free its segment)."""
+        with self._lock:
+            lease = self._read_leases.pop(lease_id, None)
+            alloc = self._alloc_leases.pop(lease_id, None)
+        if lease is not None:
+            self.unpin(lease.entry)
+        elif alloc is not None:
+            self.pool.release(alloc.entry.segment)
+
+    def stale_leases(self, now: float) -> list[str]:
+        """The ids of the allocation leases, then the read leases, that expired before ``now``."""
+        with self._lock:
+            stale_alloc = [k for k, lease in self._alloc_leases.items() if lease.expires < now]
+            stale_read = [k for k, lease in self._read_leases.items() if lease.expires < now]
+        return stale_alloc + stale_read
+
+    # ---- inbound transfers (Put streams, data-channel receives) and tickets
+
+    def admit_inbound(self, key: ShardKey, sender: str, client: bool) -> None:
+        """Count one more open inbound transfer of ``sender``, refused beyond --max-streams-per-peer (and, for a client's
+        save, refused when the shard is held already). ``cancel_inbound`` or ``abort_inbound``/``register_inbound`` end it."""
+        with self._lock:
+            if client:
+                self._refuse_resave_locked(key)
+            active = self._streams.get(sender, 0)
+            limit = self.config.max_streams_per_peer
+            if not admits(active, limit):
+                kind, _, who = sender.partition(":")
+                whom = f"the clients of job {who!r}" if kind == "job" else f"peer {who!r}"
+                raise TooManyStreams(
+                    f"{whom} already have {active} transfers open to store {self.host_id}, the most allowed "
+                    f"(--max-streams-per-peer {limit}); retry once one has finished, or raise --max-streams-per-peer",
+                    sender=sender,
+                    active=active,
+                    max_streams=limit,
+                )
+            self._streams[sender] = active + 1
+
+    def cancel_inbound(self, sender: str) -> None:
+        """An admitted transfer got no memory: it ends before it started."""
+        with self._lock:
+            self._end_stream_locked(sender)
+
+    def _end_stream_locked(self, sender: str) -> None:
+        left = self._streams.get(sender, 0) - 1
+        if left > 0:
+            self._streams[sender] = left
+        else:
+            self._streams.pop(sender, None)
+
+    def mark_receiving(self, key: ShardKey) -> None:
+        """Memory is reserved for ``key`` and its bytes are arriving (repair does not pull it meanwhile)."""
+        with self._lock:
+            self._receiving.add(key)
+
+    def abort_inbound(self, inbound: Inbound) -> None:
+        self.pool.release(inbound.segment)
+        with self._lock:
+            self._receiving.discard(inbound.key)
+            self._end_stream_locked(inbound.sender)
+
+    def register_inbound(self, inbound: Inbound, entry: Entry) -> None:
+        """A fully received and verified shard: ``entry`` joins the catalog and the transfer ends."""
+        with self._lock:
+            self._receiving.discard(inbound.key)
+            self._end_stream_locked(inbound.sender)
+            self._register_locked(entry)
+
+    def add_ticket(self, ticket: bytes, issued: Ticket) -> None:
+        with self._lock:
+            self._tickets[ticket] = issued
+
+    def take_ticket(self, ticket: bytes) -> Ticket | None:
+        """The transfer a ticket was issued for (once: the ticket is gone after)."""
+        with self._lock:
+            return self._tickets.pop(ticket, None)
+
+    def expire_tickets(self, now: float) -> None:
+        """Tickets nobody used before their deadline: their memory goes back, their copies are unpinned."""
+        with self._lock:
+            stale = [k for k, t in self._tickets.items() if t.deadline < now]
+            expired = [self._tickets.pop(k) for k in stale]
+        for t in expired:
+            if t.inbound is not None:
+                self.abort_inbound(t.inbound)
+            if t.outbound is not None:
+                self.unpin(t.outbound)
+
+    # ---- replication's steps
+
+    def add_in_flight(self, n: int) -> None:
+        with self._lock:
+            self._in_flight += n
+
+    def take_up(self, entry: Entry) -> bool:
+        """Replication takes ``entry`` up: from now on no newer save supersedes it. False: it was superseded already."""
+        with self._lock:
+            entry.checksumming = True
+            return not entry.dropped
+
+    def checksummed(self, entry: Entry, manifest: Manifest) -> None:
+        with self._lock:
+            entry.manifest = manifest
+            entry.state = ShardState.REPLICATING
+            self._lock.notify_all()
+
+    def newer_capture(self, entry: Entry) -> int | None:
+        """A newer step of the same rank captured after ``entry``: then pushing ``entry`` is pointless.
+
+        Capture time matters, not the step number alone: after a job restarts from an older step, the
+        stale newer steps of the killed run are still in RAM, and the re-saved steps must replicate.
+        """
+        key = entry.key
+        with self._lock:
+            newer = [
+                k.step
+                for k, e in self._entries.items()
+                if k.job_id == key.job_id and k.rank == key.rank and k.step > key.step and e.created_unix > entry.created_unix
+            ]
+        return max(newer) if newer else None
+
+    def mark_superseded(self, entry: Entry) -> None:
+        """Every push of ``entry`` was skipped for a newer capture (newest wins): the client's wait() says so."""
+        with self._lock:
+            entry.superseded = True
+            self._saves_superseded += 1
+
+    def settle(self, entry: Entry, copies: int, errors: list[str]) -> ShardState:
+        """``entry`` reached ``copies`` copies: COMMITTED with R of them, else UNDER_REPLICATED (``errors`` say why)."""
+        replicas = self.config.replicas
+        with self._lock:
+            entry.copies = copies
+            if copies >= replicas:
+                entry.state = ShardState.COMMITTED
+                entry.error = ""
+            else:
+                entry.state = ShardState.UNDER_REPLICATED
+                entry.error = f"{copies} of {replicas} copies: " + "; ".join(errors)
+                log.warning("shard %s under-replicated: %s", entry.key, entry.error)
+            self._describe_locked(entry)
+            self._lock.notify_all()
+            return entry.state
+
+    # ---- recovery's steps: restores, pulls, repairs
+
+    def fetch_started(self) -> None:
+        """A restore pulls a shard now: repair starts no new pull meanwhile."""
+        with self._lock:
+            self._fetching += 1
+
+    def fetch_ended(self) -> None:
+        with self._lock:
+            self._fetching -= 1
+            self._lock.notify_all()
+
+    def claim_pull(self, key: ShardKey) -> threading.Event | None:
+        """Claim the pull of ``key`` (None: ``end_pull`` must follow), or the event of the pull already under way."""
+        with self._lock:
+            pending = self._pulls.get(key)
+            if pending is None:
+                self._pulls[key] = threading.Event()
+            return pending
+
+    def end_pull(self, key: ShardKey) -> None:
+        with self._lock:
+            done = self._pulls.pop(key)
+        done.set()
+
+    def register_pulled(self, entry: Entry) -> bool:
+        """Register a copy pulled in; False (its segment freed) when a verified copy arrived meanwhile."""
+        with self._lock:
+            current = self._entries.get(entry.key)
+            if current is not None and current.verified:
+                self.pool.release(entry.segment)  # somebody else brought it in meanwhile
+                return False
+            self._register_locked(entry)
+            return True
+
+    def begin_repair(self, key: ShardKey, restore_first: float) -> bool:
+        """Start repairing ``key``: first wait (at most ``restore_first`` seconds) for restores in flight, then False when
+        it is not needed (here, arriving, being pulled, or the store stops). True: ``end_repair`` must follow."""
+        with self._lock:
+            # Restores first: a trainer waiting for a shard gets the links and the memory before repair does.
+            self._lock.wait_for(lambda: not self._fetching or self._stop.is_set(), timeout=restore_first)
+            if key in self._entries or key in self._receiving or key in self._pulls or self._stop.is_set():
+                return False
+            self._repairs_in_flight += 1
+            return True
+
+    def end_repair(self) -> None:
+        with self._lock:
+            self._repairs_in_flight -= 1
+
+    def own_under_replicated(self) -> int:
+        """This store's own shards that settled with fewer than R copies."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.owner_host == self.host_id and e.state is ShardState.UNDER_REPLICATED)
+
+    def verified_copies(self) -> list[tuple[ShardKey, str, float, bool]]:
+        """(key, owner host, capture time, settled) of every verified copy held."""
+        with self._lock:
+            return [(k, e.owner_host, e.created_unix, e.state.settled) for k, e in self._entries.items() if e.verified]
+
+    def settled_copies(self) -> list[Entry]:
+        """The settled, verified copies held (what a drain may have to give away)."""
+        with self._lock:
+            return [e for e in self._entries.values() if e.verified and e.state.settled and not e.dropped]
+
+    # ---- retention
+
+    def jobs(self) -> set[str]:
+        with self._lock:
+            return {k.job_id for k in self._entries}
+
+    def held(self, job_id: str) -> list[tuple[ShardKey, ShardState, float]]:
+        """(key, state, capture time) of every copy of ``job_id`` held: what retention decides on."""
+        with self._lock:
+            return [(e.key, e.state, e.created_unix) for e in self._entries.values() if e.key.job_id == job_id]
+
+    def retire(self, job_id: str, dead: set[tuple[int, str]], latest: int | None, protected: list[int]) -> None:
+        """Drop the settled copies of ``job_id``'s superseded versions ``dead``, then what keep-K retention evicts
+        (never ``protected`` steps); ``latest``, the newest restorable step, is protected from pressure too."""
+        with self._lock:
+            if latest is not None:
+                self._protected[job_id] = latest
+            for dead_entry in [e for e in self._entries.values() if e.key.job_id == job_id and e.key.version in dead and e.state.settled]:
+                log.info("dropping %s: a newer timeline re-saved step %d or earlier", dead_entry.key, dead_entry.key.step)
+                self._drop_locked(dead_entry, reason="superseded: the job went back and saved this step again on a newer timeline")
+            held = [(e.key, e.state, e.created_unix) for e in self._entries.values() if e.key.job_id == job_id]
+            for key in retention_victims(held, self.config.keep, protected):
+                entry = self._entries.get(key)
+                if entry is not None:
+                    log.debug("retention: evicting %s", key)
+                    self._drop_locked(entry, reason="evicted by retention")

@@ -18,28 +18,45 @@ nothing is alone and the drain costs one listing round.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from memstore.config import StoreConfig
 from memstore.core.model import PutOrigin, ShardKey, TransferHeader
 from memstore.errors import StoreError
-from memstore.server.catalog import Entry
-from memstore.server.janitor import Janitor
+from memstore.server.catalog import Catalog
+from memstore.server.entries import Entry
+from memstore.server.membership import Membership
+from memstore.server.peers import PeerDirectory
+from memstore.server.recovery import durable_holdings
+from memstore.server.replication import push_copy
+from memstore.spill.port import DurableTier
 
 log = logging.getLogger(__name__)
 
 
-class Drain(Janitor):
-    """Adds ``drain()`` to the engine."""
+class Drainer:
+    """Gives away, before the store leaves, every shard only it holds (``drain``), and says how far it got."""
 
-    drain_progress: str
+    def __init__(
+        self, catalog: Catalog, config: StoreConfig, membership: Membership, peers: PeerDirectory, draining: threading.Event
+    ) -> None:
+        self.catalog = catalog
+        self.config = config
+        self.host_id = config.host_id
+        self.membership = membership
+        self.peers = peers
+        self.draining = draining
+        self.durable: DurableTier | None = None  # set by the store when --spill is on: what it holds is not alone here
+        self.progress = ""
 
     def drain(self, grace: float) -> list[str]:
         """Give every shard only this store holds another copy within ``grace`` seconds. Returns what could not be kept."""
         deadline = time.monotonic() + grace
         self.draining.set()
         self._note("waiting for replications in flight")
-        while self._in_flight and time.monotonic() < deadline:
+        while self.catalog.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         targets = self._drain_targets(deadline)
         alone = self._alone(targets)
@@ -53,11 +70,11 @@ class Drain(Janitor):
             if where is None:
                 failures.append(f"{entry.key}: no member took a copy")
             self._note(f"copied {i + 1 - len(failures)} of {len(alone)} lone shard(s) to peers")
-        log.info("drain of %s: %s; %d not copied", self.host_id, self.drain_progress, len(failures))
+        log.info("drain of %s: %s; %d not copied", self.host_id, self.progress, len(failures))
         return failures
 
     def _note(self, progress: str) -> None:
-        self.drain_progress = progress
+        self.progress = progress
         log.info("drain: %s", progress)
 
     def _drain_targets(self, deadline: float) -> list[str]:
@@ -81,29 +98,28 @@ class Drain(Janitor):
 
     def _alone(self, targets: list[str]) -> list[Entry]:
         """Settled, verified shards here of which no target member and not the durable tier holds a verified copy."""
-        with self._lock:
-            held = [e for e in self._entries.values() if e.verified and e.state.settled and not e.dropped]
+        held = self.catalog.settled_copies()
         elsewhere: set[ShardKey] = set()
         for shards in self.peers.list_all("", self.config.peer_timeout, hosts=targets).values():
             if not isinstance(shards, StoreError):
                 elsewhere.update(i.manifest.key for i in shards if i.verified)
         if self.durable is not None:
             for job in {e.key.job_id for e in held}:
-                elsewhere.update(h.key for h in self._durable_holdings(job, []))
+                elsewhere.update(h.key for h in durable_holdings(self.durable, job, []))
         return sorted((e for e in held if e.key not in elsewhere), key=lambda e: (-e.key.step, e.key.job_id, e.key.rank))
 
     def _give_away(self, entry: Entry, targets: list[str], deadline: float) -> str | None:
         assert entry.manifest is not None
         header = TransferHeader(entry.manifest, PutOrigin.REPLICA, self.host_id)
-        if not self._pin(entry):
+        if not self.catalog.pin(entry):
             return None
         try:
             for h in targets:
                 try:
-                    self._push_to(h, header, entry.segment.view(entry.nbytes), max(1.0, deadline - time.monotonic()))
+                    push_copy(self.peers, self.config, h, header, entry.segment.view(entry.nbytes), max(1.0, deadline - time.monotonic()))
                     return h
                 except StoreError as exc:
                     log.warning("drain: %s refused %s: %s", h, entry.key, exc)
             return None
         finally:
-            self._unpin(entry)
+            self.catalog.unpin(entry)

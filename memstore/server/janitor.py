@@ -3,49 +3,67 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 
+from memstore.config import StoreConfig
+from memstore.core.model import Holding
 from memstore.core.restorable import latest_restorable, may_supersede, superseded_versions
 from memstore.core.retention import retention_victims
-from memstore.server.datapath import DataPath
-from memstore.server.reading import Reading
-from memstore.server.recovery import Recovery
+from memstore.server.catalog import Catalog
+from memstore.spill.port import DurableTier
 
 log = logging.getLogger(__name__)
 
 
-class Janitor(Recovery, Reading, DataPath):
-    """Evicts what retention no longer keeps and frees what crashed clients left allocated."""
+class Janitor:
+    """Evicts what retention no longer keeps and frees what crashed clients left allocated.
 
-    def _janitor_loop(self) -> None:
+    Runs on the store's ``janitor`` thread (``loop``), woken by ``retention_due`` (a shard settled or arrived, a step
+    was spilled, the slot table moved) or once a second. ``cluster_holdings``: what the cluster holds of a job
+    (``Recovery.cluster_holdings``), asked only when something would go or a re-save may have superseded a timeline.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        config: StoreConfig,
+        cluster_holdings: Callable[[str], tuple[list[Holding], list[str]]],
+        stop: threading.Event,
+        retention_due: threading.Event,
+    ) -> None:
+        self.catalog = catalog
+        self.config = config
+        self.cluster_holdings = cluster_holdings
+        self._stop = stop
+        self.retention_due = retention_due
+        self.durable: DurableTier | None = None  # set by the store when --spill is on: steps due for spilling are kept
+
+    def loop(self) -> None:
         while not self._stop.is_set():
-            self._retention_due.wait(timeout=1.0)
+            self.retention_due.wait(timeout=1.0)
             if self._stop.is_set():
                 return
-            self._retention_due.clear()
+            self.retention_due.clear()
             try:
-                self._expire_leases()
-                self._expire_tickets()
-                self._apply_retention()
+                self.pass_once()
             except Exception:
                 log.exception("janitor pass failed")
             self._stop.wait(0.05)  # debounce bursts of settles into one pass
 
-    def _expire_leases(self) -> None:
+    def pass_once(self) -> None:
+        """One pass: expire leases and tickets, then apply retention."""
         now = time.monotonic()
-        with self._lock:
-            stale_alloc = [k for k, lease in self._alloc_leases.items() if lease.expires < now]
-            stale_read = [k for k, lease in self._read_leases.items() if lease.expires < now]
-        for lease_id in stale_alloc + stale_read:
+        for lease_id in self.catalog.stale_leases(now):
             log.warning("lease %s expired; releasing it", lease_id)
-            self.release(lease_id)
+            self.catalog.release_lease(lease_id)
+        self.catalog.expire_tickets(now)
+        self.apply_retention()
 
-    def _apply_retention(self) -> None:
-        with self._lock:
-            jobs = {k.job_id for k in self._entries}
-        for job in sorted(jobs):
-            with self._lock:
-                held = [(e.key, e.state, e.created_unix) for e in self._entries.values() if e.key.job_id == job]
+    def apply_retention(self) -> None:
+        for job in sorted(self.catalog.jobs()):
+            held = self.catalog.held(job)
             crowded = len({k.version for k, _, _ in held}) > self.config.keep and retention_victims(held, self.config.keep)
             if not crowded and not may_supersede((k, created) for k, _, created in held):
                 continue
@@ -56,15 +74,4 @@ class Janitor(Recovery, Reading, DataPath):
             protected = [latest.step] if latest else []
             if self.durable is not None:
                 protected += sorted(self.durable.protected_steps(job))  # due for spilling: keep until spilled
-            with self._lock:
-                if latest:
-                    self._protected[job] = latest.step
-                for dead_entry in [e for e in self._entries.values() if e.key.job_id == job and e.key.version in dead and e.state.settled]:
-                    log.info("dropping %s: a newer timeline re-saved step %d or earlier", dead_entry.key, dead_entry.key.step)
-                    self._drop(dead_entry, reason="superseded: the job went back and saved this step again on a newer timeline")
-                held = [(e.key, e.state, e.created_unix) for e in self._entries.values() if e.key.job_id == job]
-                for key in retention_victims(held, self.config.keep, protected):
-                    entry = self._entries.get(key)
-                    if entry is not None:
-                        log.debug("retention: evicting %s", key)
-                        self._drop(entry, reason="evicted by retention")
+            self.catalog.retire(job, dead, latest.step if latest else None, protected)

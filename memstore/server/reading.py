@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
-import time
 from collections.abc import Iterator
 
 from memstore.core.model import Manifest, ShardKey
@@ -14,12 +12,8 @@ from memstore.errors import (
     InvalidArgument,
     ShardNotFound,
 )
-from memstore.server.catalog import (
-    READ_LEASE_SECONDS,
-    Catalog,
-    Entry,
-    Lease,
-)
+from memstore.server.catalog import Catalog
+from memstore.server.entries import Entry
 from memstore.v1.integrity import first_mismatch
 
 log = logging.getLogger(__name__)
@@ -27,8 +21,12 @@ log = logging.getLogger(__name__)
 VERIFY_WORKERS = max(1, min(4, os.cpu_count() or 1))  # threads hashing a shard a trainer opens (xxhash lets go of the GIL)
 
 
-class Reading(Catalog):
+class Reader:
     """Lends verified copies to readers (shared-memory mapping or stream) while keeping them pinned."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self.host_id = catalog.host_id
 
     def open(self, key: ShardKey, transient: bool = False) -> tuple[str, Entry]:
         """Lend the verified local copy of ``key`` to a reader on this machine, checked chunk by chunk now.
@@ -41,43 +39,34 @@ class Reading(Catalog):
         restore pays for hashing the bytes and nothing else, and the reader maps only what it touches. A copy
         that fails is dropped and DATA_LOSS tells the reader to ask again (the store then pulls another).
         """
-        entry = self._readable(key)
+        entry = self.catalog.readable(key)
         if entry.segment.path is None:
             raise InvalidArgument(f"store {self.host_id} has no shared-memory dir; read the shard with Get")
-        if not self._pin(entry):
+        if not self.catalog.pin(entry):
             raise ShardNotFound(f"shard {key} was evicted while opening it")
         m = entry.manifest
         assert m is not None
         bad = first_mismatch(entry.segment.view(entry.nbytes), entry.nbytes, m.chunk_size, m.checksums, workers=VERIFY_WORKERS)
         if bad is not None:
-            self._unpin(entry)
-            with self._lock:
-                self._drop(entry, reason="local copy failed verification when a trainer opened it")
+            self.catalog.unpin(entry)
+            self.catalog.drop(entry, reason="local copy failed verification when a trainer opened it")
             log.warning("local copy of %s failed verification (chunk %d) when opened; dropped it", key, bad)
             raise ChecksumMismatch(f"chunk {bad} of {key} failed its checksum on store {self.host_id}; the copy was dropped, ask again")
         if not transient:
             entry.segment.exported = True
-        lease_id = secrets.token_hex(16)
-        with self._lock:
-            self._read_leases[lease_id] = Lease(entry, time.monotonic() + READ_LEASE_SECONDS)
-        return lease_id, entry
+        return self.catalog.lease_reader(entry), entry
 
     def release(self, lease_id: str) -> None:
-        with self._lock:
-            lease = self._read_leases.pop(lease_id, None)
-            alloc = self._alloc_leases.pop(lease_id, None)
-        if lease is not None:
-            self._unpin(lease.entry)
-        elif alloc is not None:
-            self.pool.release(alloc.entry.segment)
+        """End a read lease, or give back an allocation that was never committed."""
+        self.catalog.release_lease(lease_id)
 
     def read(self, key: ShardKey) -> Iterator[tuple[Manifest, memoryview]]:
         """Context-style generator: yields (manifest, view) once with the entry pinned."""
-        entry = self._readable(key)
-        if not self._pin(entry):
+        entry = self.catalog.readable(key)
+        if not self.catalog.pin(entry):
             raise ShardNotFound(f"shard {key} was evicted while reading it")
         try:
             assert entry.manifest is not None
             yield entry.manifest, entry.segment.view(entry.nbytes)
         finally:
-            self._unpin(entry)
+            self.catalog.unpin(entry)

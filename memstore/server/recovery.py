@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from memstore.config import StoreConfig
 from memstore.core.agreement import Seen, seen_versions
 from memstore.core.model import Holding, Manifest, ShardInfo, ShardKey, ShardState
 from memstore.core.restorable import RestoreAnswer, latest_restorable, sources_for, split_timelines
@@ -26,16 +27,14 @@ from memstore.errors import (
     UnknownJob,
 )
 from memstore.faults import fault
-from memstore.server.catalog import (
-    Catalog,
-    Entry,
-    ensure,
-    holdings_of,
-)
-from memstore.server.events import pull_source
-from memstore.server.membership import ClusterView
+from memstore.server.catalog import Catalog
+from memstore.server.entries import Entry, ensure, holdings_of
+from memstore.server.events import StoreEvents, pull_source
+from memstore.server.membership import ClusterView, Membership
+from memstore.server.peers import PeerDirectory
 from memstore.server.segments import Segment
 from memstore.spill.layout import SpilledManifest
+from memstore.spill.port import DurableTier
 from memstore.v1.integrity import first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import receive_chunks, shard_manifest_problem
@@ -46,18 +45,44 @@ RESTORE_FIRST_WAIT = 60.0  # the longest repair defers to restores in flight bef
 REPAIR_STREAMS = 4  # shards one repair pass pulls at once, spread over the holders
 
 
-class Recovery(Catalog):
-    """Fetches missing shards (for a restore or for repair), and answers what is restorable across the cluster."""
+class Recovery:
+    """Fetches missing shards (for a restore or for repair), and answers what is restorable across the cluster.
 
-    repaired_table: SlotTable | None  # the table of the last repair pass that left nothing missing (readiness)
+    Runs the repair loop (``repair_loop``, on the store's ``repair`` thread) and reports its last pass.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        config: StoreConfig,
+        membership: Membership,
+        peers: PeerDirectory,
+        events: StoreEvents,
+        draining: threading.Event,
+        stop: threading.Event,
+        retention_due: threading.Event,
+    ) -> None:
+        self.catalog = catalog
+        self.config = config
+        self.host_id = config.host_id
+        self.membership = membership
+        self.peers = peers
+        self.events = events
+        self.draining = draining  # set: repair pulls nothing more
+        self._stop = stop
+        self.retention_due = retention_due  # set when a copy is pulled in: the janitor looks at retention again
+        self.durable: DurableTier | None = None  # set by the store when --spill is on
+        self.last_repair_error = ""
+        self.under_replicated = 0  # from the last repair pass: recent shards of this store's slots with fewer than R copies
+        self.unreachable_sources: tuple[str, ...] = ()  # from the last repair pass: holders of this store's slots that did not answer
+        self.repaired_table: SlotTable | None = None  # the table of the last repair pass that left nothing missing (readiness)
 
     def fetch(self, key: ShardKey, discard_local: bool, durable_known: bool = False) -> tuple[Manifest, str]:
         """Make sure this store holds a verified copy of ``key``, pulling it from a peer if needed (``durable_known``:
         a durable copy is known to exist; see :meth:`_sources`)."""
         ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
         started = time.monotonic()
-        with self._lock:
-            local = self._entries.get(key)
+        local = self.catalog.get(key)
         if local is not None and discard_local:
             if (
                 local.manifest is not None
@@ -66,24 +91,20 @@ class Recovery(Catalog):
                 log.warning("client reported %s corrupt but the local copy verifies; keeping it", key)
             else:
                 log.warning("discarding corrupt local copy of %s", key)
-                with self._lock:
-                    self._drop(local, reason="local copy failed verification")
+                self.catalog.drop(local, reason="local copy failed verification")
                 local = None
         if local is not None:
-            entry = self._readable(key)
+            entry = self.catalog.readable(key)
             assert entry.manifest is not None
             self.events.fetched("local", time.monotonic() - started)
             return entry.manifest, entry.source  # "" unless repair pulled it from a peer
-        with self._lock:
-            self._fetching += 1  # restores first: repair starts no new pull while a trainer waits for one
+        self.catalog.fetch_started()  # restores first: repair starts no new pull while a trainer waits for one
         try:
             fault("fetch.before_pull")
             source = self._pull(key, origin_note="fetch", durable_known=durable_known)
         finally:
-            with self._lock:
-                self._fetching -= 1
-                self._lock.notify_all()
-        entry = self._readable(key)
+            self.catalog.fetch_ended()
+        entry = self.catalog.readable(key)
         assert entry.manifest is not None
         self.events.fetched(pull_source(source), time.monotonic() - started)
         return entry.manifest, source
@@ -104,7 +125,7 @@ class Recovery(Catalog):
         holdings += rest
         unreachable += more_unreachable
         candidates = sources_for(holdings, key, prefer=tuple(view.table.members()))
-        durable = self._durable_holdings(key.job_id, unreachable)
+        durable = durable_holdings(self.durable, key.job_id, unreachable)
         if any(h.key == key for h in durable):
             candidates.append("durable")  # the most expensive tier comes last
         holdings += durable
@@ -119,24 +140,18 @@ class Recovery(Catalog):
         """Copy ``key`` from the first peer that has a verified copy. Returns that peer's id."""
         if candidates is None:
             candidates = self._sources(key, durable_known)
-        with self._lock:
-            pending = self._pulls.get(key)
-            if pending is None:
-                self._pulls[key] = threading.Event()
+        pending = self.catalog.claim_pull(key)
         if pending is not None:
             # Another path (fetch or repair) is already pulling this shard: wait for it instead of pulling twice.
             pending.wait(timeout=self.config.peer_timeout + 600)
-            with self._lock:
-                entry = self._entries.get(key)
+            entry = self.catalog.get(key)
             if entry is not None and entry.verified:
                 return entry.source
             raise PeerUnavailable(f"a concurrent pull of {key} did not produce a verified copy")
         try:
             return self._pull_candidates(key, candidates, origin_note)
         finally:
-            with self._lock:
-                done = self._pulls.pop(key)
-            done.set()
+            self.catalog.end_pull(key)
 
     def _pull_candidates(self, key: ShardKey, candidates: list[str], origin_note: str) -> str:
         errors: list[StoreError] = []
@@ -163,7 +178,7 @@ class Recovery(Catalog):
             problem = shard_manifest_problem(manifest)
             if problem or manifest.key != key:
                 raise PeerUnavailable(f"peer {host} sent an invalid manifest for {key}: {problem or 'wrong key'}")
-            segments.append(self._acquire(key, max(1, manifest.nbytes)))
+            segments.append(self.catalog.acquire(key, max(1, manifest.nbytes)))
             return segments[-1].view()
 
         try:
@@ -183,7 +198,7 @@ class Recovery(Catalog):
                     call.cancel()
         except BaseException:
             for seg in segments:
-                self.pool.release(seg)
+                self.catalog.release_segment(seg)
             raise
         (segment,) = segments
         self._register_pulled(key, segment, manifest, host)
@@ -193,20 +208,20 @@ class Recovery(Catalog):
         segments: list[Segment] = []
 
         def allocate(m: SpilledManifest) -> memoryview:
-            segments.append(self._acquire(key, max(1, m.nbytes)))
+            segments.append(self.catalog.acquire(key, max(1, m.nbytes)))
             return segments[-1].view()
 
         try:
             sm = self.durable.read_into(key, allocate)
         except (SpillStorageError, LayoutError) as exc:
             for seg in segments:
-                self.pool.release(seg)
+                self.catalog.release_segment(seg)
             if isinstance(exc, ChecksumMismatch):
                 raise ChecksumMismatch(f"durable copy of {key}: {exc}") from None
             raise PeerUnavailable(f"durable copy of {key}: {exc}") from None
         except BaseException:
             for seg in segments:
-                self.pool.release(seg)
+                self.catalog.release_segment(seg)
             raise
         manifest = Manifest(
             key,
@@ -237,29 +252,14 @@ class Recovery(Catalog):
             source=source,
             created_unix=m.created_unix or time.time(),
         )
-        with self._lock:
-            current = self._entries.get(key)
-            if current is not None and current.verified:
-                self.pool.release(segment)  # somebody else brought it in meanwhile
-                return
-            self._register(entry)
-        self._retention_due.set()
+        if self.catalog.register_pulled(entry):
+            self.retention_due.set()
 
     def cluster_holdings(self, job_id: str) -> tuple[list[Holding], list[str]]:
         """What every reachable store (this one included) holds of ``job_id``, and who did not answer."""
-        mine = holdings_of(self.host_id, self.list_shards(job_id))
+        mine = holdings_of(self.host_id, self.catalog.list_shards(job_id))
         theirs, unreachable = _answers(self.peers.list_all(job_id, self.config.peer_timeout))
-        return mine + theirs + self._durable_holdings(job_id, unreachable), unreachable
-
-    def _durable_holdings(self, job_id: str, unreachable: list[str]) -> list[Holding]:
-        if self.durable is None:
-            return []
-        try:
-            return self.durable.holdings(job_id)
-        except (SpillStorageError, LayoutError) as exc:
-            log.warning("durable tier unreadable for %s: %s", job_id, exc)
-            unreachable.append("durable")
-            return []
+        return mine + theirs + durable_holdings(self.durable, job_id, unreachable), unreachable
 
     def latest_step(self, job_id: str, step: int | None = None) -> RestoreAnswer:
         """The version to restore: of the newest restorable step, or of exactly ``step``."""
@@ -291,11 +291,12 @@ class Recovery(Catalog):
         view = self.membership.view
         group = view.repair_sources(view.owned_slots())  # the hosts holding copies of what this host holds
         theirs, unreachable = _answers(self.peers.list_all(job_id, self.config.peer_timeout, hosts=group))
-        holdings = holdings_of(self.host_id, self.list_shards(job_id)) + theirs
-        durable = self._durable_holdings(job_id, unreachable) if include_durable else []
+        holdings = holdings_of(self.host_id, self.catalog.list_shards(job_id)) + theirs
+        durable = durable_holdings(self.durable, job_id, unreachable) if include_durable else []
         return seen_versions(holdings, job_id, ranks, durable), unreachable
 
-    def _repair_loop(self) -> None:
+    def repair_loop(self) -> None:
+        """The ``repair`` thread: a pass every --repair-interval seconds until the store stops."""
         while not self._stop.is_set():
             try:
                 self.repair_once()
@@ -308,12 +309,8 @@ class Recovery(Catalog):
         """Pull one shard this host lacks: True pulled, False failed, None not needed (here, arriving, or stopping)."""
         if self._stop.is_set():
             return None
-        with self._lock:
-            # Restores first: a trainer waiting for a shard gets the links and the memory before repair does.
-            self._lock.wait_for(lambda: not self._fetching or self._stop.is_set(), timeout=RESTORE_FIRST_WAIT)
-            if key in self._entries or key in self._receiving or key in self._pulls or self._stop.is_set():
-                return None
-            self._repairs_in_flight += 1
+        if not self.catalog.begin_repair(key, restore_first=RESTORE_FIRST_WAIT):
+            return None
         try:
             started = time.monotonic()
             source = self._pull(key, origin_note="repair", candidates=candidates)
@@ -324,8 +321,7 @@ class Recovery(Catalog):
             log.warning("repair of %s failed: %s", key, exc)
             return False
         finally:
-            with self._lock:
-                self._repairs_in_flight -= 1
+            self.catalog.end_repair()
 
     def repair_once(self) -> int:
         """Pull every recent shard this host should hold but lacks. Returns how many were pulled."""
@@ -338,10 +334,7 @@ class Recovery(Catalog):
         if not sources:
             self.repaired_table = view.table  # nobody else holds our slots' shards: nothing to confirm
             self.unreachable_sources = ()
-            with self._lock:
-                self.under_replicated = sum(
-                    1 for e in self._entries.values() if e.owner_host == self.host_id and e.state is ShardState.UNDER_REPLICATED
-                )
+            self.under_replicated = self.catalog.own_under_replicated()
             return 0
         listings = self.peers.list_all("", self.config.peer_timeout, hosts=sources)
         complete = not any(isinstance(shards, StoreError) for shards in listings.values())
@@ -359,12 +352,23 @@ class Recovery(Catalog):
         complete = complete and False not in results
         if complete and not self._stop.is_set():
             self.repaired_table = view.table  # every source answered and every shard we lacked is here: readiness
-        with self._lock:
-            here = [(k, e.owner_host, e.created_unix, e.state.settled) for k, e in self._entries.items() if e.verified]
+        here = self.catalog.verified_copies()
         self.under_replicated = count_under_replicated(
             listings, here, view.slot_name_of_owner, owners, self.host_id, self.config.replicas, self.config.keep
         )
         return pulled
+
+
+def durable_holdings(durable: DurableTier | None, job_id: str, unreachable: list[str]) -> list[Holding]:
+    """What the durable tier holds of ``job_id`` (nothing without one); an unreadable tier joins ``unreachable``."""
+    if durable is None:
+        return []
+    try:
+        return durable.holdings(job_id)
+    except (SpillStorageError, LayoutError) as exc:
+        log.warning("durable tier unreadable for %s: %s", job_id, exc)
+        unreachable.append("durable")
+        return []
 
 
 def _answers(listings: dict[str, list[ShardInfo] | StoreError]) -> tuple[list[Holding], list[str]]:

@@ -4,33 +4,25 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import replace
 
+from memstore.config import StoreConfig
 from memstore.core.limits import transfer_sender
 from memstore.core.model import Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, TransferHeader
 from memstore.core.status import CaptureReport
 from memstore.errors import (
-    AlreadySaved,
     Draining,
     InvalidArgument,
-    LeaseError,
-    ShardNotFound,
 )
 from memstore.faults import fault
-from memstore.server.catalog import (
-    ALLOCATE_LEASE_SECONDS,
-    Entry,
-    Inbound,
-    Lease,
-    codec_problem,
-    ensure,
-    sender_error,
-)
-from memstore.server.replication import Replication
-from memstore.server.segments import Segment
+from memstore.server.catalog import Catalog
+from memstore.server.entries import Entry, Inbound, codec_problem, ensure, sender_error
+from memstore.server.events import StoreEvents
+from memstore.server.replication import Replicator
+from memstore.server.segments import Segment, SegmentPool
 from memstore.v1.integrity import MAX_CHUNKS_PER_SHARD, chunk_count
 from memstore.v1.keys import capture_problem, host_id_problem, key_problem, metrics_problem
 from memstore.v1.streams import receive_chunks, shard_manifest_problem
@@ -38,29 +30,34 @@ from memstore.v1.streams import receive_chunks, shard_manifest_problem
 log = logging.getLogger(__name__)
 
 
-def _bind_problem(lease: Lease, key: ShardKey | None, nbytes: int) -> str | None:
-    """What is wrong with committing ``lease`` as ``key`` of ``nbytes`` (ahead leases name their shard at commit)."""
-    held = lease.entry
-    if not lease.ahead:
-        if key is not None and key != held.key:
-            return f"commit names shard {key} but the lease holds {held.key}"
-        if nbytes and nbytes != held.nbytes:
-            return f"commit names {nbytes} bytes but the lease was allocated for {held.nbytes}"
-        return None
-    if key is None:
-        return "an ahead lease (allocated before its step was known) needs the shard's key at commit"
-    if (key.job_id, key.rank) != (held.key.job_id, held.key.rank):
-        return f"commit names shard {key} but the ahead lease is rank {held.key.rank} of job {held.key.job_id!r}"
-    if nbytes < 0 or nbytes > held.segment.size:
-        return f"commit names {nbytes} bytes but the ahead lease's segment holds {held.segment.size}"
-    return None
-
 MAX_CAPTURE_SECONDS = 86400.0  # a client's reported time from save() to Commit (0: not reported)
 MAX_WAIT_SECONDS = 10.0  # WaitCommitted blocks a server thread at most this long; clients loop
 
 
-class Saving(Replication):
-    """Takes shards in: shared-memory captures, gRPC streams; and reports when they are committed."""
+class Saver:
+    """Takes shards in: shared-memory captures, gRPC streams; and reports when they are committed.
+
+    Each shard taken in from a client goes to the replicator; the catalog holds it and its allocation lease.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        replicator: Replicator,
+        config: StoreConfig,
+        pool: SegmentPool,
+        events: StoreEvents,
+        draining: threading.Event,
+        retention_due: threading.Event,
+    ) -> None:
+        self.catalog = catalog
+        self.replicator = replicator
+        self.config = config
+        self.host_id = config.host_id
+        self.pool = pool  # its shared-memory dir and the capture rings' paths
+        self.events = events
+        self.draining = draining  # set: no new shards are taken in
+        self.retention_due = retention_due  # set when a replica arrives: the janitor looks at retention again
 
     def allocate(
         self, key: ShardKey, world_size: int, nbytes: int, preferred: str = "", ahead: bool = False, grow: bool = False
@@ -89,16 +86,12 @@ class Saving(Replication):
             raise InvalidArgument(f"store {self.host_id} has no shared-memory dir (--shm-dir ''); send the shard with Put")
         self._refuse_if_draining()
         if not ahead:
-            with self._lock:
-                self._refuse_resave(key)
+            self.catalog.refuse_resave(key)
         if grow and not ahead:
             raise InvalidArgument("grow needs ahead: only a reservation for a later save may add a segment to the ring")
-        segment = self._acquire(key, nbytes, preferred, ring=key.rank, evict=not ahead, grow=grow)
+        segment = self.catalog.acquire(key, nbytes, preferred, ring=key.rank, evict=not ahead, grow=grow)
         entry = Entry(key, world_size, nbytes, segment, self.host_id, ShardState.CAPTURED)
-        lease_id = secrets.token_hex(16)
-        with self._lock:
-            self._alloc_leases[lease_id] = Lease(entry, time.monotonic() + ALLOCATE_LEASE_SECONDS, ahead=ahead)
-        return lease_id, segment
+        return self.catalog.lease_allocation(entry, ahead), segment
 
     def ring_paths(self, job_id: str, rank: int) -> list[str]:
         """The segments of ``rank``'s capture ring (``AllocateResponse.ring_paths``): its client keeps them mapped."""
@@ -129,30 +122,7 @@ class Saving(Replication):
             raise InvalidArgument(f"capture_seconds {capture_seconds!r} is out of range: expected 0..{MAX_CAPTURE_SECONDS:.0f}")
         if key is not None:
             ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
-        with self._lock:
-            lease = self._alloc_leases.get(lease_id)
-            if lease is None:
-                raise LeaseError(f"allocation lease {lease_id!r} is unknown or expired; allocate again")
-            entry = lease.entry
-            ensure(_bind_problem(lease, key, nbytes))
-            del self._alloc_leases[lease_id]
-            if lease.ahead:
-                assert key is not None
-                entry.key = key
-                entry.nbytes = nbytes or entry.nbytes
-            try:
-                self._refuse_resave(entry.key)
-            except AlreadySaved:
-                self.pool.release(entry.segment)
-                raise
-            entry.metrics = dict(metrics)
-            entry.format_version = format_version
-            entry.spill_codec = spill_codec
-            entry.taken_at = time.monotonic()
-            self._register(entry)
-            self._supersede_older(entry)
-            if capture is not None and (capture.registrations or capture.fallbacks):
-                self.capture = self.capture.plus(capture.registrations, capture.fallbacks, capture.fallback_cause)
+        entry = self.catalog.commit_lease(lease_id, key, nbytes, metrics, format_version, spill_codec, capture)
         if capture is not None and capture.fallbacks:
             log.warning(
                 "rank %d of job %s copied %d captures through pageable memory (registration failed: %s)",
@@ -160,58 +130,24 @@ class Saving(Replication):
             )  # fmt: skip
         self.events.captured(capture.registrations if capture else 0, capture.fallbacks if capture else 0)
         self.events.saved("shm", capture_seconds or entry.taken_at - entry.allocated_at)
-        self._in_flight_add(1)
-        self._replication.submit(self._capture_and_replicate, entry)
+        self.replicator.submit(entry)
         fault("commit.before_ack")
         return entry.key
-
-    def _supersede_older(self, entry: Entry) -> None:
-        """Newest wins (caller holds the lock): older captures of the same rank that replication has not taken up yet
-        are dropped, so saves that come faster than the store can checksum and push them never pile up in RAM.
-
-        Only captures not yet checksummed go: none of them is verified, so none can be a restorable step.
-        """
-        key = entry.key
-        older = [
-            e for k, e in self._entries.items()
-            if k.job_id == key.job_id and k.rank == key.rank and e is not entry and e.state is ShardState.CAPTURED
-            and not e.checksumming and e.pins == 0 and e.allocated_at <= entry.allocated_at
-        ]  # fmt: skip
-        for old in older:
-            old.superseded = True
-            old.state = ShardState.UNDER_REPLICATED  # ended: no copy anywhere
-            old.copies = 0
-            old.error = f"superseded by step {key.step} before it was replicated (newest wins)"
-            self.saves_superseded += 1
-            self._drop(old, reason=old.error)
-            log.info("%s superseded by step %d before replication took it up (newest wins)", old.key, key.step)
 
     def wait_committed(self, key: ShardKey, timeout: float) -> tuple[ShardInfo, bool]:
         ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
         deadline = time.monotonic() + max(0.0, min(timeout, MAX_WAIT_SECONDS))
-        with self._lock:
-            while True:
-                entry = self._entries.get(key)
-                if entry is None and key in self._gone:  # dropped since (superseded, or evicted after it settled)
-                    return self._gone[key], True
-                if entry is None:
-                    raise ShardNotFound(f"shard {key} is not held by store {self.host_id}")
-                if entry.state.settled:
-                    return self._info(entry), True
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._stop.is_set():
-                    return self._info(entry), False
-                self._lock.wait(remaining)
+        return self.catalog.wait_settled(key, deadline)
 
     def receive(self, header: TransferHeader, chunks: Iterable[bytes]) -> Manifest:
         """Store a shard arriving as a gRPC chunk stream (remote client, replication fallback); returns its manifest as held."""
-        inbound = self._begin_receive(header)
+        inbound = self.begin_receive(header)
         try:
             receive_chunks(chunks, inbound.manifest, inbound.segment.view(), on_chunk=lambda _: fault("receive.after_chunk"))
         except BaseException as exc:
-            self._abort_receive(inbound)
+            self.catalog.abort_inbound(inbound)
             raise sender_error(exc) from None
-        return self._finish_receive(inbound)
+        return self.finish_receive(inbound)
 
     def _check_transfer(self, header: TransferHeader) -> None:
         """Everything a transfer's header says, checked before any memory is reserved for it."""
@@ -224,42 +160,31 @@ class Saving(Replication):
         if self.draining.is_set():
             raise Draining(f"store {self.host_id} is draining (leaving the cluster): it takes no new shards; use another store")
 
-    def _begin_receive(self, header: TransferHeader) -> Inbound:
+    def begin_receive(self, header: TransferHeader) -> Inbound:
         """Validate an incoming shard, count it against its sender's open transfers and reserve its memory.
 
-        Every Inbound returned ends in exactly one of ``_abort_receive`` or ``_finish_receive``.
+        Every Inbound returned ends in exactly one of ``Catalog.abort_inbound`` or ``finish_receive``.
         """
         self._check_transfer(header)
         m = header.manifest
         key = m.key
         sender = transfer_sender(header.origin, key.job_id, header.sender_host, m.owner_host)
         self._refuse_if_draining()
-        with self._lock:
-            if header.origin is PutOrigin.CLIENT:
-                self._refuse_resave(key)
-            self._admit_stream(sender)
+        self.catalog.admit_inbound(key, sender, client=header.origin is PutOrigin.CLIENT)
         try:
-            segment = self._acquire(key, max(1, m.nbytes))
+            segment = self.catalog.acquire(key, max(1, m.nbytes))
         except BaseException:
-            with self._lock:
-                self._end_stream(sender)
+            self.catalog.cancel_inbound(sender)
             raise
-        with self._lock:
-            self._receiving.add(key)
+        self.catalog.mark_receiving(key)
         return Inbound(key, m, header.origin, segment, sender)
 
-    def _abort_receive(self, inbound: Inbound) -> None:
-        self.pool.release(inbound.segment)
-        with self._lock:
-            self._receiving.discard(inbound.key)
-            self._end_stream(inbound.sender)
-
-    def _finish_receive(self, inbound: Inbound) -> Manifest:
+    def finish_receive(self, inbound: Inbound) -> Manifest:
         """Register a fully received and verified shard; returns its manifest as held."""
         try:
             fault("receive.before_register")
         except BaseException:
-            self._abort_receive(inbound)
+            self.catalog.abort_inbound(inbound)
             raise
         return self._register_received(inbound)
 
@@ -285,14 +210,10 @@ class Saving(Replication):
             created_unix=m.created_unix or time.time(),
             taken_at=time.monotonic(),
         )
-        with self._lock:
-            self._receiving.discard(inbound.key)
-            self._end_stream(inbound.sender)
-            self._register(entry)
+        self.catalog.register_inbound(inbound, entry)
         if inbound.origin is PutOrigin.CLIENT:
             self.events.saved("stream", entry.taken_at - inbound.started)
-            self._in_flight_add(1)
-            self._replication.submit(self._capture_and_replicate, entry)
+            self.replicator.submit(entry)
         else:
-            self._retention_due.set()
+            self.retention_due.set()
         return manifest

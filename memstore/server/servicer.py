@@ -20,7 +20,6 @@ import grpc
 from memstore.core.model import PutOrigin, TransferHeader
 from memstore.errors import InvalidArgument, StoreError
 from memstore.server.auth import Authenticator, Need, Principal
-from memstore.server.catalog import ALLOCATE_LEASE_SECONDS
 from memstore.server.convert import (
     capture_from_pb,
     health_to_pb,
@@ -33,6 +32,7 @@ from memstore.server.convert import (
     seen_to_pb,
     transfer_from_pb,
 )
+from memstore.server.entries import ALLOCATE_LEASE_SECONDS
 from memstore.server.events import StoreEvents
 from memstore.server.store import Store
 from memstore.v1 import store_pb2 as pb

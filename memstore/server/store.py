@@ -12,9 +12,11 @@ The repair loop pulls, from group peers, every recent shard this host should hol
 replacement host (the same host id, or a new one that took a lost host's slot) returns the group to R
 copies by itself. Placement is over slots (``memstore.core.slots``); ``membership`` says who holds which.
 
-The engine is split by job: ``catalog`` (entries, pins, segments), ``replication``, ``saving``,
-``datapath``, ``reading``, ``recovery`` (fetch, repair, cluster view) and ``janitor`` (retention,
-expiry); ``Store`` puts them together. The engine takes and returns the core's plain types
+The engine is a few collaborating objects, each built here with only what it uses: the ``Catalog`` (the
+entries, leases, tickets and pins, under the engine's one lock), the ``Replicator``, the ``Saver``, the
+``DataPath``, the ``Reader``, ``Recovery`` (fetch, repair, cluster view), the ``Janitor`` (retention, expiry)
+and the ``Drainer``. ``Store`` builds them and exposes what the servicer, the data channel and the
+composition root call (docs/architecture.md draws them). The engine takes and returns the core's plain types
 (``memstore.core``), where the pure decisions (placement, retention, latest restorable step) live too;
 the gRPC servicer is a thin adapter over it and the only part that converts to and from protobuf
 (``memstore.server.convert``), besides the client of the peers (``memstore.server.peers``).
@@ -25,20 +27,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from memstore import __version__
 from memstore.config import StoreConfig
-from memstore.core.model import ShardInfo, ShardKey
 from memstore.core.reserve import ReservePolicy
-from memstore.core.slots import SlotTable
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, SpillReport, job_census
-from memstore.server.catalog import Entry, Lease, Ticket
-from memstore.server.drain import Drain
+from memstore.server.catalog import Catalog
+from memstore.server.datapath import DataPath
+from memstore.server.drain import Drainer
 from memstore.server.events import StoreEvents
+from memstore.server.janitor import Janitor
 from memstore.server.membership import ClusterView, Membership
 from memstore.server.peers import PeerDirectory
+from memstore.server.reading import Reader
+from memstore.server.recovery import Recovery
+from memstore.server.replication import Replicator
 from memstore.server.rings import ring_limit
+from memstore.server.saving import Saver
 from memstore.server.segments import SegmentPool
 from memstore.server.shm_dirs import segment_dir
 from memstore.spill.port import DurableTier
@@ -48,8 +53,8 @@ from memstore.v1.security import Credentials
 log = logging.getLogger(__name__)
 
 
-class Store(Drain):
-    """One host's store engine: the parts above over one shared state."""
+class Store:
+    """One host's store engine: builds the parts above and exposes what its callers use."""
 
     def __init__(
         self,
@@ -76,43 +81,101 @@ class Store(Drain):
         # Who holds which slot: fed by the discovery watcher and gossip (memstore.server.app); moves the peer directory along.
         self.membership = Membership(self.host_id, config.placement, config.replicas, on_change=self._cluster_changed)
         self.discovery: DiscoveryReport | None = None  # set by the discovery watcher
-        self.draining = threading.Event()
-        self.drain_progress = ""
-        self._lock = threading.Condition()
-        self._entries: dict[ShardKey, Entry] = {}
-        self._alloc_leases: dict[str, Lease] = {}
-        self._read_leases: dict[str, Lease] = {}
-        self._receiving: set[ShardKey] = set()
-        self._streams: dict[str, int] = {}  # sender -> inbound transfers open, at most --max-streams-per-peer
-        self._tickets: dict[bytes, Ticket] = {}
-        self._pulls: dict[ShardKey, threading.Event] = {}  # in-flight pulls, shared by fetch and repair
-        self._protected: dict[str, int] = {}  # job -> newest restorable step, protected from eviction
-        self._replication = ThreadPoolExecutor(max_workers=4, thread_name_prefix="replicate")
-        self._push = ThreadPoolExecutor(max_workers=max(2, 2 * (config.replicas - 1)), thread_name_prefix="push")
-        self._in_flight = 0
-        self._repairs_in_flight = 0
-        self._fetching = 0  # restores pulling a shard now (repair waits for them: memstore.server.recovery)
-        self._stop = threading.Event()
-        self._retention_due = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._repair_loop, name="repair", daemon=True),
-            threading.Thread(target=self._janitor_loop, name="janitor", daemon=True),
-        ]
+        self.draining = threading.Event()  # set: no new shards, no repair pulls (drain, SIGTERM)
+        self._stop = threading.Event()  # set by close(): the loops end, waits give up
+        self._retention_due = threading.Event()  # set by whatever changes what retention would keep: wakes the janitor
         self.boot_id = boot_id()
         self.advertised_address = advertised_address or config.listen
-        self.last_repair_error = ""
-        self.under_replicated = 0  # set by each repair pass
-        self.capture = CaptureReport()
-        self.saves_superseded = 0
-        self._gone: dict[ShardKey, ShardInfo] = {}
-        self.unreachable_sources: tuple[str, ...] = ()  # set by each repair pass
-        self.repaired_table: SlotTable | None = None  # the table of the last repair pass that left nothing missing
-        self.durable: DurableTier | None = None  # set by the composition root (memstore.server.app) when --spill is on
         self.data_port = 0  # set by the server once the data channel listens
         self.control_socket = ""  # set by the server once the same-host control channel listens
+        self._durable: DurableTier | None = None
+
+        # The parts, each with only what it uses.
+        self.catalog = Catalog(self.host_id, config, self.pool, self._stop)
+        self.replicator = Replicator(self.catalog, config, self.membership, self.peers, self.events, self._retention_due)
+        self.saver = Saver(self.catalog, self.replicator, config, self.pool, self.events, self.draining, self._retention_due)
+        self.datapath = DataPath(self.catalog, self.saver, config)
+        self.reader = Reader(self.catalog)
+        self.recovery = Recovery(
+            self.catalog, config, self.membership, self.peers, self.events, self.draining, self._stop, self._retention_due
+        )
+        self.janitor = Janitor(self.catalog, config, self.recovery.cluster_holdings, self._stop, self._retention_due)
+        self.drainer = Drainer(self.catalog, config, self.membership, self.peers, self.draining)
+
+        # What the servicer calls (memstore.server.servicer), by the part that answers it.
+        self.allocate = self.saver.allocate
+        self.ring_paths = self.saver.ring_paths
+        self.commit = self.saver.commit
+        self.wait_committed = self.saver.wait_committed
+        self.receive = self.saver.receive
+        self.prepare_receive = self.datapath.prepare_receive
+        self.prepare_send = self.datapath.prepare_send
+        self.serve_ticket = self.datapath.serve_ticket  # the data channel's connections (memstore.server.dataserver)
+        self.open = self.reader.open
+        self.release = self.reader.release
+        self.read = self.reader.read
+        self.fetch = self.recovery.fetch
+        self.latest_step = self.recovery.latest_step
+        self.scoped_versions = self.recovery.scoped_versions
+        self.list_shards = self.catalog.list_shards
+        self.delete = self.catalog.delete
+        self.drain = self.drainer.drain  # the composition root's shutdown path (memstore.server.app)
+
+        # What the durable tier reads (memstore.spill.port.ShardSource).
+        self.owned_shards = self.catalog.owned_shards
+        self.owned_ranks = self.catalog.owned_ranks
+        self.pinned_bytes = self.catalog.pinned_bytes
+        self.foreground_busy = self.catalog.foreground_busy
+
+        self._threads = [
+            threading.Thread(target=self.recovery.repair_loop, name="repair", daemon=True),
+            threading.Thread(target=self.janitor.loop, name="janitor", daemon=True),
+        ]
         if config.peers:  # a fixed --peers list: the table is known before serving
             self.membership.apply({h: (a, config.failure_domains.get(h, "")) for h, a in config.peers})
-        self.adopted_shards = self._adopt_segments()
+        self.adopted_shards = self.catalog.adopt_segments()
+
+    @property
+    def durable(self) -> DurableTier | None:
+        """The durable tier (``--spill``), set by the composition root (``memstore.server.app``) once built."""
+        return self._durable
+
+    @durable.setter
+    def durable(self, tier: DurableTier | None) -> None:
+        self._durable = tier
+        self.recovery.durable = tier
+        self.janitor.durable = tier
+        self.drainer.durable = tier
+
+    def spilled(self) -> None:
+        """A step was published (``ShardSource``): steps kept in RAM only until spilled may go now."""
+        self._retention_due.set()
+
+    # What the last repair pass found, the drain's progress and the catalog's counters (Health, metrics, readiness).
+
+    @property
+    def last_repair_error(self) -> str:
+        return self.recovery.last_repair_error
+
+    @property
+    def under_replicated(self) -> int:
+        return self.recovery.under_replicated
+
+    @property
+    def unreachable_sources(self) -> tuple[str, ...]:
+        return self.recovery.unreachable_sources
+
+    @property
+    def drain_progress(self) -> str:
+        return self.drainer.progress
+
+    @property
+    def capture(self) -> CaptureReport:
+        return self.catalog.capture
+
+    @property
+    def saves_superseded(self) -> int:
+        return self.catalog.saves_superseded
 
     def _cluster_changed(self, view: ClusterView) -> None:
         self.peers.set_members(view.table.members())
@@ -136,10 +199,8 @@ class Store(Drain):
             self.durable.close()
         self._stop.set()
         self._retention_due.set()
-        with self._lock:
-            self._lock.notify_all()
-        self._replication.shutdown(wait=False, cancel_futures=True)
-        self._push.shutdown(wait=False, cancel_futures=True)
+        self.catalog.wake()
+        self.replicator.close()
         self.peers.close()
         for t in self._threads:
             if t.is_alive():
@@ -180,27 +241,21 @@ class Store(Drain):
         held = len(view.table.members())
         if held < self.config.replicas:
             return f"the slot table holds {held} store(s), fewer than R={self.config.replicas}: saves cannot reach R copies"
-        repaired = self.repaired_table
+        repaired = self.recovery.repaired_table
         if repaired is None or view.table.layout != repaired.layout:
             return f"repairing: copies for slot {view.my_slot.index} are not all here yet"
         return ""
 
     def alive(self, timeout: float) -> bool:
         """Liveness: the engine's lock can be taken within ``timeout`` seconds (a deadlocked store says False)."""
-        if not self._lock.acquire(timeout=timeout):
-            return False
-        self._lock.release()
-        return True
+        return self.catalog.alive(timeout)
 
     def census(self) -> list[JobCensus]:
         """What this store holds in RAM, per job (the metrics read it at each scrape)."""
-        with self._lock:
-            copies = [(k, e.nbytes, e.state) for k, e in self._entries.items() if not e.dropped]
-        return job_census(copies)
+        return job_census(self.catalog.census_copies())
 
     def health(self) -> HealthReport:
-        with self._lock:
-            shards = sum(1 for e in self._entries.values() if not e.dropped)
+        shards = self.catalog.shard_count()
         return HealthReport(
             serving=not self._stop.is_set() and not self.draining.is_set(),  # readiness: a draining store takes no saves
             host_id=self.host_id,
@@ -210,8 +265,8 @@ class Store(Drain):
             reserve_filling=self.pool.reserve_filling,
             capacity_bytes=self.config.capacity,
             shards=shards,
-            replications_in_flight=self._in_flight,
-            repairs_in_flight=self._repairs_in_flight,
+            replications_in_flight=self.catalog.in_flight,
+            repairs_in_flight=self.catalog.repairs_in_flight,
             uptime_seconds=time.monotonic() - self.started,
             spill_url=self.config.spill,
             spill=tuple(

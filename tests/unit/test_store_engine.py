@@ -114,7 +114,7 @@ def test_leases(store: Store) -> None:
 def test_segments_are_recycled(store: Store) -> None:
     for step in range(1, 8):
         save(store, step, nbytes=2 * MiB)
-    paths = {s.segment.path for s in store._entries.values()}
+    paths = {e.segment.path for e in map(store.catalog.get, {i.manifest.key for i in store.list_shards("job")}) if e}
     files = {p.name for p in store.pool.directory.iterdir() if p.name.startswith("seg-")}  # type: ignore[union-attr]
     assert len(files) <= 5, files  # bounded by capacity / size (10 MiB / 2 MiB), not one file per save
     assert {p.rsplit("/", 1)[1] for p in paths if p} <= files
@@ -134,7 +134,8 @@ def test_resave_of_the_same_shard_on_the_same_timeline_is_refused(store: Store) 
         assert view[0] == 2
     for _, view in store.read(key):
         assert view[0] == 1
-    assert store._entries[new].state is ShardState.COMMITTED
+    entry = store.catalog.get(new)
+    assert entry is not None and entry.state is ShardState.COMMITTED
 
 
 def versions_held(store: Store) -> list[tuple[int, str]]:
@@ -179,7 +180,7 @@ def test_readiness_reasons(tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert "fewer than R=2" in s.readiness()  # alone: saves cannot reach two copies
         s.membership.apply({"a": ("127.0.0.1:1", ""), "b": ("127.0.0.1:2", "")})
         assert s.readiness().startswith("repairing")  # no repair pass has run under this layout
-        s.repaired_table = s.membership.view.table
+        s.recovery.repaired_table = s.membership.view.table
         assert s.readiness() == "" and s.alive(1.0)
         s.draining.set()
         assert s.readiness() == "draining"

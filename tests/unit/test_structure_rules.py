@@ -54,3 +54,31 @@ def test_misplaced_imports_are_named(tree: dict[str, str], expected: list[str], 
 
 def test_the_tree_meets_every_rule() -> None:
     assert check.main() == 0
+
+
+ENGINE_BASES = "give it the object it needs in its constructor"
+
+
+def test_inheritance_between_engine_classes_and_mixins_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(check, "ROOT", tmp_path)
+    tree = {
+        "memstore/server/catalog.py": "class Catalog:\n    pass\n",
+        "memstore/server/saving.py": "from memstore.server.catalog import Catalog\n\nclass Saving(Catalog):\n    pass\n",
+        "memstore/server/janitor.py": "class Janitor(Recovery, Reading):\n    pass\n",
+        "memstore/server/mix.py": "class LeaseMixin:\n    pass\n",
+        "memstore/server/fine.py": (
+            "from enum import Enum\nfrom typing import Protocol\nfrom memstore.v1 import store_pb2_grpc as pb_grpc\n"
+            "class Role(Enum): ...\nclass Port(Protocol): ...\nclass Sub(Port, Protocol): ...\nclass Oops(ValueError): ...\n"
+            "class StoreServicer(pb_grpc.StoreServicer): ...\nclass StoreEvents: ...\nclass StoreMetrics(StoreEvents): ...\n"
+        ),
+        "memstore/spill/elsewhere.py": "class A:\n    pass\n\nclass B(A, dict):\n    pass\n",  # other packages: not this rule's
+    }
+    for rel, text in tree.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    found = check.inheritance(sorted(tmp_path.rglob("*.py")))
+    assert sorted(found) == [
+        "memstore.server.janitor.Janitor has 2 bases (Recovery, Reading): no multiple inheritance in memstore/server, compose",
+        f"memstore.server.mix.LeaseMixin is a mixin: {ENGINE_BASES}",
+        f"memstore.server.saving.Saving inherits from Catalog, a class of memstore/server: {ENGINE_BASES}",
+    ]

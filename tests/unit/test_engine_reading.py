@@ -1,0 +1,103 @@
+"""The Reader and the DataPath alone: read leases over verified copies, and transfers on the data channel."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from memstore.core.model import PutOrigin, ShardKey, TransferHeader
+from memstore.errors import ChecksumMismatch, ShardNotFound
+from memstore.server.datapath import DataPath
+from memstore.server.reading import Reader
+from memstore.server.replication import Replicator
+from memstore.server.saving import Saver
+from memstore.v1.datachannel import recv_exact
+from tests.unit.engine_fakes import FakePeers, RecordingEvents, config, make_catalog, manifest_of, membership, settled
+
+pytestmark = pytest.mark.unit
+DATA = bytes(range(256)) * 32  # 8 KiB
+KEY = ShardKey("job", 1, 0)
+
+
+def test_open_verifies_pins_and_leases_a_copy_until_release() -> None:
+    catalog, pool, _ = make_catalog()
+    entry = settled(catalog, KEY, DATA)
+    reader = Reader(catalog)
+    lease, opened = reader.open(KEY, transient=True)
+    assert opened is entry and entry.pins == 1 and not entry.segment.exported
+    catalog.delete("job", -1, -1)
+    assert entry.segment not in pool.released  # the reader still maps it
+    reader.release(lease)
+    assert entry.pins == 0 and entry.segment in pool.released
+
+
+def test_a_copy_that_fails_verification_when_opened_is_dropped() -> None:
+    catalog, pool, _ = make_catalog()
+    entry = settled(catalog, KEY, DATA)
+    entry.segment.view()[5] ^= 0xFF  # a bit flipped in RAM
+    with pytest.raises(ChecksumMismatch, match="ask again"):
+        Reader(catalog).open(KEY)
+    assert catalog.get(KEY) is None and entry.segment in pool.released
+
+
+def test_a_mapping_reader_marks_the_segment_never_to_be_reused_and_read_streams_pinned_bytes() -> None:
+    catalog, _, _ = make_catalog()
+    entry = settled(catalog, KEY, DATA)
+    reader = Reader(catalog)
+    reader.open(KEY)
+    assert entry.segment.exported
+    for manifest, view in reader.read(KEY):
+        assert entry.pins == 2 and bytes(view) == DATA and manifest.nbytes == len(DATA)
+    assert entry.pins == 1
+
+
+def datapath():  # type: ignore[no-untyped-def]
+    cfg = config()
+    catalog, pool, _ = make_catalog(cfg)
+    events, due = RecordingEvents(), threading.Event()
+    rep = Replicator(catalog, cfg, membership(), FakePeers(), events, due)  # type: ignore[arg-type]
+    saver = Saver(catalog, rep, cfg, pool, events, threading.Event(), due)  # type: ignore[arg-type]
+    return DataPath(catalog, saver, cfg), catalog, pool, due
+
+
+def serve(path: DataPath, ticket: bytes) -> socket.socket:
+    ours, theirs = socket.socketpair()
+    t = threading.Thread(target=path.serve_ticket, args=(ticket, ours))
+    t.start()
+    t.join(5)
+    ours.close()
+    return theirs
+
+
+def test_a_send_ticket_streams_the_copy_and_unpins_it() -> None:
+    path, catalog, _, _ = datapath()
+    entry = settled(catalog, KEY, DATA)
+    manifest, ticket = path.prepare_send(KEY)
+    assert manifest.nbytes == len(DATA) and entry.pins == 1
+    with serve(path, ticket) as theirs:
+        got = bytearray(len(DATA))
+        recv_exact(theirs, memoryview(got), time.monotonic() + 5)
+    assert bytes(got) == DATA and entry.pins == 0
+    assert catalog.take_ticket(ticket) is None  # used once
+    with pytest.raises(ShardNotFound):
+        path.prepare_send(ShardKey("job", 9, 0))
+
+
+def test_a_receive_ticket_registers_a_verified_replica_and_gives_its_slot_back() -> None:
+    path, catalog, pool, due = datapath()
+    header = TransferHeader(manifest_of(KEY, DATA, owner="h1"), PutOrigin.REPLICA, "h1")
+    ticket = path.prepare_receive(header)
+    assert catalog.open_streams() == {"peer:h1": 1} and pool.used == len(DATA)
+    ours, theirs = socket.socketpair()
+    t = threading.Thread(target=path.serve_ticket, args=(ticket, ours))
+    t.start()
+    theirs.sendall(DATA)
+    assert theirs.recv(1) == b"\x00"  # stored
+    t.join(5)
+    ours.close()
+    theirs.close()
+    entry = catalog.get(KEY)
+    assert entry is not None and entry.verified and entry.owner_host == "h1" and catalog.open_streams() == {} and due.is_set()

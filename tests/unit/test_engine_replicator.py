@@ -1,0 +1,76 @@
+"""The Replicator and the Saver alone, over a fake pool, fake peers and recorded events."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from memstore.core.model import ShardKey, ShardState
+from memstore.server.replication import Replicator
+from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, commit, config, make_catalog, membership
+
+pytestmark = pytest.mark.unit
+DATA = bytes(range(256)) * 32  # 8 KiB
+
+
+def replicator(*peers: FakePeer, replicas: int = 2, hosts: tuple[str, ...] = ("h0", "h1"), **flags: str):  # type: ignore[no-untyped-def]
+    cfg = config(replicas=str(replicas), **flags)
+    catalog, pool, _ = make_catalog(cfg)
+    events, due = RecordingEvents(), threading.Event()
+    rep = Replicator(catalog, cfg, membership("h0", hosts, replicas), FakePeers(*peers), events, due)  # type: ignore[arg-type]
+    return rep, catalog, pool, events, due
+
+
+def replicate(rep: Replicator, key: ShardKey) -> None:
+    entry = commit(rep.catalog, key, DATA)
+    rep.catalog.add_in_flight(1)  # what submit() does before the executor runs it
+    rep.capture_and_replicate(entry)
+
+
+def test_a_capture_is_checksummed_pushed_to_its_group_peer_and_committed() -> None:
+    peer = FakePeer("h1")
+    rep, catalog, _, events, due = replicator(peer)
+    replicate(rep, ShardKey("job", 1, 0))
+    (info,) = catalog.list_shards("job")
+    assert info.state is ShardState.COMMITTED and info.copies == 2 and info.verified and len(info.manifest.checksums) == 2
+    assert peer.pushes == [ShardKey("job", 1, 0)] and peer.held[ShardKey("job", 1, 0)][1] == DATA
+    assert events.named("pushed") == [(len(DATA),)] and events.named("settled") == [("committed",)] and len(events.named("replicated")) == 1
+    assert catalog.in_flight == 0 and due.is_set()
+
+
+def test_a_peer_that_refuses_leaves_the_shard_under_replicated_with_its_reason() -> None:
+    rep, catalog, _, events, _ = replicator(FakePeer("h1", refuse="disk on fire"))
+    replicate(rep, ShardKey("job", 1, 0))
+    (info,) = catalog.list_shards("job")
+    assert info.state is ShardState.UNDER_REPLICATED and info.copies == 1 and "1 of 2 copies: disk on fire" in info.error
+    assert events.named("settled") == [("under_replicated",)] and not events.named("replicated")
+
+
+def test_alone_in_the_slot_table_a_shard_settles_with_one_copy_and_says_why() -> None:
+    rep, catalog, _, _, _ = replicator(hosts=("h0",))
+    replicate(rep, ShardKey("job", 1, 0))
+    (info,) = catalog.list_shards("job")
+    assert info.state is ShardState.UNDER_REPLICATED and "no group peer to copy to yet" in info.error
+    rep1, catalog1, _, _, _ = replicator(hosts=("h0",), replicas=1)
+    replicate(rep1, ShardKey("job", 1, 0))
+    assert catalog1.list_shards("job")[0].state is ShardState.COMMITTED  # R=1: nothing to copy
+
+
+def test_a_push_skipped_for_a_newer_capture_of_the_rank_reports_the_save_superseded() -> None:
+    peer = FakePeer("h1")
+    rep, catalog, _, _, _ = replicator(peer)
+    old = commit(catalog, ShardKey("job", 1, 0), DATA)
+    catalog.take_up(old)  # replication has it: the newer commit does not drop it ...
+    newer = commit(catalog, ShardKey("job", 2, 0), DATA)
+    newer.created_unix = old.created_unix + 1
+    rep.capture_and_replicate(old)  # ... but pushing it is pointless now
+    info = catalog.info(old)
+    assert peer.pushes == [] and info.superseded and catalog.saves_superseded == 1 and "superseded by step 2" in info.error
+
+
+def test_tcp_data_plane_falls_back_to_streams_for_a_peer_without_a_data_channel() -> None:
+    plain, fast = FakePeer("h1"), FakePeer("h2", data_channel=True)
+    rep, catalog, _, _, _ = replicator(plain, fast, replicas=3, hosts=("h0", "h1", "h2"), data_plane="tcp")
+    replicate(rep, ShardKey("job", 1, 0))
+    assert catalog.list_shards("job")[0].copies == 3 and plain.pushes and fast.pushes

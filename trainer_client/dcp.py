@@ -72,7 +72,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from memstore.v1.keys import job_id_problem, key_problem
-from trainer_client._device_restore import HostToDevice
+from trainer_client.capture.device_restore import HostToDevice
 from trainer_client.client import CheckpointClient, client_credentials
 from trainer_client.dcp_metadata import MemStoreStorageInfo, _item_key, decode_metadata, encode_metadata
 from trainer_client.errors import (

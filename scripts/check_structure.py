@@ -10,6 +10,8 @@
 - no multiple inheritance and no mixins in ``memstore.server``: the engine's parts collaborate through their
   constructors, so no class there has two bases or inherits from another class of the package (errors, Protocol,
   Enum, NamedTuple, TypedDict, the generated gRPC servicers and the event hooks ``ENGINE_HOOKS`` excepted).
+- no cross-module private imports (:func:`private_imports`);
+- the trainer side imports only the store's contract from ``memstore`` (:func:`trainer_imports`).
 
     python scripts/check_structure.py
 """
@@ -149,6 +151,86 @@ def inheritance(files: list[Path]) -> list[str]:
     return problems
 
 
+FIRST_PARTY = ("memstore", "trainer_client", "benchmarks", "examples")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _imported(path: Path) -> list[tuple[int, str, str]]:
+    """(line, module, name) for every import in ``path``, relative ones resolved; ``name`` is "" for ``import x.y``."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    out: list[tuple[int, str, str]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, "") for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out += [(node.lineno, base, a.name) for a in node.names]
+    return out
+
+
+PRIVATE_FIX = "give it a public name in a module whose job it is"
+
+
+def private_imports(files: list[Path]) -> list[str]:
+    """Imports of an underscore-named module or name of ours from another module.
+
+    A leading underscore says "only this module uses it"; a second module importing it makes the name part of
+    an interface nobody declared, so give it a public name in a module whose job it is (a subpackage's
+    ``__init__`` can say the whole subpackage is internal). Covers ``memstore``, ``trainer_client``,
+    ``benchmarks`` and ``examples``; tests may reach into privates. Private names of other libraries (torch's
+    ``_StorageInfo``, which DCP's file layout needs; ``ray._private``) are outside this rule: not ours to rename.
+    """
+    problems = []
+    for path in files:
+        for line, module, name in _imported(path):
+            if module.split(".")[0] not in FIRST_PARTY:
+                continue
+            full = f"{module}.{name}" if name else module
+            bad = [part for part in full.split(".") if _private(part)]
+            if bad and full != module_name(path):
+                problems.append(f"{path.relative_to(ROOT)}:{line}: imports {full} ({bad[0]} is private: {PRIVATE_FIX})")
+    return problems
+
+
+TRAINER_MAY_IMPORT = ("memstore.v1", "memstore.core", "memstore.errors")
+
+
+def trainer_imports(files: list[Path]) -> list[str]:
+    """``trainer_client`` imports from the ``memstore`` package only its contract: ``memstore.v1`` and ``memstore.core``.
+
+    The trainer side talks to stores through the wire contract and the pure core, never through the server, the
+    spill tier, the CLI or their config. One exception: ``memstore.errors``, the package's one error table, a leaf
+    module of exception classes that ``memstore.v1`` and ``memstore.core`` themselves raise (``ConfigError`` from
+    ``memstore.v1.security``, ``DataChannelError`` and ``StreamError`` from the data channel and streams); the client
+    catches those types, and splitting the table would give the package two.
+    """
+    problems = []
+    for path in files:
+        if module_name(path).split(".")[0] != "trainer_client":
+            continue
+        for line, module, name in _imported(path):
+            full = f"{module}.{name}" if module == "memstore" and name else module
+            if full.split(".")[0] != "memstore":
+                continue
+            if not any(full == ok or full.startswith(ok + ".") for ok in TRAINER_MAY_IMPORT):
+                problems.append(
+                    f"{path.relative_to(ROOT)}:{line}: imports {full}{f' ({name})' if name and full == module else ''}: "
+                    f"trainer_client may import only {', '.join(TRAINER_MAY_IMPORT)} from memstore"
+                )
+    return problems
+
+
+def private_import_files() -> list[Path]:
+    return [p for pkg in FIRST_PARTY if (ROOT / pkg).is_dir() for p in (ROOT / pkg).rglob("*.py") if "_pb2" not in p.name]
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     graph = dict(graph)
     # A package's __init__ importing its own submodules is how packages expose names, not a cycle of logic.
@@ -194,6 +276,7 @@ def main() -> int:
     problems = ["import cycle: " + " <-> ".join(comp) for comp in cycles(graph)] + forbidden_imports(graph)
     problems += misplaced_imports(files) + oversized(files)
     problems += inheritance(files)
+    problems += private_imports(private_import_files()) + trainer_imports(files)
     for problem in problems:
         print(problem)
     return 1 if problems else 0

@@ -12,7 +12,7 @@ import pytest
 
 from memstore.devtools.cluster import LocalCluster
 from tests.harness.fake_cuda import FakeCudaRuntime
-from trainer_client import _cuda
+from trainer_client.capture import cuda
 
 
 def _cuda_available() -> bool:
@@ -117,6 +117,6 @@ def moto(tmp_path) -> Iterator[MotoServer]:  # type: ignore[no-untyped-def]
 def fake_cuda() -> Iterator[FakeCudaRuntime]:
     """The CUDA runtime replaced, for this test, by a fake that enforces real CUDA's registration rules and registers
     CPU states' memory too (``tests/harness/fake_cuda.py``): the pinning path runs without a GPU."""
-    with _cuda.installed(FakeCudaRuntime()) as runtime:
+    with cuda.installed(FakeCudaRuntime()) as runtime:
         assert isinstance(runtime, FakeCudaRuntime)
         yield runtime

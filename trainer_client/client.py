@@ -48,13 +48,12 @@ from memstore.v1.manifests import manifest_from_pb
 from memstore.v1.pagefaults import address_of
 from memstore.v1.security import Credentials
 from memstore.v1.streams import manifest_problem
-from trainer_client import _cuda, serialization
-from trainer_client._agreement import Agreements, AgreementStats, agree
-from trainer_client._capture import CAPTURE_MODES, Capture, Captures, host_writer
-from trainer_client._device_restore import HostToDevice, decode_onto, parse_map_location
-from trainer_client._local_control import LocalStub, RpcFailure
-from trainer_client._remote import RemotePath, byte_view, empty_buffer
-from trainer_client._ring import CaptureRing, CaptureStats
+from trainer_client import serialization
+from trainer_client.agreement import Agreements, AgreementStats, agree
+from trainer_client.capture import cuda as _cuda
+from trainer_client.capture.device_restore import HostToDevice, decode_onto, parse_map_location
+from trainer_client.capture.device_save import CAPTURE_MODES, Capture, Captures, host_writer
+from trainer_client.capture.ring import CaptureRing, CaptureStats
 from trainer_client.errors import (
     CapacityExceededError,
     CorruptShardError,
@@ -65,6 +64,8 @@ from trainer_client.errors import (
     raise_for_rpc,
 )
 from trainer_client.handles import RestorePoint, SaveHandle
+from trainer_client.transport.local_control import LocalStub, RpcFailure
+from trainer_client.transport.remote import RemotePath, byte_view, empty_buffer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

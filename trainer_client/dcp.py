@@ -48,33 +48,51 @@ step survives the loss of a host.
 
 Bytes read back are never unpickled by this module; DCP's load planner decodes its own byte items
 (``torch.load``) exactly as it does with ``FileSystemReader``.
+
+This module holds the two storage classes; the rest is in modules by job (their public names are re-exported
+here): :mod:`trainer_client.dcp_plans` (checkpoint ids, the plan infos, timelines), :mod:`trainer_client.dcp_shard`
+(the shard's layout, the items a save plan writes and a load plan reads) and :mod:`trainer_client.dcp_metadata`
+(``Metadata`` to tagged plain dicts and back).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import io
 import os
-import secrets
-import threading
-import time
 import uuid
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import Any, cast
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
 from memstore.v1.keys import job_id_problem, key_problem
-from trainer_client._device_restore import HostToDevice
 from trainer_client.client import CheckpointClient, client_credentials
-from trainer_client.dcp_metadata import MemStoreStorageInfo, _item_key, decode_metadata, encode_metadata
+from trainer_client.dcp_metadata import MemStoreStorageInfo, decode_metadata, encode_metadata
+from trainer_client.dcp_plans import (
+    MemStoreLoadPlanInfo,
+    MemStoreSavePlanInfo,
+    checked_plan_info,
+    checkpoint_uri,
+    dcp_version,
+    new_timeline,
+    parse_checkpoint_id,
+    valid_checkpoint_id,
+)
+from trainer_client.dcp_plans import parse_step as _parse_step
+from trainer_client.dcp_shard import (
+    COORDINATOR_RANK,
+    SHARD_FORMAT,
+    checked_shard,
+    items_by_rank,
+    new_shard,
+    read_items,
+    storage_data_of,
+    write_items,
+)
 from trainer_client.errors import (
     CheckpointExistsError,
     CorruptShardError,
@@ -97,138 +115,12 @@ __all__ = [
     "parse_checkpoint_id",
 ]
 
-SHARD_FORMAT: Final = "memstore-dcp"
-SHARD_VERSION: Final = 1
-COORDINATOR_RANK: Final = 0
-"""DCP's coordinator is rank 0 of the saving group; its shard carries the metadata."""
-
-URI_PREFIX: Final = "memstore://"
-
-
-def _dcp_version() -> str:
-    """The version FileSystemWriter stamps on its metadata."""
-    try:
-        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-    except ImportError:  # pragma: no cover - older torch
-        return "1.0.0"
-    return str(CURRENT_DCP_VERSION)
-
-
-@dataclass(frozen=True)
-class MemStoreSavePlanInfo:
-    """What the coordinator tells each saving rank about one save (its ``SavePlan.storage_data``).
-
-    ``world_size`` is the size of the group DCP saves with (the number of plans), ``rank`` the plan's
-    index in it, ``timeline`` the id of this save. Pickled by DCP's collectives (and to the checkpoint
-    daemon of process-mode ``async_save``): plain fields only.
-    """
-
-    job_id: str
-    step: int
-    world_size: int
-    rank: int
-    timeline: str
-
-
-@dataclass(frozen=True)
-class MemStoreLoadPlanInfo:
-    """The version the DCP coordinator's reader resolved (its ``LoadPlan.storage_data`` for every rank)."""
-
-    job_id: str
-    step: int
-    timeline: str
-
-
-def _new_timeline() -> str:
-    """A fresh timeline id for one DCP save: time-ordered, unique across processes."""
-    return f"dcp-{time.time_ns():016x}-{secrets.token_hex(4)}"
-
-
-# --------------------------------------------------------------------------------------------
-# checkpoint ids
-# --------------------------------------------------------------------------------------------
-
-
-def _parse_step(value: Any) -> int:
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"step {value!r} is invalid: expected an int >= 0")
-    if isinstance(value, int):
-        if value < 0:
-            raise InvalidArgumentError(f"step {value!r} is invalid: expected an int >= 0")
-        return value
-    if isinstance(value, str) and value.isascii() and value.isdigit():
-        return int(value)
-    raise InvalidArgumentError(f"step {value!r} is invalid: expected an int >= 0 or a string of decimal digits")
-
-
-def parse_checkpoint_id(checkpoint_id: Any, job_id: str) -> int:
-    """The step a DCP ``checkpoint_id`` names for ``job_id``.
-
-    Accepted: a step (``int >= 0``, or its decimal string) or ``"memstore://<job>/<step>"`` whose job
-    must be ``job_id``.
-    """
-    if isinstance(checkpoint_id, os.PathLike):
-        checkpoint_id = os.fspath(checkpoint_id)
-    if isinstance(checkpoint_id, str) and checkpoint_id.startswith(URI_PREFIX):
-        job, sep, step = checkpoint_id[len(URI_PREFIX) :].rpartition("/")
-        if not sep:
-            raise InvalidArgumentError(f"checkpoint_id {checkpoint_id!r} is invalid: expected 'memstore://<job>/<step>'")
-        if job != job_id:
-            raise InvalidArgumentError(f"checkpoint_id {checkpoint_id!r} names job {job!r} but this storage is for job {job_id!r}")
-        return _parse_step(step)
-    try:
-        return _parse_step(checkpoint_id)
-    except InvalidArgumentError:
-        raise InvalidArgumentError(
-            f"checkpoint_id {checkpoint_id!r} is invalid: expected a step (int >= 0 or decimal string) or 'memstore://<job>/<step>'"
-        ) from None
-
-
-def _valid_checkpoint_id(checkpoint_id: Any) -> bool:
-    if isinstance(checkpoint_id, os.PathLike):
-        checkpoint_id = os.fspath(checkpoint_id)
-    if isinstance(checkpoint_id, str) and checkpoint_id.startswith(URI_PREFIX):
-        job, sep, step = checkpoint_id[len(URI_PREFIX) :].rpartition("/")
-        return bool(sep) and job_id_problem(job) is None and step.isascii() and step.isdigit()
-    try:
-        _parse_step(checkpoint_id)
-    except InvalidArgumentError:
-        return False
-    return True
-
-
-def _uri(job_id: str, step: int | None) -> str | None:
-    return None if step is None else f"{URI_PREFIX}{job_id}/{step}"
-
-
-# --------------------------------------------------------------------------------------------
-# writer
-# --------------------------------------------------------------------------------------------
 
 
 def _done(value: Any) -> Future[Any]:
     fut: Future[Any] = Future()
     fut.set_result(value)
     return fut
-
-
-# (job, step, rank, timeline) of the save plans ``write_data`` consumed in this process: a plan seen twice
-# is a replay of an earlier save's plan (DefaultSavePlanner(enable_plan_caching=True) hands ranks their
-# cached final plan, storage_data included), which would write into that earlier save's timeline.
-_CONSUMED_PLANS: collections.OrderedDict[tuple[str, int, int, str], None] = collections.OrderedDict()
-_CONSUMED_PLANS_LOCK = threading.Lock()
-_CONSUMED_PLANS_MAX = 4096
-
-
-def _consume_plan(info: MemStoreSavePlanInfo) -> bool:
-    key = (info.job_id, info.step, info.rank, info.timeline)
-    with _CONSUMED_PLANS_LOCK:
-        if key in _CONSUMED_PLANS:
-            return False
-        _CONSUMED_PLANS[key] = None
-        while len(_CONSUMED_PLANS) > _CONSUMED_PLANS_MAX:
-            _CONSUMED_PLANS.popitem(last=False)
-    return True
 
 
 class MemStoreWriter(StorageWriter):
@@ -328,12 +220,12 @@ class MemStoreWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return _valid_checkpoint_id(checkpoint_id)
+        return valid_checkpoint_id(checkpoint_id)
 
     @property
     def checkpoint_id(self) -> str | None:
         """``"memstore://<job>/<step>"`` (None before a step is known)."""
-        return _uri(self.job_id, self.step)
+        return checkpoint_uri(self.job_id, self.step)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
@@ -378,7 +270,7 @@ class MemStoreWriter(StorageWriter):
                 f"passed to dcp.save); leave world_size unset to take it from that group"
             )
         step = cast(int, self.step)
-        timeline = _new_timeline()
+        timeline = new_timeline()
         return [
             dataclasses.replace(plan, storage_data=MemStoreSavePlanInfo(self.job_id, step, world, i, timeline))
             for i, plan in enumerate(plans)
@@ -386,26 +278,7 @@ class MemStoreWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = self._take_plan_info(plan.storage_data)
-        items: dict[str, torch.Tensor | bytes] = {}
-        results: list[WriteResult] = []
-        for item in plan.items:
-            key = _item_key(item.index)
-            if key in items:
-                raise InvalidArgumentError(f"two DCP write items map to the same memstore key {key!r}")
-            data = planner.resolve_data(item)
-            value: torch.Tensor | bytes
-            if item.type == WriteItemType.BYTE_IO:
-                if not isinstance(data, io.BytesIO):
-                    raise InvalidArgumentError(f"{item.index.fqn}: planner returned {type(data).__qualname__} for a BYTE_IO item")
-                value = data.getvalue()
-                size = len(value)
-            else:
-                if not isinstance(data, torch.Tensor):
-                    raise InvalidArgumentError(f"{item.index.fqn}: planner returned {type(data).__qualname__} for a tensor item")
-                value = data.detach()  # on its device: CUDA tensors are copied straight into the store's memory
-                size = value.numel() * value.element_size()
-            items[key] = value
-            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=MemStoreStorageInfo(info.rank, key)))
+        items, results = write_items(plan, planner, info.rank)
         if self.is_coordinator:
             self._staged = items  # saved with the metadata in finish(): a save is visible only once complete
         else:
@@ -420,14 +293,8 @@ class MemStoreWriter(StorageWriter):
             raise InvalidArgumentError("MemStoreWriter.finish() called without write_data() on the coordinator")
         if len(results) != info.world_size:
             raise InvalidArgumentError(f"finish() got results of {len(results)} ranks, but the save has {info.world_size}")
-        storage_md: dict[MetadataIndex, MemStoreStorageInfo] = {}
-        for rank_results in results:
-            for wr in rank_results:
-                if not isinstance(wr.storage_data, MemStoreStorageInfo):
-                    raise InvalidArgumentError(f"{wr.index.fqn}: write result was not produced by MemStoreWriter")
-                storage_md[wr.index] = wr.storage_data
-        metadata.storage_data = storage_md
-        metadata.version = _dcp_version()
+        metadata.storage_data = storage_data_of(results)
+        metadata.version = dcp_version()
         metadata.storage_meta = self.storage_meta()
         encoded = encode_metadata(metadata)
         staged, self._staged = self._staged, None
@@ -436,35 +303,7 @@ class MemStoreWriter(StorageWriter):
     # -- helpers --------------------------------------------------------------------------------
     def _take_plan_info(self, info: Any) -> MemStoreSavePlanInfo:
         """This rank's part of the save, from the plan the coordinator made; checked against what this writer knows."""
-        if not isinstance(info, MemStoreSavePlanInfo):
-            raise InvalidArgumentError(
-                f"the DCP save plan carries no MemStoreSavePlanInfo (storage_data is {type(info).__qualname__}): the coordinator's "
-                "storage writer is not a MemStoreWriter, or its prepare_global_plan did not run"
-            )
-        if info.job_id != self.job_id or info.step != self.step:
-            raise InvalidArgumentError(
-                f"the DCP coordinator saves step {info.step} of job {info.job_id!r} but this rank's MemStoreWriter saves step "
-                f"{self.step} of job {self.job_id!r}: every rank must save the same job and step (DefaultSavePlanner("
-                "enable_plan_caching=True), which replays an earlier save's plan, is not supported)"
-            )
-        if self._explicit_world_size is not None and self._explicit_world_size != info.world_size:
-            raise InvalidArgumentError(
-                f"MemStoreWriter(world_size={self._explicit_world_size}) but DCP saves with {info.world_size} ranks (the process "
-                "group passed to dcp.save); leave world_size unset to take it from that group"
-            )
-        if self._explicit_rank is not None and self._explicit_rank != info.rank:
-            raise InvalidArgumentError(f"MemStoreWriter(rank={self._explicit_rank}) but DCP saves as rank {info.rank} of its process group")
-        if self._dcp_rank is not None and self._dcp_rank != info.rank:
-            raise InvalidArgumentError(f"DCP saves as rank {self._dcp_rank} but was handed the save plan of rank {info.rank}")
-        problem = key_problem(info.job_id, info.step, info.rank, info.world_size, info.timeline)
-        if problem:
-            raise InvalidArgumentError(f"invalid DCP save plan: {problem}")
-        if not _consume_plan(info):
-            raise InvalidArgumentError(
-                f"rank {info.rank} already wrote step {info.step} of job {info.job_id!r} under timeline {info.timeline!r}: DCP "
-                "replayed an earlier save's plan (DefaultSavePlanner(enable_plan_caching=True) is not supported by MemStoreWriter; "
-                "every save needs a timeline of its own)"
-            )
+        info = checked_plan_info(info, self.job_id, self.step, self._explicit_world_size, self._explicit_rank, self._dcp_rank)
         self._plan_info = info
         self.world_size, self.rank, self.timeline = info.world_size, info.rank, info.timeline
         return info
@@ -502,17 +341,7 @@ class MemStoreWriter(StorageWriter):
 
     def _save(self, items: dict[str, Any], metadata: dict[str, Any] | None) -> None:
         info = cast(MemStoreSavePlanInfo, self._plan_info)
-        shard: dict[str, Any] = {
-            "format": SHARD_FORMAT,
-            "version": SHARD_VERSION,
-            "step": info.step,
-            "rank": info.rank,
-            "world_size": info.world_size,
-            "timeline": info.timeline,
-            "items": items,
-        }
-        if metadata is not None:
-            shard["metadata"] = metadata
+        shard = new_shard(info, items, metadata)
         handle = self._client_for(info.rank, info.world_size).save(info.step, shard, timeline=info.timeline)
         if self.wait_for_replication:
             handle.wait(self.replication_timeout)
@@ -526,13 +355,6 @@ class MemStoreWriter(StorageWriter):
 # --------------------------------------------------------------------------------------------
 # reader
 # --------------------------------------------------------------------------------------------
-
-
-def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
-    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
-        if offset != 0 or length != tensor.size(dim):
-            tensor = tensor.narrow(dim, offset, length)
-    return tensor
 
 
 class MemStoreReader(StorageReader):
@@ -618,12 +440,12 @@ class MemStoreReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return _valid_checkpoint_id(checkpoint_id)
+        return valid_checkpoint_id(checkpoint_id)
 
     @property
     def checkpoint_id(self) -> str | None:
         """``"memstore://<job>/<step>"`` of the step being read (None before it is resolved)."""
-        return _uri(self.job_id, self.step if self.step is not None else self.resolved_step)
+        return checkpoint_uri(self.job_id, self.step if self.step is not None else self.resolved_step)
 
     # ``**_kwargs`` (not ``**kwargs``) on purpose: DCP retries ``read_metadata(rank=...)`` for
     # rank-local metadata only when the parameter is named ``kwargs``; memstore has none, and the retry
@@ -671,12 +493,7 @@ class MemStoreReader(StorageReader):
                 f"coordinator step {info.step} of job {info.job_id!r} (save {info.timeline!r}): a save completed while the ranks "
                 "started dcp.load; nothing was read, load again"
             )
-        by_rank: dict[int, list[tuple[ReadItem, MemStoreStorageInfo]]] = {}
-        for req in plan.items:
-            info = self.storage_data.get(req.storage_index)
-            if not isinstance(info, MemStoreStorageInfo):
-                raise CorruptShardError(f"{self.checkpoint_id}: the metadata has no memstore location for {req.storage_index}")
-            by_rank.setdefault(info.rank, []).append((req, info))
+        by_rank = items_by_rank(plan.items, self.storage_data, self.checkpoint_id)
         for rank in list(self._shards):
             if rank not in by_rank:
                 del self._shards[rank]
@@ -685,38 +502,13 @@ class MemStoreReader(StorageReader):
                 shard = self._shards.pop(rank, None) or self._read_shard(
                     self.resolved_step, rank, self.saved_world_size, self.resolved_timeline
                 )
-                self._resolve_items(shard, by_rank[rank], planner)
+                read_items(shard, by_rank[rank], planner, self.checkpoint_id)
                 del shard
         finally:
             self._shards = {}
         return _done(None)
 
     # -- helpers --------------------------------------------------------------------------------
-    def _resolve_items(self, shard: Mapping[str, Any], reqs: list[tuple[ReadItem, MemStoreStorageInfo]], planner: LoadPlanner) -> None:
-        items = shard["items"]
-        copies = HostToDevice()  # onto CUDA targets: from the shard's pinned memory, asynchronous, done before returning
-        try:
-            for req, info in reqs:
-                where = f"{self.checkpoint_id} rank {info.rank} item {info.key!r}"
-                if info.key not in items:
-                    raise CorruptShardError(f"{where} is named by the metadata but missing from the shard")
-                value = items[info.key]
-                if req.type == LoadItemType.BYTE_IO:
-                    if not isinstance(value, (bytes, bytearray)):
-                        raise CorruptShardError(f"{where}: expected bytes, found {type(value).__qualname__}")
-                    planner.load_bytes(req, io.BytesIO(value))
-                    continue
-                if not isinstance(value, torch.Tensor):
-                    raise CorruptShardError(f"{where}: expected a tensor, found {type(value).__qualname__}")
-                source = _narrow(value, req.storage_offsets, req.lengths)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != source.size():
-                    raise CorruptShardError(f"{where}: DCP asks for {tuple(target.size())} but the stored slice is {tuple(source.size())}")
-                copies.copy_into(target, source)
-                planner.commit_tensor(req, target)
-        finally:
-            copies.finish()
-
     def _client_for(self, world_size: int | None) -> CheckpointClient:
         """A client of ``world_size`` ranks (None: any; restore_point does not depend on it).
 
@@ -769,23 +561,7 @@ class MemStoreReader(StorageReader):
             raise NotFoundError(
                 f"step {step} of job {self.job_id!r}: the shard of rank {rank} of save {timeline!r} is missing ({exc})"
             ) from None
-        where = f"step {step} of job {self.job_id!r}, rank {rank}"
-        if not isinstance(shard, dict) or shard.get("format") != SHARD_FORMAT:
-            raise NotFoundError(f"{where} was not written by MemStoreWriter (no DCP shard); load it with CheckpointClient.load")
-        if shard.get("version") != SHARD_VERSION:
-            raise CorruptShardError(f"{where}: DCP shard version {shard.get('version')!r}, this reader knows {SHARD_VERSION}")
-        saved_world = shard.get("world_size")
-        if type(saved_world) is not int or saved_world < 1 or not isinstance(shard.get("items"), dict):
-            raise CorruptShardError(f"{where}: malformed DCP shard header")
-        if shard.get("step") != step or shard.get("rank") != rank:
-            raise CorruptShardError(f"{where}: shard says step {shard.get('step')!r} rank {shard.get('rank')!r}")
-        if shard.get("timeline", timeline) != timeline:  # shards of writers before timelines carry none
-            raise CorruptShardError(f"{where}: shard of save {shard.get('timeline')!r} returned for save {timeline!r}")
-        if metadata and "metadata" not in shard:
-            raise NotFoundError(f"{where} holds no DCP metadata: it was not saved by the DCP coordinator")
-        if saved_world != world_size:
-            raise CorruptShardError(f"{where}: saved by {saved_world} ranks but the store says the step has {world_size}")
-        return shard
+        return checked_shard(shard, self.job_id, step, rank, world_size, timeline, metadata)
 
     def close(self) -> None:
         if self._client is not None:

@@ -43,7 +43,7 @@ class MemStoreStorageInfo:
     key: str
 
 
-def _item_key(index: MetadataIndex) -> str:
+def item_key(index: MetadataIndex) -> str:
     """Stable, unique-per-rank string of a MetadataIndex: ``fqn|offsets|index``."""
     offset = "" if index.offset is None else ",".join(str(int(o)) for o in index.offset)
     hint = "" if index.index is None else str(int(index.index))

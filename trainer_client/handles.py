@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from memstore.v1 import store_pb2 as pb
-from trainer_client._capture import Capture
+from trainer_client.capture.device_save import Capture
 from trainer_client.errors import ReplicationError
 
 

@@ -23,7 +23,7 @@ not the answer, :func:`decide` asks for the *fallback*: rank 0 asks the cluster-
 and shares that answer the same way. A restart after a save that did not complete on every rank pays
 that one cluster-wide listing; it never gets a step that is not restorable.
 
-Plain Python: the collectives themselves are the client's (``trainer_client._agreement``).
+Plain Python: the collectives themselves are the client's (``trainer_client.agreement``).
 """
 
 from __future__ import annotations

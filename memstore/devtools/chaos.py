@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from memstore.devtools.cluster import LocalCluster
-from memstore.devtools.demo import _Job, _progress_until
+from memstore.devtools.demo import Job, progress_until
 from memstore.errors import DemoFailure
 
 
@@ -71,15 +71,15 @@ def run_chaos(seed: int = 0, hosts: int = 4, ranks: int | None = None, steps: in
         try:
             with LocalCluster(hosts=hosts, replicas=2, capacity="1GiB", workdir=work / "cluster", extra_args=args) as cluster:
                 stores = [cluster.address(h) for h in host_of]
-                reference = _Job(work, "reference", ranks, steps, model_size, None, resume=False)
-                _progress_until(reference, steps, steps, "reference", timeout)
+                reference = Job(work, "reference", ranks, steps, model_size, None, resume=False)
+                progress_until(reference, steps, steps, "reference", timeout)
                 reference.wait(timeout)
 
-                runs: list[_Job] = []
-                job = _Job(work, "run0", ranks, steps, model_size, stores, resume=False)
+                runs: list[Job] = []
+                job = Job(work, "run0", ranks, steps, model_size, stores, resume=False)
                 runs.append(job)
                 for index, (at, kind, victims) in enumerate(plan):
-                    _progress_until(job, at, steps, f"run {index}  ", timeout)
+                    progress_until(job, at, steps, f"run {index}  ", timeout)
                     if job.last_step() >= steps:
                         break
                     report.faults.append({"after_step": job.last_step(), "kind": kind, "hosts": victims})
@@ -91,13 +91,13 @@ def run_chaos(seed: int = 0, hosts: int = 4, ranks: int | None = None, steps: in
                     for h in victims:
                         if kind in ("store", "group", "crash"):
                             cluster.restart(h)
-                    job = _Job(work, f"run{index + 1}", ranks, steps, model_size, stores, resume=True)
+                    job = Job(work, f"run{index + 1}", ranks, steps, model_size, stores, resume=True)
                     runs.append(job)
                     t0 = time.monotonic()
-                    _progress_until(job, job.last_step() + 1, steps, f"resume {index}", timeout)
+                    progress_until(job, job.last_step() + 1, steps, f"resume {index}", timeout)
                     restored = _restore_events(job)
                     report.restarts.append({"resumed_from": restored.get("step"), "seconds": round(time.monotonic() - t0, 2)})
-                _progress_until(job, steps, steps, "final   ", timeout)
+                progress_until(job, steps, steps, "final   ", timeout)
                 job.wait(timeout)
                 _check(report, reference, runs, host_of)
         except DemoFailure as exc:
@@ -110,7 +110,7 @@ def run_chaos(seed: int = 0, hosts: int = 4, ranks: int | None = None, steps: in
     return 0 if report.ok else 1
 
 
-def _restore_events(job: _Job) -> dict[str, Any]:
+def _restore_events(job: Job) -> dict[str, Any]:
     return next((e for e in job.events() if e.get("event") == "restored"), {})
 
 
@@ -120,7 +120,7 @@ def _tier(source: str, own_host: str) -> str:
     return "durable" if source == "durable" else ("local RAM" if source == own_host else "peer RAM")
 
 
-def _check(report: ChaosReport, reference: _Job, runs: list[_Job], host_of: list[str]) -> None:
+def _check(report: ChaosReport, reference: Job, runs: list[Job], host_of: list[str]) -> None:
     """Stitch the loss curve across restarts and compare curve and final weights with the reference."""
     ref = reference.results()
     ref_curve = {int(k): v for k, v in ref[0]["losses"].items()}

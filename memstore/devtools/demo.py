@@ -37,7 +37,7 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-class _Job:
+class Job:
     """The trainer processes of one launch of the job."""
 
     def __init__(self, workdir: Path, name: str, ranks: int, steps: int, model_size: str, stores: list[str] | None, resume: bool) -> None:
@@ -96,7 +96,7 @@ class _Job:
         return [json.loads((self.workdir / f"rank{r}.json").read_text()) for r in range(len(self.procs))]
 
 
-def _progress_until(job: _Job, target: int, total: int, label: str, timeout: float) -> None:
+def progress_until(job: Job, target: int, total: int, label: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     shown = 0
     tty = sys.stdout.isatty()
@@ -144,13 +144,13 @@ def run_demo(hosts: int = 4, replicas: int = 2, ranks: int | None = None, steps:
                 stores = [cluster.address(h) for h in host_of]
 
                 _say("[1/3] reference run, no faults")
-                reference = _Job(work, "reference", ranks, steps, model_size, None, resume=False)
-                _progress_until(reference, steps, steps, "reference", timeout)
+                reference = Job(work, "reference", ranks, steps, model_size, None, resume=False)
+                progress_until(reference, steps, steps, "reference", timeout)
                 reference.wait(timeout)
 
                 _say(f"[2/3] checkpointed run: every step saved to memstore; SIGKILL of host {victim} after step {kill_at}")
-                first = _Job(work, "run", ranks, steps, model_size, stores, resume=False)
-                _progress_until(first, kill_at, steps, "training ", timeout)
+                first = Job(work, "run", ranks, steps, model_size, stores, resume=False)
+                progress_until(first, kill_at, steps, "training ", timeout)
                 killed_at = first.last_step()
                 t_kill = time.monotonic()
                 cluster.kill(victim)
@@ -160,8 +160,8 @@ def run_demo(hosts: int = 4, replicas: int = 2, ranks: int | None = None, steps:
 
                 _say(f"[3/3] replacement store for {victim} (empty RAM); every rank restores and trains on")
                 cluster.restart(victim)
-                resumed = _Job(work, "resumed", ranks, steps, model_size, stores, resume=True)
-                _progress_until(resumed, steps, steps, "resumed  ", timeout)
+                resumed = Job(work, "resumed", ranks, steps, model_size, stores, resume=True)
+                progress_until(resumed, steps, steps, "resumed  ", timeout)
                 resumed.wait(timeout)
                 recovery = time.monotonic() - t_kill
                 summary = _compare(reference, first, resumed, victim_ranks)
@@ -175,7 +175,7 @@ def run_demo(hosts: int = 4, replicas: int = 2, ranks: int | None = None, steps:
     return 0 if summary["ok"] else 1
 
 
-def _compare(reference: _Job, first: _Job, resumed: _Job, victim_ranks: list[int]) -> dict[str, Any]:
+def _compare(reference: Job, first: Job, resumed: Job, victim_ranks: list[int]) -> dict[str, Any]:
     ref = reference.results()
     res = resumed.results()
     run_events = [e for e in first.events() if e.get("event") == "step"]

@@ -19,7 +19,7 @@ the store lists only its ``R - 1`` group peers; rank 0's store alone lists the d
 Per restart: ``W R`` RPCs, ``G (R - 1)`` ListShards served per store, 1 durable listing, 3 collectives. When the
 newest step any rank saw is not complete in that view (a save that did not finish on every rank, ranks that moved
 hosts), rank 0 asks the legacy cluster-wide question once (``1 + (N - 1)`` RPCs) and shares the answer the way it
-shared the candidates (2 more collectives: its length, then its bytes, as ``trainer_client._agreement`` does):
+shared the candidates (2 more collectives: its length, then its bytes, as ``trainer_client.agreement`` does):
 :func:`group` with ``fallback=True``. ``load(step, group=pg)`` with the step ``latest_step(group=pg)`` returned
 reuses the agreed answer.
 
@@ -49,7 +49,7 @@ PROTOCOL_LABELS = {
     "group_expected": "group, expected",
 }
 #: Collectives of the agreement (candidate count, candidate bytes, MIN over the candidates), and the fallback's
-#: (the cluster-wide answer's length, then its bytes): ``trainer_client._agreement.agree``.
+#: (the cluster-wide answer's length, then its bytes): ``trainer_client.agreement.agree``.
 AGREEMENT_COLLECTIVES = 3
 FALLBACK_COLLECTIVES = 2
 #: Metrics whose growth with N is reported, with how each protocol's grows (from the formulas).

@@ -18,8 +18,9 @@ import torch.distributed.checkpoint as dcp
 from memstore.devtools.cluster import wait_for
 from tests.harness.listing import own_steps
 from tests.states import assert_same
-from trainer_client import CheckpointClient, _cuda, _device_restore
-from trainer_client._ring import STRICT_ENV, CaptureStats
+from trainer_client import CheckpointClient
+from trainer_client.capture import cuda, device_restore
+from trainer_client.capture.ring import STRICT_ENV, CaptureStats
 from trainer_client.dcp import MemStoreReader, MemStoreWriter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
@@ -80,11 +81,11 @@ def gpu_state(seed: int, scale: int = 1) -> tuple[dict[str, Any], dict[str, Any]
 
 
 class RecordingRuntime:
-    """The real CUDA runtime behind ``trainer_client._cuda``, with every registration recorded."""
+    """The real CUDA runtime behind ``trainer_client.capture.cuda``, with every registration recorded."""
 
     pins_host_states = False
 
-    def __init__(self, real: _cuda.CudaRuntime) -> None:
+    def __init__(self, real: cuda.CudaRuntime) -> None:
         self.real = real
         self.registered: list[tuple[int, int, int]] = []  # successful registrations, in order
         self.unregistered: list[int] = []
@@ -120,8 +121,8 @@ def strict(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def cudart() -> Iterator[RecordingRuntime]:
-    recorder = RecordingRuntime(_cuda.TorchCudaRuntime())
-    with _cuda.installed(recorder):
+    recorder = RecordingRuntime(cuda.TorchCudaRuntime())
+    with cuda.installed(recorder):
         yield recorder
 
 
@@ -153,7 +154,7 @@ def test_the_capture_ring_is_registered_once_and_never_again(make_cluster, cudar
             wait_for(lambda: own_steps(cluster, "h0", "gpu-pin", 0) <= 2, timeout=30, what="retention")
         assert cudart.failed == []  # nothing past a file's end (1), nothing registered twice (712)
         assert len(cudart.registered) == warm, "after prepare() no save registers anything"
-        assert all(flags == _cuda.HOST_REGISTER_PORTABLE for _, _, flags in cudart.registered)
+        assert all(flags == cuda.HOST_REGISTER_PORTABLE for _, _, flags in cudart.registered)
         assert client.capture_stats == CaptureStats(warm, 0, "")
         assert_same(client.load(20), expected)
     finally:
@@ -238,8 +239,8 @@ def test_load_onto_cuda_bit_exact(make_cluster, cudart: RecordingRuntime, shared
                         {k: v.detach() if isinstance(v, torch.nn.Parameter) else v for k, v in expected.items()})  # fmt: skip
         # Nothing is registered per load: the shard is read in place from the ring (same process) or through the
         # process's bounce ring, whose buffers are registered once.
-        assert all(size == _device_restore.BOUNCE_CHUNK_BYTES for _, size, _ in cudart.registered), cudart.registered
-        assert len(cudart.registered) <= _device_restore.BOUNCE_BUFFERS
+        assert all(size == device_restore.BOUNCE_CHUNK_BYTES for _, size, _ in cudart.registered), cudart.registered
+        assert len(cudart.registered) <= device_restore.BOUNCE_BUFFERS
 
 
 def test_dcp_save_and_load_of_gpu_tensors(make_cluster) -> None:  # type: ignore[no-untyped-def]

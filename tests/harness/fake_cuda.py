@@ -1,4 +1,4 @@
-"""A stand-in for the CUDA runtime (``trainer_client._cuda.CudaRuntime``) that enforces what ``cudaHostRegister``
+"""A stand-in for the CUDA runtime (``trainer_client.capture.cuda.CudaRuntime``) that enforces what ``cudaHostRegister``
 does on real hardware (measured on an H200), checked against this process's real mappings:
 
 - a size of 0 is refused (1, ``cudaErrorInvalidValue``);
@@ -12,7 +12,7 @@ does on real hardware (measured on an H200), checked against this process's real
   Real CUDA keeps the last error per thread; the fake keeps one for the process, which is stricter for a
   test asserting that it was cleared.
 
-Usage: ``with _cuda.installed(FakeCudaRuntime()) as fake: ...``.
+Usage: ``with cuda.installed(FakeCudaRuntime()) as fake: ...``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_client._cuda import ERROR_HOST_MEMORY_ALREADY_REGISTERED, ERROR_HOST_MEMORY_NOT_REGISTERED, ERROR_INVALID_VALUE
+from trainer_client.capture.cuda import ERROR_HOST_MEMORY_ALREADY_REGISTERED, ERROR_HOST_MEMORY_NOT_REGISTERED, ERROR_INVALID_VALUE
 
 _PAGE = mmap.PAGESIZE
 _DELETED = " (deleted)"
@@ -101,7 +101,7 @@ def range_mapped(addr: int, size: int, mappings: list[Mapping] | None = None) ->
 
 
 class FakeCudaRuntime:
-    """Implements ``trainer_client._cuda.CudaRuntime`` without CUDA, enforcing the rules above.
+    """Implements ``trainer_client.capture.cuda.CudaRuntime`` without CUDA, enforcing the rules above.
 
     Records: :attr:`calls` (``("register", addr, size, flags)`` / ``("unregister", addr)``), :attr:`registrations`
     (successful registers), :attr:`failures` (``(addr, size, code)``; size 0 for an unregister), :attr:`live`

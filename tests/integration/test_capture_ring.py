@@ -23,7 +23,8 @@ from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from tests.harness.fake_cuda import FakeCudaRuntime
 from tests.harness.listing import own_steps
-from trainer_client import CheckpointClient, _cuda, _ring
+from trainer_client import CheckpointClient
+from trainer_client.capture import cuda, ring
 from trainer_client.errors import CaptureError, ReplicationError
 
 pytestmark = pytest.mark.integration
@@ -57,7 +58,7 @@ def test_after_prepare_fifty_saves_register_nothing_while_a_peer_replicates(make
         for step in range(1, 51):
             client.save(step, tensors(step, 2 * MiB), capture="enqueued" if step % 2 else "copied").wait(60)
             wait_for(lambda: own_steps(cluster, "h0", "ring-steady", 0) <= 2, timeout=30, what="retention")
-        assert client.capture_stats == _ring.CaptureStats(warm, 0, "")
+        assert client.capture_stats == ring.CaptureStats(warm, 0, "")
         assert same(client.load(50), tensors(50, 2 * MiB))
     assert fake_cuda.failures == [] and fake_cuda.last_error == 0 and fake_cuda.live == {}
 
@@ -115,7 +116,7 @@ def test_an_enqueued_save_makes_no_call_and_registers_nothing_on_the_callers_thr
     state = tensors(1, 256 * MiB, count=64)
     on_caller: list[str] = []
     caller = threading.current_thread()
-    real_map, real_register = _ring.map_segment, fake_cuda.host_register
+    real_map, real_register = ring.map_segment, fake_cuda.host_register
 
     def mapping(path: str, size: int) -> Any:
         if threading.current_thread() is caller:
@@ -127,7 +128,7 @@ def test_an_enqueued_save_makes_no_call_and_registers_nothing_on_the_callers_thr
             on_caller.append("register")
         return real_register(addr, size, flags)
 
-    monkeypatch.setattr(_ring, "map_segment", mapping)
+    monkeypatch.setattr(ring, "map_segment", mapping)
     monkeypatch.setattr(fake_cuda, "host_register", registering)
     with CheckpointClient("ring-enq", 0, 1, store=cluster.address("h0")) as client:
         real_control = client._control
@@ -151,7 +152,7 @@ def test_an_enqueued_save_makes_no_call_and_registers_nothing_on_the_callers_thr
 
 def test_a_registration_that_fails_once_is_retried_after_remapping(make_cluster: Any, fake_cuda: FakeCudaRuntime) -> None:
     cluster = make_cluster(hosts=1, replicas=1, capacity="256MiB")
-    fake_cuda.fail_next = [_cuda.ERROR_INVALID_VALUE]
+    fake_cuda.fail_next = [cuda.ERROR_INVALID_VALUE]
     with CheckpointClient("ring-retry", 0, 1, store=cluster.address("h0")) as client:
         client.save(1, tensors(1, 4 * MiB)).wait(30)
         assert len(fake_cuda.failures) == 1 and fake_cuda.last_error == 0
@@ -162,7 +163,7 @@ def test_a_fallback_is_counted_reported_and_refused_in_strict_mode(
     make_cluster: Any, fake_cuda: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cluster = make_cluster(hosts=1, replicas=1, capacity="256MiB")
-    fake_cuda.fail_next = [_cuda.ERROR_INVALID_VALUE] * 2  # the registration and its retry
+    fake_cuda.fail_next = [cuda.ERROR_INVALID_VALUE] * 2  # the registration and its retry
     with CheckpointClient("ring-fallback", 0, 1, store=cluster.address("h0")) as client:
         state = tensors(1, 4 * MiB)
         client.save(1, state).wait(30)  # lands, through pageable memory
@@ -176,10 +177,10 @@ def test_a_fallback_is_counted_reported_and_refused_in_strict_mode(
         )
         assert "PAGEABLE" in status.stdout and "invalid argument" in status.stdout, status.stdout
 
-    monkeypatch.setenv(_ring.STRICT_ENV, "1")
-    fake_cuda.fail_next = [_cuda.ERROR_INVALID_VALUE] * 2
+    monkeypatch.setenv(ring.STRICT_ENV, "1")
+    fake_cuda.fail_next = [cuda.ERROR_INVALID_VALUE] * 2
     with CheckpointClient("ring-strict", 0, 1, store=cluster.address("h0")) as client:
-        with pytest.raises(CaptureError, match=_ring.STRICT_ENV):
+        with pytest.raises(CaptureError, match=ring.STRICT_ENV):
             client.save(1, tensors(2, 4 * MiB))
         assert client.capture_stats.fallbacks == 1
     wait_for(lambda: health(cluster, "h0").used_bytes <= 256 * MiB, timeout=10, what="store alive")

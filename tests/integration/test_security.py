@@ -19,8 +19,8 @@ from memstore.v1.channel import store_stub
 from memstore.v1.security import Credentials
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
-from trainer_client._local_control import LocalStub
 from trainer_client.errors import AccessDeniedError, AuthenticationError, StoreUnavailableError
+from trainer_client.transport.local_control import LocalStub
 
 pytestmark = pytest.mark.integration
 

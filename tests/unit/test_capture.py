@@ -1,4 +1,4 @@
-"""trainer_client._capture without a GPU: the host part of a write, the registration cache (through the CUDA seam,
+"""trainer_client.capture.device_save without a GPU: the host part of a write, the registration cache (through the CUDA seam,
 with tests.harness.fake_cuda's runtime enforcing cudaHostRegister's rules), the capture sequence, map_location parsing
 and the device walk of a decoded state."""
 
@@ -19,13 +19,14 @@ import torch
 
 from memstore.v1.pagefaults import address_of
 from tests.harness.fake_cuda import FakeCudaRuntime
-from trainer_client import _capture, _cuda, _device_restore, serialization
+from trainer_client import serialization
+from trainer_client.capture import cuda, device_restore, device_save
 from trainer_client.errors import CapacityExceededError, InvalidArgumentError, SerializationError, StoreUnavailableError
 
 pytestmark = pytest.mark.unit
 
 PAGE = mmap.PAGESIZE
-PORTABLE = _cuda.HOST_REGISTER_PORTABLE
+PORTABLE = cuda.HOST_REGISTER_PORTABLE
 
 
 # -- host part -------------------------------------------------------------------------------
@@ -44,7 +45,7 @@ def test_host_part_writes_everything_but_the_skipped_blobs() -> None:
     index, start, n = _slot(layout, skipped)
     assert layout.device_tensors() == []  # a CPU state has no blob for the device copier
     buf = bytearray(b"\xab" * layout.nbytes)
-    _capture.host_writer(layout, [index], memoryview(buf))()
+    device_save.host_writer(layout, [index], memoryview(buf))()
     assert bytes(buf[start : start + n]) == b"\xab" * n  # left for the DMA
     buf[start : start + n] = skipped.contiguous().numpy().tobytes()
     assert bytes(buf) == bytes(serialization.encode(state))  # and every other byte is what write_into writes
@@ -81,7 +82,7 @@ def test_a_staging_buffer_is_registered_once_at_its_exact_size(fake_cuda: FakeCu
     size = 3 * PAGE + 123  # no power of two, not whole pages
     mm = _anonymous(size)
     addr = address_of(mm)
-    pins = _capture.HostRegistrations()
+    pins = device_save.HostRegistrations()
     assert pins.pin(mm, addr, size) and pins.pin(mm, addr, size)  # the next save finds it registered
     assert fake_cuda.calls == [("register", addr, size, PORTABLE)]
     assert pins.registered == 1 and len(pins) == 1 and fake_cuda.live == {addr: (size, PORTABLE)}
@@ -100,8 +101,8 @@ def test_a_staging_buffer_is_registered_once_at_its_exact_size(fake_cuda: FakeCu
 def test_a_failed_registration_is_remembered_cleared_and_never_unregistered(fake_cuda: FakeCudaRuntime) -> None:
     mm = _anonymous(2 * PAGE)
     addr = address_of(mm)
-    pins = _capture.HostRegistrations()
-    fake_cuda.fail_next = [_cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED]
+    pins = device_save.HostRegistrations()
+    fake_cuda.fail_next = [cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED]
     assert not pins.pin(mm, addr, 2 * PAGE)
     assert not pins.pin(mm, addr, 2 * PAGE)  # not retried every save
     assert [c[0] for c in fake_cuda.calls] == ["register"] and fake_cuda.last_error == 0  # the seam cleared the sticky error
@@ -115,16 +116,16 @@ def test_a_failed_registration_is_remembered_cleared_and_never_unregistered(fake
 def test_an_overlapping_buffer_fails_alone_and_only_the_registered_one_is_unregistered(fake_cuda: FakeCudaRuntime) -> None:
     mm = _anonymous(4 * PAGE)
     addr = address_of(mm)
-    pins = _capture.HostRegistrations()
+    pins = device_save.HostRegistrations()
     assert pins.pin(mm, addr, 4 * PAGE)
     inner = object()  # another owner whose bytes lie inside the first: CUDA refuses the second registration
     assert not pins.pin(inner, addr + PAGE, PAGE)
-    assert fake_cuda.failures == [(addr + PAGE, PAGE, _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED)] and fake_cuda.last_error == 0
+    assert fake_cuda.failures == [(addr + PAGE, PAGE, cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED)] and fake_cuda.last_error == 0
     pins.release(inner)  # must not unregister the first owner's range (it never registered anything)
     assert fake_cuda.live == {addr: (4 * PAGE, PORTABLE)}
     pins.release_all()
     assert fake_cuda.live == {} and [c for c in fake_cuda.calls if c[0] == "unregister"] == [("unregister", addr)]
-    assert all(code != _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED for _, _, code in fake_cuda.failures)
+    assert all(code != cuda.ERROR_HOST_MEMORY_NOT_REGISTERED for _, _, code in fake_cuda.failures)
     mm.close()
 
 
@@ -135,24 +136,24 @@ def test_a_buffer_reaching_past_its_file_is_refused(tmp_path: Path, fake_cuda: F
         mm = mmap.mmap(fh.fileno(), 0)
     os.truncate(path, PAGE)  # the file shrank under the mapping: its last pages cannot be faulted in
     addr = address_of(mm)
-    pins = _capture.HostRegistrations()
+    pins = device_save.HostRegistrations()
     assert not pins.pin(mm, addr, 4 * PAGE)
-    assert fake_cuda.failures == [(addr, 4 * PAGE, _cuda.ERROR_INVALID_VALUE)] and fake_cuda.last_error == 0 and pins.failed
+    assert fake_cuda.failures == [(addr, 4 * PAGE, cuda.ERROR_INVALID_VALUE)] and fake_cuda.last_error == 0 and pins.failed
     pins.release_all()
     assert fake_cuda.live == {} and [c[0] for c in fake_cuda.calls] == ["register"]
     mm.close()
 
 
 def test_staging_buffers_are_pinned_only_when_large_and_page_aligned(fake_cuda: FakeCudaRuntime) -> None:
-    from trainer_client._remote import empty_buffer
+    from trainer_client.transport.remote import empty_buffer
 
-    copier = _capture.DeviceCopier()
+    copier = device_save.DeviceCopier()
     small = torch.empty(1000, dtype=torch.uint8)
     assert not copier.pin_buffer(small)
     big = empty_buffer(4 << 20)  # an anonymous mapping: page-aligned
     assert copier.pin_buffer(big) and copier.pin_buffer(big)
     assert fake_cuda.live == {big.data_ptr(): (4 << 20, PORTABLE)} and fake_cuda.registrations == 1
-    captures = _capture.Captures()
+    captures = device_save.Captures()
     captures._copier = copier
     captures.unpin(small, big)
     assert fake_cuda.live == {}
@@ -166,10 +167,10 @@ def test_staging_buffers_are_pinned_only_when_large_and_page_aligned(fake_cuda: 
 def test_a_cpu_state_is_pinned_only_under_a_runtime_that_pins_host_states() -> None:
     layout = serialization.plan({"w": torch.ones(4), "n": np.arange(3)})
     target = torch.empty(layout.nbytes, dtype=torch.uint8)
-    captures = _capture.Captures()
-    with _cuda.installed(FakeCudaRuntime()):
+    captures = device_save.Captures()
+    with cuda.installed(FakeCudaRuntime()):
         assert captures.wants_pinning(layout)  # the CPU suite's fake_cuda: the pinning logic runs without CUDA
-    with _cuda.installed(FakeCudaRuntime(pins_host_states=False)):
+    with cuda.installed(FakeCudaRuntime(pins_host_states=False)):
         assert not captures.wants_pinning(layout)  # like real CUDA: a CPU state needs no DMA
     assert captures.device_copies(layout, target) == ([], None)
     assert captures.device_copies(layout, target, deferred=True) == ([], None)
@@ -179,7 +180,7 @@ def test_a_cpu_state_is_pinned_only_under_a_runtime_that_pins_host_states() -> N
 # -- one capture ----------------------------------------------------------------------------
 
 
-class FakeCopies(_capture.DeviceCopies):
+class FakeCopies(device_save.DeviceCopies):
     def __init__(self, log: list[str]) -> None:
         super().__init__()
         self.log = log
@@ -191,10 +192,10 @@ class FakeCopies(_capture.DeviceCopies):
         self.log.append("gate")
 
 
-def starter(log: list[str], threads: list[str] | None = None) -> Callable[[], _capture.DeviceCopies]:
+def starter(log: list[str], threads: list[str] | None = None) -> Callable[[], device_save.DeviceCopies]:
     """A ``start_copies``: logs "start" (and the thread it ran on) and hands back FakeCopies."""
 
-    def start() -> _capture.DeviceCopies:
+    def start() -> device_save.DeviceCopies:
         log.append("start")
         if threads is not None:
             threads.append(threading.current_thread().name)
@@ -210,14 +211,14 @@ def test_capture_order_and_abort_only_after_the_copies_stopped() -> None:
         log.append("write")
         raise OSError("boom")
 
-    job = _capture.Capture(starter(log), fail, lambda: log.append("finish"), lambda: log.append("abort"))  # type: ignore[func-returns-value]
+    job = device_save.Capture(starter(log), fail, lambda: log.append("finish"), lambda: log.append("abort"))  # type: ignore[func-returns-value]
     assert job.copies is None  # nothing enqueued before run()
     with pytest.raises(OSError, match="boom"):
         job.run()
     assert log == ["start", "write", "synchronize", "abort"]  # the destination goes back only once nothing writes into it
 
     log.clear()
-    ok = _capture.Capture(starter(log), lambda: log.append("write"), lambda: log.append("finish"), lambda: log.append("abort"))  # type: ignore[func-returns-value]
+    ok = device_save.Capture(starter(log), lambda: log.append("write"), lambda: log.append("finish"), lambda: log.append("abort"))  # type: ignore[func-returns-value]
     ok.on_success = lambda: log.append("saved")
     ok.run()
     assert log == ["start", "write", "synchronize", "finish", "saved"]
@@ -226,11 +227,11 @@ def test_capture_order_and_abort_only_after_the_copies_stopped() -> None:
 def test_copies_that_fail_to_start_abort_without_writing() -> None:
     log: list[str] = []
 
-    def start() -> _capture.DeviceCopies:
+    def start() -> device_save.DeviceCopies:
         log.append("start")
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    job = _capture.Capture(start, lambda: log.append("write"), lambda: log.append("finish"), lambda: log.append("abort"))  # type: ignore[func-returns-value]
+    job = device_save.Capture(start, lambda: log.append("write"), lambda: log.append("finish"), lambda: log.append("abort"))  # type: ignore[func-returns-value]
     with pytest.raises(RuntimeError, match="illegal memory access"):
         job.run()
     assert log == ["start", "abort"] and job.copies is None
@@ -247,7 +248,7 @@ def test_enqueued_capture_wait_captured_and_errors() -> None:
         assert release.wait(10)
         raise StoreUnavailableError("commit step 1: store gone")
 
-    job = _capture.Capture(starter(log, threads), lambda: log.append("write"), commit, lambda: log.append("abort"))
+    job = device_save.Capture(starter(log, threads), lambda: log.append("write"), commit, lambda: log.append("abort"))
     with ThreadPoolExecutor(1, thread_name_prefix="capture-test") as pool:
         job.start(pool)
         assert committing.wait(10)
@@ -271,10 +272,10 @@ def test_a_full_store_in_the_background_becomes_a_skipped_save_when_asked() -> N
     def full() -> None:
         raise CapacityExceededError("put step 1: no room", needed=10, used=5, capacity=12)
 
-    job = _capture.Capture(None, lambda: None, full, lambda: None)
+    job = device_save.Capture(None, lambda: None, full, lambda: None)
     with pytest.raises(CapacityExceededError):
         job.run()
-    skipping = _capture.Capture(None, lambda: None, full, lambda: None)
+    skipping = device_save.Capture(None, lambda: None, full, lambda: None)
     skipping.skip_capacity = True
     skipping.run()
     assert "no room" in skipping.skipped_reason
@@ -285,12 +286,12 @@ def test_a_full_store_in_the_background_becomes_a_skipped_save_when_asked() -> N
 
 @pytest.mark.parametrize("value", [None, "cpu", "cpu:0", torch.device("cpu")])
 def test_map_location_cpu_is_the_default_path(value: Any) -> None:
-    assert _device_restore.parse_map_location(value) is None
+    assert device_restore.parse_map_location(value) is None
 
 
 def test_map_location_meta() -> None:
-    assert _device_restore.parse_map_location("meta") == torch.device("meta")
-    assert _device_restore.parse_map_location(torch.device("meta")) == torch.device("meta")
+    assert device_restore.parse_map_location("meta") == torch.device("meta")
+    assert device_restore.parse_map_location(torch.device("meta")) == torch.device("meta")
 
 
 @pytest.mark.parametrize(
@@ -299,14 +300,14 @@ def test_map_location_meta() -> None:
 )
 def test_bad_map_location_is_named(value: Any, named: str) -> None:
     with pytest.raises(InvalidArgumentError, match="map_location") as err:
-        _device_restore.parse_map_location(value)
+        device_restore.parse_map_location(value)
     assert named in str(err.value)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
 def test_map_location_cuda_without_cuda() -> None:
     with pytest.raises(InvalidArgumentError, match="'cuda:0': CUDA is not available"):
-        _device_restore.parse_map_location("cuda:0")
+        device_restore.parse_map_location("cuda:0")
 
 
 def test_move_tree_keeps_structure_identity_and_flags() -> None:
@@ -323,7 +324,7 @@ def test_move_tree_keeps_structure_identity_and_flags() -> None:
         "arr": arr,
         "size": torch.Size([2, 3]),
     }
-    out = _device_restore.move_tree(tree, lambda t: t.to("meta"), copy_arrays=True)
+    out = device_restore.move_tree(tree, lambda t: t.to("meta"), copy_arrays=True)
     assert out["od"]._metadata == {"": {"version": 1}}
     assert out["od"] is od and type(out["od"]) is collections.OrderedDict
     assert out["od"]["w"].is_meta and out["od"]["w"].shape == (2, 3)
@@ -343,7 +344,7 @@ def test_decode_onto_meta_moves_every_tensor() -> None:
         "n": 3,
     }
     buf = serialization.encode(state)
-    out: Any = _device_restore.decode_onto(buf, torch.device("meta"), zero_copy=False)
+    out: Any = device_restore.decode_onto(buf, torch.device("meta"), zero_copy=False)
     for key in ("w", "b", "t"):
         assert out[key].is_meta and out[key].shape == state[key].shape and out[key].dtype == state[key].dtype
     assert out["n"] == 3

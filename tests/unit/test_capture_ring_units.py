@@ -1,4 +1,4 @@
-"""The pieces of trainer_client._capture that GPU saves and restores are built from, checked on the CPU: grouping of
+"""The pieces of trainer_client.capture.device_save that GPU saves and restores are built from, checked on the CPU: grouping of
 small blobs into one copy (copy_runs, gather_run against the real shard encoding), the restore's bounce ring and the
 routing of host->device copies (HostToDevice), and decode_onto through them (tests.harness.fake_cuda stands in
 for cudaHostRegister)."""
@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from tests.harness.fake_cuda import FakeCudaRuntime
-from trainer_client import _capture, _cuda, _device_restore, serialization
-from trainer_client._capture import CopyRun, copy_runs, gather_run, raw_bytes
-from trainer_client._device_restore import BounceRing, HostToDevice
+from trainer_client import serialization
+from trainer_client.capture import cuda, device_restore, device_save
+from trainer_client.capture.device_restore import BounceRing, HostToDevice
+from trainer_client.capture.device_save import CopyRun, copy_runs, gather_run, raw_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +34,7 @@ def staged(target: torch.Tensor) -> bool:
 def ring(fake_cuda: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch) -> Iterator[BounceRing]:
     """A small bounce ring standing in for the process's (4 KiB chunks, 2 buffers), closed after the test."""
     small = BounceRing(buffers=2, chunk=4096)
-    monkeypatch.setattr(_device_restore, "_bounce", small)
+    monkeypatch.setattr(device_restore, "_bounce", small)
     yield small
     small.close()
     assert fake_cuda.live == {}
@@ -76,7 +77,7 @@ def test_runs_are_ordered_by_offset_whatever_the_input_order() -> None:
 
 
 def test_the_default_threshold_is_small_copy_bytes() -> None:
-    n = _capture.SMALL_COPY_BYTES
+    n = device_save.SMALL_COPY_BYTES
     assert blobs(copy_runs([(0, 0, n - 64), (1, n - 64, 64)])) == [[0, 1]]
     assert blobs(copy_runs([(0, 0, n), (1, n, 64)])) == [[0], [1]]
 
@@ -150,13 +151,13 @@ def test_bounce_ring_copies_chunk_by_chunk_bit_exactly(fake_cuda: FakeCudaRuntim
         assert torch.equal(target, source), n
     assert fake_cuda.registrations == 2 == bounce.registered  # each buffer once, not per chunk or per copy
     assert len(fake_cuda.live) == 2 and all(size == 4096 for size, _ in fake_cuda.live.values())
-    assert all(flags == _cuda.HOST_REGISTER_PORTABLE for _, flags in fake_cuda.live.values())
+    assert all(flags == cuda.HOST_REGISTER_PORTABLE for _, flags in fake_cuda.live.values())
     bounce.close()
     assert fake_cuda.live == {} and fake_cuda.failures == [] and fake_cuda.last_error == 0
 
 
 def test_bounce_ring_whose_registration_fails_still_copies(fake_cuda: FakeCudaRuntime) -> None:
-    fake_cuda.fail_next = [_cuda.ERROR_INVALID_VALUE]
+    fake_cuda.fail_next = [cuda.ERROR_INVALID_VALUE]
     bounce = BounceRing(buffers=2, chunk=4096)
     source = torch.randint(0, 256, (3 * 4096,), dtype=torch.uint8)
     target = torch.zeros_like(source)
@@ -276,7 +277,7 @@ def test_decode_onto_through_the_bounce_ring_equals_the_state(ring: BounceRing, 
     state = _state()
     buf = serialization.encode(state)
     copies = HostToDevice(staged=staged)
-    out: Any = _device_restore.decode_onto(buf, CPU, zero_copy=False, copies=copies)
+    out: Any = device_restore.decode_onto(buf, CPU, zero_copy=False, copies=copies)
     assert copies.bounced == 2 and copies.direct == 0 and not ring.lock.locked()
     _assert_equal(out, state)
     assert out["model"]._metadata == {"": {"version": 2}}
@@ -297,7 +298,7 @@ def test_decode_onto_out_of_registered_memory_copies_direct(ring: BounceRing, fa
     buf = serialization.encode(state)
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     copies = HostToDevice(registered=lambda addr, n: base <= addr and addr + n <= base + len(buf), staged=staged)
-    out: Any = _device_restore.decode_onto(buf, CPU, zero_copy=False, copies=copies)
+    out: Any = device_restore.decode_onto(buf, CPU, zero_copy=False, copies=copies)
     # the large tensors are views of the "ring segment": straight out of it (decode copies small ones out already)
     assert copies.bounced == 0 and copies.direct == 2
     assert fake_cuda.registrations == 0  # the bounce ring was never needed

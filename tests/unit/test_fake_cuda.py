@@ -1,5 +1,5 @@
 """tests.harness.fake_cuda against real mappings of this process: the cudaHostRegister rules it enforces, the sticky
-last error, and trainer_client._cuda's seam (install / installed, register / unregister clearing the error)."""
+last error, and trainer_client.capture.cuda's seam (install / installed, register / unregister clearing the error)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from memstore.v1.pagefaults import address_of
 from tests.harness.fake_cuda import FakeCudaRuntime
-from trainer_client import _cuda
+from trainer_client.capture import cuda
 
 pytestmark = pytest.mark.unit
 
@@ -51,29 +51,29 @@ def _file(tmp_path: Path, pages: int, name: str = "seg") -> int:
 
 def test_size_zero_is_invalid(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, _ = anon
-    assert fake_cuda.host_register(addr, 0, 0) == _cuda.ERROR_INVALID_VALUE
-    assert fake_cuda.failures == [(addr, 0, _cuda.ERROR_INVALID_VALUE)]
+    assert fake_cuda.host_register(addr, 0, 0) == cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.failures == [(addr, 0, cuda.ERROR_INVALID_VALUE)]
     assert fake_cuda.live == {}
 
 
 def test_anonymous_mapping_registers(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, length = anon
-    assert fake_cuda.host_register(addr, length, _cuda.HOST_REGISTER_PORTABLE) == 0
-    assert fake_cuda.live == {addr: (length, _cuda.HOST_REGISTER_PORTABLE)}
+    assert fake_cuda.host_register(addr, length, cuda.HOST_REGISTER_PORTABLE) == 0
+    assert fake_cuda.live == {addr: (length, cuda.HOST_REGISTER_PORTABLE)}
     assert fake_cuda.registrations == 1
-    assert fake_cuda.calls == [("register", addr, length, _cuda.HOST_REGISTER_PORTABLE)]
+    assert fake_cuda.calls == [("register", addr, length, cuda.HOST_REGISTER_PORTABLE)]
     assert fake_cuda.last_error == 0
 
 
 def test_unmapped_address_is_invalid(fake_cuda: FakeCudaRuntime) -> None:
-    assert fake_cuda.host_register(PAGE, PAGE, 0) == _cuda.ERROR_INVALID_VALUE  # below mmap_min_addr: never mapped
+    assert fake_cuda.host_register(PAGE, PAGE, 0) == cuda.ERROR_INVALID_VALUE  # below mmap_min_addr: never mapped
 
 
 def test_range_running_into_a_hole_is_invalid(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, length = anon
     _libc.munmap(addr + PAGE, PAGE)  # [mapped][hole][mapped]
-    assert fake_cuda.host_register(addr, length, 0) == _cuda.ERROR_INVALID_VALUE
-    assert fake_cuda.host_register(addr, PAGE + 1, 0) == _cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.host_register(addr, length, 0) == cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.host_register(addr, PAGE + 1, 0) == cuda.ERROR_INVALID_VALUE
     assert fake_cuda.host_register(addr, PAGE, 0) == 0
     assert fake_cuda.host_register(addr + 2 * PAGE, PAGE, 0) == 0
 
@@ -83,8 +83,8 @@ def test_range_past_the_end_of_its_file_is_invalid(fake_cuda: FakeCudaRuntime, t
     with mmap.mmap(fd, 3 * PAGE) as m:
         addr = address_of(m)
         os.ftruncate(fd, 2 * PAGE)  # the mapping now reaches a page past the file
-        assert fake_cuda.host_register(addr, 3 * PAGE, 0) == _cuda.ERROR_INVALID_VALUE
-        assert fake_cuda.host_register(addr + 2 * PAGE, 1, 0) == _cuda.ERROR_INVALID_VALUE
+        assert fake_cuda.host_register(addr, 3 * PAGE, 0) == cuda.ERROR_INVALID_VALUE
+        assert fake_cuda.host_register(addr + 2 * PAGE, 1, 0) == cuda.ERROR_INVALID_VALUE
         assert fake_cuda.host_register(addr, 2 * PAGE, 0) == 0
         assert fake_cuda.host_unregister(addr) == 0
         os.ftruncate(fd, 2 * PAGE + 1)  # the last page is partly in the file: it can be faulted in
@@ -100,7 +100,7 @@ def test_file_mapping_at_an_offset(fake_cuda: FakeCudaRuntime, tmp_path: Path) -
         assert fake_cuda.host_register(addr, 2 * PAGE, 0) == 0
         assert fake_cuda.host_unregister(addr) == 0
         os.ftruncate(fd, 3 * PAGE)  # the mapping's second page (file page 3) is gone
-        assert fake_cuda.host_register(addr, 2 * PAGE, 0) == _cuda.ERROR_INVALID_VALUE
+        assert fake_cuda.host_register(addr, 2 * PAGE, 0) == cuda.ERROR_INVALID_VALUE
         assert fake_cuda.host_register(addr, PAGE, 0) == 0
     os.close(fd)
 
@@ -113,7 +113,7 @@ def test_range_across_adjacent_mappings_checks_each(fake_cuda: FakeCudaRuntime, 
     assert fake_cuda.host_register(addr, length, 0) == 0
     assert fake_cuda.host_unregister(addr) == 0
     os.ftruncate(fd, PAGE)  # the last page of the range is past the file
-    assert fake_cuda.host_register(addr, length, 0) == _cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.host_register(addr, length, 0) == cuda.ERROR_INVALID_VALUE
     assert fake_cuda.host_register(addr, 2 * PAGE, 0) == 0
     os.close(fd)
 
@@ -131,7 +131,7 @@ def test_deleted_file_is_still_checked(fake_cuda: FakeCudaRuntime, tmp_path: Pat
         except OSError:
             expected = 0  # the file's size cannot be known here: accepted
         else:
-            expected = _cuda.ERROR_INVALID_VALUE
+            expected = cuda.ERROR_INVALID_VALUE
         assert fake_cuda.host_register(addr, 2 * PAGE, 0) == expected
     os.close(fd)
 
@@ -139,33 +139,33 @@ def test_deleted_file_is_still_checked(fake_cuda: FakeCudaRuntime, tmp_path: Pat
 def test_overlapping_a_live_registration(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, _ = anon
     assert fake_cuda.host_register(addr, 2 * PAGE, 0) == 0
-    assert fake_cuda.host_register(addr, 2 * PAGE, 0) == _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
-    assert fake_cuda.host_register(addr + PAGE, 2 * PAGE, 0) == _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
-    assert fake_cuda.host_register(addr + PAGE, 1, 0) == _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    assert fake_cuda.host_register(addr, 2 * PAGE, 0) == cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    assert fake_cuda.host_register(addr + PAGE, 2 * PAGE, 0) == cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    assert fake_cuda.host_register(addr + PAGE, 1, 0) == cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
     assert fake_cuda.host_register(addr + 2 * PAGE, PAGE, 0) == 0  # adjacent, not overlapping
     assert fake_cuda.registrations == 2
-    assert [code for _, _, code in fake_cuda.failures] == [_cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED] * 3
+    assert [code for _, _, code in fake_cuda.failures] == [cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED] * 3
 
 
 def test_unregister_needs_the_start_of_a_live_registration(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, _ = anon
-    assert fake_cuda.host_unregister(addr) == _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
+    assert fake_cuda.host_unregister(addr) == cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
     assert fake_cuda.host_register(addr, 2 * PAGE, 0) == 0
-    assert fake_cuda.host_unregister(addr + PAGE) == _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
+    assert fake_cuda.host_unregister(addr + PAGE) == cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
     assert fake_cuda.host_unregister(addr) == 0
     assert fake_cuda.live == {}
-    assert fake_cuda.host_unregister(addr) == _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
+    assert fake_cuda.host_unregister(addr) == cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
     assert fake_cuda.calls[-1] == ("unregister", addr)
     assert fake_cuda.host_register(addr, 2 * PAGE, 0) == 0  # registrable again
 
 
 def test_last_error_is_sticky_until_read(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, _ = anon
-    assert fake_cuda.host_register(addr, 0, 0) == _cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.host_register(addr, 0, 0) == cuda.ERROR_INVALID_VALUE
     assert fake_cuda.host_register(addr, PAGE, 0) == 0  # a success leaves it
     assert fake_cuda.host_unregister(addr) == 0
-    assert fake_cuda.last_error == _cuda.ERROR_INVALID_VALUE
-    assert fake_cuda.get_last_error() == _cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.last_error == cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.get_last_error() == cuda.ERROR_INVALID_VALUE
     assert fake_cuda.last_error == 0
     assert fake_cuda.get_last_error() == 0
 
@@ -174,22 +174,22 @@ def test_seam_register_and_unregister_clear_the_error(
     fake_cuda: FakeCudaRuntime, anon: tuple[int, int], caplog: pytest.LogCaptureFixture
 ) -> None:
     addr, _ = anon
-    assert _cuda.register(addr, PAGE, 0) == 0
-    assert _cuda.register(addr, PAGE, 0) == _cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
+    assert cuda.register(addr, PAGE, 0) == 0
+    assert cuda.register(addr, PAGE, 0) == cuda.ERROR_HOST_MEMORY_ALREADY_REGISTERED
     assert fake_cuda.last_error == 0
-    assert _cuda.unregister(addr) == 0
-    with caplog.at_level(logging.WARNING, logger="trainer_client._cuda"):
-        assert _cuda.unregister(addr) == _cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
+    assert cuda.unregister(addr) == 0
+    with caplog.at_level(logging.WARNING, logger="trainer_client.capture.cuda"):
+        assert cuda.unregister(addr) == cuda.ERROR_HOST_MEMORY_NOT_REGISTERED
     assert fake_cuda.last_error == 0
     assert "pointer does not correspond to a registered memory region (CUDA error 713)" in caplog.text
 
 
 def test_fail_next(fake_cuda: FakeCudaRuntime, anon: tuple[int, int]) -> None:
     addr, _ = anon
-    fake_cuda.fail_next = [_cuda.ERROR_INVALID_VALUE, 0]
-    assert fake_cuda.host_register(addr, PAGE, _cuda.HOST_REGISTER_READ_ONLY) == _cuda.ERROR_INVALID_VALUE
-    assert fake_cuda.last_error == _cuda.ERROR_INVALID_VALUE
-    assert fake_cuda.host_register(addr, 0, 0) == _cuda.ERROR_INVALID_VALUE  # 0: checked as usual
+    fake_cuda.fail_next = [cuda.ERROR_INVALID_VALUE, 0]
+    assert fake_cuda.host_register(addr, PAGE, cuda.HOST_REGISTER_READ_ONLY) == cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.last_error == cuda.ERROR_INVALID_VALUE
+    assert fake_cuda.host_register(addr, 0, 0) == cuda.ERROR_INVALID_VALUE  # 0: checked as usual
     assert fake_cuda.host_register(addr, PAGE, 0) == 0
     assert fake_cuda.fail_next == []
     assert fake_cuda.registrations == 1
@@ -202,35 +202,35 @@ def test_error_text() -> None:
     assert fake_cuda.error_text(712) == "part or all of the requested memory range is already mapped (CUDA error 712)"
     assert fake_cuda.error_text(713) == "pointer does not correspond to a registered memory region (CUDA error 713)"
     assert fake_cuda.error_text(999) == "CUDA error 999"
-    with _cuda.installed(fake_cuda):
-        assert _cuda.error_text(1) == "invalid argument (CUDA error 1)"
+    with cuda.installed(fake_cuda):
+        assert cuda.error_text(1) == "invalid argument (CUDA error 1)"
 
 
 def test_installed_restores_the_previous_runtime() -> None:
-    before = _cuda.runtime()
+    before = cuda.runtime()
     outer, inner = FakeCudaRuntime(), FakeCudaRuntime(pins_host_states=False)
-    with _cuda.installed(outer):
-        assert _cuda.runtime() is outer
-        with _cuda.installed(inner):
-            assert _cuda.runtime() is inner
-        assert _cuda.runtime() is outer
-    assert _cuda.runtime() is before
-    with pytest.raises(RuntimeError), _cuda.installed(outer):
+    with cuda.installed(outer):
+        assert cuda.runtime() is outer
+        with cuda.installed(inner):
+            assert cuda.runtime() is inner
+        assert cuda.runtime() is outer
+    assert cuda.runtime() is before
+    with pytest.raises(RuntimeError), cuda.installed(outer):
         raise RuntimeError
-    assert _cuda.runtime() is before
+    assert cuda.runtime() is before
 
 
 def test_install_returns_the_previous() -> None:
     fake_cuda = FakeCudaRuntime()
-    previous = _cuda.install(fake_cuda)
+    previous = cuda.install(fake_cuda)
     try:
-        assert _cuda.runtime() is fake_cuda
+        assert cuda.runtime() is fake_cuda
     finally:
-        assert _cuda.install(previous) is fake_cuda
-    assert _cuda.runtime() is not fake_cuda
+        assert cuda.install(previous) is fake_cuda
+    assert cuda.runtime() is not fake_cuda
 
 
 def test_torch_runtime_without_cuda() -> None:
-    rt = _cuda.TorchCudaRuntime()  # touches nothing
+    rt = cuda.TorchCudaRuntime()  # touches nothing
     assert rt.pins_host_states is False
-    assert isinstance(_cuda.runtime(), (_cuda.TorchCudaRuntime, FakeCudaRuntime))
+    assert isinstance(cuda.runtime(), (cuda.TorchCudaRuntime, FakeCudaRuntime))

@@ -1,4 +1,4 @@
-"""trainer_client._ring.CaptureRing against a fake store (segment files in a temp dir) and the fake CUDA runtime:
+"""trainer_client.capture.ring.CaptureRing against a fake store (segment files in a temp dir) and the fake CUDA runtime:
 the lease reserved ahead, exact-size mappings, pruning by the newest answer, and a save that never waits for the
 ring's threads."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from memstore.v1 import store_pb2 as pb
 from tests.harness.fake_cuda import FakeCudaRuntime
-from trainer_client._ring import CaptureRing
+from trainer_client.capture.ring import CaptureRing
 
 pytestmark = pytest.mark.unit
 PAGE = 4096

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.unit.test_serialization import SMALL, UINT4, _full_form, _random_tensor, _raw_header, assert_same
+from tests.harness.shards import SMALL, UINT4, assert_same, full_form, random_tensor, raw_header
 from trainer_client import serialization as ser
 from trainer_client.errors import CorruptShardError, SerializationError
 
@@ -39,16 +39,16 @@ def _makers(seed: int) -> list[Callable[[int], Any]]:
     return [
         lambda i: torch.randn(1024, generator=gen),
         lambda i: torch.randn(1024, generator=gen),
-        lambda i: _random_tensor(torch.bfloat16, (7,), i),
-        lambda i: _random_tensor(torch.float16, (3, 5), i),
+        lambda i: random_tensor(torch.bfloat16, (7,), i),
+        lambda i: random_tensor(torch.float16, (3, 5), i),
         lambda i: torch.tensor(float(i)),  # 0-d, 4 bytes: its slot has 60 bytes of padding
-        lambda i: _random_tensor(torch.int64, (), i),
-        lambda i: _random_tensor(torch.bool, (13,), i),
-        lambda i: _random_tensor(torch.uint8, (65,), i),
-        lambda i: _random_tensor(torch.complex64, (4,), i),
-        lambda i: _random_tensor(torch.float8_e4m3fn, (9,), i),
-        lambda i: _random_tensor(torch.float64, (2, 2, 2), i),  # NaN payloads, subnormals
-        lambda i: _random_tensor(torch.uint8, (6,), i).view(UINT4),  # copy_ has no kernel for it
+        lambda i: random_tensor(torch.int64, (), i),
+        lambda i: random_tensor(torch.bool, (13,), i),
+        lambda i: random_tensor(torch.uint8, (65,), i),
+        lambda i: random_tensor(torch.complex64, (4,), i),
+        lambda i: random_tensor(torch.float8_e4m3fn, (9,), i),
+        lambda i: random_tensor(torch.float64, (2, 2, 2), i),  # NaN payloads, subnormals
+        lambda i: random_tensor(torch.uint8, (6,), i).view(UINT4),  # copy_ has no kernel for it
         lambda i: base[i % 40 :: 7, 1::3],  # strided view
         lambda i: base.t()[:3],  # transposed view
         lambda i: torch._neg_view(torch.randn(6, generator=gen)),  # neg bit: bytes are not the values
@@ -94,7 +94,7 @@ def _check_round_trip(state: Any) -> bytearray:
         assert dirty[: layout.nbytes] == expected
     assert_same(state, decode(bytes(expected)))
     assert_same(state, decode(bytearray(expected), zero_copy=True))
-    assert_same(state, decode(_full_form(expected, version=1)))  # as version 1 would store it
+    assert_same(state, decode(full_form(expected, version=1)))  # as version 1 would store it
     assert ser.encode(decode(expected)) == expected  # canonical
     return expected
 
@@ -134,10 +134,10 @@ def test_benchmark_shapes_round_trip(count: int) -> None:
         "param_groups": [{"lr": 1e-3, "params": list(range(count))}],
     }
     buf = _check_round_trip(flat)
-    assert len(_raw_header(buf)["kinds"]) == 1  # alike tensors: one record
+    assert len(raw_header(buf)["kinds"]) == 1  # alike tensors: one record
     buf = _check_round_trip(optim)
-    assert len(_raw_header(buf)["kinds"]) == 2 if count else 0
-    assert _raw_header(buf)["blobs"] == [0, 0, 1] * count
+    assert len(raw_header(buf)["kinds"]) == 2 if count else 0
+    assert raw_header(buf)["blobs"] == [0, 0, 1] * count
 
 
 def test_same_tensor_many_times_is_one_blob_and_one_object() -> None:
@@ -231,7 +231,7 @@ def test_header_fuzz_of_a_many_tensor_shard_only_raises_corrupt_shard() -> None:
 def test_a_table_of_many_empty_blobs_is_bounded_by_the_header() -> None:
     """Zero-size blobs all share one slot; a header can declare many, each costs header bytes."""
     buf = ser.encode({"e": [torch.empty(0) for _ in range(2000)], "x": torch.ones(3)})
-    header = _raw_header(buf)
+    header = raw_header(buf)
     assert header["blobs"] == [0] * 2000 + [1]
     out = decode(buf)
     assert len(out["e"]) == 2000 and all(t.shape == (0,) for t in out["e"])

@@ -88,7 +88,7 @@ def test_fallback_adds_n_minus_1_list_shards_and_two_collectives(hosts: int) -> 
     plain, fb = group(cfg), group(cfg, fallback=True)
     assert fb.list_shards_total - plain.list_shards_total == hosts - 1
     assert fb.rpcs_total - plain.rpcs_total == hosts  # ... plus rank 0's one request to its own store
-    assert fb.collectives - plain.collectives == 2  # trainer_client._agreement shares the answer as length, then bytes
+    assert fb.collectives - plain.collectives == 2  # trainer_client.agreement shares the answer as length, then bytes
     assert fb.phases["latest_step.fallback"] >= 2 * cfg.collective_s + cfg.rpc_s
     assert fb.phases["latest_step.fallback"] > 0 and "latest_step.fallback" not in plain.phases
     assert fb.latest_step_s > plain.latest_step_s

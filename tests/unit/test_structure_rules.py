@@ -52,6 +52,53 @@ def test_misplaced_imports_are_named(tree: dict[str, str], expected: list[str], 
     assert check.misplaced_imports(sorted(tmp_path.rglob("*.py"))) == expected
 
 
+def _write_tree(root: Path, tree: dict[str, str]) -> list[Path]:
+    for rel, text in tree.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return sorted(root.rglob("*.py"))
+
+
+def test_cross_module_private_imports_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(check, "ROOT", tmp_path)
+    files = _write_tree(tmp_path, {
+        "trainer_client/_ring.py": "from trainer_client import _cuda\n_local = 1\n",
+        "trainer_client/client.py": "import trainer_client._ring\nfrom trainer_client.format import MAGIC, __all__\n",
+        "trainer_client/format/__init__.py": "from .spec import _PRELUDE\n",
+        "memstore/devtools/chaos.py": "def f():\n    from memstore.devtools.demo import _Job\n",
+        "examples/train.py": "from torch.distributed.checkpoint.filesystem import _StorageInfo\nfrom ray._private import state\n",
+        "benchmarks/ok.py": "from trainer_client.serialization.spec import PRELUDE\n",
+    })
+    assert check.private_imports(files) == [
+        f"{path}: imports {name} ({private} is private: give it a public name in a module whose job it is)"
+        for path, name, private in [
+            ("memstore/devtools/chaos.py:2", "memstore.devtools.demo._Job", "_Job"),
+            ("trainer_client/_ring.py:1", "trainer_client._cuda", "_cuda"),
+            ("trainer_client/client.py:1", "trainer_client._ring", "_ring"),
+            ("trainer_client/format/__init__.py:1", "trainer_client.format.spec._PRELUDE", "_PRELUDE"),
+        ]
+    ]
+
+
+def test_the_trainer_side_imports_only_the_stores_contract(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(check, "ROOT", tmp_path)
+    files = _write_tree(tmp_path, {
+        "trainer_client/client.py": (
+            "from memstore.v1 import store_pb2\nfrom memstore.core.model import Manifest\nfrom memstore.errors import ConfigError\n"
+            "from memstore.config import StoreConfig\n"
+        ),
+        "trainer_client/dcp.py": "def f():\n    import memstore.server.store\n    from memstore import faults, v1\n",
+        "trainer_client/ok.py": "import memstore_like\nfrom . import errors\n",
+        "memstore/cli/main.py": "from memstore.server import store\n",  # not trainer-side
+    })
+    rule = "trainer_client may import only memstore.v1, memstore.core, memstore.errors from memstore"
+    assert check.trainer_imports(files) == [
+        f"trainer_client/client.py:4: imports memstore.config (StoreConfig): {rule}",
+        f"trainer_client/dcp.py:2: imports memstore.server.store: {rule}",
+        f"trainer_client/dcp.py:3: imports memstore.faults: {rule}",
+    ]
+
+
 def test_the_tree_meets_every_rule() -> None:
     assert check.main() == 0
 

@@ -1,8 +1,8 @@
-"""GPU capture: CUDA tensors straight into the store's memory (the save side; restores are ``_device_restore``).
+"""GPU capture: CUDA tensors straight into the store's memory (the save side; restores are :mod:`.device_restore`).
 
 ``ShardLayout.device_tensors()`` finds the CUDA tensors of a planned shard. :class:`DeviceCopier` (one per client)
 enqueues their copies into the destination (a segment of the client's capture ring, registered once by
-``trainer_client._ring``, or a staging buffer without shared memory, registered once here by
+``trainer_client.capture.ring``, or a staging buffer without shared memory, registered once here by
 :class:`HostRegistrations`) on a side stream per device, ordered after the trainer's stream as it was when
 ``save()`` was called (:func:`mark_streams`), ``record_stream`` keeping each source's memory from being reused
 early; neighbouring small tensors go as one copy (:func:`copy_runs`, :func:`gather_run`); an event per device
@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from memstore.v1.pagefaults import FaultAhead
-from trainer_client import _cuda
-from trainer_client._shard_encode import ShardLayout
-from trainer_client._shard_format import ALIGNMENT, _raw_byte_view
+from trainer_client.capture import cuda
 from trainer_client.errors import CapacityExceededError, CaptureError
+from trainer_client.serialization import ALIGNMENT, ShardLayout
+from trainer_client.serialization.dtypes import raw_byte_view
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class HostRegistrations:
 
     Without shared memory the client keeps its staging buffers between saves, so only the first save into
     one pays the registration. Segments of the shared-memory path are the capture ring's
-    (``trainer_client._ring``). A buffer that failed to register is remembered, not retried each save.
+    (``trainer_client.capture.ring``). A buffer that failed to register is remembered, not retried each save.
     """
 
     def __init__(self) -> None:
@@ -74,9 +74,9 @@ class HostRegistrations:
         pin = self._pins.get(id(owner))
         if pin is not None:
             return pin.ok
-        code = _cuda.register(addr, size, _cuda.HOST_REGISTER_PORTABLE)
+        code = cuda.register(addr, size, cuda.HOST_REGISTER_PORTABLE)
         if code != 0:
-            self.failed = _cuda.error_text(code)
+            self.failed = cuda.error_text(code)
             log.warning("cudaHostRegister of %d bytes failed (%s): CUDA tensors are copied through pageable memory", size, self.failed)
         else:
             self.registered += 1
@@ -87,7 +87,7 @@ class HostRegistrations:
         """Unregister ``owner``'s memory (no-op if it is not registered); call before dropping it."""
         pin = self._pins.pop(id(owner), None)
         if pin is not None and pin.ok:
-            _cuda.unregister(pin.addr)
+            cuda.unregister(pin.addr)
 
     def release_all(self) -> None:
         for pin in list(self._pins.values()):
@@ -191,7 +191,7 @@ def raw_bytes(src: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes as a contiguous uint8 tensor on its device (a view when it is contiguous)."""
     if src.is_conj() or src.is_neg():
         src = src.resolve_conj().resolve_neg()
-    raw = _raw_byte_view(src)  # uint8, shape + (itemsize,): every dtype copies as bytes
+    raw = raw_byte_view(src)  # uint8, shape + (itemsize,): every dtype copies as bytes
     return raw if raw.is_contiguous() else raw.contiguous()
 
 
@@ -410,7 +410,7 @@ class Captures:
     def wants_pinning(layout: ShardLayout) -> bool:
         """Whether the save's memory must be registered for DMA: the state holds CUDA tensors (or the installed
         CUDA runtime registers host states too: the CPU suite's fake)."""
-        return bool(layout.device_tensors()) or _cuda.runtime().pins_host_states
+        return bool(layout.device_tensors()) or cuda.runtime().pins_host_states
 
     def device_copies(
         self, layout: ShardLayout, target: torch.Tensor, deferred: bool = False

@@ -4,7 +4,7 @@ The store hands every save of one rank a segment of that rank's *capture ring* (
 a pooled segment goes back to the rank that used it, replicas and pulls never take it) and lists the ring in
 each ``AllocateResponse.ring_paths``. :class:`CaptureRing` keeps each ring segment mapped at exactly the size
 the store allocated (a mapping never reaches past its file's end, and the store never resizes a ring
-segment), registers it for DMA (``cudaHostRegister``, through ``trainer_client._cuda``) the first time a
+segment), registers it for DMA (``cudaHostRegister``, through ``trainer_client.capture.cuda``) the first time a
 save with CUDA tensors lands in it, and unregisters and unmaps what left the ring. After warm-up every save
 lands in memory registered before: no registration, no mapping, no page fault.
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.pagefaults import address_of
-from trainer_client import _cuda
+from trainer_client.capture import cuda
 from trainer_client.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def map_segment(path: str, size: int) -> mmap.mmap:
 def _unmap(mapped: _Mapped) -> None:
     """Unregister (if registered) and unmap: a registration must not outlive the pages it pinned."""
     if mapped.pinned:
-        _cuda.unregister(address_of(mapped.mm))
+        cuda.unregister(address_of(mapped.mm))
         mapped.pinned = False
     with contextlib.suppress(BufferError):  # a view still exported: the pages go with it
         mapped.mm.close()
@@ -368,10 +368,10 @@ class CaptureRing:
         cause = ""
         for attempt in range(2):
             if os.stat(path).st_size < size:  # never register past the file's end (CUDA refuses it: invalid argument)
-                code, cause = _cuda.ERROR_INVALID_VALUE, f"the file is shorter than its {size}-byte mapping"
+                code, cause = cuda.ERROR_INVALID_VALUE, f"the file is shorter than its {size}-byte mapping"
             else:
-                code = _cuda.register(address_of(mapped.mm), size, _cuda.HOST_REGISTER_PORTABLE)
-                cause = _cuda.error_text(code) if code else ""
+                code = cuda.register(address_of(mapped.mm), size, cuda.HOST_REGISTER_PORTABLE)
+                cause = cuda.error_text(code) if code else ""
             if code == 0:
                 with self._lock:
                     mapped.pinned = True

@@ -1,4 +1,4 @@
-"""Copies the blobs of a planned shard into its buffer (:meth:`trainer_client._shard_encode.ShardLayout.write_into`)."""
+"""Copies the blobs of a planned shard into its buffer (:meth:`~trainer_client.serialization.encoder.ShardLayout.write_into`)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,18 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from trainer_client._shard_format import _SMALL_COPY, _needs_raw_copy, _raw_byte_view
 from trainer_client.errors import SerializationError
+from trainer_client.serialization.dtypes import needs_raw_copy, raw_byte_view
+from trainer_client.serialization.spec import SMALL_COPY
+
+__all__ = ["BlobWriter", "raise_changed"]
 
 
-def _changed(what: str, index: int) -> NoReturn:
+def raise_changed(what: str, index: int) -> NoReturn:
     raise SerializationError(f"{what} changed dtype or shape between plan() and write_into()", f"blob #{index}")
 
 
-class _BlobWriter:
+class BlobWriter:
     """Copies blobs into the shard buffer for :meth:`ShardLayout.write_into`.
 
     Holds the only long-lived alias of the buffer (``base``, a uint8 tensor made on first
@@ -45,7 +48,7 @@ class _BlobWriter:
 
     def tensor(self, index: int, offset: int, n: int, src: Any, dtype: Any, shape: tuple[int, ...]) -> None:
         if src.dtype != dtype or src.shape != shape:
-            _changed("tensor", index)
+            raise_changed("tensor", index)
         if n == 0:
             return
         base_addr = self.base_address()
@@ -53,20 +56,20 @@ class _BlobWriter:
             # Its n bytes are contiguous at data_ptr(); the slot lies inside
             # buf (checked by write_into). Small ones right away (~6x less overhead than
             # three torch ops), large ones in parallel at the end.
-            if n <= _SMALL_COPY:
+            if n <= SMALL_COPY:
                 ctypes.memmove(base_addr + offset, src.data_ptr(), n)
             else:
                 self.moves.append((base_addr + offset, src.data_ptr(), n))
             return
         assert self.base is not None
-        if _needs_raw_copy(dtype):
-            self.base[offset : offset + n].view(*shape, src.element_size()).copy_(_raw_byte_view(src))
+        if needs_raw_copy(dtype):
+            self.base[offset : offset + n].view(*shape, src.element_size()).copy_(raw_byte_view(src))
         else:
             self.base[offset : offset + n].view(dtype).view(shape).copy_(src)
 
     def ndarray(self, index: int, offset: int, n: int, src: Any, dtype: Any, shape: tuple[int, ...]) -> None:
         if src.dtype != dtype or src.shape != shape:
-            _changed("array", index)
+            raise_changed("array", index)
         if n == 0:
             return
         np.copyto(np.frombuffer(self.mv, dtype=np.uint8, count=n, offset=offset).view(dtype).reshape(shape), src, casting="no")

@@ -1,5 +1,7 @@
 """The collectives of ``latest_step(group=...)``: every rank's local view, agreed over the job's process group.
 
+Internal to ``CheckpointClient`` (users call ``latest_step``); not public API.
+
 The protocol and its rules are :mod:`memstore.core.agreement`; this module only moves its values
 between ranks. It uses nothing but ``all_reduce`` (a broadcast is an all-reduce MAX with zeros from
 every other rank), so any ``torch.distributed`` process group works: one made by ``init_process_group``

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from memstore.v1.pagefaults import address_of
-from trainer_client import _cuda, serialization
-from trainer_client._capture import MIN_PIN_BYTES, raw_bytes
+from trainer_client import serialization
+from trainer_client.capture import cuda
+from trainer_client.capture.device_save import MIN_PIN_BYTES, raw_bytes
 from trainer_client.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -98,12 +99,12 @@ class BounceRing:
     def _buffer(self, i: int) -> torch.Tensor:
         while len(self._tensors) <= i:
             mm = mmap.mmap(-1, self.chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
-            code = _cuda.register(address_of(mm), self.chunk, _cuda.HOST_REGISTER_PORTABLE)
+            code = cuda.register(address_of(mm), self.chunk, cuda.HOST_REGISTER_PORTABLE)
             if code == 0:
                 self.registered += 1
             else:
                 log.warning("cudaHostRegister of a %d-byte bounce buffer failed (%s): restores copy from pageable memory",
-                            self.chunk, _cuda.error_text(code))  # fmt: skip
+                            self.chunk, cuda.error_text(code))  # fmt: skip
             self._maps.append(mm)
             self._tensors.append(torch.frombuffer(mm, dtype=torch.uint8))
         return self._tensors[i]
@@ -134,7 +135,7 @@ class BounceRing:
         self.drain()
         self._tensors.clear()
         for mm in self._maps:
-            _cuda.unregister(address_of(mm))
+            cuda.unregister(address_of(mm))
             mm.close()
         self._maps.clear()
 

@@ -12,7 +12,7 @@ import pytest
 
 from memstore.v1.security import Credentials
 from trainer_client import CheckpointClient, Connection, MemStoreReader, MemStoreWriter
-from trainer_client.connection import DEFAULT_STORE, connection_from_kwargs
+from trainer_client.connection import DEFAULT_STORE, DEPRECATED_KWARGS, connection_from_kwargs
 from trainer_client.errors import InvalidArgumentError, StoreUnavailableError
 
 pytestmark = pytest.mark.unit
@@ -237,3 +237,59 @@ def test_importing_the_package_loads_neither_grpc_nor_torch() -> None:
     code = "import sys, trainer_client; print(sorted(m for m in ('grpc', 'torch', 'trainer_client.dcp') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+# -- memstore.ray -------------------------------------------------------------------------------------------
+@pytest.fixture
+def ray_worker(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """RayTrainCheckpoints inside a fake Ray Train worker (rank 1 of 2, node store 10.0.0.7:7070); records the clients it builds."""
+    pytest.importorskip("ray.train")
+    import memstore.ray.train as train
+
+    class Context:
+        def get_world_rank(self) -> int:
+            return 1
+
+        def get_world_size(self) -> int:
+            return 2
+
+        def get_experiment_name(self) -> str:
+            return "run one"
+
+    built: list[dict] = []
+    monkeypatch.setattr(train.ray.train, "get_context", Context)
+    monkeypatch.setattr(train, "local_store_address", lambda namespace: "10.0.0.7:7070")
+    monkeypatch.setattr(train, "CheckpointClient", lambda *args, **kwargs: built.append({"args": args, **kwargs}))
+    return built
+
+
+def test_ray_train_workers_take_a_connection_and_default_to_the_node_s_store(ray_worker: list[dict]) -> None:
+    from memstore.ray.train import RayTrainCheckpoints
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RayTrainCheckpoints(connection=Connection(timeout=5), on_capacity="skip")
+        RayTrainCheckpoints(connection=Connection("10.9.9.9:1"))
+    assert ray_worker[0] == {"args": ("run-one", 1, 2), "connection": Connection("10.0.0.7:7070", timeout=5), "on_capacity": "skip"}
+    assert ray_worker[1]["connection"] == Connection("10.9.9.9:1")  # an address of its own is kept
+
+
+def test_ray_train_workers_still_take_the_old_arguments_with_a_warning(ray_worker: list[dict]) -> None:
+    from memstore.ray.train import RayTrainCheckpoints
+
+    with pytest.warns(DeprecationWarning, match=r"RayTrainCheckpoints\(timeout=\) is deprecated"):
+        RayTrainCheckpoints(timeout=30, run_id="r1")
+    assert ray_worker[0] == {"args": ("run-one", 1, 2), "connection": Connection("10.0.0.7:7070", timeout=30), "run_id": "r1"}
+    with pytest.raises(TypeError, match=r"RayTrainCheckpoints\(\) got both connection= and the deprecated timeout="):
+        RayTrainCheckpoints(connection=Connection(), timeout=30)
+
+
+def test_the_examples_use_no_deprecated_argument() -> None:
+    import ast
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    for path in sorted(examples.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("CheckpointClient", "MemStoreWriter", "MemStoreReader"):
+                old = {k.arg for k in node.keywords} & set(DEPRECATED_KWARGS)
+                assert not old, f"{path.name}:{node.lineno} passes {old}: use connection="

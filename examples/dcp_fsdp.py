@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 
 import torch
 import torch.distributed as dist
@@ -19,15 +18,16 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from trainer_client.dcp import MemStoreReader, MemStoreWriter
+from trainer_client import Connection, MemStoreReader, MemStoreWriter
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--store", default=os.environ.get("MEMSTORE_STORE", "127.0.0.1:7070"))
+    p.add_argument("--store", help="HOST:PORT of the store; default: $MEMSTORE_STORE, else 127.0.0.1:7070")
     p.add_argument("--job", default="fsdp-example")
     p.add_argument("--steps", type=int, default=10)
     args = p.parse_args()
+    connection = Connection(args.store)  # how to reach the store: address, timeout, credentials (from the environment)
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -40,7 +40,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     step = 0
-    reader = MemStoreReader(args.job, store=args.store)
+    reader = MemStoreReader(args.job, connection=connection)
     if reader.latest_step() is not None:
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
@@ -49,7 +49,7 @@ def main() -> None:
         step = int(state["step"])
         print(f"rank {rank}: resumed from step {step}", flush=True)
     g = torch.Generator().manual_seed(rank)
-    writer = MemStoreWriter(args.job, store=args.store)  # one writer (one store connection) for every step
+    writer = MemStoreWriter(args.job, connection=connection)  # one writer (one store connection) for every step
     while step < args.steps:
         opt.zero_grad()
         model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()

@@ -10,23 +10,22 @@ Each rank talks to the store on its own host (here all ranks share one machine, 
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer_client import CheckpointClient
-from trainer_client.training_state import ResumableDataLoader, TrainingState
+from trainer_client import CheckpointClient, Connection, ResumableDataLoader, TrainingState
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--store", default=os.environ.get("MEMSTORE_STORE", "127.0.0.1:7070"))
+    p.add_argument("--store", help="HOST:PORT of the store; default: $MEMSTORE_STORE, else 127.0.0.1:7070")
     p.add_argument("--job", default="ddp-example")
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
+    connection = Connection(args.store)  # how to reach the store: address, timeout, credentials (from the environment)
 
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -38,7 +37,7 @@ def main() -> None:
     loader = ResumableDataLoader(data, batch_size=16, shuffle=True, seed=0, rank=rank, world_size=world)  # type: ignore[arg-type]
     ts = TrainingState(model=model, optimizer=opt, loader=loader)
 
-    with CheckpointClient(args.job, rank=rank, world_size=world, store=args.store) as client:
+    with CheckpointClient(args.job, rank=rank, world_size=world, connection=connection) as client:
         step = 0
         latest = client.latest_step(group=dist.group.WORLD)  # a collective: each rank asks only its own store
         if latest is not None:

@@ -12,21 +12,20 @@ replication only when the next save is due.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 from torch import nn
 
-from trainer_client import CheckpointClient
-from trainer_client.training_state import ResumableDataLoader, TrainingState
+from trainer_client import CheckpointClient, Connection, ResumableDataLoader, TrainingState
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--store", default=os.environ.get("MEMSTORE_STORE", "127.0.0.1:7070"))
+    p.add_argument("--store", help="HOST:PORT of the store; default: $MEMSTORE_STORE, else 127.0.0.1:7070")
     p.add_argument("--job", default="plain-loop")
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
+    connection = Connection(args.store)  # how to reach the store: address, timeout, credentials (from the environment)
 
     torch.manual_seed(0)
     data = [(torch.randn(16), torch.randint(0, 4, ()).item()) for _ in range(256)]
@@ -36,7 +35,7 @@ def main() -> None:
     loader = ResumableDataLoader(data, batch_size=32, shuffle=True, seed=0)  # type: ignore[arg-type]
     ts = TrainingState(model=model, optimizer=opt, scheduler=sched, loader=loader)
 
-    with CheckpointClient(args.job, rank=0, world_size=1, store=args.store) as client:
+    with CheckpointClient(args.job, rank=0, world_size=1, connection=connection) as client:
         step = 0
         latest = client.latest_step()
         if latest is not None:

@@ -9,7 +9,7 @@
 - no hand-written module over 800 lines (generated ``*_pb2*`` files excepted);
 - no multiple inheritance and no mixins in ``memstore.server``: the engine's parts collaborate through their
   constructors, so no class there has two bases or inherits from another class of the package (errors, Protocol,
-  Enum, NamedTuple, TypedDict, the generated gRPC servicers and the event hooks ``ENGINE_HOOKS`` excepted).
+  Enum, NamedTuple, TypedDict, the generated gRPC servicers and the event hooks ``ENGINE_HOOKS`` excepted);
 - no cross-module private imports (:func:`private_imports`);
 - the trainer side imports only the store's contract from ``memstore`` (:func:`trainer_imports`).
 

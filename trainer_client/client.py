@@ -39,14 +39,12 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from memstore.core.agreement import Seen
-from memstore.errors import ConfigError
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import boot_id, store_stub
 from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
 from memstore.v1.manifests import manifest_from_pb
 from memstore.v1.pagefaults import address_of
-from memstore.v1.security import Credentials
 from memstore.v1.streams import manifest_problem
 from trainer_client import serialization
 from trainer_client.agreement import Agreements, AgreementStats, agree
@@ -54,6 +52,7 @@ from trainer_client.capture import cuda as _cuda
 from trainer_client.capture.device_restore import HostToDevice, decode_onto, parse_map_location
 from trainer_client.capture.device_save import CAPTURE_MODES, Capture, Captures, host_writer
 from trainer_client.capture.ring import CaptureRing, CaptureStats
+from trainer_client.connection import Connection, connection_from_kwargs
 from trainer_client.errors import (
     CapacityExceededError,
     CorruptShardError,
@@ -63,7 +62,7 @@ from trainer_client.errors import (
     StoreUnavailableError,
     raise_for_rpc,
 )
-from trainer_client.handles import RestorePoint, SaveHandle
+from trainer_client.handles import RestorePoint, SaveHandle, SaveResult
 from trainer_client.transport.local_control import LocalStub, RpcFailure
 from trainer_client.transport.remote import RemotePath, byte_view, empty_buffer
 
@@ -91,20 +90,8 @@ def _populate_for_reading(mm: mmap.mmap) -> None:
 
 
 RUN_ID_ENV = "MEMSTORE_RUN_ID"
-STORE_ENV = "MEMSTORE_STORE"  # the node-local store's address when the code passes none (Kubernetes: the downward API's host IP)
-DEFAULT_STORE = "127.0.0.1:7070"
 _MAX_RUN_ID = 100  # leaves room for ".<epoch>" within the 128 characters of a timeline
 _PROCESS_RUN_ID = f"p{time.time_ns():x}-{secrets.token_hex(4)}"  # shared by every client of this process
-
-
-def client_credentials(
-    auth_token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None
-) -> Credentials:
-    """What a client presents: the arguments, else MEMSTORE_AUTH_TOKEN[_FILE] and MEMSTORE_TLS_CA/CERT/KEY."""
-    try:
-        return Credentials.from_env(token=auth_token, ca=tls_ca, cert=tls_cert, key=tls_key)
-    except ConfigError as exc:
-        raise InvalidArgumentError(str(exc)) from None
 
 
 def new_run_id() -> str:
@@ -140,12 +127,12 @@ class CheckpointClient:
         job_id: the training run, ``[A-Za-z0-9._-]{1,128}``.
         rank: this trainer's rank.
         world_size: the number of ranks of the job.
-        store: address of the store on this host; default: ``MEMSTORE_STORE`` (on Kubernetes the pod sets it
-            to ``$(HOST_IP):7070`` from the downward API), else ``127.0.0.1:7070``.
-        timeout: deadline in seconds of each control call (and of the initial connection).
+        connection: how to reach the store on this host (:class:`~trainer_client.connection.Connection`: address,
+            timeout, credentials, shared memory); default ``Connection()``: ``MEMSTORE_STORE`` (on Kubernetes the pod
+            sets it to ``$(HOST_IP):7070`` from the downward API), else ``127.0.0.1:7070``, credentials from the
+            environment, shared memory when the store is on this machine.
         on_capacity: ``"raise"`` (default) raises CapacityExceededError when the store is full;
             ``"skip"`` logs it and returns a handle with ``skipped=True`` so training goes on.
-        use_shared_memory: force the shared-memory path on/off; default: on when the store is on this machine.
         spill_compression: this job's codec on the durable tier (``none``, ``zstd``, ``zstd-shuffle2`` for
             bf16/fp16, ``zstd-shuffle4`` for fp32); default: the store's ``--spill-compression``.
         run_id: names this start of the job; the same on every rank, new for every start (a restart
@@ -160,6 +147,10 @@ class CheckpointClient:
             holds verified bytes (crash-safe; the stall includes the transfer), ``"background"`` once the
             state is staged in this process (the stall is one copy; the send runs on a thread, at most two
             in flight, and a crash before it finished loses that save; ``handle.wait()`` reports it).
+
+    Deprecated (for one release, each with a ``DeprecationWarning``): ``store`` (also the fourth positional
+    argument), ``timeout``, ``use_shared_memory``, ``auth_token``, ``tls_ca``, ``tls_cert``, ``tls_key``; put them in
+    ``connection=`` instead (passing both is a ``TypeError``).
     """
 
     def __init__(
@@ -169,17 +160,14 @@ class CheckpointClient:
         world_size: int,
         store: str | None = None,
         *,
-        timeout: float = 60.0,
+        connection: Connection | None = None,
         on_capacity: str = "raise",
-        use_shared_memory: bool | None = None,
         spill_compression: str | None = None,
         run_id: str | None = None,
         remote_save: str = "sync",
-        auth_token: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
+        **deprecated: Any,
     ) -> None:
+        requested = connection_from_kwargs("CheckpointClient", connection, {"store": store, **deprecated})
         problem = key_problem(job_id, 0, rank, world_size)
         if problem:
             raise InvalidArgumentError(problem)
@@ -202,25 +190,27 @@ class CheckpointClient:
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
-        self.address = store or os.environ.get(STORE_ENV) or DEFAULT_STORE
-        self.timeout = timeout
+        self.connection = connection = requested.resolved()  # address and credentials filled in from the environment
+        assert connection.address is not None and connection.credentials is not None
+        self.address, self.credentials, self.timeout = connection.address, connection.credentials, connection.timeout
+        timeout = self.timeout
         self.on_capacity = on_capacity
-        self.credentials = client_credentials(auth_token, tls_ca, tls_cert, tls_key)
         self._channel, self._stub = store_stub(self.address, self.credentials)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             self._channel.close()
             tls = (
-                " (TLS: check that tls_ca signed the store's certificate and the store accepts this client's certificate)"
+                " (TLS: check that the credentials' CA signed the store's certificate and the store accepts this client's certificate)"
                 if self.credentials.tls
                 else ""
             )
+            where = f"{self.address}{requested.address_source}"
             hint = f"is `memstore serve` running there?{tls}"
-            source = "" if store else f" (from {STORE_ENV})" if os.environ.get(STORE_ENV) else " (the default)"
-            raise StoreUnavailableError(f"store at {self.address}{source} not reachable within {timeout}s; {hint}") from None
+            raise StoreUnavailableError(f"store at {where} not reachable within {timeout}s; {hint}") from None
         self.hello = self._call(lambda t: self._stub.Hello(pb.HelloRequest(), timeout=t), "connect to store")
         same_machine = bool(self.hello.shm_dir) and self.hello.boot_id == boot_id() and os.path.isdir(self.hello.shm_dir)
+        use_shared_memory = connection.shared_memory
         if use_shared_memory and not same_machine:
             raise InvalidArgumentError(f"store at {self.address} shares no memory with this process (different machine or no --shm-dir)")
         self.shared_memory = same_machine if use_shared_memory is None else use_shared_memory
@@ -344,17 +334,17 @@ class CheckpointClient:
         except CapacityExceededError as exc:
             if self.on_capacity == "skip":
                 log.warning("skipping checkpoint of step %d (rank %d): %s", step, self.rank, exc)
-                return SaveHandle(self, step, skipped_reason=str(exc), timeline=key.timeline)
+                return self._handle(step, key.timeline, skipped_reason=str(exc))
             raise
         if capture == "enqueued":
             job.skip_capacity = self.on_capacity == "skip"
             job.on_success = None if timeline is not None else lambda: self._saved(step, epoch)
             self._captures.start(job)
-            handle = SaveHandle(self, step, timeline=key.timeline, capture=job)
+            handle = self._handle(step, key.timeline, capture=job)
         else:
             if timeline is None:
                 self._saved(step, epoch)
-            handle = SaveHandle(self, step, timeline=key.timeline, sending=job.handed_off)
+            handle = self._handle(step, key.timeline, sending=job.handed_off)
         handle.stall_seconds = time.perf_counter() - t0
         return handle
 
@@ -500,11 +490,17 @@ class CheckpointClient:
         self._free_staging.clear()  # too small for this state: let them go
         return empty_buffer(nbytes), True
 
-    def _wait_committed(self, step: int, timeout: float, timeline: str) -> tuple[pb.ShardInfo, bool]:
+    def save_status(self, step: int, timeline: str, wait: float = 0.0) -> tuple[SaveResult, bool]:
+        """How this rank's save of ``step`` in ``timeline`` stands in its store: (its status, whether it settled), after
+        waiting up to ``wait`` seconds for it to settle (committed, failed or superseded). What a :class:`SaveHandle`
+        asks; ``handle.wait()`` and ``handle.done()`` are the usual way to use it."""
         key = self._key(step, timeline=timeline)
-        request = pb.WaitCommittedRequest(key=key, timeout_seconds=timeout)
-        resp = self._control("WaitCommitted", request, f"status of step {step}", retries=3, wait=timeout)
-        return resp.info, resp.done
+        request = pb.WaitCommittedRequest(key=key, timeout_seconds=wait)
+        resp = self._control("WaitCommitted", request, f"status of step {step}", retries=3, wait=wait)
+        return SaveResult.from_wire(resp.info, step, self.rank, timeline), resp.done
+
+    def _handle(self, step: int, timeline: str, **kwargs: Any) -> SaveHandle:
+        return SaveHandle(step, timeline, self.rank, functools.partial(self.save_status, step, timeline), **kwargs)
 
     # -- restore ------------------------------------------------------------------------
     def latest_step(self, group: Any = None) -> int | None:

@@ -70,7 +70,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from memstore.v1.keys import job_id_problem, key_problem
-from trainer_client.client import CheckpointClient, client_credentials
+from trainer_client.client import CheckpointClient
+from trainer_client.connection import Connection, connection_from_kwargs
 from trainer_client.dcp_metadata import MemStoreStorageInfo, decode_metadata, encode_metadata
 from trainer_client.dcp_plans import (
     MemStoreLoadPlanInfo,
@@ -130,7 +131,8 @@ class MemStoreWriter(StorageWriter):
         job_id: the training run, ``[A-Za-z0-9._-]{1,128}``.
         step: the step to save; may instead come from ``dcp.save(..., checkpoint_id=step)``
             (an int, its decimal string, or ``"memstore://<job_id>/<step>"``).
-        store: address of the store on this host (default: ``MEMSTORE_STORE``, else ``127.0.0.1:7070``).
+        connection: how to reach the store on this host (:class:`~trainer_client.connection.Connection`); default
+            ``Connection()``: ``MEMSTORE_STORE``, else ``127.0.0.1:7070``, credentials from the environment.
         world_size: by default (None) both it and ``rank`` come from the process group DCP saves with
             (``dcp.save(..., process_group=...)``, else the default group): the coordinator hands every
             rank the group's size and its rank in it through the save plan. Passed explicitly they are
@@ -141,11 +143,12 @@ class MemStoreWriter(StorageWriter):
             ``dcp.save`` reports in a ``CheckpointException``) on every rank, before anything is
             written. True: the save goes on (with a warning from the coordinator, as
             ``FileSystemWriter`` warns); the old version stays restorable until the new one is complete.
-        timeout: deadline of each control call to the store, in seconds.
         wait_for_replication: each rank waits until its shard has R verified copies before DCP goes
             on (default True), so a returned ``dcp.save`` means the step survives a host loss.
         replication_timeout: bound of that wait, in seconds (``TimeoutError`` past it).
-        use_shared_memory: passed to ``CheckpointClient`` (default: automatic).
+
+    Deprecated (one release, with a ``DeprecationWarning``): ``store`` (also the third positional argument),
+    ``timeout``, ``use_shared_memory``, ``auth_token``, ``tls_ca``, ``tls_cert``, ``tls_key``; use ``connection=``.
 
     After ``write_data``, ``world_size``, ``rank`` and ``timeline`` hold what the save used (in the process
     that ran it: process-mode ``async_save`` runs it in DCP's checkpoint daemon, on a pickled copy).
@@ -159,19 +162,17 @@ class MemStoreWriter(StorageWriter):
         step: int | None = None,
         store: str | None = None,
         *,
+        connection: Connection | None = None,
         world_size: int | None = None,
         rank: int | None = None,
         overwrite: bool = True,
-        timeout: float = 60.0,
         wait_for_replication: bool = True,
         replication_timeout: float = 300.0,
-        use_shared_memory: bool | None = None,
-        auth_token: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
+        **deprecated: Any,
     ) -> None:
         super().__init__()
+        # Read from the environment now (the token too: hidden from repr), as pickled copies must connect alike.
+        self.connection = connection_from_kwargs("MemStoreWriter", connection, {"store": store, **deprecated}).resolved()
         problem = job_id_problem(job_id)
         if problem:
             raise InvalidArgumentError(problem)
@@ -181,17 +182,13 @@ class MemStoreWriter(StorageWriter):
                 raise InvalidArgumentError(problem)
         self.job_id = job_id
         self.step = None if step is None else _parse_step(step)
-        self.store = store
         self.world_size: int | None = world_size  # explicit, else learned from the save plan in write_data
         self.rank: int | None = rank
         self._explicit_world_size = world_size
         self._explicit_rank = rank
         self.overwrite = overwrite
-        self.timeout = timeout
         self.wait_for_replication = wait_for_replication
         self.replication_timeout = replication_timeout
-        self.use_shared_memory = use_shared_memory
-        self.credentials = client_credentials(auth_token, tls_ca, tls_cert, tls_key)  # token hidden from repr
         self.is_coordinator = False
         self.save_id = uuid.uuid4().hex
         self.timeline: str | None = None
@@ -333,10 +330,7 @@ class MemStoreWriter(StorageWriter):
     def _client_for(self, rank: int, world_size: int) -> CheckpointClient:
         if self._client is None or (self._client.rank, self._client.world_size) != (rank, world_size):
             self.close()
-            self._client = CheckpointClient(
-                self.job_id, rank, world_size, store=self.store, timeout=self.timeout, use_shared_memory=self.use_shared_memory,
-                **self.credentials.as_kwargs(),
-            )
+            self._client = CheckpointClient(self.job_id, rank, world_size, connection=self.connection)
         return self._client
 
     def _save(self, items: dict[str, Any], metadata: dict[str, Any] | None) -> None:
@@ -364,13 +358,14 @@ class MemStoreReader(StorageReader):
         job_id: the training run.
         step: the step to load; None (default) = the newest restorable step.
             ``dcp.load(..., checkpoint_id=step)`` sets it too.
-        store: address of the store on this host (default: ``MEMSTORE_STORE``, else ``127.0.0.1:7070``); shards
-            of any rank are fetched through it.
-        timeout: deadline of each control call to the store, in seconds.
+        connection: how to reach the store on this host (:class:`~trainer_client.connection.Connection`); shards of
+            any rank are fetched through it. Default ``Connection()``: ``MEMSTORE_STORE``, else ``127.0.0.1:7070``.
         zero_copy: map shards copy-on-write instead of copying them (they are copied into the
             destination tensors anyway). Destinations on a CUDA device are filled straight from that
             memory (registered read-only while it is read: asynchronous DMA), synchronized per shard.
-        use_shared_memory: passed to ``CheckpointClient`` (default: automatic).
+
+    Deprecated (one release, with a ``DeprecationWarning``): ``store`` (also the third positional argument),
+    ``timeout``, ``use_shared_memory``, ``auth_token``, ``tls_ca``, ``tls_cert``, ``tls_key``; use ``connection=``.
 
     ``read_metadata`` resolves ``(step, world_size, timeline)`` once (``CheckpointClient.restore_point``:
     the newest complete version of the step) and every shard is read from exactly that timeline, so a
@@ -391,25 +386,19 @@ class MemStoreReader(StorageReader):
         step: int | None = None,
         store: str | None = None,
         *,
-        timeout: float = 60.0,
+        connection: Connection | None = None,
         zero_copy: bool = True,
-        use_shared_memory: bool | None = None,
-        auth_token: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
+        **deprecated: Any,
     ) -> None:
         super().__init__()
+        # Read from the environment now (the token too: hidden from repr), as pickled copies must connect alike.
+        self.connection = connection_from_kwargs("MemStoreReader", connection, {"store": store, **deprecated}).resolved()
         problem = job_id_problem(job_id)
         if problem:
             raise InvalidArgumentError(problem)
         self.job_id = job_id
         self.step = None if step is None else _parse_step(step)
-        self.store = store
-        self.timeout = timeout
         self.zero_copy = zero_copy
-        self.use_shared_memory = use_shared_memory
-        self.credentials = client_credentials(auth_token, tls_ca, tls_cert, tls_key)  # token hidden from repr
         self.load_id = uuid.uuid4().hex
         self.resolved_step: int | None = None
         self.saved_world_size: int | None = None
@@ -516,10 +505,7 @@ class MemStoreReader(StorageReader):
         """
         if self._client is None or (world_size is not None and self._client.world_size != world_size):
             self.close()
-            self._client = CheckpointClient(
-                self.job_id, 0, world_size or 1, store=self.store, timeout=self.timeout, use_shared_memory=self.use_shared_memory,
-                **self.credentials.as_kwargs(),
-            )
+            self._client = CheckpointClient(self.job_id, 0, world_size or 1, connection=self.connection)
         return self._client
 
     def _restore_point(self, step: int | None) -> tuple[int, int, str] | None:

@@ -1,24 +1,91 @@
-"""What a client's calls hand back: :class:`SaveHandle` (one save in progress) and :class:`RestorePoint`."""
+"""What a client's calls hand back: :class:`SaveHandle` (one save in progress), the :class:`SaveResult` its ``wait()``
+returns, and :class:`RestorePoint`."""
 
 from __future__ import annotations
 
 import time
+import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
 
 from memstore.v1 import store_pb2 as pb
 from trainer_client.capture.device_save import Capture
 from trainer_client.errors import ReplicationError
 
+#: What a handle asks of the client that made it: how the save stands in the store, waiting up to that many seconds
+#: for it to settle; (its status, whether it settled). ``CheckpointClient.save_status`` bound to the save's step and timeline.
+StatusQuery = Callable[[float], "tuple[SaveResult, bool]"]
 
-class _Client(Protocol):
-    """What a handle asks of the client that made it (``trainer_client.client.CheckpointClient``)."""
+_STATE_PREFIX = "SHARD_STATE_"
 
+
+@dataclass(frozen=True, repr=False)
+class SaveResult:
+    """What ``handle.wait()`` returns: one rank's saved shard as its store sees it.
+
+    Attributes:
+        step: the step saved.
+        rank: the rank that saved it.
+        timeline: the save's timeline (``<run id>.<epoch>``, or the one passed to ``save``).
+        state: ``"committed"`` (R verified copies) once ``wait()`` returns; on the way: ``"captured"``,
+            ``"replicating"``; after a failed replication ``"under_replicated"``.
+        copies: verified copies acknowledged, the owner's own included.
+        superseded: a newer save of this rank was captured before this one replicated (it holds no copy).
+        host: the store that owns the shard (the trainer's local store).
+        nbytes: the shard's size in bytes.
+        error: why replication failed ("" unless it did).
+    """
+
+    step: int
     rank: int
+    timeline: str
+    state: str
+    copies: int
+    superseded: bool = False
+    host: str = ""
+    nbytes: int = 0
+    error: str = ""
+    _wire: pb.ShardInfo | None = field(default=None, compare=False)  # for the deprecated protobuf attributes, one release
 
-    def _wait_committed(self, step: int, timeout: float, timeline: str) -> tuple[pb.ShardInfo, bool]: ...
+    @classmethod
+    def from_wire(cls, info: pb.ShardInfo, step: int, rank: int, timeline: str) -> SaveResult:
+        name = pb.ShardState.Name(info.state) if info.state in pb.ShardState.values() else str(info.state)
+        return cls(
+            step=step, rank=rank, timeline=timeline, state=name.removeprefix(_STATE_PREFIX).lower(), copies=int(info.copies),
+            superseded=bool(info.superseded), host=info.manifest.owner_host, nbytes=int(info.manifest.nbytes), error=info.error,
+            _wire=info,
+        )  # fmt: skip
+
+    @property
+    def committed(self) -> bool:
+        return self.state == "committed"
+
+    def __repr__(self) -> str:
+        shown = [f"step={self.step}", f"rank={self.rank}", f"timeline={self.timeline!r}", f"state={self.state!r}", f"copies={self.copies}"]
+        shown += [f"{name}={getattr(self, name)!r}" for name in ("superseded", "host", "nbytes", "error") if getattr(self, name)]
+        return f"SaveResult({', '.join(shown)})"
+
+    # -- one release: what the protobuf ShardInfo that wait() returned before offered beyond these fields -------------
+    @property
+    def manifest(self) -> pb.Manifest:
+        """Deprecated: the protobuf manifest (``host`` and ``nbytes`` are its useful parts)."""
+        return self._deprecated("manifest").manifest
+
+    @property
+    def verified(self) -> bool:
+        """Deprecated: always True for a returned save (its copies are verified)."""
+        return self._deprecated("verified").verified
+
+    def _deprecated(self, name: str) -> pb.ShardInfo:
+        warnings.warn(
+            f"SaveResult.{name} is deprecated and will be removed in the next release (handle.wait() returned a protobuf "
+            "ShardInfo before): use SaveResult's own fields (host, nbytes, copies, state)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return self._wire if self._wire is not None else pb.ShardInfo()
 
 
 @dataclass(frozen=True)
@@ -34,23 +101,24 @@ class SaveHandle:
     """Tracks one save. ``wait()`` returns once R verified copies exist, or raises why not."""
 
     def __init__(
-        self, client: _Client, step: int, skipped_reason: str = "", timeline: str = "", sending: Future[None] | None = None,
-        capture: Capture | None = None,
+        self, step: int, timeline: str, rank: int, status: StatusQuery, *, skipped_reason: str = "",
+        sending: Future[None] | None = None, capture: Capture | None = None,
     ) -> None:  # fmt: skip
-        self._client = client
+        self._status = status
+        self.rank = rank
         self._sending = sending  # a background send (remote_save="background") still to finish
         self._capture = capture  # capture="enqueued": the copies, then the commit or send, in the background
         self.step = step
         self.timeline = timeline
         self.skipped_reason = skipped_reason
-        self._info: pb.ShardInfo | None = None
+        self.last_status: SaveResult | None = None  # what the store said last (wait() or done())
         self.stall_seconds = 0.0
 
     @property
     def superseded(self) -> bool:
         """True once ``wait()`` (or ``done()``) learned that the store dropped this save before replicating it because a
         newer save of this rank was captured first: saves came faster than replication could take them (newest wins)."""
-        return self._info is not None and self._info.superseded
+        return self.last_status is not None and self.last_status.superseded
 
     @property
     def skipped(self) -> bool:
@@ -80,12 +148,11 @@ class SaveHandle:
                 return False
             if self._sending.exception() is not None:
                 return True
-        info, done = self._client._wait_committed(self.step, 0.0, self.timeline)
-        self._info = info
+        self.last_status, done = self._status(0.0)
         return done
 
-    def wait(self, timeout: float | None = None) -> pb.ShardInfo:
-        """Block until the shard is committed (returns its info) or replication failed (raises ReplicationError);
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until the shard is committed (returns its :class:`SaveResult`) or replication failed (raises ReplicationError);
         with ``capture="enqueued"``, until the capture is done first (raising its error, if any). A save superseded by
         a newer one of this rank before it was replicated returns (``superseded`` is then True): it holds no copy."""
         if self._capture is not None:
@@ -97,19 +164,17 @@ class SaveHandle:
             try:
                 self._sending.result(timeout=timeout)  # raises the send's own error (capacity, auth, ...)
             except FutureTimeoutError:
-                raise TimeoutError(f"step {self.step} of rank {self._client.rank} still being sent after {timeout}s") from None
+                raise TimeoutError(f"step {self.step} of rank {self.rank} still being sent after {timeout}s") from None
         while True:
             remaining = 10.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            info, done = self._client._wait_committed(self.step, min(10.0, remaining), self.timeline)
-            self._info = info
+            info, done = self._status(min(10.0, remaining))
+            self.last_status = info
             if done:
-                if info.state == pb.SHARD_STATE_COMMITTED or info.superseded:
+                if info.committed or info.superseded:
                     return info
-                raise ReplicationError(
-                    f"step {self.step} of rank {self._client.rank} did not reach R copies: {info.error or pb.ShardState.Name(info.state)}"
-                )
+                raise ReplicationError(f"step {self.step} of rank {self.rank} did not reach R copies: {info.error or info.state}")
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"step {self.step} of rank {self._client.rank} not committed after {timeout}s "
-                    f"(state {pb.ShardState.Name(info.state)}, {info.copies} copies)"
+                    f"step {self.step} of rank {self.rank} not committed after {timeout}s "
+                    f"(state {info.state}, {info.copies} copies)"
                 )

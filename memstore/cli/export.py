@@ -112,12 +112,12 @@ def run(args: argparse.Namespace) -> int:
 
 def read_from_store(address: str, job_id: str, step: int | None, timeout: float) -> Step:
     """Every rank's shard of ``step`` (None: the newest complete step) through the store at ``address``."""
-    from trainer_client import CheckpointClient
+    from trainer_client import CheckpointClient, Connection
     from trainer_client.errors import MemstoreClientError, NotFoundError, StoreUnavailableError
 
     where = f"the cluster of store {address}"
     try:
-        with CheckpointClient(job_id, 0, 1, store=address, timeout=timeout) as probe:
+        with CheckpointClient(job_id, 0, 1, connection=Connection(address, timeout=timeout)) as probe:
             point = probe.restore_point(step)
             if point is None:
                 what = f"job {job_id!r} has no complete step" if step is None else f"step {step} of job {job_id!r} is not complete"
@@ -125,7 +125,7 @@ def read_from_store(address: str, job_id: str, step: int | None, timeout: float)
                 raise ExportFailed(f"{what} on {where}{note}")
         shards: list[Any] = []
         with (
-            CheckpointClient(job_id, 0, point.world_size, store=address, timeout=timeout) as client,
+            CheckpointClient(job_id, 0, point.world_size, connection=Connection(address, timeout=timeout)) as client,
             render.progress(f"reading step {point.step} of {job_id}", point.world_size) as advance,
         ):
             for rank in range(point.world_size):

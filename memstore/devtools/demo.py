@@ -205,9 +205,9 @@ def _torch_baseline_of(store: str, ranks: int, step: int) -> dict[str, float]:
     """Rank 0's final training state saved and loaded by memstore and by torch.save/torch.load, idle machine."""
     import torch
 
-    from trainer_client import CheckpointClient
+    from trainer_client import CheckpointClient, Connection
 
-    with CheckpointClient("demo", 0, ranks, store=store) as client:
+    with CheckpointClient("demo", 0, ranks, connection=Connection(store)) as client:
         state = client.load(step, zero_copy=False)
         timings = []
         for extra in range(1, 4):  # the same save as in training, now without 2x{ranks} processes competing for 2 cores

@@ -248,14 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from trainer_client import CheckpointClient
+    from trainer_client import CheckpointClient, Connection
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.master_port}", rank=args.rank, world_size=args.world)
     training = _Training(args)
 
-    client = CheckpointClient(args.job, args.rank, args.world, store=args.store) if args.store else None
+    client = CheckpointClient(args.job, args.rank, args.world, connection=Connection(args.store)) if args.store else None
     restore: dict[str, Any] = {}
     if args.resume:
         assert client is not None

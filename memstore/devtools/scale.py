@@ -72,7 +72,7 @@ def _delta(after: dict[str, int], before: dict[str, int], background: bool) -> d
 
 def run(hosts: int = 32, ranks_per_host: int = 1, replicas: int = 2, state_kib: int = 256, steps: int = 3) -> dict[str, Any]:
     """The scenario above; returns its phases (seconds, calls by method, calls per rank) and the setup."""
-    from trainer_client import CheckpointClient
+    from trainer_client import CheckpointClient, Connection
 
     world = hosts * ranks_per_host
 
@@ -90,7 +90,8 @@ def run(hosts: int = 32, ranks_per_host: int = 1, replicas: int = 2, state_kib: 
         cluster.start(timeout=60 + 2 * hosts)
 
         def clients(run_id: str) -> list[CheckpointClient]:
-            return [CheckpointClient(JOB, r, world, store=cluster.address(host(r)), timeout=60, run_id=run_id) for r in range(world)]
+            connections = [Connection(cluster.address(host(r)), timeout=60) for r in range(world)]
+            return [CheckpointClient(JOB, r, world, connection=connections[r], run_id=run_id) for r in range(world)]
 
         def phase(name: str, fn: Callable[[int, Any], Any]) -> list[Any]:
             before = rpc_counts(cluster)

@@ -48,11 +48,12 @@ def _bench_loop(config: dict[str, Any]) -> None:
     import torch
 
     from memstore.ray.train import RayTrainCheckpoints
+    from trainer_client import Connection
 
     mode, mib, steps = config["mode"], config["mib"], config["steps"]
     rank = ray.train.get_context().get_world_rank()
     times: list[tuple[float, float]] = []  # per step: (capture: the training step waits, report: ray.train.report and what it waits for)
-    ckpt = RayTrainCheckpoints(timeout=120) if mode == "memstore" else None
+    ckpt = RayTrainCheckpoints(connection=Connection(timeout=120)) if mode == "memstore" else None
     t0 = time.perf_counter()
     if ckpt is not None:
         restored = ckpt.restore()

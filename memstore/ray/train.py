@@ -30,6 +30,7 @@ keep ``--keep`` >= 2 so the step a pointer names is still in RAM when the next o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -43,7 +44,8 @@ import ray.train
 
 from memstore.errors import RayTrainError
 from memstore.ray.stores import DEFAULT_NAMESPACE, local_store_address
-from trainer_client import CheckpointClient, SaveHandle
+from trainer_client import CheckpointClient, Connection, SaveHandle
+from trainer_client.connection import DEPRECATED_KWARGS, connection_from_kwargs
 from trainer_client.errors import NotFoundError
 
 POINTER_FILE = "memstore.json"
@@ -115,17 +117,25 @@ class RayTrainCheckpoints:
         job_id: the memstore job; default: the Ray Train run's name (``RunConfig(name=...)``), which stays
             the same when Ray Train restarts the workers of that run.
         namespace: the memstore cluster (``ensure_stores(namespace=...)``).
-        client_options: passed to :class:`trainer_client.CheckpointClient` (``timeout``, ``on_capacity``,
-            ``auth_token``, ...).
+        connection: how to reach the store (:class:`trainer_client.Connection`: timeout, credentials, ...); its
+            address defaults to the store of this worker's node (``local_store_address(namespace)``).
+        client_options: the other options of :class:`trainer_client.CheckpointClient` (``on_capacity``,
+            ``run_id``, ...). Its connection options (``timeout=``, ``auth_token=``, ...) still work for one
+            release, with a ``DeprecationWarning``: put them in ``connection``.
     """
 
-    def __init__(self, job_id: str | None = None, *, namespace: str = DEFAULT_NAMESPACE, **client_options: Any) -> None:
+    def __init__(self, job_id: str | None = None, *, namespace: str = DEFAULT_NAMESPACE, connection: Connection | None = None,
+                 **client_options: Any) -> None:  # fmt: skip
+        old = {name: client_options.pop(name) for name in DEPRECATED_KWARGS if name in client_options}
+        connection = connection_from_kwargs("RayTrainCheckpoints", connection, old)
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
         self.namespace = namespace
         self.job_id = job_id or job_id_for(ctx.get_experiment_name())
-        self.client = CheckpointClient(self.job_id, self.rank, self.world_size, store=local_store_address(namespace), **client_options)
+        if connection.address is None:
+            connection = dataclasses.replace(connection, address=local_store_address(namespace))
+        self.client = CheckpointClient(self.job_id, self.rank, self.world_size, connection=connection, **client_options)
         self._unreported: SaveHandle | None = None
         self.reported_step: int | None = None  # the newest step this worker reported a pointer for
         self.last_capture_seconds = 0.0  # the last save's stall: capture into the store (the training step waits this long)

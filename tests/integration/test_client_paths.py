@@ -14,7 +14,7 @@ import torch
 from memstore.devtools.cluster import wait_for
 from memstore.v1 import store_pb2 as pb
 from tests.states import assert_same, rank_state
-from trainer_client import CheckpointClient
+from trainer_client import CheckpointClient, Connection, SaveResult
 from trainer_client.errors import CapacityExceededError, InvalidArgumentError
 
 pytestmark = pytest.mark.integration
@@ -36,12 +36,12 @@ def test_trainer_killed_right_after_save_loses_nothing(make_cluster) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", script], timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    c = CheckpointClient("crash", 0, 1, store=cluster.address("h0"))
+    c = CheckpointClient("crash", 0, 1, connection=Connection(cluster.address("h0")))
     try:
         wait_for(lambda: c.latest_step() == 5, timeout=20, what="step 5 restorable")
         assert_same(c.load(), rank_state(0, 5, scale=64))
         # ... and replication finished without the trainer: the peer holds a verified copy too.
-        c2 = CheckpointClient("crash", 0, 1, store=cluster.address("h1"))
+        c2 = CheckpointClient("crash", 0, 1, connection=Connection(cluster.address("h1")))
         cluster.kill("h0")
         assert_same(c2.load(5), rank_state(0, 5, scale=64))
         c2.close()
@@ -51,7 +51,7 @@ def test_trainer_killed_right_after_save_loses_nothing(make_cluster) -> None:
 
 def test_corrupt_local_copy_is_discarded_and_peer_copy_used(make_cluster) -> None:
     cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
-    c = CheckpointClient("corrupt", 0, 1, store=cluster.address("h0"))
+    c = CheckpointClient("corrupt", 0, 1, connection=Connection(cluster.address("h0")))
     try:
         c.save(1, rank_state(0, 1, scale=16)).wait(timeout=30)
         # Flip bytes in h0's RAM copy: the segment file the store maps (test-only access to its shm dir).
@@ -69,11 +69,12 @@ def test_corrupt_local_copy_is_discarded_and_peer_copy_used(make_cluster) -> Non
 
 def test_path_without_shared_memory_uses_the_data_channel(make_cluster) -> None:
     cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
-    c = CheckpointClient("remote", 0, 1, store=cluster.address("h0"), use_shared_memory=False)
+    c = CheckpointClient("remote", 0, 1, connection=Connection(cluster.address("h0"), shared_memory=False))
     try:
         assert not c.shared_memory
         info = c.save(3, rank_state(0, 3, scale=8)).wait(timeout=30)
-        assert info.copies == 2 and info.manifest.owner_host == "h0"
+        assert isinstance(info, SaveResult) and info.committed  # a small dataclass, not protobuf
+        assert info.copies == 2 and info.host == "h0" and (info.step, info.rank) == (3, 0)
         assert c.last_save_path == "data channel"
         assert_same(c.load(), rank_state(0, 3, scale=8))
         assert_same(c.load(zero_copy=False), rank_state(0, 3, scale=8))
@@ -89,7 +90,7 @@ def test_path_without_shared_memory_uses_the_data_channel(make_cluster) -> None:
 def test_background_remote_saves_report_at_wait(make_cluster) -> None:
     """remote_save="background": save() returns after the staging copy; wait() reports the send and the commit."""
     cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB")
-    with CheckpointClient("bg", 0, 1, store=cluster.address("h0"), use_shared_memory=False, remote_save="background") as c:
+    with CheckpointClient("bg", 0, 1, connection=Connection(cluster.address("h0"), shared_memory=False), remote_save="background") as c:
         handles = [c.save(step, rank_state(0, step, scale=8)) for step in (1, 2, 3)]  # at most two sends in flight
         for h in handles:
             assert h.wait(timeout=30).copies == 2
@@ -99,12 +100,12 @@ def test_background_remote_saves_report_at_wait(make_cluster) -> None:
             too_big.wait(timeout=30)
         assert too_big.done()
     with pytest.raises(InvalidArgumentError, match="remote_save"):
-        CheckpointClient("bg", 0, 1, store=cluster.address("h0"), remote_save="later")
+        CheckpointClient("bg", 0, 1, connection=Connection(cluster.address("h0")), remote_save="later")
 
 
 def test_newer_save_does_not_wait_for_older_replication(make_cluster) -> None:
     cluster = make_cluster(hosts=2, replicas=2, capacity="256MiB")
-    c = CheckpointClient("burst", 0, 1, store=cluster.address("h0"))
+    c = CheckpointClient("burst", 0, 1, connection=Connection(cluster.address("h0")))
     try:
         handles = [c.save(step, rank_state(0, step, scale=32)) for step in range(1, 6)]  # no waits in between
         assert handles[-1].wait(timeout=60).copies == 2
@@ -116,7 +117,7 @@ def test_newer_save_does_not_wait_for_older_replication(make_cluster) -> None:
 
 def test_replacement_adopts_verified_segments_and_discards_corrupt_ones(make_cluster) -> None:
     cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
-    c = CheckpointClient("adopt", 0, 1, store=cluster.address("h0"))
+    c = CheckpointClient("adopt", 0, 1, connection=Connection(cluster.address("h0")))
     for step in (1, 2):
         c.save(step, rank_state(0, step, scale=16)).wait(timeout=30)
     c.close()
@@ -132,7 +133,7 @@ def test_replacement_adopts_verified_segments_and_discards_corrupt_ones(make_clu
     cluster.restart("h0")
     health = cluster.health("h0")
     assert health is not None and health.adopted_shards == 1  # step 2 verified and adopted; step 1 discarded
-    with CheckpointClient("adopt", 0, 1, store=cluster.address("h0")) as c2:
+    with CheckpointClient("adopt", 0, 1, connection=Connection(cluster.address("h0"))) as c2:
         assert_same(c2.load(2), rank_state(0, 2, scale=16))
         assert c2.last_load_source == "h0"  # its own RAM, no network
         assert_same(c2.load(1), rank_state(0, 1, scale=16))
@@ -141,7 +142,7 @@ def test_replacement_adopts_verified_segments_and_discards_corrupt_ones(make_clu
 
 def test_zero_copy_restore_is_private_and_stable(make_cluster) -> None:
     cluster = make_cluster(hosts=1, replicas=1, capacity="64MiB", keep=1)
-    c = CheckpointClient("zc", 0, 1, store=cluster.address("h0"))
+    c = CheckpointClient("zc", 0, 1, connection=Connection(cluster.address("h0")))
     try:
         c.save(1, rank_state(0, 1, scale=64)).wait(timeout=30)
         first = c.load(1)

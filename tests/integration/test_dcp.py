@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from memstore.devtools.cluster import free_ports
 from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_preloading, run_ranks
 from tests.states import assert_same
-from trainer_client import CheckpointClient
+from trainer_client import CheckpointClient, Connection
 from trainer_client.dcp import (
     CheckpointExistsError,
     MemStoreReader,
@@ -145,7 +145,7 @@ def _save_sharded_worker(rank: int, addr: str, job: str, step: int, port: int) -
             "extra": {"epoch": 7, "tag": "two-ranks"},
         }
         assert state["w"].to_local().shape == (5, 6)
-        dcp.save(state, storage_writer=MemStoreWriter(job, step, store=addr))  # world_size/rank from the process group
+        dcp.save(state, storage_writer=MemStoreWriter(job, step, connection=Connection(addr)))  # world_size/rank from the process group
     finally:
         dist.destroy_process_group()
 
@@ -164,7 +164,7 @@ def _load_sharded_worker(rank: int, addr: str, job: str, port: int) -> None:
             "rep": torch.zeros_like(full["rep"]),
             "extra": {"epoch": 0, "tag": ""},
         }
-        dcp.load(state, storage_reader=MemStoreReader(job, store=addr))  # newest complete step, saved by 2 ranks
+        dcp.load(state, storage_reader=MemStoreReader(job, connection=Connection(addr)))  # newest complete step, saved by 2 ranks
         rows = [3, 3, 3, 1][rank]  # torch.chunk layout of 10 rows over 4 ranks
         local_w = state["w"].to_local()
         assert local_w.shape == (rows, 6), local_w.shape
@@ -199,7 +199,7 @@ def _async_process_worker(rank: int, addr: str, job: str, step: int, port: int) 
 
     _init_group(rank, 1, port)
     try:
-        writer = MemStoreWriter(job, step, store=addr)
+        writer = MemStoreWriter(job, step, connection=Connection(addr))
         result = dcp.async_save(_train_state(11), storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
         future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
         future.result(timeout=PROCESS_TIMEOUT)
@@ -233,13 +233,13 @@ def _resave_worker(rank: int, addr: str, job: str, port: int) -> None:
 
         def load_full() -> tuple[torch.Tensor, MemStoreReader]:
             target: dict[str, Any] = {"w": distribute_tensor(torch.zeros(6, 2), mesh, [Shard(0)]), "tag": ""}
-            reader = MemStoreReader(job, 5, store=addr)
+            reader = MemStoreReader(job, 5, connection=Connection(addr))
             dcp.load(target, storage_reader=reader)
             return target["w"].full_tensor(), reader
 
-        first = MemStoreWriter(job, 5, store=addr)
+        first = MemStoreWriter(job, 5, connection=Connection(addr))
         dcp.save(state(old), storage_writer=first)
-        interrupted = _CoordinatorDiesInFinish(job, 5, store=addr)
+        interrupted = _CoordinatorDiesInFinish(job, 5, connection=Connection(addr))
         with pytest.raises(CheckpointException, match="coordinator lost in finish"):
             dcp.save(state(new), storage_writer=interrupted)  # every rank sees the coordinator's failure
         assert first.timeline and interrupted.timeline and first.timeline != interrupted.timeline
@@ -247,7 +247,7 @@ def _resave_worker(rank: int, addr: str, job: str, port: int) -> None:
         full, reader = load_full()
         assert reader.resolved_timeline == first.timeline, (reader.resolved_timeline, first.timeline)
         assert _bits_equal(full, old), f"rank {rank}: a load of step 5 mixed saves:\n{full}"  # never rank 0 old + rank 1 new
-        with CheckpointClient(job, rank, 2, store=addr) as client:
+        with CheckpointClient(job, rank, 2, connection=Connection(addr)) as client:
             point = client.restore_point(5)
             assert point is not None and point.timeline == first.timeline
             if rank == 1:  # the interrupted save's half is in the store, under its own timeline only
@@ -255,7 +255,7 @@ def _resave_worker(rank: int, addr: str, job: str, port: int) -> None:
                 assert all(_bits_equal(v, new[3:]) for v in mine["items"].values() if isinstance(v, torch.Tensor))
         dist.barrier()
 
-        completed = MemStoreWriter(job, 5, store=addr)
+        completed = MemStoreWriter(job, 5, connection=Connection(addr))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "overwriting since overwrite=True": that is the point here
             dcp.save(state(new), storage_writer=completed)
@@ -280,9 +280,9 @@ def _drive_save(
     world = len(states)
     planners = [DefaultSavePlanner() for _ in range(world)]
     if explicit:
-        writers = [MemStoreWriter(job, step, store=addr, world_size=world, rank=r, **writer_kwargs) for r in range(world)]
+        writers = [MemStoreWriter(job, step, connection=Connection(addr), world_size=world, rank=r, **writer_kwargs) for r in range(world)]
     else:
-        writers = [MemStoreWriter(job, step, store=addr, **writer_kwargs) for r in range(world)]
+        writers = [MemStoreWriter(job, step, connection=Connection(addr), **writer_kwargs) for r in range(world)]
     local_plans = []
     for r in range(world):
         planners[r].set_up_planner(states[r], storage_meta=writers[r].storage_meta(), is_coordinator=r == 0)
@@ -314,12 +314,12 @@ def test_save_load_round_trip_bit_exact(make_cluster) -> None:  # type: ignore[n
     cluster = make_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h0"), "dcp-roundtrip"
     state = _train_state(3)
-    writer = MemStoreWriter(job, store=addr)
+    writer = MemStoreWriter(job, connection=Connection(addr))
     dcp.save(state, storage_writer=writer, checkpoint_id=4)  # the step comes through reset(checkpoint_id)
     assert writer.checkpoint_id == f"memstore://{job}/4"
     writer.close()
 
-    with CheckpointClient(job, 0, 1, store=addr) as client:
+    with CheckpointClient(job, 0, 1, connection=Connection(addr)) as client:
         assert client.latest_step() == 4
         point = client.restore_point(4)
         raw = client.load(4, rank=0)  # the shard itself: tensors stay tensors, metadata is plain data
@@ -330,11 +330,11 @@ def test_save_load_round_trip_bit_exact(make_cluster) -> None:  # type: ignore[n
     json.dumps(raw["metadata"])  # no objects in there: pure JSON-able data
 
     loaded = _blank_like(state)
-    dcp.load(loaded, storage_reader=MemStoreReader(job, store=addr))  # step=None: newest complete step
+    dcp.load(loaded, storage_reader=MemStoreReader(job, connection=Connection(addr)))  # step=None: newest complete step
     assert_same(state, loaded)
 
     again = _blank_like(state)
-    dcp.load(again, storage_reader=MemStoreReader(job, store=addr), checkpoint_id=f"memstore://{job}/4")
+    dcp.load(again, storage_reader=MemStoreReader(job, connection=Connection(addr)), checkpoint_id=f"memstore://{job}/4")
     assert_same(state, again)
 
     # the optimizer state really restores into a live optimizer
@@ -391,7 +391,7 @@ def test_metadata_safe_encoding_round_trip_and_rejection() -> None:
     with pytest.raises(InvalidArgumentError, match="names job 'other'"):
         parse_checkpoint_id("memstore://other/7", "j")
     assert MemStoreWriter.validate_checkpoint_id("memstore://j/7") and not MemStoreReader.validate_checkpoint_id("/tmp/ckpt")
-    clone = pickle.loads(pickle.dumps(MemStoreWriter("j", 3, store="127.0.0.1:1", world_size=4, rank=2, overwrite=False)))
+    clone = pickle.loads(pickle.dumps(MemStoreWriter("j", 3, connection=Connection("127.0.0.1:1"), world_size=4, rank=2, overwrite=False)))
     assert (clone.job_id, clone.step, clone.world_size, clone.rank, clone.overwrite, clone._client) == ("j", 3, 4, 2, False, None)
     info = MemStoreSavePlanInfo("j", 3, 4, 2, "dcp-0123456789abcdef-00ff00ff")  # DCP pickles plans (collectives, checkpoint daemon)
     assert pickle.loads(pickle.dumps(info)) == info
@@ -435,19 +435,19 @@ def test_world_size_and_rank_come_from_the_saving_group(make_cluster) -> None:  
     addr, job = cluster.address("h0"), "dcp-world"
     states = [_train_state(r) for r in range(3)]
     timeline = _drive_save(job, 5, addr, states)  # three "ranks" in a process without a process group
-    with CheckpointClient(job, 0, 3, store=addr) as client:
+    with CheckpointClient(job, 0, 3, connection=Connection(addr)) as client:
         point = client.restore_point()
         assert point is not None and (point.step, point.world_size, point.timeline) == (5, 3, timeline)
         assert [client.load(5, rank=r)["rank"] for r in range(3)] == [0, 1, 2]
 
     with pytest.raises(InvalidArgumentError, match=r"MemStoreWriter\(world_size=4\) but DCP saves with 3 ranks"):
         _drive_save(job, 6, addr, states, world_size=4)  # the coordinator checks the number of plans
-    writer = MemStoreWriter(job, 6, store=addr, world_size=2)  # a non-coordinator checks the plan it is handed
+    writer = MemStoreWriter(job, 6, connection=Connection(addr), world_size=2)  # a non-coordinator checks the plan it is handed
     writer.set_up_storage_writer(False, rank=1, use_collectives=True)
     plan = SavePlan([], storage_data=MemStoreSavePlanInfo(job, 6, 3, 1, "dcp-x"))
     with pytest.raises(InvalidArgumentError, match=r"MemStoreWriter\(world_size=2\) but DCP saves with 3 ranks"):
         writer.write_data(plan, DefaultSavePlanner())
-    other = MemStoreWriter(job, 7, store=addr)
+    other = MemStoreWriter(job, 7, connection=Connection(addr))
     other.set_up_storage_writer(False, rank=1, use_collectives=True)
     with pytest.raises(InvalidArgumentError, match=r"coordinator saves step 6 .* this rank's MemStoreWriter saves step 7"):
         other.write_data(plan, DefaultSavePlanner())
@@ -459,20 +459,20 @@ def test_overwrite_false_refuses_a_restorable_step(make_cluster) -> None:  # typ
     first, second = {"w": torch.arange(6.0)}, {"w": torch.arange(6.0) * 2}
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        dcp.save(first, storage_writer=MemStoreWriter(job, 3, store=addr, overwrite=False))
+        dcp.save(first, storage_writer=MemStoreWriter(job, 3, connection=Connection(addr), overwrite=False))
     assert not [w for w in seen if "existing checkpoint" in str(w.message)]  # nothing to warn about: the step is new
     with pytest.raises(CheckpointException) as info:
-        dcp.save(second, storage_writer=MemStoreWriter(job, 3, store=addr, overwrite=False))
+        dcp.save(second, storage_writer=MemStoreWriter(job, 3, connection=Connection(addr), overwrite=False))
     ((failure, _traceback),) = info.value.failures.values()  # DCP keeps (exception, traceback) per failed rank
     assert isinstance(failure, CheckpointExistsError) and isinstance(failure, RuntimeError)
     assert "Checkpoint already exists" in str(failure) and "step 3 of job 'dcp-overwrite'" in str(failure)
     loaded = {"w": torch.zeros(6)}
-    dcp.load(loaded, storage_reader=MemStoreReader(job, 3, store=addr))
+    dcp.load(loaded, storage_reader=MemStoreReader(job, 3, connection=Connection(addr)))
     assert torch.equal(loaded["w"], first["w"])  # the refused save wrote nothing
 
     with pytest.warns(UserWarning, match=r"existing checkpoint: step 3 of job 'dcp-overwrite'"):
-        dcp.save(second, storage_writer=MemStoreWriter(job, 3, store=addr))  # overwrite=True, FileSystemWriter's default
-    dcp.load(loaded, storage_reader=MemStoreReader(job, 3, store=addr))
+        dcp.save(second, storage_writer=MemStoreWriter(job, 3, connection=Connection(addr)))  # overwrite=True, FileSystemWriter's default
+    dcp.load(loaded, storage_reader=MemStoreReader(job, 3, connection=Connection(addr)))
     assert torch.equal(loaded["w"], second["w"])
     _drive_save(job, 4, addr, [{"x": torch.ones(2)}, {"x": torch.ones(2)}], overwrite=False)
     with pytest.raises(CheckpointExistsError, match="step 4 of job 'dcp-overwrite'"):
@@ -484,10 +484,10 @@ def test_ranks_that_resolved_different_saves_read_nothing(make_cluster) -> None:
     """A re-save completing between two ranks' read_metadata: the coordinator's version wins, the other rank reads nothing."""
     cluster = make_cluster(hosts=1, replicas=1)
     addr, job = cluster.address("h0"), "dcp-load-race"
-    dcp.save({"w": torch.ones(4)}, storage_writer=MemStoreWriter(job, 3, store=addr))
-    readers = [MemStoreReader(job, 3, store=addr), MemStoreReader(job, 3, store=addr)]
+    dcp.save({"w": torch.ones(4)}, storage_writer=MemStoreWriter(job, 3, connection=Connection(addr)))
+    readers = [MemStoreReader(job, 3, connection=Connection(addr)), MemStoreReader(job, 3, connection=Connection(addr))]
     metadata = [readers[0].read_metadata()]  # rank 0 (the coordinator) resolves the first save...
-    dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=MemStoreWriter(job, 3, store=addr))
+    dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=MemStoreWriter(job, 3, connection=Connection(addr)))
     metadata.append(readers[1].read_metadata())  # ...rank 1 the second
     assert readers[0].resolved_timeline != readers[1].resolved_timeline
 
@@ -511,19 +511,19 @@ def test_ranks_that_resolved_different_saves_read_nothing(make_cluster) -> None:
 def test_replayed_save_plan_is_refused(make_cluster) -> None:  # type: ignore[no-untyped-def]
     """DefaultSavePlanner(enable_plan_caching=True) replays an earlier save's plan (its timeline): refused, never mixed."""
     cluster = make_cluster(hosts=1, replicas=1)
-    addr, job = cluster.address("h0"), "dcp-plan-cache"
+    conn, job = Connection(cluster.address("h0")), "dcp-plan-cache"
     state = {"w": torch.arange(4.0)}
     try:
-        dcp.save(state, storage_writer=MemStoreWriter(job, 1, store=addr), planner=DefaultSavePlanner(enable_plan_caching=True))
+        dcp.save(state, storage_writer=MemStoreWriter(job, 1, connection=conn), planner=DefaultSavePlanner(enable_plan_caching=True))
         with pytest.raises(CheckpointException, match="enable_plan_caching"):  # same step: the earlier save's timeline
-            dcp.save(state, storage_writer=MemStoreWriter(job, 1, store=addr), planner=DefaultSavePlanner(enable_plan_caching=True))
+            dcp.save(state, storage_writer=MemStoreWriter(job, 1, connection=conn), planner=DefaultSavePlanner(enable_plan_caching=True))
         with pytest.raises(CheckpointException, match="enable_plan_caching"):  # another step: the earlier save's step
-            dcp.save(state, storage_writer=MemStoreWriter(job, 2, store=addr), planner=DefaultSavePlanner(enable_plan_caching=True))
+            dcp.save(state, storage_writer=MemStoreWriter(job, 2, connection=conn), planner=DefaultSavePlanner(enable_plan_caching=True))
     finally:
         for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
                       SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan):  # fmt: skip
             cache.pop(DefaultSavePlanner.__name__, None)
-    with CheckpointClient(job, 0, 1, store=addr) as client:
+    with CheckpointClient(job, 0, 1, connection=conn) as client:
         point = client.restore_point()
         assert point is not None and point.step == 1
 
@@ -535,36 +535,36 @@ def test_only_a_complete_step_is_visible(make_cluster) -> None:  # type: ignore[
     _drive_save(job, 1, addr, [old, old], explicit=True)  # two ranks, dcp.save's protocol by hand
     unfinished = _drive_save(job, 2, addr, [new, new], finish=False)  # both wrote; the coordinator's finish() never ran
 
-    with CheckpointClient(job, 1, 2, store=addr) as client:
+    with CheckpointClient(job, 1, 2, connection=Connection(addr)) as client:
         assert client.latest_step() == 1
         assert client.restore_point(2) is None
         client.load(2, rank=1, timeline=unfinished)  # rank 1's half of step 2 does exist...
         with pytest.raises(NotFoundError):
             client.load(2, rank=0, timeline=unfinished)  # ...but the coordinator's shard (data + metadata) does not
 
-    reader = MemStoreReader(job, store=addr)
+    reader = MemStoreReader(job, connection=Connection(addr))
     loaded = _blank_like(old)
     dcp.load(loaded, storage_reader=reader)
     assert reader.resolved_step == 1 and reader.saved_world_size == 2
     assert_same(old, loaded)
 
     with pytest.raises(NotFoundError, match=r"step 2 of job 'dcp-incomplete' has no DCP metadata.*did not finish"):
-        MemStoreReader(job, 2, store=addr).read_metadata()
+        MemStoreReader(job, 2, connection=Connection(addr)).read_metadata()
     with pytest.raises(CheckpointException, match="has no DCP metadata"):  # how dcp.load reports a rank's error
-        dcp.load(_blank_like(new), storage_reader=MemStoreReader(job, store=addr), checkpoint_id=2)
+        dcp.load(_blank_like(new), storage_reader=MemStoreReader(job, connection=Connection(addr)), checkpoint_id=2)
 
     # finishing the save makes step 2 the newest complete step
     _drive_save(job, 2, addr, [new, new])
     loaded = _blank_like(new)
-    dcp.load(loaded, storage_reader=MemStoreReader(job, store=addr))
+    dcp.load(loaded, storage_reader=MemStoreReader(job, connection=Connection(addr)))
     assert_same(new, loaded)
 
     with pytest.raises(NoCheckpointError, match="'no-such-job'"):
-        MemStoreReader("no-such-job", store=addr).read_metadata()
-    with CheckpointClient("plain-job", 0, 1, store=addr) as plain:
+        MemStoreReader("no-such-job", connection=Connection(addr)).read_metadata()
+    with CheckpointClient("plain-job", 0, 1, connection=Connection(addr)) as plain:
         plain.save(9, {"w": torch.ones(2)}).wait(30)
     with pytest.raises(NotFoundError, match="not written by MemStoreWriter"):
-        MemStoreReader("plain-job", store=addr).read_metadata()
+        MemStoreReader("plain-job", connection=Connection(addr)).read_metadata()
 
 
 def test_async_save_thread_mode(make_cluster) -> None:  # type: ignore[no-untyped-def]
@@ -573,11 +573,11 @@ def test_async_save_thread_mode(make_cluster) -> None:  # type: ignore[no-untype
     cluster = make_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h1"), "dcp-async-thread"
     state = _train_state(5)
-    result = dcp.async_save(state, storage_writer=MemStoreWriter(job, 8, store=addr))
+    result = dcp.async_save(state, storage_writer=MemStoreWriter(job, 8, connection=Connection(addr)))
     future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
     future.result(timeout=60)
     loaded = _blank_like(state)
-    dcp.load(loaded, storage_reader=MemStoreReader(job, store=cluster.address("h0")))  # through the other host
+    dcp.load(loaded, storage_reader=MemStoreReader(job, connection=Connection(cluster.address("h0"))))  # through the other host
     assert_same(state, loaded)
 
 
@@ -587,7 +587,7 @@ def test_async_save_process_mode(make_cluster, forkserver) -> None:  # type: ign
     run_ranks(_async_process_worker, 1, addr, job, 6, free_ports(1)[0])
     expected = _train_state(11)
     loaded = _blank_like(expected)
-    dcp.load(loaded, storage_reader=MemStoreReader(job, store=addr))
+    dcp.load(loaded, storage_reader=MemStoreReader(job, connection=Connection(addr)))
     assert_same(expected, loaded)
 
 
@@ -596,7 +596,7 @@ def test_resharding_two_ranks_to_one_and_four(make_cluster, forkserver) -> None:
     addr, job = cluster.address("h0"), "dcp-reshard"
     run_ranks(_save_sharded_worker, 2, addr, job, 3, free_ports(1)[0])
 
-    with CheckpointClient(job, 0, 2, store=addr) as client:
+    with CheckpointClient(job, 0, 2, connection=Connection(addr)) as client:
         assert client.latest_step() == 3
         sizes = [sum(v.numel() for v in client.load(3, rank=r)["items"].values() if isinstance(v, torch.Tensor)) for r in (0, 1)]
     assert all(s > 0 for s in sizes), sizes  # each rank stored its own half
@@ -604,7 +604,7 @@ def test_resharding_two_ranks_to_one_and_four(make_cluster, forkserver) -> None:
     # 2 -> 1: a single process (no process group) loads the full tensors
     full = _full_tensors()
     state = {k: torch.zeros_like(v) for k, v in full.items()} | {"extra": {"epoch": 0, "tag": ""}}
-    reader = MemStoreReader(job, 3, store=cluster.address("h1"))  # explicit step: its world size comes from rank 0's shard
+    reader = MemStoreReader(job, 3, connection=Connection(cluster.address("h1")))  # explicit step: its world size comes from rank 0's shard
     dcp.load(state, storage_reader=reader)
     assert reader.saved_world_size == 2
     for k, v in full.items():

@@ -32,13 +32,14 @@ def train_func(config: dict[str, Any]) -> None:
     from ray.train.torch import prepare_model
 
     from memstore.ray.train import RayTrainCheckpoints
+    from trainer_client import Connection
 
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     torch.manual_seed(0)
     model = prepare_model(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ckpt = RayTrainCheckpoints(timeout=30)
+    ckpt = RayTrainCheckpoints(connection=Connection(timeout=30))
     start = 0
     restored = ckpt.restore()
     if restored is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from memstore.bench.state import MiB, copy_all, fingerprint, make_state, nbytes_of, p50, prefaulted, tensors_of
-from memstore.bench.stores import restore_in_new_process, wait_caught_up, wait_settled
+from memstore.bench.stores import restore_in_new_process, wait_caught_up, wait_idle, wait_settled
 
 if TYPE_CHECKING:
     from memstore.devtools.cluster import LocalCluster
@@ -85,9 +85,10 @@ def save_series(series: Series) -> list[dict[str, Any]]:
 
 
 def measure_saves(cluster: LocalCluster, job: str, state: Any, keep: int, steady: int) -> list[dict[str, Any]]:
-    """Save 1 of a fresh job on the fresh stores, saves 2..keep+2, then ``steady`` ones."""
+    """Save 1 of a fresh job on the fresh stores (once they are idle), saves 2..keep+2, then ``steady`` ones."""
     from trainer_client import CheckpointClient
 
+    wait_idle(cluster)
     client = CheckpointClient(job, 0, 1, store=cluster.address("h0"))
     try:
         return save_series(Series(cluster, client, state, keep, 1 + keep + 1 + steady))

@@ -38,20 +38,58 @@ def start_cluster(hosts: int, replicas: int, keep: int, shard_bytes: int, data_p
     return cluster
 
 
-def job_steps(address: str, job: str) -> set[int] | None:
-    """The steps of ``job`` the store at ``address`` holds (None: it did not answer)."""
+def store_rpc(address: str, method: str, request: Any) -> Any:
+    """One call to the store at ``address`` on a fresh channel (a replaced store comes back on the same address); None
+    when it does not answer."""
     import grpc
 
-    from memstore.v1 import store_pb2 as pb
     from memstore.v1.channel import store_stub
 
     ch, stub = store_stub(address)
     with ch:
         try:
-            resp = stub.List(pb.ListRequest(job_id=job), timeout=5.0)
+            return getattr(stub, method)(request, timeout=5.0)
         except grpc.RpcError:
             return None
-    return {int(s.manifest.key.step) for s in resp.shards}
+
+
+def health(address: str) -> Any:
+    from memstore.v1 import store_pb2 as pb
+
+    return store_rpc(address, "Health", pb.HealthRequest())
+
+
+def job_steps(address: str, job: str) -> set[int] | None:
+    """The steps of ``job`` the store at ``address`` holds (None: it did not answer)."""
+    from memstore.v1 import store_pb2 as pb
+
+    resp = store_rpc(address, "List", pb.ListRequest(job_id=job))
+    return None if resp is None else {int(s.manifest.key.step) for s in resp.shards}
+
+
+def rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return next((int(line.split()[1]) << 10 for line in fh if line.startswith("VmRSS:")), 0)
+    except OSError:
+        return 0
+
+
+def wait_idle(cluster: LocalCluster, timeout: float = 30.0, step_bytes: int = 8 * MiB) -> float:
+    """Until every store's RSS stopped growing and none is still faulting in its pre-faulted reserve, as a job's first
+    save comes well after its hosts' stores started; the seconds waited. Nothing is saved or copied meanwhile."""
+    pids = [sp.proc.pid for sp in cluster.stores.values() if sp.proc is not None]
+    t0 = time.perf_counter()
+    last: list[int] | None = None
+    while time.perf_counter() - t0 < timeout:
+        now = [rss(p) for p in pids]
+        steady = last is not None and all(abs(a - b) < step_bytes for a, b in zip(now, last, strict=True))
+        statuses = [health(cluster.address(h)) for h in cluster.stores]
+        if steady and not any(x is None or getattr(x, "reserve_filling", False) for x in statuses):
+            break
+        last = now
+        time.sleep(0.3)
+    return time.perf_counter() - t0
 
 
 def wait_settled(cluster: LocalCluster, job: str, keep: int) -> None:
@@ -65,13 +103,15 @@ def wait_settled(cluster: LocalCluster, job: str, keep: int) -> None:
 
 
 def wait_caught_up(cluster: LocalCluster, host: str, job: str, keep: int, timeout: float) -> None:
-    """Until ``host`` holds the newest ``keep`` steps of ``job`` that any store holds (its repair pass is done)."""
+    """Until ``host`` holds the newest ``keep`` steps of ``job`` that any store holds and runs no repair."""
 
     def caught_up() -> bool:
         every = [job_steps(cluster.address(h), job) for h in cluster.stores]
         mine = job_steps(cluster.address(host), job)
         union = set().union(*(s for s in every if s is not None))
-        return None not in every and mine is not None and mine >= set(sorted(union)[-keep:])
+        status = health(cluster.address(host))
+        held = None not in every and mine is not None and mine >= set(sorted(union)[-keep:])
+        return held and status is not None and status.repairs_in_flight == 0
 
     wait_for(caught_up, timeout, interval=0.05, what=f"{host} to hold the newest steps")
 

@@ -131,9 +131,8 @@ def finish(doc: dict[str, Any]) -> dict[str, Any]:
 
     doc["ratios"] = compute_ratios(doc)[0]
     doc["targets"] = evaluate(doc)
-    doc["ok"] = all(s["copies"] >= doc["config"]["replicas"] for s in doc["saves"]) and all(
-        r["verified_equal"] for r in doc["restores"].values() if r
-    )
+    restored = [r["verified_equal"] for r in doc["restores"].values() if r] + [doc["floors"]["disk"]["load_verified"]]
+    doc["ok"] = all(s["copies"] >= doc["config"]["replicas"] for s in doc["saves"]) and all(restored)
     return doc
 
 
@@ -145,7 +144,7 @@ def run_config(config: dict[str, Any], command: str) -> int:
     doc["seconds"] = time.time() - started
     print(text_table(doc["targets"]))
     if not doc["ok"]:
-        print("memstore bench: a save did not reach R copies or a restore did not verify (see the JSON)", file=sys.stderr)
+        print("memstore bench: a save did not reach R copies or a restore (or torch.load) did not verify (see the JSON)", file=sys.stderr)
     if config["json"]:
         path = Path(config["json"])
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """The floors memstore is compared with, measured in the same run on the same bytes: a memcpy (torch ``copy_`` into
 pre-faulted memory), raw TCP between two Python processes on loopback, and ``torch.save`` + fsync / ``torch.load``
-(DCP ``async_save``: :mod:`memstore.bench.floors_dcp`).
+(DCP ``async_save``: :mod:`memstore.bench.floors_dcp`). ``torch.load`` runs in a new process, as the restores do.
 
 The TCP sender is this module run as a child: ``python -m memstore.bench.floors PORT NBYTES REPS``.
 """
@@ -118,24 +118,18 @@ def _evict_page_cache(path: str) -> bool:
         os.close(fd)
 
 
-def _timed_load(path: str) -> float:
-    import torch
-
-    t0 = time.perf_counter()
-    loaded = torch.load(path, weights_only=True)
-    seconds = time.perf_counter() - t0
-    del loaded
-    gc.collect()
-    return seconds
-
-
 def floor_disk(state: Any, disk_dir: str | None, reps: int) -> dict[str, Any]:
-    """``torch.save`` + flush + fsync to a file on local disk; ``torch.load(weights_only=True)`` with the file's page
-    cache warm and evicted (cold), ``reps`` times each."""
+    """``torch.save`` + flush + fsync to a file on local disk; then ``torch.load(weights_only=True)`` of it, ``reps``
+    times with the file's page cache evicted (cold) and as many warm, each in a new process (a restarted trainer, like
+    the restores it is compared with: into a fresh process's memory), timed around the call and verified."""
     import torch
 
-    warm: list[float] = []
+    from memstore.bench.state import fingerprint
+    from memstore.bench.stores import restore_in_new_process
+
+    expected = fingerprint(state)
     cold: list[float] = []
+    warm: list[float] = []
     with tempfile.TemporaryDirectory(prefix="memstore-bench-", dir=disk_dir) as d:
         path = os.path.join(d, "state.pt")
         t0 = time.perf_counter()
@@ -145,11 +139,14 @@ def floor_disk(state: Any, disk_dir: str | None, reps: int) -> dict[str, Any]:
             os.fsync(fh.fileno())
         save_fsync = time.perf_counter() - t0
         file_bytes = os.path.getsize(path)
-        evicted = True
+        evicted = _evict_page_cache(path)  # whether this system can (the cold loads evict right before they load)
+        runs = []
         for _ in range(reps):
-            evicted = _evict_page_cache(path) and evicted
-            cold.append(_timed_load(path))
-            warm.append(_timed_load(path))
+            runs.append(restore_in_new_process({"path": path}, FLOOR_TIMEOUT, before=lambda: _evict_page_cache(path)))
+            cold.append(runs[-1]["seconds"])
+            runs.append(restore_in_new_process({"path": path}, FLOOR_TIMEOUT))
+            warm.append(runs[-1]["seconds"])
+        verified = all(r["fingerprint"] == expected for r in runs)
     return {
         "dir": d,
         "file_bytes": file_bytes,
@@ -159,6 +156,7 @@ def floor_disk(state: Any, disk_dir: str | None, reps: int) -> dict[str, Any]:
         "load_cold_seconds": cold,
         "load_cold_p50": p50(cold),
         "cold_page_cache_evicted": evicted,
+        "load_verified": verified,
     }
 
 

@@ -112,7 +112,7 @@ def measure_small_saves(cluster: LocalCluster, job: str, count: int, seed: int, 
 
 def restore_local(cluster: LocalCluster, job: str, expected: str, reps: int, timeout: float) -> dict[str, Any]:
     """A new process on the owner's store (h0) connects and ``load()``s, ``reps`` times: a trainer restarted after a crash."""
-    runs = [restore_in_new_process(cluster.address("h0"), job, timeout) for _ in range(reps)]
+    runs = [restore_in_new_process({"address": cluster.address("h0"), "job": job}, timeout) for _ in range(reps)]
     return summarize(runs, expected)
 
 
@@ -124,7 +124,10 @@ def restore_after_host_loss(cluster: LocalCluster, job: str, expected: str, reps
         wait_caught_up(cluster, "h0", job, keep, timeout)
         runs.append(
             restore_in_new_process(
-                cluster.address("h0"), job, timeout, before=lambda: cluster.kill("h0"), during=lambda: cluster.restart("h0", timeout=60)
+                {"address": cluster.address("h0"), "job": job},
+                timeout,
+                before=lambda: cluster.kill("h0"),
+                during=lambda: cluster.restart("h0", timeout=60),
             )
         )
     wait_caught_up(cluster, "h0", job, keep, timeout)

@@ -1,6 +1,7 @@
 """The stores the bench runs on (a :class:`~memstore.devtools.cluster.LocalCluster` on 127.0.0.1) and the restarted
-trainer it restores in: a NEW process, this module run as ``python -m memstore.bench.stores``, which imports torch,
-says it is ready, then on one JSON line from the bench connects, ``load()``s the newest step and reports, timed.
+trainer every restore runs in: a NEW process, this module run as ``python -m memstore.bench.stores``, which imports
+torch, says it is ready, then on one JSON line from the bench restores and reports, timed: from a store (connect and
+``load()`` the newest step) or, for the floor, from a file (``torch.load``). Both so start from a fresh process's memory.
 """
 
 from __future__ import annotations
@@ -155,16 +156,17 @@ class RestoreProcess:
 
 
 def restore_in_new_process(
-    address: str, job: str, timeout: float, before: Callable[[], object] | None = None, during: Callable[[], object] | None = None
+    source: dict[str, str], timeout: float, before: Callable[[], object] | None = None, during: Callable[[], object] | None = None
 ) -> dict[str, Any]:
     """Start a restore process and wait until it has imported torch; run ``before`` (e.g. kill a store), tell it to
-    restore, run ``during`` (e.g. start the replacement) and return its report (timings, source, fingerprint)."""
+    restore from ``source`` (``{"address": ..., "job": ...}`` or ``{"path": ...}``), run ``during`` (e.g. start the
+    replacement) and return its report (timings, source host, fingerprint)."""
     child = RestoreProcess()
     try:
         ready = child.read(timeout=120.0)
         if before is not None:
             before()
-        child.send({"address": address, "job": job, "wait_seconds": timeout})
+        child.send({**source, "wait_seconds": timeout})
         if during is not None:
             during()
         return {**child.read(timeout=timeout), "import_seconds": ready["import_seconds"]}
@@ -191,13 +193,19 @@ def restore_worker() -> None:
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     t0 = time.perf_counter()
-    import torch  # noqa: F401 - a trainer has torch loaded before it restores
+    import torch  # a trainer has torch loaded before it restores
 
     from memstore.bench.state import fingerprint
     from trainer_client import CheckpointClient
 
     out.write(json.dumps({"ready": True, "import_seconds": time.perf_counter() - t0}) + "\n")
     cmd = json.loads(sys.stdin.readline())
+    if "path" in cmd:
+        t0 = time.perf_counter()
+        state = torch.load(cmd["path"], weights_only=True)
+        report = {"seconds": time.perf_counter() - t0, "source_host": "file"}
+        out.write(json.dumps({**report, "fingerprint": fingerprint(state)}) + "\n")
+        return
     wait_accepting(cmd["address"], float(cmd["wait_seconds"]))
     t_accept = time.perf_counter()
     client = CheckpointClient(cmd["job"], 0, 1, store=cmd["address"], timeout=60.0)

@@ -31,6 +31,7 @@ def test_a_tiny_run_writes_the_table_and_every_ratio(tmp_path: Path, capsys: pyt
     for kind in ("local", "peer"):
         restore = data["restores"][kind]
         assert restore["verified_equal"] is True and restore["p50"] > 0, kind
+    assert data["floors"]["disk"]["load_verified"] is True and len(data["floors"]["disk"]["load_warm_seconds"]) == 1
     assert data["restores"]["peer"]["source_hosts"] == ["h1"]  # the owner h0 was lost: its peer served the restore
 
     names = [r.name for r in RATIOS]

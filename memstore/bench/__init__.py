@@ -86,7 +86,7 @@ def machine() -> dict[str, Any]:
     return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform()}
 
 
-def measure(config: dict[str, Any]) -> dict[str, Any]:
+def measure_all(config: dict[str, Any]) -> dict[str, Any]:
     """The whole run: the floors, then the saves, small saves and restores on fresh stores; the run's document."""
     from memstore.bench.floors import floor_disk, floor_memcpy, floor_tcp
     from memstore.bench.floors_dcp import floor_dcp
@@ -140,7 +140,7 @@ def run_config(config: dict[str, Any], command: str) -> int:
     from memstore.bench.targets import text_table
 
     started = time.time()
-    doc = {"command": command, **finish(measure(config))}
+    doc = {"command": command, **finish(measure_all(config))}
     doc["seconds"] = time.time() - started
     print(text_table(doc["targets"]))
     if not doc["ok"]:

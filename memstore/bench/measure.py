@@ -41,17 +41,17 @@ class Series:
     state: Any
     keep: int
     count: int
-    paired_memcpy: bool = True
+    paired: Any = None  # a pre-faulted buffer of the state's bytes for the paired memcpy (None: no memcpy)
 
 
-def one_save(series: Series, index: int, dst: Any, tensors: list[Any]) -> dict[str, Any]:
+def one_save(series: Series, index: int, tensors: list[Any]) -> dict[str, Any]:
     """A paired memcpy (when asked), then one save timed from the call: stall (call -> return) and call -> committed."""
     from trainer_client.errors import ReplicationError
 
     memcpy = None
-    if dst is not None:
+    if series.paired is not None:
         t = time.perf_counter()
-        copy_all(dst, tensors)
+        copy_all(series.paired, tensors)
         memcpy = time.perf_counter() - t
     t0 = time.perf_counter()
     handle = series.client.save(index + 1, series.state)
@@ -76,22 +76,23 @@ def one_save(series: Series, index: int, dst: Any, tensors: list[Any]) -> dict[s
 def save_series(series: Series) -> list[dict[str, Any]]:
     """Every save of the series; after each, retention settles (the oldest of keep steps is dropped everywhere)."""
     tensors = tensors_of(series.state)
-    dst = prefaulted(nbytes_of(tensors)) if series.paired_memcpy else None
     samples = []
     for i in range(series.count):
-        samples.append(one_save(series, i, dst, tensors))
+        samples.append(one_save(series, i, tensors))
         wait_settled(series.cluster, series.client.job_id, series.keep)
     return samples
 
 
 def measure_saves(cluster: LocalCluster, job: str, state: Any, keep: int, steady: int) -> list[dict[str, Any]]:
-    """Save 1 of a fresh job on the fresh stores (once they are idle), saves 2..keep+2, then ``steady`` ones."""
+    """Save 1 of a fresh job on the fresh stores (once they are idle), saves 2..keep+2, then ``steady`` ones. The memcpy
+    buffer is made first, so the first memcpy, like save 1, runs right after the client connected."""
     from trainer_client import CheckpointClient
 
+    paired = prefaulted(nbytes_of(tensors_of(state)))
     wait_idle(cluster)
     client = CheckpointClient(job, 0, 1, store=cluster.address("h0"))
     try:
-        return save_series(Series(cluster, client, state, keep, 1 + keep + 1 + steady))
+        return save_series(Series(cluster, client, state, keep, 1 + keep + 1 + steady, paired))
     finally:
         client.close()
 
@@ -103,7 +104,7 @@ def measure_small_saves(cluster: LocalCluster, job: str, count: int, seed: int, 
     state = make_state(SMALL_SIZE, seed)
     client = CheckpointClient(job, 0, 1, store=cluster.address("h0"))
     try:
-        samples = save_series(Series(cluster, client, state, keep, 1 + count, paired_memcpy=False))
+        samples = save_series(Series(cluster, client, state, keep, 1 + count))
     finally:
         client.close()
     stalls = [s["stall_seconds"] for s in samples[1:]]

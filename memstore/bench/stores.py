@@ -1,7 +1,7 @@
 """The stores the bench runs on (a :class:`~memstore.devtools.cluster.LocalCluster` on 127.0.0.1) and the restarted
 trainer every restore runs in: a NEW process, this module run as ``python -m memstore.bench.stores``, which imports
 torch, says it is ready, then on one JSON line from the bench restores and reports, timed: from a store (connect and
-``load()`` the newest step) or, for the floor, from a file (``torch.load``). Both so start from a fresh process's memory.
+``load()`` the newest step) or, for the floor, from a file (``torch.load``). Both start from a fresh process's memory.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from memstore.bench.state import MiB, module_env
 from memstore.devtools.cluster import LocalCluster, wait_for
 
 CAPACITY_SLACK = 64 * MiB
-PREFAULT_ENV = "MEMSTORE_PREFAULT"
 
 
 def start_cluster(hosts: int, replicas: int, keep: int, shard_bytes: int, data_plane: str | None, env: dict[str, str]) -> LocalCluster:

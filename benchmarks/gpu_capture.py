@@ -4,56 +4,31 @@
         [--layers 12] [--dim 2048] [--hosts 1] [--replicas 1] [--saves 50] [--warmup 5]
         [--loop] [--steps 200] [--every 25 | --every 2,10,25] [--batch 8] [--seq 1024] [--json out.json]
 
-Starts a ``--hosts``-host, R=``--replicas`` local cluster on 127.0.0.1 (capacity: twelve times the state plus
-512 MiB per store unless ``--capacity``; stopped at the end) and builds the state on ``--device``:
+Starts a ``--hosts``-host, R=``--replicas`` local cluster on 127.0.0.1 (capacity: twelve times the state plus 512 MiB
+per store unless ``--capacity``) and builds the state on ``--device``: ``--state tensors`` (default), ``--tensors``
+float32 tensors of ``--size`` bytes; ``--state model``, ``{"model": ..., "optim": ...}`` of a pre-norm transformer of
+``--layers`` ``nn.TransformerEncoderLayer`` (d=``--dim``, feed-forward 4d) in bf16 with AdamW after one step (the
+token embedding, tied to the output, is a fixed buffer, not saved): 48 tensors per layer, 576 and 3.63 GB by default.
 
-- ``--state tensors`` (default): ``--tensors`` float32 tensors of ``--size`` bytes in all;
-- ``--state model``: a real training state, ``{"model": model.state_dict(), "optim": opt.state_dict()}`` of a
-  transformer of ``--layers`` ``nn.TransformerEncoderLayer`` (d=``--dim``, ``--heads`` heads, feed-forward 4d,
-  pre-norm) in bf16, with ``torch.optim.AdamW`` after one real optimizer step. The token embedding (``--vocab``
-  rows), used for the input and the tied output projection, is a fixed buffer, neither trained nor saved, so the
-  state is the layers' parameters and AdamW's moments (bf16, like the parameters) and step counts: 48 tensors per
-  layer, 576 tensors and 3.63 GB at the defaults.
+It measures, in one run (medians of 5 for the floors): the D2H floor (``copy_`` of every tensor into one pinned
+buffer, then a synchronize) and the H2D floor (the reverse); ``capture="copied"``: the first save of a fresh client,
+the first save after ``client.prepare(state)`` on another (``prepare`` timed apart) and the steady stall (median of
+``--saves`` after ``--warmup``); ``capture="enqueued"``: until ``save()`` returns (median, max) and until
+``wait_captured(block=True)`` returns; ``client.capture_stats`` (registrations after the warm-up, fallbacks to
+pageable memory with the last reason); ``handle.superseded``; ``load(map_location=device)`` in this process against
+a load to CPU then ``.to(device)``, checked bit for bit; and the same load in a fresh process (``--restore-only``:
+the case after a crash). Every save waits for its replication before the next, except in the loop.
 
-It prints the tensor count and bytes, then measures, in one run (medians of 5 for the floors):
+``--loop`` times the training loop: the transformer and AdamW on random batches (``--batch`` x ``--seq``) with
+``client.gate(optimizer)``, ``--steps`` steps without saves (the baseline), then ``--steps`` per ``k`` of ``--every``
+with an enqueued save every ``k`` steps (after ``prepare``), each step timed to a synchronize of the trainer's
+stream. It reports the median and mean step time and their ratios to the baseline (the target is on the mean), the
+``save()`` return times, the superseded saves and the registrations; then saves the final state, trains two more
+gated steps, and checks that the loaded save equals a copy taken before it, bit for bit.
 
-- D2H floor: ``copy_`` of every tensor into a slice of one pinned buffer (``torch.empty(pin_memory=True)``), then a
-  synchronize: the device->host copy of the same bytes into pinned memory, as GB/s;
-- H2D floor: the reverse, from that pinned buffer into preallocated device tensors of the same shapes;
-- ``capture="copied"``: the first save of a fresh client (its memory reserved, mapped and registered by the save), a first
-  save right after ``client.prepare(state)`` on another fresh client (``prepare`` timed apart), and the steady
-  stall (median of ``--saves`` saves after ``--warmup`` warm-up saves), GB/s and the ratio to the D2H floor;
-- ``capture="enqueued"``: the time until ``save()`` returns (median and max of the steady saves), and until
-  ``wait_captured(block=True)`` returns (median, and its ratio to the D2H floor);
-- ``client.capture_stats``: the registrations made during the steady saves (after the warm-up) and the captures
-  that fell back to pageable memory (every client of the run), with the last fallback's reason;
-- ``handle.superseded``: saves whose replication the store skipped because a newer save came first;
-- ``load(map_location=device)`` in this process: GB/s (median of 3) and the ratio to the H2D floor, next to
-  loading to CPU then ``.to(device)`` per tensor (pageable source) for comparison, and a bit-exact check
-  (``torch.equal`` on every tensor) against the saved state;
-- the same load in a fresh process (this script with ``--restore-only``, connecting to the running cluster: the
-  case after a crash): the ``load()`` call once CUDA is initialized, and the process's whole run.
-
-Every save waits for its replication (``handle.wait()``) before the next, except in the loop.
-
-``--loop`` adds the training loop as a benchmark: the transformer and AdamW (the ``--state model`` ones, else a
-model of the same shape) on random token batches (``--batch`` x ``--seq``), ``client.gate(optimizer)`` installed,
-``--warmup`` untimed steps, ``--steps`` steps without saves (the baseline), then ``--steps`` steps per ``k`` of
-``--every`` with an enqueued save every ``k`` steps (after ``client.prepare(state)``). Each step is timed to a
-synchronize of the trainer's stream (not of the capture's side stream: the gate makes the next optimizer step wait
-for the copies). It reports the median and the mean step time of each run and their ratios to the baseline (the
-target applies to the mean, the time per step over the run: the median leaves the save steps out), the saves'
-``save()`` return times, how many were superseded, and the registrations made during the runs (after ``prepare``);
-then saves the final state (enqueued), trains two more gated steps, and checks that the loaded save equals a copy
-of the state taken before it, bit for bit.
-
-Needs a CUDA device unless ``--device cpu``: that smoke mode runs everything on CPU tensors, the floors being a
-copy into a plain (``pin_memory=False``) buffer and back, and the restores ``load(map_location=None)`` (zero-copy).
-
-Prints the figures and a table of figure / value / target / PASS|MISS: steady capture <= 1.1x the D2H floor;
-enqueued ``save()`` (max) <= 5 ms; restore (this process and a fresh one) <= 1.3x the H2D floor; the loop at k=25
-<= 1.05x the baseline; registrations after the warm-up (and in the loop, after ``prepare``) == 0; fallbacks == 0.
-``--json`` writes every figure, with the device's name, the torch version, the cluster's and the state's shape.
+``--device cpu`` is a smoke mode on CPU tensors. The table's targets: steady capture <= 1.1x D2H; enqueued ``save()``
+(max) <= 5 ms; restores <= 1.3x H2D; the loop at k=25 <= 1.05x the baseline; no registration after the warm-up (or
+``prepare``); no fallback. ``--json`` writes every figure, the device's name, torch's version and the shapes.
 """
 
 from __future__ import annotations

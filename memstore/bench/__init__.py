@@ -1,84 +1,173 @@
-"""``memstore bench``: save stall, replication, restore and memory of memstore against baselines.
+"""``memstore bench``: memstore's save stall, replication and restores as ratios over floors measured in the same run.
 
-A run measures one or more *scenarios* (state size x hosts x replication factor R). Each runs on an
-embedded :class:`~memstore.devtools.cluster.LocalCluster` on 127.0.0.1 (or, with ``--endpoints``, on an
-already running cluster addressed by a JSON endpoints file) and measures:
+One run, one state size (default 1 GiB of float32 state on one rank), on freshly started local stores (2 hosts, R=2):
 
-* every save from the first one of a fresh job on freshly started stores (no warm-up), each timed from the ``save()``
-  call: the trainer's stall (call -> return) and call -> committed (R copies), against a memcpy of the same bytes right
-  before it and raw TCP; save 1, saves 2..keep+2 and the steady state reported apart,
-* the replication throughput derived from them,
-* restore from local RAM after a trainer-process crash: a NEW process connects and loads,
-* restore from peer RAM after a host loss: the owner store is SIGKILLed and replaced (empty RAM) and a
-  new process on the replacement loads, timed from its load call; and, for diagnosis, the pure pull path (owner up, its
-  copy deleted) and the store's pull timed alone,
-* the memory of every store process (RSS, PSS, shared/anonymous parts) against the shard bytes it holds and its pool,
+* floors (:mod:`~memstore.bench.floors`, :mod:`~memstore.bench.floors_dcp`): a memcpy into pre-faulted memory, raw
+  TCP between two Python processes on loopback, ``torch.save`` + fsync / ``torch.load``, DCP ``async_save``;
+* saves (:mod:`~memstore.bench.measure`): save 1 of a fresh job, the later saves and the steady state, each paired
+  with a memcpy of the same bytes right before it; the small saves of a 1 MiB state;
+* restores, each in a new process (:mod:`~memstore.bench.stores`): from local RAM after a trainer crash, from peer
+  RAM after a host loss;
+* one table (:mod:`~memstore.bench.targets`): ratio, measured, target, PASS/MISS.
 
-and, once per run for the headline scenario (issue 16, :mod:`memstore.bench.first_save`): the same saves from the first
-on fresh stores with memory pre-faulted (``--prefault``, (keep+2)x the state unless given), the fixed cost per save of small
-states (1 MiB, 16 MiB), the cost per tensor of a save and a load (10,000 x 4 KiB against one tensor), the path without
-shared memory (``use_shared_memory=False``), and the restore from durable storage (a ``file://`` spill);
-and, once per run, the RSS growth of the stores and of the saving client over ``--leak-saves`` (100)
-consecutive saves. In the same run and on the same bytes it measures the baselines they are compared with:
-a torch ``copy_`` into pre-faulted memory (also right before every measured save, so both see the same
-background load), raw TCP between two Python processes on loopback, ``torch.save`` + fsync /
-``torch.load``, and ``torch.distributed.checkpoint.async_save`` (blocking part and total, fsynced; reported as
-unavailable, with the reason, where this torch's DCP cannot do it). For
-diagnosis it also measures gRPC-Python streaming and an in-process cost model of the save and
-replication paths, and records the machine's CPU pressure and the CPU time other processes took.
-
-Results: rich tables, ``--json PATH`` (every raw number) and ``--plot PATH.png`` (matplotlib, the ``[bench]``
-extra; written next to the JSON by default).
-
-Modules, by role: ``options`` (flags and the run configuration), ``plan`` (scenarios, RAM need), ``floors``,
-``floors_disk`` and ``floors_dcp`` (baselines; ``senders``: the child processes that send for the TCP/gRPC floors), ``costmodel``
-(diagnosis), ``cluster`` and ``rpc`` (the stores), ``series`` (saves from the first), ``scenario``, ``restores``,
-``durable``, ``first_save_runs``, ``small_states`` and ``leak`` (the measurements; ``workers``: the restore and
-leak-check processes, ``child``: how the bench talks to them), ``state`` and ``sysinfo`` (the benchmarked state; the
-machine and its processes), ``results``, ``scenario_results``, ``first_save_results``, ``first_save``, ``target``,
-``targets``, ``run_result`` and ``method`` (typed results, ratios, PASS/MISS; ``jsonable`` writes them as JSON),
-``runner`` (a whole run), ``render``, ``render_first_save`` and ``render_details`` (rich tables; ``fmt``: number
-formats), ``plot``, ``plot_first_save`` and ``plot_common`` (matplotlib), ``units``.
-Two stand-alone spill benchmarks live here too: ``compression`` and ``spill_impact`` (``python -m memstore.bench.X``).
-
-Entry points: :func:`add_arguments` and :func:`run` for the ``memstore`` command line, :func:`main` for a list of
-arguments (``python -m memstore.bench``, ``benchmarks/bench.py``). This package's ``__init__`` and ``options`` only
-import the standard library; torch, numpy, grpc, rich and matplotlib are imported when a run starts.
+Every raw number goes to ``--json``; ``benchmarks/plot_bench.py`` draws it. This module imports only the standard
+library (the command line builds its parser from it); torch is imported when a run starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
+import shlex
 import sys
-
-from memstore.bench.options import add_arguments
+import time
+from pathlib import Path
+from typing import Any
 
 __all__ = ["add_arguments", "main", "run"]
+
+QUICK: dict[str, Any] = {"size": "64MiB", "saves": 2, "restores": 1, "small_saves": 5}
+DEFAULTS: dict[str, Any] = {"size": "1GiB", "saves": 5, "restores": 3, "small_saves": 30}
+JOB = "bench"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every ``memstore bench`` flag."""
+    p.add_argument("--size", default=None, help="state bytes on the one benchmarked rank (default 1GiB; --quick 64MiB)")
+    p.add_argument("--hosts", type=int, default=2, help="stores in the local cluster (default 2)")
+    p.add_argument("--replicas", type=int, default=2, help="replication factor R (default 2)")
+    p.add_argument("--keep", type=int, default=2, help="steps each store keeps (default 2); saves 2..keep+2 are the early saves")
+    p.add_argument("--saves", type=int, default=None, help="steady saves after save 1 and the early saves (default 5; --quick 2)")
+    p.add_argument(
+        "--restores", type=int, default=None, help="repetitions of each restore and of the disk/DCP floors (default 3; --quick 1)"
+    )
+    p.add_argument(
+        "--small-saves", type=int, default=None, help="saves of the 1 MiB state after its first (default 30; --quick 5; 0: skip)"
+    )
+    p.add_argument("--quick", action="store_true", help="64MiB, 2 steady saves, 1 restore, 5 small saves (smoke test)")
+    p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write every raw number, ratio and target here")
+    p.add_argument("--disk-dir", default=None, help="directory on local disk for the torch.save and DCP floors (default: the temp dir)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random state")
+    p.add_argument("--data-plane", choices=("tcp", "grpc"), default=None, help="passed to the stores (how replicas and pulls travel)")
+    p.add_argument("--prefault", default=None, metavar="SIZE|auto", help="passed to the stores as MEMSTORE_PREFAULT")
+    p.add_argument("--store-env", action="append", default=[], metavar="KEY=VALUE", help="extra environment of the stores, repeatable")
+
+
+def config_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's configuration: flags given, else --quick's values, else the defaults. ValueError when it cannot run."""
+    from memstore.core.sizes import parse_size
+
+    preset = QUICK if args.quick else DEFAULTS
+    pick = {k: preset[k] if getattr(args, k) is None else getattr(args, k) for k in DEFAULTS}
+    if not 1 <= args.replicas <= args.hosts <= 8:
+        raise ValueError(f"need 1 <= --replicas ({args.replicas}) <= --hosts ({args.hosts}) <= 8")
+    if pick["saves"] < 1 or pick["restores"] < 1 or pick["small_saves"] < 0 or args.keep < 1:
+        raise ValueError("--saves, --restores and --keep must be >= 1, --small-saves >= 0")
+    env = dict(item.split("=", 1) for item in args.store_env if "=" in item)
+    if args.prefault is not None:
+        env["MEMSTORE_PREFAULT"] = args.prefault
+    return {
+        "size": parse_size(str(pick["size"])), "hosts": args.hosts, "replicas": args.replicas, "keep": args.keep,
+        "saves": pick["saves"], "restores": pick["restores"], "small_saves": pick["small_saves"], "quick": args.quick,
+        "seed": args.seed, "disk_dir": args.disk_dir, "data_plane": args.data_plane, "store_env": env, "json": args.json_path,
+    }  # fmt: skip
+
+
+def say(what: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
+def machine() -> dict[str, Any]:
+    import os
+
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform()}
+
+
+def measure_all(config: dict[str, Any]) -> dict[str, Any]:
+    """The whole run: the floors, then the saves, small saves and restores on fresh stores; the run's document."""
+    from memstore.bench.floors import floor_disk, floor_memcpy, floor_tcp
+    from memstore.bench.floors_dcp import floor_dcp
+    from memstore.bench.measure import measure_restores, measure_saves, measure_small_saves
+    from memstore.bench.state import LAYOUT, make_state, nbytes_of, tensors_of
+    from memstore.bench.stores import start_cluster
+
+    size, reps = config["size"], config["restores"]
+    say(f"generating {size} bytes of state")
+    state = make_state(size, config["seed"])
+    tensors = tensors_of(state)
+    shard_bytes = nbytes_of(tensors)  # the shard's header adds a few KiB: negligible next to the floors' noise
+    doc: dict[str, Any] = {"config": config, "machine": machine()}
+    doc["state"] = {"bytes": nbytes_of(tensors), "shard_bytes": shard_bytes, "tensors": len(tensors), "layout": LAYOUT}
+    say("floors: memcpy, raw TCP, torch.save + fsync / torch.load, DCP async_save")
+    doc["floors"] = {
+        "memcpy": floor_memcpy(tensors), "tcp": floor_tcp(shard_bytes),
+        "disk": floor_disk(state, config["disk_dir"], reps), "dcp": floor_dcp(state, config["disk_dir"], reps),
+    }  # fmt: skip
+    say(f"starting {config['hosts']} stores, R={config['replicas']}")
+    cluster = start_cluster(config["hosts"], config["replicas"], config["keep"], shard_bytes, config["data_plane"], config["store_env"])
+    try:
+        say("saves from the first")
+        doc["saves"] = measure_saves(cluster, JOB, state, config["keep"], config["saves"])
+        if config["small_saves"]:
+            say("small saves")
+            doc["small_saves"] = measure_small_saves(cluster, f"{JOB}-small", config["small_saves"], config["seed"], config["keep"])
+        say("restores in a new process: from local RAM, from peer RAM after a host loss")
+        doc["restores"] = measure_restores(cluster, JOB, state, config["replicas"], reps, config["keep"])
+    except BaseException:
+        for h in cluster.stores:
+            print(f"--- log of store {h} ---\n{cluster.log_tail(h, lines=30)}", file=sys.stderr)
+        raise
+    finally:
+        cluster.stop()
+    return doc
+
+
+def finish(doc: dict[str, Any]) -> dict[str, Any]:
+    """The run's ratios and targets added to its document."""
+    from memstore.bench.targets import compute_ratios, evaluate
+
+    doc["ratios"] = compute_ratios(doc)[0]
+    doc["targets"] = evaluate(doc)
+    restored = [r["verified_equal"] for r in doc["restores"].values() if r] + [doc["floors"]["disk"]["load_verified"]]
+    doc["ok"] = all(s["copies"] >= doc["config"]["replicas"] for s in doc["saves"]) and all(restored)
+    return doc
+
+
+def run_config(config: dict[str, Any], command: str) -> int:
+    from memstore.bench.targets import text_table
+
+    started = time.time()
+    doc = {"command": command, **finish(measure_all(config))}
+    doc["seconds"] = time.time() - started
+    print(text_table(doc["targets"]))
+    if not doc["ok"]:
+        print("memstore bench: a save did not reach R copies or a restore (or torch.load) did not verify (see the JSON)", file=sys.stderr)
+    if config["json"]:
+        path = Path(config["json"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"raw numbers written to {path}")
+    return 0 if doc["ok"] else 1
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``memstore bench`` with flags parsed by a parser that :func:`add_arguments` filled; the exit code."""
-    from memstore.bench.runner import run_from_args
-
-    return run_from_args(args, argv=_invocation_argv())
+    try:
+        config = config_of(args)
+    except ValueError as exc:
+        print(f"memstore bench: error: {exc}", file=sys.stderr)
+        return 2
+    return run_config(config, shlex.join([sys.executable, *sys.argv]))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``) as ``memstore bench`` flags and run; the exit code."""
-    from memstore.bench.runner import run_from_args
-
-    parser = argparse.ArgumentParser(prog="memstore bench", description="Measure memstore's save stall, replication, restore and memory.")
+    parser = argparse.ArgumentParser(prog="memstore bench", description="Measure memstore's save stall, replication and restores.")
     add_arguments(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # `memstore bench -- --size 1GiB`: the CLI hands its REMAINDER over with the separator
         argv = argv[1:]
-    args = parser.parse_args(argv)
-    return run_from_args(args, argv=argv)
-
-
-def _invocation_argv() -> list[str]:
-    """The bench's own arguments on this process's command line (after ``bench``), recorded as ``bench_argv``."""
-    argv = sys.argv[1:]
-    if "bench" in argv:
-        argv = argv[argv.index("bench") + 1 :]
-    return argv[1:] if argv[:1] == ["--"] else argv
+    return run(parser.parse_args(argv))

@@ -1,4 +1,4 @@
-"""``python -m memstore.bench [FLAGS]``: the same as ``memstore bench [FLAGS]``."""
+"""``python -m memstore.bench``: the same as ``memstore bench``."""
 
 import sys
 

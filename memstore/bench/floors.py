@@ -1,287 +1,164 @@
-"""Hardware baselines in the same run on the same bytes: memcpy (torch ``copy_``), raw TCP on loopback and
-gRPC-Python streaming (the sender is a child process, :mod:`memstore.bench.senders`); and
-:func:`measure_floors`, every baseline of one state size plus the diagnosis cost model."""
+"""The floors memstore is compared with, measured in the same run on the same bytes: a memcpy (torch ``copy_`` into
+pre-faulted memory), raw TCP between two Python processes on loopback, and ``torch.save`` + fsync / ``torch.load``
+(DCP ``async_save``: :mod:`memstore.bench.floors_dcp`). ``torch.load`` runs in a new process, as the restores do.
+
+The TCP sender is this module run as a child: ``python -m memstore.bench.floors PORT NBYTES REPS``.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from memstore.bench.costmodel import replication_cost_model, save_path_model
-from memstore.bench.floors_dcp import floor_dcp
-from memstore.bench.floors_disk import FLOOR_TIMEOUT, floor_disk
-from memstore.bench.results import CostModel, Floors, GrpcFloor, MemcpyFloor, Summary, TcpFloor
-from memstore.bench.senders import SINK_METHOD
-from memstore.bench.state import copy_all, nbytes_of, prefaulted, shared_mapping
-from memstore.bench.units import CHUNK, child_env
+from memstore.bench.state import copy_all, module_env, nbytes_of, p50, prefaulted
 
 if TYPE_CHECKING:
     import torch
 
-    from memstore.bench.options import BenchConfig
-    from memstore.bench.sysinfo import Monitor
-
+CHUNK = 4 << 20  # what the sender hands to sendall at a time (memstore's chunk size)
+FLOOR_TIMEOUT = 300.0
 MEMCPY_REPS = 5
 TCP_REPS = 3
-GRPC_REPS = 3
-FLOOR_STEPS = 8  # progress steps of measure_floors
-SENDERS = [sys.executable, "-m", "memstore.bench.senders"]
 
 
-def _timed_copies(dst: torch.Tensor, tensors: list[torch.Tensor], reps: int) -> list[float]:
+def floor_memcpy(tensors: list[torch.Tensor], reps: int = MEMCPY_REPS) -> dict[str, Any]:
+    """torch ``copy_`` of every state tensor into a pre-faulted buffer, ``reps`` times."""
+    import torch
+
+    dst = prefaulted(nbytes_of(tensors))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         copy_all(dst, tensors)
         times.append(time.perf_counter() - t0)
-    return times
-
-
-def _fresh_copies(tensors: list[torch.Tensor], nbytes: int) -> list[float]:
-    import torch
-
-    fresh_times = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        dst = torch.empty(nbytes, dtype=torch.uint8)
-        copy_all(dst, tensors)
-        fresh_times.append(time.perf_counter() - t0)
-        del dst
-    return fresh_times
-
-
-def _memmoves(base: int, tensors: list[torch.Tensor], reps: int) -> list[float]:
-    mm_times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        off = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            ctypes.memmove(base + off, t.data_ptr(), n)
-            off += n
-        mm_times.append(time.perf_counter() - t0)
-    return mm_times
-
-
-def floor_memcpy(tensors: list[torch.Tensor], reps: int = MEMCPY_REPS) -> MemcpyFloor:
-    """torch ``copy_`` (multi-threaded) of every state tensor into a pre-faulted buffer; memmove single-thread;
-    the same copy into a /dev/shm mapping and into fresh (never touched) memory, for reference."""
-    import torch
-
-    nbytes = nbytes_of(tensors)
-    fresh = _fresh_copies(tensors, nbytes)
-    dst = torch.empty(nbytes, dtype=torch.uint8)
-    dst.fill_(1)  # touch every page once: pre-faulted, like memstore's pooled segments
-    times = _timed_copies(dst, tensors, reps)
-    mm_times = _memmoves(dst.data_ptr(), tensors, max(1, reps // 2))
     del dst
     gc.collect()
-    return MemcpyFloor(
-        bytes=nbytes,
-        torch_threads=torch.get_num_threads(),
-        torch_copy_fresh_seconds=Summary.of(fresh),
-        torch_copy_seconds=Summary.of(times),
-        memmove_single_thread_seconds=Summary.of(mm_times),
-        shm_torch_copy_seconds=_shm_copy(tensors, nbytes, reps),
-    )
+    return {"bytes": nbytes_of(tensors), "torch_threads": torch.get_num_threads(), "seconds": times, "p50": p50(times)}
 
 
-def _shm_copy(tensors: list[torch.Tensor], nbytes: int, reps: int) -> Summary | None:
-    """The same copy into a pre-faulted MAP_SHARED file mapping on /dev/shm (what a save writes into)."""
-    import torch
+def floor_tcp(nbytes: int, reps: int = TCP_REPS) -> dict[str, Any]:
+    """A child Python process sends ``nbytes`` ``reps`` times (sendall of 4 MiB memoryview slices); this process
+    receives with recv_into a pre-faulted buffer. Each repetition is timed from its first byte (rep 0) or the previous
+    repetition's last byte to its last byte; the figure is bytes per second, p50."""
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.settimeout(FLOOR_TIMEOUT)
+        port = listener.getsockname()[1]
+        child = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(port), str(nbytes), str(reps)], stderr=subprocess.PIPE, env=module_env()
+        )
+        try:
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(FLOOR_TIMEOUT)
+                rates = _receive(conn, view, nbytes, reps)
+                conn.sendall(b"k")
+            _, err = child.communicate(timeout=FLOOR_TIMEOUT)
+        finally:
+            view.release()
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=10)
+    if child.returncode != 0:
+        raise RuntimeError(f"TCP sender failed with {child.returncode}: {err.decode(errors='replace')[-2000:]}")
+    return {"bytes": nbytes, "reps": reps, "bytes_per_second": rates, "p50": p50(rates)}
 
-    if not os.path.isdir("/dev/shm"):
-        return None
-    mm = shared_mapping(nbytes, "/dev/shm")
-    try:
-        dst = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
-        dst.fill_(1)
-        times = _timed_copies(dst, tensors, reps)
-        del dst
-    finally:
-        gc.collect()
-        with contextlib.suppress(BufferError):
-            mm.close()
-    return Summary.of(times)
 
-
-def _receive(conn: socket.socket, view: memoryview, nbytes: int, reps: int) -> tuple[list[float], int]:
-    """recv_into ``view`` ``reps`` times ``nbytes``: each repetition's seconds, and how many bytes the first recv got."""
-    times: list[float] = []
-    first_bytes = 0
+def _receive(conn: socket.socket, view: memoryview, nbytes: int, reps: int) -> list[float]:
+    rates: list[float] = []
     t_prev = 0.0
     for rep in range(reps):
-        got = 0
+        got = missed = 0
         while got < nbytes:
             n = conn.recv_into(view[got:], nbytes - got)
             if n == 0:
                 raise RuntimeError(f"TCP sender closed after {got} of {nbytes} bytes (rep {rep})")
             if rep == 0 and got == 0:
-                t_prev = time.perf_counter()  # first byte arrived
-                first_bytes = n
+                t_prev, missed = time.perf_counter(), n  # rep 0 is timed from its first recv, which it then misses
             got += n
         now = time.perf_counter()
-        times.append(now - t_prev)
+        rates.append((nbytes - missed) / (now - t_prev))
         t_prev = now
-    return times, first_bytes
+    return rates
 
 
-def floor_tcp(nbytes: int, recv_buf: bytearray, reps: int = TCP_REPS, timeout: float = FLOOR_TIMEOUT) -> TcpFloor:
-    """A child Python process sends ``nbytes`` ``reps`` times with sendall of 4 MiB memoryview slices; this
-    process receives with recv_into a pre-faulted buffer. Each repetition is timed from its first byte (rep 0)
-    or the previous repetition's last byte to its last byte."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    listener.settimeout(timeout)
-    port = listener.getsockname()[1]
-    view = memoryview(recv_buf)[:nbytes]
-    child = subprocess.Popen(
-        [*SENDERS, "tcp", str(port), str(nbytes), str(reps), str(CHUNK)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=child_env(),
-    )
+def send_tcp(port: int, nbytes: int, reps: int) -> None:
+    """The sending side of :func:`floor_tcp`; waits for the receiver's one-byte acknowledgement."""
+    buf = bytearray(nbytes)
+    mv = memoryview(buf)
+    pattern = bytes(range(256)) * (CHUNK // 256)
+    for off in range(0, nbytes, CHUNK):
+        mv[off : off + CHUNK] = pattern[: min(CHUNK, nbytes - off)]
+    with socket.create_connection(("127.0.0.1", port), timeout=FLOOR_TIMEOUT) as s:
+        for _ in range(reps):
+            for off in range(0, nbytes, CHUNK):
+                s.sendall(mv[off : off + CHUNK])
+        s.shutdown(socket.SHUT_WR)
+        s.recv(1)
+
+
+def _evict_page_cache(path: str) -> bool:
+    """Drop the file's clean pages from the page cache (POSIX_FADV_DONTNEED; no root needed)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        conn, _ = listener.accept()
-        with conn:
-            conn.settimeout(timeout)
-            rcvbuf = conn.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-            times, first_bytes = _receive(conn, view, nbytes, reps)
-            conn.sendall(b"k")
-        child.wait(timeout=timeout)
-        err = child.stderr.read().decode(errors="replace") if child.stderr else ""
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    except (OSError, AttributeError):
+        return False
     finally:
-        view.release()
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=10)
-        if child.stderr:
-            child.stderr.close()
-        listener.close()
-    if child.returncode != 0:
-        raise RuntimeError(f"TCP sender failed with {child.returncode}: {err[-2000:]}")
-    # Rep 0 is timed from its first recv's return, so it misses those first bytes.
-    throughputs = [(nbytes - (first_bytes if i == 0 else 0)) / t for i, t in enumerate(times)]
-    return TcpFloor(
-        bytes=nbytes,
-        reps=reps,
-        send_slice_bytes=CHUNK,
-        receiver_so_rcvbuf=rcvbuf,
-        seconds=Summary.of(times),
-        bytes_per_second=Summary.of(throughputs),
-    )
+        os.close(fd)
 
 
-def _sink_handler(view: memoryview, mode: str, times: list[float], errors: list[str]) -> Callable[..., bytes]:
-    """The receiving end of a client stream: copies each chunk into ``view``, times first message to last."""
+def floor_disk(state: Any, disk_dir: str | None, reps: int) -> dict[str, Any]:
+    """``torch.save`` + flush + fsync to a file on local disk; then ``torch.load(weights_only=True)`` of it, ``reps``
+    times with the file's page cache evicted (cold) and as many warm, each in a new process (a restarted trainer, like
+    the restores it is compared with: into a fresh process's memory), timed around the call and verified."""
+    import torch
 
-    def handler(request_iterator: Iterator[Any], context: Any) -> bytes:
-        t0 = 0.0
-        got = 0
-        try:
-            for msg in request_iterator:
-                data = msg if mode == "bytes" else msg.chunk
-                if got == 0:
-                    t0 = time.perf_counter()
-                view[got : got + len(data)] = data
-                got += len(data)
-            times.append(time.perf_counter() - t0)
-        except Exception as exc:
-            errors.append(repr(exc))
-        return b""
+    from memstore.bench.state import fingerprint
+    from memstore.bench.stores import restore_in_new_process
 
-    return handler
-
-
-def floor_grpc(nbytes: int, recv_buf: bytearray, mode: str, reps: int = GRPC_REPS, timeout: float = FLOOR_TIMEOUT) -> GrpcFloor:
-    """gRPC-Python client streaming of ``nbytes`` in 4 MiB messages from a child process to a server in this
-    process, with memstore's channel/server options. ``mode`` "bytes": raw bytes messages (no protobuf; one
-    ``bytes()`` copy per chunk, the least gRPC-Python allows); "protobuf": ``PutRequest(chunk=...)`` as
-    memstore's replication sends. The receiver copies each chunk into a pre-faulted buffer (no checksum).
-    Timed on the receiver from the first message to the last."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import grpc
-
-    from memstore.v1 import store_pb2 as pb
-    from memstore.v1.channel import SERVER_OPTIONS
-
-    view = memoryview(recv_buf)[:nbytes]
-    times: list[float] = []
-    errors: list[str] = []
-    deserializer = None if mode == "bytes" else pb.PutRequest.FromString
-    handler = _sink_handler(view, mode, times, errors)
-    rpc = grpc.stream_unary_rpc_method_handler(handler, request_deserializer=deserializer, response_serializer=None)
-    server = grpc.server(ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
-    service, _, method = SINK_METHOD.strip("/").partition("/")
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {method: rpc}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        proc = subprocess.run(
-            [*SENDERS, "grpc", str(port), str(nbytes), str(reps), mode, str(CHUNK)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            timeout=timeout,
-            env=child_env(),
-            check=False,
-        )
-    finally:
-        server.stop(1).wait(5)
-        view.release()
-    if proc.returncode != 0 or errors or len(times) != reps:
-        raise RuntimeError(f"gRPC floor ({mode}) failed: rc={proc.returncode} {errors} {proc.stderr.decode(errors='replace')[-2000:]}")
-    return GrpcFloor(
-        mode=mode,
-        bytes=nbytes,
-        reps=reps,
-        message_bytes=CHUNK,
-        seconds=Summary.of(times),
-        bytes_per_second=Summary.of([nbytes / t for t in times]),
-    )
+    expected = fingerprint(state)
+    cold: list[float] = []
+    warm: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="memstore-bench-", dir=disk_dir) as d:
+        path = os.path.join(d, "state.pt")
+        t0 = time.perf_counter()
+        with open(path, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        save_fsync = time.perf_counter() - t0
+        file_bytes = os.path.getsize(path)
+        evicted = _evict_page_cache(path)  # whether this system can (the cold loads evict right before they load)
+        runs = []
+        for _ in range(reps):
+            runs.append(restore_in_new_process({"path": path}, FLOOR_TIMEOUT, before=lambda: _evict_page_cache(path)))
+            cold.append(runs[-1]["seconds"])
+            runs.append(restore_in_new_process({"path": path}, FLOOR_TIMEOUT))
+            warm.append(runs[-1]["seconds"])
+        verified = all(r["fingerprint"] == expected for r in runs)
+    return {
+        "dir": d,
+        "file_bytes": file_bytes,
+        "save_fsync_seconds": save_fsync,
+        "load_warm_seconds": warm,
+        "load_warm_p50": p50(warm),
+        "load_cold_seconds": cold,
+        "load_cold_p50": p50(cold),
+        "cold_page_cache_evicted": evicted,
+        "load_verified": verified,
+    }
 
 
-def measure_floors(
-    state: Any, tensors: list[torch.Tensor], shard_bytes: int, state_bytes: int, config: BenchConfig, reps: int,
-    step_done: Callable[[str], None], monitor: Monitor, label: str,
-) -> tuple[Floors, CostModel]:  # fmt: skip
-    """The baselines of one state size, and the diagnosis cost model."""
-    monitor.phase = f"{label}: floor memcpy"
-    memcpy = floor_memcpy(tensors)
-    gc.collect()
-    step_done(f"{label}: baseline raw TCP on loopback")
-    monitor.phase = f"{label}: floor tcp"
-    recv_buf = prefaulted(shard_bytes)
-    tcp = floor_tcp(shard_bytes, recv_buf)
-    step_done(f"{label}: diagnosis gRPC streaming, raw bytes messages")
-    monitor.phase = f"{label}: floor grpc"
-    grpc_bytes = floor_grpc(shard_bytes, recv_buf, "bytes")
-    step_done(f"{label}: diagnosis gRPC streaming, PutRequest messages")
-    grpc_pb = floor_grpc(shard_bytes, recv_buf, "protobuf")
-    del recv_buf
-    gc.collect()
-    step_done(f"{label}: baseline torch.save + fsync / torch.load")
-    monitor.phase = f"{label}: floor disk"
-    disk = floor_disk(state, config.disk_dir, reps)
-    gc.collect()
-    step_done(f"{label}: baseline DCP async_save")
-    monitor.phase = f"{label}: floor dcp"
-    dcp = floor_dcp(state, config.disk_dir, reps)
-    gc.collect()
-    step_done(f"{label}: diagnosis cost model of the save and replication paths")
-    monitor.phase = f"{label}: cost model"
-    cost = replication_cost_model(tensors, state_bytes)
-    cost.save_path = save_path_model(state)
-    gc.collect()
-    step_done(f"{label}: baselines done")
-    floors = Floors(memcpy=memcpy, tcp=tcp, grpc_bytes=grpc_bytes, grpc_protobuf=grpc_pb, disk=disk, dcp=dcp)
-    return floors, cost
+if __name__ == "__main__":
+    send_tcp(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

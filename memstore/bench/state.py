@@ -1,17 +1,16 @@
-"""The benchmarked training state, its fingerprint, and the buffers and copies the baselines use."""
+"""The benchmarked training state, its fingerprint, and the copy every ratio is measured against."""
 
 from __future__ import annotations
 
-import mmap
-import os
-import tempfile
-from collections.abc import Iterator
+import statistics
 from typing import TYPE_CHECKING, Any
-
-from memstore.bench.units import CHUNK
 
 if TYPE_CHECKING:
     import torch
+
+MiB = 1 << 20
+GiB = 1 << 30
+LAYOUT = "4 layers x (weight, exp_avg, exp_avg_sq) + 4 scalar step tensors, float32, torch.rand; one rank of world size 1"
 
 
 def make_state(nbytes: int, seed: int) -> dict[str, Any]:
@@ -20,61 +19,55 @@ def make_state(nbytes: int, seed: int) -> dict[str, Any]:
 
     gen = torch.Generator().manual_seed(seed)
     layers = 4
-    total = nbytes // 4
+    total = max(nbytes // 4, 3 * layers)
     base = total // (3 * layers)
     sizes = [base] * (3 * layers)
     sizes[-1] += total - base * 3 * layers
     made = iter([torch.rand(n, generator=gen) for n in sizes])
     model = {f"layers.{i}.weight": next(made) for i in range(layers)}
     optim_state = {i: {"step": torch.tensor(100.0), "exp_avg": next(made), "exp_avg_sq": next(made)} for i in range(layers)}
-    return {
-        "model": model,
-        "optim": {
-            "state": optim_state,
-            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": list(range(layers))}],
-        },
-        "step": 100,
-    }
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": list(range(layers))}]
+    return {"model": model, "optim": {"state": optim_state, "param_groups": groups}, "step": 100}
 
 
-def state_tensors(state: Any) -> list[torch.Tensor]:
+def tensors_of(state: Any) -> list[torch.Tensor]:
+    """Every tensor of a nested dict/list state, in order."""
     import torch
 
-    out: list[torch.Tensor] = []
-
-    def walk(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, list | tuple):
-            for x in v:
-                walk(x)
-
-    walk(state)
-    return out
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in tensors_of(v)]
+    if isinstance(state, list | tuple):
+        return [t for v in state for t in tensors_of(v)]
+    return []
 
 
 def nbytes_of(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def states_equal(a: Any, b: Any) -> bool:
+def prefaulted(nbytes: int) -> torch.Tensor:
+    """A uint8 buffer whose every page is touched once: pre-faulted, like the store's pooled segments."""
     import torch
 
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    dst.fill_(1)
+    return dst
 
 
-def state_fingerprint(state: Any) -> str:
-    """xxh3-128 over the state's structure, every non-tensor leaf and every tensor's dtype, shape and bytes: a
-    restore in another process is verified by comparing fingerprints, without shipping the tensors back."""
+def copy_all(dst: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """torch ``copy_`` of every tensor, back to back, into the uint8 buffer ``dst``: the memcpy floor."""
+    off = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        dst[off : off + n].view(t.dtype).copy_(t.reshape(-1))
+        off += n
+
+
+def fingerprint(state: Any) -> str:
+    """xxh3-128 over the state's structure, non-tensor leaves and every tensor's dtype, shape and bytes: a restore in
+    another process is verified by comparing fingerprints, without shipping the tensors back."""
     import torch
     import xxhash
 
@@ -87,7 +80,7 @@ def state_fingerprint(state: Any) -> str:
             if t.numel():
                 h.update(t.reshape(-1).view(torch.uint8).numpy().data)
         elif isinstance(v, dict):
-            h.update(f"{type(v).__name__}{{{len(v)};".encode())
+            h.update(f"{{{len(v)};".encode())
             for k, x in v.items():
                 h.update(f"{type(k).__name__}:{k!r}=".encode())
                 walk(x)
@@ -102,43 +95,27 @@ def state_fingerprint(state: Any) -> str:
     return h.hexdigest()
 
 
-def byte_views(tensors: list[torch.Tensor]) -> list[memoryview]:
-    import torch
-
-    return [t.detach().reshape(-1).view(torch.uint8).numpy().data for t in tensors]
+def p50(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
-def chunks(views: list[memoryview], chunk: int = CHUNK) -> Iterator[memoryview]:
-    for mv in views:
-        for off in range(0, len(mv), chunk):
-            yield mv[off : off + chunk]
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b <= 0 else a / b
 
 
-def prefaulted(nbytes: int) -> bytearray:
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
-    zeros = bytes(min(CHUNK, nbytes))
-    for off in range(0, nbytes, CHUNK):
-        view[off : off + CHUNK] = zeros[: min(CHUNK, nbytes - off)]
-    view.release()
-    return buf
+def short_size(n: int) -> str:
+    for unit, name in ((GiB, "GiB"), (MiB, "MiB")):
+        if n % unit == 0:
+            return f"{n // unit}{name}"
+    return f"{n}B"
 
 
-def copy_all(dst: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """torch ``copy_`` of every tensor, back to back, into the uint8 buffer ``dst``."""
-    off = 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        dst[off : off + n].view(t.dtype).copy_(t.reshape(-1))
-        off += n
+def module_env() -> dict[str, str]:
+    """Environment for the bench's child processes (``python -m memstore.bench.X``): this memstore importable first."""
+    import os
+    from pathlib import Path
 
-
-def shared_mapping(nbytes: int, directory: str | None) -> mmap.mmap:
-    """An unlinked, pre-populated MAP_SHARED file mapping: the kind of memory a save writes into."""
-    fd, path = tempfile.mkstemp(prefix="memstore-bench-", dir=directory)
-    try:
-        os.ftruncate(fd, nbytes)
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-        os.unlink(path)
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env

@@ -1,0 +1,156 @@
+"""What the bench measures on the stores: the saves from the first of a fresh job (each paired with a memcpy of the same
+bytes right before it), the small saves (fixed cost per save), and the restores in a new process, from local RAM
+after a trainer crash and from peer RAM after a host loss.
+
+Save 1 is the first save of a fresh job on freshly started stores (nothing warms anything up before it); saves
+2..keep+2 come before the store's segment pool can recycle a segment ("early"); the rest are the steady state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from memstore.bench.state import MiB, copy_all, fingerprint, make_state, nbytes_of, p50, prefaulted, tensors_of
+from memstore.bench.stores import restore_in_new_process, wait_caught_up, wait_idle, wait_settled
+
+if TYPE_CHECKING:
+    from memstore.devtools.cluster import LocalCluster
+    from trainer_client import CheckpointClient
+
+FIRST, EARLY, STEADY = "first", "early", "steady"
+SMALL_SIZE = 1 * MiB
+
+
+def phase_of(index: int, keep: int) -> str:
+    """Save ``index + 1``'s phase: save 1, saves 2..keep+2, or the steady state after them."""
+    return FIRST if index == 0 else EARLY if index <= keep + 1 else STEADY
+
+
+def commit_timeout(nbytes: int) -> float:
+    return 60.0 + nbytes / (10 * MiB)
+
+
+@dataclass
+class Series:
+    """``count`` saves of ``state`` by one client, steps 1..count, on ``cluster``."""
+
+    cluster: LocalCluster
+    client: CheckpointClient
+    state: Any
+    keep: int
+    count: int
+    paired: Any = None  # a pre-faulted buffer of the state's bytes for the paired memcpy (None: no memcpy)
+
+
+def one_save(series: Series, index: int, tensors: list[Any]) -> dict[str, Any]:
+    """A paired memcpy (when asked), then one save timed from the call: stall (call -> return) and call -> committed."""
+    from trainer_client.errors import ReplicationError
+
+    memcpy = None
+    if series.paired is not None:
+        t = time.perf_counter()
+        copy_all(series.paired, tensors)
+        memcpy = time.perf_counter() - t
+    t0 = time.perf_counter()
+    handle = series.client.save(index + 1, series.state)
+    t1 = time.perf_counter()
+    copies, error = 0, ""
+    try:
+        copies = int(handle.wait(timeout=commit_timeout(nbytes_of(tensors))).copies)
+    except (ReplicationError, TimeoutError) as exc:  # a real outcome (a peer timing out): recorded, the run goes on
+        error = str(exc)
+    t2 = time.perf_counter()
+    return {
+        "step": index + 1,
+        "phase": phase_of(index, series.keep),
+        "stall_seconds": t1 - t0,
+        "committed_seconds": t2 - t0,
+        "memcpy_seconds": memcpy,
+        "copies": copies,
+        "error": error,
+    }
+
+
+def save_series(series: Series) -> list[dict[str, Any]]:
+    """Every save of the series; after each, retention settles (the oldest of keep steps is dropped everywhere)."""
+    tensors = tensors_of(series.state)
+    samples = []
+    for i in range(series.count):
+        samples.append(one_save(series, i, tensors))
+        wait_settled(series.cluster, series.client.job_id, series.keep)
+    return samples
+
+
+def measure_saves(cluster: LocalCluster, job: str, state: Any, keep: int, steady: int) -> list[dict[str, Any]]:
+    """Save 1 of a fresh job on the fresh stores (once they are idle), saves 2..keep+2, then ``steady`` ones. The memcpy
+    buffer is made first, so the first memcpy, like save 1, runs right after the client connected."""
+    from trainer_client import CheckpointClient
+
+    paired = prefaulted(nbytes_of(tensors_of(state)))
+    wait_idle(cluster)
+    client = CheckpointClient(job, 0, 1, store=cluster.address("h0"))
+    try:
+        return save_series(Series(cluster, client, state, keep, 1 + keep + 1 + steady, paired))
+    finally:
+        client.close()
+
+
+def measure_small_saves(cluster: LocalCluster, job: str, count: int, seed: int, keep: int) -> dict[str, Any]:
+    """A 1 MiB state's fixed cost per save: save 1, then ``count`` saves; stall p50 over those after save 1."""
+    from trainer_client import CheckpointClient
+
+    state = make_state(SMALL_SIZE, seed)
+    client = CheckpointClient(job, 0, 1, store=cluster.address("h0"))
+    try:
+        samples = save_series(Series(cluster, client, state, keep, 1 + count))
+    finally:
+        client.close()
+    stalls = [s["stall_seconds"] for s in samples[1:]]
+    return {"bytes": nbytes_of(tensors_of(state)), "saves": len(stalls), "stall_seconds": stalls, "stall_p50": p50(stalls)}
+
+
+def restore_local(cluster: LocalCluster, job: str, expected: str, reps: int, timeout: float) -> dict[str, Any]:
+    """A new process on the owner's store (h0) connects and ``load()``s, ``reps`` times: a trainer restarted after a crash."""
+    runs = [restore_in_new_process({"address": cluster.address("h0"), "job": job}, timeout) for _ in range(reps)]
+    return summarize(runs, expected)
+
+
+def restore_after_host_loss(cluster: LocalCluster, job: str, expected: str, reps: int, keep: int, timeout: float) -> dict[str, Any]:
+    """SIGKILL the owner store (h0), start its replacement (empty RAM) and, meanwhile, restore in a new process on it,
+    timed from the trainer's load call (as soon as the replacement's port accepts): its first restore, from peer RAM."""
+    runs = []
+    for _ in range(reps):
+        wait_caught_up(cluster, "h0", job, keep, timeout)
+        runs.append(
+            restore_in_new_process(
+                {"address": cluster.address("h0"), "job": job},
+                timeout,
+                before=lambda: cluster.kill("h0"),
+                during=lambda: cluster.restart("h0", timeout=60),
+            )
+        )
+    wait_caught_up(cluster, "h0", job, keep, timeout)
+    return summarize(runs, expected)
+
+
+def summarize(runs: list[dict[str, Any]], expected: str) -> dict[str, Any]:
+    seconds = [float(r["seconds"]) for r in runs]
+    return {
+        "seconds": seconds,
+        "p50": p50(seconds),
+        "source_hosts": sorted({str(r["source_host"]) for r in runs}),
+        "verified_equal": all(r["fingerprint"] == expected for r in runs),
+        "runs": runs,
+    }
+
+
+def measure_restores(cluster: LocalCluster, job: str, state: Any, replicas: int, reps: int, keep: int) -> dict[str, Any]:
+    """Both restores of the saved state (the peer one only where a peer holds a copy, R >= 2)."""
+    expected = fingerprint(state)
+    timeout = 120.0 + nbytes_of(tensors_of(state)) / (20 * MiB)
+    out = {"local": restore_local(cluster, job, expected, reps, timeout), "peer": None}
+    if replicas >= 2:
+        out["peer"] = restore_after_host_loss(cluster, job, expected, reps, keep, timeout)
+    return out

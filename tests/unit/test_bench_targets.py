@@ -1,0 +1,128 @@
+"""The bench's ratios, targets and table, from a run document of known numbers; its flags; and the table of targets
+in docs/benchmarks.md, which must be the one the bench holds its ratios to."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memstore.bench import add_arguments, config_of
+from memstore.bench.measure import EARLY, FIRST, STEADY, phase_of
+from memstore.bench.targets import RATIOS, compute_ratios, evaluate, markdown_table, text_table
+
+pytestmark = pytest.mark.unit
+
+B = 1 << 30
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+
+
+def save(step: int, phase: str, stall: float, memcpy: float, committed: float, error: str = "") -> dict[str, Any]:
+    return {"step": step, "phase": phase, "stall_seconds": stall, "committed_seconds": committed, "memcpy_seconds": memcpy,
+            "copies": 0 if error else 2, "error": error}  # fmt: skip
+
+
+def document() -> dict[str, Any]:
+    """A run of 1 GiB, keep 2: raw TCP moves it in 0.4 s, a memcpy takes 0.1 s, torch.load 0.5 s."""
+    saves = [save(1, FIRST, 0.3, 0.1, 1.0)]
+    saves += [save(i, EARLY, 0.12, 0.1, 0.7) for i in (2, 3, 4)]
+    saves += [save(5, STEADY, 0.125, 0.1, 0.625), save(6, STEADY, 0.125, 0.1, 0.625)]
+    dcp_mode = {"blocking_seconds": [0.5], "blocking_p50": 0.5, "total_p50": 2.0, "unavailable": None}
+    return {
+        "config": {"replicas": 2, "keep": 2},
+        "state": {"bytes": B, "shard_bytes": B},
+        "floors": {
+            "memcpy": {"p50": 0.1},
+            "tcp": {"p50": B / 0.4},
+            "disk": {"save_fsync_seconds": 4.0, "load_warm_p50": 0.5},
+            "dcp": {"default": dcp_mode, "reused_stager": {**dcp_mode, "blocking_p50": 0.25}},
+        },
+        "saves": saves,
+        "small_saves": {"stall_p50": 0.0008},
+        "restores": {"local": {"p50": 0.05}, "peer": {"p50": 0.8}},
+    }
+
+
+def test_every_ratio_from_its_parts() -> None:
+    values, why = compute_ratios(document())
+    assert values == pytest.approx({
+        "first_save_stall_over_memcpy": 3.0,
+        "later_saves_stall_over_memcpy_max": 1.25,
+        "stall_over_memcpy": 1.25,
+        "small_save_stall_ms": 0.8,
+        "torch_save_fsync_over_stall": 32.0,
+        "stall_over_dcp_blocking": 0.25,
+        "stall_over_dcp_blocking_reused_stager": 0.5,
+        "replication_over_tcp": 0.8,  # 1 GiB in 0.625 - 0.125 s against 0.4 s
+        "committed_over_tcp_min": 0.4,  # save 1: 1 GiB in 1.0 s
+        "torch_load_over_restore_local": 10.0,
+        "restore_peer_over_tcp": 0.5,
+        "torch_load_over_restore_peer": 0.625,
+    })  # fmt: skip
+    assert why == {} and set(values) == {r.name for r in RATIOS}
+
+
+def test_pass_miss_and_the_table() -> None:
+    rows = evaluate(document())
+    verdicts = {r["ratio"]: r["pass"] for r in rows}
+    assert verdicts == {
+        "first_save_stall_over_memcpy": True,  # 3.0 <= 3: the limit itself passes
+        "later_saves_stall_over_memcpy_max": True,
+        "stall_over_memcpy": True,
+        "small_save_stall_ms": True,
+        "torch_save_fsync_over_stall": True,
+        "stall_over_dcp_blocking": False,
+        "stall_over_dcp_blocking_reused_stager": None,  # reported, no target
+        "replication_over_tcp": True,
+        "committed_over_tcp_min": False,
+        "torch_load_over_restore_local": True,
+        "restore_peer_over_tcp": False,
+        "torch_load_over_restore_peer": False,
+    }
+    lines = text_table(rows).splitlines()
+    assert lines[0].split() == ["ratio", "measured", "target", "result"] and len(lines) == 2 + len(RATIOS)
+    row = next(x for x in lines if x.startswith("committed_over_tcp_min "))
+    assert row.split() == ["committed_over_tcp_min", "0.4", "≥", "0.7", "MISS"]
+    assert json.loads(json.dumps(rows)) == rows  # what the JSON holds
+
+
+def test_a_save_that_did_not_commit_counts_zero_and_r1_has_no_peer_figures() -> None:
+    doc = document()
+    doc["saves"][4] = save(5, STEADY, 0.125, 0.1, 9.0, error="PrepareReceive timed out")
+    doc["config"]["replicas"] = 1
+    doc["restores"]["peer"] = None
+    values, why = compute_ratios(doc)
+    assert values["committed_over_tcp_min"] == 0.0
+    assert values["restore_peer_over_tcp"] is None and why["restore_peer_over_tcp"] == "R=1 keeps no peer copy"
+    assert values["torch_load_over_restore_peer"] is None and "small_save_stall_ms" not in why
+    doc.pop("small_saves")
+    assert compute_ratios(doc)[1]["small_save_stall_ms"] == "not measured (--small-saves 0)"
+
+
+def test_phases_of_a_series() -> None:
+    assert [phase_of(i, keep=2) for i in range(6)] == [FIRST, EARLY, EARLY, EARLY, STEADY, STEADY]
+
+
+def _config(argv: list[str]) -> dict[str, Any]:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return config_of(p.parse_args(argv))
+
+
+def test_flags_quick_and_defaults() -> None:
+    assert _config([])["size"] == B and _config([])["saves"] == 5 and _config([])["small_saves"] == 30
+    quick = _config(["--quick"])
+    assert (quick["size"], quick["saves"], quick["restores"], quick["small_saves"]) == (64 << 20, 2, 1, 5)
+    assert _config(["--quick", "--saves", "7"])["saves"] == 7  # a flag given wins over --quick
+    assert _config(["--prefault", "auto", "--store-env", "A=1"])["store_env"] == {"A": "1", "MEMSTORE_PREFAULT": "auto"}
+    for bad in (["--replicas", "3"], ["--saves", "0"], ["--size", "lots"]):
+        with pytest.raises(ValueError):
+            _config(bad)
+
+
+def test_docs_show_the_targets_the_bench_holds_ratios_to() -> None:
+    """docs/benchmarks.md's table of targets is markdown_table()'s output, verbatim: one source of truth."""
+    assert markdown_table() in DOCS.read_text(), "regenerate the table in docs/benchmarks.md from memstore.bench.targets.markdown_table()"

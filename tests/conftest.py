@@ -55,7 +55,8 @@ def _clusters(kind: type[C], tmp_path: Path) -> Iterator[Callable[..., C]]:
     def make(**kwargs: Any) -> C:
         cluster = kind(workdir=tmp_path / f"cluster{len(started)}", **kwargs)
         started.append(cluster)
-        return cluster.start()
+        cluster.start()
+        return cluster
 
     try:
         yield make

@@ -110,6 +110,7 @@ def test_retention_keep_last_and_best_exact_over_20_steps(make_cluster, tmp_path
     assert manifest["metrics"] == {"loss": losses[20]}
 
 
+@pytest.mark.slow  # storage down, then back, with the spiller's backoff between (~40 s on 2 cores)
 def test_storage_outage_is_retried_and_saves_are_unaffected(make_cluster, moto) -> None:
     cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", env=moto.env,
                            extra_args=["--spill", "s3://ckpt/outage", "--spill-every-steps", "1"])  # fmt: skip

@@ -62,6 +62,10 @@ def _clusters(kind: type[C], tmp_path: Path) -> Iterator[Callable[..., C]]:
         yield make
     finally:
         for cluster in started:
+            # The test is over: SIGKILL (or stop at once) instead of a drain, which would flush to a durable tier
+            # that the test may have stopped already (15 s per S3 test) and push lone shards to peers.
+            for host_id in cluster.stores:
+                cluster.kill(host_id)
             cluster.stop()
 
 

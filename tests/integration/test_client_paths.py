@@ -86,9 +86,10 @@ def test_path_without_shared_memory_uses_the_data_channel(make_inprocess_cluster
         c.close()
 
 
-def test_background_remote_saves_report_at_wait(make_inprocess_cluster) -> None:
+def test_background_remote_saves_report_at_wait(make_cluster) -> None:
     """remote_save="background": save() returns after the staging copy; wait() reports the send and the commit."""
-    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB")
+    # A process per store: with the stores on the test's GIL, a send could lag until the next step superseded it.
+    cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB")
     with CheckpointClient("bg", 0, 1, store=cluster.address("h0"), use_shared_memory=False, remote_save="background") as c:
         handles = [c.save(step, rank_state(0, step, scale=8)) for step in (1, 2, 3)]  # at most two sends in flight
         for h in handles:

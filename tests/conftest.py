@@ -6,13 +6,16 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from memstore.devtools.cluster import LocalCluster
 from tests.harness.fake_cuda import FakeCudaRuntime
+from tests.harness.inprocess import InProcessCluster
 from trainer_client.capture import cuda
+
+C = TypeVar("C", bound=LocalCluster)
 
 
 def _cuda_available() -> bool:
@@ -46,19 +49,38 @@ def dns_server() -> Iterator[Any]:
         server.stop()
 
 
+def _clusters(kind: type[C], tmp_path: Path) -> Iterator[Callable[..., C]]:
+    started: list[C] = []
+
+    def make(**kwargs: Any) -> C:
+        cluster = kind(workdir=tmp_path / f"cluster{len(started)}", **kwargs)
+        started.append(cluster)
+        cluster.start()
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in started:
+            # The test is over: SIGKILL (or stop at once) instead of a drain, which would flush to a durable tier
+            # that the test may have stopped already (15 s per S3 test) and push lone shards to peers.
+            for host_id in cluster.stores:
+                cluster.kill(host_id)
+            cluster.stop()
+
+
 @pytest.fixture
 def make_cluster(tmp_path) -> Iterator[Callable[..., LocalCluster]]:  # type: ignore[no-untyped-def]
-    """Start LocalClusters; every store process is stopped (and reaped) when the test ends."""
-    started: list[LocalCluster] = []
+    """Start LocalClusters (a process per store); every store process is stopped (and reaped) when the test ends.
+    For tests where a process boundary is the point: a SIGKILL, a crash that leaves shared memory, fault points."""
+    yield from _clusters(LocalCluster, tmp_path)
 
-    def make(**kwargs: Any) -> LocalCluster:
-        cluster = LocalCluster(workdir=tmp_path / f"cluster{len(started)}", **kwargs)
-        started.append(cluster)
-        return cluster.start()
 
-    yield make
-    for cluster in started:
-        cluster.stop()
+@pytest.fixture
+def make_inprocess_cluster(tmp_path) -> Iterator[Callable[..., InProcessCluster]]:  # type: ignore[no-untyped-def]
+    """Start InProcessClusters (stores on threads of the test process, real gRPC on 127.0.0.1,
+    tests/harness/inprocess.py); every store is stopped when the test ends. The default for cluster tests."""
+    yield from _clusters(InProcessCluster, tmp_path)
 
 
 class MotoServer:

@@ -26,6 +26,7 @@ def chaos(tmp_path, seed: int, steps: int, faults: int) -> dict:  # type: ignore
     return data
 
 
+@pytest.mark.slow  # ~70 s on 2 cores; the chaos run's value is in long runs (the default suite keeps the schedule check)
 @pytest.mark.timeout(600)
 def test_short_chaos_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     chaos(tmp_path, seed=1, steps=16, faults=2)

@@ -46,8 +46,8 @@ def save(clients: list[CheckpointClient], steps: range) -> None:
             h.wait(timeout=30)
 
 
-def test_agreed_answer_matches_the_cluster_wide_one_at_one_call_per_rank(make_cluster) -> None:
-    cluster = make_cluster(hosts=HOSTS, replicas=R, capacity="256MiB", keep=3, metrics=True)
+def test_agreed_answer_matches_the_cluster_wide_one_at_one_call_per_rank(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=HOSTS, replicas=R, capacity="256MiB", keep=3, metrics=True)
     clients = connect(cluster, range(WORLD), run_id="run-a")
     try:
         save(clients, range(1, 4))
@@ -66,8 +66,8 @@ def test_agreed_answer_matches_the_cluster_wide_one_at_one_call_per_rank(make_cl
             c.close()
 
 
-def test_an_incomplete_newest_step_falls_back_once_and_every_rank_agrees(make_cluster) -> None:
-    cluster = make_cluster(hosts=HOSTS, replicas=R, capacity="256MiB", keep=3)
+def test_an_incomplete_newest_step_falls_back_once_and_every_rank_agrees(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=HOSTS, replicas=R, capacity="256MiB", keep=3)
     clients = connect(cluster, range(WORLD), run_id="run-b")
     try:
         save(clients, range(1, 3))
@@ -81,8 +81,8 @@ def test_an_incomplete_newest_step_falls_back_once_and_every_rank_agrees(make_cl
             c.close()
 
 
-def test_a_replaced_host_restores_its_ranks_from_its_group(make_cluster) -> None:
-    cluster = make_cluster(hosts=HOSTS, replicas=R, capacity="256MiB", keep=3)
+def test_a_replaced_host_restores_its_ranks_from_its_group(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=HOSTS, replicas=R, capacity="256MiB", keep=3)
     clients = connect(cluster, range(WORLD), run_id="run-c")
     save(clients, range(1, 3))
     for c in clients:
@@ -104,9 +104,11 @@ def test_a_replaced_host_restores_its_ranks_from_its_group(make_cluster) -> None
             c.close()
 
 
-def test_a_restart_from_durable_storage_lists_it_once_for_the_job(make_cluster, tmp_path: Path) -> None:
+def test_a_restart_from_durable_storage_lists_it_once_for_the_job(make_inprocess_cluster, tmp_path: Path) -> None:
     root = tmp_path / "spill"
-    cluster = make_cluster(hosts=2, replicas=2, capacity="256MiB", extra_args=["--spill", f"file://{root}", "--spill-every-steps", "1"])
+    cluster = make_inprocess_cluster(
+        hosts=2, replicas=2, capacity="256MiB", extra_args=["--spill", f"file://{root}", "--spill-every-steps", "1"]
+    )
     clients = connect(cluster, range(4), world=4, hosts=2, run_id="run-d")
     save(clients, range(1, 3))
     for c in clients:
@@ -132,8 +134,8 @@ def test_a_restart_from_durable_storage_lists_it_once_for_the_job(make_cluster, 
             c.close()
 
 
-def test_a_failed_store_makes_every_rank_raise_instead_of_hanging(make_cluster) -> None:
-    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
+def test_a_failed_store_makes_every_rank_raise_instead_of_hanging(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB")
     clients = connect(cluster, range(4), world=4, hosts=2, run_id="run-e")
     try:
         save(clients, range(1, 2))
@@ -145,8 +147,8 @@ def test_a_failed_store_makes_every_rank_raise_instead_of_hanging(make_cluster) 
             c.close()
 
 
-def test_a_group_that_is_not_the_jobs_is_refused(make_cluster) -> None:
-    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
+def test_a_group_that_is_not_the_jobs_is_refused(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB")
     (client,) = connect(cluster, [1], world=4, hosts=2)
     try:
         group = dist.ProcessGroupGloo(dist.PrefixStore("one", dist.HashStore()), 0, 1)
@@ -158,8 +160,8 @@ def test_a_group_that_is_not_the_jobs_is_refused(make_cluster) -> None:
         client.close()
 
 
-def test_ranks_given_each_others_group_members_all_raise_instead_of_hanging(make_cluster) -> None:
-    cluster = make_cluster(hosts=3, replicas=3, capacity="64MiB")
+def test_ranks_given_each_others_group_members_all_raise_instead_of_hanging(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=3, replicas=3, capacity="64MiB")
     clients = connect(cluster, range(3), world=3, hosts=3, run_id="run-f")
     try:
         swapped = [0, 2, 1]  # group member i is given to the client of rank swapped[i]: ranks 1 and 2 are mixed up

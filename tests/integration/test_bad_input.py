@@ -13,6 +13,7 @@ from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import insecure_channel
 from memstore.v1.integrity import MAX_CHUNK_BYTES, compute_checksums
+from tests.harness.inprocess import InProcessCluster
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
 from trainer_client.errors import CapacityExceededError, InvalidArgumentError, NoCheckpointError, NotFoundError
@@ -23,7 +24,7 @@ JOB = "bad-input"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
-    c = LocalCluster(hosts=2, replicas=2, capacity="64MiB", workdir=tmp_path_factory.mktemp("bad-input")).start()
+    c = InProcessCluster(hosts=2, replicas=2, capacity="64MiB", workdir=tmp_path_factory.mktemp("bad-input")).start()
     client = CheckpointClient(JOB, 0, 1, store=c.address("h0"))
     client.save(1, rank_state(0, 1)).wait(timeout=30)
     client.close()

@@ -82,8 +82,8 @@ def test_a_failed_background_commit_surfaces_from_wait_captured_and_wait(make_cl
         assert_same(client.load(2), state)
 
 
-def test_a_full_store_in_the_background_surfaces_from_wait(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(hosts=1, replicas=1, capacity="4MiB")
+def test_a_full_store_in_the_background_surfaces_from_wait(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="4MiB")
     state = big_state(1, mib=16)
     addr = cluster.address("h0")
     # Without shared memory the store sees the size only when the bytes arrive: the send fails in the background.
@@ -105,8 +105,8 @@ def test_a_full_store_in_the_background_surfaces_from_wait(make_cluster) -> None
         client.save(1, state, capture="enqueued")
 
 
-def test_invalid_capture_value_is_named(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(hosts=1, replicas=1, capacity="64MiB")
+def test_invalid_capture_value_is_named(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB")
     with CheckpointClient("cap-bad", 0, 1, store=cluster.address("h0")) as client:
         with pytest.raises(InvalidArgumentError, match="capture 'later' is invalid: expected 'copied' or 'enqueued'"):
             client.save(1, {"x": torch.ones(2)}, capture="later")
@@ -156,8 +156,8 @@ def test_gate_raises_a_failed_capture_once(make_cluster) -> None:  # type: ignor
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shm", "remote"])
-def test_map_location_meta_puts_every_tensor_there(make_cluster, shared: bool) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(hosts=1, replicas=1, capacity="256MiB")
+def test_map_location_meta_puts_every_tensor_there(make_inprocess_cluster, shared: bool) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="256MiB")
     state = big_state(3, mib=4)
     state["param"] = torch.nn.Parameter(torch.randn(3, 3))
     with CheckpointClient("cap-meta", 0, 1, store=cluster.address("h0"), use_shared_memory=shared) as client:
@@ -185,8 +185,8 @@ def _assert_meta_like(out: Any, ref: Any, path: str = "state") -> None:
         assert out == ref, path
 
 
-def test_bad_map_location_fails_before_anything_is_read(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(hosts=1, replicas=1, capacity="64MiB")
+def test_bad_map_location_fails_before_anything_is_read(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB")
     with CheckpointClient("cap-badloc", 0, 1, store=cluster.address("h0")) as client:
         for bad, named in (("gpu:0", "'gpu:0'"), (0, "0 (int)"), ("cuda:x", "'cuda:x'")):
             with pytest.raises(InvalidArgumentError, match="map_location") as err:

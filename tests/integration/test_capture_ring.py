@@ -46,11 +46,13 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_after_prepare_fifty_saves_register_nothing_while_a_peer_replicates(make_cluster: Any, fake_cuda: FakeCudaRuntime) -> None:
+def test_after_prepare_fifty_saves_register_nothing_while_a_peer_replicates(
+    make_inprocess_cluster: Any, fake_cuda: FakeCudaRuntime
+) -> None:
     """At a trainer's cadence (each save once retention has dropped what it drops: saves seconds apart, not the
     milliseconds of a test loop) the ring prepare() filled is all a rank ever needs: no registration, no fallback,
     nothing past a file's end, across 50 saves of both capture modes at R=2 (issue 25, item 2)."""
-    cluster = make_cluster(hosts=2, replicas=2, capacity="512MiB")
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="512MiB")
     with CheckpointClient("ring-steady", 0, 1, store=cluster.address("h0")) as client:
         client.prepare(tensors(0, 2 * MiB))
         warm = client.capture_stats.registrations
@@ -64,12 +66,12 @@ def test_after_prepare_fifty_saves_register_nothing_while_a_peer_replicates(make
 
 
 def test_saves_on_four_hosts_never_fall_back_while_peers_replicate_and_a_replacement_repairs(
-    make_cluster: Any, fake_cuda: FakeCudaRuntime
+    make_inprocess_cluster: Any, fake_cuda: FakeCudaRuntime
 ) -> None:
     """50 saves per rank as fast as they go, 3 ranks on 4 hosts with R=2, one host killed and replaced (repair) half
     way: no registration refused, no fallback. The ring grows past what prepare() filled only as far as retention
     falls behind (here: a loop of millisecond saves and a dead peer the janitor must time out on)."""
-    cluster = make_cluster(hosts=4, replicas=2, capacity="512MiB", discovery="file", extra_args=["--prefault", "16MiB"])
+    cluster = make_inprocess_cluster(hosts=4, replicas=2, capacity="512MiB", discovery="file", extra_args=["--prefault", "16MiB"])
     ranks, saves = 3, 50
     errors: list[BaseException] = []
     replaced = threading.Event()
@@ -112,7 +114,7 @@ def test_an_enqueued_save_makes_no_call_and_registers_nothing_on_the_callers_thr
 ) -> None:
     """After prepare(), save(capture="enqueued") finds its memory reserved, mapped and registered ahead: no Allocate,
     no mmap, no registration on the trainer's thread, for the first save as for the later ones (item 3)."""
-    cluster = make_cluster(hosts=2, replicas=2, capacity="2GiB")
+    cluster = make_cluster(hosts=2, replicas=2, capacity="2GiB")  # a process of its own: the stalls timed below exclude the store's work
     state = tensors(1, 256 * MiB, count=64)
     on_caller: list[str] = []
     caller = threading.current_thread()
@@ -150,8 +152,8 @@ def test_an_enqueued_save_makes_no_call_and_registers_nothing_on_the_callers_thr
         assert same(client.load(8), state)
 
 
-def test_a_registration_that_fails_once_is_retried_after_remapping(make_cluster: Any, fake_cuda: FakeCudaRuntime) -> None:
-    cluster = make_cluster(hosts=1, replicas=1, capacity="256MiB")
+def test_a_registration_that_fails_once_is_retried_after_remapping(make_inprocess_cluster: Any, fake_cuda: FakeCudaRuntime) -> None:
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="256MiB")
     fake_cuda.fail_next = [cuda.ERROR_INVALID_VALUE]
     with CheckpointClient("ring-retry", 0, 1, store=cluster.address("h0")) as client:
         client.save(1, tensors(1, 4 * MiB)).wait(30)
@@ -160,9 +162,9 @@ def test_a_registration_that_fails_once_is_retried_after_remapping(make_cluster:
 
 
 def test_a_fallback_is_counted_reported_and_refused_in_strict_mode(
-    make_cluster: Any, fake_cuda: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch
+    make_inprocess_cluster: Any, fake_cuda: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cluster = make_cluster(hosts=1, replicas=1, capacity="256MiB")
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="256MiB")
     fake_cuda.fail_next = [cuda.ERROR_INVALID_VALUE] * 2  # the registration and its retry
     with CheckpointClient("ring-fallback", 0, 1, store=cluster.address("h0")) as client:
         state = tensors(1, 4 * MiB)
@@ -187,12 +189,12 @@ def test_a_fallback_is_counted_reported_and_refused_in_strict_mode(
 
 
 def test_reserve_segments_trimmed_in_the_background_are_never_registered_past_their_end(
-    make_cluster: Any, fake_cuda: FakeCudaRuntime
+    make_inprocess_cluster: Any, fake_cuda: FakeCudaRuntime
 ) -> None:
     """The store hands out reserve segments larger than a shard and trims them in the background: the client maps and
     registers exactly the size allocated, so no registration reaches past the file's end (the H200 run: 4 of 8
     failed with "invalid argument" at 2 hosts, R=2)."""
-    cluster = make_cluster(hosts=2, replicas=2, capacity="512MiB", extra_args=["--prefault", "64MiB", "--prefault-unit", "32MiB"])
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="512MiB", extra_args=["--prefault", "64MiB", "--prefault-unit", "32MiB"])
     wait_for(lambda: health(cluster, "h0").reserve_bytes >= 64 * MiB, timeout=30, what="h0's reserve")
     with CheckpointClient("ring-trim", 0, 1, store=cluster.address("h0")) as client:
         for step, size in enumerate((20, 24, 20, 26, 20, 24, 20, 22), start=1):
@@ -218,10 +220,12 @@ def test_saves_faster_than_replication_supersede_older_ones_and_never_pile_up(ma
     assert h.saves_superseded == len(superseded)
 
 
-def test_a_restore_reads_the_ring_in_place_and_leaves_the_segment_in_the_ring(make_cluster: Any, fake_cuda: FakeCudaRuntime) -> None:
+def test_a_restore_reads_the_ring_in_place_and_leaves_the_segment_in_the_ring(
+    make_inprocess_cluster: Any, fake_cuda: FakeCudaRuntime
+) -> None:
     """A transient Open (a restore onto a device) does not take the segment out of the ring: the next saves still
     land in registered memory."""
-    cluster = make_cluster(hosts=1, replicas=1, capacity="256MiB")
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="256MiB")
     with CheckpointClient("ring-read", 0, 1, store=cluster.address("h0")) as client:
         client.prepare(tensors(0, 4 * MiB))
         for step in range(1, 8):

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_trainer_killed_right_after_save_loses_nothing(make_cluster) -> None:
-    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
+def test_trainer_killed_right_after_save_loses_nothing(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB")
     script = textwrap.dedent(
         f"""
         import os, signal, sys
@@ -49,8 +49,8 @@ def test_trainer_killed_right_after_save_loses_nothing(make_cluster) -> None:
         c.close()
 
 
-def test_corrupt_local_copy_is_discarded_and_peer_copy_used(make_cluster) -> None:
-    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
+def test_corrupt_local_copy_is_discarded_and_peer_copy_used(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB")
     c = CheckpointClient("corrupt", 0, 1, connection=Connection(cluster.address("h0")))
     try:
         c.save(1, rank_state(0, 1, scale=16)).wait(timeout=30)
@@ -67,8 +67,8 @@ def test_corrupt_local_copy_is_discarded_and_peer_copy_used(make_cluster) -> Non
         c.close()
 
 
-def test_path_without_shared_memory_uses_the_data_channel(make_cluster) -> None:
-    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB")
+def test_path_without_shared_memory_uses_the_data_channel(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB")
     c = CheckpointClient("remote", 0, 1, connection=Connection(cluster.address("h0"), shared_memory=False))
     try:
         assert not c.shared_memory
@@ -89,6 +89,7 @@ def test_path_without_shared_memory_uses_the_data_channel(make_cluster) -> None:
 
 def test_background_remote_saves_report_at_wait(make_cluster) -> None:
     """remote_save="background": save() returns after the staging copy; wait() reports the send and the commit."""
+    # A process per store: with the stores on the test's GIL, a send could lag until the next step superseded it.
     cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB")
     with CheckpointClient("bg", 0, 1, connection=Connection(cluster.address("h0"), shared_memory=False), remote_save="background") as c:
         handles = [c.save(step, rank_state(0, step, scale=8)) for step in (1, 2, 3)]  # at most two sends in flight
@@ -103,8 +104,8 @@ def test_background_remote_saves_report_at_wait(make_cluster) -> None:
         CheckpointClient("bg", 0, 1, connection=Connection(cluster.address("h0")), remote_save="later")
 
 
-def test_newer_save_does_not_wait_for_older_replication(make_cluster) -> None:
-    cluster = make_cluster(hosts=2, replicas=2, capacity="256MiB")
+def test_newer_save_does_not_wait_for_older_replication(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB")
     c = CheckpointClient("burst", 0, 1, connection=Connection(cluster.address("h0")))
     try:
         handles = [c.save(step, rank_state(0, step, scale=32)) for step in range(1, 6)]  # no waits in between
@@ -140,8 +141,8 @@ def test_replacement_adopts_verified_segments_and_discards_corrupt_ones(make_clu
         assert c2.last_load_source == "h1"  # the discarded copy came back from the peer, verified
 
 
-def test_zero_copy_restore_is_private_and_stable(make_cluster) -> None:
-    cluster = make_cluster(hosts=1, replicas=1, capacity="64MiB", keep=1)
+def test_zero_copy_restore_is_private_and_stable(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB", keep=1)
     c = CheckpointClient("zc", 0, 1, connection=Connection(cluster.address("h0")))
     try:
         c.save(1, rank_state(0, 1, scale=64)).wait(timeout=30)

@@ -310,8 +310,8 @@ def _drive_save(
 # ---------------------------------------------------------------------------------------------
 
 
-def test_save_load_round_trip_bit_exact(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(hosts=2, replicas=2)
+def test_save_load_round_trip_bit_exact(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h0"), "dcp-roundtrip"
     state = _train_state(3)
     writer = MemStoreWriter(job, connection=Connection(addr))
@@ -429,9 +429,9 @@ def test_metadata_with_legacy_sharded_tensor_properties_round_trips() -> None:
         decode_metadata(bad)
 
 
-def test_world_size_and_rank_come_from_the_saving_group(make_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_world_size_and_rank_come_from_the_saving_group(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
     """Writers without world_size/rank learn them from the coordinator's plans; explicit ones must agree with the group."""
-    cluster = make_cluster(hosts=2, replicas=2)
+    cluster = make_inprocess_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h0"), "dcp-world"
     states = [_train_state(r) for r in range(3)]
     timeline = _drive_save(job, 5, addr, states)  # three "ranks" in a process without a process group
@@ -453,8 +453,8 @@ def test_world_size_and_rank_come_from_the_saving_group(make_cluster) -> None:  
         other.write_data(plan, DefaultSavePlanner())
 
 
-def test_overwrite_false_refuses_a_restorable_step(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(hosts=2, replicas=2)
+def test_overwrite_false_refuses_a_restorable_step(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h1"), "dcp-overwrite"
     first, second = {"w": torch.arange(6.0)}, {"w": torch.arange(6.0) * 2}
     with warnings.catch_warnings(record=True) as seen:
@@ -480,9 +480,9 @@ def test_overwrite_false_refuses_a_restorable_step(make_cluster) -> None:  # typ
 
 
 @pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
-def test_ranks_that_resolved_different_saves_read_nothing(make_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_ranks_that_resolved_different_saves_read_nothing(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
     """A re-save completing between two ranks' read_metadata: the coordinator's version wins, the other rank reads nothing."""
-    cluster = make_cluster(hosts=1, replicas=1)
+    cluster = make_inprocess_cluster(hosts=1, replicas=1)
     addr, job = cluster.address("h0"), "dcp-load-race"
     dcp.save({"w": torch.ones(4)}, storage_writer=MemStoreWriter(job, 3, connection=Connection(addr)))
     readers = [MemStoreReader(job, 3, connection=Connection(addr)), MemStoreReader(job, 3, connection=Connection(addr))]
@@ -508,9 +508,9 @@ def test_ranks_that_resolved_different_saves_read_nothing(make_cluster) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
-def test_replayed_save_plan_is_refused(make_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_replayed_save_plan_is_refused(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
     """DefaultSavePlanner(enable_plan_caching=True) replays an earlier save's plan (its timeline): refused, never mixed."""
-    cluster = make_cluster(hosts=1, replicas=1)
+    cluster = make_inprocess_cluster(hosts=1, replicas=1)
     conn, job = Connection(cluster.address("h0")), "dcp-plan-cache"
     state = {"w": torch.arange(4.0)}
     try:
@@ -528,8 +528,8 @@ def test_replayed_save_plan_is_refused(make_cluster) -> None:  # type: ignore[no
         assert point is not None and point.step == 1
 
 
-def test_only_a_complete_step_is_visible(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(hosts=2, replicas=2)
+def test_only_a_complete_step_is_visible(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h0"), "dcp-incomplete"
     old, new = _train_state(1), _train_state(2)
     _drive_save(job, 1, addr, [old, old], explicit=True)  # two ranks, dcp.save's protocol by hand
@@ -567,10 +567,10 @@ def test_only_a_complete_step_is_visible(make_cluster) -> None:  # type: ignore[
         MemStoreReader("plain-job", connection=Connection(addr)).read_metadata()
 
 
-def test_async_save_thread_mode(make_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_async_save_thread_mode(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-    cluster = make_cluster(hosts=2, replicas=2)
+    cluster = make_inprocess_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h1"), "dcp-async-thread"
     state = _train_state(5)
     result = dcp.async_save(state, storage_writer=MemStoreWriter(job, 8, connection=Connection(addr)))
@@ -581,8 +581,8 @@ def test_async_save_thread_mode(make_cluster) -> None:  # type: ignore[no-untype
     assert_same(state, loaded)
 
 
-def test_async_save_process_mode(make_cluster, forkserver) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(hosts=2, replicas=2)
+def test_async_save_process_mode(make_inprocess_cluster, forkserver) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h0"), "dcp-async-process"
     run_ranks(_async_process_worker, 1, addr, job, 6, free_ports(1)[0])
     expected = _train_state(11)
@@ -591,8 +591,8 @@ def test_async_save_process_mode(make_cluster, forkserver) -> None:  # type: ign
     assert_same(expected, loaded)
 
 
-def test_resharding_two_ranks_to_one_and_four(make_cluster, forkserver) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(hosts=2, replicas=2)
+def test_resharding_two_ranks_to_one_and_four(make_inprocess_cluster, forkserver) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h0"), "dcp-reshard"
     run_ranks(_save_sharded_worker, 2, addr, job, 3, free_ports(1)[0])
 
@@ -615,7 +615,7 @@ def test_resharding_two_ranks_to_one_and_four(make_cluster, forkserver) -> None:
     run_ranks(_load_sharded_worker, 4, addr, job, free_ports(1)[0])
 
 
-def test_interrupted_resave_keeps_the_complete_version(make_cluster, forkserver) -> None:  # type: ignore[no-untyped-def]
+def test_interrupted_resave_keeps_the_complete_version(make_inprocess_cluster, forkserver) -> None:  # type: ignore[no-untyped-def]
     """Two gloo ranks re-save step 5, the coordinator fails in finish(): every rank still loads the old values of step 5."""
-    cluster = make_cluster(hosts=2, replicas=2)
+    cluster = make_inprocess_cluster(hosts=2, replicas=2)
     run_ranks(_resave_worker, 2, cluster.address("h0"), "dcp-resave", free_ports(1)[0])

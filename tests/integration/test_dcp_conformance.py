@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from memstore.devtools.cluster import LocalCluster, free_ports
+from tests.harness.inprocess import InProcessCluster
 from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_preloading, run_ranks
 from trainer_client.dcp import MemStoreReader, MemStoreWriter
 
@@ -98,7 +99,7 @@ class Backend:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[LocalCluster]:  # type: ignore[no-untyped-def]
-    c = LocalCluster(workdir=tmp_path_factory.mktemp("dcp-conformance"), hosts=2, replicas=2)
+    c = InProcessCluster(workdir=tmp_path_factory.mktemp("dcp-conformance"), hosts=2, replicas=2)
     c.start()
     try:
         yield c

@@ -10,6 +10,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow  # ~50 s on 2 cores; host loss under DDP stays in the default suite (test_exact_resume, test_recovery)
 def test_demo_survives_host_loss_bit_exactly() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "memstore", "demo", "--hosts", "3", "--steps", "12", "--kill-at", "6", "--model-size", "tiny"],

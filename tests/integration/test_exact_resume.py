@@ -72,6 +72,8 @@ def test_resume_is_bit_identical(make_cluster) -> None:
     reference_losses = train(model, opt, sched, loader, 0, STEPS)
     reference = {k: v.clone() for k, v in model.state_dict().items()}
 
+    # Stores in processes of their own: this test's point is the trainer's process-global state (its RNGs), which
+    # in-process stores would share (in a loaded random-order run, the in-process variant once diverged at step 13).
     cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB")
     client = CheckpointClient("exact", 0, 1, store=cluster.address("h0"))
     seed_all()

@@ -28,13 +28,14 @@ def torchrun(script: str, store: str, steps: int) -> str:
                 "--master-port", str(port), str(EXAMPLES / script), "--store", store, "--steps", str(steps)])  # fmt: skip
 
 
-def test_plain_loop(make_cluster) -> None:
-    store = make_cluster(hosts=2, replicas=2, capacity="64MiB").address("h0")
+def test_plain_loop(make_inprocess_cluster) -> None:
+    store = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB").address("h0")
     assert "done at step 6" in run([sys.executable, str(EXAMPLES / "plain_loop.py"), "--store", store, "--steps", "6"])
     out = run([sys.executable, str(EXAMPLES / "plain_loop.py"), "--store", store, "--steps", "10"])
     assert "resumed from step 6" in out and "done at step 10" in out
 
 
+@pytest.mark.slow  # two torchrun launches of two ranks each (~35 s on 2 cores); plain_loop stays in the default suite
 def test_ddp_torchrun(make_cluster) -> None:
     store = make_cluster(hosts=2, replicas=2, capacity="64MiB").address("h1")
     assert torchrun("ddp_torchrun.py", store, 4).count("done at step 4") == 2
@@ -42,6 +43,7 @@ def test_ddp_torchrun(make_cluster) -> None:
     assert out.count("resumed from step 4") == 2 and out.count("done at step 7") == 2
 
 
+@pytest.mark.slow  # as above; DCP through memstore stays in the default suite (test_dcp, test_dcp_conformance)
 def test_dcp_fsdp(make_cluster) -> None:
     store = make_cluster(hosts=2, replicas=2, capacity="64MiB").address("h0")
     assert torchrun("dcp_fsdp.py", store, 3).count("done at step 3") == 2

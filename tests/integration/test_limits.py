@@ -26,8 +26,8 @@ def steps_on(stub, job: str) -> list[int]:  # type: ignore[no-untyped-def]
     return sorted({s.manifest.key.step for s in stub.List(pb.ListRequest(job_id=job), timeout=5).shards})
 
 
-def test_job_quota_drops_older_steps_then_refuses_with_the_numbers(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB", keep=4, extra_args=["--job-quota", "8MiB"])
+def test_job_quota_drops_older_steps_then_refuses_with_the_numbers(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB", keep=4, extra_args=["--job-quota", "8MiB"])
     client = CheckpointClient("quota", 0, 1, store=cluster.address("h0"))
     skipper = CheckpointClient("quota", 0, 1, store=cluster.address("h0"), on_capacity="skip")
     ch0, stub0 = store_stub(cluster.address("h0"))
@@ -61,8 +61,8 @@ def test_job_quota_drops_older_steps_then_refuses_with_the_numbers(make_cluster)
         ch1.close()
 
 
-def test_transfers_per_sender_are_limited(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(hosts=1, replicas=1, capacity="64MiB", extra_args=["--max-streams-per-peer", "2"])
+def test_transfers_per_sender_are_limited(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB", extra_args=["--max-streams-per-peer", "2"])
     channel, stub = store_stub(cluster.address("h0"))
 
     def prepare(rank: int, sender: str, origin: int = pb.PUT_ORIGIN_REPLICA) -> pb.DataTicket:

@@ -27,12 +27,8 @@ def hello(cluster: LocalCluster, host: str) -> pb.HelloResponse:
         return stub.Hello(pb.HelloRequest(), timeout=10)
 
 
-def rpcs(cluster: LocalCluster, host: str) -> str:
-    return cluster.log_tail(host, 400)
-
-
-def test_a_client_on_the_machine_saves_and_loads_over_the_socket(make_cluster) -> None:
-    cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB")
+def test_a_client_on_the_machine_saves_and_loads_over_the_socket(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB")
     path = hello(cluster, "h0").control_socket
     assert path.endswith(".sock") and Path(path).is_socket()
     with CheckpointClient("lc", 0, 1, store=cluster.address("h0")) as c:
@@ -57,8 +53,8 @@ def test_a_client_on_the_machine_saves_and_loads_over_the_socket(make_cluster) -
     assert not Path(path).exists()  # the store removes its socket when it exits
 
 
-def test_garbage_on_the_socket_is_dropped_and_the_store_keeps_serving(make_cluster) -> None:
-    cluster = make_cluster(hosts=1, replicas=1, capacity="64MiB")
+def test_garbage_on_the_socket_is_dropped_and_the_store_keeps_serving(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB")
     path = hello(cluster, "h0").control_socket
     for junk in (b"\xff\xff\xff\xff" + b"x" * 16, struct.pack("<I", 3) + b"\x01\xff\xff", b"\x05\x00"):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -88,8 +84,8 @@ def test_garbage_on_the_socket_is_dropped_and_the_store_keeps_serving(make_clust
         c.save(1, {"x": torch.ones(3)}).wait(timeout=30)
 
 
-def test_without_the_socket_the_save_path_uses_grpc(make_cluster) -> None:
-    cluster = make_cluster(hosts=1, replicas=1, capacity="64MiB", extra_args=["--no-local-control"])
+def test_without_the_socket_the_save_path_uses_grpc(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB", extra_args=["--no-local-control"])
     assert hello(cluster, "h0").control_socket == ""
     with CheckpointClient("grpc", 0, 1, store=cluster.address("h0")) as c:
         assert c._local is None and c.shared_memory
@@ -97,8 +93,8 @@ def test_without_the_socket_the_save_path_uses_grpc(make_cluster) -> None:
         assert torch.equal(c.load(1)["x"], torch.ones(3))
 
 
-def test_a_client_falls_back_to_grpc_when_the_socket_goes_away(make_cluster) -> None:
-    cluster = make_cluster(hosts=1, replicas=1, capacity="64MiB")
+def test_a_client_falls_back_to_grpc_when_the_socket_goes_away(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB")
     with CheckpointClient("gone", 0, 1, store=cluster.address("h0")) as c:
         local = c._local
         assert local is not None

@@ -61,8 +61,8 @@ def assert_restores(cluster: LocalCluster, step: int, via: dict[int, str]) -> No
             assert_same(c.load(step), rank_state(rank, step))
 
 
-def test_replacement_under_a_new_name_restores_and_repairs(make_cluster) -> None:
-    cluster = make_cluster(hosts=HOSTS, replicas=2, capacity="256MiB", keep=3, discovery="file")
+def test_replacement_under_a_new_name_restores_and_repairs(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=HOSTS, replicas=2, capacity="256MiB", keep=3, discovery="file")
     save_steps(cluster, range(1, 4))
     assert slots(cluster, "h0") == ["h0", "h1", "h2", "h3"]
 
@@ -82,8 +82,8 @@ def test_replacement_under_a_new_name_restores_and_repairs(make_cluster) -> None
     assert_restores(cluster, 3, {r: "h9" if r < 4 else host_of(r) for r in range(WORLD)})
 
 
-def test_a_fifth_host_joins_while_saving(make_cluster) -> None:
-    cluster = make_cluster(hosts=HOSTS, replicas=2, capacity="256MiB", keep=3, discovery="file")
+def test_a_fifth_host_joins_while_saving(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=HOSTS, replicas=2, capacity="256MiB", keep=3, discovery="file")
     save_steps(cluster, range(1, 3))
     seen: list[int] = []
     errors: list[str] = []
@@ -145,8 +145,8 @@ def test_drain_with_one_replica_and_a_spill_target_keeps_every_step(make_cluster
     assert "drain" in cluster.log_tail("h1", 80)
 
 
-def test_a_second_store_with_a_live_host_id_is_refused(make_cluster) -> None:
-    cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB", discovery="file")
+def test_a_second_store_with_a_live_host_id_is_refused(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB", discovery="file")
     save_steps_small(cluster)
     (port,) = free_ports(1)
     proc = subprocess.run(
@@ -168,8 +168,8 @@ def save_steps_small(cluster: LocalCluster) -> None:
             assert c.save(1, rank_state(rank, 1)).wait(timeout=30).copies == 2
 
 
-def test_a_garbage_peers_file_keeps_the_last_good_membership(make_cluster) -> None:
-    cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB", discovery="file")
+def test_a_garbage_peers_file_keeps_the_last_good_membership(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB", discovery="file")
     save_steps_small(cluster)
     good = cluster.peers_file.read_text()
     cluster.peers_file.write_text('{"hosts": {"h0": "127.0.0.1:notaport"')

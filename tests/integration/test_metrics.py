@@ -69,10 +69,10 @@ def total(found: Samples, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in found.items() if n == name and want <= ls)
 
 
-def test_series_follow_a_save_a_spill_a_refused_call_a_lost_host_and_a_restore(make_cluster, tmp_path: Path) -> None:
+def test_series_follow_a_save_a_spill_a_refused_call_a_lost_host_and_a_restore(make_inprocess_cluster, tmp_path: Path) -> None:
     spill = tmp_path / "spill"
     # 4 hosts, R=2: groups {h0, h1} and {h2, h3}. The trainer saves through h0; h2 restores after h0 is lost.
-    cluster: LocalCluster = make_cluster(
+    cluster: LocalCluster = make_inprocess_cluster(
         hosts=4, replicas=2, capacity="64MiB", metrics=True, extra_args=["--spill", f"file://{spill}", "--spill-every-steps", "1"]
     )
     # ready once a first repair pass has confirmed the slot (serving comes a moment earlier)
@@ -174,7 +174,7 @@ def dashboard_exprs() -> list[str]:
     return exprs
 
 
-def test_monitoring_files_parse_and_reference_only_exported_series(make_cluster) -> None:
+def test_monitoring_files_parse_and_reference_only_exported_series(make_inprocess_cluster) -> None:
     rules = alert_rules()
     names = {r["alert"] for r in rules}
     expected = {"MemstoreDown", "MemstoreUnderReplicated", "MemstoreSpillStale", "MemstoreMemoryHigh", "MemstoreSlotVacant",
@@ -191,7 +191,7 @@ def test_monitoring_files_parse_and_reference_only_exported_series(make_cluster)
     assert len(exprs) >= 20
     used = {m for e in [str(r["expr"]) for r in rules] + exprs for m in METRIC.findall(e)}
 
-    cluster: LocalCluster = make_cluster(hosts=1, replicas=1, capacity="16MiB", metrics=True)
+    cluster: LocalCluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="16MiB", metrics=True)
     exported = exported_names(scrape_text(cluster, "h0"))
     assert used, "the files reference memstore series"
     assert used <= exported, f"referenced but not exported: {sorted(used - exported)}"

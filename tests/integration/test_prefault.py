@@ -38,8 +38,8 @@ def state(step: int) -> dict[str, torch.Tensor]:
     return {"w": torch.full((4 * MiB // 4,), float(step))}  # 4 MiB
 
 
-def test_saves_take_prefaulted_segments_and_the_next_one_is_mapped_ahead(make_cluster) -> None:
-    cluster = make_cluster(hosts=2, replicas=2, capacity="256MiB", extra_args=["--prefault", "32MiB", "--prefault-unit", "4MiB"])
+def test_saves_take_prefaulted_segments_and_the_next_one_is_mapped_ahead(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB", extra_args=["--prefault", "32MiB", "--prefault-unit", "4MiB"])
     for host in ("h0", "h1"):
         wait_for(lambda host=host: settled(cluster, host), timeout=30, what=f"{host}'s reserve faulted in")
     h = health(cluster, "h0")
@@ -65,8 +65,8 @@ def test_saves_take_prefaulted_segments_and_the_next_one_is_mapped_ahead(make_cl
         c.close()
 
 
-def test_auto_reserve_fills_after_the_first_shard(make_cluster) -> None:
-    cluster = make_cluster(hosts=2, replicas=2, capacity="256MiB")  # --prefault auto (the default)
+def test_auto_reserve_fills_after_the_first_shard(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB")  # --prefault auto (the default)
     assert health(cluster, "h0").reserve_bytes == 0  # nothing faulted in before a job saves
     c = CheckpointClient("auto", 0, 1, store=cluster.address("h0"))
     try:
@@ -81,8 +81,8 @@ def test_auto_reserve_fills_after_the_first_shard(make_cluster) -> None:
         c.close()
 
 
-def test_prefault_off_keeps_nothing(make_cluster) -> None:
-    cluster = make_cluster(hosts=1, replicas=1, capacity="64MiB", extra_args=["--prefault", "0"])
+def test_prefault_off_keeps_nothing(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB", extra_args=["--prefault", "0"])
     c = CheckpointClient("off", 0, 1, store=cluster.address("h0"))
     try:
         c.save(1, state(1)).wait(timeout=30)
@@ -91,12 +91,12 @@ def test_prefault_off_keeps_nothing(make_cluster) -> None:
         c.close()
 
 
-def test_a_failed_reservation_ahead_only_costs_the_reservation(make_cluster) -> None:
+def test_a_failed_reservation_ahead_only_costs_the_reservation(make_inprocess_cluster) -> None:
     """The next save's segment is reserved and mapped on the ring's thread; if that failed (the store was briefly
     full, the mapping failed), the save allocates and maps its memory itself instead of failing."""
     from concurrent.futures import Future
 
-    cluster = make_cluster(hosts=1, replicas=1, capacity="128MiB", extra_args=["--prefault", "32MiB", "--prefault-unit", "4MiB"])
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="128MiB", extra_args=["--prefault", "32MiB", "--prefault-unit", "4MiB"])
     wait_for(lambda: settled(cluster, "h0"), timeout=30, what="reserve faulted in")
     with CheckpointClient("pf-race", 0, 1, store=cluster.address("h0")) as c:
         c.save(1, state(1)).wait(timeout=30)

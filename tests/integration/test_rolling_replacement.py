@@ -60,6 +60,7 @@ def test_first_pod_waits_for_its_dns_records(dns_server: DnsServer, tmp_path: Pa
         pods.close()
 
 
+@pytest.mark.slow  # every store replaced in turn (~27 s on 2 cores); test_readiness_waits_for_repair keeps one replacement
 def test_rolling_replacement_loses_no_committed_step(dns_server: DnsServer, tmp_path: Path) -> None:
     """Every store is replaced one at a time (drain, new pod, wait for Ready) while three ranks keep saving."""
     job, world = "rolling-job", 3

@@ -146,7 +146,7 @@ def test_data_channel_tickets_are_one_time(secured: LocalCluster) -> None:
         assert not any(t in log for t in (CLUSTER, ADMIN, *TOKENS.values()))
 
 
-def test_mutual_tls_with_tokens(make_cluster, tmp_path: Path) -> None:
+def test_mutual_tls_with_tokens(make_inprocess_cluster, tmp_path: Path) -> None:
     tls = make_tls(tmp_path / "tls")
     other = make_tls(tmp_path / "other", name="stranger")  # a CA the stores do not trust
     (tmp_path / "cluster.token").write_text(CLUSTER)
@@ -154,7 +154,7 @@ def test_mutual_tls_with_tokens(make_cluster, tmp_path: Path) -> None:
     args = ["--auth-token-file", str(tmp_path / "cluster.token"), "--tls-ca", server.ca, "--tls-cert", server.cert, "--tls-key", server.key]
     client = tls["client"]
     creds = Credentials(token=CLUSTER, ca=client.ca, cert=client.cert, key=client.key)
-    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=args, credentials=creds)
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=args, credentials=creds)
     tls_kwargs = {"tls_ca": client.ca, "tls_cert": client.cert, "tls_key": client.key}
     with CheckpointClient("tls-job", 0, 1, store=cluster.address("h0"), auth_token=CLUSTER, run_id="r", timeout=20, **tls_kwargs) as c:
         assert c.save(1, rank_state(0, 1)).wait(timeout=30).copies == 2  # the copy went to h1 over the TLS data channel
@@ -181,7 +181,7 @@ def test_mutual_tls_with_tokens(make_cluster, tmp_path: Path) -> None:
         assert answer == b""
 
 
-def test_tls_checks_a_fixed_server_name_not_the_address(make_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tls_checks_a_fixed_server_name_not_the_address(make_inprocess_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Kubernetes dials stores by pod IPs that change: one certificate names the Service, --tls-server-name checks that."""
     name = "memstore-peers.memstore.svc"
     tls = make_tls(tmp_path / "tls", hosts=(name,))  # no IP in the certificate
@@ -190,7 +190,7 @@ def test_tls_checks_a_fixed_server_name_not_the_address(make_cluster, tmp_path: 
     args = ["--auth-token-file", str(tmp_path / "cluster.token"), "--tls-ca", server.ca, "--tls-cert", server.cert,
             "--tls-key", server.key, "--tls-server-name", name]  # fmt: skip
     creds = Credentials(token=CLUSTER, ca=client.ca, cert=client.cert, key=client.key, server_name=name)
-    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=args, credentials=creds)
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=args, credentials=creds)
     tls_kwargs = {"tls_ca": client.ca, "tls_cert": client.cert, "tls_key": client.key}
     with pytest.raises(StoreUnavailableError):  # checked for 127.0.0.1, which the certificate does not name
         CheckpointClient("tls-job", 0, 1, store=cluster.address("h0"), auth_token=CLUSTER, timeout=3, **tls_kwargs)
@@ -243,11 +243,11 @@ def test_local_cluster_and_cli_with_a_token(tmp_path: Path) -> None:
         proc.wait(timeout=60)
 
 
-def test_data_channel_connections_per_address_are_bounded(make_cluster) -> None:
+def test_data_channel_connections_per_address_are_bounded(make_inprocess_cluster) -> None:
     """Idle connections holding the data port cannot pile up: beyond the limit a new one is closed at once."""
     from memstore.server.dataserver import MAX_CONNECTIONS_PER_ADDRESS
 
-    cluster = make_cluster(hosts=1, replicas=1, capacity="32MiB")
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="32MiB")
     port = hello_data_port(cluster, Credentials())
     idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CONNECTIONS_PER_ADDRESS)]
     try:

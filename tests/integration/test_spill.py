@@ -1,4 +1,4 @@
-"""The durable tier against real store processes: file:// and S3 (moto server on 127.0.0.1)."""
+"""The durable tier against real stores (in process where no SIGKILL is needed): file:// and S3 (moto server on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def restart_everything_and_check(cluster: LocalCluster, job: str, step: int) -> 
             assert c.last_load_source in ("durable", "h0", "h1")  # RAM empty: durable, or a peer that pulled it first
 
 
-def test_full_cluster_restart_from_file_spill(make_cluster, tmp_path) -> None:
+def test_full_cluster_restart_from_file_spill(make_inprocess_cluster, tmp_path) -> None:
     root = tmp_path / "spill"
-    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB",
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB",
                            extra_args=["--spill", f"file://{root}", "--spill-every-steps", "2", "--spill-keep-last", "2"])  # fmt: skip
     save_steps(cluster, "fs-job", range(1, 6))
     wait_for(lambda: {2, 4} <= complete_steps(root, "fs-job"), timeout=30, what="steps 2 and 4 spilled")
@@ -84,7 +84,7 @@ def test_half_written_spill_is_invisible_and_the_next_succeeds(make_cluster, tmp
     cluster = make_cluster(hosts=2, replicas=2, capacity="256MiB", extra_args=args)
     save_steps(cluster, "half", range(1, 2), scale=400)  # ~6 MiB per rank: a few seconds per shard at 2 MiB/s
     wait_for(lambda: list(root.glob("half/step-*/rank-*.shard.tmp-*")), timeout=30, what="a spill in progress")
-    cluster.kill("h0")
+    cluster.kill("h0")  # SIGKILL mid-spill (an in-process stop would let the spill finish)
     assert 1 not in complete_steps(root, "half")  # nothing half-written is visible as a checkpoint
     assert not list(root.glob("half/step-000000000001/rank-00000[01].json"))
     cluster.restart("h0")  # empty RAM: its ranks' step 1 comes back from h1 by repair
@@ -93,13 +93,13 @@ def test_half_written_spill_is_invisible_and_the_next_succeeds(make_cluster, tmp
     wait_for(lambda: not list(root.glob("half/step-*/*.tmp-*")), timeout=30, what="debris of the killed spill removed")
 
 
-def test_retention_keep_last_and_best_exact_over_20_steps(make_cluster, tmp_path) -> None:
+def test_retention_keep_last_and_best_exact_over_20_steps(make_inprocess_cluster, tmp_path) -> None:
     root = tmp_path / "spill"
     losses = {s: 10.0 - (s % 7) * 0.5 + 0.01 * s for s in range(1, 21)}
     best = sorted(losses, key=lambda s: losses[s])[:2]
     args = ["--spill", f"file://{root}", "--spill-every-steps", "1", "--spill-keep-last", "3", "--spill-keep-best", "2",
             "--spill-metric", "loss", "--spill-metric-mode", "min"]  # fmt: skip
-    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=args)
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=args)
     for step in range(1, 21):
         save_steps(cluster, "ret", range(step, step + 1), metrics=losses)
         wait_for(lambda s=step: s in complete_steps(root, "ret"), timeout=30, what=f"step {step} spilled")
@@ -110,6 +110,7 @@ def test_retention_keep_last_and_best_exact_over_20_steps(make_cluster, tmp_path
     assert manifest["metrics"] == {"loss": losses[20]}
 
 
+@pytest.mark.slow  # storage down, then back, with the spiller's backoff between (~40 s on 2 cores)
 def test_storage_outage_is_retried_and_saves_are_unaffected(make_cluster, moto) -> None:
     cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", env=moto.env,
                            extra_args=["--spill", "s3://ckpt/outage", "--spill-every-steps", "1"])  # fmt: skip
@@ -175,11 +176,12 @@ def test_two_failures_in_one_group_fall_back_to_durable(make_cluster, tmp_path) 
         assert c.last_load_source == "durable"
 
 
-def test_compression_is_chosen_per_job(make_cluster, tmp_path) -> None:
+def test_compression_is_chosen_per_job(make_inprocess_cluster, tmp_path) -> None:
     from trainer_client.errors import InvalidArgumentError
 
     root = tmp_path / "spill"
-    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=["--spill", f"file://{root}", "--spill-every-steps", "1"])
+    args = ["--spill", f"file://{root}", "--spill-every-steps", "1"]
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=args)
     with CheckpointClient("zjob", 0, 1, store=cluster.address("h0"), spill_compression="zstd-shuffle4") as c:
         c.save(1, rank_state(0, 1, scale=32)).wait(timeout=30)
     with CheckpointClient("plain", 0, 1, store=cluster.address("h0")) as c:

@@ -49,8 +49,8 @@ def versions_on(cluster: LocalCluster, host: str) -> set[tuple[int, str]]:
     return {(i.manifest.key.step, i.manifest.key.timeline) for i in resp.shards}
 
 
-def test_partial_resave_after_rollback_never_mixes(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(hosts=4, replicas=2, capacity="256MiB", keep=3)
+def test_partial_resave_after_rollback_never_mixes(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=4, replicas=2, capacity="256MiB", keep=3)
     cs = clients(cluster)
     for step in (1, 2, 3):
         save_all(cs, step)
@@ -83,11 +83,11 @@ def test_partial_resave_after_rollback_never_mixes(make_cluster) -> None:  # typ
         c.close()
 
 
-def test_group_loss_resume_from_older_step_resave_and_wait(make_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_group_loss_resume_from_older_step_resave_and_wait(make_inprocess_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The chaos run's sequence: a whole group is lost, the job resumes from an older (durable) step, re-saves, waits."""
     durable = tmp_path / "durable"
     args = ["--spill", f"file://{durable}", "--spill-every-steps", "4", "--spill-keep-last", "3", "--repair-interval", "0.5"]
-    cluster = make_cluster(hosts=4, replicas=2, capacity="256MiB", keep=2, extra_args=args)
+    cluster = make_inprocess_cluster(hosts=4, replicas=2, capacity="256MiB", keep=2, extra_args=args)
     cs = clients(cluster)
     for step in range(1, 7):
         save_all(cs, step)
@@ -120,8 +120,8 @@ def test_group_loss_resume_from_older_step_resave_and_wait(make_cluster, tmp_pat
         c.close()
 
 
-def test_ranks_that_never_agree_are_told_why(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB")
+def test_ranks_that_never_agree_are_told_why(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB")
     cs = [CheckpointClient(JOB, r, 2, store=cluster.address(f"h{r}"), run_id=f"run-of-rank-{r}") for r in range(2)]
     for r, c in enumerate(cs):
         c.save(1, state(1, r)).wait(timeout=30)
@@ -147,7 +147,7 @@ def test_resaves_after_a_group_loss_outrank_the_abandoned_higher_steps(make_clus
     """
     durable = tmp_path / "durable"
     args = ["--spill", f"file://{durable}", "--spill-every-steps", "4", "--spill-keep-last", "3", "--repair-interval", "0.5"]
-    cluster = make_cluster(hosts=4, replicas=2, capacity="256MiB", keep=2, extra_args=args)
+    cluster = make_cluster(hosts=4, replicas=2, capacity="256MiB", keep=2, extra_args=args)  # two hosts SIGKILLed at once
     cs = clients(cluster)
     for step in range(1, 12):
         save_all(cs, step)
@@ -176,10 +176,10 @@ def test_resaves_after_a_group_loss_outrank_the_abandoned_higher_steps(make_clus
         c.close()
 
 
-def test_a_failed_save_retried_keeps_the_rank_on_the_job_timeline(make_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_a_failed_save_retried_keeps_the_rank_on_the_job_timeline(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
     from trainer_client.errors import SerializationError
 
-    cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB")
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB")
     cs = [CheckpointClient(JOB, r, 2, store=cluster.address(f"h{r}"), run_id="retry") for r in range(2)]
     for r, c in enumerate(cs):
         c.save(1, state(1, r)).wait(timeout=30)

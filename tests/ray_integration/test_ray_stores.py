@@ -1,7 +1,9 @@
 """memstore on a Ray cluster: a store actor per node, saves from tasks, a node lost, a node added, a node drained.
 
-One 4-node cluster (a head without CPUs, three 1-CPU workers) runs the scenario in order; each test
-asserts one step of it on the state the previous ones left.
+One 4-node cluster (a head without CPUs, three 1-CPU workers) runs one scenario: stores started, a node lost,
+a new node in its slot, a node drained, every store stopped. Each step needs the state the ones before it leave,
+so a test asks the module's ``Scenario`` to reach its step: the steps not yet run run first, in order, with
+their assertions. Any test passes alone and in any order (the ones reached earlier are not run twice).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ pytestmark = pytest.mark.ray
 
 JOB = "ray-job"
 SETTINGS: dict[str, Any] = {"discovery_interval": 0.5, "repair_interval": 0.5, "keep": 3}
-SHARED: dict[str, Any] = {}  # what one step of the scenario leaves for the next
 
 
 def on(node_id: str) -> dict[str, Any]:
@@ -99,15 +100,114 @@ def start_stores(ray_cluster: RayCluster) -> dict[str, str]:
     return mray.ensure_stores(replicas=2, capacity="128MiB", config={**SETTINGS, "shm_dir": ray_cluster.shm_dir}, timeout=60)
 
 
-def test_one_store_per_node_found_from_tasks(ray_cluster: RayCluster) -> None:
-    addresses = start_stores(ray_cluster)
-    alive = set(gcs.alive_nodes())
-    assert set(addresses) == alive and len(alive) == 4  # the head and three workers
-    assert start_stores(ray_cluster) == addresses  # idempotent: the same actors, nothing restarted
-    for node_id in alive:
-        assert ray.get(store_here.options(**on(node_id)).remote()) == (node_id, addresses[node_id])
-    wait_for(lambda: converged(addresses, {host_id_for(n) for n in alive}), 30, what="every store to list all four")
-    SHARED["addresses"] = addresses
+class Scenario:
+    """The module's one scenario on its Ray cluster; each method is a step, asserting what it did."""
+
+    STEPS = ("started", "lost", "replaced", "drained", "stopped")
+
+    def __init__(self, ray_cluster: RayCluster) -> None:
+        self.ray_cluster = ray_cluster
+        self.done: list[str] = []
+        self.failed = ""
+        self.addresses: dict[str, str] = {}  # node id -> store address of the stores started
+        self.survivors: dict[str, str] = {}  # the same, after the lost node
+        self.world = 0
+
+    def reach(self, step: str) -> None:
+        """Run every step up to ``step`` that has not run yet; a step that failed fails every later request."""
+        if self.failed:
+            pytest.fail(f"the scenario failed earlier, at step {self.failed!r}")
+        for name in self.STEPS[: self.STEPS.index(step) + 1]:
+            if name in self.done:
+                continue
+            try:
+                getattr(self, name)()
+            except BaseException:
+                self.failed = name
+                raise
+            self.done.append(name)
+
+    def started(self) -> None:
+        """One store per node, found from tasks on that node."""
+        ray_cluster = self.ray_cluster
+        addresses = start_stores(ray_cluster)
+        alive = set(gcs.alive_nodes())
+        assert set(addresses) == alive and len(alive) == 4  # the head and three workers
+        assert start_stores(ray_cluster) == addresses  # idempotent: the same actors, nothing restarted
+        for node_id in alive:
+            assert ray.get(store_here.options(**on(node_id)).remote()) == (node_id, addresses[node_id])
+        wait_for(lambda: converged(addresses, {host_id_for(n) for n in alive}), 30, what="every store to list all four")
+        self.addresses = addresses
+
+    def lost(self) -> None:
+        """A lost node's shards restore bit-exact from the survivors, which vacate its slot."""
+        ray_cluster, addresses = self.ray_cluster, self.addresses
+        nodes = [n.node_id for n in ray_cluster.workers]
+        world = len(nodes)
+        hosts = ray.get([save_rank.options(**on(n)).remote(rank, world, [1, 2]) for rank, n in enumerate(nodes)])
+        assert hosts == [host_id_for(n) for n in nodes]
+        lost = ray_cluster.workers[-1]
+        lost_id = lost.node_id
+        ray_cluster.kill(lost)
+        survivors = {n: a for n, a in addresses.items() if n != lost_id}
+        wait_for(lambda: lost_id not in gcs.alive_nodes(), 30, what="Ray to declare the killed node dead")
+        for rank in range(world):  # every rank, the lost node's included, from a survivor's store
+            reader = nodes[(rank + 1) % (world - 1)]
+            assert ray.get(load_rank.options(**on(reader)).remote(rank, world, 2)) != host_id_for(lost_id)
+        wait_for(lambda: converged(survivors, {host_id_for(n) for n in survivors}), 30, what="the survivors to vacate the lost slot")
+        self.world, self.survivors = world, survivors
+
+    def replaced(self) -> None:
+        """A new node takes the vacant slot, and only it, and repairs the shards of that slot."""
+        ray_cluster, world = self.ray_cluster, self.world
+        lost_slot = slot_holders(next(iter(self.survivors.values())))
+        new = ray_cluster.add_node()
+        ray_cluster.cluster.wait_for_nodes()
+        addresses = start_stores(ray_cluster)  # starts only the missing store
+        assert {n: a for n, a in addresses.items() if n in self.survivors} == self.survivors
+        new_host = host_id_for(new.node_id)
+        expected = [new_host if h == "" else h for h in lost_slot]  # the vacant slot, and no other, is taken
+        wait_for(lambda: all(slot_holders(a) == expected for a in addresses.values()), 30, what=f"{new_host} to take the vacant slot")
+        # At least R copies of every rank (a stand-in copy made while the slot was vacant may stay until retention drops the step).
+        wait_for(lambda: all(copies(addresses, 2).get(r, 0) >= 2 for r in range(world)), 60, what="every rank of step 2 to have 2 copies")
+        # The lost rank's shard lives on the node of its slot again.
+        wait_for(lambda: world - 1 in held(addresses[new.node_id], 2), 60, what=f"{new_host} to repair its slot's shards")
+        ray.get(load_rank.options(**on(new.node_id)).remote(world - 1, world, 2))  # the lost rank restores there, bit-exact
+        self.addresses = addresses
+
+    def drained(self) -> None:
+        """A node drained by Ray's autoscaler call leaves the registry and the slot table, and no shard is lost."""
+        ray_cluster, addresses, world = self.ray_cluster, self.addresses, self.world
+        victim = ray_cluster.workers[0]
+        gcs_client = ray._private.worker.global_worker.gcs_client  # what the autoscaler calls before it scales a node down
+
+        accepted, why = gcs_client.drain_node(
+            victim.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "test", int(time.time() * 1000) + 60_000
+        )
+        assert accepted, why
+        wait_for(lambda: victim.node_id not in mray.store_addresses(), 30, what="the drained store to leave the registry")
+        assert health(addresses[victim.node_id]).draining  # it says so to readiness probes and `memstore status`
+        rest = {n: a for n, a in addresses.items() if n != victim.node_id}
+        wait_for(lambda: converged(rest, {host_id_for(n) for n in rest}), 30, what="the others to vacate the drained slot")
+        ray_cluster.kill(victim)
+        wait_for(lambda: victim.node_id not in gcs.alive_nodes(), 30, what="Ray to declare the drained node dead")
+        readers = [n.node_id for n in ray_cluster.workers]
+        for rank in range(world):
+            ray.get(load_rank.options(**on(readers[rank % len(readers)])).remote(rank, world, 2))
+
+    def stopped(self) -> None:
+        """stop_stores stops the store actor of every live node."""
+        assert mray.stop_stores() == len(gcs.alive_nodes())
+        assert mray.store_addresses() == {}
+
+
+@pytest.fixture(scope="module")
+def scenario(ray_cluster: RayCluster) -> Scenario:
+    return Scenario(ray_cluster)
+
+
+def test_one_store_per_node_found_from_tasks(scenario: Scenario) -> None:
+    scenario.reach("started")
 
 
 def test_bad_settings_are_refused_in_the_caller(ray_cluster: RayCluster) -> None:
@@ -131,63 +231,17 @@ def store_here_in(namespace: str) -> str:
         raise RayStoreError(str(exc)) from None
 
 
-def test_a_lost_node_restores_bit_exact_on_the_survivors(ray_cluster: RayCluster) -> None:
-    addresses = SHARED["addresses"]
-    nodes = [n.node_id for n in ray_cluster.workers]
-    world = len(nodes)
-    hosts = ray.get([save_rank.options(**on(n)).remote(rank, world, [1, 2]) for rank, n in enumerate(nodes)])
-    assert hosts == [host_id_for(n) for n in nodes]
-    lost = ray_cluster.workers[-1]
-    lost_id = lost.node_id
-    ray_cluster.kill(lost)
-    survivors = {n: a for n, a in addresses.items() if n != lost_id}
-    wait_for(lambda: lost_id not in gcs.alive_nodes(), 30, what="Ray to declare the killed node dead")
-    for rank in range(world):  # every rank, the lost node's included, from a survivor's store
-        reader = nodes[(rank + 1) % (world - 1)]
-        assert ray.get(load_rank.options(**on(reader)).remote(rank, world, 2)) != host_id_for(lost_id)
-    wait_for(lambda: converged(survivors, {host_id_for(n) for n in survivors}), 30, what="the survivors to vacate the lost slot")
-    SHARED.update(lost=lost_id, world=world, survivors=survivors)
+def test_a_lost_node_restores_bit_exact_on_the_survivors(scenario: Scenario) -> None:
+    scenario.reach("lost")
 
 
-def test_a_new_node_takes_the_lost_slot_and_repairs(ray_cluster: RayCluster) -> None:
-    world = SHARED["world"]
-    lost_slot = slot_holders(next(iter(SHARED["survivors"].values())))
-    new = ray_cluster.add_node()
-    ray_cluster.cluster.wait_for_nodes()
-    addresses = start_stores(ray_cluster)  # starts only the missing store
-    assert {n: a for n, a in addresses.items() if n in SHARED["survivors"]} == SHARED["survivors"]
-    new_host = host_id_for(new.node_id)
-    expected = [new_host if h == "" else h for h in lost_slot]  # the vacant slot, and no other, is taken
-    wait_for(lambda: all(slot_holders(a) == expected for a in addresses.values()), 30, what=f"{new_host} to take the vacant slot")
-    # At least R copies of every rank (a stand-in copy made while the slot was vacant may stay until retention drops the step).
-    wait_for(lambda: all(copies(addresses, 2).get(r, 0) >= 2 for r in range(world)), 60, what="every rank of step 2 to have 2 copies")
-    # The lost rank's shard lives on the node of its slot again.
-    wait_for(lambda: world - 1 in held(addresses[new.node_id], 2), 60, what=f"{new_host} to repair its slot's shards")
-    ray.get(load_rank.options(**on(new.node_id)).remote(world - 1, world, 2))  # the lost rank restores there, bit-exact
-    SHARED["addresses"] = addresses
+def test_a_new_node_takes_the_lost_slot_and_repairs(scenario: Scenario) -> None:
+    scenario.reach("replaced")
 
 
-def test_a_drained_node_leaves_and_loses_nothing(ray_cluster: RayCluster) -> None:
-    addresses = SHARED["addresses"]
-    world = SHARED["world"]
-    victim = ray_cluster.workers[0]
-    gcs_client = ray._private.worker.global_worker.gcs_client  # what the autoscaler calls before it scales a node down
-
-    accepted, why = gcs_client.drain_node(
-        victim.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "test", int(time.time() * 1000) + 60_000
-    )
-    assert accepted, why
-    wait_for(lambda: victim.node_id not in mray.store_addresses(), 30, what="the drained store to leave the registry")
-    assert health(addresses[victim.node_id]).draining  # it says so to readiness probes and `memstore status`
-    rest = {n: a for n, a in addresses.items() if n != victim.node_id}
-    wait_for(lambda: converged(rest, {host_id_for(n) for n in rest}), 30, what="the others to vacate the drained slot")
-    ray_cluster.kill(victim)
-    wait_for(lambda: victim.node_id not in gcs.alive_nodes(), 30, what="Ray to declare the drained node dead")
-    readers = [n.node_id for n in ray_cluster.workers]
-    for rank in range(world):
-        ray.get(load_rank.options(**on(readers[rank % len(readers)])).remote(rank, world, 2))
+def test_a_drained_node_leaves_and_loses_nothing(scenario: Scenario) -> None:
+    scenario.reach("drained")
 
 
-def test_stop_stores_stops_every_actor(ray_cluster: RayCluster) -> None:
-    assert mray.stop_stores() == len(gcs.alive_nodes())
-    assert mray.store_addresses() == {}
+def test_stop_stores_stops_every_actor(scenario: Scenario) -> None:
+    scenario.reach("stopped")

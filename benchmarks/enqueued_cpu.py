@@ -20,7 +20,7 @@ import torch
 
 from memstore.core.sizes import parse_size
 from memstore.devtools.cluster import LocalCluster
-from trainer_client import CheckpointClient
+from trainer_client import CheckpointClient, Connection
 
 
 def timed_saves(client: CheckpointClient, state: Any, saves: int) -> tuple[list[float], list[float]]:
@@ -38,7 +38,7 @@ def timed_saves(client: CheckpointClient, state: Any, saves: int) -> tuple[list[
 
 
 def run(address: str, job: str, state: dict[str, torch.Tensor], saves: int, prepare: bool) -> dict[str, Any]:
-    with CheckpointClient(job, 0, 1, store=address) as client:
+    with CheckpointClient(job, 0, 1, connection=Connection(address)) as client:
         prepared = 0.0
         if prepare:
             t0 = time.perf_counter()

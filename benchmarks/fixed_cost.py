@@ -16,7 +16,7 @@ import torch
 
 from memstore.core.sizes import parse_size
 from memstore.devtools.cluster import LocalCluster
-from trainer_client import CheckpointClient
+from trainer_client import CheckpointClient, Connection
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     state = {"w": torch.randn(max(1, size // 4))}
     with LocalCluster(hosts=2, replicas=2, capacity="1GiB") as cluster:
         cluster.start()
-        with CheckpointClient("fixed-cost", 0, 1, store=cluster.address("h0")) as client:
+        with CheckpointClient("fixed-cost", 0, 1, connection=Connection(cluster.address("h0"))) as client:
             path = "Unix socket" if client._local is not None else "gRPC"  # which control path ran
             stalls = []
             for step in range(args.saves):

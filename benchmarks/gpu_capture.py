@@ -1,8 +1,7 @@
 """GPU capture and restore: a CUDA state into the store's memory and back onto the device, against the copy floors.
 
-    python benchmarks/gpu_capture.py [--device cuda] [--state tensors|model] [--size 1GiB] [--tensors 64]
-        [--layers 12] [--dim 2048] [--hosts 1] [--replicas 1] [--saves 50] [--warmup 5]
-        [--loop] [--steps 200] [--every 25 | --every 2,10,25] [--batch 8] [--seq 1024] [--json out.json]
+    python benchmarks/gpu_capture.py [--device cuda] [--state tensors|model] [--size 1GiB] [--tensors 64] [--layers 12]
+        [--dim 2048] [--hosts 1] [--replicas 1] [--saves 50] [--warmup 5] [--loop] [--steps 200] [--every 25 | --every 2,10,25] [--batch 8] [--seq 1024] [--json out.json]
 
 Starts a ``--hosts``-host, R=``--replicas`` local cluster on 127.0.0.1 (capacity: twelve times the state plus 512 MiB
 per store unless ``--capacity``) and builds the state on ``--device``: ``--state tensors`` (default), ``--tensors``
@@ -52,7 +51,7 @@ from torch import nn
 from memstore.core.sizes import parse_size
 from memstore.devtools.children import child_env, die_with_parent
 from memstore.devtools.cluster import LocalCluster
-from trainer_client import CheckpointClient
+from trainer_client import CheckpointClient, Connection
 from trainer_client.errors import NotFoundError
 
 JOB = "gpu-capture"
@@ -337,7 +336,7 @@ def measure_capture(args: argparse.Namespace, state: Any, device: torch.device, 
     nbytes, floor = out["bytes"], out["floor_seconds"]
     outcomes = Outcomes()
     fallbacks = 0
-    with CheckpointClient(JOB, 0, 1, store=address) as client:
+    with CheckpointClient(JOB, 0, 1, connection=Connection(address)) as client:
         first, handle = copied_save(client, steps.next(), state, device)
         outcomes.wait(handle)
         for _ in range(args.warmup):
@@ -384,7 +383,7 @@ def measure_capture(args: argparse.Namespace, state: Any, device: torch.device, 
     )  # fmt: skip
 
     # A fresh client, its first save after prepare(); then the restores of that save.
-    with CheckpointClient(JOB, 0, 1, store=address) as client:
+    with CheckpointClient(JOB, 0, 1, connection=Connection(address)) as client:
         sync(device)
         started = time.perf_counter()
         client.prepare(state)
@@ -457,7 +456,7 @@ def restore_only(args: argparse.Namespace) -> None:
         torch.empty(1, device=device)  # CUDA's context, before the load is timed
     cuda_init = time.perf_counter() - started
     started = time.perf_counter()
-    with CheckpointClient(JOB, 0, 1, store=args.store) as client:
+    with CheckpointClient(JOB, 0, 1, connection=Connection(args.store)) as client:
         connect = time.perf_counter() - started
         sync(device)
         started = time.perf_counter()
@@ -504,7 +503,7 @@ def timed_steps(trainer: Trainer, steps: int, every: int, client: CheckpointClie
 
 def measure_loop(args: argparse.Namespace, trainer: Trainer, address: str, steps: Steps, out: dict[str, Any]) -> None:
     loop: dict[str, Any] = {"batch": args.batch, "seq": args.seq, "steps": args.steps, "every": args.every, "warmup_steps": args.warmup}
-    with CheckpointClient(JOB, 0, 1, store=address) as client:
+    with CheckpointClient(JOB, 0, 1, connection=Connection(address)) as client:
         gate = client.gate(trainer.optimizer)
         for _ in range(args.warmup):
             trainer.step()

@@ -23,7 +23,7 @@ import torch
 from memstore.devtools.cluster import wait_for
 from tests.harness.dns import DnsServer
 from tests.harness.pods import Pods
-from trainer_client import CheckpointClient
+from trainer_client import CheckpointClient, Connection
 
 NODES = 3
 
@@ -39,7 +39,7 @@ def run(mib: int) -> dict[str, float]:
     try:
         pods.start_all(timeout=60)
         for r in range(NODES):
-            with CheckpointClient("bench", r, NODES, store=pods.node_address(r), timeout=60, run_id="run") as c:
+            with CheckpointClient("bench", r, NODES, connection=Connection(pods.node_address(r), timeout=60), run_id="run") as c:
                 for step in (1, 2):
                     c.save(step, {"w": torch.full((mib << 18,), float(r + step))}).wait(timeout=120)  # mib MiB of fp32
         t0 = time.monotonic()

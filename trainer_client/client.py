@@ -3,10 +3,10 @@
 Save path on the same machine as the store (the common case): the store hands out a shared-memory
 segment it owns (pre-faulted, and mapped here ahead of time when the store could name it), the client
 copies the state straight into it, and ``commit`` transfers ownership; these calls go over the
-store's Unix socket (``trainer_client._local_control``). ``save()`` returns then: the only stall is
+store's Unix socket (``trainer_client.transport.local_control``). ``save()`` returns then: the only stall is
 that copy, and a trainer crash afterwards loses nothing. Checksums and replication happen in the store,
 in the background. Without shared memory (a store on another machine) the client stages the shard,
-checksums it and sends it over the store's data channel (``trainer_client._remote``).
+checksums it and sends it over the store's data channel (``trainer_client.transport.remote``).
 
 Load path: the local store first makes sure it holds a verified copy (pulling from a peer if not) and
 verifies it again when the client opens it; the client maps it copy-on-write and decodes. Bytes are

@@ -86,11 +86,11 @@ def save_series(series: Series) -> list[dict[str, Any]]:
 def measure_saves(cluster: LocalCluster, job: str, state: Any, keep: int, steady: int) -> list[dict[str, Any]]:
     """Save 1 of a fresh job on the fresh stores (once they are idle), saves 2..keep+2, then ``steady`` ones. The memcpy
     buffer is made first, so the first memcpy, like save 1, runs right after the client connected."""
-    from trainer_client import CheckpointClient
+    from trainer_client import CheckpointClient, Connection
 
     paired = prefaulted(nbytes_of(tensors_of(state)))
     wait_idle(cluster)
-    client = CheckpointClient(job, 0, 1, store=cluster.address("h0"))
+    client = CheckpointClient(job, 0, 1, connection=Connection(cluster.address("h0")))
     try:
         return save_series(Series(cluster, client, state, keep, 1 + keep + 1 + steady, paired))
     finally:
@@ -99,10 +99,10 @@ def measure_saves(cluster: LocalCluster, job: str, state: Any, keep: int, steady
 
 def measure_small_saves(cluster: LocalCluster, job: str, count: int, seed: int, keep: int) -> dict[str, Any]:
     """A 1 MiB state's fixed cost per save: save 1, then ``count`` saves; stall p50 over those after save 1."""
-    from trainer_client import CheckpointClient
+    from trainer_client import CheckpointClient, Connection
 
     state = make_state(SMALL_SIZE, seed)
-    client = CheckpointClient(job, 0, 1, store=cluster.address("h0"))
+    client = CheckpointClient(job, 0, 1, connection=Connection(cluster.address("h0")))
     try:
         samples = save_series(Series(cluster, client, state, keep, 1 + count))
     finally:

@@ -195,7 +195,7 @@ def restore_worker() -> None:
     import torch  # a trainer has torch loaded before it restores
 
     from memstore.bench.state import fingerprint
-    from trainer_client import CheckpointClient
+    from trainer_client import CheckpointClient, Connection
 
     out.write(json.dumps({"ready": True, "import_seconds": time.perf_counter() - t0}) + "\n")
     cmd = json.loads(sys.stdin.readline())
@@ -207,7 +207,7 @@ def restore_worker() -> None:
         return
     wait_accepting(cmd["address"], float(cmd["wait_seconds"]))
     t_accept = time.perf_counter()
-    client = CheckpointClient(cmd["job"], 0, 1, store=cmd["address"], timeout=60.0)
+    client = CheckpointClient(cmd["job"], 0, 1, connection=Connection(cmd["address"], timeout=60.0))
     t_connected = time.perf_counter()
     state = client.load(zero_copy=True)
     t_loaded = time.perf_counter()

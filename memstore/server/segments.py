@@ -271,7 +271,7 @@ class SegmentPool:
         go to any job. ``ring``: the rank of ``owner`` whose capture ring the segment serves (a client's save):
         a segment of that ring first, and the segment joins the ring; segments of a ring go to no other save
         (replicas and pulls pass NO_RING). With none of the ring's own free, the ring grows: a new or untagged
-        segment joins it (its client fills it to ``ring_limit`` ahead of need, see ``trainer_client._ring``; beyond
+        segment joins it (its client fills it to ``ring_limit`` ahead of need, see ``trainer_client.capture.ring``; beyond
         that it grows only when retention runs late, and keeps up to twice that many). ``grow``: a segment that
         joins the ring, never one of its own (the client filling it). Raises CapacityExceeded
         with the byte counts if it can't fit, QuotaExceeded if the job's segments in use would exceed ``quota``

@@ -1,7 +1,8 @@
 """GPU capture and restore: a CUDA state into the store's memory and back onto the device, against the copy floors.
 
     python benchmarks/gpu_capture.py [--device cuda] [--state tensors|model] [--size 1GiB] [--tensors 64] [--layers 12]
-        [--dim 2048] [--hosts 1] [--replicas 1] [--saves 50] [--warmup 5] [--loop] [--steps 200] [--every 25 | --every 2,10,25] [--batch 8] [--seq 1024] [--json out.json]
+        [--dim 2048] [--hosts 1] [--replicas 1] [--saves 50] [--warmup 5] [--loop]
+        [--steps 200] [--every 25 | --every 2,10,25] [--batch 8] [--seq 1024] [--json out.json]
 
 Starts a ``--hosts``-host, R=``--replicas`` local cluster on 127.0.0.1 (capacity: twelve times the state plus 512 MiB
 per store unless ``--capacity``) and builds the state on ``--device``: ``--state tensors`` (default), ``--tensors``
@@ -15,8 +16,7 @@ the first save after ``client.prepare(state)`` on another (``prepare`` timed apa
 ``--saves`` after ``--warmup``); ``capture="enqueued"``: until ``save()`` returns (median, max) and until
 ``wait_captured(block=True)`` returns; ``client.capture_stats`` (registrations after the warm-up, fallbacks to
 pageable memory with the last reason); ``handle.superseded``; ``load(map_location=device)`` in this process against
-a load to CPU then ``.to(device)``, checked bit for bit; and the same load in a fresh process (``--restore-only``:
-the case after a crash). Every save waits for its replication before the next, except in the loop.
+a load to CPU then ``.to(device)``, checked bit for bit; and the same load in a fresh process (after a crash).
 
 ``--loop`` times the training loop: the transformer and AdamW on random batches (``--batch`` x ``--seq``) with
 ``client.gate(optimizer)``, ``--steps`` steps without saves (the baseline), then ``--steps`` per ``k`` of ``--every``

@@ -83,11 +83,14 @@ def test_partial_resave_after_rollback_never_mixes(make_inprocess_cluster) -> No
         c.close()
 
 
-def test_group_loss_resume_from_older_step_resave_and_wait(make_inprocess_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """The chaos run's sequence: a whole group is lost, the job resumes from an older (durable) step, re-saves, waits."""
+def test_group_loss_resume_from_older_step_resave_and_wait(make_cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The chaos run's sequence: a whole group is lost, the job resumes from an older (durable) step, re-saves, waits.
+
+    Store processes: the kill is the point (an in-process stop once left a load with no restorable step right
+    after latest_step() had answered 4, on a loaded machine)."""
     durable = tmp_path / "durable"
     args = ["--spill", f"file://{durable}", "--spill-every-steps", "4", "--spill-keep-last", "3", "--repair-interval", "0.5"]
-    cluster = make_inprocess_cluster(hosts=4, replicas=2, capacity="256MiB", keep=2, extra_args=args)
+    cluster = make_cluster(hosts=4, replicas=2, capacity="256MiB", keep=2, extra_args=args)
     cs = clients(cluster)
     for step in range(1, 7):
         save_all(cs, step)

@@ -28,9 +28,8 @@ import functools
 import logging
 import mmap
 import os
-import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -44,12 +43,11 @@ from memstore.v1.channel import boot_id, store_stub
 from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
 from memstore.v1.manifests import manifest_from_pb
-from memstore.v1.pagefaults import address_of
 from memstore.v1.streams import manifest_problem
 from trainer_client import serialization
 from trainer_client.agreement import Agreements, AgreementStats, agree
 from trainer_client.capture import cuda as _cuda
-from trainer_client.capture.device_restore import HostToDevice, decode_onto, parse_map_location
+from trainer_client.capture.device_restore import decode_onto, decode_registered, onto_device, parse_map_location
 from trainer_client.capture.device_save import CAPTURE_MODES, Capture, Captures, host_writer
 from trainer_client.capture.ring import CaptureRing, CaptureStats
 from trainer_client.connection import Connection, connection_from_kwargs
@@ -63,6 +61,9 @@ from trainer_client.errors import (
     raise_for_rpc,
 )
 from trainer_client.handles import RestorePoint, SaveHandle, SaveResult
+from trainer_client.replicas import resolve_replica_group
+from trainer_client.run_ids import PROCESS_RUN_ID, broadcast_run_id, run_id_given
+from trainer_client.stripes import assemble, is_stripe, merge, split_state, stripe_members, stripe_state
 from trainer_client.transport.local_control import LocalStub, RpcFailure
 from trainer_client.transport.remote import RemotePath, byte_view, empty_buffer
 
@@ -87,37 +88,6 @@ def _populate_for_reading(mm: mmap.mmap) -> None:
         mm.madvise(_MADV_POPULATE_READ)
     except (OSError, ValueError):
         pass
-
-
-RUN_ID_ENV = "MEMSTORE_RUN_ID"
-_MAX_RUN_ID = 100  # leaves room for ".<epoch>" within the 128 characters of a timeline
-_PROCESS_RUN_ID = f"p{time.time_ns():x}-{secrets.token_hex(4)}"  # shared by every client of this process
-
-
-def new_run_id() -> str:
-    """A fresh run id: sortable by creation time, unique across machines."""
-    return f"r{time.time_ns():x}-{secrets.token_hex(4)}"
-
-
-def _run_id_problem(run_id: str) -> str | None:
-    if not isinstance(run_id, str) or not run_id or len(run_id) > _MAX_RUN_ID or timeline_problem(run_id):
-        return f"run_id {run_id!r} is invalid: expected 1-{_MAX_RUN_ID} characters of [A-Za-z0-9._-]"
-    return None
-
-
-def _broadcast_run_id(world_size: int, rank: int) -> str | None:
-    """Rank 0's fresh run id, agreed over the default process group; None if that group is not this job's."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch always ships it
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    if dist.get_world_size() != world_size or dist.get_rank() != rank:
-        return None
-    box = [new_run_id() if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return str(box[0])
 
 
 class CheckpointClient:
@@ -147,6 +117,14 @@ class CheckpointClient:
             holds verified bytes (crash-safe; the stall includes the transfer), ``"background"`` once the
             state is staged in this process (the stall is one copy; the send runs on a thread, at most two
             in flight, and a crash before it finished loses that save; ``handle.wait()`` reports it).
+        replica_group: the ranks that hold the same state as this one (data parallelism): a ``torch.distributed`` process
+            group (``dist.group.WORLD`` under DDP, the replicate group under HSDP) or a list of job ranks. Its D members
+            then save one logical shard between them: each captures and stores only 1/D of its bytes (a *stripe*), and
+            any member, or a rank that replaces one, restores the whole state from the D stripes. Every member must save
+            the same state at the same steps; ``save(..., replicated=[keys])`` limits that promise to part of it.
+            Default: none, every rank saves its whole state.
+        verify_replicas: with a process group as ``replica_group``, every save first checks that the members' states
+            agree on a deterministic sample (one all-reduce; ``ReplicaMismatchError`` names the ranks that differ).
 
     Deprecated (for one release, each with a ``DeprecationWarning``): ``store`` (also the fourth positional
     argument), ``timeout``, ``use_shared_memory``, ``auth_token``, ``tls_ca``, ``tls_cert``, ``tls_key``; put them in
@@ -165,18 +143,15 @@ class CheckpointClient:
         spill_compression: str | None = None,
         run_id: str | None = None,
         remote_save: str = "sync",
+        replica_group: Any = None,
+        verify_replicas: bool = False,
         **deprecated: Any,
     ) -> None:
         requested = connection_from_kwargs("CheckpointClient", connection, {"store": store, **deprecated})
         problem = key_problem(job_id, 0, rank, world_size)
         if problem:
             raise InvalidArgumentError(problem)
-        source = "run_id="
-        if run_id is None and os.environ.get(RUN_ID_ENV):
-            run_id, source = os.environ[RUN_ID_ENV], RUN_ID_ENV
-        if run_id is not None and _run_id_problem(run_id):
-            raise InvalidArgumentError(f"{_run_id_problem(run_id)} (from {source})")
-        self.run_id = run_id
+        self.run_id = run_id_given(run_id)
         self._epoch = 0
         self._last_saved_step: int | None = None
         if spill_compression is not None and spill_compression not in SPILL_CODECS:
@@ -190,6 +165,8 @@ class CheckpointClient:
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
+        self.replica_group = resolve_replica_group(replica_group, rank, world_size, verify_replicas)
+        self.verify_replicas = verify_replicas
         self.connection = connection = requested.resolved()  # address and credentials filled in from the environment
         assert connection.address is not None and connection.credentials is not None
         self.address, self.credentials, self.timeout = connection.address, connection.credentials, connection.timeout
@@ -292,7 +269,7 @@ class CheckpointClient:
         the timeline of the ranks whose save went through.
         """
         if self.run_id is None:
-            self.run_id = _broadcast_run_id(self.world_size, self.rank) or _PROCESS_RUN_ID
+            self.run_id = broadcast_run_id(self.world_size, self.rank) or PROCESS_RUN_ID
         rollback = self._last_saved_step is not None and step <= self._last_saved_step
         return self._epoch + 1 if rollback else self._epoch
 
@@ -301,8 +278,9 @@ class CheckpointClient:
 
     # -- save ---------------------------------------------------------------------------
     def save(
-        self, step: int, state: Any, metrics: Mapping[str, float] | None = None, *, timeline: str | None = None, capture: str = "copied"
-    ) -> SaveHandle:
+        self, step: int, state: Any, metrics: Mapping[str, float] | None = None, *, timeline: str | None = None, capture: str = "copied",
+        replicated: Sequence[str] | None = None,
+    ) -> SaveHandle:  # fmt: skip
         """Capture ``state`` for ``step`` into the store's memory; returns once the store owns the bytes.
 
         ``timeline`` overrides the client's own (``<run id>.<epoch>``), e.g. one id per DCP save chosen by
@@ -312,6 +290,9 @@ class CheckpointClient:
         copies are under way (CUDA ones enqueued, CPU ones on a thread), then commits in the background: **the
         state must not be modified before** ``handle.wait_captured()`` (``gate(optimizer)`` calls it before each
         step), which, like ``wait()``, raises the background part's error. One capture in flight per client.
+
+        With a ``replica_group`` the whole state is the group's (each member saves its stripe), unless ``replicated``
+        names the top-level keys that are: the rest is this rank's own (ZeRO-1: ``replicated=["model"]``).
         """
         if capture not in CAPTURE_MODES:
             raise InvalidArgumentError(f"capture {capture!r} is invalid: expected 'copied' or 'enqueued'")
@@ -323,12 +304,12 @@ class CheckpointClient:
         key = self._key(step, timeline=f"{self.run_id}.{epoch}" if timeline is None else timeline)
         clean_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
         t0 = time.perf_counter()
-        layout = serialization.plan(state)
+        layout, stripe = self._plan(state, replicated)
         try:
             if self.shared_memory:
-                job = self._save_shared(key, layout, clean_metrics, deferred=capture == "enqueued", started=t0)
+                job = self._save_shared(key, layout, clean_metrics, deferred=capture == "enqueued", started=t0, stripe=stripe)
             else:
-                job = self._save_remote(key, layout, clean_metrics, capture)
+                job = self._save_remote(key, layout, clean_metrics, capture, stripe)
             if capture == "copied":
                 job.run()
         except CapacityExceededError as exc:
@@ -348,6 +329,25 @@ class CheckpointClient:
         handle.stall_seconds = time.perf_counter() - t0
         return handle
 
+    def _plan(self, state: Any, replicated: Sequence[str] | None) -> tuple[serialization.ShardLayout, pb.Stripe | None]:
+        """The layout of what this rank saves: its state, or (with a replica group) its stripe of the replicated part
+        plus its own part; and the stripe as the store records it."""
+        group = self.replica_group
+        if group is None:
+            if replicated is not None:
+                raise InvalidArgumentError("replicated= names the part of the state its replica group holds alike; no replica_group given")
+            return serialization.plan(state), None
+        shared, own, order = split_state(state, replicated)
+        if self.verify_replicas:
+            from trainer_client.replica_check import verify_replicas  # TEMP until merged
+
+            verify_replicas(shared, group.process_group, group.members, self.rank)
+        if group.size == 1 or (replicated is not None and not replicated):
+            return serialization.plan(state), None  # nothing to share
+        plan = stripe_state(shared, own, order, group.members, group.index)
+        stripe = pb.Stripe(group=group.members, index=group.index, logical_nbytes=plan.logical_nbytes, stripe_nbytes=plan.stripe_nbytes)
+        return serialization.plan(plan.state), stripe
+
     def gate(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
         """Hold each ``optimizer.step()`` until the latest ``capture="enqueued"`` save no longer needs the state.
 
@@ -357,8 +357,9 @@ class CheckpointClient:
         return optimizer.register_step_pre_hook(self._captures.gate_hook())
 
     def _save_shared(
-        self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float], deferred: bool, started: float
-    ) -> Capture:
+        self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float], deferred: bool, started: float,
+        stripe: pb.Stripe | None = None,
+    ) -> Capture:  # fmt: skip
         """Into a segment of this rank's capture ring: the one reserved ahead (no call) or one allocated now.
 
         ``deferred`` (``capture="enqueued"``): the device copies are enqueued on the capture thread, after events
@@ -382,7 +383,7 @@ class CheckpointClient:
         def commit() -> None:
             request = pb.CommitRequest(
                 lease_id=slot.lease_id, metrics=metrics, format_version=serialization.FORMAT_VERSION, spill_codec=self.spill_compression,
-                capture=ring.report(), capture_seconds=time.perf_counter() - started,
+                capture=ring.report(), capture_seconds=time.perf_counter() - started, stripe=stripe,
             )  # fmt: skip
             if slot.ahead:
                 request.key.CopyFrom(key)
@@ -430,7 +431,9 @@ class CheckpointClient:
         fallback = ring.last_fallback or copier.failed
         return CaptureStats(ring.registrations + copier.registered, ring.fallbacks, fallback)
 
-    def _save_remote(self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float], capture: str) -> Capture:
+    def _save_remote(
+        self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float], capture: str, stripe: pb.Stripe | None = None
+    ) -> Capture:
         """Without shared memory: stage the shard in this process, then send it over the store's data channel.
 
         ``remote_save="sync"``: returns once the store holds verified bytes (crash-safe, the stall includes
@@ -459,6 +462,7 @@ class CheckpointClient:
                 metrics=metrics,
                 created_unix=created,
                 spill_codec=self.spill_compression,
+                stripe=stripe,
             )
             header = pb.PutHeader(manifest=manifest, origin=pb.PUT_ORIGIN_CLIENT, sender_host=f"client-rank-{self.rank}")
             try:
@@ -608,6 +612,13 @@ class CheckpointClient:
                 )
             step, timeline = point.step, point.timeline
         key = self._key(step, rank, timeline)
+        state = self._fetch_and_read(key, zero_copy, device)
+        return self._restore_group(key, state, zero_copy, device) if is_stripe(state) else state
+
+    def _fetch_and_read(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None) -> Any:
+        """One rank's shard of one version, made local by its store (pulled from a peer if need be) and decoded; a copy
+        that fails verification is discarded and fetched once more. A stripe is decoded in host memory."""
+        step = key.step
         for attempt in range(2):
             durable_known = (key.step, key.timeline) in self.agreement.durable  # agreed from the durable tier's one listing
             request = pb.FetchRequest(key=key, discard_local=attempt > 0, durable_known=durable_known)
@@ -617,6 +628,8 @@ class CheckpointClient:
                 retries=3,
             )
             self.last_load_source = fetched.source_host or self.hello.host_id
+            if fetched.manifest.HasField("stripe"):  # read as it is: its slices are views until assembled
+                zero_copy, device = True, None
             try:
                 return self._read_shared(key, zero_copy, device) if self.shared_memory else self._read_remote(key, zero_copy, device)
             except CorruptShardError as exc:
@@ -624,6 +637,28 @@ class CheckpointClient:
                 if attempt == 1:
                     raise
         raise AssertionError("unreachable")
+
+    def _restore_group(self, key: pb.ShardKey, own: dict[str, Any], zero_copy: bool, device: torch.device | None) -> Any:
+        """A rank's whole state from its replica group's stripes: the others fetched in parallel (each store serves a
+        local copy first, else pulls it from a peer), assembled bit-exactly, with this rank's own part merged in."""
+        members = stripe_members(own)
+        if key.rank not in members or own.get("index") != members.index(key.rank):
+            raise CorruptShardError(f"rank {key.rank}'s shard of step {key.step} is a stripe of replica group {members} but not its own")
+        others = [r for r in members if r != key.rank]
+        source = self.last_load_source
+        with ThreadPoolExecutor(max_workers=min(8, len(others)) or 1, thread_name_prefix="memstore-stripes") as pool:
+            read = pool.map(lambda r: self._fetch_and_read(self._key(key.step, r, key.timeline), True, None), others)
+            fetched = dict(zip(others, read, strict=True))
+        self.last_load_source = source
+        stripes = [own if r == key.rank else fetched[r] for r in members]
+        for r, stripe in zip(members, stripes, strict=True):
+            if not is_stripe(stripe):
+                raise CorruptShardError(f"rank {r}'s shard of step {key.step} is not a stripe of replica group {members}")
+        replicated = assemble(stripes, device, zero_copy)
+        mine = own.get("own")
+        if device is not None and mine is not None:
+            mine = onto_device(mine, device)
+        return merge(replicated, mine, own.get("order"))
 
     def _read_shared(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
         # Onto a device the bytes are copied out before Release, so the segment stays recyclable (in its ring).
@@ -637,7 +672,7 @@ class CheckpointClient:
             if device is not None and opened.verified:
                 with self._ring.registered_view(opened.segment_path, m.nbytes) as ring_mm:
                     if ring_mm is not None:  # a segment of this rank's ring (a same-process restore): DMA straight out of it
-                        return self._decode_registered(ring_mm, m.nbytes, device, zero_copy)
+                        return decode_registered(ring_mm, m.nbytes, device)
             fd = os.open(opened.segment_path, os.O_RDONLY)
             try:
                 # A private (copy-on-write) mapping: the trainer may modify restored tensors freely and
@@ -669,22 +704,6 @@ class CheckpointClient:
                 mm.close()
         finally:
             self._control("Release", pb.ReleaseRequest(lease_id=opened.lease_id), f"release step {key.step}")
-
-    @staticmethod
-    def _decode_registered(mm: mmap.mmap, nbytes: int, device: torch.device, zero_copy: bool) -> Any:
-        """Decode a shard held in a registered mapping of this client's ring onto ``device``: the copies read it in
-        place (no copy-on-write mapping, no registration, no bounce). Numpy arrays are copied out of it: the
-        segment goes back to the ring."""
-        start = address_of(mm)
-
-        def registered(addr: int, n: int) -> bool:
-            return start <= addr and addr + n <= start + nbytes
-
-        view = memoryview(mm)[:nbytes]
-        try:
-            return decode_onto(view, device, zero_copy=False, copies=HostToDevice(registered=registered))
-        finally:
-            view.release()
 
     def _read_remote(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
         """Without shared memory: the shard over the store's data channel (gRPC streams if it has none), every

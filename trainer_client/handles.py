@@ -35,6 +35,8 @@ class SaveResult:
         superseded: a newer save of this rank was captured before this one replicated (it holds no copy).
         host: the store that owns the shard (the trainer's local store).
         nbytes: the shard's size in bytes.
+        logical_nbytes: with a replica group, the size of the group's whole replicated state, of which this shard holds a
+            stripe of about ``1 / len(group)`` (0 for a shard that is not a stripe).
         error: why replication failed ("" unless it did).
     """
 
@@ -47,6 +49,7 @@ class SaveResult:
     host: str = ""
     nbytes: int = 0
     error: str = ""
+    logical_nbytes: int = 0
     _wire: pb.ShardInfo | None = field(default=None, compare=False)  # for the deprecated protobuf attributes, one release
 
     @classmethod
@@ -55,7 +58,7 @@ class SaveResult:
         return cls(
             step=step, rank=rank, timeline=timeline, state=name.removeprefix(_STATE_PREFIX).lower(), copies=int(info.copies),
             superseded=bool(info.superseded), host=info.manifest.owner_host, nbytes=int(info.manifest.nbytes), error=info.error,
-            _wire=info,
+            logical_nbytes=int(info.manifest.stripe.logical_nbytes), _wire=info,
         )  # fmt: skip
 
     @property
@@ -64,7 +67,8 @@ class SaveResult:
 
     def __repr__(self) -> str:
         shown = [f"step={self.step}", f"rank={self.rank}", f"timeline={self.timeline!r}", f"state={self.state!r}", f"copies={self.copies}"]
-        shown += [f"{name}={getattr(self, name)!r}" for name in ("superseded", "host", "nbytes", "error") if getattr(self, name)]
+        extra = ("superseded", "host", "nbytes", "logical_nbytes", "error")
+        shown += [f"{name}={getattr(self, name)!r}" for name in extra if getattr(self, name)]
         return f"SaveResult({', '.join(shown)})"
 
     # -- one release: what the protobuf ShardInfo that wait() returned before offered beyond these fields -------------

@@ -274,10 +274,31 @@ def decode_onto(buffer: Any, device: torch.device, zero_copy: bool, copies: Host
     caller may close the mapping then (``zero_copy=False``: numpy arrays are copies too, so nothing refers to
     it any more). ``copies``: how to copy (default: through the bounce ring).
     """
-    state = serialization.decode(buffer, zero_copy=True)
+    return onto_device(serialization.decode(buffer, zero_copy=True), device, zero_copy, copies)
+
+
+def onto_device(state: Any, device: torch.device, zero_copy: bool = False, copies: HostToDevice | None = None) -> Any:
+    """A decoded host state with every tensor copied onto ``device`` (see :func:`decode_onto`); numpy arrays are copied
+    unless ``zero_copy``."""
     copies = copies or HostToDevice()
     try:
         return move_tree(state, lambda t: copies.to(t, device), copy_arrays=not zero_copy)
     finally:
         copies.finish()
         del state
+
+
+def decode_registered(mm: mmap.mmap, nbytes: int, device: torch.device) -> Any:
+    """Decode a shard held in a registered mapping of the client's capture ring onto ``device``: the copies read it in
+    place (no copy-on-write mapping, no registration, no bounce). Numpy arrays are copied out of it: the segment goes
+    back to the ring."""
+    start = address_of(mm)
+
+    def registered(addr: int, n: int) -> bool:
+        return start <= addr and addr + n <= start + nbytes
+
+    view = memoryview(mm)[:nbytes]
+    try:
+        return decode_onto(view, device, zero_copy=False, copies=HostToDevice(registered=registered))
+    finally:
+        view.release()

@@ -105,6 +105,13 @@ class ShardLayout:
             raise_changed("tensor", index)
         return src, self.data_offset + self._offsets[index], kind.nbytes
 
+    def head(self) -> bytes:
+        """The shard's first :attr:`data_offset` bytes as :meth:`write_into` writes them: prelude, header, zero padding."""
+        out = bytearray(self.data_offset)
+        PRELUDE.pack_into(out, 0, MAGIC, FORMAT_VERSION, len(self._header))
+        out[PRELUDE_SIZE : PRELUDE_SIZE + len(self._header)] = self._header
+        return bytes(out)
+
     def write_into(self, buf: Buffer, skip: frozenset[int] = frozenset()) -> None:
         """Write the shard into ``buf[:nbytes]``: header, then every blob into its slot.
 

@@ -1,0 +1,209 @@
+"""Stripes: one state that the D ranks of a data-parallel replica group hold, saved as D pieces and restored whole.
+
+The group's state is planned as one ordinary shard (the *logical shard*, :func:`trainer_client.serialization.plan`);
+its bytes ``[0, N)`` are cut into D contiguous ranges, and member ``i`` saves only range ``i``: the slices of the
+header and of the blobs that fall in it. What member ``i`` saves under its own rank is itself an ordinary shard
+(:func:`stripe_state`): a small dict naming the group and the range, the slices (views of the state's tensors, so a
+CUDA tensor's slice is copied straight off the device like any tensor, and each member copies about N/D bytes),
+and the rank's own unreplicated part. Nothing in the store changes: a stripe is replicated, spilled, drained and
+repaired like any shard, and a step is restorable once every rank's shard (so every stripe) is.
+
+A restore (:func:`assemble`) reads the D stripes, copies their slices to their offsets in one buffer of N bytes
+(padding stays zero), which then holds exactly the bytes the logical shard would have had, and decodes that buffer
+as any shard. Bit-exact by construction: a unit test compares the assembled bytes with :func:`serialization.encode`.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer_client import serialization
+from trainer_client.capture.device_restore import decode_onto
+from trainer_client.errors import CorruptShardError, InvalidArgumentError
+from trainer_client.serialization.dtypes import raw_byte_view
+from trainer_client.serialization.memory import parallel_memmove
+
+__all__ = ["MARK", "StripePlan", "assemble", "bounds", "is_stripe", "merge", "split_state", "stripe_members", "stripe_state"]
+
+MARK = "memstore.stripe"  # the top-level key (and its value, the layout's version) that makes a saved dict a stripe
+VERSION = 1
+_ALIGN = 4096  # stripe boundaries fall on page multiples of the logical shard (its last stripe ends at N)
+
+
+def bounds(nbytes: int, count: int) -> list[int]:
+    """Where the ``count`` stripes of an ``nbytes`` logical shard start, plus ``nbytes``: even shares, page-aligned."""
+    cuts = [min(nbytes, (nbytes * i // count) // _ALIGN * _ALIGN) for i in range(count)]
+    return [*cuts, nbytes]
+
+
+@dataclass(frozen=True)
+class StripePlan:
+    """What one member saves for its stripe: ``state`` (an ordinary state to plan and save) and its sizes."""
+
+    state: dict[str, Any]
+    logical_nbytes: int  # N: the logical shard's bytes
+    stripe_nbytes: int  # the bytes of it this stripe holds
+
+
+def split_state(state: Any, replicated: Sequence[str] | None) -> tuple[Any, Any, list[Any] | None]:
+    """(replicated part, own part, key order): ``replicated`` None means the whole state is replicated (own part None);
+    else ``state`` must be a mapping and ``replicated`` names its top-level keys that every member holds alike."""
+    if replicated is None:
+        return state, None, None
+    if isinstance(replicated, str) or not isinstance(replicated, Sequence):
+        raise InvalidArgumentError(f"replicated={replicated!r} is invalid: expected a list of the state's top-level keys")
+    if not isinstance(state, Mapping):
+        raise InvalidArgumentError(f"replicated={list(replicated)!r} needs a state that is a mapping; got {type(state).__name__}")
+    missing = [k for k in replicated if k not in state]
+    if missing:
+        raise InvalidArgumentError(f"replicated={list(replicated)!r} names keys the state lacks: {missing!r} (it has {list(state)!r})")
+    chosen = set(replicated)
+    shared = {k: v for k, v in state.items() if k in chosen}
+    own = {k: v for k, v in state.items() if k not in chosen}
+    return shared, own, list(state)
+
+
+def stripe_state(shared: Any, own: Any, order: list[Any] | None, members: Sequence[int], index: int) -> StripePlan:
+    """Member ``index`` of ``members``' stripe of ``shared`` (planned here; the state must not change until it is saved),
+    with this rank's ``own`` part and the original key ``order`` of a mixed state."""
+    layout = serialization.plan(shared)
+    cuts = bounds(layout.nbytes, len(members))
+    start, end = cuts[index], cuts[index + 1]
+    offsets, pieces = _pieces(layout, start, end)
+    state = {
+        MARK: VERSION, "group": list(members), "index": index, "logical_nbytes": layout.nbytes, "start": start, "end": end,
+        "offsets": offsets, "pieces": pieces, "own": own, "order": order,
+    }  # fmt: skip
+    return StripePlan(state, layout.nbytes, end - start)
+
+
+def _pieces(layout: serialization.ShardLayout, start: int, end: int) -> tuple[list[int], list[Any]]:
+    """The slices of ``layout``'s header and blobs inside ``[start, end)``, with their offsets in the logical shard."""
+    offsets: list[int] = []
+    pieces: list[Any] = []
+    if start < layout.data_offset and start < end:
+        offsets.append(start)
+        pieces.append(layout.head()[start : min(end, layout.data_offset)])
+    for i in range(layout.num_tensors):
+        src, offset, n = layout.slot(i)
+        if offset >= end:
+            break
+        lo, hi = max(start, offset), min(end, offset + n)
+        if lo < hi:
+            offsets.append(lo)
+            pieces.append(_byte_slice(src, lo - offset, hi - offset))
+    return offsets, pieces
+
+
+def _byte_slice(src: Any, lo: int, hi: int) -> Any:
+    """Bytes ``[lo, hi)`` of a blob as the encoder writes it (C order, raw element bits): a view where it can be."""
+    if isinstance(src, torch.Tensor):
+        with torch.no_grad():
+            t = src.detach()
+            if t.is_conj():
+                t = t.resolve_conj()
+            if t.is_neg():
+                t = t.resolve_neg()
+            raw = raw_byte_view(t)
+            if not raw.is_contiguous():
+                raw = raw.contiguous()  # a strided tensor: one copy on its device
+            return raw.reshape(-1)[lo:hi]
+    if isinstance(src, np.ndarray):
+        return np.ascontiguousarray(src).reshape(-1).view(np.uint8)[lo:hi]
+    return bytes(memoryview(src)[lo:hi])
+
+
+def is_stripe(obj: Any) -> bool:
+    """Whether a decoded shard is a stripe (see :func:`stripe_state`)."""
+    return isinstance(obj, dict) and obj.get(MARK) == VERSION and "pieces" in obj
+
+
+def stripe_members(stripe: dict[str, Any]) -> list[int]:
+    """The job ranks whose stripes :func:`assemble` needs, in stripe order."""
+    members = stripe.get("group")
+    if not isinstance(members, list) or not members or not all(isinstance(r, int) and r >= 0 for r in members):
+        raise CorruptShardError(f"stripe names a bad replica group: {members!r}")
+    return members
+
+
+def assemble(stripes: Sequence[dict[str, Any]], device: torch.device | None, zero_copy: bool) -> Any:
+    """The replicated state of a group from its decoded stripes (in stripe order), on ``device`` (None: the CPU, its
+    tensors views of one private buffer with ``zero_copy``); :func:`merge` adds a mixed state's own part."""
+    first = stripes[0]
+    n = first.get("logical_nbytes")
+    if not isinstance(n, int) or n < 0:
+        raise CorruptShardError(f"stripe of ranks {first.get('group')!r} has a bad logical size {n!r}")
+    members = stripe_members(first)
+    expected: Any = 0
+    for i, s in enumerate(stripes):
+        if s.get("group") != members or s.get("index") != i or s.get("logical_nbytes") != n or s.get("start") != expected:
+            raise CorruptShardError(
+                f"stripe {i} of replica group {members} does not fit the others (group {s.get('group')!r}, index {s.get('index')!r}, "
+                f"logical size {s.get('logical_nbytes')!r}, start {s.get('start')!r}; expected start {expected})"
+            )
+        expected = s.get("end")
+        if not isinstance(expected, int) or expected < s["start"] or expected > n:
+            raise CorruptShardError(f"stripe {i} of replica group {members} ends at {expected!r}, outside its logical size {n}")
+    if expected != n:
+        raise CorruptShardError(f"the stripes of replica group {members} cover {expected} of {n} bytes")
+    buf = mmap.mmap(-1, max(1, n), flags=mmap.MAP_PRIVATE)  # zero pages until written: the padding stays zero
+    _fill(buf, stripes)
+    if device is not None:
+        return decode_onto(buf, device, zero_copy=False)
+    if zero_copy:
+        return serialization.decode(buf, zero_copy=True)  # tensors keep the buffer alive
+    try:
+        return serialization.decode(buf)
+    finally:
+        buf.close()
+
+
+def _fill(buf: mmap.mmap, stripes: Sequence[dict[str, Any]]) -> None:
+    """Copy every stripe's slices to their offsets in ``buf`` (large ones in parallel), each checked against its range."""
+    target = torch.frombuffer(buf, dtype=torch.uint8)
+    base = target.data_ptr()
+    moves: list[tuple[int, int, int]] = []
+    views: list[torch.Tensor] = []  # keep the sources alive until the copies are done
+    for i, s in enumerate(stripes):
+        offsets, pieces = s.get("offsets"), s.get("pieces")
+        if not isinstance(offsets, list) or not isinstance(pieces, list) or len(offsets) != len(pieces):
+            raise CorruptShardError(f"stripe {i} of replica group {s.get('group')!r} has mismatched offsets and pieces")
+        for offset, piece in zip(offsets, pieces, strict=True):
+            view = _byte_tensor(piece, i)
+            size = view.numel()
+            if not isinstance(offset, int) or offset < s["start"] or offset + size > s["end"]:
+                raise CorruptShardError(f"stripe {i} of replica group {s.get('group')!r} holds a slice outside its range")
+            if size:
+                views.append(view)
+                moves.append((base + offset, view.data_ptr(), size))
+    parallel_memmove(moves)
+    del target, views
+
+
+def _byte_tensor(piece: Any, index: int) -> torch.Tensor:
+    """A decoded slice as a contiguous 1-D uint8 CPU tensor."""
+    if isinstance(piece, (bytes, bytearray)):
+        return torch.frombuffer(bytearray(piece), dtype=torch.uint8) if piece else torch.empty(0, dtype=torch.uint8)
+    if isinstance(piece, np.ndarray) and piece.dtype == np.uint8 and piece.ndim == 1:
+        return torch.from_numpy(np.ascontiguousarray(piece))
+    if isinstance(piece, torch.Tensor) and piece.dtype == torch.uint8 and piece.dim() == 1:
+        return piece.cpu().contiguous()  # on a device only where a store without stripes in its manifests served it
+    raise CorruptShardError(f"stripe {index} holds a slice that is not bytes: {type(piece).__name__}")
+
+
+def merge(replicated: Any, own: Any, order: list[Any] | None) -> Any:
+    """The whole state of a member: the replicated part, with a mixed state's own part merged back in its key order."""
+    if order is None:
+        return replicated
+    if not isinstance(replicated, dict) or not isinstance(own, dict) or not isinstance(order, list):
+        raise CorruptShardError("a mixed stripe's parts are not mappings")
+    parts = {**own, **replicated}
+    if set(parts) != set(order):
+        raise CorruptShardError(f"a mixed stripe's parts hold keys {sorted(map(str, parts))}, not {sorted(map(str, order))}")
+    return {k: parts[k] for k in order}

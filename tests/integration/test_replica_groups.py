@@ -3,12 +3,23 @@ each capturing 1/D of it, and every rank (or its replacement) restores the whole
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 import torch
 
+from memstore.devtools.cluster import LocalCluster
+from memstore.v1 import store_pb2 as pb
+from memstore.v1.channel import store_stub
 from trainer_client import CheckpointClient, Connection, serialization
+from trainer_client.errors import InvalidArgumentError
+
+pytestmark = pytest.mark.integration
 
 
-def model_state(seed: int = 0, layers: int = 6) -> dict:
+def model_state(seed: int = 0, layers: int = 6) -> dict[str, Any]:
+    """A small transformer-like state: bf16 weights, fp32 AdamW moments, a step counter."""
     g = torch.Generator().manual_seed(seed)
     model = {f"layer{i}.{p}": torch.randn(64 + i, 96, generator=g).to(torch.bfloat16) for i in range(layers) for p in ("w", "b")}
     optim = {"state": {i: {"step": torch.tensor(7.0), "exp_avg": torch.randn(64 + i, 96, generator=g),
@@ -17,32 +28,132 @@ def model_state(seed: int = 0, layers: int = 6) -> dict:
     return {"model": model, "optim": optim, "step": 7}
 
 
-def same(a: object, b: object) -> bool:
-    return bytes(serialization.encode(a)) == bytes(serialization.encode(b))
+def encoded(state: object) -> bytes:
+    return bytes(serialization.encode(state))
 
 
-def clients(cluster, job: str, world: int, group, **kwargs) -> list[CheckpointClient]:  # type: ignore[no-untyped-def]
-    hosts = list(cluster.stores)
-    return [CheckpointClient(job, r, world, connection=Connection(cluster.address(hosts[r % len(hosts)])), run_id="run1",
-                             replica_group=group(r) if callable(group) else group, **kwargs) for r in range(world)]  # fmt: skip
+def ram_bytes(cluster: LocalCluster, job: str) -> int:
+    """Bytes of ``job`` the stores hold, every copy counted."""
+    total = 0
+    for host in cluster.members:
+        channel, stub = store_stub(cluster.address(host))
+        try:
+            total += sum(s.manifest.nbytes for s in stub.List(pb.ListRequest(job_id=job), timeout=10).shards)
+        finally:
+            channel.close()
+    return total
 
 
-def test_a_ddp_group_stores_one_state_in_stripes_and_every_rank_restores_it(make_inprocess_cluster) -> None:
+def make_clients(cluster: LocalCluster, job: str, world: int, group: Callable[[int], Any] | None, **kw: Any) -> list[CheckpointClient]:
+    hosts = list(cluster.members)
+    return [CheckpointClient(job, r, world, connection=Connection(cluster.address(hosts[r % len(hosts)]), **kw), run_id="run1",
+                             replica_group=None if group is None else group(r)) for r in range(world)]  # fmt: skip
+
+
+def save_all(clients: list[CheckpointClient], step: int, states: list[Any], **kw: Any) -> list[Any]:
+    results = [h.wait(timeout=60) for h in [c.save(step, s, **kw) for c, s in zip(clients, states, strict=True)]]
+    assert all(r.committed for r in results), results
+    return results
+
+
+def close_all(clients: list[CheckpointClient]) -> None:
+    for c in clients:
+        c.close()
+
+
+def test_a_ddp_group_holds_its_state_r_times_and_each_rank_captures_a_quarter(make_inprocess_cluster) -> None:
     cluster = make_inprocess_cluster(hosts=4, replicas=2, capacity="256MiB")
     state = model_state()
     logical = serialization.plan(state).nbytes
-    cs = clients(cluster, "ddp", 4, [0, 1, 2, 3])
+    deduped = make_clients(cluster, "ddp", 4, lambda r: [0, 1, 2, 3])
+    plain = make_clients(cluster, "plain", 4, None)
     try:
-        handles = [c.save(1, state) for c in cs]
-        results = [h.wait(timeout=30) for h in handles]
-        assert all(r.state == "committed" for r in results), results
-        # each rank's shard is about a quarter of the state
-        held = [cs[0].load(1, rank=r, zero_copy=False) for r in range(4)]
-        assert all(same(h, state) for h in held)
-        for c in cs:
-            assert same(c.load(1), state)
+        results = save_all(deduped, 1, [state] * 4)
+        assert all(0.2 < r.nbytes / logical < 0.3 for r in results), [r.nbytes for r in results]
+        save_all(plain, 1, [state] * 4)
+        assert 1.9 < ram_bytes(cluster, "ddp") / logical < 2.2  # R copies of one state
+        assert 7.9 < ram_bytes(cluster, "plain") / logical < 8.1  # today: W x R
+        for c in deduped:
             assert c.latest_step() == 1
+            assert encoded(c.load(1)) == encoded(state)
+            assert encoded(c.load(1, zero_copy=False)) == encoded(state)
+        assert encoded(deduped[0].load(1, rank=3)) == encoded(state)  # any rank's state, from anywhere
     finally:
-        for c in cs:
-            c.close()
-    assert logical > 0
+        close_all(deduped + plain)
+
+
+def test_after_a_host_loss_every_rank_and_the_replacement_restore_the_whole_state(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=4, replicas=2, capacity="256MiB")
+    states = [model_state(seed=1), model_state(seed=2)]
+    clients = make_clients(cluster, "loss", 4, lambda r: [0, 1, 2, 3])
+    try:
+        save_all(clients, 1, [states[0]] * 4)
+        save_all(clients, 2, [states[1]] * 4)
+    finally:
+        close_all(clients)
+    cluster.kill("h1")
+    cluster.restart("h1")  # the replacement: same host id and address, empty RAM
+    restarted = make_clients(cluster, "loss", 4, lambda r: [0, 1, 2, 3])
+    try:
+        for c in restarted:  # each a fresh process's client, none holding a stripe in its own RAM for rank 1
+            assert c.latest_step() == 2
+            assert encoded(c.load()) == encoded(states[1])
+        assert encoded(restarted[1].load(1)) == encoded(states[0])
+    finally:
+        close_all(restarted)
+
+
+def test_hsdp_like_groups_and_a_zero1_mixed_state(make_inprocess_cluster) -> None:
+    """4 ranks as 2 shard groups x 2 replicate groups: ranks r and r+2 hold the same shard; and ZeRO-1, where the
+    model is replicated over all 4 and each rank's optimizer state is its own."""
+    cluster = make_inprocess_cluster(hosts=4, replicas=2, capacity="256MiB")
+    shards = [model_state(seed=10), model_state(seed=11)]  # shard group member r % 2 holds shards[r % 2]
+    hsdp = make_clients(cluster, "hsdp", 4, lambda r: [r % 2, r % 2 + 2])
+    model = model_state(seed=20)["model"]
+    zero1_states = [{"model": model, "optim": model_state(seed=30 + r)["optim"], "rank": r} for r in range(4)]
+    zero1 = make_clients(cluster, "zero1", 4, lambda r: range(4))
+    try:
+        results = save_all(hsdp, 5, [shards[r % 2] for r in range(4)])
+        logical = serialization.plan(shards[0]).nbytes
+        assert all(0.4 < r.nbytes / logical < 0.6 for r in results)
+        save_all(zero1, 5, zero1_states, replicated=["model"])
+        for r in range(4):
+            assert encoded(hsdp[r].load(5)) == encoded(shards[r % 2])
+            restored = zero1[r].load(5)
+            assert list(restored) == ["model", "optim", "rank"]
+            assert encoded(restored) == encoded(zero1_states[r])
+    finally:
+        close_all(hsdp + zero1)
+
+
+def test_stripes_travel_without_shared_memory_too(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB")
+    state = model_state(seed=4)
+    clients = make_clients(cluster, "remote", 2, lambda r: [0, 1], shared_memory=False)
+    try:
+        save_all(clients, 1, [state] * 2)
+        for c in clients:
+            assert not c.shared_memory
+            assert encoded(c.load(1)) == encoded(state)
+    finally:
+        close_all(clients)
+
+
+def test_bad_replica_groups_are_refused_before_anything_is_saved(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB")
+    address = Connection(cluster.address("h0"))
+    for group, message in [([1, 2], r"does not include this rank \(0\)"), ([0, 4], r"outside 0\.\.3: \[4\]"), ([0, 0], "twice"),
+                           ([], "empty")]:  # fmt: skip
+        with pytest.raises(InvalidArgumentError, match=message):
+            CheckpointClient("bad", 0, 4, connection=address, replica_group=group)
+    with pytest.raises(InvalidArgumentError, match="verify_replicas=True needs replica_group= to be a torch.distributed"):
+        CheckpointClient("bad", 0, 4, connection=address, replica_group=[0, 1], verify_replicas=True)
+    with pytest.raises(InvalidArgumentError, match="torch.distributed is not initialized"):
+        CheckpointClient("bad", 0, 4, connection=address, replica_group=object())
+    with CheckpointClient("bad", 0, 4, connection=address) as c:
+        with pytest.raises(InvalidArgumentError, match="no replica_group given"):
+            c.save(1, {"a": torch.ones(1)}, replicated=["a"])
+    with CheckpointClient("bad", 0, 2, connection=address, replica_group=[0, 1]) as c:
+        with pytest.raises(InvalidArgumentError, match=r"lacks: \['b'\]"):
+            c.save(1, {"a": torch.ones(1)}, replicated=["b"])
+    assert ram_bytes(cluster, "bad") == 0

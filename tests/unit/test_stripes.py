@@ -1,0 +1,122 @@
+"""Stripes of a replica group's state (trainer_client.stripes): the assembled bytes are the logical shard's, exactly."""
+
+from __future__ import annotations
+
+import collections
+import mmap
+
+import numpy as np
+import pytest
+import torch
+
+from trainer_client import serialization
+from trainer_client.errors import CorruptShardError, InvalidArgumentError
+from trainer_client.stripes import assemble, bounds, is_stripe, merge, split_state, stripe_state
+
+
+def mixed_state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    state = {
+        "model": {f"w{i}": torch.randn(37 * i + 1, 5, generator=g).to(torch.bfloat16) for i in range(20)},
+        "optim": {"state": {i: {"exp_avg": torch.randn(100, generator=g), "step": torch.tensor(3.0)} for i in range(5)}, "lr": 0.1},
+        "array": np.arange(1000, dtype=np.int32), "raw": b"hello" * 300,
+        "conj": torch.randn(8, 8, dtype=torch.complex64, generator=g).conj(), "neg": torch.randn(16, generator=g).neg()._neg_view(),
+        "strided": torch.randn(64, 64, generator=g)[:, ::2], "empty": torch.empty(0), "scalar": torch.tensor(5),
+        "ordered": collections.OrderedDict(a=1, b=[1.5, None, "x"]), "param": torch.nn.Parameter(torch.randn(33, generator=g)),
+    }  # fmt: skip
+    if hasattr(torch, "float8_e4m3fn"):
+        state["fp8"] = torch.randn(300, generator=g).to(torch.float8_e4m3fn)
+    return state
+
+
+def roundtrip(plan_state: dict) -> dict:
+    """A stripe as a restore reads it: saved as an ordinary shard, decoded."""
+    decoded = serialization.decode(serialization.encode(plan_state))
+    assert is_stripe(decoded)
+    return decoded  # type: ignore[return-value]
+
+
+def assembled_bytes(stripes: list[dict]) -> bytes:
+    n = stripes[0]["logical_nbytes"]
+    out = assemble(stripes, None, zero_copy=True)
+    return bytes(serialization.encode(out)), n
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 7])
+def test_stripes_cover_the_logical_shard_and_assemble_to_its_exact_bytes(count: int) -> None:
+    state = mixed_state()
+    expected = bytes(serialization.encode(state))
+    plans = [stripe_state(state, None, None, list(range(10, 10 + count)), i) for i in range(count)]
+    assert {p.logical_nbytes for p in plans} == {len(expected)}
+    assert sum(p.stripe_nbytes for p in plans) == len(expected)
+    stripes = [roundtrip(p.state) for p in plans]
+    buf = mmap.mmap(-1, len(expected), flags=mmap.MAP_PRIVATE)
+    from trainer_client.stripes import _fill  # the buffer itself, before decoding
+
+    _fill(buf, stripes)
+    assert bytes(buf) == expected
+    restored = assemble(stripes, None, zero_copy=False)
+    assert bytes(serialization.encode(restored)) == expected
+
+
+def test_each_stripe_holds_about_its_share_of_a_large_state() -> None:
+    state = {f"t{i}": torch.randn(256, 1024) for i in range(8)}  # 8 MiB
+    plans = [stripe_state(state, None, None, [0, 1, 2, 3], i) for i in range(4)]
+    n = plans[0].logical_nbytes
+    for p in plans:
+        assert abs(p.stripe_nbytes - n / 4) <= 4096
+        assert abs(serialization.plan(p.state).nbytes - n / 4) < 0.01 * n  # the saved shard: framing is small
+
+
+def test_one_large_tensor_is_split_across_every_member() -> None:
+    state = {"embedding": torch.randn(1 << 20)}
+    plans = [stripe_state(state, None, None, [0, 1, 2, 3], i) for i in range(4)]
+    assert all(abs(p.stripe_nbytes - (1 << 20)) <= 8192 for p in plans)  # 4 MiB of floats: about 1 MiB each
+    restored = assemble([roundtrip(p.state) for p in plans], None, zero_copy=True)
+    assert torch.equal(restored["embedding"], state["embedding"])
+
+
+def test_stripe_bounds_are_even_page_aligned_and_complete() -> None:
+    assert bounds(0, 3) == [0, 0, 0, 0]
+    assert bounds(100, 4) == [0, 0, 0, 0, 100]
+    cuts = bounds(10 * 4096 + 17, 4)
+    assert cuts[0] == 0 and cuts[-1] == 10 * 4096 + 17 and all(c % 4096 == 0 for c in cuts[:-1]) and cuts == sorted(cuts)
+
+
+def test_a_mixed_state_keeps_its_own_part_and_its_key_order() -> None:
+    state = {"step": 3, "model": {"w": torch.ones(4)}, "optim": {"m": torch.full((4,), 2.0)}}
+    shared, own, order = split_state(state, ["model"])
+    assert list(shared) == ["model"] and list(own) == ["step", "optim"] and order == ["step", "model", "optim"]
+    plans = [stripe_state(shared, own, order, [0, 1], i) for i in range(2)]
+    stripes = [roundtrip(p.state) for p in plans]
+    whole = merge(assemble(stripes, None, zero_copy=False), stripes[1]["own"], stripes[1]["order"])
+    assert list(whole) == ["step", "model", "optim"]
+    assert torch.equal(whole["model"]["w"], torch.ones(4)) and torch.equal(whole["optim"]["m"], torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize(
+    ("state", "replicated", "message"),
+    [
+        ({"a": 1}, ["b"], "lacks: ['b']"),
+        ([1, 2], ["a"], "needs a state that is a mapping"),
+        ({"a": 1}, "a", "expected a list"),
+    ],
+)
+def test_bad_replicated_arguments_are_named(state: object, replicated: object, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        split_state(state, replicated)  # type: ignore[arg-type]
+
+
+def test_stripes_that_do_not_fit_together_are_refused() -> None:
+    state = {f"t{i}": torch.randn(4096) for i in range(4)}
+    stripes = [roundtrip(stripe_state(state, None, None, [0, 1, 2], i).state) for i in range(3)]
+    with pytest.raises(CorruptShardError, match="does not fit"):
+        assemble([stripes[0], stripes[2], stripes[1]], None, zero_copy=True)
+    with pytest.raises(CorruptShardError, match="cover"):
+        assemble(stripes[:2], None, zero_copy=True)
+    other = [roundtrip(stripe_state({"x": torch.zeros(5)}, None, None, [0, 1, 2], i).state) for i in range(3)]
+    with pytest.raises(CorruptShardError, match="does not fit"):
+        assemble([stripes[0], other[1], stripes[2]], None, zero_copy=True)
+    stripes[1]["offsets"][0] = stripes[1]["end"]  # a slice outside its stripe's range
+    with pytest.raises(CorruptShardError, match="outside its range"):
+        assemble(stripes, None, zero_copy=True)

@@ -612,10 +612,26 @@ class CheckpointClient:
                 )
             step, timeline = point.step, point.timeline
         key = self._key(step, rank, timeline)
-        state = self._fetch_and_read(key, zero_copy, device)
-        return self._restore_group(key, state, zero_copy, device) if is_stripe(state) else state
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="memstore-stripes") as pool:
+            others: dict[int, Future[Any]] = {}
 
-    def _fetch_and_read(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None) -> Any:
+            def fetch_others(group: list[int]) -> None:  # a stripe: its group's other stripes are fetched meanwhile
+                for r in group:
+                    if r != key.rank and r not in others:
+                        others[r] = pool.submit(self._fetch_and_read, self._key(key.step, r, key.timeline), True, None)
+
+            state = self._fetch_and_read(key, zero_copy, device, fetch_others)
+            if not is_stripe(state):
+                return state
+            source = self.last_load_source  # where this rank's own shard came from (the others' reads set it too)
+            fetch_others(stripe_members(state))  # a store that did not name the group in the manifest
+            stripes = {r: f.result() for r, f in others.items()}
+            self.last_load_source = source
+        return self._restore_group(key, state, stripes, zero_copy, device)
+
+    def _fetch_and_read(
+        self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None, on_stripe: Callable[[list[int]], None] | None = None
+    ) -> Any:
         """One rank's shard of one version, made local by its store (pulled from a peer if need be) and decoded; a copy
         that fails verification is discarded and fetched once more. A stripe is decoded in host memory."""
         step = key.step
@@ -630,6 +646,8 @@ class CheckpointClient:
             self.last_load_source = fetched.source_host or self.hello.host_id
             if fetched.manifest.HasField("stripe"):  # read as it is: its slices are views until assembled
                 zero_copy, device = True, None
+                if on_stripe is not None:
+                    on_stripe(list(fetched.manifest.stripe.group))
             try:
                 return self._read_shared(key, zero_copy, device) if self.shared_memory else self._read_remote(key, zero_copy, device)
             except CorruptShardError as exc:
@@ -638,19 +656,15 @@ class CheckpointClient:
                     raise
         raise AssertionError("unreachable")
 
-    def _restore_group(self, key: pb.ShardKey, own: dict[str, Any], zero_copy: bool, device: torch.device | None) -> Any:
-        """A rank's whole state from its replica group's stripes: the others fetched in parallel (each store serves a
-        local copy first, else pulls it from a peer), assembled bit-exactly, with this rank's own part merged in."""
+    def _restore_group(
+        self, key: pb.ShardKey, own: dict[str, Any], others: dict[int, Any], zero_copy: bool, device: torch.device | None
+    ) -> Any:
+        """A rank's whole state from its own stripe and its replica group's others (fetched in parallel: each store
+        serves a local copy first, else pulls one from a peer), assembled bit-exactly, with this rank's own part merged in."""
         members = stripe_members(own)
-        if key.rank not in members or own.get("index") != members.index(key.rank):
+        if key.rank not in members or own.get("index") != members.index(key.rank) or set(others) - set(members):
             raise CorruptShardError(f"rank {key.rank}'s shard of step {key.step} is a stripe of replica group {members} but not its own")
-        others = [r for r in members if r != key.rank]
-        source = self.last_load_source
-        with ThreadPoolExecutor(max_workers=min(8, len(others)) or 1, thread_name_prefix="memstore-stripes") as pool:
-            read = pool.map(lambda r: self._fetch_and_read(self._key(key.step, r, key.timeline), True, None), others)
-            fetched = dict(zip(others, read, strict=True))
-        self.last_load_source = source
-        stripes = [own if r == key.rank else fetched[r] for r in members]
+        stripes = [own if r == key.rank else others[r] for r in members]
         for r, stripe in zip(members, stripes, strict=True):
             if not is_stripe(stripe):
                 raise CorruptShardError(f"rank {r}'s shard of step {key.step} is not a stripe of replica group {members}")

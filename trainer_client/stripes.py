@@ -24,10 +24,12 @@ import numpy as np
 import torch
 
 from trainer_client import serialization
-from trainer_client.capture.device_restore import decode_onto
+from trainer_client.capture.device_restore import move_tree, onto_device
 from trainer_client.errors import CorruptShardError, InvalidArgumentError
-from trainer_client.serialization.dtypes import raw_byte_view
+from trainer_client.serialization.dtypes import needs_raw_copy, raw_byte_view
+from trainer_client.serialization.header import read_header
 from trainer_client.serialization.memory import parallel_memmove
+from trainer_client.serialization.spec import BLOB_TENSOR, SMALL_COPY
 
 __all__ = ["MARK", "StripePlan", "assemble", "bounds", "is_stripe", "merge", "split_state", "stripe_members", "stripe_state"]
 
@@ -152,38 +154,61 @@ def assemble(stripes: Sequence[dict[str, Any]], device: torch.device | None, zer
             raise CorruptShardError(f"stripe {i} of replica group {members} ends at {expected!r}, outside its logical size {n}")
     if expected != n:
         raise CorruptShardError(f"the stripes of replica group {members} cover {expected} of {n} bytes")
+    return _decode(stripes, n, device, zero_copy)
+
+
+def _decode(stripes: Sequence[dict[str, Any]], n: int, device: torch.device | None, zero_copy: bool) -> Any:
+    """Decode the logical shard without copying it whole: a large tensor that one slice holds is a view of that slice
+    (of its stripe's memory); the rest (the header, small and split blobs) is copied into an N-byte buffer whose
+    other pages are never touched."""
+    pieces = _pieces_of(stripes)
     buf = mmap.mmap(-1, max(1, n), flags=mmap.MAP_PRIVATE)  # zero pages until written: the padding stays zero
-    _fill(buf, stripes)
-    if device is not None:
-        return decode_onto(buf, device, zero_copy=False)
-    if zero_copy:
-        return serialization.decode(buf, zero_copy=True)  # tensors keep the buffer alive
-    try:
-        return serialization.decode(buf)
-    finally:
-        buf.close()
-
-
-def _fill(buf: mmap.mmap, stripes: Sequence[dict[str, Any]]) -> None:
-    """Copy every stripe's slices to their offsets in ``buf`` (large ones in parallel), each checked against its range."""
     target = torch.frombuffer(buf, dtype=torch.uint8)
-    base = target.data_ptr()
-    moves: list[tuple[int, int, int]] = []
-    views: list[torch.Tensor] = []  # keep the sources alive until the copies are done
+    try:
+        _copy_into(target, [(o, t) for o, t, whole in pieces if not whole])  # the header's slices, and every other kind
+        _, offsets, specs = read_header(memoryview(buf))
+        slices = {o: t for o, t, whole in pieces if whole}
+        served = {
+            o: slices[o] for o, spec in zip(offsets, specs, strict=False)
+            if o in slices and spec.kind == BLOB_TENSOR and spec.nbytes > SMALL_COPY and slices[o].numel() == spec.nbytes
+            and not needs_raw_copy(spec.dtype)
+        }  # fmt: skip
+        _copy_into(target, [(o, t) for o, t, whole in pieces if whole and o not in served])
+    finally:
+        del target
+
+    def views(start: int, end: int) -> torch.Tensor | None:
+        piece = served.get(start)
+        return piece if piece is not None and piece.numel() == end - start else None
+
+    state = serialization.decode(buf, zero_copy=True, views=views)  # its tensors keep buf and the stripes alive
+    if device is not None:
+        return onto_device(state, device)
+    if not zero_copy:
+        return move_tree(state, torch.Tensor.clone, copy_arrays=True)
+    return state
+
+
+def _pieces_of(stripes: Sequence[dict[str, Any]]) -> list[tuple[int, torch.Tensor, bool]]:
+    """Every stripe's slices: (offset in the logical shard, bytes, whether it is a tensor's), each checked to lie in its
+    stripe's range."""
+    out: list[tuple[int, torch.Tensor, bool]] = []
     for i, s in enumerate(stripes):
         offsets, pieces = s.get("offsets"), s.get("pieces")
         if not isinstance(offsets, list) or not isinstance(pieces, list) or len(offsets) != len(pieces):
             raise CorruptShardError(f"stripe {i} of replica group {s.get('group')!r} has mismatched offsets and pieces")
         for offset, piece in zip(offsets, pieces, strict=True):
             view = _byte_tensor(piece, i)
-            size = view.numel()
-            if not isinstance(offset, int) or offset < s["start"] or offset + size > s["end"]:
+            if not isinstance(offset, int) or offset < s["start"] or offset + view.numel() > s["end"]:
                 raise CorruptShardError(f"stripe {i} of replica group {s.get('group')!r} holds a slice outside its range")
-            if size:
-                views.append(view)
-                moves.append((base + offset, view.data_ptr(), size))
-    parallel_memmove(moves)
-    del target, views
+            out.append((offset, view, isinstance(piece, torch.Tensor)))
+    return out
+
+
+def _copy_into(target: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]) -> None:
+    """Copy each (offset, bytes) into ``target`` (large ones in parallel)."""
+    base = target.data_ptr()
+    parallel_memmove([(base + offset, piece.data_ptr(), piece.numel()) for offset, piece in pieces if piece.numel()])
 
 
 def _byte_tensor(piece: Any, index: int) -> torch.Tensor:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import mmap
 
 import numpy as np
 import pytest
@@ -50,13 +49,21 @@ def test_stripes_cover_the_logical_shard_and_assemble_to_its_exact_bytes(count: 
     assert {p.logical_nbytes for p in plans} == {len(expected)}
     assert sum(p.stripe_nbytes for p in plans) == len(expected)
     stripes = [roundtrip(p.state) for p in plans]
-    buf = mmap.mmap(-1, len(expected), flags=mmap.MAP_PRIVATE)
-    from trainer_client.stripes import _fill  # the buffer itself, before decoding
+    for zero_copy in (True, False):
+        restored = assemble(stripes, None, zero_copy=zero_copy)
+        assert bytes(serialization.encode(restored)) == expected
 
-    _fill(buf, stripes)
-    assert bytes(buf) == expected
-    restored = assemble(stripes, None, zero_copy=False)
-    assert bytes(serialization.encode(restored)) == expected
+
+def test_large_tensors_restore_as_views_of_their_stripes_and_nothing_is_copied_whole() -> None:
+    state = {f"t{i}": torch.randn(64 << 10) for i in range(8)}  # 256 KiB each: every one larger than a small copy
+    stripes = [roundtrip(stripe_state(state, None, None, [0, 1], i).state) for i in range(2)]
+    pieces = {p.data_ptr() for s in stripes for p in s["pieces"] if isinstance(p, torch.Tensor)}
+    restored = assemble(stripes, None, zero_copy=True)
+    shared = [t for t in restored.values() if t.data_ptr() in pieces]
+    assert len(shared) >= 6  # all but the (at most one) tensor split between the two stripes
+    assert all(torch.equal(restored[k], state[k]) for k in state)
+    copied = assemble(stripes, None, zero_copy=False)
+    assert not any(t.data_ptr() in pieces for t in copied.values())
 
 
 def test_each_stripe_holds_about_its_share_of_a_large_state() -> None:

@@ -40,11 +40,17 @@ _NBYTES: Final = attrgetter("nbytes")
 _DATA_PTR: Final = torch.Tensor.data_ptr
 
 
+Views = Callable[[int, int], "torch.Tensor | None"]  # see decode()
+
+
 class _Decoder:
     """Rebuilds the state tree, copying each referenced blob out of the shard once."""
 
-    def __init__(self, mv: memoryview, offsets: list[int], specs: list[BlobSpec], share: object = None) -> None:
+    def __init__(
+        self, mv: memoryview, offsets: list[int], specs: list[BlobSpec], share: object = None, views: Views | None = None
+    ) -> None:
         self.mv = mv
+        self.views = views  # zero-copy decode: where a large tensor's bytes lie outside ``mv`` (stripes), else None
         self.offsets = offsets
         self.specs = specs
         # zero-copy decode: large tensors and arrays become views of this writable buffer object
@@ -287,9 +293,12 @@ class _Decoder:
             return np.frombuffer(self.share, dtype=spec.dtype, count=spec.nbytes // spec.dtype.itemsize, offset=start).reshape(spec.shape)  # type: ignore[call-overload]
         if needs_raw_copy(spec.dtype):
             return None
-        if self.share_base is None:
-            self.share_base = torch.frombuffer(self.share, dtype=torch.uint8)  # type: ignore[call-overload]
-        tensor = self.share_base[start:end].view(spec.dtype).view(spec.shape)
+        raw = None if self.views is None else self.views(start, end)
+        if raw is None:
+            if self.share_base is None:
+                self.share_base = torch.frombuffer(self.share, dtype=torch.uint8)  # type: ignore[call-overload]
+            raw = self.share_base[start:end]
+        tensor = raw.view(spec.dtype).view(spec.shape)
         if spec.parameter:
             return torch.nn.Parameter(tensor, requires_grad=spec.requires_grad)
         if spec.requires_grad:
@@ -329,7 +338,7 @@ class _Decoder:
             data.release()
 
 
-def decode(buf: Buffer, *, zero_copy: bool = False) -> object:
+def decode(buf: Buffer, *, zero_copy: bool = False, views: Views | None = None) -> object:
     """Rebuild the state from shard bytes without executing anything from them.
 
     ``buf`` may be bytes, bytearray, memoryview or mmap, read-only included, and may be
@@ -340,6 +349,10 @@ def decode(buf: Buffer, *, zero_copy: bool = False) -> object:
     private copy-on-write file mapping) makes large tensors and arrays views of ``buf``
     instead: no copy and no page faults for fresh memory. The views keep ``buf`` alive.
     Any inconsistency raises :class:`CorruptShardError`; a non-buffer argument raises TypeError.
+
+    ``views(start, end)`` (with ``zero_copy``): a contiguous uint8 tensor holding the shard's bytes ``[start, end)``
+    somewhere else, or None; a large tensor then views that instead of ``buf``, whose bytes there are never read
+    (a replica group's stripes: :mod:`trainer_client.stripes`).
     """
     mv = as_byte_view(buf)
     if zero_copy and mv.readonly:
@@ -350,7 +363,7 @@ def decode(buf: Buffer, *, zero_copy: bool = False) -> object:
         try:
             with GcPaused():
                 header, offsets, specs = read_header(mv)
-                decoder = _Decoder(mv, offsets, specs, share=buf if zero_copy else None)
+                decoder = _Decoder(mv, offsets, specs, share=buf if zero_copy else None, views=views if zero_copy else None)
                 decoder.materialize_all()
                 return decoder.dec(header["root"], 0)
         except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError,

@@ -96,12 +96,13 @@ def same(a: Any, b: Any) -> bool:
     return all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.cpu(), y.cpu()) for x, y in pairs)
 
 
-def run_group(cluster: LocalCluster, state: Any, d: int, saves: int, device: torch.device) -> dict[str, Any]:
-    job = f"dp{d}"
+def run_group(cluster: LocalCluster, state: Any, d: int, saves: int, device: torch.device, job: str) -> dict[str, Any]:
     group = None if d == 1 else list(range(d))
     clients = [CheckpointClient(job, r, d, connection=Connection(cluster.address(f"h{r}")), run_id=f"run-{d}", replica_group=group)
                for r in range(d)]  # fmt: skip
     stalls: list[list[float]] = [[] for _ in range(d)]
+    for c in clients:  # what a trainer would do once: the first save then makes no call and touches no fresh memory
+        c.prepare(state)
     captured = [0] * d
     try:
         for step in range(1, saves + 1):
@@ -122,14 +123,40 @@ def run_group(cluster: LocalCluster, state: Any, d: int, saves: int, device: tor
                 loads[r].append(time.perf_counter() - t0)
                 assert same(out, state), f"D={d} rank {r}: restored state differs"
                 del out
+        stats = [c.capture_stats for c in clients]
+        fresh = fresh_restore(cluster, job, d, saves, device)
     finally:
         for c in clients:
             c.close()
     return {
+        "stalls_s": stalls, "registrations": [s.registrations for s in stats], "fallbacks": [s.fallbacks for s in stats],
+        "fresh_process_restore_s": fresh,
         "d": d, "captured_bytes": captured, "first_stall_s": [s[0] for s in stalls],
         "steady_stall_s": [statistics.median(s[1:]) if len(s) > 1 else s[0] for s in stalls],
         "ram_bytes": held, "restore_first_s": [x[0] for x in loads], "restore_second_s": [x[1] for x in loads],
     }  # fmt: skip
+
+
+FRESH = """
+import sys, time, torch
+from trainer_client import CheckpointClient, Connection
+address, job, d, step, device = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+torch.empty(1, device=device)  # the CUDA context, as a restarted trainer has it before it restores
+with CheckpointClient(job, 0, d, connection=Connection(address), run_id="fresh") as c:
+    t0 = time.perf_counter(); out = c.load(step, map_location=device)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    print(time.perf_counter() - t0)
+"""
+
+
+def fresh_restore(cluster: LocalCluster, job: str, d: int, step: int, device: torch.device) -> float:
+    """Rank 0's restore in a new process (a trainer restarted after a crash), onto ``device``."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", FRESH, cluster.address("h0"), job, str(d), str(step), str(device)],
+                         capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -139,6 +166,7 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--saves", type=int, default=5)
     p.add_argument("--json", default=None)
+    p.add_argument("--groups", default="1,2,4", help="the group sizes to run, in order (default 1,2,4)")
     args = p.parse_args()
     device = torch.device(args.device)
     state = model_state(args.layers, args.dim, device)
@@ -149,14 +177,17 @@ def main() -> int:
                            "state_bytes": logical, "tensors": len(tensors(state)), "d2h_floor_s": floor, "groups": []}  # fmt: skip
     print(f"state: {len(tensors(state))} tensors, {logical / 2**30:.2f} GiB on {out['device']}; D2H floor {floor * 1e3:.1f} ms", flush=True)
     with LocalCluster(hosts=4, replicas=2, capacity=f"{cap >> 20}MiB", workdir=Path(tempfile.mkdtemp())) as cluster:
-        for d in (1, 2, 4):
-            g = run_group(cluster, state, d, args.saves, device)
+        for i, d in enumerate(int(x) for x in args.groups.split(",")):
+            g = run_group(cluster, state, d, args.saves, device, f"dp{d}-{i}")
             out["groups"].append(g)
             print(f"D={d}: captured/rank {max(g['captured_bytes']) / logical:.3f} of the state; stall first "
                   f"{max(g['first_stall_s']) * 1e3:.1f} ms, steady {statistics.median(g['steady_stall_s']) * 1e3:.1f} ms "
                   f"({statistics.median(g['steady_stall_s']) / floor:.2f}x the state's D2H floor); RAM {g['ram_bytes'] / logical:.2f}x "
                   f"the state; restore onto {device} first {max(g['restore_first_s']) * 1e3:.0f} ms, "
-                  f"second {max(g['restore_second_s']) * 1e3:.0f} ms (max over members)", flush=True)  # fmt: skip
+                  f"second {max(g['restore_second_s']) * 1e3:.0f} ms (max over members), in a new process "
+                  f"{g['fresh_process_restore_s'] * 1e3:.0f} ms; registrations after prepare {g['registrations']}, "
+                  f"fallbacks {g['fallbacks']}; stalls (ms) {[[round(x * 1e3, 1) for x in s] for s in g['stalls_s']]}",
+                  flush=True)  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0

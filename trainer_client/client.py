@@ -329,16 +329,18 @@ class CheckpointClient:
         handle.stall_seconds = time.perf_counter() - t0
         return handle
 
-    def _plan(self, state: Any, replicated: Sequence[str] | None) -> tuple[serialization.ShardLayout, pb.Stripe | None]:
+    def _plan(
+        self, state: Any, replicated: Sequence[str] | None, verify: bool = True
+    ) -> tuple[serialization.ShardLayout, pb.Stripe | None]:
         """The layout of what this rank saves: its state, or (with a replica group) its stripe of the replicated part
-        plus its own part; and the stripe as the store records it."""
+        plus its own part; and the stripe as the store records it. ``verify``: run ``verify_replicas`` if asked for."""
         group = self.replica_group
         if group is None:
             if replicated is not None:
                 raise InvalidArgumentError("replicated= names the part of the state its replica group holds alike; no replica_group given")
             return serialization.plan(state), None
         shared, own, order = split_state(state, replicated)
-        if self.verify_replicas:
+        if self.verify_replicas and verify:
             from trainer_client.replica_check import verify_replicas  # TEMP until merged
 
             verify_replicas(shared, group.process_group, group.members, self.rank)
@@ -396,10 +398,11 @@ class CheckpointClient:
 
         return Capture(start_copies, host_writer(layout, blobs, slot.mm), commit, release)
 
-    def prepare(self, state_or_nbytes: Any) -> None:
+    def prepare(self, state_or_nbytes: Any, *, replicated: Sequence[str] | None = None) -> None:
         """Make the next save fast from the first one: reserve its memory in the store now, map it, and (for a state
         with CUDA tensors) register it for DMA. ``state_or_nbytes``: the state the next save will hold (or one like
-        it) or its size in bytes. Without shared memory this makes the staging buffer (registered likewise).
+        it; with a replica group, this rank's stripe of it is what is reserved: pass ``replicated`` as to ``save``) or
+        the bytes this rank's save will take. Without shared memory this makes the staging buffer (registered likewise).
 
         Later saves need no call: after each commit the next save's memory is reserved ahead in the background.
         """
@@ -408,7 +411,7 @@ class CheckpointClient:
                 raise InvalidArgumentError(f"prepare({state_or_nbytes}): expected a state or a positive number of bytes")
             nbytes, pin = state_or_nbytes, _cuda.runtime().pins_host_states
         else:
-            layout = serialization.plan(state_or_nbytes)
+            layout, _ = self._plan(state_or_nbytes, replicated, verify=False)
             nbytes, pin = layout.nbytes, self._captures.wants_pinning(layout)
         if not self.shared_memory:
             buf, _ = self._staging_buffer(nbytes)

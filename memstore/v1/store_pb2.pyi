@@ -46,7 +46,7 @@ class ShardKey(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., timeline: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("key", "world_size", "nbytes", "chunk_size", "chunk_checksums", "checksum_algo", "owner_host", "format_version", "metrics", "created_unix", "spill_codec")
+    __slots__ = ("key", "world_size", "nbytes", "chunk_size", "chunk_checksums", "checksum_algo", "owner_host", "format_version", "metrics", "created_unix", "spill_codec", "stripe")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class Manifest(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     SPILL_CODEC_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     world_size: int
     nbytes: int
@@ -76,7 +77,20 @@ class Manifest(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     created_unix: float
     spill_codec: str
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum_algo: _Optional[str] = ..., owner_host: _Optional[str] = ..., format_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_unix: _Optional[float] = ..., spill_codec: _Optional[str] = ...) -> None: ...
+    stripe: Stripe
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum_algo: _Optional[str] = ..., owner_host: _Optional[str] = ..., format_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_unix: _Optional[float] = ..., spill_codec: _Optional[str] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ...) -> None: ...
+
+class Stripe(_message.Message):
+    __slots__ = ("group", "index", "logical_nbytes", "stripe_nbytes")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    group: _containers.RepeatedScalarFieldContainer[int]
+    index: int
+    logical_nbytes: int
+    stripe_nbytes: int
+    def __init__(self, group: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logical_nbytes: _Optional[int] = ..., stripe_nbytes: _Optional[int] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
     __slots__ = ("manifest", "state", "verified", "error", "copies", "superseded")
@@ -285,7 +299,7 @@ class AllocateResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ..., ring_paths: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., ring_limit: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds")
+    __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds", "stripe")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +315,7 @@ class CommitRequest(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     metrics: _containers.ScalarMap[str, float]
     format_version: int
@@ -309,7 +324,8 @@ class CommitRequest(_message.Message):
     nbytes: int
     capture: CaptureStats
     capture_seconds: float
-    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ..., spill_codec: _Optional[str] = ..., key: _Optional[_Union[ShardKey, _Mapping]] = ..., nbytes: _Optional[int] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., capture_seconds: _Optional[float] = ...) -> None: ...
+    stripe: Stripe
+    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ..., spill_codec: _Optional[str] = ..., key: _Optional[_Union[ShardKey, _Mapping]] = ..., nbytes: _Optional[int] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., capture_seconds: _Optional[float] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ...) -> None: ...
 
 class CaptureStats(_message.Message):
     __slots__ = ("registrations", "fallbacks", "fallback_cause")

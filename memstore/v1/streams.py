@@ -53,7 +53,7 @@ def stripe_problem(s: Stripe, rank: int, world_size: int, nbytes: int) -> str | 
     if s.group[s.index] != rank:
         return f"stripe.group[{s.index}] (stripe.index) is rank {s.group[s.index]}, but the shard is rank {rank}"
     if s.stripe_nbytes > s.logical_nbytes:
-        return f"stripe.stripe_nbytes {s.stripe_nbytes} is more than stripe.logical_nbytes {s.logical_nbytes}: a stripe is part of the state"
+        return f"stripe.stripe_nbytes {s.stripe_nbytes} is more than stripe.logical_nbytes {s.logical_nbytes}: a stripe is part of it"
     if s.stripe_nbytes > nbytes:
         return f"stripe.stripe_nbytes {s.stripe_nbytes} is more than the shard's nbytes {nbytes}: the shard holds its stripe"
     return None

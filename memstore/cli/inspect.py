@@ -1,4 +1,4 @@
-"""``memstore inspect``: one step of a job, rank by rank: size, checksum fingerprint, owner and every copy."""
+"""``memstore inspect``: one step of a job, rank by rank: size, checksum fingerprint, owner, stripe and every copy."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
         copies = ", ".join(f"{c['host']} ({c['state']}{'' if c['verified'] else ', UNVERIFIED'})" for c in r["copies"])
         checksum = r["checksum"] if r["consistent"] else render.bad(f"{r['checksum']} (copies DIFFER)")
         rank = f"{r['rank']}/{r['world_size']}"
-        rows.append([rank, r["timeline"] or "-", render.size(r["bytes"]), r["chunks"], checksum, r["owner"], copies])
+        stripe = render.stripe(r["stripe"])
+        rows.append([rank, r["timeline"] or "-", render.size(r["bytes"]), r["chunks"], checksum, r["owner"], stripe, copies])
     out = render.console()
-    out.print(render.table(f"job {args.job} step {step}", ["rank", "timeline", "size", "chunks", "checksum", "owner", "copies"], rows))
+    columns = ["rank", "timeline", "size", "chunks", "checksum", "owner", "stripe", "copies"]
+    out.print(render.table(f"job {args.job} step {step}", columns, rows))
     return 0

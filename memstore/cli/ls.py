@@ -44,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     for job, steps in doc.items():
         rows = [[r["step"], r["timeline"] or "-", r["ranks"], _copies(r["min_copies"], s.replicas), render.size(r["bytes"] or None),
-                 ", ".join(r["tiers"]), render.ok("yes") if r["restorable"] else ""] for r in steps]  # fmt: skip
-        out.print(render.table(f"job {job}", ["step", "timeline", "ranks", "copies (fewest)", "size", "tiers", "restorable"], rows))
+                 render.groups(r["replica_groups"]), ", ".join(r["tiers"]), render.ok("yes") if r["restorable"] else ""]
+                for r in steps]  # fmt: skip
+        columns = ["step", "timeline", "ranks", "copies (fewest)", "size", "replica groups", "tiers", "restorable"]
+        out.print(render.table(f"job {job}", columns, rows))
     for host in down:
         out.print(render.warn(f"{host} did not answer: its copies are not counted"))
     if any("durable" in r["tiers"] for steps in doc.values() for r in steps):
@@ -81,6 +83,7 @@ def _own_shards(args: argparse.Namespace) -> int:
         render.print_json({"host": resp.host_id, "shards": rows})
         return 0
     for r in rows:
+        stripe = f"\tstripe={render.stripe(r['stripe'])}" if r["stripe"] else ""
         print(f"{r['job']}\tstep={r['step']}\trank={r['rank']}/{r['world_size']}\t{render.size(r['bytes'])}\t{r['state']}\t"
-              f"owner={r['owner']}{'  ' + r['error'] if r['error'] else ''}")  # fmt: skip
+              f"owner={r['owner']}{stripe}{'  ' + r['error'] if r['error'] else ''}")  # fmt: skip
     return 0

@@ -45,6 +45,34 @@ def step(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
+def ranks(group: Sequence[int]) -> str:
+    """Ranks in their order, runs of 3 or more consecutive ones shortened: ``[0, 1, 2, 3, 8, 6]`` -> ``0-3,8,6``."""
+    parts: list[str] = []
+    i = 0
+    while i < len(group):
+        j = i
+        while j + 1 < len(group) and group[j + 1] == group[j] + 1:
+            j += 1
+        parts += [f"{group[i]}-{group[j]}"] if j - i >= 2 else [str(r) for r in group[i : j + 1]]
+        i = j + 1
+    return ",".join(parts)
+
+
+def stripe(s: dict[str, Any] | None) -> str:
+    """A stripe shard's descriptor as ``survey.shard_row`` gives it, like a rank (``index/len(group)``, 0-based):
+    ``1/4 of ranks 0-3: 1.00 MiB of 4.00 MiB``; ``-`` for an ordinary shard."""
+    if s is None:
+        return "-"
+    return f"{s['index']}/{len(s['group'])} of ranks {ranks(s['group'])}: {size(s['stripe_bytes'])} of {size(s['logical_bytes'])}"
+
+
+def groups(gs: Sequence[Sequence[int]]) -> str:
+    """A version's replica groups: ``-`` (none: no stripe shards), ``ranks 0-3``, ``ranks 0,2; ranks 1,3``, ``8 groups``."""
+    if not gs:
+        return "-"
+    return "; ".join(f"ranks {ranks(g)}" for g in gs) if len(gs) <= 2 else f"{len(gs)} groups"
+
+
 def ok(text: str) -> Any:
     from rich.text import Text
 

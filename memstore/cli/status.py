@@ -1,7 +1,8 @@
 """``memstore status``: the cluster at a glance, asked through any one store.
 
-Hosts (slot, readiness, memory used against the budget, shards in flight), jobs (bytes in RAM, the newest
-committed, restorable and spilled step), and what needs attention (vacant slots, failing spills or
+Hosts (slot, readiness, memory used against the budget, shards in flight), jobs (bytes in RAM, the job's state
+counted once per replica group and how many copies of it RAM holds, the newest committed, restorable and spilled
+step), and what needs attention (vacant slots, failing spills or
 discovery, orphaned shared memory). ``--json`` prints the same facts. Exit code 0 when every host answers
 and is ready, else 1.
 """
@@ -46,13 +47,19 @@ def run(args: argparse.Namespace) -> int:
     out.print(render.table("hosts", ["slot", "host", "address", "state", "memory", "shards", "replicating", "repairing"],
                            [_host_cells(h) for h in hosts]))  # fmt: skip
     if jobs:
-        columns = ["job", "in RAM (all copies)", "steps in RAM", "newest committed", "newest restorable", "newest spilled"]
-        rows = [[j["job"], render.size(j["ram_bytes"]), j["steps_in_ram"], render.step(j["newest_committed"]),
+        columns = ["job", "in RAM (all copies)", "logical (once)", "copies of state", "replica groups", "steps in RAM",
+                   "newest committed", "newest restorable", "newest spilled"]  # fmt: skip
+        rows = [[j["job"], render.size(j["ram_bytes"]), render.size(j["logical_bytes"]), _times(j["copies_of_state"]),
+                 j["replica_groups"] or "-", j["steps_in_ram"], render.step(j["newest_committed"]),
                  render.step(j["newest_restorable"]), render.step(j["newest_spilled"])] for j in jobs]  # fmt: skip
         out.print(render.table("jobs", columns, rows))
     for line in _problems(s, hosts):
         out.print(line, soft_wrap=True)
     return 0 if healthy else 1
+
+
+def _times(copies: float | None) -> str:
+    return "-" if copies is None else f"{copies:.2f}x"
 
 
 def _host_cells(h: dict[str, Any]) -> list[Any]:

@@ -149,7 +149,33 @@ def shard_row(info: Any) -> dict[str, Any]:
         "checksum": f"{m.checksum_algo}:{digest(list(m.chunk_checksums))}" if m.chunk_checksums else "",
         "chunks": len(m.chunk_checksums),
         "created_unix": m.created_unix,
+        "stripe": _stripe_row(m.stripe) if m.HasField("stripe") else None,
     }
+
+
+def _stripe_row(s: Any) -> dict[str, Any]:
+    """A stripe shard's descriptor (``Manifest.stripe``): its replica group's ranks in stripe order, its index there,
+    the group's logical size and the bytes this stripe holds of it."""
+    return {"group": list(s.group), "index": s.index, "logical_bytes": s.logical_nbytes, "stripe_bytes": s.stripe_nbytes}
+
+
+def logical_bytes(shards: list[dict[str, Any]]) -> tuple[int, list[list[int]]]:
+    """The logical size of one version's ``shards`` (one row per rank) and its replica groups (in first-rank order).
+
+    Each replica group's state counts once (its ``logical_bytes``), plus what each stripe shard holds besides its
+    stripe (the rank's own part and framing), plus every ordinary shard whole.
+    """
+    groups: dict[tuple[int, ...], int] = {}
+    total = 0
+    for r in shards:
+        s = r.get("stripe")
+        if s is None:
+            total += r["bytes"]
+            continue
+        group = tuple(s["group"])
+        groups[group] = max(groups.get(group, 0), s["logical_bytes"])
+        total += max(0, r["bytes"] - s["stripe_bytes"])
+    return total + sum(groups.values()), [list(g) for g in sorted(groups)]
 
 
 def digest(chunk_checksums: list[int]) -> str:
@@ -175,7 +201,8 @@ def _latest(store: str, job: str, timeout: float) -> dict[str, Any]:
 
 # -- views ----------------------------------------------------------------------------------------------
 def steps_of(s: Survey, job: str) -> list[dict[str, Any]]:
-    """One row per (step, timeline) of ``job``, newest first: ranks held, fewest copies of any rank, bytes,
+    """One row per (step, timeline) of ``job``, newest first: ranks held, fewest copies of any rank, bytes (one
+    copy of each rank), logical bytes (each replica group's state once: ``logical_bytes``) and the replica groups,
     where it lives (ram and/or durable, as far as the stores report), and whether it is the restorable one."""
     by_version: dict[tuple[int, str], dict[int, list[dict[str, Any]]]] = {}
     for host, rows in s.shards.items():
@@ -188,6 +215,7 @@ def steps_of(s: Survey, job: str) -> list[dict[str, Any]]:
     for (step, timeline), ranks in sorted(by_version.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
         world = max(c["world_size"] for copies in ranks.values() for c in copies)
         copies = [len(ranks.get(r, [])) for r in range(world)]
+        logical, groups = logical_bytes([cs[0] for cs in ranks.values()])
         out.append({
             "step": step,
             "timeline": timeline,
@@ -195,28 +223,40 @@ def steps_of(s: Survey, job: str) -> list[dict[str, Any]]:
             "complete": len(ranks) == world,
             "min_copies": min(copies),
             "bytes": sum(c["bytes"] for cs in ranks.values() for c in cs[:1]),
+            "logical_bytes": logical,
+            "replica_groups": groups,
             "tiers": ["ram"] + (["durable"] if step == spilled else []),
             "restorable": restorable.get("step") == step and restorable.get("timeline", timeline) == timeline,
         })  # fmt: skip
     if spilled >= 0 and not any(r["step"] == spilled for r in out):
         out.append({"step": spilled, "timeline": "", "ranks": "?", "complete": True, "min_copies": 0, "bytes": 0,
-                    "tiers": ["durable"], "restorable": restorable.get("step") == spilled})  # fmt: skip
+                    "logical_bytes": 0, "replica_groups": [], "tiers": ["durable"],
+                    "restorable": restorable.get("step") == spilled})  # fmt: skip
         out.sort(key=lambda r: -r["step"])
     return out
 
 
 def jobs_of(s: Survey) -> list[dict[str, Any]]:
     """One row per job: bytes in RAM (all copies), the newest step every rank committed, the newest restorable
-    step (the stores' own answer, durable tier included) and the newest spilled step."""
+    step (the stores' own answer, durable tier included) and the newest spilled step.
+
+    And how many times the job's state is held: ``logical_bytes`` sums, over the steps in RAM, each version's
+    state counted once per replica group (``steps_of``); ``copies_of_state`` is ``ram_bytes / logical_bytes``
+    (about R for an ordinary job, and for a deduplicated one; None while nothing is settled);
+    ``replica_groups`` counts the groups of the newest step in RAM (0: no stripes there)."""
     out = []
     for job in s.jobs():
         steps = steps_of(s, job)
         ram = [r for r in steps if "ram" in r["tiers"]]
         copies_bytes = sum(r["bytes"] for rows in s.shards.values() for r in rows if r["job"] == job)
         spilled = [j["last_spilled_step"] for h in s.health.values() for j in h.get("spill", []) if j["job"] == job]
+        logical = sum(r["logical_bytes"] for r in ram)
         out.append({
             "job": job,
             "ram_bytes": copies_bytes,
+            "logical_bytes": logical,
+            "copies_of_state": round(copies_bytes / logical, 2) if logical else None,
+            "replica_groups": len(ram[0]["replica_groups"]) if ram else 0,
             "steps_in_ram": len(ram),
             "newest_committed": max((r["step"] for r in ram if r["complete"]), default=None),
             "newest_restorable": s.restorable.get(job, {}).get("step"),
@@ -226,7 +266,8 @@ def jobs_of(s: Survey) -> list[dict[str, Any]]:
 
 
 def shards_of(s: Survey, job: str, step: int) -> list[dict[str, Any]]:
-    """One row per (rank, timeline) of ``job``'s ``step``: size, checksum fingerprint, owner, and every copy."""
+    """One row per (rank, timeline) of ``job``'s ``step``: size, checksum fingerprint, owner, its stripe (None: an
+    ordinary shard), and every copy."""
     ranks: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for host, rows in s.shards.items():
         for r in rows:
@@ -243,6 +284,7 @@ def shards_of(s: Survey, job: str, step: int) -> list[dict[str, Any]]:
             "checksum": first["checksum"],
             "chunks": first["chunks"],
             "owner": first["owner"],
+            "stripe": first["stripe"],
             "copies": [{"host": c["host"], "state": c["state"], "verified": c["verified"], "checksum": c["checksum"],
                         "error": c["error"]} for c in copies],
             "consistent": len({c["checksum"] for c in copies}) == 1,

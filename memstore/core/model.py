@@ -31,6 +31,21 @@ class ShardKey:
 
 
 @dataclass(frozen=True)
+class Stripe:
+    """One member's stripe of a data-parallel replica group's save (``CheckpointClient(replica_group=...)``).
+
+    The group's members promised identical states; each saves, under its own rank, an ordinary shard holding
+    1/len(group) of the encoded bytes of that state (its stripe) plus its own unreplicated part. The store keeps,
+    replicates and spills such a shard like any other; the stripe says what it holds, for ``ls``/``inspect``/``status``.
+    """
+
+    group: tuple[int, ...]  # the job ranks of the replica group, in stripe order: this shard's rank is group[index]
+    index: int  # this shard's position in ``group``
+    logical_nbytes: int  # encoded size of the group's replicated state: every stripe of it together
+    stripe_nbytes: int  # of those, the bytes this stripe holds (the rest of the shard: the rank's own part and framing)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Layout and integrity data of one shard, fixed when the shard is captured."""
 
@@ -44,6 +59,7 @@ class Manifest:
     metrics: dict[str, float] = field(default_factory=dict)
     created_unix: float = 0.0
     spill_codec: str = ""  # per-job codec of the durable tier; "" = the store's default
+    stripe: Stripe | None = None  # a stripe of a replica group's save; None: an ordinary shard
 
 
 class ShardState(enum.Enum):

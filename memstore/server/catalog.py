@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from memstore.config import StoreConfig
 from memstore.core.limits import admits, room_by_dropping
-from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState
+from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState, Stripe
 from memstore.core.retention import pressure_victims, retention_victims
 from memstore.core.status import CaptureReport
 from memstore.errors import (
@@ -45,7 +45,7 @@ from memstore.server.entries import (
 from memstore.server.segments import NO_RING, Segment, SegmentPool
 from memstore.v1.integrity import first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
-from memstore.v1.streams import manifest_problem
+from memstore.v1.streams import manifest_problem, stripe_problem
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,8 @@ class Catalog:
             info = sidecar_info(meta)
             m = info.manifest
             problem = manifest_problem(m) or key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size, m.key.timeline)
+            if not problem and m.stripe is not None:
+                problem = stripe_problem(m.stripe, m.key.rank, m.world_size, m.nbytes)
             if problem or info.state is None or not info.state.settled or m.nbytes > seg.size:
                 return False
             return first_mismatch(seg.view(), m.nbytes, m.chunk_size, m.checksums) is None
@@ -157,7 +159,7 @@ class Catalog:
                 self._entries[m.key] = Entry(
                     m.key, m.world_size, m.nbytes, seg, m.owner_host, state, manifest=m, metrics=dict(m.metrics),
                     format_version=m.format_version, copies=info.copies, created_unix=m.created_unix or time.time(),
-                    spill_codec=m.spill_codec,
+                    spill_codec=m.spill_codec, stripe=m.stripe,
                 )  # fmt: skip
             held = sum(e.nbytes for e in self._entries.values())
         if adopted:
@@ -342,7 +344,9 @@ class Catalog:
     def info(self, entry: Entry) -> ShardInfo:
         m = entry.manifest
         if m is None:  # not checksummed yet: what is known of it
-            m = Manifest(entry.key, entry.world_size, entry.nbytes, chunk_size=0, checksums=(), owner_host=entry.owner_host)
+            m = Manifest(
+                entry.key, entry.world_size, entry.nbytes, chunk_size=0, checksums=(), owner_host=entry.owner_host, stripe=entry.stripe
+            )
         return ShardInfo(m, entry.state, entry.verified, entry.error, entry.copies, entry.superseded)
 
     def list_shards(self, job_id: str) -> list[ShardInfo]:
@@ -377,16 +381,21 @@ class Catalog:
 
     def commit_lease(
         self, lease_id: str, key: ShardKey | None, nbytes: int, metrics: dict[str, float], format_version: int, spill_codec: str,
-        capture: CaptureReport | None,
+        capture: CaptureReport | None, stripe: Stripe | None = None,
     ) -> Entry:  # fmt: skip
         """Register the shard of allocation lease ``lease_id`` (see ``Saver.commit``); older captures of its rank that
-        replication has not taken up yet are superseded (newest wins). Returns its entry."""
+        replication has not taken up yet are superseded (newest wins). Returns its entry.
+
+        A wrong key, size or ``stripe`` (checked against the shard the lease holds) is refused and the lease kept."""
         with self._lock:
             lease = self._alloc_leases.get(lease_id)
             if lease is None:
                 raise LeaseError(f"allocation lease {lease_id!r} is unknown or expired; allocate again")
             entry = lease.entry
             ensure(bind_problem(lease, key, nbytes))
+            if stripe is not None:
+                rank = entry.key.rank  # an ahead lease's commit may name another step, never another rank
+                ensure(stripe_problem(stripe, rank, entry.world_size, nbytes or entry.nbytes))
             del self._alloc_leases[lease_id]
             if lease.ahead:
                 assert key is not None
@@ -400,6 +409,7 @@ class Catalog:
             entry.metrics = dict(metrics)
             entry.format_version = format_version
             entry.spill_codec = spill_codec
+            entry.stripe = stripe
             entry.taken_at = time.monotonic()
             self._register_locked(entry)
             self._supersede_older_locked(entry)

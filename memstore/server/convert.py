@@ -18,7 +18,7 @@ from memstore.core.slots import Slot, SlotTable
 from memstore.core.status import CaptureReport, HealthReport, HelloReport
 from memstore.errors import InvalidArgument
 from memstore.v1 import store_pb2 as pb
-from memstore.v1.manifests import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb
+from memstore.v1.manifests import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, stripe_from_pb
 
 __all__ = [
     "health_to_pb",
@@ -36,6 +36,7 @@ __all__ = [
     "sidecar_info",
     "state_from_pb",
     "state_to_pb",
+    "stripe_from_pb",
     "transfer_from_pb",
     "transfer_to_pb",
 ]

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from memstore.core.model import Holding, Manifest, PutOrigin, ShardInfo, ShardKey, ShardState
+from memstore.core.model import Holding, Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, Stripe
 from memstore.errors import ChecksumMismatch, InvalidArgument
 from memstore.server.segments import Segment
 from memstore.v1.integrity import SPILL_CODECS
@@ -38,6 +38,7 @@ class Entry:
     created_unix: float = field(default_factory=time.time)
     source: str = ""  # peer a pulled copy came from
     spill_codec: str = ""  # the job's choice of durable codec ("" = the store's default)
+    stripe: Stripe | None = None  # a stripe of a replica group's save (named at Commit); None: an ordinary shard
     checksumming: bool = False  # replication took it up (its checksums are being computed): no longer supersedable
     superseded: bool = False  # dropped before replication: a newer save of its rank came first (newest wins)
     allocated_at: float = field(default_factory=time.monotonic)  # when this entry was made (Allocate, or registration)

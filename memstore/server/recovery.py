@@ -233,6 +233,7 @@ class Recovery:
             sm.format_version,
             dict(sm.metrics),
             sm.created_unix,
+            stripe=sm.stripe,
         )
         self._register_pulled(key, segments[0], manifest, "durable")
 
@@ -251,6 +252,7 @@ class Recovery:
             copies=0,
             source=source,
             created_unix=m.created_unix or time.time(),
+            stripe=m.stripe,
         )
         if self.catalog.register_pulled(entry):
             self.retention_due.set()

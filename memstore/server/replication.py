@@ -97,6 +97,7 @@ class Replicator:
                     metrics=entry.metrics,
                     created_unix=entry.created_unix,
                     spill_codec=entry.spill_codec,
+                    stripe=entry.stripe,
                 )
                 self.catalog.checksummed(entry, manifest)
             self._replicate(entry)

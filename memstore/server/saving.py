@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from memstore.config import StoreConfig
 from memstore.core.limits import transfer_sender
-from memstore.core.model import Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, TransferHeader
+from memstore.core.model import Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, Stripe, TransferHeader
 from memstore.core.status import CaptureReport
 from memstore.errors import (
     Draining,
@@ -107,13 +107,15 @@ class Saver:
         nbytes: int = 0,
         capture: CaptureReport | None = None,
         capture_seconds: float = 0.0,
+        stripe: Stripe | None = None,
     ) -> ShardKey:
         """Take a client's capture in: the shard of ``lease_id`` is the store's from now on; replication starts.
 
         An ahead lease (``allocate(ahead=True)``) needs ``key``, the shard it holds (same job and rank), and
         ``nbytes`` when the shard is smaller than the lease. ``capture``: what the client's copies cost it since its
         last commit (summed into ``memstore status`` and the metrics); ``capture_seconds``: its save's time until
-        this commit (the store sees an ahead lease's save start nowhere).
+        this commit (the store sees an ahead lease's save start nowhere). ``stripe``: the shard is one member's
+        stripe of a replica group's save (``memstore.core.model.Stripe``), kept in its manifest.
         """
         ensure(codec_problem(spill_codec) or metrics_problem(metrics))
         if capture is not None:
@@ -122,7 +124,7 @@ class Saver:
             raise InvalidArgument(f"capture_seconds {capture_seconds!r} is out of range: expected 0..{MAX_CAPTURE_SECONDS:.0f}")
         if key is not None:
             ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
-        entry = self.catalog.commit_lease(lease_id, key, nbytes, metrics, format_version, spill_codec, capture)
+        entry = self.catalog.commit_lease(lease_id, key, nbytes, metrics, format_version, spill_codec, capture, stripe)
         if capture is not None and capture.fallbacks:
             log.warning(
                 "rank %d of job %s copied %d captures through pageable memory (registration failed: %s)",
@@ -208,6 +210,7 @@ class Saver:
             format_version=m.format_version,
             copies=copies,
             created_unix=m.created_unix or time.time(),
+            stripe=m.stripe,
             taken_at=time.monotonic(),
         )
         self.catalog.register_inbound(inbound, entry)

@@ -30,6 +30,7 @@ from memstore.server.convert import (
     latest_to_pb,
     manifest_to_pb,
     seen_to_pb,
+    stripe_from_pb,
     transfer_from_pb,
 )
 from memstore.server.entries import ALLOCATE_LEASE_SECONDS
@@ -141,6 +142,7 @@ class StoreServicer(pb_grpc.StoreServicer):
             nbytes=request.nbytes,
             capture=capture_from_pb(request.capture),
             capture_seconds=request.capture_seconds,
+            stripe=stripe_from_pb(request.stripe, request.key.job_id) if request.HasField("stripe") else None,
         )
         return pb.CommitResponse(key=key_to_pb(key))
 

@@ -21,9 +21,11 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from memstore.core.model import Stripe
 from memstore.errors import LayoutError
 from memstore.v1.integrity import MAX_CHUNK_BYTES, SPILL_CODECS, chunk_spans
-from memstore.v1.keys import job_id_problem, timeline_problem
+from memstore.v1.keys import MAX_WORLD_SIZE, job_id_problem, timeline_problem
+from memstore.v1.streams import stripe_problem
 
 STEP_DIR = re.compile(r"step-(\d{12,})$")  # zero-padded to 12 digits; a step >= 10**12 has more
 RANK_FILE = re.compile(r"rank-(\d{6,})\.(shard|json)(\.tmp-[0-9a-f]+)?$")  # .tmp-*: a local write in progress (or debris)
@@ -92,9 +94,13 @@ class SpilledManifest:
     spilled_unix: float = 0.0
     version: int = MANIFEST_VERSION
     timeline: str = ""  # the save that produced the shard (see memstore.core.restorable)
+    stripe: Stripe | None = None  # a stripe of a replica group's save (an object of Stripe's fields); absent: ordinary
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        doc = asdict(self)
+        if self.stripe is None:
+            del doc["stripe"]  # an ordinary shard's manifest stays as before stripes (readable by older stores)
+        return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, data: bytes, where: str = "manifest") -> SpilledManifest:
@@ -105,11 +111,16 @@ class SpilledManifest:
         if not isinstance(raw, dict) or raw.get("version") != MANIFEST_VERSION:
             found = f"version {raw.get('version')!r}" if isinstance(raw, dict) else f"a JSON {type(raw).__name__}"
             raise LayoutError(f"{where}: expected an object of manifest version {MANIFEST_VERSION}, found {found}")
+        stripe = raw.pop("stripe", None)
         try:
             m = cls(**raw)
         except TypeError as exc:
             raise LayoutError(f"{where}: {exc}") from None
         problem = _manifest_problem(m)
+        if not problem and stripe is not None:
+            m.stripe, problem = _stripe_from_json(stripe)
+            if m.stripe is not None:
+                problem = stripe_problem(m.stripe, m.rank, m.world_size, m.nbytes)
         if problem:
             raise LayoutError(f"{where}: {problem}")
         return m
@@ -121,6 +132,19 @@ def _is_uint(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return type(value) in (int, float)
+
+
+def _stripe_from_json(raw: Any) -> tuple[Stripe | None, str | None]:
+    """A manifest's ``stripe`` object as a Stripe, or why it is not one (its fields' types; its sense: ``stripe_problem``)."""
+    fields = ("group", "index", "logical_nbytes", "stripe_nbytes")
+    if not isinstance(raw, dict) or set(raw) != set(fields):
+        return None, f"stripe must be an object of {', '.join(fields)}"
+    group = raw["group"]
+    if not isinstance(group, list) or len(group) > MAX_WORLD_SIZE or not all(_is_uint(r) for r in group):
+        return None, f"stripe.group must be a list of at most {MAX_WORLD_SIZE} non-negative ints"
+    if not all(_is_uint(raw[f]) for f in fields[1:]):
+        return None, "stripe.index, stripe.logical_nbytes and stripe.stripe_nbytes must be non-negative ints"
+    return Stripe(tuple(group), raw["index"], raw["logical_nbytes"], raw["stripe_nbytes"]), None
 
 
 def _manifest_problem(m: SpilledManifest) -> str | None:

@@ -350,6 +350,7 @@ class Spiller:
             created_unix=m.created_unix,
             spilled_unix=time.time(),
             timeline=key.timeline,
+            stripe=m.stripe,
         )
         self.durable.write_small(layout.manifest_path(self.durable.root, key.job_id, key.step, key.rank), manifest.encode())
         return written

@@ -7,11 +7,11 @@ once before verifying the stream it describes (``memstore.v1.streams``).
 
 from __future__ import annotations
 
-from memstore.core.model import Manifest, ShardKey
+from memstore.core.model import Manifest, ShardKey, Stripe
 from memstore.errors import ManifestTooLarge
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import CHECKSUM_ALGO, MAX_CHUNKS_PER_SHARD
-from memstore.v1.keys import MAX_METRICS
+from memstore.v1.keys import MAX_METRICS, MAX_WORLD_SIZE
 
 
 def key_to_pb(key: ShardKey) -> pb.ShardKey:
@@ -20,6 +20,22 @@ def key_to_pb(key: ShardKey) -> pb.ShardKey:
 
 def key_from_pb(key: pb.ShardKey) -> ShardKey:
     return ShardKey(key.job_id, key.step, key.rank, key.timeline)
+
+
+def stripe_to_pb(s: Stripe | None) -> pb.Stripe | None:
+    if s is None:
+        return None
+    return pb.Stripe(group=list(s.group), index=s.index, logical_nbytes=s.logical_nbytes, stripe_nbytes=s.stripe_nbytes)
+
+
+def stripe_from_pb(s: pb.Stripe, job_id: str = "") -> Stripe:
+    """The core's stripe (validate it with ``memstore.v1.streams.stripe_problem``); ManifestTooLarge before converting
+    a group of more ranks than a job may have."""
+    if len(s.group) > MAX_WORLD_SIZE:
+        raise ManifestTooLarge(
+            f"stripe of {job_id!r:.140} names a replica group of {len(s.group)} ranks: at most {MAX_WORLD_SIZE} (MAX_WORLD_SIZE)"
+        )
+    return Stripe(tuple(s.group), s.index, s.logical_nbytes, s.stripe_nbytes)
 
 
 def manifest_to_pb(m: Manifest) -> pb.Manifest:
@@ -35,11 +51,13 @@ def manifest_to_pb(m: Manifest) -> pb.Manifest:
         metrics=dict(m.metrics),
         created_unix=m.created_unix,
         spill_codec=m.spill_codec,
+        stripe=stripe_to_pb(m.stripe),
     )
 
 
 def manifest_from_pb(m: pb.Manifest) -> Manifest:
-    """The core's manifest; StreamError before converting anything large (more checksums or metrics than a shard may have)."""
+    """The core's manifest; StreamError before converting anything large (more checksums, metrics or stripe ranks than a
+    shard may have)."""
     if len(m.chunk_checksums) > MAX_CHUNKS_PER_SHARD:
         raise ManifestTooLarge(
             f"manifest of {m.key.job_id!r:.140} carries {len(m.chunk_checksums)} chunk checksums: at most {MAX_CHUNKS_PER_SHARD} "
@@ -60,4 +78,5 @@ def manifest_from_pb(m: pb.Manifest) -> Manifest:
         metrics=dict(m.metrics),
         created_unix=m.created_unix,
         spill_codec=m.spill_codec,
+        stripe=stripe_from_pb(m.stripe, m.key.job_id) if m.HasField("stripe") else None,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from memstore.core.model import Manifest
+from memstore.core.model import Manifest, Stripe
 from memstore.errors import OversizedChunk, StreamChecksumError, StreamError
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import MAX_CHUNK_BYTES, MAX_CHUNKS_PER_SHARD, SPILL_CODECS, checksum, chunk_count, chunk_spans
@@ -35,14 +35,41 @@ def manifest_problem(m: Manifest) -> str | None:
     return None
 
 
+def stripe_problem(s: Stripe, rank: int, world_size: int, nbytes: int) -> str | None:
+    """Why ``s`` cannot describe the stripe that shard ``rank`` (of ``nbytes`` bytes, in a job of ``world_size``
+    ranks) holds of its replica group's save, or None. The store checks it at Commit and at every transfer's header."""
+    n = len(s.group)
+    if not 1 <= n <= world_size:
+        return f"stripe.group has {n} ranks: expected 1..world_size ({world_size})"
+    if not 0 <= s.index < n:
+        return f"stripe.index {s.index} is out of range: stripe.group has {n} ranks"
+    seen: set[int] = set()
+    for r in s.group:
+        if not 0 <= r < world_size:
+            return f"stripe.group names rank {r}: expected ranks 0..{world_size - 1} (world_size {world_size})"
+        if r in seen:
+            return f"stripe.group names rank {r} twice: the ranks of a replica group are distinct"
+        seen.add(r)
+    if s.group[s.index] != rank:
+        return f"stripe.group[{s.index}] (stripe.index) is rank {s.group[s.index]}, but the shard is rank {rank}"
+    if s.stripe_nbytes > s.logical_nbytes:
+        return f"stripe.stripe_nbytes {s.stripe_nbytes} is more than stripe.logical_nbytes {s.logical_nbytes}: a stripe is part of it"
+    if s.stripe_nbytes > nbytes:
+        return f"stripe.stripe_nbytes {s.stripe_nbytes} is more than the shard's nbytes {nbytes}: the shard holds its stripe"
+    return None
+
+
 def shard_manifest_problem(m: Manifest, owner_required: bool = True) -> str | None:
     """Why a shard's manifest from the network (a Put header, a data-channel ticket, a pulled copy) is not valid, or None.
 
     Its key, world size and timeline, its stream layout (``manifest_problem``), its owner's host id (may be
-    empty only for a client's save, where the receiving store becomes the owner), its metrics and its codec.
+    empty only for a client's save, where the receiving store becomes the owner), its metrics, its codec and its
+    stripe (``stripe_problem``), if any.
     """
     k = m.key
     problem = key_problem(k.job_id, k.step, k.rank, m.world_size, k.timeline) or manifest_problem(m) or metrics_problem(m.metrics)
+    if not problem and m.stripe is not None:
+        problem = stripe_problem(m.stripe, k.rank, m.world_size, m.nbytes)
     if problem:
         return problem
     if (owner_required or m.owner_host) and host_id_problem(m.owner_host, "manifest owner_host"):

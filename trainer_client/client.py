@@ -621,22 +621,22 @@ class CheckpointClient:
             def fetch_others(group: list[int]) -> None:  # a stripe: its group's other stripes are fetched meanwhile
                 for r in group:
                     if r != key.rank and r not in others:
-                        others[r] = pool.submit(self._fetch_and_read, self._key(key.step, r, key.timeline), True, None)
+                        others[r] = pool.submit(self._fetch_and_read, self._key(key.step, r, key.timeline), True, None, note=False)
 
             state = self._fetch_and_read(key, zero_copy, device, fetch_others)
             if not is_stripe(state):
                 return state
-            source = self.last_load_source  # where this rank's own shard came from (the others' reads set it too)
             fetch_others(stripe_members(state))  # a store that did not name the group in the manifest
             stripes = {r: f.result() for r, f in others.items()}
-            self.last_load_source = source
         return self._restore_group(key, state, stripes, zero_copy, device)
 
     def _fetch_and_read(
-        self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None, on_stripe: Callable[[list[int]], None] | None = None
-    ) -> Any:
+        self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None, on_stripe: Callable[[list[int]], None] | None = None,
+        note: bool = True,
+    ) -> Any:  # fmt: skip
         """One rank's shard of one version, made local by its store (pulled from a peer if need be) and decoded; a copy
-        that fails verification is discarded and fetched once more. A stripe is decoded in host memory."""
+        that fails verification is discarded and fetched once more. A stripe is decoded in host memory. ``note``: say
+        where it came from in ``last_load_source`` (not for the other stripes of a group)."""
         step = key.step
         for attempt in range(2):
             durable_known = (key.step, key.timeline) in self.agreement.durable  # agreed from the durable tier's one listing
@@ -646,7 +646,8 @@ class CheckpointClient:
                 f"load step {step}",
                 retries=3,
             )
-            self.last_load_source = fetched.source_host or self.hello.host_id
+            if note:
+                self.last_load_source = fetched.source_host or self.hello.host_id
             if fetched.manifest.HasField("stripe"):  # read as it is: its slices are views until assembled
                 zero_copy, device = True, None
                 if on_stripe is not None:

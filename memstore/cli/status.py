@@ -47,9 +47,10 @@ def run(args: argparse.Namespace) -> int:
     out.print(render.table("hosts", ["slot", "host", "address", "state", "memory", "shards", "replicating", "repairing"],
                            [_host_cells(h) for h in hosts]))  # fmt: skip
     if jobs:
-        columns = ["job", "in RAM (all copies)", "logical (once)", "copies of state", "replica groups", "steps in RAM",
-                   "newest committed", "newest restorable", "newest spilled"]  # fmt: skip
-        rows = [[j["job"], render.size(j["ram_bytes"]), render.size(j["logical_bytes"]), _times(j["copies_of_state"]),
+        columns = ["job", "in RAM (all copies)", "cached ahead", "logical (once)", "copies of state", "replica groups",
+                   "steps in RAM", "newest committed", "newest restorable", "newest spilled"]  # fmt: skip
+        rows = [[j["job"], render.size(j["ram_bytes"]), render.size(j["cached_bytes"]) if j["cached_bytes"] else "-",
+                 render.size(j["logical_bytes"]), _times(j["copies_of_state"]),
                  j["replica_groups"] or "-", j["steps_in_ram"], render.step(j["newest_committed"]),
                  render.step(j["newest_restorable"]), render.step(j["newest_spilled"])] for j in jobs]  # fmt: skip
         out.print(render.table("jobs", columns, rows))

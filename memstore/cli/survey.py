@@ -150,6 +150,7 @@ def shard_row(info: Any) -> dict[str, Any]:
         "chunks": len(m.chunk_checksums),
         "created_unix": m.created_unix,
         "stripe": _stripe_row(m.stripe) if m.HasField("stripe") else None,
+        "cached": info.cached,
     }
 
 
@@ -207,7 +208,7 @@ def steps_of(s: Survey, job: str) -> list[dict[str, Any]]:
     by_version: dict[tuple[int, str], dict[int, list[dict[str, Any]]]] = {}
     for host, rows in s.shards.items():
         for r in rows:
-            if r["job"] == job and r["verified"] and r["state"] in COMMITTED_STATES:
+            if r["job"] == job and r["verified"] and r["state"] in COMMITTED_STATES and not r.get("cached"):
                 by_version.setdefault((r["step"], r["timeline"]), {}).setdefault(r["rank"], []).append({**r, "host": host})
     spilled = max((j["last_spilled_step"] for h in s.health.values() for j in h.get("spill", []) if j["job"] == job), default=-1)
     restorable = s.restorable.get(job, {})
@@ -241,21 +242,24 @@ def jobs_of(s: Survey) -> list[dict[str, Any]]:
     step (the stores' own answer, durable tier included) and the newest spilled step.
 
     And how many times the job's state is held: ``logical_bytes`` sums, over the steps in RAM, each version's
-    state counted once per replica group (``steps_of``); ``copies_of_state`` is ``ram_bytes / logical_bytes``
-    (about R for an ordinary job, and for a deduplicated one; None while nothing is settled);
+    state counted once per replica group (``steps_of``); ``cached_bytes`` are copies a store pulled ahead of a restore
+    (other members' stripes, in spare room: not among the R); ``copies_of_state`` is ``(ram_bytes - cached_bytes) /
+    logical_bytes`` (about R for an ordinary job, and for a deduplicated one; None while nothing is settled);
     ``replica_groups`` counts the groups of the newest step in RAM (0: no stripes there)."""
     out = []
     for job in s.jobs():
         steps = steps_of(s, job)
         ram = [r for r in steps if "ram" in r["tiers"]]
         copies_bytes = sum(r["bytes"] for rows in s.shards.values() for r in rows if r["job"] == job)
+        cached = sum(r["bytes"] for rows in s.shards.values() for r in rows if r["job"] == job and r.get("cached"))
         spilled = [j["last_spilled_step"] for h in s.health.values() for j in h.get("spill", []) if j["job"] == job]
         logical = sum(r["logical_bytes"] for r in ram)
         out.append({
             "job": job,
             "ram_bytes": copies_bytes,
+            "cached_bytes": cached,
             "logical_bytes": logical,
-            "copies_of_state": round(copies_bytes / logical, 2) if logical else None,
+            "copies_of_state": round((copies_bytes - cached) / logical, 2) if logical else None,
             "replica_groups": len(ram[0]["replica_groups"]) if ram else 0,
             "steps_in_ram": len(ram),
             "newest_committed": max((r["step"] for r in ram if r["complete"]), default=None),
@@ -286,7 +290,7 @@ def shards_of(s: Survey, job: str, step: int) -> list[dict[str, Any]]:
             "owner": first["owner"],
             "stripe": first["stripe"],
             "copies": [{"host": c["host"], "state": c["state"], "verified": c["verified"], "checksum": c["checksum"],
-                        "error": c["error"]} for c in copies],
+                        "error": c["error"], "cached": c.get("cached", False)} for c in copies],
             "consistent": len({c["checksum"] for c in copies}) == 1,
         })  # fmt: skip
     return out

@@ -117,3 +117,4 @@ class ShardInfo:
     error: str = ""  # why replication failed, when it did
     copies: int = 0  # the owner's count of acknowledged copies, its own included
     superseded: bool = False  # not replicated: a newer save of the same rank was captured first (newest wins)
+    cached: bool = False  # pulled ahead of a restore (another member's stripe): spare room, first to go, not one of R copies

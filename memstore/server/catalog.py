@@ -14,6 +14,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 from memstore.config import StoreConfig
 from memstore.core.limits import admits, room_by_dropping
@@ -223,6 +224,8 @@ class Catalog:
             except CapacityExceeded as exc:  # QuotaExceeded included: its numbers are the job's
                 if not evict:
                     raise
+                if self._drop_one_cached(key, quota=isinstance(exc, QuotaExceeded)):
+                    continue  # copies pulled ahead of a restore go first
                 with self._lock:
                     job = [e for e in self._entries.values() if e.key.job_id == key.job_id]
                     held = [(e.key, e.state, e.created_unix) for e in job]
@@ -236,6 +239,37 @@ class Catalog:
                     for victim in (self._entries[k] for k in victims):
                         log.warning("pressure on %s: dropping %s (%s) to fit %s", what, victim.key, victim.state.value, key)
                         self._drop_locked(victim, reason=f"dropped under pressure on {what} for step {key.step}")
+
+    def _drop_one_cached(self, key: ShardKey, quota: bool) -> bool:
+        """Drop the oldest copy pulled ahead of a restore (of ``key``'s job only when its quota is the limit); False if none."""
+        with self._lock:
+            cached = [e for e in self._entries.values() if e.cached and (not quota or e.key.job_id == key.job_id)]
+            if not cached:
+                return False
+            victim = min(cached, key=lambda e: e.created_unix)
+            log.info("dropping %s, pulled ahead of a restore, to fit %s", victim.key, key)
+            self._drop_locked(victim, reason=f"cached copy dropped to fit step {key.step}")
+            return True
+
+    def stripes_wanted(self) -> list[tuple[ShardKey, int]]:
+        """The other stripes of the newest save of every replica-group member that saves here, which this store neither
+        holds nor is bringing in, with the size of the member's own stripe (theirs are about as large)."""
+        with self._lock:
+            newest: dict[tuple[str, int], Entry] = {}
+            for e in self._entries.values():
+                if e.owner_host != self.host_id or e.cached or not e.state.settled or e.manifest is None or e.manifest.stripe is None:
+                    continue
+                mine = newest.get((e.key.job_id, e.key.rank))
+                if mine is None or e.created_unix > mine.created_unix:
+                    newest[(e.key.job_id, e.key.rank)] = e
+            wanted = []
+            for e in newest.values():
+                stripe = e.manifest.stripe if e.manifest is not None else None
+                for rank in stripe.group if stripe is not None else ():
+                    k = replace(e.key, rank=rank)
+                    if rank != e.key.rank and k not in self._entries and k not in self._pulls and k not in self._receiving:
+                        wanted.append((k, e.nbytes))
+            return sorted(wanted)
 
     def release_segment(self, segment: Segment) -> None:
         """Give back a segment from ``acquire`` that never joined the catalog (a pull that failed)."""
@@ -347,7 +381,7 @@ class Catalog:
             m = Manifest(
                 entry.key, entry.world_size, entry.nbytes, chunk_size=0, checksums=(), owner_host=entry.owner_host, stripe=entry.stripe
             )
-        return ShardInfo(m, entry.state, entry.verified, entry.error, entry.copies, entry.superseded)
+        return ShardInfo(m, entry.state, entry.verified, entry.error, entry.copies, entry.superseded, entry.cached)
 
     def list_shards(self, job_id: str) -> list[ShardInfo]:
         """Every copy this store holds (of ``job_id``, or of every job when it is ""), in key order."""
@@ -647,9 +681,9 @@ class Catalog:
             return sum(1 for e in self._entries.values() if e.owner_host == self.host_id and e.state is ShardState.UNDER_REPLICATED)
 
     def verified_copies(self) -> list[tuple[ShardKey, str, float, bool]]:
-        """(key, owner host, capture time, settled) of every verified copy held."""
+        """(key, owner host, capture time, settled) of every verified copy held, but cached ones (not one of the R)."""
         with self._lock:
-            return [(k, e.owner_host, e.created_unix, e.state.settled) for k, e in self._entries.items() if e.verified]
+            return [(k, e.owner_host, e.created_unix, e.state.settled) for k, e in self._entries.items() if e.verified and not e.cached]
 
     def settled_copies(self) -> list[Entry]:
         """The settled, verified copies held (what a drain may have to give away)."""

@@ -79,11 +79,14 @@ def info_to_pb(info: ShardInfo) -> pb.ShardInfo:
         error=info.error,
         copies=info.copies,
         superseded=info.superseded,
+        cached=info.cached,
     )
 
 
 def info_from_pb(info: pb.ShardInfo) -> ShardInfo:
-    return ShardInfo(manifest_from_pb(info.manifest), state_from_pb(info.state), info.verified, info.error, info.copies, info.superseded)
+    return ShardInfo(
+        manifest_from_pb(info.manifest), state_from_pb(info.state), info.verified, info.error, info.copies, info.superseded, info.cached
+    )
 
 
 def sidecar_bytes(info: ShardInfo) -> bytes:

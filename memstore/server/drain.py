@@ -102,7 +102,7 @@ class Drainer:
         elsewhere: set[ShardKey] = set()
         for shards in self.peers.list_all("", self.config.peer_timeout, hosts=targets).values():
             if not isinstance(shards, StoreError):
-                elsewhere.update(i.manifest.key for i in shards if i.verified)
+                elsewhere.update(i.manifest.key for i in shards if i.verified and not i.cached)  # a cached copy may go any time
         if self.durable is not None:
             for job in {e.key.job_id for e in held}:
                 elsewhere.update(h.key for h in durable_holdings(self.durable, job, []))

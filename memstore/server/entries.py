@@ -43,6 +43,7 @@ class Entry:
     superseded: bool = False  # dropped before replication: a newer save of its rank came first (newest wins)
     allocated_at: float = field(default_factory=time.monotonic)  # when this entry was made (Allocate, or registration)
     taken_at: float = 0.0  # when the store took a client's save in (Commit, or its stream's end): replication starts
+    cached: bool = False  # pulled ahead of a restore (memstore.server.assembler): the first dropped under pressure
 
     @property
     def verified(self) -> bool:

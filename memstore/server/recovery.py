@@ -136,8 +136,18 @@ class Recovery:
             raise ShardNotFound(f"no reachable store holds a verified copy of {key}{extra}")
         return candidates
 
-    def _pull(self, key: ShardKey, origin_note: str, candidates: list[str] | None = None, durable_known: bool = False) -> str:
-        """Copy ``key`` from the first peer that has a verified copy. Returns that peer's id."""
+    def pull_ahead(self, key: ShardKey) -> str:
+        """Pull ``key`` from a peer into spare room as a cached copy (``memstore.server.assembler``): never from the durable
+        tier, never evicting anything for it. Returns the peer's id; ShardNotFound while no peer holds it yet."""
+        candidates = [host for host in self._sources(key, durable_known=False) if host != "durable"]
+        if not candidates:
+            raise ShardNotFound(f"no peer holds a verified copy of {key} yet")
+        return self._pull(key, origin_note="assemble", candidates=candidates, ahead=True)
+
+    def _pull(
+        self, key: ShardKey, origin_note: str, candidates: list[str] | None = None, durable_known: bool = False, ahead: bool = False
+    ) -> str:
+        """Copy ``key`` from the first peer that has a verified copy. Returns that peer's id. ``ahead``: a cached copy."""
         if candidates is None:
             candidates = self._sources(key, durable_known)
         pending = self.catalog.claim_pull(key)
@@ -149,18 +159,18 @@ class Recovery:
                 return entry.source
             raise PeerUnavailable(f"a concurrent pull of {key} did not produce a verified copy")
         try:
-            return self._pull_candidates(key, candidates, origin_note)
+            return self._pull_candidates(key, candidates, origin_note, ahead)
         finally:
             self.catalog.end_pull(key)
 
-    def _pull_candidates(self, key: ShardKey, candidates: list[str], origin_note: str) -> str:
+    def _pull_candidates(self, key: ShardKey, candidates: list[str], origin_note: str, ahead: bool = False) -> str:
         errors: list[StoreError] = []
         for host in candidates:
             try:
                 if host == "durable":
                     self._pull_from_durable(key)
                 else:
-                    self._pull_from(host, key)
+                    self._pull_from(host, key, ahead)
                 log.info("%s: pulled %s from %s", origin_note, key, host)
                 return host
             except StoreError as exc:
@@ -169,7 +179,7 @@ class Recovery:
             raise ChecksumMismatch(f"every copy of {key} failed verification: " + "; ".join(map(str, errors)))
         raise PeerUnavailable(f"could not pull {key}: " + "; ".join(map(str, errors)))
 
-    def _pull_from(self, host: str, key: ShardKey) -> None:
+    def _pull_from(self, host: str, key: ShardKey, ahead: bool = False) -> None:
         peer = self.peers[host]
         timeout = self.config.peer_timeout + 600
         segments: list[Segment] = []
@@ -178,7 +188,7 @@ class Recovery:
             problem = shard_manifest_problem(manifest)
             if problem or manifest.key != key:
                 raise PeerUnavailable(f"peer {host} sent an invalid manifest for {key}: {problem or 'wrong key'}")
-            segments.append(self.catalog.acquire(key, max(1, manifest.nbytes)))
+            segments.append(self.catalog.acquire(key, max(1, manifest.nbytes), evict=not ahead))
             return segments[-1].view()
 
         try:
@@ -201,7 +211,7 @@ class Recovery:
                 self.catalog.release_segment(seg)
             raise
         (segment,) = segments
-        self._register_pulled(key, segment, manifest, host)
+        self._register_pulled(key, segment, manifest, host, cached=ahead)
 
     def _pull_from_durable(self, key: ShardKey) -> None:
         assert self.durable is not None
@@ -237,7 +247,7 @@ class Recovery:
         )
         self._register_pulled(key, segments[0], manifest, "durable")
 
-    def _register_pulled(self, key: ShardKey, segment: Segment, m: Manifest, source: str) -> None:
+    def _register_pulled(self, key: ShardKey, segment: Segment, m: Manifest, source: str, cached: bool = False) -> None:
         self.events.pulled(pull_source(source), m.nbytes)
         entry = Entry(
             key,
@@ -253,6 +263,7 @@ class Recovery:
             source=source,
             created_unix=m.created_unix or time.time(),
             stripe=m.stripe,
+            cached=cached,
         )
         if self.catalog.register_pulled(entry):
             self.retention_due.set()
@@ -405,8 +416,8 @@ def count_under_replicated(
             continue
         for info in shards:
             k = info.manifest.key
-            if not info.verified or owner_slot(info.manifest.owner_host) not in owners:
-                continue
+            if not info.verified or info.cached or owner_slot(info.manifest.owner_host) not in owners:
+                continue  # a cached copy (pulled ahead of a restore) is not one of the R
             holders.setdefault(k, set()).add(host)
             created.setdefault(k, info.manifest.created_unix)
             if info.state is not None and info.state.settled:

@@ -32,6 +32,7 @@ from memstore import __version__
 from memstore.config import StoreConfig
 from memstore.core.reserve import ReservePolicy
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, SpillReport, job_census
+from memstore.server.assembler import Assembler
 from memstore.server.catalog import Catalog
 from memstore.server.datapath import DataPath
 from memstore.server.drain import Drainer
@@ -101,6 +102,7 @@ class Store:
         )
         self.janitor = Janitor(self.catalog, config, self.recovery.cluster_holdings, self._stop, self._retention_due)
         self.drainer = Drainer(self.catalog, config, self.membership, self.peers, self.draining)
+        self.assembler = Assembler(self.catalog, self.pool, self.recovery.pull_ahead, self._stop, self.draining)
 
         # What the servicer calls (memstore.server.servicer), by the part that answers it.
         self.allocate = self.saver.allocate
@@ -130,6 +132,7 @@ class Store:
         self._threads = [
             threading.Thread(target=self.recovery.repair_loop, name="repair", daemon=True),
             threading.Thread(target=self.janitor.loop, name="janitor", daemon=True),
+            threading.Thread(target=self.assembler.loop, name="assembler", daemon=True),
         ]
         if config.peers:  # a fixed --peers list: the table is known before serving
             self.membership.apply({h: (a, config.failure_domains.get(h, "")) for h, a in config.peers})

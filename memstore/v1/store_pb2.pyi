@@ -93,20 +93,22 @@ class Stripe(_message.Message):
     def __init__(self, group: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logical_nbytes: _Optional[int] = ..., stripe_nbytes: _Optional[int] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("manifest", "state", "verified", "error", "copies", "superseded")
+    __slots__ = ("manifest", "state", "verified", "error", "copies", "superseded", "cached")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     state: ShardState
     verified: bool
     error: str
     copies: int
     superseded: bool
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., state: _Optional[_Union[ShardState, str]] = ..., verified: _Optional[bool] = ..., error: _Optional[str] = ..., copies: _Optional[int] = ..., superseded: _Optional[bool] = ...) -> None: ...
+    cached: bool
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., state: _Optional[_Union[ShardState, str]] = ..., verified: _Optional[bool] = ..., error: _Optional[str] = ..., copies: _Optional[int] = ..., superseded: _Optional[bool] = ..., cached: _Optional[bool] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ()

@@ -32,16 +32,18 @@ def encoded(state: object) -> bytes:
     return bytes(serialization.encode(state))
 
 
-def ram_bytes(cluster: LocalCluster, job: str) -> int:
-    """Bytes of ``job`` the stores hold, every copy counted."""
-    total = 0
-    for host in cluster.members:
-        channel, stub = store_stub(cluster.address(host))
-        try:
-            total += sum(s.manifest.nbytes for s in stub.List(pb.ListRequest(job_id=job), timeout=10).shards)
-        finally:
-            channel.close()
-    return total
+def listing(cluster: LocalCluster, host: str, job: str) -> list[pb.ShardInfo]:
+    channel, stub = store_stub(cluster.address(host))
+    try:
+        return list(stub.List(pb.ListRequest(job_id=job), timeout=10).shards)
+    finally:
+        channel.close()
+
+
+def ram_bytes(cluster: LocalCluster, job: str, cached: bool = False) -> int:
+    """Bytes of ``job`` the stores hold, every copy counted: the R copies of each shard, or (``cached``) the copies
+    pulled ahead of a restore."""
+    return sum(s.manifest.nbytes for h in cluster.members for s in listing(cluster, h, job) if s.cached == cached)
 
 
 def make_clients(cluster: LocalCluster, job: str, world: int, group: Callable[[int], Any] | None, **kw: Any) -> list[CheckpointClient]:
@@ -146,16 +148,16 @@ def test_bad_replica_groups_are_refused_before_anything_is_saved(make_inprocess_
                            ([], "empty")]:  # fmt: skip
         with pytest.raises(InvalidArgumentError, match=message):
             CheckpointClient("bad", 0, 4, connection=address, replica_group=group)
-    with pytest.raises(InvalidArgumentError, match="verify_replicas=True needs replica_group= to be a torch.distributed"):
+    with pytest.raises(InvalidArgumentError, match=r"verify_replicas=True needs replica_group= to be a torch\.distributed"):
         CheckpointClient("bad", 0, 4, connection=address, replica_group=[0, 1], verify_replicas=True)
-    with pytest.raises(InvalidArgumentError, match="torch.distributed is not initialized"):
+    with pytest.raises(InvalidArgumentError, match=r"torch\.distributed is not initialized"):
         CheckpointClient("bad", 0, 4, connection=address, replica_group=object())
-    with CheckpointClient("bad", 0, 4, connection=address) as c:
-        with pytest.raises(InvalidArgumentError, match="no replica_group given"):
-            c.save(1, {"a": torch.ones(1)}, replicated=["a"])
-    with CheckpointClient("bad", 0, 2, connection=address, replica_group=[0, 1]) as c:
-        with pytest.raises(InvalidArgumentError, match=r"lacks: \['b'\]"):
-            c.save(1, {"a": torch.ones(1)}, replicated=["b"])
+    with CheckpointClient("bad", 0, 4, connection=address) as c, pytest.raises(InvalidArgumentError, match="no replica_group given"):
+        c.save(1, {"a": torch.ones(1)}, replicated=["a"])
+    with CheckpointClient("bad", 0, 2, connection=address, replica_group=[0, 1]) as c, pytest.raises(
+        InvalidArgumentError, match=r"lacks: \['b'\]"
+    ):
+        c.save(1, {"a": torch.ones(1)}, replicated=["b"])
     assert ram_bytes(cluster, "bad") == 0
 
 
@@ -180,7 +182,8 @@ def test_spilled_stripes_restore_after_every_store_restarted(make_inprocess_clus
     finally:
         close_all(clients)
     spilled = lambda: {int(p.parent.name[5:]) for p in root.glob("spilled/step-*/rank-*.json")}  # noqa: E731
-    wait_for(lambda: 3 in spilled() and len(list(root.glob("spilled/step-000000000003/rank-*.json"))) == 2, timeout=60, what="step 3 spilled")
+    step3 = root / "spilled" / "step-000000000003"
+    wait_for(lambda: 3 in spilled() and len(list(step3.glob("rank-*.json"))) == 2, timeout=60, what="step 3 spilled")
     for h in cluster.stores:
         cluster.kill(h)
     for h in cluster.stores:
@@ -193,3 +196,38 @@ def test_spilled_stripes_restore_after_every_store_restarted(make_inprocess_clus
             assert c.last_load_source in ("durable", "h0", "h1")
     finally:
         close_all(restarted)
+
+
+def test_each_store_assembles_its_members_group_ahead_and_gives_the_cache_up_first(make_inprocess_cluster) -> None:
+    """Once a save settles, each store pulls the group's other stripes into spare room as cached copies, so a restore
+    reads every stripe locally; cached copies are not among the R, and a save that needs their room drops them first."""
+    from memstore.devtools.cluster import wait_for
+
+    cluster = make_inprocess_cluster(hosts=4, replicas=2, capacity="64MiB")
+    state = {f"t{i}": torch.randn(64 << 10) for i in range(8)}  # 2 MiB: each stripe 512 KiB
+    logical = serialization.plan(state).nbytes
+    clients = make_clients(cluster, "ahead", 4, lambda r: [0, 1, 2, 3])
+    try:
+        save_all(clients, 1, [state] * 4)
+
+        def local_ranks(host: str) -> set[int]:
+            return {s.manifest.key.rank for s in listing(cluster, host, "ahead") if s.manifest.key.step == 1}
+
+        wait_for(lambda: all(local_ranks(h) == {0, 1, 2, 3} for h in cluster.members), timeout=30, what="every store holding all 4 stripes")
+        assert 1.9 < ram_bytes(cluster, "ahead") / logical < 2.2  # still R copies of the state, besides the cache
+        assert ram_bytes(cluster, "ahead", cached=True) > 0
+        for c in clients:
+            assert encoded(c.load(1)) == encoded(state)
+        ranks = {host: {s.manifest.key.rank for s in listing(cluster, host, "ahead") if not s.cached} for host in cluster.members}
+        assert all(len(held) == 2 for held in ranks.values())  # each store: its member's stripe and one replica (R=2)
+        # A restart in place: every member's restore reads its 4 stripes from its own store, none from a peer.
+        copies = sum(len(listing(cluster, h, "ahead")) for h in cluster.members)
+        restarted = make_clients(cluster, "ahead", 4, lambda r: [0, 1, 2, 3])
+        try:
+            for c in restarted:
+                assert encoded(c.load(1)) == encoded(state) and c.last_load_source == c.hello.host_id
+        finally:
+            close_all(restarted)
+        assert sum(len(listing(cluster, h, "ahead")) for h in cluster.members) == copies  # nothing was pulled to restore
+    finally:
+        close_all(clients)

@@ -51,6 +51,9 @@ class FakePool:
         seg.owner, seg.ring = owner, ring
         return seg
 
+    def room_left(self) -> int:
+        return self.capacity - self.used
+
     def release(self, seg: Segment) -> None:
         assert seg not in self.released, "a segment released twice"
         self.released.append(seg)

@@ -78,16 +78,27 @@ def d2h_floor(state: Any) -> float:
     return statistics.median(times)
 
 
+def listing(cluster: LocalCluster, host: str, job: str, step: int) -> list[Any]:
+    channel, stub = store_stub(cluster.address(host))
+    try:
+        return [s for s in stub.List(pb.ListRequest(job_id=job), timeout=30).shards if s.manifest.key.step == step]
+    finally:
+        channel.close()
+
+
 def ram_bytes(cluster: LocalCluster, job: str, step: int) -> int:
-    total = 0
-    for host in cluster.members:
-        channel, stub = store_stub(cluster.address(host))
-        try:
-            shards = stub.List(pb.ListRequest(job_id=job), timeout=30).shards
-            total += sum(s.manifest.nbytes for s in shards if s.manifest.key.step == step)
-        finally:
-            channel.close()
-    return total
+    """The bytes of ``step`` the stores hold as its R copies (copies cached ahead of a restore not counted)."""
+    return sum(s.manifest.nbytes for h in cluster.members for s in listing(cluster, h, job, step) if not s.cached)
+
+
+def wait_assembled(cluster: LocalCluster, job: str, d: int, step: int, timeout: float = 20.0) -> bool:
+    """Wait until each member's store holds all D stripes of ``step`` (its assembler pulled the others ahead)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all({s.manifest.key.rank for s in listing(cluster, f"h{r}", job, step)} >= set(range(d)) for r in range(d)):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def same(a: Any, b: Any) -> bool:
@@ -113,6 +124,9 @@ def run_group(cluster: LocalCluster, state: Any, d: int, saves: int, device: tor
                 stalls[r].append(time.perf_counter() - t0)
                 captured[r] = handle.wait(120).nbytes
         held = ram_bytes(cluster, job, saves)
+        t0 = time.perf_counter()
+        assembled = wait_assembled(cluster, job, d, saves)
+        assembly_s = time.perf_counter() - t0
         loads: list[list[float]] = [[] for _ in range(d)]
         for _ in range(2):
             for r, c in enumerate(clients):
@@ -129,7 +143,8 @@ def run_group(cluster: LocalCluster, state: Any, d: int, saves: int, device: tor
         for c in clients:
             c.close()
     return {
-        "stalls_s": stalls, "registrations": [s.registrations for s in stats], "fallbacks": [s.fallbacks for s in stats],
+        "stalls_s": stalls, "assembled_ahead": assembled, "assembly_wait_s": assembly_s,
+        "registrations": [s.registrations for s in stats], "fallbacks": [s.fallbacks for s in stats],
         "fresh_process_restore_s": fresh,
         "d": d, "captured_bytes": captured, "first_stall_s": [s[0] for s in stalls],
         "steady_stall_s": [statistics.median(s[1:]) if len(s) > 1 else s[0] for s in stalls],
@@ -186,7 +201,8 @@ def main() -> int:
                   f"the state; restore onto {device} first {max(g['restore_first_s']) * 1e3:.0f} ms, "
                   f"second {max(g['restore_second_s']) * 1e3:.0f} ms (max over members), in a new process "
                   f"{g['fresh_process_restore_s'] * 1e3:.0f} ms; registrations after prepare {g['registrations']}, "
-                  f"fallbacks {g['fallbacks']}; stalls (ms) {[[round(x * 1e3, 1) for x in s] for s in g['stalls_s']]}",
+                  f"fallbacks {g['fallbacks']}; assembled ahead {g['assembled_ahead']} after {g['assembly_wait_s']:.2f} s; "
+                  f"stalls (ms) {[[round(x * 1e3, 1) for x in s] for s in g['stalls_s']]}",
                   flush=True)  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

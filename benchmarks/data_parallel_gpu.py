@@ -194,6 +194,12 @@ def main() -> int:
     with LocalCluster(hosts=4, replicas=2, capacity=f"{cap >> 20}MiB", workdir=Path(tempfile.mkdtemp())) as cluster:
         for i, d in enumerate(int(x) for x in args.groups.split(",")):
             g = run_group(cluster, state, d, args.saves, device, f"dp{d}-{i}")
+            for host in cluster.members:  # each group size on empty stores: the next one's assembly has its room
+                channel, stub = store_stub(cluster.address(host))
+                try:
+                    stub.Delete(pb.DeleteRequest(job_id=f"dp{d}-{i}", step=-1, rank=-1), timeout=60)
+                finally:
+                    channel.close()
             out["groups"].append(g)
             print(f"D={d}: captured/rank {max(g['captured_bytes']) / logical:.3f} of the state; stall first "
                   f"{max(g['first_stall_s']) * 1e3:.1f} ms, steady {statistics.median(g['steady_stall_s']) * 1e3:.1f} ms "

@@ -92,30 +92,33 @@ def _pieces(layout: serialization.ShardLayout, start: int, end: int) -> tuple[li
     if start < layout.data_offset and start < end:
         offsets.append(start)
         pieces.append(layout.head()[start : min(end, layout.data_offset)])
-    for i in range(layout.num_tensors):
-        src, offset, n = layout.slot(i)
-        if offset >= end:
-            break
-        lo, hi = max(start, offset), min(end, offset + n)
-        if lo < hi:
-            offsets.append(lo)
-            pieces.append(_byte_slice(src, lo - offset, hi - offset))
+    with torch.no_grad():
+        for i in layout.blobs_between(start, end):
+            src, offset, n = layout.slot(i)
+            lo, hi = max(start, offset), min(end, offset + n)
+            if lo < hi:
+                offsets.append(lo)
+                pieces.append(_byte_slice(src, lo - offset, hi - offset))
     return offsets, pieces
 
 
 def _byte_slice(src: Any, lo: int, hi: int) -> Any:
     """Bytes ``[lo, hi)`` of a blob as the encoder writes it (C order, raw element bits): a view where it can be."""
     if isinstance(src, torch.Tensor):
-        with torch.no_grad():
-            t = src.detach()
-            if t.is_conj():
-                t = t.resolve_conj()
-            if t.is_neg():
-                t = t.resolve_neg()
-            raw = raw_byte_view(t)
-            if not raw.is_contiguous():
-                raw = raw.contiguous()  # a strided tensor: one copy on its device
-            return raw.reshape(-1)[lo:hi]
+        t = src.detach()
+        if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+            try:
+                return t.reshape(-1).view(torch.uint8)[lo:hi]  # the common case: three views
+            except RuntimeError:
+                pass  # a dtype without a byte view
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        raw = raw_byte_view(t)
+        if not raw.is_contiguous():
+            raw = raw.contiguous()  # a strided tensor: one copy on its device
+        return raw.reshape(-1)[lo:hi]
     if isinstance(src, np.ndarray):
         return np.ascontiguousarray(src).reshape(-1).view(np.uint8)[lo:hi]
     return bytes(memoryview(src)[lo:hi])

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import operator
 from itertools import accumulate, compress
@@ -104,6 +105,12 @@ class ShardLayout:
         if kind.kind == BLOB_TENSOR and (src.dtype != kind.dtype or src.shape != kind.shape):
             raise_changed("tensor", index)
         return src, self.data_offset + self._offsets[index], kind.nbytes
+
+    def blobs_between(self, start: int, end: int) -> range:
+        """The indices of the blobs whose slots may overlap ``[start, end)`` of the shard (found by bisection)."""
+        data = self.data_offset
+        first = max(0, bisect.bisect_right(self._offsets, start - data, 0, self.num_tensors) - 1)
+        return range(first, bisect.bisect_left(self._offsets, end - data, 0, self.num_tensors))
 
     def head(self) -> bytes:
         """The shard's first :attr:`data_offset` bytes as :meth:`write_into` writes them: prelude, header, zero padding."""

@@ -18,7 +18,7 @@ Each member computes :func:`state_fingerprint` of its state, a 63-bit hash of:
 Cost: the walk of :func:`~trainer_client.serialization.encoder.plan` (no tensor data copied) plus, per device, one
 upload of every sampled position, one ``take`` per tensor and ONE small copy back to the CPU (which waits for the
 work queued on the current CUDA stream, as a capture does): it grows with the number of tensors, hardly with their
-size (on 2 CPU cores: about 9 ms for a 576-tensor transformer + AdamW state of 3.6 GB, 0.2 ms for 4 tensors of
+size (on 2 CPU cores: 10 to 20 ms for a 576-tensor transformer + AdamW state of 3.6 GB, 0.25 ms for 4 tensors of
 256 MiB). What it cannot see: a difference only in elements it did not sample (a replica that differs in one
 random element of a tensor of ``n`` passes with probability ``1 - samples/n``). It catches what goes wrong as a
 whole: a member that restored another checkpoint, skipped or repeated a step, used another seed, dtype or config.

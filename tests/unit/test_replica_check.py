@@ -125,14 +125,23 @@ def test_the_device_is_not_part_of_the_fingerprint() -> None:
     assert replica_check._described(on_gpu, {}) == replica_check._described(on_cpu, {})
 
 
-@pytest.mark.gpu
-def test_a_cuda_state_fingerprints_like_its_cpu_copy() -> None:
+def _moved(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """A copy of ``tensor`` on ``device``, a conj view and a Parameter as such."""
+    if tensor.is_conj():
+        return _moved(tensor.conj(), device).conj()
+    out = tensor.detach().to(device, copy=True)
+    return torch.nn.Parameter(out, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_copy_on_a_device_fingerprints_like_the_original(device: str) -> None:
+    """The model's tensors copied to ``device`` (the optimizer's stay on the CPU: two devices in one state)."""
     state = mixed_state()
-    on_gpu = {key: (value.cuda() if isinstance(value, torch.Tensor) else value) for key, value in state["model"].items()}
-    on_gpu["conj"] = state["model"]["conj"].conj().cuda().conj()  # a conj view on the device
-    assert state_fingerprint({**state, "model": on_gpu}) == state_fingerprint(state)
-    assert state_fingerprint({**state, "model": {**on_gpu, "cpu_too": torch.ones(3)}}) == state_fingerprint(
-        {**state, "model": {**state["model"], "cpu_too": torch.ones(3)}})
+    moved = collections.OrderedDict((key, _moved(value, device)) for key, value in state["model"].items())
+    assert moved["conj"].is_conj() and isinstance(moved["w"], torch.nn.Parameter)
+    assert state_fingerprint({**state, "model": moved}) == state_fingerprint(state)
+    moved["ids"][-1] += 1  # the last element is always sampled
+    assert state_fingerprint({**state, "model": moved}) != state_fingerprint(state)
 
 
 # -- different states -------------------------------------------------------------------------------------------

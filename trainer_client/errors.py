@@ -66,6 +66,21 @@ class CaptureError(MemstoreClientError):
     """
 
 
+class ReplicaMismatchError(MemstoreClientError):
+    """The members of a replica group do not hold the same state (``verify_replicas=True``); nothing was saved.
+
+    ``ranks``: the job ranks whose state differs from the majority's (on a tie ``tie`` is True and they are the
+    ranks that differ from the group's first member), or that could not fingerprint theirs; ``members``: the job
+    ranks of the replica group. Raised on every member alike.
+    """
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = (), members: tuple[int, ...] = (), tie: bool = False) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.members = members
+        self.tie = tie
+
+
 class AlreadySavedError(InvalidArgumentError):
     """The store already holds this rank's shard of this step on this timeline: a re-save needs a new timeline."""
 

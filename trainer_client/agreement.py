@@ -47,7 +47,8 @@ class Agreements:
     durable: set[tuple[int, str]] = field(default_factory=set)
 
 
-def _device(group: Any) -> torch.device:
+def collective_device(group: Any) -> torch.device:
+    """Where an all-reduce over ``group`` wants its tensors: the current GPU for NCCL, else the CPU."""
     name = str(group.name()).lower() if hasattr(group, "name") else ""
     return torch.device("cuda", torch.cuda.current_device()) if "nccl" in name else torch.device("cpu")
 
@@ -70,7 +71,7 @@ def group_problem(group: Any, rank: int, world_size: int) -> tuple[int, InvalidA
 class _Collectives:
     def __init__(self, group: Any, stats: AgreementStats) -> None:
         self.group = group
-        self.device = _device(group)
+        self.device = collective_device(group)
         self.stats = stats
 
     def _reduce(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:

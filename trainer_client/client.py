@@ -61,6 +61,7 @@ from trainer_client.errors import (
     raise_for_rpc,
 )
 from trainer_client.handles import RestorePoint, SaveHandle, SaveResult
+from trainer_client.replica_check import verify_replicas
 from trainer_client.replicas import resolve_replica_group
 from trainer_client.run_ids import PROCESS_RUN_ID, broadcast_run_id, run_id_given
 from trainer_client.stripes import assemble, is_stripe, merge, split_state, stripe_members, stripe_state
@@ -341,8 +342,6 @@ class CheckpointClient:
             return serialization.plan(state), None
         shared, own, order = split_state(state, replicated)
         if self.verify_replicas and verify:
-            from trainer_client.replica_check import verify_replicas  # TEMP until merged
-
             verify_replicas(shared, group.process_group, group.members, self.rank)
         if group.size == 1 or (replicated is not None and not replicated):
             return serialization.plan(state), None  # nothing to share

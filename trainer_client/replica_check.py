@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import xxhash
 
+from trainer_client.agreement import collective_device
 from trainer_client.errors import InvalidArgumentError, ReplicaMismatchError, SerializationError
 from trainer_client.serialization.memory import GcPaused
 from trainer_client.serialization.spec import BLOB_NDARRAY, BLOB_TENSOR
@@ -194,12 +195,6 @@ def state_fingerprint(state: Any, samples_per_tensor: int = 32) -> int:
 # -- the check -------------------------------------------------------------------------------------------------
 
 
-def _collective_device(group: Any) -> torch.device:
-    """Where an all-reduce over ``group`` wants its tensor: the current GPU for NCCL, else the CPU."""
-    name = str(group.name()).lower() if hasattr(group, "name") else ""
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in name else torch.device("cpu")
-
-
 def _position(group: Any, members: Sequence[int], rank: int) -> tuple[int, int, InvalidArgumentError | None]:
     """The group's size, this process's rank in it, and why ``members``/``rank`` do not fit it (None when they do).
     Raises at once for an object that is no initialized process group: there is nothing to take part in."""
@@ -261,7 +256,7 @@ def verify_replicas(state: Any, group: Any, members: Sequence[int], rank: int, s
             error = exc
     slots = torch.zeros(size, dtype=torch.int64)
     slots[me] = mine
-    slots = slots.to(_collective_device(group))
+    slots = slots.to(collective_device(group))
     dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=group)
     if error is not None:
         raise error

@@ -72,3 +72,36 @@ def _worker(rank: int, port: int) -> None:
 def test_every_rank_names_the_member_that_lies() -> None:
     (port,) = free_ports(1)
     run_ranks(_worker, WORLD, port, timeout=90)
+
+
+def _client_worker(rank: int, port: int, addresses: list[str]) -> None:
+    """Through the client: a replica group of the whole job saves with verify_replicas; a liar's save raises on every
+    rank and saves nothing; the agreed restore (latest_step(group=...)) reads the group's stripes."""
+    from trainer_client import CheckpointClient, Connection
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        with CheckpointClient("verified", rank, WORLD, connection=Connection(addresses[rank % len(addresses)]), run_id="r1",
+                              replica_group=dist.group.WORLD, verify_replicas=True) as client:  # fmt: skip
+            assert client.save(1, _state(liar=False)).wait(60).committed
+            try:
+                client.save(2, _state(liar=rank == 2))
+            except ReplicaMismatchError as exc:
+                assert exc.ranks == (2,), exc
+            else:
+                raise AssertionError(f"rank {rank}: the liar's save went through")
+            assert client.latest_step(group=dist.group.WORLD) == 1  # step 2 was never saved, by any rank
+            restored = client.load(1, group=dist.group.WORLD)
+            expected = _state(liar=False)
+            assert restored["step"] == 100
+            assert all(torch.equal(restored["model"][k], v) for k, v in expected["model"].items())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("forkserver")
+def test_a_client_with_verify_replicas_refuses_a_liars_save_on_every_rank(make_inprocess_cluster) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB")
+    (port,) = free_ports(1)
+    run_ranks(_client_worker, WORLD, port, [cluster.address(h) for h in cluster.members], timeout=90)

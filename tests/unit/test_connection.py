@@ -217,7 +217,7 @@ def test_every_public_name_comes_from_trainer_client() -> None:
         "RestorePoint", "TrainingState", "ResumableDataLoader", "MemstoreClientError", "InvalidArgumentError",
         "SerializationError", "CapacityExceededError", "ReplicationError", "StoreUnavailableError", "NotFoundError",
         "NoCheckpointError", "CorruptShardError", "AlreadySavedError", "CheckpointExistsError", "CaptureError",
-        "AuthenticationError", "AccessDeniedError",
+        "AuthenticationError", "AccessDeniedError", "ReplicaMismatchError",
     }  # fmt: skip
     assert set(trainer_client.__all__) == expected
     errors = importlib.import_module("trainer_client.errors")

@@ -6,7 +6,8 @@ saves a stripe of about 1/D of it, and a restore needs all D. Without this, a me
 the D-1 stripes it lacks from peers while every other member does the same. Here, once a member's save has settled,
 its store pulls the stripes it lacks of that save (the newest of the rank) as *cached* copies:
 
-* only into spare room: a pull leaves at least :data:`ROOM_KEPT` of the capacity free, and evicts nothing;
+* only into spare room: a pull leaves at least :data:`ROOM_KEPT` of the capacity out of use (segments the pool keeps
+  for reuse give way, as they do for any copy), and evicts no copy;
 * a cached copy is not one of the shard's R copies (repair and ``memstore status`` do not count it), and it is the first
   thing dropped when a save needs room (``Catalog.acquire``); retention drops it with its step;
 * a stripe not yet committed by its own member is tried again, with backoff, for :data:`GIVE_UP_SECONDS`.
@@ -67,7 +68,7 @@ class Assembler:
             due, failures, first = self._tries.get(key, (0.0, 0, now))
             if now < due or now - first > GIVE_UP_SECONDS:
                 continue
-            if self.pool.room_left() - nbytes < ROOM_KEPT * self.pool.capacity:
+            if self.pool.capacity - self.pool.in_use_bytes - nbytes < ROOM_KEPT * self.pool.capacity:  # pooled segments give way
                 self.skipped_for_room += 1
                 self._tries[key] = (now + RETRY_SECONDS[-1], failures, first)
                 continue

@@ -51,8 +51,9 @@ class FakePool:
         seg.owner, seg.ring = owner, ring
         return seg
 
-    def room_left(self) -> int:
-        return self.capacity - self.used
+    @property
+    def in_use_bytes(self) -> int:
+        return self.used
 
     def release(self, seg: Segment) -> None:
         assert seg not in self.released, "a segment released twice"

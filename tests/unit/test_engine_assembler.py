@@ -59,7 +59,7 @@ def test_memory_pressure_drops_cached_copies_first_and_keeps_every_real_one() ->
     replica = pulled(catalog, key(1, 3), cached=False)
     cache = pulled(catalog, key(1, 1), cached=True)
     pulled(catalog, key(1, 2), cached=True)
-    assert pool.room_left() == 0
+    assert pool.capacity - pool.in_use_bytes == 0
     with pytest.raises(CapacityExceeded):
         catalog.acquire(key(1, 5), len(DATA), evict=False)  # an ahead reservation or pull evicts nothing
     seg = catalog.acquire(key(2, 0), 4 * KiB)  # a save: one cached copy goes (the oldest), nothing else

@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=int, default=2, help="steps each store keeps (default 2); saves 2..keep+2 are the early saves")
     p.add_argument("--saves", type=int, default=None, help="steady saves after save 1 and the early saves (default 5; --quick 2)")
     p.add_argument(
-        "--restores", type=int, default=None, help="repetitions of each restore and of the disk/DCP floors (default 3; --quick 1)"
+        "--restores", type=int, default=None, help="repetitions of each restore, the disk/DCP floors, DP saves (default 3; --quick 1)"
     )
     p.add_argument(
         "--small-saves", type=int, default=None, help="saves of the 1 MiB state after its first (default 30; --quick 5; 0: skip)"
@@ -128,7 +128,7 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
         say(f"data parallel: D=1, 2, 4 ranks of one {config['dp_size']}-byte state, without and with a replica group")
         del state, tensors
         dp_state = make_state(config["dp_size"], config["seed"])
-        doc["data_parallel"] = measure_data_parallel(dp_state, config["replicas"], config["data_plane"], config["store_env"])
+        doc["data_parallel"] = measure_data_parallel(dp_state, config["replicas"], reps, config["data_plane"], config["store_env"])
     return doc
 
 

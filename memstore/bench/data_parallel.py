@@ -7,12 +7,13 @@ the same state (``--dp-size`` bytes, the bench's layout). Two paths, each a fres
 * ``dedup``: ``CheckpointClient(replica_group=list(range(D)))``: every rank saves a stripe of about 1/D of it
   (:mod:`trainer_client.stripes`), R copies in all.
 
-Each case saves step 1 (its clients' first save), then step 2, the one measured: the D ranks call ``save()`` at
-once (one thread and one client each): its stall per rank, call -> committed, and the bytes each rank captured
-(``SaveResult.nbytes``). Then the stores' RAM for step 2 (every copy the stores list, as ``memstore status --json``
-counts a job's ``ram_bytes``) over the whole state's encoded size: the copies of the state. Then D new clients
-``load()`` at once, each restored state checked against the saved one's fingerprint, and the RAM once more (a
-restore of stripes pulls the other members' stripes into each rank's store). The job is then deleted.
+Each case saves step 1 (its clients' first save), then ``--restores`` steps more, the ones measured: the D ranks
+call ``save()`` at once (one thread and one client each): its stall per rank, call -> committed, and the bytes each
+rank captured (``SaveResult.nbytes``). Then the stores' RAM for the last step (every copy the stores list, as
+``memstore status --json`` counts a job's ``ram_bytes``) over the whole state's encoded size: the copies of the
+state. Then, ``--restores`` times, D new clients ``load()`` at once, each restored state checked against the saved
+one's fingerprint; and the RAM once more (a restore of stripes pulls the other members' stripes into each rank's
+store). The job is then deleted. Each time reported is the median over the rounds of the slowest rank's.
 
 The D ranks share this machine's cores: captures in parallel cannot show the whole 1/D in wall time there, while the
 bytes captured per rank do.
@@ -20,6 +21,7 @@ bytes captured per rank do.
 
 from __future__ import annotations
 
+import statistics
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from memstore.bench.measure import Series, one_save
 from memstore.bench.state import MiB, fingerprint, p50, tensors_of
-from memstore.bench.stores import running, start_cluster, store_rpc, wait_idle
+from memstore.bench.stores import running, start_cluster, store_rpc, wait_idle, wait_settled
 
 if TYPE_CHECKING:
     from memstore.devtools.cluster import LocalCluster
@@ -37,7 +39,6 @@ DEGREES = (1, 2, 4)
 PATHS = ("no_dedup", "dedup")
 HOSTS = 4
 KEEP = 2
-SAVES = 2  # step 1 warms each client's capture ring; step 2 is measured
 T = TypeVar("T")
 
 
@@ -88,51 +89,68 @@ def restore(client: Any, expected: str) -> dict[str, Any]:
     return {"seconds": t1 - t0, "read_seconds": t2 - t0, "source_host": client.last_load_source or "", "verified_equal": same}
 
 
-def one_case(cluster: LocalCluster, state: Any, whole: int, expected: str, degree: int, dedup: bool) -> dict[str, Any]:
-    """D ranks save ``state`` twice at once, the stores' RAM is read, D new clients restore it at once."""
+def restore_round(cluster: LocalCluster, job: str, degree: int, dedup: bool, expected: str) -> list[dict[str, Any]]:
+    """D new clients (restarted ranks) ``load()`` at once; every rank's restore."""
+    loaders = clients_of(cluster, job, degree, dedup)
+    try:
+        return together([partial(restore, c, expected) for c in loaders])
+    finally:
+        for c in loaders:
+            c.close()
+
+
+def slowest(rounds: list[list[dict[str, Any]]], key: str) -> float:
+    """The median over rounds of the slowest rank's ``key``."""
+    return float(statistics.median(max(r[key] for r in ranks) for ranks in rounds))
+
+
+def one_case(cluster: LocalCluster, state: Any, whole: int, expected: str, degree: int, dedup: bool, rounds: int) -> dict[str, Any]:
+    """D ranks save ``state`` at once, 1 + ``rounds`` times; the stores' RAM for the last step; ``rounds`` restores."""
     path = PATHS[dedup]
     job = f"dp{degree}-{path}"
     tensors = tensors_of(state)
     savers = clients_of(cluster, job, degree, dedup)
     try:
-        series = [Series(cluster, c, state, KEEP, SAVES) for c in savers]
-        saves = [together([partial(one_save, s, i, tensors) for s in series]) for i in range(SAVES)]
+        series = [Series(cluster, c, state, KEEP, 1 + rounds) for c in savers]
+        saves = []
+        for i in range(1 + rounds):
+            saves.append(together([partial(one_save, s, i, tensors) for s in series]))
+            wait_settled(cluster, job, KEEP)  # as in the main series: the next save comes a training step later
     finally:
         for c in savers:
             c.close()
-    ram = ram_bytes(cluster, job, SAVES)
-    loaders = clients_of(cluster, job, degree, dedup)
-    try:
-        restores = together([partial(restore, c, expected) for c in loaders])
-    finally:
-        for c in loaders:
-            c.close()
-    ram_after = ram_bytes(cluster, job, SAVES)
+    ram = ram_bytes(cluster, job, 1 + rounds)
+    restores = [restore_round(cluster, job, degree, dedup, expected) for _ in range(rounds)]
+    ram_after = ram_bytes(cluster, job, 1 + rounds)
     delete_job(cluster, job)
-    measured = saves[-1]
-    stalls = [s["stall_seconds"] for s in measured]
+    measured = saves[1:]  # save 1 is each client's first: its capture ring is set up then
+    everything = [s for ranks in saves for s in ranks]
     return {
         "degree": degree, "path": path, "job": job, "first_saves": saves[0], "saves": measured,
-        "stall_max": max(stalls), "stall_p50": p50(stalls), "committed_max": max(s["committed_seconds"] for s in measured),
-        "captured_bytes": [s["nbytes"] for s in measured], "captured_max": max(s["nbytes"] for s in measured),
-        "copies_min": min(s["copies"] for s in [*saves[0], *measured]), "errors": [s["error"] for s in measured if s["error"]],
+        "stall_max": slowest(measured, "stall_seconds"),
+        "stall_p50": float(statistics.median(p50([s["stall_seconds"] for s in ranks]) or 0.0 for ranks in measured)),
+        "committed_max": slowest(measured, "committed_seconds"),
+        "captured_bytes": [s["nbytes"] for s in measured[-1]], "captured_max": max(s["nbytes"] for s in measured[-1]),
+        "copies_min": min(s["copies"] for s in everything), "errors": [s["error"] for s in everything if s["error"]],
         "ram_bytes": ram, "ram_copies": ram / whole, "ram_bytes_after_restore": ram_after, "ram_copies_after_restore": ram_after / whole,
-        "restores": restores, "restore_max": max(r["seconds"] for r in restores),
-        "restore_read_max": max(r["read_seconds"] for r in restores), "verified_equal": all(r["verified_equal"] for r in restores),
+        "restores": restores, "restore_max": slowest(restores, "seconds"), "restore_read_max": slowest(restores, "read_seconds"),
+        "verified_equal": all(r["verified_equal"] for ranks in restores for r in ranks),
     }  # fmt: skip
 
 
-def measure_data_parallel(state: Any, replicas: int, data_plane: str | None, env: dict[str, str]) -> dict[str, Any]:
-    """Every case, D in :data:`DEGREES` x :data:`PATHS`, on a fresh cluster of max(4, R) stores; the section's document."""
+def measure_data_parallel(state: Any, replicas: int, rounds: int, data_plane: str | None, env: dict[str, str]) -> dict[str, Any]:
+    """Every case, D in :data:`DEGREES` x :data:`PATHS`, on a fresh cluster of max(4, R) stores; the section's document.
+    ``rounds``: measured saves and restores of each case (their medians are reported)."""
     from trainer_client import serialization
 
     whole = serialization.plan(state).nbytes  # the whole state as one shard: what a rank saves today
     hosts = max(HOSTS, replicas)
     expected = fingerprint(state)
-    with running(start_cluster(hosts, replicas, KEEP, whole, data_plane, env)) as cluster:
+    # room per store: keep+3 steps (see start_cluster) of up to R copies each (its rank's and the replicas of others')
+    with running(start_cluster(hosts, replicas, KEEP, whole * replicas, data_plane, env)) as cluster:
         wait_idle(cluster)
-        cases = [one_case(cluster, state, whole, expected, d, dedup) for d in DEGREES for dedup in (False, True)]
-    return {"hosts": hosts, "replicas": replicas, "state_bytes": whole, "cases": cases}
+        cases = [one_case(cluster, state, whole, expected, d, dedup, rounds) for d in DEGREES for dedup in (False, True)]
+    return {"hosts": hosts, "replicas": replicas, "state_bytes": whole, "rounds": rounds, "cases": cases}
 
 
 def ok(section: dict[str, Any]) -> bool:

@@ -13,7 +13,9 @@ rank captured (``SaveResult.nbytes``). Then the stores' RAM for the last step (e
 ``memstore status --json`` counts a job's ``ram_bytes``) over the whole state's encoded size: the copies of the
 state. Then, ``--restores`` times, D new clients ``load()`` at once, each restored state checked against the saved
 one's fingerprint; and the RAM once more (a restore of stripes pulls the other members' stripes into each rank's
-store). The job is then deleted. Each time reported is the median over the rounds of the slowest rank's.
+store). The jobs are then deleted. Each time reported is the median over the rounds of the slowest rank's. The two
+paths' rounds alternate (a save of one, then of the other; a restore of one, then of the other), so that both see
+the same background load on a shared machine.
 
 The D ranks share this machine's cores: captures in parallel cannot show the whole 1/D in wall time there, while the
 bytes captured per rank do.
@@ -104,25 +106,40 @@ def slowest(rounds: list[list[dict[str, Any]]], key: str) -> float:
     return float(statistics.median(max(r[key] for r in ranks) for ranks in rounds))
 
 
-def one_case(cluster: LocalCluster, state: Any, whole: int, expected: str, degree: int, dedup: bool, rounds: int) -> dict[str, Any]:
-    """D ranks save ``state`` at once, 1 + ``rounds`` times; the stores' RAM for the last step; ``rounds`` restores."""
-    path = PATHS[dedup]
-    job = f"dp{degree}-{path}"
+def one_degree(cluster: LocalCluster, state: Any, whole: int, expected: str, degree: int, rounds: int) -> list[dict[str, Any]]:
+    """Both paths' cases at ``degree`` ranks, their rounds interleaved (a save of one path, then of the other, and
+    so on), so that both see the same background load: D ranks save ``state`` at once, 1 + ``rounds`` times; the
+    stores' RAM for the last step; ``rounds`` restores."""
+    jobs = {path: f"dp{degree}-{path}" for path in PATHS}
     tensors = tensors_of(state)
-    savers = clients_of(cluster, job, degree, dedup)
+    savers = {path: clients_of(cluster, jobs[path], degree, path == "dedup") for path in PATHS}
+    saves: dict[str, list[list[dict[str, Any]]]] = {path: [] for path in PATHS}
     try:
-        series = [Series(cluster, c, state, KEEP, 1 + rounds) for c in savers]
-        saves = []
+        series = {path: [Series(cluster, c, state, KEEP, 1 + rounds) for c in savers[path]] for path in PATHS}
         for i in range(1 + rounds):
-            saves.append(together([partial(one_save, s, i, tensors) for s in series]))
-            wait_settled(cluster, job, KEEP)  # as in the main series: the next save comes a training step later
+            for path in PATHS:
+                saves[path].append(together([partial(one_save, s, i, tensors) for s in series[path]]))
+                wait_settled(cluster, jobs[path], KEEP)  # as in the main series: the next save comes a training step later
     finally:
-        for c in savers:
+        for c in [*savers["no_dedup"], *savers["dedup"]]:
             c.close()
-    ram = ram_bytes(cluster, job, 1 + rounds)
-    restores = [restore_round(cluster, job, degree, dedup, expected) for _ in range(rounds)]
-    ram_after = ram_bytes(cluster, job, 1 + rounds)
-    delete_job(cluster, job)
+    ram = {path: ram_bytes(cluster, jobs[path], 1 + rounds) for path in PATHS}
+    restores: dict[str, list[list[dict[str, Any]]]] = {path: [] for path in PATHS}
+    for _ in range(rounds):
+        for path in PATHS:
+            restores[path].append(restore_round(cluster, jobs[path], degree, path == "dedup", expected))
+    cases = [summary(degree, path, jobs[path], saves[path], restores[path], ram[path], ram_bytes(cluster, jobs[path], 1 + rounds), whole)
+             for path in PATHS]  # fmt: skip
+    for job in jobs.values():
+        delete_job(cluster, job)
+    return cases
+
+
+def summary(
+    degree: int, path: str, job: str, saves: list[list[dict[str, Any]]], restores: list[list[dict[str, Any]]], ram: int, ram_after: int,
+    whole: int,
+) -> dict[str, Any]:  # fmt: skip
+    """One case's document: every save and restore, and the figures the table and the ratios use."""
     measured = saves[1:]  # save 1 is each client's first: its capture ring is set up then
     everything = [s for ranks in saves for s in ranks]
     return {
@@ -146,10 +163,11 @@ def measure_data_parallel(state: Any, replicas: int, rounds: int, data_plane: st
     whole = serialization.plan(state).nbytes  # the whole state as one shard: what a rank saves today
     hosts = max(HOSTS, replicas)
     expected = fingerprint(state)
-    # room per store: keep+3 steps (see start_cluster) of up to R copies each (its rank's and the replicas of others')
-    with running(start_cluster(hosts, replicas, KEEP, whole * replicas, data_plane, env)) as cluster:
+    # room per store: keep+3 steps (see start_cluster) of up to R copies each (its rank's and the replicas of others'),
+    # for both paths' jobs at once
+    with running(start_cluster(hosts, replicas, KEEP, 2 * whole * replicas, data_plane, env)) as cluster:
         wait_idle(cluster)
-        cases = [one_case(cluster, state, whole, expected, d, dedup, rounds) for d in DEGREES for dedup in (False, True)]
+        cases = [c for d in DEGREES for c in one_degree(cluster, state, whole, expected, d, rounds)]
     return {"hosts": hosts, "replicas": replicas, "state_bytes": whole, "rounds": rounds, "cases": cases}
 
 

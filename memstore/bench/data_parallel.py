@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -81,8 +82,6 @@ def clients_of(cluster: LocalCluster, job: str, degree: int, dedup: bool) -> lis
 
 def restore(client: Any, expected: str) -> dict[str, Any]:
     """One rank's ``load()`` of the newest step, timed; then its first read of every byte (the fingerprint)."""
-    import time
-
     t0 = time.perf_counter()
     state = client.load()
     t1 = time.perf_counter()

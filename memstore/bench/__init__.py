@@ -8,6 +8,8 @@ One run, one state size (default 1 GiB of float32 state on one rank), on freshly
   with a memcpy of the same bytes right before it; the small saves of a 1 MiB state;
 * restores, each in a new process (:mod:`~memstore.bench.stores`): from local RAM after a trainer crash, from peer
   RAM after a host loss;
+* data parallelism (:mod:`~memstore.bench.data_parallel`, ``--dp-size``): D = 1, 2, 4 ranks of one state on 4 other
+  stores, each saving its whole state (today) or a 1/D stripe (a replica group): stall, bytes captured, RAM, restores;
 * one table (:mod:`~memstore.bench.targets`): ratio, measured, target, PASS/MISS.
 
 Every raw number goes to ``--json``; ``benchmarks/plot_bench.py`` draws it. This module imports only the standard
@@ -27,8 +29,8 @@ from typing import Any
 
 __all__ = ["add_arguments", "main", "run"]
 
-QUICK: dict[str, Any] = {"size": "64MiB", "saves": 2, "restores": 1, "small_saves": 5}
-DEFAULTS: dict[str, Any] = {"size": "1GiB", "saves": 5, "restores": 3, "small_saves": 30}
+QUICK: dict[str, Any] = {"size": "64MiB", "saves": 2, "restores": 1, "small_saves": 5, "dp_size": "16MiB"}
+DEFAULTS: dict[str, Any] = {"size": "1GiB", "saves": 5, "restores": 3, "small_saves": 30, "dp_size": "256MiB"}
 JOB = "bench"
 
 
@@ -40,12 +42,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=int, default=2, help="steps each store keeps (default 2); saves 2..keep+2 are the early saves")
     p.add_argument("--saves", type=int, default=None, help="steady saves after save 1 and the early saves (default 5; --quick 2)")
     p.add_argument(
-        "--restores", type=int, default=None, help="repetitions of each restore and of the disk/DCP floors (default 3; --quick 1)"
+        "--restores", type=int, default=None, help="repetitions of each restore, the disk/DCP floors, DP saves (default 3; --quick 1)"
     )
     p.add_argument(
         "--small-saves", type=int, default=None, help="saves of the 1 MiB state after its first (default 30; --quick 5; 0: skip)"
     )
-    p.add_argument("--quick", action="store_true", help="64MiB, 2 steady saves, 1 restore, 5 small saves (smoke test)")
+    p.add_argument(
+        "--dp-size", default=None, help="state bytes on each of D=1,2,4 data-parallel ranks (default 256MiB; --quick 16MiB; 0: skip)"
+    )
+    p.add_argument("--quick", action="store_true", help="64MiB, 2 steady saves, 1 restore, 5 small saves, 16MiB DP (smoke test)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write every raw number, ratio and target here")
     p.add_argument("--disk-dir", default=None, help="directory on local disk for the torch.save and DCP floors (default: the temp dir)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random state")
@@ -70,6 +75,7 @@ def config_of(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "size": parse_size(str(pick["size"])), "hosts": args.hosts, "replicas": args.replicas, "keep": args.keep,
         "saves": pick["saves"], "restores": pick["restores"], "small_saves": pick["small_saves"], "quick": args.quick,
+        "dp_size": parse_size(str(pick["dp_size"])),
         "seed": args.seed, "disk_dir": args.disk_dir, "data_plane": args.data_plane, "store_env": env, "json": args.json_path,
     }  # fmt: skip
 
@@ -92,7 +98,7 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
     from memstore.bench.floors_dcp import floor_dcp
     from memstore.bench.measure import measure_restores, measure_saves, measure_small_saves
     from memstore.bench.state import LAYOUT, make_state, nbytes_of, tensors_of
-    from memstore.bench.stores import start_cluster
+    from memstore.bench.stores import running, start_cluster
 
     size, reps = config["size"], config["restores"]
     say(f"generating {size} bytes of state")
@@ -108,7 +114,7 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
     say(f"starting {config['hosts']} stores, R={config['replicas']}")
     cluster = start_cluster(config["hosts"], config["replicas"], config["keep"], shard_bytes, config["data_plane"], config["store_env"])
-    try:
+    with running(cluster):
         say("saves from the first")
         doc["saves"] = measure_saves(cluster, JOB, state, config["keep"], config["saves"])
         if config["small_saves"]:
@@ -116,12 +122,13 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
             doc["small_saves"] = measure_small_saves(cluster, f"{JOB}-small", config["small_saves"], config["seed"], config["keep"])
         say("restores in a new process: from local RAM, from peer RAM after a host loss")
         doc["restores"] = measure_restores(cluster, JOB, state, config["replicas"], reps, config["keep"])
-    except BaseException:
-        for h in cluster.stores:
-            print(f"--- log of store {h} ---\n{cluster.log_tail(h, lines=30)}", file=sys.stderr)
-        raise
-    finally:
-        cluster.stop()
+    if config["dp_size"]:
+        from memstore.bench.data_parallel import measure_data_parallel
+
+        say(f"data parallel: D=1, 2, 4 ranks of one {config['dp_size']}-byte state, without and with a replica group")
+        del state, tensors
+        dp_state = make_state(config["dp_size"], config["seed"])
+        doc["data_parallel"] = measure_data_parallel(dp_state, config["replicas"], reps, config["data_plane"], config["store_env"])
     return doc
 
 
@@ -133,6 +140,10 @@ def finish(doc: dict[str, Any]) -> dict[str, Any]:
     doc["targets"] = evaluate(doc)
     restored = [r["verified_equal"] for r in doc["restores"].values() if r] + [doc["floors"]["disk"]["load_verified"]]
     doc["ok"] = all(s["copies"] >= doc["config"]["replicas"] for s in doc["saves"]) and all(restored)
+    if "data_parallel" in doc:
+        from memstore.bench.data_parallel import ok
+
+        doc["ok"] = doc["ok"] and ok(doc["data_parallel"])
     return doc
 
 
@@ -143,6 +154,10 @@ def run_config(config: dict[str, Any], command: str) -> int:
     doc = {"command": command, **finish(measure_all(config))}
     doc["seconds"] = time.time() - started
     print(text_table(doc["targets"]))
+    if "data_parallel" in doc:
+        from memstore.bench import data_parallel
+
+        print("\n" + data_parallel.text_table(doc["data_parallel"]))
     if not doc["ok"]:
         print("memstore bench: a save did not reach R copies or a restore (or torch.load) did not verify (see the JSON)", file=sys.stderr)
     if config["json"]:

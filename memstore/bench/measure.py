@@ -45,7 +45,8 @@ class Series:
 
 
 def one_save(series: Series, index: int, tensors: list[Any]) -> dict[str, Any]:
-    """A paired memcpy (when asked), then one save timed from the call: stall (call -> return) and call -> committed."""
+    """A paired memcpy (when asked), then one save timed from the call: stall (call -> return) and call -> committed;
+    ``nbytes``: the bytes the rank captured (its shard's size as the store reports it)."""
     from trainer_client.errors import ReplicationError
 
     memcpy = None
@@ -56,9 +57,10 @@ def one_save(series: Series, index: int, tensors: list[Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     handle = series.client.save(index + 1, series.state)
     t1 = time.perf_counter()
-    copies, error = 0, ""
+    copies, nbytes, error = 0, 0, ""
     try:
-        copies = int(handle.wait(timeout=commit_timeout(nbytes_of(tensors))).copies)
+        result = handle.wait(timeout=commit_timeout(nbytes_of(tensors)))
+        copies, nbytes = int(result.copies), int(result.nbytes)
     except (ReplicationError, TimeoutError) as exc:  # a real outcome (a peer timing out): recorded, the run goes on
         error = str(exc)
     t2 = time.perf_counter()
@@ -69,6 +71,7 @@ def one_save(series: Series, index: int, tensors: list[Any]) -> dict[str, Any]:
         "committed_seconds": t2 - t0,
         "memcpy_seconds": memcpy,
         "copies": copies,
+        "nbytes": nbytes,
         "error": error,
     }
 

@@ -13,7 +13,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from memstore.bench.state import MiB, module_env
@@ -36,6 +37,20 @@ def start_cluster(hosts: int, replicas: int, keep: int, shard_bytes: int, data_p
         cluster.stop()
         raise
     return cluster
+
+
+@contextmanager
+def running(cluster: LocalCluster) -> Iterator[LocalCluster]:
+    """``cluster`` while a measurement runs on it: its stores' log tails printed when the measurement fails, the
+    stores stopped either way."""
+    try:
+        yield cluster
+    except BaseException:
+        for h in cluster.stores:
+            print(f"--- log of store {h} ---\n{cluster.log_tail(h, lines=30)}", file=sys.stderr)
+        raise
+    finally:
+        cluster.stop()
 
 
 def store_rpc(address: str, method: str, request: Any) -> Any:

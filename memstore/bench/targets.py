@@ -1,7 +1,8 @@
 """The ratios the bench reports, the targets they are held to, and the one table (ratio, measured, target, PASS/MISS).
 
 :data:`RATIOS` is the one source of truth: the table of targets in ``docs/benchmarks.md`` is :func:`markdown_table`'s
-output (``tests/unit/test_bench_targets.py`` checks that they agree). Pure: only reads the run's JSON document.
+output (``tests/unit/test_bench_targets.py`` checks that they agree). Pure: only reads the run's JSON document (its
+``data_parallel`` section through :func:`dp_case`).
 """
 
 from __future__ import annotations
@@ -47,8 +48,20 @@ RATIOS: tuple[Ratio, ...] = (
     Ratio("torch_load_over_restore_local", "torch.load (page cache warm) over a restore from local RAM in a new process", ">=", 10.0),
     Ratio("restore_peer_over_tcp", "restore from peer RAM after a host loss, new process: throughput over raw TCP", ">=", 0.7),
     Ratio("torch_load_over_restore_peer", "torch.load (page cache warm) over the same restore from peer RAM", ">=", 3.0),
+    Ratio("dp2_stall_over_no_dedup", "2 DP ranks save one state at once: stall (slowest rank) with a replica group over without"),
+    Ratio("dp4_stall_over_no_dedup", "the same with 4 DP ranks", "<=", 0.35),
+    Ratio(
+        "dp4_captured_over_no_dedup", "4 DP ranks: bytes each rank captured, with a replica group over without (1/4 + framing)", "<=", 0.3
+    ),
+    Ratio(
+        "dp4_ram_over_no_dedup", "4 DP ranks: the stores' RAM for the step, with a replica group over without (R vs 4R copies)", "<=", 0.3
+    ),
+    Ratio("dp4_ram_copies", "4 DP ranks with a replica group: the stores' RAM for the step in copies of the state (R expected)"),
+    Ratio("dp4_restore_over_no_dedup", "4 DP ranks load() at once: slowest restore with a replica group over without", "<=", 1.5),
+    Ratio("dp4_restore_read_over_no_dedup", "the same, each load() followed by a first read of every byte"),
 )
 BY_NAME = {r.name: r for r in RATIOS}
+DP_RATIOS = tuple(r.name for r in RATIOS if r.name.startswith("dp"))  # from the data_parallel section
 
 
 def _saves(doc: dict[str, Any], phase: str | None = None) -> list[dict[str, Any]]:
@@ -57,6 +70,18 @@ def _saves(doc: dict[str, Any], phase: str | None = None) -> list[dict[str, Any]
 
 def _over_memcpy(save: dict[str, Any]) -> float | None:
     return ratio(save["stall_seconds"], save["memcpy_seconds"])
+
+
+def dp_case(section: dict[str, Any] | None, degree: int, path: str) -> dict[str, Any] | None:
+    """The case of ``degree`` ranks on ``path`` in a run's ``data_parallel`` section (None: not measured)."""
+    found = [c for c in (section or {}).get("cases", []) if c["degree"] == degree and c["path"] == path]
+    return found[0] if found else None
+
+
+def dp_over_no_dedup(section: dict[str, Any] | None, degree: int, key: str) -> float | None:
+    """``key`` of the dedup case over the same of today's path, at ``degree`` ranks."""
+    dedup, today = dp_case(section, degree, "dedup"), dp_case(section, degree, "no_dedup")
+    return ratio(dedup[key], today[key]) if dedup and today else None
 
 
 def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[str, str]]:
@@ -72,6 +97,8 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
     peer = restores.get("peer")
     small = doc.get("small_saves")
     later = [r for r in (_over_memcpy(s) for s in _saves(doc)[1:]) if r is not None]
+    dp = doc.get("data_parallel")
+    dp4 = dp_case(dp, 4, "dedup")
     values: dict[str, float | None] = {
         "first_save_stall_over_memcpy": _over_memcpy(doc["saves"][0]),
         "later_saves_stall_over_memcpy_max": max(later, default=None),
@@ -85,6 +112,13 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "torch_load_over_restore_local": ratio(floors["disk"]["load_warm_p50"], restores["local"]["p50"]),
         "restore_peer_over_tcp": ratio(shard_bytes / peer["p50"], tcp) if peer else None,
         "torch_load_over_restore_peer": ratio(floors["disk"]["load_warm_p50"], peer["p50"]) if peer else None,
+        "dp2_stall_over_no_dedup": dp_over_no_dedup(dp, 2, "stall_max"),
+        "dp4_stall_over_no_dedup": dp_over_no_dedup(dp, 4, "stall_max"),
+        "dp4_captured_over_no_dedup": dp_over_no_dedup(dp, 4, "captured_max"),
+        "dp4_ram_over_no_dedup": dp_over_no_dedup(dp, 4, "ram_bytes"),
+        "dp4_ram_copies": dp4["ram_copies"] if dp4 else None,
+        "dp4_restore_over_no_dedup": dp_over_no_dedup(dp, 4, "restore_max"),
+        "dp4_restore_read_over_no_dedup": dp_over_no_dedup(dp, 4, "restore_read_max"),
     }
     why = {
         "small_save_stall_ms": "not measured (--small-saves 0)",
@@ -93,6 +127,7 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "replication_over_tcp": "R=1 replicates nothing" if doc["config"]["replicas"] < 2 else "",
         "restore_peer_over_tcp": "R=1 keeps no peer copy" if not peer else "",
         "torch_load_over_restore_peer": "R=1 keeps no peer copy" if not peer else "",
+        **{name: "not measured (--dp-size 0)" for name in DP_RATIOS if not dp},
     }
     return values, {k: v or "not measured" for k, v in why.items() if values[k] is None}
 

@@ -1,5 +1,6 @@
 """Smoke test of ``memstore bench``: a tiny run end to end, on real stores and floors; it prints the table and writes
-every ratio. No timing thresholds: a ratio must exist and be a positive number, not meet its target."""
+every ratio. No timing thresholds: a ratio must exist and be a positive number, not meet its target. The data-parallel
+section's RAM (R copies with a replica group, D x R without), bytes captured and restores are checked exactly."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from memstore.bench.targets import RATIOS
 
 pytestmark = pytest.mark.integration
 
-ARGV = ["--size", "4MiB", "--saves", "1", "--restores", "1", "--small-saves", "2"]
+ARGV = ["--size", "4MiB", "--saves", "1", "--restores", "1", "--small-saves", "2", "--dp-size", "2MiB"]
 
 
 @pytest.mark.timeout(240)
@@ -54,3 +55,15 @@ def test_a_tiny_run_writes_the_table_and_every_ratio(tmp_path: Path, capsys: pyt
     assert [line.split()[0] for line in table] == names
     assert all(("PASS" in line) != ("MISS" in line) for line in table if "≤" in line or "≥" in line)
     assert not [p for p in os.listdir(tmp_path) if p.startswith("memstore-bench-")]  # the floors' files are gone
+    assert "data parallel: a 2.00 MiB state on every rank, 4 stores, R=2" in printed
+
+    dp = data["data_parallel"]  # D ranks of one state: without a replica group D x R copies, with one R copies
+    whole = dp["state_bytes"]
+    assert [(c["degree"], c["path"]) for c in dp["cases"]] == [(d, p) for d in (1, 2, 4) for p in ("no_dedup", "dedup")]
+    for c in dp["cases"]:
+        d, dedup = c["degree"], c["path"] == "dedup"
+        assert c["ram_copies"] == pytest.approx(2 if dedup else 2 * d, rel=0.05), c
+        assert c["captured_max"] == pytest.approx(whole / d if dedup else whole, rel=0.05), c  # each rank captured 1/D
+        assert c["copies_min"] == 2 and not c["errors"], c
+        assert [len(r) for r in c["restores"]] == [d] and c["verified_equal"] is True, c  # --restores 1: one round of D
+        assert all(r["verified_equal"] for r in c["restores"][0]), c

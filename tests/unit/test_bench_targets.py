@@ -25,6 +25,11 @@ def save(step: int, phase: str, stall: float, memcpy: float, committed: float, e
             "copies": 0 if error else 2, "error": error}  # fmt: skip
 
 
+def dp(degree: int, path: str, stall: float, captured: int, copies: int, restore: float, read: float) -> dict[str, Any]:
+    return {"degree": degree, "path": path, "stall_max": stall, "captured_max": captured, "ram_bytes": copies * B,
+            "ram_copies": float(copies), "restore_max": restore, "restore_read_max": read}  # fmt: skip
+
+
 def document() -> dict[str, Any]:
     """A run of 1 GiB, keep 2: raw TCP moves it in 0.4 s, a memcpy takes 0.1 s, torch.load 0.5 s."""
     saves = [save(1, FIRST, 0.3, 0.1, 1.0)]
@@ -43,7 +48,11 @@ def document() -> dict[str, Any]:
         "saves": saves,
         "small_saves": {"stall_p50": 0.0008},
         "restores": {"local": {"p50": 0.05}, "peer": {"p50": 0.8}},
-    }
+        "data_parallel": {"replicas": 2, "state_bytes": B, "cases": [
+            dp(2, "no_dedup", 0.2, B, 4, 0.1, 0.3), dp(2, "dedup", 0.1, B // 2, 2, 0.12, 0.3),
+            dp(4, "no_dedup", 0.4, B, 8, 0.1, 0.4), dp(4, "dedup", 0.12, B // 4, 2, 0.2, 0.44),
+        ]},
+    }  # fmt: skip
 
 
 def test_every_ratio_from_its_parts() -> None:
@@ -61,6 +70,13 @@ def test_every_ratio_from_its_parts() -> None:
         "torch_load_over_restore_local": 10.0,
         "restore_peer_over_tcp": 0.5,
         "torch_load_over_restore_peer": 0.625,
+        "dp2_stall_over_no_dedup": 0.5,
+        "dp4_stall_over_no_dedup": 0.3,
+        "dp4_captured_over_no_dedup": 0.25,
+        "dp4_ram_over_no_dedup": 0.25,  # R copies against 4 x R
+        "dp4_ram_copies": 2.0,
+        "dp4_restore_over_no_dedup": 2.0,
+        "dp4_restore_read_over_no_dedup": 1.1,
     })  # fmt: skip
     assert why == {} and set(values) == {r.name for r in RATIOS}
 
@@ -81,6 +97,13 @@ def test_pass_miss_and_the_table() -> None:
         "torch_load_over_restore_local": True,
         "restore_peer_over_tcp": False,
         "torch_load_over_restore_peer": False,
+        "dp2_stall_over_no_dedup": None,
+        "dp4_stall_over_no_dedup": True,
+        "dp4_captured_over_no_dedup": True,
+        "dp4_ram_over_no_dedup": True,
+        "dp4_ram_copies": None,
+        "dp4_restore_over_no_dedup": False,  # 2.0 > 1.5
+        "dp4_restore_read_over_no_dedup": None,
     }
     lines = text_table(rows).splitlines()
     assert lines[0].split() == ["ratio", "measured", "target", "result"] and len(lines) == 2 + len(RATIOS)
@@ -100,6 +123,10 @@ def test_a_save_that_did_not_commit_counts_zero_and_r1_has_no_peer_figures() -> 
     assert values["torch_load_over_restore_peer"] is None and "small_save_stall_ms" not in why
     doc.pop("small_saves")
     assert compute_ratios(doc)[1]["small_save_stall_ms"] == "not measured (--small-saves 0)"
+    doc.pop("data_parallel")
+    values, why = compute_ratios(doc)
+    dp_names = [r.name for r in RATIOS if r.name.startswith("dp")]
+    assert len(dp_names) == 7 and all(values[n] is None and why[n] == "not measured (--dp-size 0)" for n in dp_names)
 
 
 def test_phases_of_a_series() -> None:
@@ -114,6 +141,9 @@ def _config(argv: list[str]) -> dict[str, Any]:
 
 def test_flags_quick_and_defaults() -> None:
     assert _config([])["size"] == B and _config([])["saves"] == 5 and _config([])["small_saves"] == 30
+    assert (
+        _config([])["dp_size"] == 256 << 20 and _config(["--quick"])["dp_size"] == 16 << 20 and _config(["--dp-size", "0"])["dp_size"] == 0
+    )
     quick = _config(["--quick"])
     assert (quick["size"], quick["saves"], quick["restores"], quick["small_saves"]) == (64 << 20, 2, 1, 5)
     assert _config(["--quick", "--saves", "7"])["saves"] == 7  # a flag given wins over --quick

@@ -314,8 +314,9 @@ def _print_summary(s: dict[str, Any], baseline: dict[str, float], recovery: floa
             tier = f"{len(s['saved_share'])} stripes, its own from {tier}"
         note = f" (rank of the lost host, through the replacement {own})" if int(rank) in s["victim_ranks"] else ""
         _say(f"  rank {rank}: restored in {r['seconds'] * ms:7.1f} ms from {tier}{note}")
+    source = f"{len(s['saved_share'])} stripes" if s["replica_group"] else "local RAM"
     _say(
-        f"  same state, idle machine: memstore load (local RAM) {baseline['memstore_local_load'] * ms:.2f} ms vs torch.load "
+        f"  same state, idle machine: memstore load ({source}) {baseline['memstore_local_load'] * ms:.2f} ms vs torch.load "
         f"{baseline['torch_load'] * ms:.2f} ms"
     )
     _say(f"  total demo time {total:.0f} s")

@@ -228,7 +228,7 @@ def _job_in_status(store: str, job: str) -> dict[str, Any] | None:
     return next((j for j in jobs if j["job"] == job), None)
 
 
-def _footprint(store: str, resumed: Job, replicas: int, keep: int, replica_group: bool, timeout: float = 30.0) -> dict[str, Any]:
+def _footprint(store: str, resumed: Job, replicas: int, keep: int, replica_group: bool, timeout: float = 60.0) -> dict[str, Any]:
     """How many times the stores hold one rank's training state, from ``memstore status --json`` once retention has
     settled (at most ``keep`` steps in RAM, all committed: the job has finished), and the share of it each rank saved
     per step. With ``replica_group`` both must match a replica group of all ranks: R and 1/ranks."""

@@ -197,11 +197,11 @@ class _Checkpoints:
             except ReplicationError as exc:  # still restorable from fewer copies; repair catches up
                 print(f"rank {self.rank}: {exc}", file=sys.stderr, flush=True)
             self.saves[-1]["wait"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         state = training.state.capture(step=step, epoch=training.loader.epoch)
-        if not self.state_nbytes:
+        if not self.state_nbytes:  # once: the state's size does not change between steps
             self.state_nbytes = serialization.plan(state).nbytes
         replicated = [k for k in state if k != "rng"] if self.client.replica_group is not None else None
-        t0 = time.perf_counter()
         self.pending = self.client.save(step, state, replicated=replicated)
         self.saves.append({"stall": self.pending.stall_seconds, "t0": t0})
         return float(self.pending.stall_seconds)

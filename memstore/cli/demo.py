@@ -14,11 +14,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--kill-at", type=int, default=20, help="SIGKILL a host after this step")
     p.add_argument("--model-size", choices=["tiny", "small", "medium"], default="small")
+    p.add_argument(
+        "--replica-group",
+        action="store_true",
+        help="the ranks save as one data-parallel replica group (CheckpointClient(replica_group=dist.group.WORLD)): each "
+        "captures ~1/ranks of the state and the stores hold it R times instead of ranks x R; the demo checks both",
+    )
+    p.add_argument("--report", default=None, help="write the summary as JSON here")
 
 
 def run(args: argparse.Namespace) -> int:
     from memstore.devtools.demo import run_demo
 
     return run_demo(
-        hosts=args.hosts, replicas=args.replicas, ranks=args.ranks, steps=args.steps, kill_at=args.kill_at, model_size=args.model_size
+        hosts=args.hosts,
+        replicas=args.replicas,
+        ranks=args.ranks,
+        steps=args.steps,
+        kill_at=args.kill_at,
+        model_size=args.model_size,
+        replica_group=args.replica_group,
+        report=args.report,
     )

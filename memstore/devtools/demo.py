@@ -9,7 +9,13 @@
    restores the newest step restorable for all ranks (the lost host's rank through the replacement,
    from peer RAM) and trains to the end.
 4. Checks that the loss curve and the final weights of every rank are bit-identical to the
-   reference, prints a summary, and exits non-zero if not.
+   reference, reads how many times the stores hold the job's state from ``memstore status --json``,
+   prints a summary, and exits non-zero if not.
+
+With ``replica_group=True`` (``memstore demo --replica-group``) the ranks save as one data-parallel replica
+group (``CheckpointClient(replica_group=dist.group.WORLD)``): each captures about 1/ranks of the state, the
+stores hold it R times instead of ranks x R, and the demo checks both figures too. ``report`` writes the
+summary as JSON.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ def _say(msg: str) -> None:
 class Job:
     """The trainer processes of one launch of the job."""
 
-    def __init__(self, workdir: Path, name: str, ranks: int, steps: int, model_size: str, stores: list[str] | None, resume: bool) -> None:
+    def __init__(self, workdir: Path, name: str, ranks: int, steps: int, model_size: str, stores: list[str] | None, resume: bool,
+                 replica_group: bool = False) -> None:  # fmt: skip
         self.workdir = workdir / name
         self.workdir.mkdir(parents=True)
         self.progress = self.workdir / "progress.jsonl"
@@ -56,6 +63,8 @@ class Job:
                 args += ["--store", stores[r]]
             if resume:
                 args.append("--resume")
+            if replica_group:
+                args.append("--replica-group")
             log = open(self.workdir / f"rank{r}.log", "wb")  # noqa: SIM115
             self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**env, **child_env()}))
             log.close()
@@ -118,7 +127,7 @@ def progress_until(job: Job, target: int, total: int, label: str, timeout: float
 
 
 def run_demo(hosts: int = 4, replicas: int = 2, ranks: int | None = None, steps: int = 40, kill_at: int = 20,
-             model_size: str = "small", timeout: float = 600.0) -> int:  # fmt: skip
+             model_size: str = "small", timeout: float = 600.0, replica_group: bool = False, report: str | None = None) -> int:  # fmt: skip
     ranks = ranks or hosts
     if hosts < 2:
         _say("memstore demo needs --hosts >= 2 (one host is killed)")
@@ -137,6 +146,8 @@ def run_demo(hosts: int = 4, replicas: int = 2, ranks: int | None = None, steps:
     victim_ranks = [r for r in range(ranks) if host_of[r] == victim]
     started = time.monotonic()
     _say(f"memstore demo: {hosts} stores on 127.0.0.1 (R={replicas}), {ranks} DDP ranks (gloo), {model_size} transformer LM, {steps} steps")
+    if replica_group:
+        _say(f"  the {ranks} ranks save as one replica group (replica_group=WORLD): each stores 1/{ranks} of the state")
     with tempfile.TemporaryDirectory(prefix="memstore-demo-") as tmp:
         work = Path(tmp)
         try:
@@ -149,7 +160,7 @@ def run_demo(hosts: int = 4, replicas: int = 2, ranks: int | None = None, steps:
                 reference.wait(timeout)
 
                 _say(f"[2/3] checkpointed run: every step saved to memstore; SIGKILL of host {victim} after step {kill_at}")
-                first = Job(work, "run", ranks, steps, model_size, stores, resume=False)
+                first = Job(work, "run", ranks, steps, model_size, stores, resume=False, replica_group=replica_group)
                 progress_until(first, kill_at, steps, "training ", timeout)
                 killed_at = first.last_step()
                 t_kill = time.monotonic()
@@ -160,18 +171,23 @@ def run_demo(hosts: int = 4, replicas: int = 2, ranks: int | None = None, steps:
 
                 _say(f"[3/3] replacement store for {victim} (empty RAM); every rank restores and trains on")
                 cluster.restart(victim)
-                resumed = Job(work, "resumed", ranks, steps, model_size, stores, resume=True)
+                resumed = Job(work, "resumed", ranks, steps, model_size, stores, resume=True, replica_group=replica_group)
                 progress_until(resumed, steps, steps, "resumed  ", timeout)
                 resumed.wait(timeout)
                 recovery = time.monotonic() - t_kill
                 summary = _compare(reference, first, resumed, victim_ranks)
-                summary["host_of"] = host_of
-                summary["replicas"] = replicas
-                baseline = _torch_baseline_of(cluster.address("h0"), ranks, steps)
+                summary.update(host_of=host_of, replicas=replicas, replica_group=replica_group)
+                summary.update(_footprint(cluster.address("h0"), resumed, replicas, cluster.keep, replica_group))
+                summary["ok"] = summary["ok"] and summary["footprint_ok"]
+                baseline = _torch_baseline_of(cluster.address("h0"), ranks, steps, replica_group)
         except DemoFailure as exc:
             _say(f"FAILED: {exc}")
             return 1
-    _print_summary(summary, baseline, recovery, time.monotonic() - started, victim)
+    total = time.monotonic() - started
+    _print_summary(summary, baseline, recovery, total, victim)
+    if report:
+        facts = {**summary, "baseline": baseline, "recovery_seconds": recovery, "total_seconds": total}
+        Path(report).write_text(json.dumps(facts, indent=2))
     return 0 if summary["ok"] else 1
 
 
@@ -201,17 +217,56 @@ def _compare(reference: Job, first: Job, resumed: Job, victim_ranks: list[int]) 
     }
 
 
-def _torch_baseline_of(store: str, ranks: int, step: int) -> dict[str, float]:
+def _job_in_status(store: str, job: str) -> dict[str, Any] | None:
+    """``job``'s row of ``memstore status --json`` asked through ``store`` (None if the job is not listed)."""
+    proc = subprocess.run([sys.executable, "-m", "memstore", "status", "--json", "--store", store],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **child_env()})  # fmt: skip
+    try:
+        jobs = json.loads(proc.stdout)["jobs"]
+    except (ValueError, KeyError, TypeError):
+        raise DemoFailure(f"memstore status --json gave no jobs (exit {proc.returncode}): {proc.stderr[-2000:]}") from None
+    return next((j for j in jobs if j["job"] == job), None)
+
+
+def _footprint(store: str, resumed: Job, replicas: int, keep: int, replica_group: bool, timeout: float = 60.0) -> dict[str, Any]:
+    """How many times the stores hold one rank's training state, from ``memstore status --json`` once retention has
+    settled (at most ``keep`` steps in RAM, all committed: the job has finished), and the share of it each rank saved
+    per step. With ``replica_group`` both must match a replica group of all ranks: R and 1/ranks."""
+    res = resumed.results()
+    ranks = len(res)
+    state = res[0]["state_nbytes"]
+    deadline = time.monotonic() + timeout
+    while True:  # retention evicts the steps before the newest ``keep`` just after they settle
+        row = _job_in_status(store, "demo")
+        if (row is not None and 1 <= row["steps_in_ram"] <= keep) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if row is None or not row["steps_in_ram"]:
+        raise DemoFailure("memstore status --json lists no step of the job in RAM")
+    multiple = row["ram_bytes"] / row["steps_in_ram"] / state
+    group = ranks if replica_group else 1
+    expected = replicas * ranks / group
+    shares = [statistics.median(r["saved_nbytes"]) / state for r in res]
+    ok = not replica_group or (
+        0.95 * expected <= multiple <= 1.15 * expected and all(0.8 / group <= f <= 1.2 / group for f in shares)  # stripe framing
+    )
+    return {"ram_bytes": row["ram_bytes"], "steps_in_ram": row["steps_in_ram"], "state_nbytes": state, "ram_multiple": multiple,
+            "expected_ram_multiple": expected, "saved_share": shares, "expected_saved_share": 1 / group, "footprint_ok": ok}  # fmt: skip
+
+
+def _torch_baseline_of(store: str, ranks: int, step: int, replica_group: bool) -> dict[str, float]:
     """Rank 0's final training state saved and loaded by memstore and by torch.save/torch.load, idle machine."""
     import torch
 
     from trainer_client import CheckpointClient, Connection
 
-    with CheckpointClient("demo", 0, ranks, connection=Connection(store)) as client:
+    group = list(range(ranks)) if replica_group else None  # then rank 0 saves its stripe, as in training
+    with CheckpointClient("demo", 0, ranks, connection=Connection(store), replica_group=group) as client:
         state = client.load(step, zero_copy=False)
+        replicated = [k for k in state if k != "rng"] if replica_group else None
         timings = []
         for extra in range(1, 4):  # the same save as in training, now without 2x{ranks} processes competing for 2 cores
-            handle = client.save(step + extra, state)
+            handle = client.save(step + extra, state, replicated=replicated)
             timings.append(handle.stall_seconds)
             handle.wait(timeout=60)
         t0 = time.perf_counter()
@@ -240,23 +295,42 @@ def _print_summary(s: dict[str, Any], baseline: dict[str, float], recovery: floa
     weights = s["model_bytes"] / 2**20
     _say(f"  loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}; training state per rank {weights:.1f} MiB of weights (+ AdamW)")
     _say(f"  stall per save during training (p50): {s['stall_p50'] * ms:8.2f} ms")
+    stripe = " of rank 0's stripe" if s["replica_group"] else ""
     _say(
-        f"  same state, idle machine: memstore save {baseline['memstore_save_idle'] * ms:.2f} ms vs torch.save + fsync "
+        f"  same state, idle machine: memstore save{stripe} {baseline['memstore_save_idle'] * ms:.2f} ms vs torch.save + fsync "
         f"{baseline['torch_save_fsync'] * ms:.2f} ms (local disk, 1 copy; memstore: {s['replicas']} copies in RAM)"
     )
+    shares = " ".join(f"{f:.3f}" for f in s["saved_share"])
+    _say(f"  saved per step and rank, share of a rank's state ({s['state_nbytes'] / 2**20:.2f} MiB): {shares} "
+         f"(expected {s['expected_saved_share']:.3f})")  # fmt: skip
+    _say(f"  stores hold the state {s['ram_multiple']:.2f} times (expected {s['expected_ram_multiple']:.0f}: "
+         f"{_copies_formula(s)}); memstore status: {s['ram_bytes'] / 2**20:.1f} MiB for {s['steps_in_ram']} steps in RAM")  # fmt: skip
     _say(f"  time to committed ({s['replicas']} copies):  {s['commit'] * ms:8.2f} ms")
     _say(f"  resumed from step {s['resumed_from']}; recovery (kill -> job finished again) {recovery:.1f} s")
     for rank, r in sorted(s["restore"].items(), key=lambda kv: int(kv[0])):
         own = s["host_of"][int(rank)]
         tier = "local RAM" if r["source"] == own else f"peer RAM of {r['source']}"
+        if s["replica_group"]:  # its own stripe came from there, the group's others through its store
+            tier = f"{len(s['saved_share'])} stripes, its own from {tier}"
         note = f" (rank of the lost host, through the replacement {own})" if int(rank) in s["victim_ranks"] else ""
         _say(f"  rank {rank}: restored in {r['seconds'] * ms:7.1f} ms from {tier}{note}")
+    source = f"{len(s['saved_share'])} stripes" if s["replica_group"] else "local RAM"
     _say(
-        f"  same state, idle machine: memstore load (local RAM) {baseline['memstore_local_load'] * ms:.2f} ms vs torch.load "
+        f"  same state, idle machine: memstore load ({source}) {baseline['memstore_local_load'] * ms:.2f} ms vs torch.load "
         f"{baseline['torch_load'] * ms:.2f} ms"
     )
     _say(f"  total demo time {total:.0f} s")
     if s["ok"]:
         _say(f"OK: loss curve and final weights of every rank are bit-identical to the uninterrupted run, after losing host {victim}")
-    else:
+    if not s["footprint_ok"]:
+        _say(f"FAILED: with a replica group the stores must hold the state ~{s['expected_ram_multiple']:.0f} times and each rank "
+             f"save ~{s['expected_saved_share']:.3f} of it")  # fmt: skip
+    if not s["curve_equal"] or s["mismatched_weights"]:
         _say(f"FAILED: loss curve equal: {s['curve_equal']}; ranks with different final weights: {s['mismatched_weights']}")
+
+
+def _copies_formula(s: dict[str, Any]) -> str:
+    ranks = len(s["saved_share"])
+    if s["replica_group"]:
+        return f"R={s['replicas']} copies of the one state the {ranks} ranks share"
+    return f"{ranks} ranks x R={s['replicas']} copies"

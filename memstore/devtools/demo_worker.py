@@ -3,8 +3,10 @@
 Run by the demo and the chaos run as ``python -m memstore.devtools.demo_worker --rank R ...``. Every step
 it checkpoints the whole training state (model, AdamW, LR schedule, RNGs, data position) into the host's
 store; with ``--resume`` it first restores the newest step restorable for every rank and continues from
-there. Rank 0 appends one JSON line per step to ``--progress``; every rank writes a digest of its final
-weights to ``--out``.
+there. With ``--replica-group`` the ranks save as one data-parallel replica group (``replica_group=WORLD``):
+each stores a quarter (1/world) of the state they all hold, and only its RNG streams as its own. Rank 0
+appends one JSON line per step to ``--progress``; every rank writes a digest of its final weights, the
+encoded size of its training state and the bytes it saved per step to ``--out``.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
     p.add_argument("--job", default="demo")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--replica-group", action="store_true", help="save as one replica group of all ranks (dist.group.WORLD)")
     p.add_argument("--progress", required=True)
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -168,27 +171,38 @@ class _Training:
 
 
 class _Checkpoints:
-    """Every step saved to the store; the previous save is waited for (replicated) before the next one."""
+    """Every step saved to the store; the previous save is waited for (replicated) before the next one.
+
+    With a replica group, every part of the state the ranks hold alike is saved as the group's (each rank
+    captures its stripe of it); the RNG streams differ per rank (dropout) and stay each rank's own.
+    """
 
     def __init__(self, client: Any, rank: int) -> None:
         self.client = client
         self.rank = rank
         self.pending: Any = None
         self.saves: list[dict[str, float]] = []
+        self.state_nbytes = 0  # the encoded size of this rank's whole training state
+        self.saved_nbytes: list[int] = []  # the bytes this rank's store holds per committed save (its stripe, in a group)
 
     def save(self, step: int, training: _Training) -> float:
         """Save ``step``; the stall it cost the training loop."""
+        from trainer_client import serialization
         from trainer_client.errors import ReplicationError
 
         if self.pending is not None:
             t0 = time.perf_counter()
             try:
-                self.pending.wait(timeout=120)  # the previous step had a whole step to replicate
+                self.saved_nbytes.append(self.pending.wait(timeout=120).nbytes)  # the previous step had a whole step to replicate
             except ReplicationError as exc:  # still restorable from fewer copies; repair catches up
                 print(f"rank {self.rank}: {exc}", file=sys.stderr, flush=True)
             self.saves[-1]["wait"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.pending = self.client.save(step, training.state.capture(step=step, epoch=training.loader.epoch))
+        state = training.state.capture(step=step, epoch=training.loader.epoch)
+        if not self.state_nbytes:  # once: the state's size does not change between steps
+            self.state_nbytes = serialization.plan(state).nbytes
+        replicated = [k for k in state if k != "rng"] if self.client.replica_group is not None else None
+        self.pending = self.client.save(step, state, replicated=replicated)
         self.saves.append({"stall": self.pending.stall_seconds, "t0": t0})
         return float(self.pending.stall_seconds)
 
@@ -196,7 +210,7 @@ class _Checkpoints:
         """Wait for the last save to be committed; seconds from its start until then (0.0 without saves)."""
         if self.pending is None:
             return 0.0
-        self.pending.wait(timeout=120)
+        self.saved_nbytes.append(self.pending.wait(timeout=120).nbytes)
         return time.perf_counter() - self.saves[-1]["t0"]
 
 
@@ -255,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.master_port}", rank=args.rank, world_size=args.world)
     training = _Training(args)
 
-    client = CheckpointClient(args.job, args.rank, args.world, connection=Connection(args.store)) if args.store else None
+    group = dist.group.WORLD if args.replica_group else None  # DDP: every rank holds the same model and optimizer
+    client = None
+    if args.store:
+        client = CheckpointClient(args.job, args.rank, args.world, connection=Connection(args.store), replica_group=group)
     restore: dict[str, Any] = {}
     if args.resume:
         assert client is not None
@@ -271,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         "rank": args.rank, "digest": training.digest(), "losses": losses, "restore": restore,
         "stalls": [s["stall"] for s in checkpoints.saves] if checkpoints is not None else [],
         "last_commit_seconds": committed, "model_bytes": training.state_bytes(),
+        "state_nbytes": checkpoints.state_nbytes if checkpoints is not None else 0,
+        "saved_nbytes": checkpoints.saved_nbytes if checkpoints is not None else [],
     }))  # fmt: skip
     if progress:
         progress.close()

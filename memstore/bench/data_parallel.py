@@ -58,11 +58,12 @@ def together(calls: list[Callable[[], T]], timeout: float = 600.0) -> list[T]:
 
 
 def ram_bytes(cluster: LocalCluster, job: str, step: int) -> int:
-    """Bytes of every copy of ``job``'s ``step`` that the stores list (the survey ``memstore status`` shows)."""
+    """Bytes of the R copies of ``job``'s ``step`` that the stores list (the survey ``memstore status`` shows): copies
+    a store pulled ahead of a restore (``cached``, spare room given up first) are not counted."""
     from memstore.cli.survey import take
 
     s = take(cluster.address(next(iter(cluster.stores))), 10.0, job)
-    return sum(r["bytes"] for rows in s.shards.values() for r in rows if r["job"] == job and r["step"] == step)
+    return sum(r["bytes"] for rows in s.shards.values() for r in rows if r["job"] == job and r["step"] == step and not r["cached"])
 
 
 def delete_job(cluster: LocalCluster, job: str) -> None:

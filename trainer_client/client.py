@@ -635,11 +635,11 @@ class CheckpointClient:
     ) -> Any:  # fmt: skip
         """One rank's shard of one version, made local by its store (pulled from a peer if need be) and decoded; a copy
         that fails verification is discarded and fetched once more. A stripe is decoded in host memory. ``note``: say
-        where it came from in ``last_load_source`` (not for the other stripes of a group)."""
+        where it came from in ``last_load_source``; not for another member's stripe, which a store pulls as a cached copy."""
         step = key.step
         for attempt in range(2):
             durable_known = (key.step, key.timeline) in self.agreement.durable  # agreed from the durable tier's one listing
-            request = pb.FetchRequest(key=key, discard_local=attempt > 0, durable_known=durable_known)
+            request = pb.FetchRequest(key=key, discard_local=attempt > 0, durable_known=durable_known, cached=not note)
             fetched = self._call(
                 lambda t, request=request: self._stub.Fetch(request, timeout=t + 600),  # type: ignore[misc]
                 f"load step {step}",

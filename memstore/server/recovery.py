@@ -77,9 +77,10 @@ class Recovery:
         self.unreachable_sources: tuple[str, ...] = ()  # from the last repair pass: holders of this store's slots that did not answer
         self.repaired_table: SlotTable | None = None  # the table of the last repair pass that left nothing missing (readiness)
 
-    def fetch(self, key: ShardKey, discard_local: bool, durable_known: bool = False) -> tuple[Manifest, str]:
+    def fetch(self, key: ShardKey, discard_local: bool, durable_known: bool = False, cached: bool = False) -> tuple[Manifest, str]:
         """Make sure this store holds a verified copy of ``key``, pulling it from a peer if needed (``durable_known``:
-        a durable copy is known to exist; see :meth:`_sources`)."""
+        a durable copy is known to exist; see :meth:`_sources`; ``cached``: a pulled copy is a cached one, as the
+        assembler's: another member's stripe, not one of the R)."""
         ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
         started = time.monotonic()
         local = self.catalog.get(key)
@@ -101,7 +102,7 @@ class Recovery:
         self.catalog.fetch_started()  # restores first: repair starts no new pull while a trainer waits for one
         try:
             fault("fetch.before_pull")
-            source = self._pull(key, origin_note="fetch", durable_known=durable_known)
+            source = self._pull(key, origin_note="fetch", durable_known=durable_known, cached=cached)
         finally:
             self.catalog.fetch_ended()
         entry = self.catalog.readable(key)
@@ -142,12 +143,14 @@ class Recovery:
         candidates = [host for host in self._sources(key, durable_known=False) if host != "durable"]
         if not candidates:
             raise ShardNotFound(f"no peer holds a verified copy of {key} yet")
-        return self._pull(key, origin_note="assemble", candidates=candidates, ahead=True)
+        return self._pull(key, origin_note="assemble", candidates=candidates, cached=True, evict=False)
 
     def _pull(
-        self, key: ShardKey, origin_note: str, candidates: list[str] | None = None, durable_known: bool = False, ahead: bool = False
-    ) -> str:
-        """Copy ``key`` from the first peer that has a verified copy. Returns that peer's id. ``ahead``: a cached copy."""
+        self, key: ShardKey, origin_note: str, candidates: list[str] | None = None, durable_known: bool = False,
+        cached: bool = False, evict: bool = True,
+    ) -> str:  # fmt: skip
+        """Copy ``key`` from the first peer that has a verified copy. Returns that peer's id. ``cached``: keep it as a cached
+        copy; ``evict``: older copies may be dropped under pressure to make room for it."""
         if candidates is None:
             candidates = self._sources(key, durable_known)
         pending = self.catalog.claim_pull(key)
@@ -159,18 +162,18 @@ class Recovery:
                 return entry.source
             raise PeerUnavailable(f"a concurrent pull of {key} did not produce a verified copy")
         try:
-            return self._pull_candidates(key, candidates, origin_note, ahead)
+            return self._pull_candidates(key, candidates, origin_note, cached, evict)
         finally:
             self.catalog.end_pull(key)
 
-    def _pull_candidates(self, key: ShardKey, candidates: list[str], origin_note: str, ahead: bool = False) -> str:
+    def _pull_candidates(self, key: ShardKey, candidates: list[str], origin_note: str, cached: bool, evict: bool) -> str:
         errors: list[StoreError] = []
         for host in candidates:
             try:
                 if host == "durable":
-                    self._pull_from_durable(key)
+                    self._pull_from_durable(key, cached)
                 else:
-                    self._pull_from(host, key, ahead)
+                    self._pull_from(host, key, cached, evict)
                 log.info("%s: pulled %s from %s", origin_note, key, host)
                 return host
             except StoreError as exc:
@@ -179,7 +182,7 @@ class Recovery:
             raise ChecksumMismatch(f"every copy of {key} failed verification: " + "; ".join(map(str, errors)))
         raise PeerUnavailable(f"could not pull {key}: " + "; ".join(map(str, errors)))
 
-    def _pull_from(self, host: str, key: ShardKey, ahead: bool = False) -> None:
+    def _pull_from(self, host: str, key: ShardKey, cached: bool, evict: bool) -> None:
         peer = self.peers[host]
         timeout = self.config.peer_timeout + 600
         segments: list[Segment] = []
@@ -188,7 +191,7 @@ class Recovery:
             problem = shard_manifest_problem(manifest)
             if problem or manifest.key != key:
                 raise PeerUnavailable(f"peer {host} sent an invalid manifest for {key}: {problem or 'wrong key'}")
-            segments.append(self.catalog.acquire(key, max(1, manifest.nbytes), evict=not ahead))
+            segments.append(self.catalog.acquire(key, max(1, manifest.nbytes), evict=evict))
             return segments[-1].view()
 
         try:
@@ -211,9 +214,9 @@ class Recovery:
                 self.catalog.release_segment(seg)
             raise
         (segment,) = segments
-        self._register_pulled(key, segment, manifest, host, cached=ahead)
+        self._register_pulled(key, segment, manifest, host, cached=cached)
 
-    def _pull_from_durable(self, key: ShardKey) -> None:
+    def _pull_from_durable(self, key: ShardKey, cached: bool = False) -> None:
         assert self.durable is not None
         segments: list[Segment] = []
 
@@ -245,7 +248,7 @@ class Recovery:
             sm.created_unix,
             stripe=sm.stripe,
         )
-        self._register_pulled(key, segments[0], manifest, "durable")
+        self._register_pulled(key, segments[0], manifest, "durable", cached=cached)
 
     def _register_pulled(self, key: ShardKey, segment: Segment, m: Manifest, source: str, cached: bool = False) -> None:
         self.events.pulled(pull_source(source), m.nbytes)

@@ -193,7 +193,7 @@ class StoreServicer(pb_grpc.StoreServicer):
     @rpc
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchResponse:
         self._allow(context, Need.JOB, request.key.job_id)
-        manifest, source = self.store.fetch(key_from_pb(request.key), request.discard_local, request.durable_known)
+        manifest, source = self.store.fetch(key_from_pb(request.key), request.discard_local, request.durable_known, request.cached)
         return pb.FetchResponse(manifest=manifest_to_pb(manifest), source_host=source)
 
     @rpc

@@ -436,14 +436,16 @@ class GetResponse(_message.Message):
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("key", "discard_local", "durable_known")
+    __slots__ = ("key", "discard_local", "durable_known", "cached")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DISCARD_LOCAL_FIELD_NUMBER: _ClassVar[int]
     DURABLE_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     discard_local: bool
     durable_known: bool
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., discard_local: _Optional[bool] = ..., durable_known: _Optional[bool] = ...) -> None: ...
+    cached: bool
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., discard_local: _Optional[bool] = ..., durable_known: _Optional[bool] = ..., cached: _Optional[bool] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("manifest", "source_host")

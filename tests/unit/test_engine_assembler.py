@@ -114,3 +114,25 @@ def test_the_assembler_only_uses_spare_room_and_stops_while_draining() -> None:
     draining.clear()
     assert assembler.pass_once(now=1.0) == 2  # 4 + 4 + 4 KiB: the third would leave less than a quarter (4 KiB) free
     assert assembler.skipped_for_room == 1 and len(pulls.asked) == 2
+
+
+def test_a_restore_fetching_another_members_stripe_keeps_a_cached_copy_and_the_assembler_pulls_ahead() -> None:
+    from memstore.server.recovery import Recovery
+    from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, membership
+
+    mine, theirs = key(1, 0), key(1, 1)
+    peer = FakePeer("h1")
+    peer.held[theirs] = (manifest_of(theirs, DATA, owner="h1", world_size=4), DATA)
+    cfg = config(replicas="2", capacity="64KiB")
+    catalog, pool, stop = make_catalog(cfg)
+    rec = Recovery(catalog, cfg, membership("h0", ("h0", "h1"), 2), FakePeers(peer), RecordingEvents(), threading.Event(), stop,  # type: ignore[arg-type]
+                   threading.Event())  # fmt: skip
+    rec.fetch(theirs, discard_local=False, cached=True)
+    entry = catalog.get(theirs)
+    assert entry is not None and entry.cached and entry.source == "h1"
+    catalog.drop(entry, reason="test")
+    stripe_saved(catalog, mine, (0, 1))
+    assembler = Assembler(catalog, pool, rec.pull_ahead, stop, threading.Event())  # type: ignore[arg-type]
+    assert assembler.pass_once(now=1.0) == 1
+    pulled_ahead = catalog.get(theirs)
+    assert pulled_ahead is not None and pulled_ahead.cached and pulled_ahead.verified

@@ -15,6 +15,7 @@ as any shard. Bit-exact by construction: a unit test compares the assembled byte
 
 from __future__ import annotations
 
+import bisect
 import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,12 +36,21 @@ __all__ = ["MARK", "StripePlan", "assemble", "bounds", "is_stripe", "merge", "sp
 
 MARK = "memstore.stripe"  # the top-level key (and its value, the layout's version) that makes a saved dict a stripe
 VERSION = 1
-_ALIGN = 4096  # stripe boundaries fall on page multiples of the logical shard (its last stripe ends at N)
+_ALIGN = 4096  # stripe boundaries fall on page multiples of the logical shard (its last stripe ends at N)...
+_SNAP = 8  # ...or on a blob's start within 1/8 of a share of them
 
 
-def bounds(nbytes: int, count: int) -> list[int]:
-    """Where the ``count`` stripes of an ``nbytes`` logical shard start, plus ``nbytes``: even shares, page-aligned."""
+def bounds(nbytes: int, count: int, starts: Sequence[int] = ()) -> list[int]:
+    """Where the ``count`` stripes of an ``nbytes`` logical shard start, plus ``nbytes``: even shares, page-aligned, each
+    moved to the nearest blob start (``starts``, ascending) within :data:`_SNAP` of a share, so that a blob split
+    between two stripes (which a restore must copy whole) is rare: only one larger than that slack is split."""
     cuts = [min(nbytes, (nbytes * i // count) // _ALIGN * _ALIGN) for i in range(count)]
+    slack = nbytes // count // _SNAP
+    for i in range(1, count):
+        at = bisect.bisect_left(starts, cuts[i])
+        near = [s for s in starts[max(0, at - 1) : at + 1] if abs(s - cuts[i]) <= slack]
+        if near:
+            cuts[i] = min(near, key=lambda s: abs(s - cuts[i]))
     return [*cuts, nbytes]
 
 
@@ -75,7 +85,7 @@ def stripe_state(shared: Any, own: Any, order: list[Any] | None, members: Sequen
     """Member ``index`` of ``members``' stripe of ``shared`` (planned here; the state must not change until it is saved),
     with this rank's ``own`` part and the original key ``order`` of a mixed state."""
     layout = serialization.plan(shared)
-    cuts = bounds(layout.nbytes, len(members))
+    cuts = bounds(layout.nbytes, len(members), layout.blob_starts())
     start, end = cuts[index], cuts[index + 1]
     offsets, pieces = _pieces(layout, start, end)
     state = {

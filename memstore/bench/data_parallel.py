@@ -101,6 +101,22 @@ def restore_round(cluster: LocalCluster, job: str, degree: int, dedup: bool, exp
             c.close()
 
 
+def assembled_after(cluster: LocalCluster, job: str, degree: int, step: int, timeout: float = 30.0) -> float | None:
+    """Seconds until the store of each of the ``degree`` ranks holds every stripe of ``step`` (its assembler pulled the
+    others ahead of a restore); None if that did not happen within ``timeout``."""
+    from memstore.cli.survey import take
+
+    hosts = list(cluster.stores)
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        s = take(cluster.address(next(iter(cluster.stores))), 10.0, job)
+        held = {h: {r["rank"] for r in rows if r["job"] == job and r["step"] == step} for h, rows in s.shards.items()}
+        if all(held.get(hosts[r], set()) >= set(range(degree)) for r in range(degree)):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return None
+
+
 def slowest(rounds: list[list[dict[str, Any]]], key: str) -> float:
     """The median over rounds of the slowest rank's ``key``."""
     return float(statistics.median(max(r[key] for r in ranks) for ranks in rounds))
@@ -124,12 +140,14 @@ def one_degree(cluster: LocalCluster, state: Any, whole: int, expected: str, deg
         for c in [*savers["no_dedup"], *savers["dedup"]]:
             c.close()
     ram = {path: ram_bytes(cluster, jobs[path], 1 + rounds) for path in PATHS}
+    assembly = assembled_after(cluster, jobs["dedup"], degree, 1 + rounds)  # a restart comes later than this
     restores: dict[str, list[list[dict[str, Any]]]] = {path: [] for path in PATHS}
     for _ in range(rounds):
         for path in PATHS:
             restores[path].append(restore_round(cluster, jobs[path], degree, path == "dedup", expected))
     cases = [summary(degree, path, jobs[path], saves[path], restores[path], ram[path], ram_bytes(cluster, jobs[path], 1 + rounds), whole)
              for path in PATHS]  # fmt: skip
+    cases[PATHS.index("dedup")]["assembled_after_seconds"] = assembly
     for job in jobs.values():
         delete_job(cluster, job)
     return cases

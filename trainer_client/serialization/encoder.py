@@ -106,6 +106,11 @@ class ShardLayout:
             raise_changed("tensor", index)
         return src, self.data_offset + self._offsets[index], kind.nbytes
 
+    def blob_starts(self) -> list[int]:
+        """Where each blob's slot starts in the shard, in order."""
+        data = self.data_offset
+        return [data + offset for offset in self._offsets[: self.num_tensors]]
+
     def blobs_between(self, start: int, end: int) -> range:
         """The indices of the blobs whose slots may overlap ``[start, end)`` of the shard (found by bisection)."""
         data = self.data_offset

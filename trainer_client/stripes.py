@@ -37,7 +37,7 @@ __all__ = ["MARK", "StripePlan", "assemble", "bounds", "is_stripe", "merge", "sp
 MARK = "memstore.stripe"  # the top-level key (and its value, the layout's version) that makes a saved dict a stripe
 VERSION = 1
 _ALIGN = 4096  # stripe boundaries fall on page multiples of the logical shard (its last stripe ends at N)...
-_SNAP = 8  # ...or on a blob's start within 1/8 of a share of them
+_SNAP = 16  # ...or on a blob's start within 1/16 of a share of them: each stripe stays within 1/8 of even
 
 
 def bounds(nbytes: int, count: int, starts: Sequence[int] = ()) -> list[int]:

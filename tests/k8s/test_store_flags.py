@@ -34,8 +34,8 @@ from tests.k8s.manifests import (
     workloads,
 )
 from tests.k8s.render import containers
-from trainer_client.client import RUN_ID_ENV
 from trainer_client.connection import STORE_ENV
+from trainer_client.run_ids import RUN_ID_ENV
 
 pytestmark = pytest.mark.k8s
 

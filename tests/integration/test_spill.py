@@ -33,10 +33,16 @@ def save_steps(cluster: LocalCluster, job: str, steps: range, metrics: dict[int,
 
 
 def published(root: Path, job: str) -> dict[int, set[int]]:
-    out: dict[int, set[int]] = {}
-    for p in root.glob(f"{job}/step-*/rank-*.json"):
-        out.setdefault(int(p.parent.name[5:]), set()).add(int(p.name[5:11]))
-    return out
+    """The ranks' manifests published per step. Retention deletes step directories as this lists them: a listing a
+    deletion cut short is taken again."""
+    while True:
+        out: dict[int, set[int]] = {}
+        try:
+            for p in root.glob(f"{job}/step-*/rank-*.json"):
+                out.setdefault(int(p.parent.name[5:]), set()).add(int(p.name[5:11]))
+        except FileNotFoundError:
+            continue
+        return out
 
 
 def complete_steps(root: Path, job: str) -> set[int]:

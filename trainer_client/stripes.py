@@ -8,9 +8,12 @@ CUDA tensor's slice is copied straight off the device like any tensor, and each 
 and the rank's own unreplicated part. Nothing in the store changes: a stripe is replicated, spilled, drained and
 repaired like any shard, and a step is restorable once every rank's shard (so every stripe) is.
 
-A restore (:func:`assemble`) reads the D stripes, copies their slices to their offsets in one buffer of N bytes
-(padding stays zero), which then holds exactly the bytes the logical shard would have had, and decodes that buffer
-as any shard. Bit-exact by construction: a unit test compares the assembled bytes with :func:`serialization.encode`.
+A restore (:func:`assemble`) reads the D stripes and decodes the logical shard in place: a large tensor that one
+slice holds whole becomes a view of that slice (of its stripe's memory); the header, small blobs and the few blobs
+split between stripes are copied to their offsets in an N-byte buffer whose other pages are never touched. The
+bytes decoded are exactly the logical shard's (bit-exact by construction; a unit test compares them with
+:func:`serialization.encode`). Cuts move to blob starts where that costs little evenness (:func:`bounds`), so
+split blobs are rare.
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ def stripe_members(stripe: dict[str, Any]) -> list[int]:
 
 def assemble(stripes: Sequence[dict[str, Any]], device: torch.device | None, zero_copy: bool) -> Any:
     """The replicated state of a group from its decoded stripes (in stripe order), on ``device`` (None: the CPU, its
-    tensors views of one private buffer with ``zero_copy``); :func:`merge` adds a mixed state's own part."""
+    large tensors views of the stripes with ``zero_copy``); :func:`merge` adds a mixed state's own part."""
     first = stripes[0]
     n = first.get("logical_nbytes")
     if not isinstance(n, int) or n < 0:

@@ -83,6 +83,7 @@ class FakePeer:
     draining: bool = False
     pushes: list[ShardKey] = field(default_factory=list)
     data_channel: bool = False
+    cached: set[ShardKey] = field(default_factory=set)  # held copies it lists as cached (pulled ahead of a restore)
 
     def push(self, header: TransferHeader, view: memoryview, timeout: float) -> None:
         if self.refuse or self.refuse_push:
@@ -113,7 +114,7 @@ class FakePeer:
     def listing(self) -> list[ShardInfo] | StoreError:
         if self.refuse:
             return PeerUnavailable(self.refuse)
-        return [ShardInfo(m, ShardState.COMMITTED, True, "", 1) for m, _ in self.held.values()]
+        return [ShardInfo(m, ShardState.COMMITTED, True, "", 1, cached=m.key in self.cached) for m, _ in self.held.values()]
 
 
 class _Call:

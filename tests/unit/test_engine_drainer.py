@@ -59,3 +59,14 @@ def test_with_no_grace_left_nothing_is_pushed() -> None:
     d, catalog, _, _ = drainer(h1)
     settled(catalog, key, DATA)
     assert d.drain(grace=0) == [f"{key}: drain grace of 0s ran out"] and h1.pushes == []
+
+
+def test_a_shard_only_cached_elsewhere_is_still_lone_and_goes_to_a_member() -> None:
+    key = ShardKey("job", 2, 0)
+    h1 = FakePeer("h1")
+    h1.held[key] = (manifest_of(key, DATA), DATA)
+    h1.cached.add(key)  # h1 pulled it ahead of a restore: spare room it may give up at any time
+    d, catalog, _, _ = drainer(h1)
+    settled(catalog, key, DATA)
+    assert d.drain(grace=30) == []
+    assert h1.pushes == [key]  # a real copy replaces the cached one

@@ -227,6 +227,11 @@ def test_a_save_still_replicating_is_not_under_replicated_yet() -> None:
     assert count({"h1": [info("j", 4, 0, "h0", ShardState.REPLICA)]}, [info("j", 4, 0, "h0", ShardState.REPLICATING)]) == 0
 
 
+def test_a_cached_copy_is_not_one_of_the_r() -> None:
+    cached = ShardInfo(info("j", 6, 0, "h0", ShardState.REPLICA).manifest, ShardState.REPLICA, True, cached=True)
+    assert count({"h1": [cached]}, [info("j", 6, 0, "h0")]) == 1  # pulled ahead of a restore: it may go at any time
+
+
 # -- the /metrics server and a real engine ------------------------------------------------------------------------------
 @pytest.fixture
 def store(tmp_path) -> Iterator[Store]:  # type: ignore[no-untyped-def]

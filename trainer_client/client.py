@@ -47,7 +47,7 @@ from memstore.v1.streams import manifest_problem
 from trainer_client import serialization
 from trainer_client.agreement import Agreements, AgreementStats, agree
 from trainer_client.capture import cuda as _cuda
-from trainer_client.capture.device_restore import decode_onto, decode_registered, onto_device, parse_map_location
+from trainer_client.capture.device_restore import decode_onto, decode_registered, parse_map_location
 from trainer_client.capture.device_save import CAPTURE_MODES, Capture, Captures, host_writer
 from trainer_client.capture.ring import CaptureRing, CaptureStats
 from trainer_client.connection import Connection, connection_from_kwargs
@@ -64,7 +64,7 @@ from trainer_client.handles import RestorePoint, SaveHandle, SaveResult
 from trainer_client.replica_check import verify_replicas
 from trainer_client.replicas import resolve_replica_group
 from trainer_client.run_ids import PROCESS_RUN_ID, broadcast_run_id, run_id_given
-from trainer_client.stripes import assemble, is_stripe, merge, split_state, stripe_members, stripe_state
+from trainer_client.stripes import is_stripe, split_state, stripe_members, stripe_state, whole_state
 from trainer_client.transport.local_control import LocalStub, RpcFailure
 from trainer_client.transport.remote import RemotePath, byte_view, empty_buffer
 
@@ -620,14 +620,21 @@ class CheckpointClient:
             def fetch_others(group: list[int]) -> None:  # a stripe: its group's other stripes are fetched meanwhile
                 for r in group:
                     if r != key.rank and r not in others:
-                        others[r] = pool.submit(self._fetch_and_read, self._key(key.step, r, key.timeline), True, None, note=False)
+                        others[r] = pool.submit(self._read_stripe, self._key(key.step, r, key.timeline))
 
             state = self._fetch_and_read(key, zero_copy, device, fetch_others)
             if not is_stripe(state):
                 return state
             fetch_others(stripe_members(state))  # a store that did not name the group in the manifest
             stripes = {r: f.result() for r, f in others.items()}
-        return self._restore_group(key, state, stripes, zero_copy, device)
+        return whole_state(key.rank, key.step, state, stripes, device, zero_copy)
+
+    def _read_stripe(self, key: pb.ShardKey) -> Any:
+        """Another member's stripe: opened straight from the local store when it holds one (assembled ahead), else fetched."""
+        if self.shared_memory:
+            with contextlib.suppress(NotFoundError):
+                return self._read_shared(key, True, None)
+        return self._fetch_and_read(key, True, None, note=False)
 
     def _fetch_and_read(
         self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None, on_stripe: Callable[[list[int]], None] | None = None,
@@ -658,24 +665,6 @@ class CheckpointClient:
                 if attempt == 1:
                     raise
         raise AssertionError("unreachable")
-
-    def _restore_group(
-        self, key: pb.ShardKey, own: dict[str, Any], others: dict[int, Any], zero_copy: bool, device: torch.device | None
-    ) -> Any:
-        """A rank's whole state from its own stripe and its replica group's others (fetched in parallel: each store
-        serves a local copy first, else pulls one from a peer), assembled bit-exactly, with this rank's own part merged in."""
-        members = stripe_members(own)
-        if key.rank not in members or own.get("index") != members.index(key.rank) or set(others) - set(members):
-            raise CorruptShardError(f"rank {key.rank}'s shard of step {key.step} is a stripe of replica group {members} but not its own")
-        stripes = [own if r == key.rank else others[r] for r in members]
-        for r, stripe in zip(members, stripes, strict=True):
-            if not is_stripe(stripe):
-                raise CorruptShardError(f"rank {r}'s shard of step {key.step} is not a stripe of replica group {members}")
-        replicated = assemble(stripes, device, zero_copy)
-        mine = own.get("own")
-        if device is not None and mine is not None:
-            mine = onto_device(mine, device)
-        return merge(replicated, mine, own.get("order"))
 
     def _read_shared(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
         # Onto a device the bytes are copied out before Release, so the segment stays recyclable (in its ring).

@@ -35,7 +35,7 @@ from trainer_client.serialization.header import read_header
 from trainer_client.serialization.memory import parallel_memmove
 from trainer_client.serialization.spec import BLOB_TENSOR, SMALL_COPY
 
-__all__ = ["MARK", "StripePlan", "assemble", "bounds", "is_stripe", "merge", "split_state", "stripe_members", "stripe_state"]
+__all__ = ["MARK", "StripePlan", "assemble", "bounds", "is_stripe", "merge", "split_state", "stripe_members", "stripe_state", "whole_state"]
 
 MARK = "memstore.stripe"  # the top-level key (and its value, the layout's version) that makes a saved dict a stripe
 VERSION = 1
@@ -236,6 +236,23 @@ def _byte_tensor(piece: Any, index: int) -> torch.Tensor:
     if isinstance(piece, torch.Tensor) and piece.dtype == torch.uint8 and piece.dim() == 1:
         return piece.cpu().contiguous()  # on a device only where a store without stripes in its manifests served it
     raise CorruptShardError(f"stripe {index} holds a slice that is not bytes: {type(piece).__name__}")
+
+
+def whole_state(rank: int, step: int, own: dict[str, Any], others: dict[int, Any], device: torch.device | None, zero_copy: bool) -> Any:
+    """Rank ``rank``'s whole state at ``step`` from its own stripe and the other members' (by rank): the replicated part
+    assembled bit-exactly (:func:`assemble`), with this rank's own part merged in (on ``device`` too)."""
+    members = stripe_members(own)
+    if rank not in members or own.get("index") != members.index(rank) or set(others) - set(members):
+        raise CorruptShardError(f"rank {rank}'s shard of step {step} is a stripe of replica group {members} but not its own")
+    stripes = [own if r == rank else others.get(r) for r in members]
+    for r, stripe in zip(members, stripes, strict=True):
+        if not is_stripe(stripe):
+            raise CorruptShardError(f"rank {r}'s shard of step {step} is not a stripe of replica group {members}")
+    replicated = assemble(stripes, device, zero_copy)  # type: ignore[arg-type]
+    mine = own.get("own")
+    if device is not None and mine is not None:
+        mine = onto_device(mine, device)
+    return merge(replicated, mine, own.get("order"))
 
 
 def merge(replicated: Any, own: Any, order: list[Any] | None) -> Any:

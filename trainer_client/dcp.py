@@ -70,6 +70,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from memstore.v1.keys import job_id_problem, key_problem
+from trainer_client.agreement import AgreementStats
 from trainer_client.client import CheckpointClient
 from trainer_client.connection import Connection, connection_from_kwargs
 from trainer_client.dcp_metadata import MemStoreStorageInfo, decode_metadata, encode_metadata
@@ -101,6 +102,7 @@ from trainer_client.errors import (
     NoCheckpointError,
     NotFoundError,
 )
+from trainer_client.handles import RestorePoint
 
 __all__ = [
     "COORDINATOR_RANK",
@@ -363,6 +365,12 @@ class MemStoreReader(StorageReader):
         zero_copy: map shards copy-on-write instead of copying them (they are copied into the
             destination tensors anyway). Destinations on a CUDA device are filled straight from that
             memory (registered read-only while it is read: asynchronous DMA), synchronized per shard.
+        group: the loading job's process group (the one ``dcp.load`` loads with; rank *i* of it reads as rank *i*).
+            Resolving the version to read (``read_metadata``, ``latest_step``) then is a collective, as
+            ``CheckpointClient.latest_step(group=...)``: each rank asks only its own store about its own shard, and rank 0
+            alone asks the whole cluster, once, when the ranks' views cannot decide (a load by another world size than
+            the save's, a save that did not complete). Without it every rank asks the whole cluster.
+            ``agreement_stats`` says what the last resolution cost this rank.
 
     Deprecated (one release, with a ``DeprecationWarning``): ``store`` (also the third positional argument),
     ``timeout``, ``use_shared_memory``, ``auth_token``, ``tls_ca``, ``tls_cert``, ``tls_key``; use ``connection=``.
@@ -388,6 +396,7 @@ class MemStoreReader(StorageReader):
         *,
         connection: Connection | None = None,
         zero_copy: bool = True,
+        group: Any = None,
         **deprecated: Any,
     ) -> None:
         super().__init__()
@@ -406,10 +415,15 @@ class MemStoreReader(StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._client: CheckpointClient | None = None
         self._shards: dict[int, Mapping[str, Any]] = {}
+        self.group = group
+        self._agreeing: CheckpointClient | None = None  # with a group: this rank's client in the loading job
+        self.agreement_stats: AgreementStats | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_client"] = None
+        state["_agreeing"] = None
+        state["group"] = None  # a process group does not travel; a pickled copy resolves on its own
         state["_shards"] = {}
         return state
 
@@ -510,12 +524,25 @@ class MemStoreReader(StorageReader):
 
     def _restore_point(self, step: int | None) -> tuple[int, int, str] | None:
         try:
-            point = self._client_for(None).restore_point(step)
+            point = self._agreed_point(step) if self.group is not None else self._client_for(None).restore_point(step)
         except (NotFoundError, NoCheckpointError):
             return None  # a job no store knows
         if point is None:
             return None
         return int(point.step), int(point.world_size), str(point.timeline)
+
+    def _agreed_point(self, step: int | None) -> RestorePoint | None:
+        """The version agreed over the loading group (a collective): this rank's client is rank i of the group's size."""
+        import torch.distributed as dist
+
+        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if self._agreeing is None or (self._agreeing.rank, self._agreeing.world_size) != (rank, size):
+            if self._agreeing is not None:
+                self._agreeing.close()
+            self._agreeing = CheckpointClient(self.job_id, rank, size, connection=self.connection)
+        point = self._agreeing.restore_point(step, group=self.group)
+        self.agreement_stats = self._agreeing.agreement.stats
+        return point
 
     def _resolve(self) -> tuple[int, int, str]:
         """(step, world size, timeline) to read: the requested step's, or the newest restorable step's, complete version."""
@@ -553,3 +580,6 @@ class MemStoreReader(StorageReader):
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._agreeing is not None:
+            self._agreeing.close()
+            self._agreeing = None

@@ -164,7 +164,12 @@ def _load_sharded_worker(rank: int, addr: str, job: str, port: int) -> None:
             "rep": torch.zeros_like(full["rep"]),
             "extra": {"epoch": 0, "tag": ""},
         }
-        dcp.load(state, storage_reader=MemStoreReader(job, connection=Connection(addr)))  # newest complete step, saved by 2 ranks
+        reader = MemStoreReader(job, connection=Connection(addr), group=dist.group.WORLD)
+        dcp.load(state, storage_reader=reader)  # newest complete step, saved by 2 ranks
+        # Agreed over the loading group: saved by 2 ranks, loaded by 4, so the scoped views cannot decide and rank 0
+        # alone asked the whole cluster; every other rank made one call, to its own store.
+        stats = reader.agreement_stats
+        assert stats is not None and stats.fallback and stats.rpcs == (2 if rank == 0 else 1), stats
         rows = [3, 3, 3, 1][rank]  # torch.chunk layout of 10 rows over 4 ranks
         local_w = state["w"].to_local()
         assert local_w.shape == (rows, 6), local_w.shape
@@ -591,6 +596,31 @@ def test_async_save_process_mode(make_inprocess_cluster, forkserver) -> None:  #
     assert_same(expected, loaded)
 
 
+def _load_same_size_worker(rank: int, addr: str, job: str, port: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    _init_group(rank, 2, port)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        full = _full_tensors()
+        state: dict[str, Any] = {
+            "w": distribute_tensor(torch.zeros_like(full["w"]), mesh, [Shard(0)]),
+            "b": distribute_tensor(torch.zeros_like(full["b"]), mesh, [Shard(1)]),
+            "rep": torch.zeros_like(full["rep"]),
+            "extra": {"epoch": 0, "tag": ""},
+        }
+        reader = MemStoreReader(job, connection=Connection(addr), group=dist.group.WORLD)
+        dcp.load(state, storage_reader=reader)
+        stats = reader.agreement_stats
+        assert stats is not None and not stats.fallback and stats.rpcs == 1, stats  # one scoped call per rank, no listing
+        assert reader.resolved_step == 3 and reader.saved_world_size == 2
+        assert _bits_equal(state["w"].full_tensor(), full["w"]) and _bits_equal(state["rep"], full["rep"])
+        reader.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_resharding_two_ranks_to_one_and_four(make_inprocess_cluster, forkserver) -> None:  # type: ignore[no-untyped-def]
     cluster = make_inprocess_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h0"), "dcp-reshard"
@@ -611,8 +641,10 @@ def test_resharding_two_ranks_to_one_and_four(make_inprocess_cluster, forkserver
         assert _bits_equal(state[k], v), k  # type: ignore[arg-type]
     assert state["extra"] == {"epoch": 7, "tag": "two-ranks"}
 
-    # 2 -> 4: DTensor Shard(0) over four gloo ranks (uneven: 3, 3, 3, 1 rows)
+    # 2 -> 4: DTensor Shard(0) over four gloo ranks (uneven: 3, 3, 3, 1 rows), agreed over the loading group
     run_ranks(_load_sharded_worker, 4, addr, job, free_ports(1)[0])
+    # 2 -> 2 agreed over the group: the ranks' own stores decide, nobody lists the cluster
+    run_ranks(_load_same_size_worker, 2, addr, job, free_ports(1)[0])
 
 
 def test_interrupted_resave_keeps_the_complete_version(make_inprocess_cluster, forkserver) -> None:  # type: ignore[no-untyped-def]

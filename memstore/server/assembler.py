@@ -45,6 +45,7 @@ class Assembler:
         self._stop = stop
         self.draining = draining
         self._tries: dict[ShardKey, tuple[float, int, float]] = {}  # key -> (next try, failures, first try), monotonic
+        self._seen = -1  # Catalog.stripes_settled at the last scan (-1: none yet, e.g. after adopting a crashed store's)
         self.pulled = 0  # cached copies pulled since the start
         self.skipped_for_room = 0  # stripes not pulled because the room was short
 
@@ -56,7 +57,15 @@ class Assembler:
                 log.exception("assembling stripes ahead of restores failed; trying again")
 
     def pass_once(self, now: float | None = None) -> int:
-        """One pass: pull what is wanted, has room and is due; returns how many copies were pulled."""
+        """One pass: pull what is wanted, has room and is due; returns how many copies were pulled. The catalog is
+        scanned only when a stripe settled since the last pass or a pull is still to be retried."""
+        now = time.monotonic() if now is None else now
+        if self.draining.is_set():
+            return 0
+        settled = self.catalog.stripes_settled
+        if settled == self._seen and all(now - first > GIVE_UP_SECONDS for _, _, first in self._tries.values()):
+            return 0  # nothing new (and no group here at all, the usual case): no scan under the catalog's lock
+        self._seen = settled
         wanted = self.catalog.stripes_wanted()
         keys = {k for k, _ in wanted}
         self._tries = {k: t for k, t in self._tries.items() if k in keys}
@@ -64,7 +73,6 @@ class Assembler:
         for key, nbytes in wanted:
             if self._stop.is_set() or self.draining.is_set():
                 break
-            now = time.monotonic() if now is None else now
             due, failures, first = self._tries.get(key, (0.0, 0, now))
             if now < due or now - first > GIVE_UP_SECONDS:
                 continue

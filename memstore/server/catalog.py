@@ -78,6 +78,7 @@ class Catalog:
         self._pulls: dict[ShardKey, threading.Event] = {}  # in-flight pulls, shared by fetch and repair
         self._protected: dict[str, int] = {}  # job -> newest restorable step, protected from eviction
         self._in_flight = 0  # shards being checksummed or replicated
+        self.stripes_settled = 0  # stripes settled or pulled in (not cached) so far: the assembler rescans when it moves
         self._repairs_in_flight = 0
         self._fetching = 0  # restores pulling a shard now (repair waits for them: memstore.server.recovery)
         self._saves_superseded = 0  # saves dropped before replication because a newer save of the same rank came
@@ -621,6 +622,8 @@ class Catalog:
                 entry.state = ShardState.UNDER_REPLICATED
                 entry.error = f"{copies} of {replicas} copies: " + "; ".join(errors)
                 log.warning("shard %s under-replicated: %s", entry.key, entry.error)
+            if entry.manifest is not None and entry.manifest.stripe is not None:
+                self.stripes_settled += 1  # the assembler looks at what is wanted again
             self._describe_locked(entry)
             self._lock.notify_all()
             return entry.state
@@ -658,6 +661,8 @@ class Catalog:
                 self.pool.release(entry.segment)  # somebody else brought it in meanwhile
                 return False
             self._register_locked(entry)
+            if not entry.cached and entry.manifest is not None and entry.manifest.stripe is not None:
+                self.stripes_settled += 1  # a replacement's own stripe, repaired: its group may be assembled here now
             return True
 
     def begin_repair(self, key: ShardKey, restore_first: float) -> bool:

@@ -614,25 +614,31 @@ class CheckpointClient:
                 )
             step, timeline = point.step, point.timeline
         key = self._key(step, rank, timeline)
-        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="memstore-stripes") as pool:
-            others: dict[int, Future[Any]] = {}
+        others: dict[int, Future[Any]] = {}
+        pools: list[ThreadPoolExecutor] = []  # made only for a stripe: an ordinary load starts no thread
 
-            def fetch_others(group: list[int]) -> None:  # a stripe: its group's other stripes are fetched meanwhile
-                for r in group:
-                    if r != key.rank and r not in others:
-                        others[r] = pool.submit(self._read_stripe, self._key(key.step, r, key.timeline))
+        def fetch_others(group: list[int]) -> None:  # a stripe: its group's other stripes are fetched meanwhile
+            if not pools:
+                pools.append(ThreadPoolExecutor(max_workers=8, thread_name_prefix="memstore-stripes"))
+            for r in group:
+                if r != key.rank and r not in others:
+                    others[r] = pools[0].submit(self._read_stripe, self._key(key.step, r, key.timeline))
 
+        try:
             state = self._fetch_and_read(key, zero_copy, device, fetch_others)
             if not is_stripe(state):
                 return state
             fetch_others(stripe_members(state))  # a store that did not name the group in the manifest
             stripes = {r: f.result() for r, f in others.items()}
+        finally:
+            for pool in pools:
+                pool.shutdown(wait=True)
         return whole_state(key.rank, key.step, state, stripes, device, zero_copy)
 
     def _read_stripe(self, key: pb.ShardKey) -> Any:
         """Another member's stripe: opened straight from the local store when it holds one (assembled ahead), else fetched."""
         if self.shared_memory:
-            with contextlib.suppress(NotFoundError):
+            with contextlib.suppress(NotFoundError, CorruptShardError):  # a copy that fails verification: fetched anew below
                 return self._read_shared(key, True, None)
         return self._fetch_and_read(key, True, None, note=False)
 

@@ -535,7 +535,12 @@ class MemStoreReader(StorageReader):
         """The version agreed over the loading group (a collective): this rank's client is rank i of the group's size."""
         import torch.distributed as dist
 
-        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        try:
+            rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        except (RuntimeError, ValueError, TypeError, AttributeError) as exc:
+            raise InvalidArgumentError(f"MemStoreReader(group={self.group!r:.80}) is not a process group of this job: {exc}") from None
+        if not 0 <= rank < size:
+            raise InvalidArgumentError(f"MemStoreReader(group=...): this process is not a member of that group (rank {rank} of {size})")
         if self._agreeing is None or (self._agreeing.rank, self._agreeing.world_size) != (rank, size):
             if self._agreeing is not None:
                 self._agreeing.close()

@@ -293,3 +293,9 @@ def test_the_examples_use_no_deprecated_argument() -> None:
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("CheckpointClient", "MemStoreWriter", "MemStoreReader"):
                 old = {k.arg for k in node.keywords} & set(DEPRECATED_KWARGS)
                 assert not old, f"{path.name}:{node.lineno} passes {old}: use connection="
+
+
+def test_a_dcp_reader_names_a_group_that_is_not_a_process_group() -> None:
+    reader = MemStoreReader("j", connection=Connection("127.0.0.1:1"), group=object())
+    with pytest.raises(InvalidArgumentError, match=r"MemStoreReader\(group=.*\) is not a process group of this job"):
+        reader.latest_step()

@@ -47,7 +47,7 @@ from memstore.v1.streams import manifest_problem
 from trainer_client import serialization
 from trainer_client.agreement import Agreements, AgreementStats, agree
 from trainer_client.capture import cuda as _cuda
-from trainer_client.capture.device_restore import decode_onto, decode_registered, parse_map_location
+from trainer_client.capture.device_restore import decode_onto, decode_registered, parse_map_location, populate_for_reading
 from trainer_client.capture.device_save import CAPTURE_MODES, Capture, Captures, host_writer
 from trainer_client.capture.ring import CaptureRing, CaptureStats
 from trainer_client.connection import Connection, connection_from_kwargs
@@ -60,6 +60,7 @@ from trainer_client.errors import (
     StoreUnavailableError,
     raise_for_rpc,
 )
+from trainer_client.floor import FloorAgreement
 from trainer_client.handles import RestorePoint, SaveHandle, SaveResult
 from trainer_client.replica_check import verify_replicas
 from trainer_client.replicas import resolve_replica_group
@@ -73,22 +74,6 @@ T = TypeVar("T")
 
 _VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 _MAX_BACKGROUND_SENDS = 2  # remote_save="background": staged saves in flight; the next waits for the oldest
-
-
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
-
-
-def _populate_for_reading(mm: mmap.mmap) -> None:
-    """Map every page of a private mapping readable in one call, without breaking copy-on-write.
-
-    MAP_POPULATE on a private writable mapping would copy every page (it populates for writing);
-    MADV_POPULATE_READ maps the shared pages as they are. On older kernels the verification pass
-    faults them in instead.
-    """
-    try:
-        mm.madvise(_MADV_POPULATE_READ)
-    except (OSError, ValueError):
-        pass
 
 
 class CheckpointClient:
@@ -126,6 +111,10 @@ class CheckpointClient:
             Default: none, every rank saves its whole state.
         verify_replicas: with a process group as ``replica_group``, every save first checks that the members' states
             agree on a deterministic sample (one all-reduce; ``ReplicaMismatchError`` names the ranks that differ).
+        group: the job's process group (rank i of it is the client of rank i). Each save then starts one asynchronous
+            all-reduce by which the ranks agree on the newest step all of them saved, and tells the store with the
+            commit: retention needs no listing of the cluster (``trainer_client.floor``). Every rank must then call
+            ``save()`` for every step. Default: none (each store's retention lists every store when it evicts).
 
     Deprecated (for one release, each with a ``DeprecationWarning``): ``store`` (also the fourth positional
     argument), ``timeout``, ``use_shared_memory``, ``auth_token``, ``tls_ca``, ``tls_cert``, ``tls_key``; put them in
@@ -146,6 +135,7 @@ class CheckpointClient:
         remote_save: str = "sync",
         replica_group: Any = None,
         verify_replicas: bool = False,
+        group: Any = None,
         **deprecated: Any,
     ) -> None:
         requested = connection_from_kwargs("CheckpointClient", connection, {"store": store, **deprecated})
@@ -168,6 +158,7 @@ class CheckpointClient:
         self.world_size = world_size
         self.replica_group = resolve_replica_group(replica_group, rank, world_size, verify_replicas)
         self.verify_replicas = verify_replicas
+        self._floor = FloorAgreement(group, rank, world_size, self.save_status) if group is not None else None
         self.connection = connection = requested.resolved()  # address and credentials filled in from the environment
         assert connection.address is not None and connection.credentials is not None
         self.address, self.credentials, self.timeout = connection.address, connection.credentials, connection.timeout
@@ -276,6 +267,8 @@ class CheckpointClient:
 
     def _saved(self, step: int, epoch: int) -> None:
         self._epoch, self._last_saved_step = epoch, step
+        if self._floor is not None:
+            self._floor.saved(step, self.timeline)
 
     # -- save ---------------------------------------------------------------------------
     def save(
@@ -303,6 +296,8 @@ class CheckpointClient:
         self._key(step)  # validate before a run id is drawn
         epoch = self._epoch_for(step) if timeline is None else self._epoch
         key = self._key(step, timeline=f"{self.run_id}.{epoch}" if timeline is None else timeline)
+        if self._floor is not None and timeline is None:
+            self._floor.start(key.timeline)  # the ranks agree on the newest step all of them saved: read at the commit
         clean_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
         t0 = time.perf_counter()
         layout, stripe = self._plan(state, replicated)
@@ -385,6 +380,7 @@ class CheckpointClient:
             request = pb.CommitRequest(
                 lease_id=slot.lease_id, metrics=metrics, format_version=serialization.FORMAT_VERSION, spill_codec=self.spill_compression,
                 capture=ring.report(), capture_seconds=time.perf_counter() - started, stripe=stripe,
+                restorable_floor=self._floor.floor(key.timeline, key.step) if self._floor else None,
             )  # fmt: skip
             if slot.ahead:
                 request.key.CopyFrom(key)
@@ -466,7 +462,10 @@ class CheckpointClient:
                 spill_codec=self.spill_compression,
                 stripe=stripe,
             )
-            header = pb.PutHeader(manifest=manifest, origin=pb.PUT_ORIGIN_CLIENT, sender_host=f"client-rank-{self.rank}")
+            header = pb.PutHeader(
+                manifest=manifest, origin=pb.PUT_ORIGIN_CLIENT, sender_host=f"client-rank-{self.rank}",
+                restorable_floor=self._floor.floor(key.timeline, key.step) if self._floor else None,
+            )  # fmt: skip
             try:
                 self.last_save_path = self._remote.put(header, view, f"put step {key.step}")
             finally:
@@ -693,7 +692,7 @@ class CheckpointClient:
             finally:
                 os.close(fd)
             if not opened.verified:  # an older store: verify here (the store verifies for this Open otherwise)
-                _populate_for_reading(mm)
+                populate_for_reading(mm)
                 view = memoryview(mm)[: m.nbytes]
                 try:
                     bad = first_mismatch(view, m.nbytes, m.chunk_size, m.checksums, workers=_VERIFY_THREADS)
@@ -726,6 +725,8 @@ class CheckpointClient:
         return serialization.decode(byte_view(buf, m.nbytes), zero_copy=zero_copy)
 
     def close(self) -> None:
+        if self._floor is not None:
+            self._floor.close()
         self._captures.close()  # an enqueued capture in flight is finished, then every registration undone
         self._ring.close()  # the lease reserved ahead is given back; ring segments unregistered and unmapped
         if self._sender is not None:

@@ -101,6 +101,7 @@ class TransferHeader:
     manifest: Manifest
     origin: PutOrigin
     sender_host: str = ""
+    restorable_floor: int | None = None  # the sender's restorable floor of the shard's job and timeline (core.floors)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ abandoned run's higher steps and evict the new run's fresh saves.
 
 Per job, keep the newest ``keep`` versions whose copies on this store are all settled (verified and
 no longer in flight), plus every in-flight copy, plus the protected steps (the newest step restorable
-across the cluster, steps due for spilling). Everything else is evicted.
+across the cluster, steps due for spilling), plus every version at or above the job's restorable floor when
+the store knows one (``memstore.core.floors``: none of those can be ruled out as the newest restorable).
+Everything else is evicted.
 """
 
 from __future__ import annotations
@@ -56,13 +58,27 @@ def _versions(held: list[Held]) -> tuple[dict[tuple[int, str], list[Held]], dict
     return by_version, order
 
 
-def retention_victims(held: Iterable[Held], keep: int, protected_steps: Iterable[int] = ()) -> list[ShardKey]:
-    """Keys of one job's copies that fall outside the retention window."""
-    by_version, order = _versions(list(held))
+def _floor_order(floor: tuple[int, str] | None, held: list[Held]) -> Order | None:
+    """Where ``floor`` (a version: step, timeline) ranks among ``held``'s versions; None: no floor."""
+    if floor is None:
+        return None
+    starts = timeline_starts((k, c) for k, _, c in held)
+    return starts.get(floor[1], math.inf), floor[0]
+
+
+def retention_victims(
+    held: Iterable[Held], keep: int, protected_steps: Iterable[int] = (), floor: tuple[int, str] | None = None
+) -> list[ShardKey]:
+    """Keys of one job's copies that fall outside the retention window; with a ``floor``, only versions below it."""
+    held = list(held)
+    by_version, order = _versions(held)
     settled = sorted((v for v, copies in by_version.items() if all(st.settled for _, st, _ in copies)), key=order.__getitem__, reverse=True)
     if len(settled) <= keep:
         return []
     oldest_kept = order[settled[keep - 1]]
+    at_floor = _floor_order(floor, held)
+    if at_floor is not None:
+        oldest_kept = min(oldest_kept, at_floor)
     protected = set(protected_steps)
     victims = [
         key
@@ -89,13 +105,15 @@ def superseded_in_flight(held: Iterable[Held], newer: ShardKey) -> list[ShardKey
     )
 
 
-def pressure_victims(held: Iterable[Held], newer: ShardKey, protected_steps: Iterable[int] = ()) -> list[ShardKey]:
+def pressure_victims(
+    held: Iterable[Held], newer: ShardKey, protected_steps: Iterable[int] = (), floor: tuple[int, str] | None = None
+) -> list[ShardKey]:
     """What to drop, in order, when ``newer`` does not fit in RAM.
 
     First the in-flight older copies of the same rank (``superseded_in_flight``), then whole settled
     versions of the job older than ``newer`` except its newest settled one, oldest first, sparing the
-    protected steps. The newest settled version is never offered: a new save must not cost the last
-    good checkpoint.
+    protected steps and every version at or above the ``floor``. The newest settled version is never offered: a
+    new save must not cost the last good checkpoint.
     """
     held = [h for h in held if h[0].job_id == newer.job_id]
     first = superseded_in_flight(held, newer)
@@ -105,5 +123,7 @@ def pressure_victims(held: Iterable[Held], newer: ShardKey, protected_steps: Ite
     older = [v for v in by_version if order[v] < mine]
     settled = sorted((v for v in older if all(st.settled for _, st, _ in by_version[v])), key=order.__getitem__)
     protected = set(protected_steps)
-    rest = [key for v in settled[:-1] if v[0] not in protected for key, _, _ in sorted(by_version[v])]
+    at_floor = _floor_order(floor, held)
+    spared = [v for v in settled[:-1] if v[0] in protected or (at_floor is not None and order[v] >= at_floor)]
+    rest = [key for v in settled[:-1] if v not in spared for key, _, _ in sorted(by_version[v])]
     return first + [k for k in rest if k not in first]

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from memstore.config import StoreConfig
+from memstore.core.floors import floor_problem
 from memstore.core.limits import admits, room_by_dropping
 from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState, Stripe
 from memstore.core.retention import pressure_victims, retention_victims
@@ -77,6 +78,7 @@ class Catalog:
         self._streams: dict[str, int] = {}  # sender -> inbound transfers open, at most --max-streams-per-peer
         self._pulls: dict[ShardKey, threading.Event] = {}  # in-flight pulls, shared by fetch and repair
         self._protected: dict[str, int] = {}  # job -> newest restorable step, protected from eviction
+        self._floor: dict[str, tuple[int, str]] = {}  # job -> its restorable floor: nothing at or above it is evicted
         self._in_flight = 0  # shards being checksummed or replicated
         self.stripes_settled = 0  # stripes settled or pulled in (not cached) so far: the assembler rescans when it moves
         self._repairs_in_flight = 0
@@ -232,7 +234,7 @@ class Catalog:
                     held = [(e.key, e.state, e.created_unix) for e in job]
                     protected = [self._protected[key.job_id]] if key.job_id in self._protected else []
                     sizes = {e.key: e.segment.size for e in job}
-                    candidates = [(k, sizes[k]) for k in pressure_victims(held, key, protected)]
+                    candidates = [(k, sizes[k]) for k in pressure_victims(held, key, protected, self._floor.get(key.job_id))]
                     victims = room_by_dropping(candidates, exc.used, exc.needed, exc.capacity)
                     if not victims:
                         raise
@@ -416,18 +418,20 @@ class Catalog:
 
     def commit_lease(
         self, lease_id: str, key: ShardKey | None, nbytes: int, metrics: dict[str, float], format_version: int, spill_codec: str,
-        capture: CaptureReport | None, stripe: Stripe | None = None,
+        capture: CaptureReport | None, stripe: Stripe | None = None, floor: int | None = None,
     ) -> Entry:  # fmt: skip
         """Register the shard of allocation lease ``lease_id`` (see ``Saver.commit``); older captures of its rank that
         replication has not taken up yet are superseded (newest wins). Returns its entry.
 
-        A wrong key, size or ``stripe`` (checked against the shard the lease holds) is refused and the lease kept."""
+        A wrong key, size, ``stripe`` or restorable ``floor`` (checked against the shard the lease holds) is refused and the
+        lease kept."""
         with self._lock:
             lease = self._alloc_leases.get(lease_id)
             if lease is None:
                 raise LeaseError(f"allocation lease {lease_id!r} is unknown or expired; allocate again")
             entry = lease.entry
             ensure(bind_problem(lease, key, nbytes))
+            ensure(None if floor is None else floor_problem(floor, (key or entry.key).step))
             if stripe is not None:
                 rank = entry.key.rank  # an ahead lease's commit may name another step, never another rank
                 ensure(stripe_problem(stripe, rank, entry.world_size, nbytes or entry.nbytes))
@@ -706,17 +710,22 @@ class Catalog:
         with self._lock:
             return [(e.key, e.state, e.created_unix) for e in self._entries.values() if e.key.job_id == job_id]
 
-    def retire(self, job_id: str, dead: set[tuple[int, str]], latest: int | None, protected: list[int]) -> None:
+    def retire(
+        self, job_id: str, dead: set[tuple[int, str]], latest: int | None, protected: list[int], floor: tuple[int, str] | None = None
+    ) -> None:
         """Drop the settled copies of ``job_id``'s superseded versions ``dead``, then what keep-K retention evicts
-        (never ``protected`` steps); ``latest``, the newest restorable step, is protected from pressure too."""
+        (never ``protected`` steps, nothing at or above the restorable ``floor``); ``latest``, the newest restorable
+        step, and the floor are protected from pressure too."""
         with self._lock:
             if latest is not None:
                 self._protected[job_id] = latest
+            if floor is not None:
+                self._floor[job_id] = floor
             for dead_entry in [e for e in self._entries.values() if e.key.job_id == job_id and e.key.version in dead and e.state.settled]:
                 log.info("dropping %s: a newer timeline re-saved step %d or earlier", dead_entry.key, dead_entry.key.step)
                 self._drop_locked(dead_entry, reason="superseded: the job went back and saved this step again on a newer timeline")
             held = [(e.key, e.state, e.created_unix) for e in self._entries.values() if e.key.job_id == job_id]
-            for key in retention_victims(held, self.config.keep, protected):
+            for key in retention_victims(held, self.config.keep, protected, floor):
                 entry = self._entries.get(key)
                 if entry is not None:
                     log.debug("retention: evicting %s", key)

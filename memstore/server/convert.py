@@ -101,7 +101,10 @@ def sidecar_info(meta: bytes) -> ShardInfo:
 
 # -- transfers --------------------------------------------------------------------------
 def transfer_to_pb(header: TransferHeader) -> pb.PutHeader:
-    return pb.PutHeader(manifest=manifest_to_pb(header.manifest), origin=_ORIGIN_TO_PB[header.origin], sender_host=header.sender_host)  # type: ignore[arg-type]
+    return pb.PutHeader(
+        manifest=manifest_to_pb(header.manifest), origin=_ORIGIN_TO_PB[header.origin], sender_host=header.sender_host,  # type: ignore[arg-type]
+        restorable_floor=header.restorable_floor,
+    )  # fmt: skip
 
 
 def transfer_from_pb(header: pb.PutHeader) -> TransferHeader:
@@ -110,7 +113,8 @@ def transfer_from_pb(header: pb.PutHeader) -> TransferHeader:
     if origin is None:
         what = "unspecified" if header.origin == pb.PUT_ORIGIN_UNSPECIFIED else f"{header.origin} (unknown)"
         raise InvalidArgument(f"PutHeader.origin is {what}: expected CLIENT, REPLICA or REPAIR")
-    return TransferHeader(manifest_from_pb(header.manifest), origin, header.sender_host)
+    floor = header.restorable_floor if header.HasField("restorable_floor") else None
+    return TransferHeader(manifest_from_pb(header.manifest), origin, header.sender_host, floor)
 
 
 # -- answers ----------------------------------------------------------------------------

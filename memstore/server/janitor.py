@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 from memstore.config import StoreConfig
+from memstore.core.floors import Floors
 from memstore.core.model import Holding
 from memstore.core.restorable import latest_restorable, may_supersede, superseded_versions
 from memstore.core.retention import retention_victims
@@ -22,7 +23,9 @@ class Janitor:
 
     Runs on the store's ``janitor`` thread (``loop``), woken by ``retention_due`` (a shard settled or arrived, a step
     was spilled, the slot table moved) or once a second. ``cluster_holdings``: what the cluster holds of a job
-    (``Recovery.cluster_holdings``), asked only when something would go or a re-save may have superseded a timeline.
+    (``Recovery.cluster_holdings``), asked only when something would go and the job has no restorable floor
+    (``memstore.core.floors``: its clients were given no process group), or a re-save may have superseded a timeline.
+    With a floor, retention evicts only below it and asks nobody: no message per saved step grows with the cluster.
     """
 
     def __init__(
@@ -32,12 +35,15 @@ class Janitor:
         cluster_holdings: Callable[[str], tuple[list[Holding], list[str]]],
         stop: threading.Event,
         retention_due: threading.Event,
+        floors: Floors,
     ) -> None:
         self.catalog = catalog
         self.config = config
         self.cluster_holdings = cluster_holdings
         self._stop = stop
         self.retention_due = retention_due
+        self.floors = floors
+        self.listings = 0  # retention passes that had to list the cluster (no floor, or a possible supersede)
         self.durable: DurableTier | None = None  # set by the store when --spill is on: steps due for spilling are kept
 
     def loop(self) -> None:
@@ -65,13 +71,18 @@ class Janitor:
         for job in sorted(self.catalog.jobs()):
             held = self.catalog.held(job)
             crowded = len({k.version for k, _, _ in held}) > self.config.keep and retention_victims(held, self.config.keep)
-            if not crowded and not may_supersede((k, created) for k, _, created in held):
+            supersede = may_supersede((k, created) for k, _, created in held)
+            if not crowded and not supersede:
                 continue
-            # Something would go, or a re-save may have superseded another timeline: learn the cluster's view.
+            spilling = sorted(self.durable.protected_steps(job)) if self.durable is not None else []  # kept until spilled
+            floor = self.floors.get(job)
+            if floor is not None and not supersede:
+                self.catalog.retire(job, set(), None, spilling, floor.version)  # nothing at or above the floor goes
+                continue
+            # Something would go and no floor bounds it, or a re-save may have superseded another timeline: ask the cluster.
+            self.listings += 1
             holdings, _ = self.cluster_holdings(job)
             dead = superseded_versions(holdings, job)
             latest = latest_restorable(holdings, job)
-            protected = [latest.step] if latest else []
-            if self.durable is not None:
-                protected += sorted(self.durable.protected_steps(job))  # due for spilling: keep until spilled
-            self.catalog.retire(job, dead, latest.step if latest else None, protected)
+            protected = ([latest.step] if latest else []) + spilling
+            self.catalog.retire(job, dead, latest.step if latest else None, protected, floor.version if floor else None)

@@ -9,6 +9,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from memstore.config import StoreConfig
+from memstore.core.floors import Floors
 from memstore.core.model import Manifest, PutOrigin, ShardState, TransferHeader
 from memstore.errors import (
     DataChannelUnsupported,
@@ -56,8 +57,10 @@ class Replicator:
         peers: PeerDirectory,
         events: StoreEvents,
         retention_due: threading.Event,
+        floors: Floors,
     ) -> None:
         self.catalog = catalog
+        self.floors = floors  # pushed replicas carry their job's restorable floor (memstore.core.floors)
         self.config = config
         self.host_id = config.host_id
         self.membership = membership
@@ -116,7 +119,9 @@ class Replicator:
             self._settle(entry, copies=1, errors=[why] if self.config.replicas > 1 else [])
             return
         assert entry.manifest is not None
-        header = TransferHeader(entry.manifest, PutOrigin.REPLICA, self.host_id)
+        floor = self.floors.get(entry.key.job_id)
+        known = floor.step if floor is not None and floor.timeline == entry.key.timeline and floor.step <= entry.key.step else None
+        header = TransferHeader(entry.manifest, PutOrigin.REPLICA, self.host_id, known)
         deadline = 10.0 + entry.nbytes / self.config.transfer_min_rate
 
         def push(peer_id: str) -> str | None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from memstore.config import StoreConfig
+from memstore.core.floors import Floor, Floors, floor_problem
 from memstore.core.limits import transfer_sender
 from memstore.core.model import Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, Stripe, TransferHeader
 from memstore.core.status import CaptureReport
@@ -49,8 +50,10 @@ class Saver:
         events: StoreEvents,
         draining: threading.Event,
         retention_due: threading.Event,
+        floors: Floors,
     ) -> None:
         self.catalog = catalog
+        self.floors = floors  # the restorable floors clients and peers send (memstore.core.floors)
         self.replicator = replicator
         self.config = config
         self.host_id = config.host_id
@@ -108,6 +111,7 @@ class Saver:
         capture: CaptureReport | None = None,
         capture_seconds: float = 0.0,
         stripe: Stripe | None = None,
+        restorable_floor: int | None = None,
     ) -> ShardKey:
         """Take a client's capture in: the shard of ``lease_id`` is the store's from now on; replication starts.
 
@@ -115,7 +119,8 @@ class Saver:
         ``nbytes`` when the shard is smaller than the lease. ``capture``: what the client's copies cost it since its
         last commit (summed into ``memstore status`` and the metrics); ``capture_seconds``: its save's time until
         this commit (the store sees an ahead lease's save start nowhere). ``stripe``: the shard is one member's
-        stripe of a replica group's save (``memstore.core.model.Stripe``), kept in its manifest.
+        stripe of a replica group's save (``memstore.core.model.Stripe``), kept in its manifest. ``restorable_floor``:
+        a step of this shard's timeline its job's ranks all saved (``memstore.core.floors``).
         """
         ensure(codec_problem(spill_codec) or metrics_problem(metrics))
         if capture is not None:
@@ -124,7 +129,8 @@ class Saver:
             raise InvalidArgument(f"capture_seconds {capture_seconds!r} is out of range: expected 0..{MAX_CAPTURE_SECONDS:.0f}")
         if key is not None:
             ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
-        entry = self.catalog.commit_lease(lease_id, key, nbytes, metrics, format_version, spill_codec, capture, stripe)
+        entry = self.catalog.commit_lease(lease_id, key, nbytes, metrics, format_version, spill_codec, capture, stripe, restorable_floor)
+        self._note_floor(entry.key, restorable_floor)
         if capture is not None and capture.fallbacks:
             log.warning(
                 "rank %d of job %s copied %d captures through pageable memory (registration failed: %s)",
@@ -157,6 +163,13 @@ class Saver:
         ensure(shard_manifest_problem(m, owner_required=header.origin is not PutOrigin.CLIENT))
         if header.sender_host:
             ensure(host_id_problem(header.sender_host, "sender_host"))
+        if header.restorable_floor is not None:
+            ensure(floor_problem(header.restorable_floor, m.key.step))
+
+    def _note_floor(self, key: ShardKey, floor: int | None) -> None:
+        """A restorable floor came with a save or a copy of ``key``: retention may look again without listing."""
+        if floor is not None and self.floors.note(key.job_id, Floor(floor, key.timeline)):
+            self.retention_due.set()
 
     def _refuse_if_draining(self) -> None:
         if self.draining.is_set():
@@ -170,6 +183,7 @@ class Saver:
         self._check_transfer(header)
         m = header.manifest
         key = m.key
+        self._note_floor(key, header.restorable_floor)  # true of earlier saves whether or not this transfer completes
         sender = transfer_sender(header.origin, key.job_id, header.sender_host, m.owner_host)
         self._refuse_if_draining()
         self.catalog.admit_inbound(key, sender, client=header.origin is PutOrigin.CLIENT)

@@ -30,6 +30,7 @@ import time
 
 from memstore import __version__
 from memstore.config import StoreConfig
+from memstore.core.floors import Floors
 from memstore.core.reserve import ReservePolicy
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, SpillReport, job_census
 from memstore.server.assembler import Assembler
@@ -93,14 +94,15 @@ class Store:
 
         # The parts, each with only what it uses.
         self.catalog = Catalog(self.host_id, config, self.pool, self._stop)
-        self.replicator = Replicator(self.catalog, config, self.membership, self.peers, self.events, self._retention_due)
-        self.saver = Saver(self.catalog, self.replicator, config, self.pool, self.events, self.draining, self._retention_due)
+        self.floors = Floors()  # per job, the restorable floor its clients and peers sent: retention's bound without listing
+        self.replicator = Replicator(self.catalog, config, self.membership, self.peers, self.events, self._retention_due, self.floors)
+        self.saver = Saver(self.catalog, self.replicator, config, self.pool, self.events, self.draining, self._retention_due, self.floors)
         self.datapath = DataPath(self.catalog, self.saver, config)
         self.reader = Reader(self.catalog)
         self.recovery = Recovery(
             self.catalog, config, self.membership, self.peers, self.events, self.draining, self._stop, self._retention_due
         )
-        self.janitor = Janitor(self.catalog, config, self.recovery.cluster_holdings, self._stop, self._retention_due)
+        self.janitor = Janitor(self.catalog, config, self.recovery.cluster_holdings, self._stop, self._retention_due, self.floors)
         self.drainer = Drainer(self.catalog, config, self.membership, self.peers, self.draining)
         self.assembler = Assembler(self.catalog, self.pool, self.recovery.pull_ahead, self._stop, self.draining)
 

@@ -301,7 +301,7 @@ class AllocateResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ..., ring_paths: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., ring_limit: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds", "stripe")
+    __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds", "stripe", "restorable_floor")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +318,7 @@ class CommitRequest(_message.Message):
     CAPTURE_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STRIPE_FIELD_NUMBER: _ClassVar[int]
+    RESTORABLE_FLOOR_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     metrics: _containers.ScalarMap[str, float]
     format_version: int
@@ -327,7 +328,8 @@ class CommitRequest(_message.Message):
     capture: CaptureStats
     capture_seconds: float
     stripe: Stripe
-    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ..., spill_codec: _Optional[str] = ..., key: _Optional[_Union[ShardKey, _Mapping]] = ..., nbytes: _Optional[int] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., capture_seconds: _Optional[float] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ...) -> None: ...
+    restorable_floor: int
+    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ..., spill_codec: _Optional[str] = ..., key: _Optional[_Union[ShardKey, _Mapping]] = ..., nbytes: _Optional[int] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., capture_seconds: _Optional[float] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ..., restorable_floor: _Optional[int] = ...) -> None: ...
 
 class CaptureStats(_message.Message):
     __slots__ = ("registrations", "fallbacks", "fallback_cause")
@@ -346,14 +348,16 @@ class CommitResponse(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("manifest", "origin", "sender_host")
+    __slots__ = ("manifest", "origin", "sender_host", "restorable_floor")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     SENDER_HOST_FIELD_NUMBER: _ClassVar[int]
+    RESTORABLE_FLOOR_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     origin: PutOrigin
     sender_host: str
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., origin: _Optional[_Union[PutOrigin, str]] = ..., sender_host: _Optional[str] = ...) -> None: ...
+    restorable_floor: int
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., origin: _Optional[_Union[PutOrigin, str]] = ..., sender_host: _Optional[str] = ..., restorable_floor: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "chunk")

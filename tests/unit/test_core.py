@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from memstore.core.floors import Floor, Floors, floor_problem
 from memstore.core.model import Holding, ShardKey, ShardState
 from memstore.core.restorable import (
     latest_restorable,
@@ -90,6 +91,23 @@ class TestRetention:
         assert pressure_victims(held, k(5)) == [k(4), k(1), k(2)]
         assert pressure_victims([(k(1), C, 0.0)], k(2)) == []
         assert pressure_victims(held, k(5), protected_steps=[1]) == [k(4), k(2)]
+
+    def test_nothing_at_or_above_the_floor_is_evicted(self) -> None:
+        held = [(k(s), C, float(s)) for s in (1, 2, 3, 4, 5)]
+        assert retention_victims(held, keep=2, floor=(5, "")) == [k(1), k(2), k(3)]  # the floor is the newest: keep-K
+        assert retention_victims(held, keep=2, floor=(2, "")) == [k(1)]  # a floor that lags keeps all above it
+        assert retention_victims(held, keep=2, floor=(9, "other")) == [k(1), k(2), k(3)]  # a timeline nobody holds yet
+
+    def test_pressure_spares_the_floor_and_above(self) -> None:
+        held = [(k(s), C, float(s)) for s in (1, 2, 3, 4)]
+        assert pressure_victims(held, k(5)) == [k(1), k(2), k(3)]
+        assert pressure_victims(held, k(5), floor=(2, "")) == [k(1)]
+
+    def test_floors_only_move_up_within_a_timeline(self) -> None:
+        floors = Floors()
+        assert floors.note("j", Floor(3, "a")) and not floors.note("j", Floor(2, "a")) and floors.get("j") == Floor(3, "a")
+        assert floors.note("j", Floor(1, "b")) and floors.get("j") == Floor(1, "b")  # a new timeline's floor replaces it
+        assert floor_problem(4, 3) and floor_problem(-1, 3) and floor_problem(3, 3) is None
 
 
 class TestSizes:

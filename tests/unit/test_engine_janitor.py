@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from memstore.core.floors import Floor, Floors
 from memstore.core.model import Holding, ShardKey
 from memstore.server import janitor as janitor_module
 from memstore.server.janitor import Janitor
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 32  # 8 KiB
 
 
-def janitor(holdings: list[Holding]):  # type: ignore[no-untyped-def]
+def janitor(holdings: list[Holding], floors: Floors | None = None):  # type: ignore[no-untyped-def]
     cfg = config(keep="2")
     catalog, _, stop = make_catalog(cfg)
     asked: list[str] = []
@@ -25,7 +26,7 @@ def janitor(holdings: list[Holding]):  # type: ignore[no-untyped-def]
         asked.append(job)
         return holdings, []
 
-    return Janitor(catalog, cfg, cluster_holdings, stop, threading.Event()), catalog, asked
+    return Janitor(catalog, cfg, cluster_holdings, stop, threading.Event(), floors or Floors()), catalog, asked
 
 
 def test_retention_keeps_k_and_asks_the_cluster_only_when_something_would_go() -> None:
@@ -71,5 +72,41 @@ def test_a_timeline_resaved_from_an_older_step_supersedes_the_abandoned_steps() 
     for i, k in enumerate(keys):
         settled(catalog, k, DATA, created=float(i + 1))
     view = [Holding("h0", k, 1, True, float(i + 1)) for i, k in enumerate(keys)]
-    Janitor(catalog, cfg, lambda job: (view, []), stop, threading.Event()).apply_retention()
+    Janitor(catalog, cfg, lambda job: (view, []), stop, threading.Event(), Floors()).apply_retention()
     assert sorted(k.version for k, _, _ in catalog.held("job")) == [(1, "A.0"), (2, "B.0")]
+
+
+def test_with_a_restorable_floor_retention_asks_nobody() -> None:
+    floors = Floors()
+    jan, catalog, asked = janitor([], floors)
+    for step in (1, 2, 3, 4):
+        settled(catalog, ShardKey("job", step, 0, "r.0"), DATA, created=float(step))
+        floors.note("job", Floor(step, "r.0"))  # every rank saved it: the ranks' agreement came with the next commit
+        jan.apply_retention()
+    assert asked == [] and jan.listings == 0
+    assert sorted(k.step for k, _, _ in catalog.held("job")) == [3, 4]
+
+
+def test_a_lagging_floor_keeps_every_step_at_or_above_it() -> None:
+    floors = Floors()
+    jan, catalog, asked = janitor([], floors)
+    floors.note("job", Floor(2, "r.0"))  # the newest the ranks agreed on; steps 3..5 may not be restorable yet
+    for step in (1, 2, 3, 4, 5):
+        settled(catalog, ShardKey("job", step, 0, "r.0"), DATA, created=float(step))
+    jan.apply_retention()
+    assert asked == [] and sorted(k.step for k, _, _ in catalog.held("job")) == [2, 3, 4, 5]  # keep 2, yet 2 and 3 stay
+    floors.note("job", Floor(4, "r.0"))
+    jan.apply_retention()
+    assert sorted(k.step for k, _, _ in catalog.held("job")) == [4, 5]
+    floors.note("job", Floor(3, "r.0"))  # an older floor arriving late does not move it back
+    assert floors.get("job") == Floor(4, "r.0")
+
+
+def test_a_floor_of_a_new_timeline_ranks_above_every_step_of_the_old_one() -> None:
+    floors = Floors()
+    jan, catalog, asked = janitor([], floors)
+    for step, timeline in ((8, "r.0"), (9, "r.0"), (5, "r.1"), (6, "r.1")):  # the job went back to step 4 and saved on
+        settled(catalog, ShardKey("job", step, 0, timeline), DATA, created=float(step if timeline == "r.0" else 10 + step))
+    floors.note("job", Floor(5, "r.1"))
+    jan.apply_retention()  # crowded, no supersede (5 and 6 are below 8 but came later: may_supersede asks the cluster)
+    assert asked == ["job"] and sorted(k.version for k, _, _ in catalog.held("job")) == [(5, "r.1"), (6, "r.1")]

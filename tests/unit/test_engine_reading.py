@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from memstore.core.floors import Floors
 from memstore.core.model import PutOrigin, ShardKey, TransferHeader
 from memstore.errors import ChecksumMismatch, ShardNotFound
 from memstore.server.datapath import DataPath
@@ -58,8 +59,8 @@ def datapath():  # type: ignore[no-untyped-def]
     cfg = config()
     catalog, pool, _ = make_catalog(cfg)
     events, due = RecordingEvents(), threading.Event()
-    rep = Replicator(catalog, cfg, membership(), FakePeers(), events, due)  # type: ignore[arg-type]
-    saver = Saver(catalog, rep, cfg, pool, events, threading.Event(), due)  # type: ignore[arg-type]
+    rep = Replicator(catalog, cfg, membership(), FakePeers(), events, due, Floors())  # type: ignore[arg-type]
+    saver = Saver(catalog, rep, cfg, pool, events, threading.Event(), due, Floors())  # type: ignore[arg-type]
     return DataPath(catalog, saver, cfg), catalog, pool, due
 
 

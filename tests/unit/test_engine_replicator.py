@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from memstore.core.floors import Floors
 from memstore.core.model import ShardKey, ShardState
 from memstore.server.replication import Replicator
 from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, commit, config, make_catalog, membership
@@ -18,7 +19,7 @@ def replicator(*peers: FakePeer, replicas: int = 2, hosts: tuple[str, ...] = ("h
     cfg = config(replicas=str(replicas), **flags)
     catalog, pool, _ = make_catalog(cfg)
     events, due = RecordingEvents(), threading.Event()
-    rep = Replicator(catalog, cfg, membership("h0", hosts, replicas), FakePeers(*peers), events, due)  # type: ignore[arg-type]
+    rep = Replicator(catalog, cfg, membership("h0", hosts, replicas), FakePeers(*peers), events, due, Floors())  # type: ignore[arg-type]
     return rep, catalog, pool, events, due
 
 

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from memstore.core.floors import Floors
 from memstore.core.model import PutOrigin, ShardKey, ShardState, TransferHeader
 from memstore.errors import Draining, InvalidArgument
 from memstore.server.entries import Entry
@@ -30,7 +31,7 @@ def saver(**flags: str):  # type: ignore[no-untyped-def]
     cfg = config(**flags)
     catalog, pool, _ = make_catalog(cfg)
     events, draining, rep = RecordingEvents(), threading.Event(), RecordingReplicator()
-    return Saver(catalog, rep, cfg, pool, events, draining, threading.Event()), catalog, pool, events, rep.submitted, draining  # type: ignore[arg-type]
+    return Saver(catalog, rep, cfg, pool, events, draining, threading.Event(), Floors()), catalog, pool, events, rep.submitted, draining  # type: ignore[arg-type]
 
 
 def test_the_saver_hands_a_commit_to_replication_and_counts_the_save() -> None:

@@ -302,3 +302,19 @@ def decode_registered(mm: mmap.mmap, nbytes: int, device: torch.device) -> Any:
         return decode_onto(view, device, zero_copy=False, copies=HostToDevice(registered=registered))
     finally:
         view.release()
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+
+
+def populate_for_reading(mm: mmap.mmap) -> None:
+    """Map every page of a private mapping readable in one call, without breaking copy-on-write.
+
+    MAP_POPULATE on a private writable mapping would copy every page (it populates for writing);
+    MADV_POPULATE_READ maps the shared pages as they are. On older kernels the verification pass
+    faults them in instead.
+    """
+    try:
+        mm.madvise(_MADV_POPULATE_READ)
+    except (OSError, ValueError):
+        pass

@@ -1,0 +1,69 @@
+"""The restorable floor: what a store knows of the newest restorable step without asking the cluster.
+
+A job's ranks, when their client was given the job's process group (``CheckpointClient(group=...)``), agree at
+each save on the newest step of their timeline that every rank has saved (one all-reduce, see
+``trainer_client.floor``). That step is restorable, so the newest restorable step is at or above it: a *floor*,
+never newer than the truth. The ranks send it with the Commit they send anyway, and each store passes it on with
+the replicas it pushes (``PutHeader.restorable_floor``): every store holding a copy of the job's newest save learns
+it with no message of its own.
+
+Retention (``memstore.core.retention``) then keeps every version at or above the floor, whatever ``--keep`` says,
+and evicts below it without listing the cluster: a version below the floor is never the newest restorable one.
+A floor that lags (a rank's save is slow, an all-reduce result not back yet) only keeps more.
+
+Copies lost after the floor was agreed (R hosts failing at once) can make it newer than the truth; retention then
+keeps what is left of the floor's step, as it kept the step it last saw restorable before.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Floor:
+    """Every rank of the job saved ``step`` of ``timeline``: it, or a newer version, is the newest restorable."""
+
+    step: int
+    timeline: str
+
+    @property
+    def version(self) -> tuple[int, str]:
+        return self.step, self.timeline
+
+
+def floor_problem(floor: int, step: int) -> str | None:
+    """Why a floor sent with a save of ``step`` is invalid (None if it is not): it names an earlier save of the job."""
+    if floor < 0 or floor > step:
+        return f"restorable_floor {floor} is invalid: expected a step from 0 to the saved step {step}"
+    return None
+
+
+class Floors:
+    """Per job, the newest floor a store heard of (thread-safe).
+
+    A floor of the same timeline only moves up; a floor of another timeline replaces it (the ranks moved to a new
+    timeline, a rollback: its saves are the newest whatever their step numbers). Either is a safe bound.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._floors: dict[str, Floor] = {}
+
+    def note(self, job_id: str, floor: Floor) -> bool:
+        """Record ``floor`` for ``job_id``; True if it moved."""
+        with self._lock:
+            old = self._floors.get(job_id)
+            if old is not None and old.timeline == floor.timeline and old.step >= floor.step:
+                return False
+            self._floors[job_id] = floor
+            return True
+
+    def get(self, job_id: str) -> Floor | None:
+        with self._lock:
+            return self._floors.get(job_id)
+
+    def forget(self, job_id: str) -> None:
+        with self._lock:
+            self._floors.pop(job_id, None)

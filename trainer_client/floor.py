@@ -1,0 +1,157 @@
+"""The restorable floor: at each save the ranks agree on the newest step they have all saved.
+
+With ``CheckpointClient(group=<the job's process group>)``, every ``save()`` of the client's own timeline starts one
+all-reduce over the group, asynchronous (the trainer does not wait for it), of what this rank knows of its earlier
+saves: the steps its store reported committed. The result is read without waiting when a later save is committed
+(``Commit`` or the remote path's ``PutHeader`` carry it): the store learns a step every rank saved, a lower bound of
+the newest restorable step (``memstore.core.floors``), with no message of its own. Its retention then never lists the
+cluster.
+
+Encoding: a vector of ``2 * WINDOW`` int64, this rank's ``WINDOW`` newest committed steps (newest first, -1 where it has
+fewer), then their negations. One MIN all-reduce gives at position i the least of the ranks' i-th newest steps and
+the negated greatest: where the two are equal, every rank committed that very step. The floor is the greatest such
+step. Ranks that saved the same steps (the usual case) agree at position 0, on the newest step all of them committed;
+a rank that missed a save shifts its positions, and a position then agrees on an older step or on none: the floor
+lags, it is never wrong.
+
+Internal to ``CheckpointClient``; not public API. Every rank of the group must call ``save()`` for every step it
+saves (as for the save to be restorable at all): the all-reduce is a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer_client.agreement import collective_device, group_problem
+from trainer_client.errors import MemstoreClientError, NotFoundError
+from trainer_client.handles import SaveResult
+
+log = logging.getLogger(__name__)
+
+WINDOW = 8  # committed steps per rank in one agreement
+STATUS_WAIT_SECONDS = 60.0  # one WaitCommitted of the watcher
+NOT_FOUND_RETRIES = 50  # a remote save sent in the background may not have reached its store yet: ask again
+
+
+@dataclass
+class _Pending:
+    timeline: str
+    work: Any
+    values: torch.Tensor
+    source: torch.Tensor | None  # the pinned host copy an all-reduce on the GPU was filled from (kept until it is done)
+
+
+def agreed_floor(values: list[int]) -> int | None:
+    """The floor the reduced vector (see the module doc) shows: the greatest step every rank has at one position."""
+    window = len(values) // 2
+    agreed = [values[i] for i in range(window) if values[i] >= 0 and values[i] == -values[window + i]]
+    return max(agreed, default=None)
+
+
+def encode(steps: list[int]) -> list[int]:
+    """This rank's vector: its newest ``WINDOW`` committed steps, newest first, padded with -1, then their negations."""
+    newest = sorted(steps, reverse=True)[:WINDOW]
+    newest += [-1] * (WINDOW - len(newest))
+    return newest + [-s for s in newest]
+
+
+class FloorAgreement:
+    """One client's part in the agreement: the steps it saw committed, the all-reduces in flight, the floors agreed.
+
+    ``status(step, timeline, wait)``: ``CheckpointClient.save_status``, asked on one background thread after each save.
+    """
+
+    def __init__(self, group: Any, rank: int, world_size: int, status: Callable[[int, str, float], tuple[SaveResult, bool]]) -> None:
+        _, problem = group_problem(group, rank, world_size)
+        if problem is not None:
+            raise problem
+        self.group = group
+        self.device = collective_device(group)
+        self._status = status
+        self._lock = threading.Lock()
+        self._committed: dict[str, list[int]] = {}  # timeline -> steps this rank saw committed (the newest WINDOW)
+        self._floors: dict[str, int] = {}  # timeline -> the newest floor agreed
+        self._pending: list[_Pending] = []
+        self._watcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-floor")
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.collectives = 0
+
+    # -- on the trainer's thread, in save() ---------------------------------------------------------------
+    def start(self, timeline: str) -> None:
+        """Start this save's all-reduce (every rank starts one in the same save): it is read by a later ``floor()``."""
+        import torch.distributed as dist
+
+        self._harvest()
+        with self._lock:
+            steps = list(self._committed.get(timeline, ()))
+        host = torch.tensor(encode(steps), dtype=torch.int64)
+        source = None
+        if self.device.type == "cuda":  # a pinned source and an asynchronous copy: the trainer's stream is not waited for
+            source = host.pin_memory()
+            host = source.to(self.device, non_blocking=True)
+        work = dist.all_reduce(host, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        self.collectives += 1
+        with self._lock:
+            self._pending.append(_Pending(timeline, work, host, source))
+
+    def saved(self, step: int, timeline: str) -> None:
+        """A save of this client's own timeline went through: learn in the background when its store has it committed."""
+        self._watcher.submit(self._watch, step, timeline)
+
+    # -- any thread ---------------------------------------------------------------------------------------
+    def floor(self, timeline: str, step: int) -> int | None:
+        """The newest floor agreed for ``timeline`` so far, for a save of ``step`` (None: none yet, or none below
+        ``step``); never waits for an all-reduce."""
+        self._harvest()
+        with self._lock:
+            floor = self._floors.get(timeline)
+        return floor if floor is not None and floor <= step else None
+
+    def close(self) -> None:
+        self._watcher.shutdown(wait=False, cancel_futures=True)
+
+    def _harvest(self) -> None:
+        with self._lock:
+            done = [p for p in self._pending if p.work.is_completed()]
+            self._pending = [p for p in self._pending if p not in done]
+        for p in done:
+            floor = agreed_floor(self._read(p))
+            if floor is None:
+                continue
+            with self._lock:
+                self._floors[p.timeline] = max(floor, self._floors.get(p.timeline, floor))
+
+    def _read(self, p: _Pending) -> list[int]:
+        if self._stream is None:
+            return [int(v) for v in p.values.tolist()]
+        with torch.cuda.stream(self._stream):  # a stream of its own: the trainer's queued kernels are not waited for
+            p.work.wait()
+            values = p.values.to("cpu")
+        return [int(v) for v in values.tolist()]
+
+    def _watch(self, step: int, timeline: str) -> None:
+        for _ in range(NOT_FOUND_RETRIES):
+            try:
+                result, done = self._status(step, timeline, STATUS_WAIT_SECONDS)
+            except NotFoundError:
+                time.sleep(0.1)
+                continue
+            except MemstoreClientError as exc:
+                log.debug("restorable floor: status of step %d: %s", step, exc)
+                return
+            if not done:
+                continue
+            if result.copies >= 1 and not result.superseded:  # held verified: restorable as far as this rank goes
+                with self._lock:
+                    steps = self._committed.setdefault(timeline, [])
+                    steps.append(step)
+                    del steps[:-WINDOW]
+            return

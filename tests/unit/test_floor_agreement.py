@@ -1,0 +1,42 @@
+"""The restorable floor's encoding (``trainer_client.floor``): the reduced vector never names a step some rank lacks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trainer_client.floor import WINDOW, agreed_floor, encode
+
+pytestmark = pytest.mark.unit
+
+
+def reduce_min(*vectors: list[int]) -> list[int]:
+    return [min(column) for column in zip(*vectors, strict=True)]
+
+
+def test_ranks_that_saved_the_same_steps_agree_on_the_newest() -> None:
+    assert agreed_floor(reduce_min(encode([1, 2, 3]), encode([3, 2, 1]), encode([2, 3, 1]))) == 3
+
+
+def test_a_rank_behind_gives_the_floor_it_reached_or_none() -> None:
+    assert agreed_floor(reduce_min(encode([1, 2, 3]), encode([1, 2]))) is None  # positions shifted: nothing agreed
+    assert agreed_floor(reduce_min(encode([]), encode([5]))) is None
+    assert len(encode(list(range(20)))) == 2 * WINDOW and encode(list(range(20)))[0] == 19
+
+
+def test_a_rank_that_missed_a_save_still_agrees_on_a_step_both_hold() -> None:
+    # rank 1 failed step 9 but saved 10: 10 is every rank's (restorable), 9 is not.
+    assert agreed_floor(reduce_min(encode([8, 9, 10]), encode([8, 10]))) == 10
+    assert agreed_floor(reduce_min(encode([8, 9]), encode([8, 10]))) == 8  # 9 and 10 are each missing somewhere
+
+
+def test_the_floor_is_always_a_step_every_rank_saved() -> None:
+    rng = random.Random(7)
+    for _ in range(2000):
+        ranks = [sorted(rng.sample(range(12), rng.randint(0, 10))) for _ in range(rng.randint(1, 4))]
+        floor = agreed_floor(reduce_min(*(encode(steps) for steps in ranks)))
+        common = set.intersection(*(set(sorted(steps)[-WINDOW:]) for steps in ranks))
+        assert floor is None or floor in common
+        if all(steps == ranks[0] for steps in ranks) and ranks[0]:
+            assert floor == max(ranks[0])  # the usual case: the newest step

@@ -272,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     group = dist.group.WORLD if args.replica_group else None  # DDP: every rank holds the same model and optimizer
     client = None
     if args.store:
-        client = CheckpointClient(args.job, args.rank, args.world, connection=Connection(args.store), replica_group=group)
+        # group=: the ranks agree on the restorable floor at each save, so the stores' retention lists nobody.
+        connection = Connection(args.store)
+        client = CheckpointClient(args.job, args.rank, args.world, connection=connection, replica_group=group, group=dist.group.WORLD)
     restore: dict[str, Any] = {}
     if args.resume:
         assert client is not None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from memstore.core.model import ShardKey, ShardState
@@ -112,10 +112,12 @@ class JobCensus:
     shards: int
     steps: int  # distinct step numbers among them
     newest_committed: int  # newest step of a committed copy held here (its own COMMITTED shard, or a REPLICA); -1 = none
+    floor: int = -1  # the job's restorable floor this store knows (memstore.core.floors); -1 = none
 
 
-def job_census(copies: Iterable[tuple[ShardKey, int, ShardState]]) -> list[JobCensus]:
-    """Per job (sorted by id), from (key, nbytes, state) of every copy a store holds."""
+def job_census(copies: Iterable[tuple[ShardKey, int, ShardState]], floors: Mapping[str, int] | None = None) -> list[JobCensus]:
+    """Per job (sorted by id), from (key, nbytes, state) of every copy a store holds and the restorable floors it knows."""
+    floors = floors or {}
     nbytes: dict[str, int] = {}
     shards: dict[str, int] = {}
     steps: dict[str, set[int]] = {}
@@ -128,4 +130,4 @@ def job_census(copies: Iterable[tuple[ShardKey, int, ShardState]]) -> list[JobCe
         newest.setdefault(job, -1)
         if state in (ShardState.COMMITTED, ShardState.REPLICA):
             newest[job] = max(newest[job], key.step)
-    return [JobCensus(job, nbytes[job], shards[job], len(steps[job]), newest[job]) for job in sorted(nbytes)]
+    return [JobCensus(job, nbytes[job], shards[job], len(steps[job]), newest[job], floors.get(job, -1)) for job in sorted(nbytes)]

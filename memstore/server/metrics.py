@@ -56,6 +56,7 @@ class Snapshot:
     census: list[JobCensus]
     spill: Mapping[str, JobSpillStatus]
     under_replicated: int
+    retention_listings: int  # retention passes that listed the cluster (a job without a restorable floor)
     unreachable_sources: tuple[str, ...]
     replicas: int
     placement: str
@@ -70,6 +71,7 @@ def snapshot_of(store: Store) -> Snapshot:
         census=store.census(),
         spill=dict(durable.status) if durable is not None else {},
         under_replicated=store.under_replicated,
+        retention_listings=store.janitor.listings,
         unreachable_sources=store.unreachable_sources,
         replicas=store.config.replicas,
         placement=store.config.placement,
@@ -131,6 +133,11 @@ def state_families(s: Snapshot) -> list[Metric]:
             value=h.capture.fallbacks,
         ),
         CounterMetricFamily(
+            PREFIX + "retention_listings",
+            "Retention passes that listed every store for the newest restorable step (a job whose clients have no group=).",
+            value=s.retention_listings,
+        ),
+        CounterMetricFamily(
             PREFIX + "saves_superseded",
             "Saves dropped before replication because a newer save of the same rank came first (newest wins).",
             value=h.saves_superseded,
@@ -142,7 +149,8 @@ def state_families(s: Snapshot) -> list[Metric]:
                     labels=["job_id", "tier"])  # fmt: skip
     steps = _gauge("steps", "Distinct steps of a job per tier: ram (copies here), durable (with a published rank, as last listed).",
                    labels=["job_id", "tier"])  # fmt: skip
-    newest = _gauge("newest_step", "Newest step of a job: committed (a committed copy held here), spilled (published by this store).",
+    newest = _gauge("newest_step", "Newest step of a job: committed (a committed copy held here), spilled (published by this store), "
+                    "floor (every rank saved it: the restorable floor its ranks agreed, retention keeps it and all above).",
                     labels=["job_id", "kind"])  # fmt: skip
     for c in s.census:
         job_bytes.add_metric([c.job_id], c.nbytes)
@@ -150,6 +158,8 @@ def state_families(s: Snapshot) -> list[Metric]:
         steps.add_metric([c.job_id, "ram"], c.steps)
         if c.newest_committed >= 0:
             newest.add_metric([c.job_id, "committed"], c.newest_committed)
+        if c.floor >= 0:
+            newest.add_metric([c.job_id, "floor"], c.floor)
     failures = _gauge("spill_consecutive_failures", "Spill passes of a job that failed in a row (0 after a good one).", labels=["job_id"])
     age = _gauge("spill_age_seconds", "Seconds since this store last spilled a step of the job (absent until its first spill).",
                  labels=["job_id"])  # fmt: skip

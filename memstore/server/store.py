@@ -257,7 +257,9 @@ class Store:
 
     def census(self) -> list[JobCensus]:
         """What this store holds in RAM, per job (the metrics read it at each scrape)."""
-        return job_census(self.catalog.census_copies())
+        copies = self.catalog.census_copies()
+        floors = {job: floor.step for job in {key.job_id for key, _, _ in copies} if (floor := self.floors.get(job)) is not None}
+        return job_census(copies, floors)
 
     def health(self) -> HealthReport:
         shards = self.catalog.shard_count()

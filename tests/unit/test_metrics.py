@@ -64,7 +64,7 @@ def health(**changes: object) -> HealthReport:
 
 def snapshot(**changes: object) -> Snapshot:
     base: dict[str, object] = dict(
-        health=health(), census=[], spill={}, under_replicated=0, unreachable_sources=(), replicas=2, placement="mixed",
+        health=health(), census=[], spill={}, under_replicated=0, retention_listings=0, unreachable_sources=(), replicas=2, placement="mixed",
         address="127.0.0.1:7070", now=1000.0,
     )  # fmt: skip
     base.update(changes)
@@ -77,8 +77,8 @@ def test_state_series_of_a_snapshot() -> None:
                             listed_shards=6),
         "never": JobSpillStatus(consecutive_failures=5),
     }  # fmt: skip
-    census = [JobCensus("a", 1234, 3, 2, 10), JobCensus("inflight", 9, 1, 1, -1)]
-    found = samples(scrape(snapshot(census=census, spill=spill, under_replicated=2, unreachable_sources=("h1",))))
+    census = [JobCensus("a", 1234, 3, 2, 10, floor=9), JobCensus("inflight", 9, 1, 1, -1)]
+    found = samples(scrape(snapshot(census=census, spill=spill, under_replicated=2, retention_listings=5, unreachable_sources=("h1",))))
     assert value(found, "memstore_capacity_bytes") == 1000
     assert value(found, "memstore_used_bytes") == 300
     assert value(found, "memstore_replication_factor") == 2
@@ -96,6 +96,9 @@ def test_state_series_of_a_snapshot() -> None:
     assert value(found, "memstore_steps", job_id="a", tier="ram") == 2
     assert value(found, "memstore_newest_step", job_id="a", kind="committed") == 10
     assert value(found, "memstore_newest_step", job_id="inflight", kind="committed") is None, "no committed copy: no sample"
+    assert value(found, "memstore_newest_step", job_id="a", kind="floor") == 9  # the ranks' restorable floor
+    assert value(found, "memstore_newest_step", job_id="inflight", kind="floor") is None
+    assert value(found, "memstore_retention_listings_total") == 5
     # per job, durable from the spill tier's status (what it listed last)
     assert value(found, "memstore_shards", job_id="a", tier="durable") == 6
     assert value(found, "memstore_steps", job_id="a", tier="durable") == 2

@@ -502,7 +502,10 @@ class CheckpointClient:
         key = self._key(step, timeline=timeline)
         request = pb.WaitCommittedRequest(key=key, timeout_seconds=wait)
         resp = self._control("WaitCommitted", request, f"status of step {step}", retries=3, wait=wait)
-        return SaveResult.from_wire(resp.info, step, self.rank, timeline), resp.done
+        result = SaveResult.from_wire(resp.info, step, self.rank, timeline)
+        if self._floor is not None and resp.done:
+            self._floor.observed(step, timeline, result)  # the next save's agreement knows it at once
+        return result, resp.done
 
     def _handle(self, step: int, timeline: str, **kwargs: Any) -> SaveHandle:
         return SaveHandle(step, timeline, self.rank, functools.partial(self.save_status, step, timeline), **kwargs)

@@ -147,11 +147,18 @@ class FloorAgreement:
             except MemstoreClientError as exc:
                 log.debug("restorable floor: status of step %d: %s", step, exc)
                 return
-            if not done:
-                continue
-            if result.copies >= 1 and not result.superseded:  # held verified: restorable as far as this rank goes
-                with self._lock:
-                    steps = self._committed.setdefault(timeline, [])
-                    steps.append(step)
-                    del steps[:-WINDOW]
+            if done:
+                self.observed(step, timeline, result)
+                return
+
+    def observed(self, step: int, timeline: str, result: SaveResult) -> None:
+        """A settled status of this rank's save of ``step`` (the watcher's, or a ``handle.wait()``'s): remember it if the
+        store holds it verified, restorable as far as this rank goes."""
+        if result.copies < 1 or result.superseded:
             return
+        with self._lock:
+            steps = self._committed.setdefault(timeline, [])
+            if step not in steps:
+                steps.append(step)
+                steps.sort()
+                del steps[:-WINDOW]

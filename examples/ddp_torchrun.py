@@ -37,7 +37,8 @@ def main() -> None:
     loader = ResumableDataLoader(data, batch_size=16, shuffle=True, seed=0, rank=rank, world_size=world)  # type: ignore[arg-type]
     ts = TrainingState(model=model, optimizer=opt, loader=loader)
 
-    with CheckpointClient(args.job, rank=rank, world_size=world, connection=connection) as client:
+    # group=: each save's small async all-reduce tells the stores which step every rank saved (retention asks nobody).
+    with CheckpointClient(args.job, rank=rank, world_size=world, connection=connection, group=dist.group.WORLD) as client:
         step = 0
         latest = client.latest_step(group=dist.group.WORLD)  # a collective: each rank asks only its own store
         if latest is not None:

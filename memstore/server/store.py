@@ -122,7 +122,6 @@ class Store:
         self.latest_step = self.recovery.latest_step
         self.scoped_versions = self.recovery.scoped_versions
         self.list_shards = self.catalog.list_shards
-        self.delete = self.catalog.delete
         self.drain = self.drainer.drain  # the composition root's shutdown path (memstore.server.app)
 
         # What the durable tier reads (memstore.spill.port.ShardSource).
@@ -254,6 +253,14 @@ class Store:
     def alive(self, timeout: float) -> bool:
         """Liveness: the engine's lock can be taken within ``timeout`` seconds (a deadlocked store says False)."""
         return self.catalog.alive(timeout)
+
+    def delete(self, job_id: str, step: int, rank: int) -> int:
+        """Drop copies (``Catalog.delete``); a whole job deleted forgets its restorable floor too: a later run under the
+        same id starts without one."""
+        deleted = self.catalog.delete(job_id, step, rank)
+        if step == -1 and rank == -1:
+            self.floors.forget(job_id)
+        return deleted
 
     def census(self) -> list[JobCensus]:
         """What this store holds in RAM, per job (the metrics read it at each scrape)."""

@@ -57,6 +57,8 @@ def test_retention_with_the_ranks_floor_lists_nobody_and_keeps_the_newest(make_i
     with CheckpointClient("floor-job", 0, HOSTS, connection=Connection(cluster.address("h1"), timeout=20)) as c:
         assert c.latest_step() == STEPS
         assert_same(c.load(STEPS, rank=2), rank_state(2, STEPS))
+    stores[0].delete("floor-job", -1, -1)  # a job deleted whole: a later run under its id starts without a floor
+    assert stores[0].floors.get("floor-job") is None
 
 
 def test_without_a_group_retention_lists_the_cluster_as_before(make_inprocess_cluster) -> None:

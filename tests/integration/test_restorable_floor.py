@@ -28,7 +28,8 @@ def _held_steps(cluster: Any, job: str) -> dict[str, list[int]]:
 
 def _save_every_step(cluster: Any, job: str, group_given: bool) -> None:
     def rank(r: int, g: Any) -> int | None:
-        client = CheckpointClient(job, r, HOSTS, connection=Connection(cluster.address(f"h{r}"), timeout=20), run_id=f"{job}-run", group=g if group_given else None)
+        connection = Connection(cluster.address(f"h{r}"), timeout=20)
+        client = CheckpointClient(job, r, HOSTS, connection=connection, run_id=f"{job}-run", group=g if group_given else None)
         try:
             for step in range(1, STEPS + 1):
                 client.save(step, rank_state(r, step)).wait(timeout=30)
@@ -51,7 +52,8 @@ def test_retention_with_the_ranks_floor_lists_nobody_and_keeps_the_newest(make_i
     assert all(s.floors.get("floor-job") is not None for s in stores)
     assert [s.janitor.listings for s in stores] == [0] * HOSTS
     # The floor trails the newest save by at most one: keep 2 holds steps 5 and 6 (4 while the floor says 4).
-    wait_for(lambda: all(steps[0] >= STEPS - KEEP for steps in _held_steps(cluster, "floor-job").values()), 20, what="retention below the floor")
+    evicted = lambda: all(steps[0] >= STEPS - KEEP for steps in _held_steps(cluster, "floor-job").values())  # noqa: E731
+    wait_for(evicted, 20, what="retention below the floor")
     for steps in _held_steps(cluster, "floor-job").values():
         assert steps[-1] == STEPS and len(steps) <= KEEP + 1
     with CheckpointClient("floor-job", 0, HOSTS, connection=Connection(cluster.address("h1"), timeout=20)) as c:
@@ -81,5 +83,5 @@ def test_a_floor_newer_than_the_save_or_a_group_of_another_size_is_refused(make_
         with pytest.raises(Exception, match="restorable_floor 4 is invalid: expected a step from 0 to the saved step 3"):
             c._stub.Commit(pb.CommitRequest(lease_id=lease.lease_id, restorable_floor=4), timeout=10)
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
-    with pytest.raises(InvalidArgumentError, match="group has 1 ranks .* rank 0 of 2"):
+    with pytest.raises(InvalidArgumentError, match=r"group has 1 ranks .* rank 0 of 2"):
         CheckpointClient("bad-floor", 0, 2, connection=Connection(cluster.address("h0"), timeout=20), group=group)

@@ -64,8 +64,8 @@ def health(**changes: object) -> HealthReport:
 
 def snapshot(**changes: object) -> Snapshot:
     base: dict[str, object] = dict(
-        health=health(), census=[], spill={}, under_replicated=0, retention_listings=0, unreachable_sources=(), replicas=2, placement="mixed",
-        address="127.0.0.1:7070", now=1000.0,
+        health=health(), census=[], spill={}, under_replicated=0, retention_listings=0, unreachable_sources=(), replicas=2,
+        placement="mixed", address="127.0.0.1:7070", now=1000.0,
     )  # fmt: skip
     base.update(changes)
     return Snapshot(**base)  # type: ignore[arg-type]

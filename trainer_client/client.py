@@ -158,7 +158,7 @@ class CheckpointClient:
         self.world_size = world_size
         self.replica_group = resolve_replica_group(replica_group, rank, world_size, verify_replicas)
         self.verify_replicas = verify_replicas
-        self._floor = FloorAgreement(group, rank, world_size, self.save_status) if group is not None else None
+        self._floor = FloorAgreement(group, rank, world_size, self._status) if group is not None else None
         self.connection = connection = requested.resolved()  # address and credentials filled in from the environment
         assert connection.address is not None and connection.credentials is not None
         self.address, self.credentials, self.timeout = connection.address, connection.credentials, connection.timeout
@@ -297,7 +297,7 @@ class CheckpointClient:
         epoch = self._epoch_for(step) if timeline is None else self._epoch
         key = self._key(step, timeline=f"{self.run_id}.{epoch}" if timeline is None else timeline)
         if self._floor is not None and timeline is None:
-            self._floor.start(key.timeline)  # the ranks agree on the newest step all of them saved: read at the commit
+            self._floor.start(step, key.timeline)  # the ranks agree on the newest step all of them saved: read at the commit
         clean_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
         t0 = time.perf_counter()
         layout, stripe = self._plan(state, replicated)
@@ -422,12 +422,7 @@ class CheckpointClient:
     @property
     def capture_stats(self) -> CaptureStats:
         """What this client's captures cost: registrations made (none after warm-up), fallbacks to pageable memory."""
-        ring = self._ring.stats
-        copier = self._captures.copier.pins if self._captures.has_copier else None
-        if copier is None:
-            return ring
-        fallback = ring.last_fallback or copier.failed
-        return CaptureStats(ring.registrations + copier.registered, ring.fallbacks, fallback)
+        return self._captures.stats(self._ring.stats)
 
     def _save_remote(
         self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float], capture: str, stripe: pb.Stripe | None = None
@@ -499,8 +494,12 @@ class CheckpointClient:
         """How this rank's save of ``step`` in ``timeline`` stands in its store: (its status, whether it settled), after
         waiting up to ``wait`` seconds for it to settle (committed, failed or superseded). What a :class:`SaveHandle`
         asks; ``handle.wait()`` and ``handle.done()`` are the usual way to use it."""
+        return self._status(step, timeline, wait, None)
+
+    def _status(self, step: int, timeline: str, wait: float, floor: int | None) -> tuple[SaveResult, bool]:
+        """``save_status``, telling the store the job's restorable ``floor`` too (the floor agreement's watcher)."""
         key = self._key(step, timeline=timeline)
-        request = pb.WaitCommittedRequest(key=key, timeout_seconds=wait)
+        request = pb.WaitCommittedRequest(key=key, timeout_seconds=wait, restorable_floor=floor)
         resp = self._control("WaitCommitted", request, f"status of step {step}", retries=3, wait=wait)
         result = SaveResult.from_wire(resp.info, step, self.rank, timeline)
         if self._floor is not None and resp.done:

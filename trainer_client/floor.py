@@ -2,10 +2,12 @@
 
 With ``CheckpointClient(group=<the job's process group>)``, every ``save()`` of the client's own timeline starts one
 all-reduce over the group, asynchronous (the trainer does not wait for it), of what this rank knows of its earlier
-saves: the steps its store reported committed. The result is read without waiting when a later save is committed
-(``Commit`` or the remote path's ``PutHeader`` carry it): the store learns a step every rank saved, a lower bound of
-the newest restorable step (``memstore.core.floors``), with no message of its own. Its retention then never lists the
-cluster.
+saves: the steps its store reported committed. Its result is a step every rank saved, a lower bound of the newest
+restorable step (``memstore.core.floors``). The store learns it with messages the client sends anyway: the
+commit of the save carries the newest floor already agreed (the trainer never waits for one), and a background
+watcher, which asks the store when each save has settled (``WaitCommitted``, what tells the next agreement that
+the save is committed), sends this save's floor as soon as its all-reduce is back. Retention then never lists the
+cluster, and the floor trails the newest save by one: with ``--keep`` 2 a store holds the same two steps as before.
 
 Encoding: a vector of ``2 * WINDOW`` int64, this rank's ``WINDOW`` newest committed steps (newest first, -1 where it has
 fewer), then their negations. One MIN all-reduce gives at position i the least of the ranks' i-th newest steps and
@@ -20,11 +22,12 @@ saves (as for the save to be restorable at all): the all-reduce is a collective.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,11 +41,15 @@ log = logging.getLogger(__name__)
 
 WINDOW = 8  # committed steps per rank in one agreement
 STATUS_WAIT_SECONDS = 60.0  # one WaitCommitted of the watcher
+AGREEMENT_WAIT_SECONDS = 10.0  # how long the watcher waits for a save's all-reduce (every rank must reach the save)
+AGREEMENT_POLL_SECONDS = 0.002
+CLOSE_WAIT_SECONDS = 5.0  # close() lets the last save's watch tell the store its floor, for at most this long
 NOT_FOUND_RETRIES = 50  # a remote save sent in the background may not have reached its store yet: ask again
 
 
 @dataclass
 class _Pending:
+    step: int
     timeline: str
     work: Any
     values: torch.Tensor
@@ -66,10 +73,13 @@ def encode(steps: list[int]) -> list[int]:
 class FloorAgreement:
     """One client's part in the agreement: the steps it saw committed, the all-reduces in flight, the floors agreed.
 
-    ``status(step, timeline, wait)``: ``CheckpointClient.save_status``, asked on one background thread after each save.
+    ``status(step, timeline, wait, floor)``: ``CheckpointClient.save_status`` telling the store ``floor`` too, asked on
+    one background thread after each save.
     """
 
-    def __init__(self, group: Any, rank: int, world_size: int, status: Callable[[int, str, float], tuple[SaveResult, bool]]) -> None:
+    def __init__(
+        self, group: Any, rank: int, world_size: int, status: Callable[[int, str, float, int | None], tuple[SaveResult, bool]]
+    ) -> None:
         _, problem = group_problem(group, rank, world_size)
         if problem is not None:
             raise problem
@@ -81,11 +91,12 @@ class FloorAgreement:
         self._floors: dict[str, int] = {}  # timeline -> the newest floor agreed
         self._pending: list[_Pending] = []
         self._watcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-floor")
+        self._last_watch: Future[None] | None = None
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.collectives = 0
 
     # -- on the trainer's thread, in save() ---------------------------------------------------------------
-    def start(self, timeline: str) -> None:
+    def start(self, step: int, timeline: str) -> None:
         """Start this save's all-reduce (every rank starts one in the same save): it is read by a later ``floor()``."""
         import torch.distributed as dist
 
@@ -100,11 +111,11 @@ class FloorAgreement:
         work = dist.all_reduce(host, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
         self.collectives += 1
         with self._lock:
-            self._pending.append(_Pending(timeline, work, host, source))
+            self._pending.append(_Pending(step, timeline, work, host, source))
 
     def saved(self, step: int, timeline: str) -> None:
         """A save of this client's own timeline went through: learn in the background when its store has it committed."""
-        self._watcher.submit(self._watch, step, timeline)
+        self._last_watch = self._watcher.submit(self._watch, step, timeline)
 
     # -- any thread ---------------------------------------------------------------------------------------
     def floor(self, timeline: str, step: int) -> int | None:
@@ -116,7 +127,13 @@ class FloorAgreement:
         return floor if floor is not None and floor <= step else None
 
     def close(self) -> None:
-        self._watcher.shutdown(wait=False, cancel_futures=True)
+        """Stop watching; the last save's watch gets a few seconds to tell the store its floor (else the store keeps one
+        step more until the job's next save)."""
+        last = self._last_watch
+        self._watcher.shutdown(wait=False)
+        if last is not None:
+            with contextlib.suppress(Exception):
+                last.result(timeout=CLOSE_WAIT_SECONDS)
 
     def _harvest(self) -> None:
         with self._lock:
@@ -137,10 +154,22 @@ class FloorAgreement:
             values = p.values.to("cpu")
         return [int(v) for v in values.tolist()]
 
+    def _await_agreement(self, step: int, timeline: str) -> None:
+        """Wait (bounded) for the all-reduce this save started: once every rank reached the save it is back."""
+        deadline = time.monotonic() + AGREEMENT_WAIT_SECONDS
+        while time.monotonic() < deadline:
+            with self._lock:
+                mine = [p for p in self._pending if p.step == step and p.timeline == timeline]
+            if not mine or mine[0].work.is_completed():
+                self._harvest()
+                return
+            time.sleep(AGREEMENT_POLL_SECONDS)
+
     def _watch(self, step: int, timeline: str) -> None:
+        self._await_agreement(step, timeline)
         for _ in range(NOT_FOUND_RETRIES):
             try:
-                result, done = self._status(step, timeline, STATUS_WAIT_SECONDS)
+                result, done = self._status(step, timeline, STATUS_WAIT_SECONDS, self.floor(timeline, step))
             except NotFoundError:
                 time.sleep(0.1)
                 continue

@@ -11,8 +11,10 @@ Retention (``memstore.core.retention``) then keeps every version at or above the
 and evicts below it without listing the cluster: a version below the floor is never the newest restorable one.
 A floor that lags (a rank's save is slow, an all-reduce result not back yet) only keeps more.
 
-Copies lost after the floor was agreed (R hosts failing at once) can make it newer than the truth; retention then
-keeps what is left of the floor's step, as it kept the step it last saw restorable before.
+Copies lost after the floor was agreed (R hosts failing at once) can make it newer than the truth. Until the job
+restores, retention keeps what it kept before the loss (the floor's step and above); a restore tells each store
+which version the ranks agreed on (``Floors.restoring``, at every Fetch), and the floor falls to it, so the copy
+being restored, pulled from a peer or the durable tier, is never evicted under it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,15 @@ class Floors:
                 return False
             self._floors[job_id] = floor
             return True
+
+    def restoring(self, job_id: str, version: Floor) -> None:
+        """The job's ranks restore ``version`` (a Fetch of it): they agreed it is the newest restorable one, whatever
+        floor came before. Copies lost since (R hosts failing at once) can leave an older floor behind the truth's
+        fall: from now on nothing at or above ``version`` goes, the copy being restored included."""
+        with self._lock:
+            old = self._floors.get(job_id)
+            if old is None or old.timeline != version.timeline or old.step > version.step:
+                self._floors[job_id] = version
 
     def get(self, job_id: str) -> Floor | None:
         with self._lock:

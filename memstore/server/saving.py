@@ -142,8 +142,12 @@ class Saver:
         fault("commit.before_ack")
         return entry.key
 
-    def wait_committed(self, key: ShardKey, timeout: float) -> tuple[ShardInfo, bool]:
+    def wait_committed(self, key: ShardKey, timeout: float, restorable_floor: int | None = None) -> tuple[ShardInfo, bool]:
+        """``key``'s status once it settled or ``timeout`` passed; ``restorable_floor``: its job's floor, as with a commit."""
         ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
+        if restorable_floor is not None:
+            ensure(floor_problem(restorable_floor, key.step))
+            self._note_floor(key, restorable_floor)
         deadline = time.monotonic() + max(0.0, min(timeout, MAX_WAIT_SECONDS))
         return self.catalog.wait_settled(key, deadline)
 

@@ -167,7 +167,8 @@ class StoreServicer(pb_grpc.StoreServicer):
     @rpc
     def WaitCommitted(self, request: pb.WaitCommittedRequest, context: grpc.ServicerContext) -> pb.WaitCommittedResponse:
         self._allow(context, Need.JOB, request.key.job_id)
-        info, done = self.store.wait_committed(key_from_pb(request.key), request.timeout_seconds)
+        floor = request.restorable_floor if request.HasField("restorable_floor") else None
+        info, done = self.store.wait_committed(key_from_pb(request.key), request.timeout_seconds, floor)
         return pb.WaitCommittedResponse(info=info_to_pb(info), done=done)
 
     @rpc

@@ -30,7 +30,8 @@ import time
 
 from memstore import __version__
 from memstore.config import StoreConfig
-from memstore.core.floors import Floors
+from memstore.core.floors import Floor, Floors
+from memstore.core.model import Manifest, ShardKey
 from memstore.core.reserve import ReservePolicy
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, SpillReport, job_census
 from memstore.server.assembler import Assembler
@@ -118,7 +119,6 @@ class Store:
         self.open = self.reader.open
         self.release = self.reader.release
         self.read = self.reader.read
-        self.fetch = self.recovery.fetch
         self.latest_step = self.recovery.latest_step
         self.scoped_versions = self.recovery.scoped_versions
         self.list_shards = self.catalog.list_shards
@@ -253,6 +253,11 @@ class Store:
     def alive(self, timeout: float) -> bool:
         """Liveness: the engine's lock can be taken within ``timeout`` seconds (a deadlocked store says False)."""
         return self.catalog.alive(timeout)
+
+    def fetch(self, key: ShardKey, discard_local: bool, durable_known: bool = False, cached: bool = False) -> tuple[Manifest, str]:
+        """A restore's Fetch (``Recovery.fetch``): first the job's floor falls to the version restored, if it was above."""
+        self.floors.restoring(key.job_id, Floor(key.step, key.timeline))
+        return self.recovery.fetch(key, discard_local, durable_known, cached)
 
     def delete(self, job_id: str, step: int, rank: int) -> int:
         """Drop copies (``Catalog.delete``); a whole job deleted forgets its restorable floor too: a later run under the

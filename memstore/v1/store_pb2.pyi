@@ -376,12 +376,14 @@ class PutResponse(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class WaitCommittedRequest(_message.Message):
-    __slots__ = ("key", "timeout_seconds")
+    __slots__ = ("key", "timeout_seconds", "restorable_floor")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTORABLE_FLOOR_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     timeout_seconds: float
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    restorable_floor: int
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., restorable_floor: _Optional[int] = ...) -> None: ...
 
 class WaitCommittedResponse(_message.Message):
     __slots__ = ("info", "done", "next_segment_path")

@@ -110,3 +110,18 @@ def test_a_floor_of_a_new_timeline_ranks_above_every_step_of_the_old_one() -> No
     floors.note("job", Floor(5, "r.1"))
     jan.apply_retention()  # crowded, no supersede (5 and 6 are below 8 but came later: may_supersede asks the cluster)
     assert asked == ["job"] and sorted(k.version for k, _, _ in catalog.held("job")) == [(5, "r.1"), (6, "r.1")]
+
+
+def test_a_restore_below_the_floor_lowers_it_so_the_restored_copy_stays() -> None:
+    # The floor said 5, then R hosts failed at once: the ranks agreed on step 2 and pull it back (from durable storage).
+    floors = Floors()
+    jan, catalog, asked = janitor([], floors)
+    floors.note("job", Floor(5, "r.0"))
+    for step in (2, 4, 5):
+        settled(catalog, ShardKey("job", step, 0, "r.0"), DATA, created=float(step))
+    floors.restoring("job", Floor(2, "r.0"))  # the Fetch of step 2
+    jan.apply_retention()
+    assert asked == [] and sorted(k.step for k, _, _ in catalog.held("job")) == [2, 4, 5]
+    floors.note("job", Floor(5, "r.0"))  # the ranks saved on: the floor moves up again, and 2 may go
+    jan.apply_retention()
+    assert sorted(k.step for k, _, _ in catalog.held("job")) == [4, 5]

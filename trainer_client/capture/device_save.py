@@ -29,6 +29,7 @@ import torch
 
 from memstore.v1.pagefaults import FaultAhead
 from trainer_client.capture import cuda
+from trainer_client.capture.ring import CaptureStats
 from trainer_client.errors import CapacityExceededError, CaptureError
 from trainer_client.serialization import ALIGNMENT, ShardLayout
 from trainer_client.serialization.dtypes import raw_byte_view
@@ -430,6 +431,13 @@ class Captures:
     @property
     def has_copier(self) -> bool:
         return self._copier is not None
+
+    def stats(self, ring: CaptureStats) -> CaptureStats:
+        """``ring``'s registrations and fallbacks plus the copier's (buffers it registered outside the ring)."""
+        if self._copier is None:
+            return ring
+        pins = self._copier.pins
+        return CaptureStats(ring.registrations + pins.registered, ring.fallbacks, ring.last_fallback or pins.failed)
 
     @property
     def copier(self) -> DeviceCopier:

@@ -255,7 +255,8 @@ def test_bad_settings_are_refused_in_the_caller(ray_cluster: RayCluster) -> None
 
 def test_a_setting_a_store_would_refuse_is_refused_in_the_caller_with_its_message(ray_cluster: RayCluster) -> None:
     with pytest.raises(ConfigError) as store_says:
-        StoreConfig.load(cli={"host_id": "h", "listen": "127.0.0.1:0", "auth_token_file": "t", "tls_cert": "/c.pem"}, env={})
+        store = {"host_id": "h", "listen": "127.0.0.1:0", "discovery": "fed", "auth_token_file": "t", "tls_cert": "/c.pem"}
+        StoreConfig.load(cli=store, env={})  # what `memstore serve` says
     with pytest.raises(ConfigError) as caller_says:
         mray.ensure_stores(namespace="refused", config={"tls_cert": "/c.pem"})
     assert str(caller_says.value) == str(store_says.value) == "--tls-cert and --tls-key go together"

@@ -275,7 +275,6 @@ def store_here_in(namespace: str) -> str:
         raise RayStoreError(str(exc)) from None
 
 
-@pytest.mark.slow  # four more store actors on the module's cluster: ~15 s
 def test_a_token_file_of_the_user_s_still_works(ray_cluster: RayCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "cluster.token"
     path.write_text("user-token-" + "u" * 24)

@@ -144,6 +144,7 @@ def local_store_address(namespace: str = DEFAULT_NAMESPACE, timeout: float = 60.
     """The address of the store on the node this code runs on (in a Ray task, actor or Ray Train worker).
 
     A node that joined after the last ``ensure_stores`` gets its store now, with the settings of that call.
+    The store wants a token: ``local_store_connection`` gives the address with the credentials.
     """
     if not ray.is_initialized():
         raise RayStoreError("memstore.ray.local_store_address() runs inside Ray (a task, an actor, a Ray Train worker)")

@@ -501,7 +501,14 @@ class StoreConfig:
         return str({f.name: f.metadata["help"] for f in fields(cls)}[name])
 
 
+#: Tests only: "1" makes the rule above treat loopback addresses as reachable from other machines, so that a test on
+#: 127.0.0.1 runs what a cluster with routable IPs runs (tests/ray_integration sets it for its Ray nodes). Never in production.
+FORCE_REMOTE_ENV = "MEMSTORE_TEST_LOOPBACK_IS_REMOTE"
+
+
 def _loopback(host: str) -> bool:
+    if os.environ.get(FORCE_REMOTE_ENV) == "1":
+        return False
     if host == "localhost":
         return True
     try:

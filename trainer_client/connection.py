@@ -108,7 +108,7 @@ class Connection:
         variable (and its value, except a token's). ``address`` stays None when ``MEMSTORE_STORE`` is unset
         (the default store; ``memstore.ray`` then picks the node's own)."""
         env = os.environ if env is None else env
-        return cls(address=_env_address(env), timeout=timeout, credentials=_env_credentials(env), shared_memory=shared_memory)
+        return cls(address=_env_address(env), timeout=timeout, credentials=env_credentials(env), shared_memory=shared_memory)
 
     def resolved(self, env: Mapping[str, str] | None = None) -> Connection:
         """This connection with the address and credentials it leaves out read from the environment."""
@@ -118,7 +118,7 @@ class Connection:
         return dataclasses.replace(
             self,
             address=self.address if self.address is not None else _env_address(env) or DEFAULT_STORE,
-            credentials=self.credentials if self.credentials is not None else _env_credentials(env),
+            credentials=self.credentials if self.credentials is not None else env_credentials(env),
         )
 
     @property
@@ -136,8 +136,10 @@ def _env_address(env: Mapping[str, str]) -> str | None:
     return address
 
 
-def _env_credentials(env: Mapping[str, str]) -> Credentials:
-    """``Credentials`` from the environment; a bad value names its variable (never a token's value)."""
+def env_credentials(env: Mapping[str, str] | None = None) -> Credentials:
+    """``Credentials`` from the environment (what a connection that leaves them out presents); a bad value
+    raises ``InvalidArgumentError`` naming its variable (never a token's value)."""
+    env = os.environ if env is None else env
     token = env.get("MEMSTORE_AUTH_TOKEN") or ""
     if token and token_problem(token):
         raise InvalidArgumentError(f"MEMSTORE_AUTH_TOKEN is invalid: {token_problem(token)}")

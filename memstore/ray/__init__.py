@@ -4,7 +4,7 @@
 
     import memstore.ray
     memstore.ray.ensure_stores(replicas=2, capacity="8GiB")     # once, from the driver
-    address = memstore.ray.local_store_address()                  # in a task, actor or Ray Train worker
+    connection = memstore.ray.local_store_connection()            # in a task, actor or Ray Train worker
 
 Ray Train: :class:`memstore.ray.train.RayTrainCheckpoints`. Ray is imported only inside this package;
 see docs/ray.md.
@@ -15,9 +15,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from memstore.ray.stores import ensure_stores, local_store_address, stop_stores, store_addresses
+    from memstore.ray.stores import (
+        ensure_stores,
+        local_store_address,
+        local_store_connection,
+        stop_stores,
+        store_addresses,
+        store_credentials,
+    )
 
-__all__ = ["ensure_stores", "local_store_address", "stop_stores", "store_addresses"]
+__all__ = ["ensure_stores", "local_store_address", "local_store_connection", "stop_stores", "store_addresses", "store_credentials"]
 
 
 def __getattr__(name: str) -> Any:

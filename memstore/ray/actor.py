@@ -1,5 +1,10 @@
 """The store actor: the same store server as ``memstore serve``, run inside a detached Ray actor on one node.
 
+Authentication is always on. Unless ``ensure_stores`` was given an ``auth_token_file`` (the user's, on every
+node), the store presents and accepts the cluster token ``ensure_stores`` keeps in Ray's GCS: the actor reads
+it from there, writes it to a 0600 file in a private (0700) directory on tmpfs for the store to read at start,
+and removes both once the store has read it.
+
 Its members come from Ray (:class:`RayMembers`): the store records of alive nodes in the GCS. Start-up order:
 bind the ports, publish the record, join (learn the slot table from the other stores), serve. A thread
 watches Ray's list of draining nodes; when this node is being drained (autoscaler scale-down, a
@@ -10,12 +15,17 @@ copy) and removes its record, so the others vacate its slot. It keeps answering 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from memstore.cli.common import configure_logging
 from memstore.config import StoreConfig
-from memstore.errors import DiscoveryError
+from memstore.errors import DiscoveryError, RayStoreError
 from memstore.membership.members import Members
 from memstore.ray import gcs
 from memstore.ray.model import StoreRecord, host_id_for, members_of
@@ -44,14 +54,51 @@ def listen_address(ip: str) -> str:
     return f"[{ip}]:0" if ":" in ip else f"{ip}:0"
 
 
-def store_config(settings: dict[str, Any], host_id: str, ip: str, domain: str) -> StoreConfig:
+#: what the caller validates in place of the token file each actor writes for itself (the store reads it only at start)
+CLUSTER_TOKEN_FILE = "<the cluster token memstore.ray keeps in Ray's GCS>"
+
+
+def store_config(settings: dict[str, Any], host_id: str, ip: str, domain: str, token_file: str) -> StoreConfig:
     """The StoreConfig of the store on a node: ``settings`` (flag names as keys) plus what Ray decides.
 
+    ``token_file``: the file of the cluster token, used unless ``settings`` names the user's own
+    ``auth_token_file``. The caller (``ensure_stores``) runs this same function for every node, with the node's
+    IP, before any actor starts: a setting a store would refuse is refused there, with the store's message.
     Environment variables (MEMSTORE_*) do not apply: every store of a Ray cluster runs with the settings
     given to ``ensure_stores``.
     """
     cli = {**settings, "host_id": host_id, "listen": listen_address(ip), "discovery": "fed", "failure_domain": domain}
+    if not settings.get("auth_token_file"):
+        cli["auth_token_file"] = token_file
     return StoreConfig.load(cli=cli, env={})
+
+
+def uses_cluster_token(settings: dict[str, Any]) -> bool:
+    """True when the stores authenticate with the cluster token in the GCS (no ``auth_token_file`` of the user's)."""
+    return not settings.get("auth_token_file")
+
+
+@contextmanager
+def cluster_token_file(registry: gcs.Registry, settings: dict[str, Any]) -> Iterator[str]:
+    """A 0600 file holding the cluster token, in a fresh 0700 directory (on tmpfs where the node has one), removed
+    on exit; "" when the user gave an ``auth_token_file``."""
+    if not uses_cluster_token(settings):
+        yield ""
+        return
+    token = registry.cluster_token()
+    if token is None:
+        raise RayStoreError(
+            f"no cluster token in Ray's GCS for memstore cluster {registry.namespace!r}: start the stores with memstore.ray.ensure_stores()"
+        )
+    directory = tempfile.mkdtemp(prefix="memstore-ray-token-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        path = os.path.join(directory, "cluster.token")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+        yield path
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class StoreActor:
@@ -60,10 +107,11 @@ class StoreActor:
     def __init__(self, namespace: str, settings: dict[str, Any], domain: str = "") -> None:
         self.node_id = gcs.current_node_id()
         ip = gcs.alive_nodes()[self.node_id].ip
-        config = store_config(settings, host_id_for(self.node_id), ip, domain)
-        configure_logging(config.log_level, config.log_format, config.host_id)
         self.registry = gcs.Registry(namespace)
-        self.server = StoreServer(config, discovery=RayMembers(self.registry))
+        with cluster_token_file(self.registry, settings) as token_file:  # the store reads the token once, here
+            config = store_config(settings, host_id_for(self.node_id), ip, domain, token_file)
+            configure_logging(config.log_level, config.log_format, config.host_id)
+            self.server = StoreServer(config, discovery=RayMembers(self.registry))
         self.record = StoreRecord(self.node_id, config.host_id, self.server.address, domain)
         self.registry.put(self.record)  # listed first, so that join() finds this store among the members
         try:

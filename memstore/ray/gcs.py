@@ -9,6 +9,7 @@ the ``[ray]`` extra pins the floor of; the ray tests fail loudly if either API m
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field
 
 import ray
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 KV_NAMESPACE_PREFIX = "memstore."
 GCS_TIMEOUT = 10.0
 SETTINGS_KEY = "settings"
+TOKEN_KEY = "auth/cluster-token"
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,18 @@ class Registry:
 
     def settings(self) -> bytes | None:
         return internal_kv._internal_kv_get(SETTINGS_KEY, namespace=self._kv_namespace)
+
+    def cluster_token(self) -> str | None:
+        """The cluster token ``ensure_stores`` created for this memstore cluster (None: none yet)."""
+        data = internal_kv._internal_kv_get(TOKEN_KEY, namespace=self._kv_namespace)
+        return None if data is None else data.decode()
+
+    def create_cluster_token(self) -> str:
+        """The cluster token: the one kept in the GCS, else a new one put there (the first caller's wins a race)."""
+        internal_kv._internal_kv_put(TOKEN_KEY, secrets.token_urlsafe(32).encode(), overwrite=False, namespace=self._kv_namespace)
+        token = self.cluster_token()
+        assert token is not None
+        return token
 
     def clear(self) -> None:
         internal_kv._internal_kv_del(b"", del_by_prefix=True, namespace=self._kv_namespace)

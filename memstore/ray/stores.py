@@ -3,10 +3,16 @@
 ``ensure_stores`` is idempotent: called again (after nodes joined), it starts only the missing stores. It
 also records its settings in the GCS, so ``local_store_address`` can start the store of a node that joined
 after the last ``ensure_stores`` (a replacement node on which Ray Train restarts a worker).
+
+Security needs no setup: unless given an ``auth_token_file``, ``ensure_stores`` creates a cluster token, keeps
+it in the GCS key-value store of the memstore cluster (readable by what runs on the Ray cluster, never written
+to a file the actors keep or logged), and every store starts with authentication on. Trainers get it from
+``local_store_connection`` (``RayTrainCheckpoints`` uses it), operators from ``store_credentials``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Mapping
@@ -17,8 +23,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from memstore.errors import ConfigError, RayStoreError
 from memstore.ray import gcs
-from memstore.ray.actor import StoreActor, store_config
-from memstore.ray.model import actor_name, domain_of
+from memstore.ray.actor import CLUSTER_TOKEN_FILE, StoreActor, store_config, uses_cluster_token
+from memstore.ray.model import actor_name, domain_of, host_id_for
+from memstore.v1.security import Credentials
+from trainer_client.connection import Connection, env_credentials
 
 DEFAULT_NAMESPACE = "memstore"
 _RemoteStore = ray.remote(StoreActor)
@@ -33,12 +41,19 @@ def _settings(replicas: int, capacity: int | str, spill: str | None, config: Map
     if clash:
         raise ConfigError(f"ensure_stores(config=...): {', '.join(clash)} are set by memstore.ray for each node, not by config")
     settings.update(config or {})
-    store_config(settings, "ray-check", "127.0.0.1", "")  # every value checked here, in the caller, not in N actors
     try:
         json.dumps(settings)
     except TypeError as exc:
         raise ConfigError(f"ensure_stores: settings must be plain values (numbers, strings, booleans): {exc}") from None
     return settings
+
+
+def _check(settings: dict[str, Any], nodes: Mapping[str, gcs.Node], domain_label: str) -> None:
+    """Build the StoreConfig each node's actor will build, with the node's IP: what a store would refuse (a value, a
+    combination, a routable --listen without a token) raises ConfigError here, in the caller, before any actor starts."""
+    token_file = CLUSTER_TOKEN_FILE if uses_cluster_token(settings) else ""
+    for node in nodes.values():
+        store_config(settings, host_id_for(node.node_id), node.ip, domain_of(node.labels, domain_label), token_file)
 
 
 def _start(namespace: str, node: gcs.Node, settings: dict[str, Any], domain_label: str) -> Any:
@@ -91,6 +106,12 @@ def ensure_stores(
             failure domain; placement then spreads copies across domains.
         timeout: seconds to wait for the stores to serve.
 
+    Authentication is always on: unless ``config`` names an ``auth_token_file`` (the user's, present on every
+    node; trainers then need it too, e.g. ``MEMSTORE_AUTH_TOKEN_FILE``), the stores use a cluster token created
+    on the first call and kept in Ray's GCS; trainers get it from ``local_store_connection``. Every setting is
+    checked here, with each node's IP, before any actor starts: what a store would refuse raises ``ConfigError``
+    with the store's message.
+
     Nodes Ray is draining get no new store. The settings of the first call are kept in Ray's GCS and used for
     stores started later by ``local_store_address``; a later call with other settings replaces them for new
     stores only (running stores keep theirs).
@@ -99,9 +120,12 @@ def ensure_stores(
         ray.init()
     settings = _settings(replicas, capacity, spill, config)
     registry = gcs.Registry(namespace)
-    registry.put_settings(json.dumps({"settings": settings, "failure_domain_label": failure_domain_label}).encode())
     alive = gcs.alive_nodes()
     draining = gcs.draining_nodes()
+    _check(settings, alive, failure_domain_label)
+    if uses_cluster_token(settings):
+        registry.create_cluster_token()  # kept if the cluster has one: running stores hold it
+    registry.put_settings(json.dumps({"settings": settings, "failure_domain_label": failure_domain_label}).encode())
     handles = {nid: _start(namespace, node, settings, failure_domain_label) for nid, node in alive.items() if nid not in draining}
     addresses = _addresses(handles, timeout)
     for node_id in registry.records():
@@ -120,6 +144,7 @@ def local_store_address(namespace: str = DEFAULT_NAMESPACE, timeout: float = 60.
     """The address of the store on the node this code runs on (in a Ray task, actor or Ray Train worker).
 
     A node that joined after the last ``ensure_stores`` gets its store now, with the settings of that call.
+    The store wants a token: ``local_store_connection`` gives the address with the credentials.
     """
     if not ray.is_initialized():
         raise RayStoreError("memstore.ray.local_store_address() runs inside Ray (a task, an actor, a Ray Train worker)")
@@ -137,8 +162,41 @@ def local_store_address(namespace: str = DEFAULT_NAMESPACE, timeout: float = 60.
         raise RayStoreError(f"Ray node {node_id} is being drained: its memstore store has left; save from another node")
     doc = json.loads(saved)
     node = gcs.alive_nodes()[node_id]
-    handle = _start(namespace, node, doc["settings"], doc.get("failure_domain_label", ""))
+    label = doc.get("failure_domain_label", "")
+    _check(doc["settings"], {node_id: node}, label)  # this node's IP may be refused where the others' were not
+    handle = _start(namespace, node, doc["settings"], label)
     return _addresses({node_id: handle}, timeout)[node_id]
+
+
+def store_credentials(namespace: str = DEFAULT_NAMESPACE) -> Credentials:
+    """What to present to the stores of ``namespace``: the environment's credentials (``MEMSTORE_AUTH_TOKEN[_FILE]``,
+    ``MEMSTORE_TLS_*``), with the cluster token ``ensure_stores`` keeps in Ray's GCS when they name no token.
+
+    Runs anywhere connected to the Ray cluster (the driver, a task, an actor). The token is a secret: do not log it.
+    """
+    credentials = env_credentials()
+    if credentials.token:
+        return credentials
+    token = gcs.Registry(namespace).cluster_token()
+    return dataclasses.replace(credentials, token=token) if token else credentials
+
+
+def local_store_connection(
+    connection: Connection | None = None, *, namespace: str = DEFAULT_NAMESPACE, timeout: float = 60.0
+) -> Connection:
+    """A :class:`trainer_client.Connection` to the store on this node, with the credentials to use it: what
+    ``connection`` leaves out (its address, its credentials) comes from ``local_store_address`` and
+    ``store_credentials``. Runs where ``local_store_address`` does (a task, an actor, a Ray Train worker)::
+
+        with CheckpointClient("my-job", rank, world, connection=memstore.ray.local_store_connection()) as client:
+            ...
+    """
+    connection = connection if connection is not None else Connection()
+    if connection.address is None:
+        connection = dataclasses.replace(connection, address=local_store_address(namespace, timeout))
+    if connection.credentials is None:
+        connection = dataclasses.replace(connection, credentials=store_credentials(namespace))
+    return connection
 
 
 def stop_stores(namespace: str = DEFAULT_NAMESPACE, timeout: float = 30.0) -> int:
@@ -159,5 +217,3 @@ def stop_stores(namespace: str = DEFAULT_NAMESPACE, timeout: float = 30.0) -> in
         stopped += 1
     registry.clear()
     return stopped
-
-

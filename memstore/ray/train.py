@@ -30,7 +30,6 @@ keep ``--keep`` >= 2 so the step a pointer names is still in RAM when the next o
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -43,7 +42,7 @@ from typing import Any
 import ray.train
 
 from memstore.errors import RayTrainError
-from memstore.ray.stores import DEFAULT_NAMESPACE, local_store_address
+from memstore.ray.stores import DEFAULT_NAMESPACE, local_store_connection
 from trainer_client import CheckpointClient, Connection, SaveHandle
 from trainer_client.connection import DEPRECATED_KWARGS, connection_from_kwargs
 from trainer_client.errors import NotFoundError
@@ -118,7 +117,8 @@ class RayTrainCheckpoints:
             the same when Ray Train restarts the workers of that run.
         namespace: the memstore cluster (``ensure_stores(namespace=...)``).
         connection: how to reach the store (:class:`trainer_client.Connection`: timeout, credentials, ...); its
-            address defaults to the store of this worker's node (``local_store_address(namespace)``).
+            address defaults to the store of this worker's node, its credentials to the environment's or else the
+            cluster token ``ensure_stores`` created (``local_store_connection``).
         client_options: the other options of :class:`trainer_client.CheckpointClient` (``on_capacity``,
             ``run_id``, ...). Its connection options (``timeout=``, ``auth_token=``, ...) still work for one
             release, with a ``DeprecationWarning``: put them in ``connection``.
@@ -133,8 +133,7 @@ class RayTrainCheckpoints:
         self.world_size = ctx.get_world_size()
         self.namespace = namespace
         self.job_id = job_id or job_id_for(ctx.get_experiment_name())
-        if connection.address is None:
-            connection = dataclasses.replace(connection, address=local_store_address(namespace))
+        connection = local_store_connection(connection, namespace=namespace)  # the node's store, the cluster's token
         self.client = CheckpointClient(self.job_id, self.rank, self.world_size, connection=connection, **client_options)
         self._unreported: SaveHandle | None = None
         self.reported_step: int | None = None  # the newest step this worker reported a pointer for

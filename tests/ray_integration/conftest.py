@@ -4,6 +4,11 @@ Every node is a real raylet with its own worker processes; ``remove_node(..., al
 it like a crashed machine. Ray is kept on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes it use
 127.0.0.1 instead of the machine's routable address) and the GCS declares a node dead after ~2 s.
 
+The stores are tested as on a cluster whose nodes have routable IPs: while a module's cluster runs,
+``MEMSTORE_TEST_LOOPBACK_IS_REMOTE=1`` (a test-only switch of ``memstore.config``) makes every store, and the
+checks ``ensure_stores`` runs in the caller, treat 127.0.0.1 as reachable from other machines, so a store
+without a token refuses to start. The nodes inherit it from this process when they start.
+
 A head starts once per module, given ``START_TIMEOUT_S`` to come up on a loaded 2-core machine; a start that
 fails is torn down and retried once, with the cause logged. Only the start is retried, never a test.
 """
@@ -32,6 +37,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).reso
 import ray
 from ray.cluster_utils import Cluster
 
+from memstore.config import FORCE_REMOTE_ENV
+
 START_TIMEOUT_S = 120  # for the nodes to register, as for the GCS above
 NODE_MEMORY = 80 << 20  # object store per node: the tests pass tensors through memstore, not Ray's object store
 SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_initial_delay_ms": 0}
@@ -41,6 +48,8 @@ class RayCluster:
     """A head node without CPUs (the driver's) plus worker nodes of one CPU each."""
 
     def __init__(self, workers: int) -> None:
+        self._force_remote = os.environ.get(FORCE_REMOTE_ENV)
+        os.environ[FORCE_REMOTE_ENV] = "1"  # before any node starts: its raylet and workers inherit it
         self.shm_dir = f"/dev/shm/memstore-raytest-{uuid.uuid4().hex[:8]}"
         self.cluster = Cluster(initialize_head=False)  # nodes added below, so shutdown() stops what a failed start left
         self.workers: list[Any] = []
@@ -71,6 +80,10 @@ class RayCluster:
         finally:
             self.cluster.shutdown()
             shutil.rmtree(self.shm_dir, ignore_errors=True)
+            if self._force_remote is None:  # the next module's tests (stores on 127.0.0.1 without tokens) run as before
+                os.environ.pop(FORCE_REMOTE_ENV, None)
+            else:
+                os.environ[FORCE_REMOTE_ENV] = self._force_remote
 
 
 @pytest.fixture(scope="module")

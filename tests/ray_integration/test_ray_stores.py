@@ -1,5 +1,9 @@
 """memstore on a Ray cluster: a store actor per node, saves from tasks, a node lost, a node added, a node drained.
 
+The nodes count as reachable from other machines (conftest: ``MEMSTORE_TEST_LOOPBACK_IS_REMOTE``), so this is the
+quick start of docs/ray.md on a cluster with routable IPs: no token is configured, the stores run with the
+cluster token ``ensure_stores`` creates, and every client here gets it from ``memstore.ray``.
+
 One 4-node cluster (a head without CPUs, three 1-CPU workers) runs one scenario: stores started, a node lost,
 a new node in its slot, a node drained, every store stopped. Each step needs the state the ones before it leave,
 so a test asks the module's ``Scenario`` to reach its step: the steps not yet run run first, in order, with
@@ -8,23 +12,31 @@ their assertions. Any test passes alone and in any order (the ones reached earli
 
 from __future__ import annotations
 
+import glob
 import time
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import ray
 from ray.core.generated import autoscaler_pb2
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import memstore.ray as mray
+from memstore.config import StoreConfig
 from memstore.devtools.cluster import wait_for
 from memstore.errors import ConfigError, RayStoreError
 from memstore.ray import gcs
-from memstore.ray.model import host_id_for
+from memstore.ray.actor import store_config
+from memstore.ray.model import actor_name, host_id_for
+from memstore.ray.stores import DEFAULT_NAMESPACE
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
+from memstore.v1.security import Credentials
 from tests.ray_integration.conftest import RayCluster
 from tests.states import assert_same, rank_state
+from trainer_client import CheckpointClient, Connection
 
 pytestmark = pytest.mark.ray
 
@@ -43,9 +55,8 @@ def store_here() -> tuple[str, str]:
 
 @ray.remote(num_cpus=0)
 def save_rank(rank: int, world: int, steps: list[int]) -> str:
-    from trainer_client import CheckpointClient
-
-    with CheckpointClient(JOB, rank, world, store=mray.local_store_address(), run_id="run1", timeout=20) as client:
+    connection = mray.local_store_connection(Connection(timeout=20))  # the node's store and the cluster token
+    with CheckpointClient(JOB, rank, world, connection=connection, run_id="run1") as client:
         for step in steps:
             assert client.save(step, rank_state(rank, step)).wait(timeout=30).copies == 2
         return str(client.hello.host_id)
@@ -53,20 +64,29 @@ def save_rank(rank: int, world: int, steps: list[int]) -> str:
 
 @ray.remote(num_cpus=0)
 def load_rank(rank: int, world: int, step: int) -> str:
-    from trainer_client import CheckpointClient
-
-    with CheckpointClient(JOB, rank, world, store=mray.local_store_address(), run_id="reader", timeout=20) as client:
+    with CheckpointClient(JOB, rank, world, connection=mray.local_store_connection(Connection(timeout=20)), run_id="reader") as client:
         assert_same(client.load(step, zero_copy=False), rank_state(rank, step))
         return client.last_load_source
 
 
-def health(address: str) -> pb.HealthResponse | None:
-    channel, stub = store_stub(address)
+def health(address: str, credentials: Credentials | None = None) -> pb.HealthResponse | None:
+    channel, stub = store_stub(address, credentials or mray.store_credentials())
     with channel:
         try:
             return stub.Health(pb.HealthRequest(), timeout=2)
         except Exception:
             return None
+
+
+def refusal(address: str, credentials: Credentials) -> grpc.StatusCode | None:
+    """The status a Health call with ``credentials`` gets (None: answered)."""
+    channel, stub = store_stub(address, credentials)
+    with channel:
+        try:
+            stub.Health(pb.HealthRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return None
 
 
 def slot_holders(address: str) -> list[str]:
@@ -81,7 +101,7 @@ def converged(addresses: dict[str, str], expected: set[str]) -> bool:
 
 def held(address: str, step: int) -> set[int]:
     """The ranks of ``step`` the store at ``address`` holds a verified copy of."""
-    channel, stub = store_stub(address)
+    channel, stub = store_stub(address, mray.store_credentials())
     with channel:
         resp = stub.List(pb.ListRequest(job_id=JOB), timeout=5)
     return {s.manifest.key.rank for s in resp.shards if s.manifest.key.step == step and s.verified}
@@ -128,9 +148,19 @@ class Scenario:
             self.done.append(name)
 
     def started(self) -> None:
-        """One store per node, found from tasks on that node."""
+        """One store per node, found from tasks on that node, each with authentication on and no token configured."""
         ray_cluster = self.ray_cluster
         addresses = start_stores(ray_cluster)
+        assert glob.glob("/dev/shm/memstore-ray-token-*") == []  # each actor's token file is gone once its store read it
+        token = gcs.Registry(DEFAULT_NAMESPACE).cluster_token()
+        assert token and mray.store_credentials().token == token
+        assert token.encode() not in (gcs.Registry(DEFAULT_NAMESPACE).settings() or b"")
+        for address in addresses.values():
+            assert refusal(address, Credentials()) == grpc.StatusCode.UNAUTHENTICATED
+            assert refusal(address, Credentials(token="x" * 32)) == grpc.StatusCode.UNAUTHENTICATED
+            assert refusal(address, mray.store_credentials()) is None
+        with pytest.raises(ConfigError, match="reachable from other machines but no --auth-token-file"):  # what the token avoids
+            store_config({"replicas": 2}, "ray-check", "127.0.0.1", "", token_file="")
         alive = set(gcs.alive_nodes())
         assert set(addresses) == alive and len(alive) == 4  # the head and three workers
         assert start_stores(ray_cluster) == addresses  # idempotent: the same actors, nothing restarted
@@ -223,12 +253,49 @@ def test_bad_settings_are_refused_in_the_caller(ray_cluster: RayCluster) -> None
         ray.get(store_here_in.remote("never-started"))
 
 
+def test_a_setting_a_store_would_refuse_is_refused_in_the_caller_with_its_message(ray_cluster: RayCluster) -> None:
+    with pytest.raises(ConfigError) as store_says:
+        store = {"host_id": "h", "listen": "127.0.0.1:0", "discovery": "fed", "auth_token_file": "t", "tls_cert": "/c.pem"}
+        StoreConfig.load(cli=store, env={})  # what `memstore serve` says
+    with pytest.raises(ConfigError) as caller_says:
+        mray.ensure_stores(namespace="refused", config={"tls_cert": "/c.pem"})
+    assert str(caller_says.value) == str(store_says.value) == "--tls-cert and --tls-key go together"
+    for node_id in gcs.alive_nodes():  # refused before any actor started, and before any token or setting was kept
+        with pytest.raises(ValueError):
+            ray.get_actor(actor_name(node_id), namespace="refused")
+    registry = gcs.Registry("refused")
+    assert registry.cluster_token() is None and registry.settings() is None and registry.records() == {}
+
+
 @ray.remote(num_cpus=0)
 def store_here_in(namespace: str) -> str:
     try:
         return mray.local_store_address(namespace=namespace)
     except RayStoreError as exc:
         raise RayStoreError(str(exc)) from None
+
+
+def test_a_token_file_of_the_user_s_still_works(ray_cluster: RayCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "cluster.token"
+    path.write_text("user-token-" + "u" * 24)
+    path.chmod(0o600)
+    namespace = "own-token"
+    try:
+        addresses = mray.ensure_stores(replicas=1, capacity="32MiB", namespace=namespace,
+                                       config={**SETTINGS, "shm_dir": ray_cluster.shm_dir, "auth_token_file": str(path)})  # fmt: skip
+        assert gcs.Registry(namespace).cluster_token() is None  # the user's token wins: no cluster token is made
+        user = Credentials(token=path.read_text())
+        for address in addresses.values():
+            assert refusal(address, user) is None
+            assert refusal(address, Credentials()) == grpc.StatusCode.UNAUTHENTICATED
+        monkeypatch.setenv("MEMSTORE_AUTH_TOKEN_FILE", str(path))  # how trainers get the user's token, as before
+        assert mray.store_credentials(namespace) == user
+        address = next(iter(addresses.values()))
+        with CheckpointClient(JOB, 0, 1, connection=Connection(address, timeout=20, credentials=mray.store_credentials(namespace))) as c:
+            c.save(1, rank_state(0, 1)).wait(timeout=30)
+            assert_same(c.load(1, zero_copy=False), rank_state(0, 1))
+    finally:
+        mray.stop_stores(namespace)
 
 
 def test_a_lost_node_restores_bit_exact_on_the_survivors(scenario: Scenario) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from memstore.config import StoreConfig
+from memstore.config import FORCE_REMOTE_ENV, StoreConfig
 from memstore.errors import AccessDenied, ConfigError, Unauthenticated
 from memstore.server.auth import Authenticator, Need, Role
 from memstore.v1.security import Credentials, token_of
@@ -86,8 +86,11 @@ def test_serve_refuses_a_reachable_address_without_auth(listen: str, tmp_path) -
 
 
 @pytest.mark.parametrize("listen", ["127.0.0.1:7070", "127.0.0.5:0", "[::1]:7070", "localhost:7070"])
-def test_loopback_needs_no_auth(listen: str) -> None:
+def test_loopback_needs_no_auth(listen: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert StoreConfig.load({"host_id": "h0", "listen": listen, "replicas": 1}, env={}).listen == listen
+    monkeypatch.setenv(FORCE_REMOTE_ENV, "1")  # the test-only switch: loopback counts as reachable (tests/ray_integration)
+    with pytest.raises(ConfigError, match="reachable from other machines but no --auth-token-file"):
+        StoreConfig.load({"host_id": "h0", "listen": listen, "replicas": 1}, env={})
 
 
 def test_tls_flags_go_together() -> None:

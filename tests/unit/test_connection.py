@@ -240,10 +240,16 @@ def test_importing_the_package_loads_neither_grpc_nor_torch() -> None:
 
 
 # -- memstore.ray -------------------------------------------------------------------------------------------
+RAY_CLUSTER_TOKEN = "ray-cluster-token-" + "c" * 20
+RAY_CLUSTER = Credentials(token=RAY_CLUSTER_TOKEN)
+
+
 @pytest.fixture
 def ray_worker(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
-    """RayTrainCheckpoints inside a fake Ray Train worker (rank 1 of 2, node store 10.0.0.7:7070); records the clients it builds."""
+    """RayTrainCheckpoints inside a fake Ray Train worker (rank 1 of 2, node store 10.0.0.7:7070, the cluster token
+    ``RAY_CLUSTER_TOKEN`` in Ray's GCS); records the clients it builds."""
     pytest.importorskip("ray.train")
+    import memstore.ray.stores as stores
     import memstore.ray.train as train
 
     class Context:
@@ -258,7 +264,10 @@ def ray_worker(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 
     built: list[dict] = []
     monkeypatch.setattr(train.ray.train, "get_context", Context)
-    monkeypatch.setattr(train, "local_store_address", lambda namespace: "10.0.0.7:7070")
+    monkeypatch.setattr(stores, "local_store_address", lambda namespace, timeout: "10.0.0.7:7070")
+    monkeypatch.setattr(stores.gcs.Registry, "cluster_token", lambda self: RAY_CLUSTER_TOKEN)
+    for name in ("MEMSTORE_AUTH_TOKEN", "MEMSTORE_AUTH_TOKEN_FILE", "MEMSTORE_TLS_CA", "MEMSTORE_TLS_CERT", "MEMSTORE_TLS_KEY"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(train, "CheckpointClient", lambda *args, **kwargs: built.append({"args": args, **kwargs}))
     return built
 
@@ -270,8 +279,24 @@ def test_ray_train_workers_take_a_connection_and_default_to_the_node_s_store(ray
         warnings.simplefilter("error")
         RayTrainCheckpoints(connection=Connection(timeout=5), on_capacity="skip")
         RayTrainCheckpoints(connection=Connection("10.9.9.9:1"))
-    assert ray_worker[0] == {"args": ("run-one", 1, 2), "connection": Connection("10.0.0.7:7070", timeout=5), "on_capacity": "skip"}
-    assert ray_worker[1]["connection"] == Connection("10.9.9.9:1")  # an address of its own is kept
+    assert ray_worker[0] == {
+        "args": ("run-one", 1, 2),
+        "connection": Connection("10.0.0.7:7070", timeout=5, credentials=RAY_CLUSTER),  # the node's store, the cluster token
+        "on_capacity": "skip",
+    }
+    assert ray_worker[1]["connection"] == Connection("10.9.9.9:1", credentials=RAY_CLUSTER)  # an address of its own is kept
+
+
+def test_ray_credentials_come_from_the_connection_then_the_environment_then_the_cluster_token(
+    ray_worker: list[dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import memstore.ray as mray
+
+    own = Credentials(token="own-token-" + "o" * 20)
+    assert mray.local_store_connection(Connection(credentials=own)) == Connection("10.0.0.7:7070", credentials=own)
+    assert mray.store_credentials() == RAY_CLUSTER
+    monkeypatch.setenv("MEMSTORE_AUTH_TOKEN", "env-token-" + "e" * 20)  # e.g. a job token: the environment's wins
+    assert mray.local_store_connection().credentials == Credentials(token="env-token-" + "e" * 20)
 
 
 def test_ray_train_workers_still_take_the_old_arguments_with_a_warning(ray_worker: list[dict]) -> None:
@@ -279,7 +304,11 @@ def test_ray_train_workers_still_take_the_old_arguments_with_a_warning(ray_worke
 
     with pytest.warns(DeprecationWarning, match=r"RayTrainCheckpoints\(timeout=\) is deprecated"):
         RayTrainCheckpoints(timeout=30, run_id="r1")
-    assert ray_worker[0] == {"args": ("run-one", 1, 2), "connection": Connection("10.0.0.7:7070", timeout=30), "run_id": "r1"}
+    assert ray_worker[0] == {
+        "args": ("run-one", 1, 2),
+        "connection": Connection("10.0.0.7:7070", timeout=30, credentials=RAY_CLUSTER),
+        "run_id": "r1",
+    }
     with pytest.raises(TypeError, match=r"RayTrainCheckpoints\(\) got both connection= and the deprecated timeout="):
         RayTrainCheckpoints(connection=Connection(), timeout=30)
 

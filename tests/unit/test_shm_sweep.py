@@ -1,0 +1,128 @@
+"""Dead stores' segment directories (memstore.server.shm_sweep): which are adopted, which reclaimed and when, and
+that a directory a live store holds is never touched; against real pools on a tmp dir and a fake clock."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from memstore.core.status import Orphan
+from memstore.server.leftovers import write_sidecar
+from memstore.server.pages import PAGE
+from memstore.server.segment import Segment
+from memstore.server.segments import SegmentPool
+from memstore.server.shm_dirs import LOCK_NAME, orphaned_dirs, reclaim_dir
+from memstore.server.shm_sweep import ShmSweeper, plan
+
+pytestmark = pytest.mark.unit
+
+
+def dead(path: str, host_id: str) -> Orphan:
+    return Orphan(path, host_id, 100, 1)
+
+
+def test_plan_adopts_predecessors_at_once_and_reclaims_the_rest_after_the_grace_period() -> None:
+    a, b, c = dead("/s/old-1", "old"), dead("/s/x-1", "x"), dead("/s/y-1", "y")
+    first = plan([a, b], {"me", "old"}, {}, now=100.0, grace=60.0)
+    assert first.adopt == ("/s/old-1",) and first.reclaim == () and first.first_seen == {"/s/x-1": 100.0}
+    second = plan([b, c], {"me"}, first.first_seen, now=159.0, grace=60.0)
+    assert second.reclaim == () and second.first_seen == {"/s/x-1": 100.0, "/s/y-1": 159.0}
+    third = plan([b, c], {"me"}, second.first_seen, now=160.0, grace=60.0)
+    assert third.reclaim == ("/s/x-1",) and third.first_seen == {"/s/y-1": 159.0}
+    assert plan([c], {"me"}, {}, now=1e9, grace=0.0).reclaim == ()  # 0: never
+    assert plan([], {"me"}, third.first_seen, now=200.0, grace=60.0).first_seen == {}  # gone: forgotten
+
+
+def leave(directory: Path, name: str, fill: int, meta: bytes) -> None:
+    """A described segment a dead store left: two pages of ``fill``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / LOCK_NAME).touch()
+    (directory / name).write_bytes(bytes([fill]) * (2 * PAGE))
+    write_sidecar(str(directory / name), meta)
+
+
+def good(seg: Segment, meta: bytes) -> bool:
+    """The engine's check, faked: the sidecar names the byte every page holds."""
+    return bytes(seg.view(1)) == meta
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sweeper(pool: SegmentPool, predecessors: set[str], grace: float, clock: Clock) -> ShmSweeper:
+    assert pool.directory is not None
+
+    def adopt(directory: Path) -> int:
+        return len(pool.adopt_from(directory, good) or [])
+
+    return ShmSweeper(pool.directory, lambda: predecessors, adopt, grace, threading.Event(), clock=clock)
+
+
+def test_a_predecessors_verified_segments_move_in_and_its_directory_goes(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    old = shm / "10-0-0-1-7070"
+    leave(old, "seg-1-0-aaaa", 7, b"\x07")
+    leave(old, "seg-1-1-bbbb", 8, b"\x00")  # corrupt: its bytes do not match what its sidecar says
+    (old / "seg-1-2-cccc").write_bytes(b"\x01" * PAGE)  # never described
+    pool = SegmentPool(str(shm / "10-0-0-2-7070"), 16 * PAGE, adopt_leftovers=True)
+    pool.adopt(good)
+    try:
+        s = sweeper(pool, {"10-0-0-2", "10-0-0-1"}, grace=600, clock=Clock())
+        done = s.sweep()
+        assert (done.adopted_shards, done.adopted_dirs, done.reclaimed_dirs) == (1, 1, 0)
+        assert not old.exists() and orphaned_dirs(str(shm)) == []
+        assert pool.directory is not None
+        assert sorted(p.name for p in pool.directory.iterdir()) == [LOCK_NAME, "meta-seg-1-0-aaaa", "seg-1-0-aaaa"]
+        assert pool.used_bytes == 2 * PAGE and pool.segment_count == 1
+    finally:
+        pool.close()
+    assert not (shm / "10-0-0-2-7070").exists()  # adopted segments are the pool's: a clean exit removes them
+
+
+def test_others_wait_for_the_grace_period_then_go_and_a_live_stores_directory_never_does(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    stranger = shm / "x-7071"
+    leave(stranger, "seg-1-0-aaaa", 1, b"\x01")
+    (shm / "not-a-store").mkdir()
+    (shm / "not-a-store" / "notes.txt").write_text("keep me")
+    me = SegmentPool(str(shm / "me-7070"), 16 * PAGE)
+    live = SegmentPool(str(shm / "old-7072"), 16 * PAGE)  # a second live store on the same --shm-dir
+    seg = live.acquire(PAGE, "job")
+    live.describe(seg, b"\x00")
+    clock = Clock()
+    try:
+        s = sweeper(me, {"me", "old"}, grace=60, clock=clock)  # even a predecessor's id: its lock is held
+        assert s.sweep().reclaimed_dirs == 0 and stranger.exists()
+        clock.now = 59.0
+        assert s.sweep().reclaimed_dirs == 0 and stranger.exists()
+        clock.now = 60.0
+        done = s.sweep()
+        assert (done.reclaimed_dirs, done.reclaimed_bytes, done.adopted_shards) == (1, 2 * PAGE + 1, 0)  # the segment and its one-byte sidecar
+        assert not stranger.exists()
+        assert live.directory is not None and seg.path is not None and Path(seg.path).exists()
+        assert (shm / "not-a-store" / "notes.txt").read_text() == "keep me"
+        assert reclaim_dir(live.directory) is None  # the lock is held: left alone
+    finally:
+        live.close()
+        me.close()
+
+
+def test_never_reclaims_with_a_grace_period_of_zero(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    leave(shm / "x-7071", "seg-1-0-aaaa", 1, b"\x01")
+    pool = SegmentPool(str(shm / "me-7070"), 16 * PAGE)
+    clock = Clock()
+    try:
+        s = sweeper(pool, {"me"}, grace=0, clock=clock)
+        s.sweep()
+        clock.now = 1e9
+        assert s.sweep().reclaimed_dirs == 0 and (shm / "x-7071").exists()
+    finally:
+        pool.close()

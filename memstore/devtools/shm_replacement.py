@@ -33,12 +33,10 @@ def state(step: int, mib: float) -> dict[str, torch.Tensor]:
 
 
 def scrape(cluster: LocalCluster, host: str, name: str) -> float:
-    """The sum of the samples of metric ``name`` (every label) the store of ``host`` serves."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """The sum of the samples of metric ``name`` (every label) the store of ``host`` serves (Prometheus text)."""
     with urllib.request.urlopen(cluster.metrics_url(host), timeout=5) as response:
-        text = response.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+        lines = response.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.partition("{")[0].partition(" ")[0] == name)
 
 
 def stranded_bytes(cluster: LocalCluster) -> int:

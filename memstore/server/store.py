@@ -141,7 +141,8 @@ class Store:
         # Dead stores' segment dirs on this machine: a predecessor's adopted, the rest reclaimed after a grace period.
         self.sweeper: ShmSweeper | None = None
         if self.pool.directory is not None:
-            self.sweeper = ShmSweeper(self.pool.directory, self._predecessors, self._adopt_predecessor, config.shm_reclaim_after, self._stop)
+            grace = config.shm_reclaim_after
+            self.sweeper = ShmSweeper(self.pool.directory, self._predecessors, self._adopt_predecessor, grace, self._stop)
             self._threads.append(threading.Thread(target=self.sweeper.loop, name="shm-sweep", daemon=True))
         if config.peers:  # a fixed --peers list: the table is known before serving
             self.membership.apply({h: (a, config.failure_domains.get(h, "")) for h, a in config.peers})

@@ -104,7 +104,8 @@ def test_others_wait_for_the_grace_period_then_go_and_a_live_stores_directory_ne
         assert s.sweep().reclaimed_dirs == 0 and stranger.exists()
         clock.now = 60.0
         done = s.sweep()
-        assert (done.reclaimed_dirs, done.reclaimed_bytes, done.adopted_shards) == (1, 2 * PAGE + 1, 0)  # the segment and its one-byte sidecar
+        # the segment and its one-byte sidecar
+        assert (done.reclaimed_dirs, done.reclaimed_bytes, done.adopted_shards) == (1, 2 * PAGE + 1, 0)
         assert not stranger.exists()
         assert live.directory is not None and seg.path is not None and Path(seg.path).exists()
         assert (shm / "not-a-store" / "notes.txt").read_text() == "keep me"

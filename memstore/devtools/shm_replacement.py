@@ -6,7 +6,8 @@ times: the store of slot 0 is SIGKILLed (its segments stay in shared memory) and
 takes over its slot (a replaced pod: new pod IP, same node). Each time, once the new store is ready, this counts:
 the shards it adopted, the repair pulls it made (its ``memstore_repair_seconds`` count, every source), the bytes it
 pulled, the bytes of dead segment directories left under --shm-dir (stranded), and whether it serves every step
-exactly from its own RAM. Last, a store that nobody replaces is SIGKILLed and its directory is timed until the
+exactly from its own RAM (``--lose-memory``: the baseline where the SIGKILL also loses the shared memory, so
+the new store must pull everything). Last, a store that nobody replaces is SIGKILLed and its directory is timed until the
 survivor reclaims it (``--shm-reclaim-after``).
 
     python -m memstore.devtools.shm_replacement --replacements 10
@@ -53,25 +54,26 @@ def wait_ready(cluster: LocalCluster, host: str, timeout: float = 60.0) -> None:
     wait_for(ready, timeout, what=f"{host} ready")
 
 
-def replace_once(cluster: LocalCluster, old: str, new: str, steps: int, mib: float) -> dict[str, Any]:
-    """SIGKILL ``old`` (its segments stay), start ``new`` in its place, and measure (see the module's docstring)."""
+def replace_once(cluster: LocalCluster, old: str, new: str, steps: int, mib: float, lose_memory: bool = False) -> dict[str, Any]:
+    """SIGKILL ``old`` (its segments stay, unless ``lose_memory``: the baseline, nothing to adopt), start ``new`` in
+    its place, and measure (see the module's docstring)."""
     from trainer_client import CheckpointClient, Connection
 
     left = stranded_bytes(cluster) if cluster.stores[old].alive else 0
-    cluster.kill(old, keep_memory=True)
+    cluster.kill(old, keep_memory=not lose_memory)
     dead = stranded_bytes(cluster) - left  # what the SIGKILL stranded
     t0 = time.monotonic()
     cluster.add_host(new, replacing=old)
     wait_ready(cluster, new)
     ready_s = time.monotonic() - t0
-    health = cluster.health(new)
-    assert health is not None
     exact = True
     local = True
     with CheckpointClient(JOB, 0, 1, connection=Connection(address=cluster.address(new))) as c:
         for step in range(1, steps + 1):
             exact &= bool(torch.equal(c.load(step)["w"], state(step, mib)["w"]))
             local &= c.last_load_source == new
+    health = cluster.health(new)  # after the loads: a repair that made the store ready has been counted by now
+    assert health is not None
     return {
         "replaced": old,
         "by": new,
@@ -96,7 +98,7 @@ def time_reclaim(cluster: LocalCluster, victim: str, grace: float) -> dict[str, 
     return {"stranded_by_sigkill_bytes": dead, "grace_s": grace, "reclaimed_after_s": round(time.monotonic() - t0, 2)}
 
 
-def run(replacements: int = 10, steps: int = 2, mib: float = 1.0, grace: float = 2.0) -> dict[str, Any]:
+def run(replacements: int = 10, steps: int = 2, mib: float = 1.0, grace: float = 2.0, lose_memory: bool = False) -> dict[str, Any]:
     cluster = LocalCluster(
         hosts=2, replicas=2, capacity="256MiB", keep=steps, discovery="file", metrics=True,
         extra_args=["--shm-reclaim-after", str(grace), "--repair-interval", "0.3"],
@@ -111,7 +113,7 @@ def run(replacements: int = 10, steps: int = 2, mib: float = 1.0, grace: float =
         current = "h0"
         for i in range(1, replacements + 1):
             new = f"h0r{i}"
-            rounds.append(replace_once(cluster, current, new, steps, mib))
+            rounds.append(replace_once(cluster, current, new, steps, mib, lose_memory))
             current = new
         cluster.add_host("h9")  # a third store that saves a step, then is killed with nobody to replace it
         wait_ready(cluster, "h9")
@@ -135,8 +137,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--mib", type=float, default=1.0, help="MiB per shard")
     p.add_argument("--grace", type=float, default=2.0, help="--shm-reclaim-after of every store, seconds")
+    p.add_argument("--lose-memory", action="store_true", help="baseline: each SIGKILL also wipes the store's shared memory")
     args = p.parse_args()
-    print(json.dumps(run(args.replacements, args.steps, args.mib, args.grace), indent=2))
+    print(json.dumps(run(args.replacements, args.steps, args.mib, args.grace, args.lose_memory), indent=2))
 
 
 if __name__ == "__main__":

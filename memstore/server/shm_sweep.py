@@ -2,8 +2,9 @@
 
 A store that dies without a clean exit (SIGKILL, OOM kill, a pod replaced after its grace period, a Ray node
 that comes back) leaves its directory ``<shm_dir>/<host_id>-<port>`` in the tmpfs: RAM outside any store's
-capacity and any pod's limit. Every store sweeps its ``--shm-dir`` (at start, on every change of the slot
-table, and every little while):
+capacity and any pod's limit. Every store sweeps its ``--shm-dir``: at start, after it joined and before its
+first repair pass; on every change of the slot table, before the new table is in force (``Membership`` calls
+``on_change`` first), so repair never pulls what a takeover adopts; and every little while:
 
 - a dead directory of a *predecessor* is adopted at once: its verified segments move into this store's
   directory and are served like copies repair pulled (``Catalog.adopt_segments``), so a replacement on the
@@ -82,18 +83,20 @@ class ShmSweeper:
         self._clock = clock
         self._first_seen: Mapping[str, float] = {}
         self._sweeping = threading.Lock()
-        self.due = threading.Event()  # set: sweep now (the slot table changed)
+        self.due = threading.Event()  # set: sweep now (the store is closing)
         self.total = SweepResult()
 
     @property
     def interval(self) -> float:
         return min(max(self.grace / 4, 0.5), MAX_SWEEP_INTERVAL) if self.grace > 0 else MAX_SWEEP_INTERVAL
 
-    def sweep(self) -> SweepResult:
-        """Adopt the predecessors' dead directories and reclaim the others due; what it did."""
+    def sweep(self, predecessors: set[str] | None = None) -> SweepResult:
+        """Adopt the predecessors' dead directories (default: ``predecessors()`` of the constructor) and reclaim the
+        others due; what it did."""
         with self._sweeping:
             dead = [o for o in orphaned_dirs(str(self.shm_dir)) if Path(o.path) != self.own_dir]
-            todo = plan(dead, self._predecessors(), self._first_seen, self._clock(), self.grace)
+            who = self._predecessors() if predecessors is None else predecessors
+            todo = plan(dead, who, self._first_seen, self._clock(), self.grace)
             self._first_seen = todo.first_seen
             done = SweepResult()
             for path in todo.adopt:

@@ -140,6 +140,7 @@ class Store:
         ]
         # Dead stores' segment dirs on this machine: a predecessor's adopted, the rest reclaimed after a grace period.
         self.sweeper: ShmSweeper | None = None
+        self._started = False
         if self.pool.directory is not None:
             grace = config.shm_reclaim_after
             self.sweeper = ShmSweeper(self.pool.directory, self._predecessors, self._adopt_predecessor, grace, self._stop)
@@ -193,13 +194,18 @@ class Store:
     def _cluster_changed(self, view: ClusterView) -> None:
         self.peers.set_members(view.table.members())
         self._retention_due.set()  # repair and retention look again under the new placement
-        if self.sweeper is not None:
-            self.sweeper.due.set()  # a slot taken over: adopt its former holder's dead segment dir now
+        if self.sweeper is not None and self._started:
+            # Before the view is in force (Membership calls this first): a slot taken over has its former holder's
+            # dead segment dir adopted before the repair pass could pull the same shards.
+            try:
+                self.sweeper.sweep(self._predecessors(view))
+            except Exception:
+                log.exception("sweeping %s failed; the next sweep tries again", self.sweeper.shm_dir)
 
-    def _predecessors(self) -> set[str]:
+    def _predecessors(self, view: ClusterView | None = None) -> set[str]:
         """Host ids whose dead segment dirs on this machine this store adopts: its own (another port) and the
-        former holders of its slot."""
-        slot = self.membership.view.my_slot
+        former holders of its slot (in ``view``, default the current one)."""
+        slot = (view or self.membership.view).my_slot
         return {self.host_id, *(slot.former if slot is not None else ())}
 
     def _adopt_predecessor(self, directory: Path) -> int:
@@ -208,6 +214,7 @@ class Store:
         return adopted
 
     def start(self) -> None:
+        self._started = True  # from now on a change of the slot table sweeps too (after this store's own leftovers)
         if self.sweeper is not None:
             self.sweeper.sweep()  # the slot table is known (joined): adopt before the first repair pass looks
         for t in self._threads:

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -267,7 +268,12 @@ def taken_over(directory: Path) -> Iterator[list[os.DirEntry[str]] | None]:
 
 
 def _remove_locked(directory: Path) -> None:
-    """Remove every file of ``directory`` (a store's: ``_store_dir_contents``), its lock last, then the directory."""
+    """Remove every file of ``directory`` (a store's: ``_store_dir_contents``), its lock last, then the directory,
+    and the dead store's control socket beside it (``<directory>.sock``, memstore.server.local_control)."""
+    sock = directory.with_name(directory.name + ".sock")
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(os.lstat(sock).st_mode):
+            os.unlink(sock)
     try:
         names = [n for n in os.listdir(directory) if n != LOCK_NAME]
     except OSError:

@@ -19,6 +19,8 @@ from memstore.server.shm_dirs import orphaned_dirs, segment_dir
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import insecure_channel
+from tests.harness.dns import DnsServer
+from tests.harness.pods import Pods
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
 
@@ -137,3 +139,35 @@ def test_ten_sigkill_replacements_strand_nothing_and_repair_nothing() -> None:
         measured = (r["adopted_shards"], r["repair_pulls"], r["stranded_after_bytes"], r["exact"], r["served_locally"])
         assert measured == (2, 0, 0, True, True), r
     assert result["unreplaced"]["stranded_by_sigkill_bytes"] > 0 and result["unreplaced"]["reclaimed_after_s"] < 10
+
+
+@pytest.mark.slow
+def test_a_pod_replaced_after_a_sigkill_serves_its_predecessors_shards_without_repair(dns_server: DnsServer, tmp_path: Path) -> None:
+    """Kubernetes: pods named by their IPs behind DNS, every pod of the "node" on one --shm-dir. The replacement
+    adopts everything (a repair pull would stall it 60 s: it is ready at once), the live pod's directory stays."""
+    job, world = "pod-job", 2
+    pods = Pods(tmp_path, dns_server, world)
+    try:
+        pods.start_all()
+        for rank in range(world):
+            with CheckpointClient(job, rank, world, store=pods.node_address(rank), timeout=20, run_id="run") as c:
+                for step in (1, 2):
+                    assert c.save(step, rank_state(rank, step)).wait(timeout=30).copies == 2
+        dead = f"{pods.host_id(1)}-{pods.port}"
+        live = {p.name for p in (tmp_path / "shm").iterdir()} - {dead, f"{dead}.sock"}
+        assert len(live) == 2  # the other pod's directory and its control socket
+        old = pods.ips.pop(1)
+        pods.procs[old].kill()  # SIGKILL after the grace period: no drain
+        pods.procs[old].wait(timeout=10)
+        pods._publish()  # the endpoint leaves the Service
+        pods.start(1, env={"MEMSTORE_FAULTS": "repair.after_pull=stall:60"})
+        wait_for(lambda: pods.probe(1) == "SERVING", timeout=30, what="the new pod ready")
+        health = pods.health(1)
+        assert health is not None and health.adopted_shards == 4 and health.shards == 4, pods.log(pods.ips[1])
+        assert pods.held(1, job) == {(1, 0), (1, 1), (2, 0), (2, 1)}
+        dirs = {p.name for p in (tmp_path / "shm").iterdir()}
+        new = f"{pods.host_id(1)}-{pods.port}"
+        assert dirs == live | {new, f"{new}.sock"}  # the dead pod's directory and socket went, the live pod's stayed
+        assert orphaned_dirs(str(tmp_path / "shm")) == []
+    finally:
+        pods.close()

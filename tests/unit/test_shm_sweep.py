@@ -3,6 +3,7 @@ that a directory a live store holds is never touched; against real pools on a tm
 
 from __future__ import annotations
 
+import socket
 import threading
 from pathlib import Path
 
@@ -127,3 +128,14 @@ def test_never_reclaims_with_a_grace_period_of_zero(tmp_path: Path) -> None:
         assert s.sweep().reclaimed_dirs == 0 and (shm / "x-7071").exists()
     finally:
         pool.close()
+
+
+def test_reclaim_removes_a_dead_socket(tmp_path: Path) -> None:
+    """A dead store's control socket (``<dir>.sock``) goes with its directory; other files beside it stay."""
+    shm = tmp_path / "shm"
+    leave(shm / "x-1", "seg-1-0-aaaa", 1, b"\x01")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(shm / "x-1.sock"))
+    (shm / "y-1.sock").write_text("not a socket")
+    assert reclaim_dir(shm / "x-1") is not None
+    assert sorted(p.name for p in shm.iterdir()) == ["y-1.sock"]

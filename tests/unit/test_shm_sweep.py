@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from memstore.config import StoreConfig
+from memstore.core.model import ShardKey
+from memstore.core.slots import Slot, SlotTable
 from memstore.core.status import Orphan
 from memstore.server.leftovers import write_sidecar
 from memstore.server.pages import PAGE
@@ -16,6 +19,7 @@ from memstore.server.segment import Segment
 from memstore.server.segments import SegmentPool
 from memstore.server.shm_dirs import LOCK_NAME, orphaned_dirs, reclaim_dir
 from memstore.server.shm_sweep import ShmSweeper, plan
+from memstore.server.store import Store
 
 pytestmark = pytest.mark.unit
 
@@ -139,3 +143,45 @@ def test_reclaim_removes_a_dead_socket(tmp_path: Path) -> None:
     (shm / "y-1.sock").write_text("not a socket")
     assert reclaim_dir(shm / "x-1") is not None
     assert sorted(p.name for p in shm.iterdir()) == ["y-1.sock"]
+
+
+def engine(tmp_path: Path, host_id: str, port: int) -> Store:
+    config = StoreConfig.load(
+        {"host_id": host_id, "listen": f"127.0.0.1:{port}", "replicas": "1", "capacity": "8MiB", "shm_dir": str(tmp_path / "shm"),
+         "chunk_bytes": "64KiB", "prefault": "0"},
+        env={},
+    )  # fmt: skip
+    store = Store(config)
+    store.start()
+    return store
+
+
+def test_a_store_adopts_once_the_slot_table_says_whose_slot_it_took_over(tmp_path: Path) -> None:
+    """The takeover learned after start (a later table): adopted before that table is in force; a corrupt segment is
+    dropped. The dead store: a store that closed keeping its files, as a SIGKILL leaves them."""
+    old = engine(tmp_path, "old", 7001)
+    keys = [ShardKey("job", step, 0) for step in (1, 2)]
+    for key in keys:
+        lease, seg = old.allocate(key, 1, 256 << 10)
+        seg.view(256 << 10)[:] = bytes([key.step]) * (256 << 10)
+        old.commit(lease, {}, 1)
+        assert old.wait_committed(key, 5)[1]
+    old_dir = old.pool.directory
+    assert old_dir is not None
+    old.pool.keep_files_on_close = True
+    old.close()
+    (corrupt,) = [p for p in old_dir.glob("seg-*") if p.read_bytes()[:1] == b"\x01"]
+    with open(corrupt, "r+b") as fh:
+        fh.seek(1000)
+        fh.write(b"\xff")
+    new = engine(tmp_path, "new", 7002)
+    try:
+        assert new.adopted_shards == 0 and old_dir.exists()  # holds no slot yet: nobody says "old" was its predecessor
+        table = SlotTable(2, (Slot(0, "new", "127.0.0.1:7002", former=("old",), former_until=(2,)),))
+        assert new.membership.adopt(table, "a peer")
+        assert new.adopted_shards == 1 and not old_dir.exists()
+        assert [s.manifest.key for s in new.list_shards("job")] == [keys[1]]
+        ((_, view),) = list(new.read(keys[1]))
+        assert bytes(view) == b"\x02" * (256 << 10)
+    finally:
+        new.close()

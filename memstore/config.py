@@ -222,6 +222,13 @@ class StoreConfig:
         _bool("--shm-keep-on-exit"),
         default=False,
     )
+    shm_reclaim_after: float = _opt(
+        "Seconds a dead store's segment directory under --shm-dir may stay before this store deletes it (0 = never). "
+        "A store adopts at once the verified segments its predecessor left (same host id on another port, or the host "
+        "whose slot it took over); other dead stores' directories wait this long for their own successor.",
+        _non_negative_float("--shm-reclaim-after"),
+        default=600.0,
+    )
     prefault: int | None = _opt(
         "Fresh shared memory kept faulted in ahead of need, so a save, a replica or a repair never waits for the kernel "
         "to allocate and zero pages: 'auto' (keep two segments of the largest recent shard ready once shards arrive; "

@@ -1,4 +1,7 @@
-"""``memstore reclaim-shm``: delete this machine's shared-memory segment dirs that no running store owns."""
+"""``memstore reclaim-shm``: delete this machine's shared-memory segment dirs that no running store owns, now.
+
+Optional: a running store adopts its predecessor's and deletes the others after ``--shm-reclaim-after``
+(``memstore.server.shm_sweep``); this frees them at once, or on a machine where no store runs any more."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from dataclasses import asdict, fields
 from memstore.config import StoreConfig
 from memstore.errors import ConfigError
 
-HELP = "delete shared-memory segment dirs on this machine that no running store owns"
+HELP = "delete now the shared-memory segment dirs on this machine that no running store owns (stores do it after --shm-reclaim-after)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

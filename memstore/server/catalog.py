@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 from memstore.config import StoreConfig
 from memstore.core.floors import floor_problem
@@ -135,12 +136,15 @@ class Catalog:
 
     # ---- adoption after a crash, sidecars
 
-    def adopt_segments(self) -> int:
-        """Take over the verified shards a previous incarnation of this host left in shared memory.
+    def adopt_segments(self, predecessor: Path | None = None) -> int:
+        """Take over the verified shards a previous incarnation of this host left in shared memory, or (with
+        ``predecessor``) those a dead predecessor under another host id left in its segment directory
+        (``SegmentPool.adopt_from``): registered like copies pulled by repair, so repair finds them held.
 
         Each settled copy has a sidecar (its ShardInfo) next to its segment; a segment is adopted only if
         the sidecar is well-formed and every chunk still matches its checksum, so a store that crashed
         serves its RAM again without a network repair (GEMINI's software-failure path). The rest is deleted.
+        A shard this store holds already is not adopted twice.
         """
 
         def check(seg: Segment, meta: bytes) -> bool:
@@ -149,29 +153,38 @@ class Catalog:
             problem = manifest_problem(m) or key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size, m.key.timeline)
             if not problem and m.stripe is not None:
                 problem = stripe_problem(m.stripe, m.key.rank, m.world_size, m.nbytes)
-            if problem or info.state is None or not info.state.settled or m.nbytes > seg.size:
+            if problem or info.state is None or not info.state.settled or m.nbytes > seg.size or self.get(m.key) is not None:
                 return False
             return first_mismatch(seg.view(), m.nbytes, m.chunk_size, m.checksums) is None
 
-        adopted = self.pool.adopt(check)
+        adopted = self.pool.adopt(check) if predecessor is None else self.pool.adopt_from(predecessor, check) or []
+        twice: list[Segment] = []
         with self._lock:
             for seg, meta in adopted:
                 info = sidecar_info(meta)
                 m = info.manifest
+                if m.key in self._entries:
+                    twice.append(seg)  # pulled or saved meanwhile
+                    continue
                 seg.owner = m.key.job_id  # never pooled for another job
                 state = info.state or ShardState.REPLICA
+                if predecessor is not None and m.owner_host != self.host_id:
+                    state = ShardState.REPLICA  # a predecessor's copy: held like one repair pulled
                 self._entries[m.key] = Entry(
                     m.key, m.world_size, m.nbytes, seg, m.owner_host, state, manifest=m, metrics=dict(m.metrics),
                     format_version=m.format_version, copies=info.copies, created_unix=m.created_unix or time.time(),
                     spill_codec=m.spill_codec, stripe=m.stripe,
                 )  # fmt: skip
             held = sum(e.nbytes for e in self._entries.values())
-        if adopted:
+        for seg in twice:
+            self.pool.release(seg)
+        count = len(adopted) - len(twice)
+        if count:
             log.info(
-                "adopted %d shards (%d bytes) left in shared memory by this host's previous incarnation; verified every chunk",
-                len(adopted), held,
+                "adopted %d shards (%d bytes held) left in shared memory by %s; verified every chunk",
+                count, held, "this host's previous incarnation" if predecessor is None else predecessor,
             )  # fmt: skip
-        return len(adopted)
+        return count
 
     def _describe_locked(self, entry: Entry) -> None:
         """Record a settled copy next to its segment so a restart can adopt it."""

@@ -6,7 +6,8 @@ verified shard (``write_sidecar``, atomically: a tmp file renamed into place). W
 exited with ``keep_files``, the next store of its directory (same ``--host-id`` and ``--listen`` port) finds its
 segments: ``Leftovers.settle`` adopts, once, those with a sidecar that the engine's check accepts (newest first,
 as many as fit in the capacity) and deletes everything else the pool does not hold. A store that does not adopt
-deletes them all, so it never serves stale segments.
+deletes them all, so it never serves stale segments. ``adopt_dead_dir`` does the same with the directory of
+a dead predecessor under another host id (memstore.server.shm_sweep), moving what it keeps into the store's own.
 
 The pool holds what is adopted; ``Leftovers`` asks it, through ``SegmentHolder``, for room and the names of the
 files it holds.
@@ -25,7 +26,7 @@ from typing import Protocol
 
 from memstore.core.sizes import format_size
 from memstore.server.segment import Segment, SegmentMaker
-from memstore.server.shm_dirs import LOCK_NAME, TMP_INFIX, delete_except, described_segments, sidecar_path
+from memstore.server.shm_dirs import LOCK_NAME, TMP_INFIX, delete_except, described_segments, sidecar_path, taken_over
 
 log = logging.getLogger(__name__)
 
@@ -101,46 +102,86 @@ class Leftovers:
         return kept
 
     def _adopt(self, check: Check, holder: SegmentHolder) -> list[tuple[Segment, bytes]]:
-        candidates = described_segments(self.directory)
-        if candidates is None:
-            return []
-        kept: list[tuple[Segment, bytes]] = []
-        rejected = 0
-        for _, path, size in candidates:
-            if size <= 0:
-                rejected += 1
-                continue
-            if size > holder.room_left():
-                log.warning("not adopting %s (%s): beyond the %s capacity", path, format_size(size), format_size(holder.capacity))
-                rejected += 1
-                continue
-            try:
-                with open(sidecar_path(path), "rb") as fh:
-                    meta = fh.read()
-                seg = self._maker.map_existing(path, size)
-            except (OSError, ValueError) as exc:
-                log.warning("not adopting %s: unreadable: %s", path, exc)
-                rejected += 1
-                continue
-            try:
-                ok = bool(check(seg, meta))
-            except Exception as exc:
-                log.warning("not adopting %s: %s", path, exc)
-                ok = False
-            if not ok:
-                seg.destroy()
-                rejected += 1
-                continue
-            seg.exported = True
-            seg.described = True
-            holder.hold(seg)
-            kept.append((seg, meta))
-        if candidates or rejected:
-            log.info(
-                "adopted %d leftover segments (%s) in %s; discarded %d",
-                len(kept),
-                format_size(sum(s.size for s, _ in kept)),
-                self.directory,
-                rejected,
-            )
-        return kept
+        return adopt_described(self.directory, self._maker, check, holder)
+
+
+def adopt_dead_dir(directory: Path, maker: SegmentMaker, check: Check, holder: SegmentHolder) -> list[tuple[Segment, bytes]] | None:
+    """Adopt the described segments ``check`` accepts from ``directory``, the segment directory of a dead store
+    (a predecessor of this one), into ``maker``'s directory, and remove ``directory`` with the rest; None
+    (nothing touched) if a running store holds its lock or it is not a store's directory."""
+    with taken_over(directory) as entries:
+        if entries is None:
+            return None
+        return adopt_described(directory, maker, check, holder, into=maker.directory)
+
+
+def adopt_described(
+    directory: Path, maker: SegmentMaker, check: Check, holder: SegmentHolder, into: Path | None = None
+) -> list[tuple[Segment, bytes]]:
+    """Map each described segment of ``directory`` (newest first) and keep those ``check`` accepts that fit the
+    capacity: held by ``holder``, and with ``into`` moved there with their sidecars (a rename: same tmpfs, no
+    copy). Rejected ones are deleted; the caller deletes what is left. Returns the kept (segment, sidecar bytes)."""
+    candidates = described_segments(directory)
+    if candidates is None:
+        return []
+    kept: list[tuple[Segment, bytes]] = []
+    rejected = 0
+    for _, path, size in candidates:
+        if size <= 0:
+            rejected += 1
+            continue
+        if size > holder.room_left():
+            log.warning("not adopting %s (%s): beyond the %s capacity", path, format_size(size), format_size(holder.capacity))
+            rejected += 1
+            continue
+        try:
+            with open(sidecar_path(path), "rb") as fh:
+                meta = fh.read()
+            seg = maker.map_existing(path, size)
+        except (OSError, ValueError) as exc:
+            log.warning("not adopting %s: unreadable: %s", path, exc)
+            rejected += 1
+            continue
+        try:
+            ok = bool(check(seg, meta))
+        except Exception as exc:
+            log.warning("not adopting %s: %s", path, exc)
+            ok = False
+        if ok and into is not None:
+            ok = _move(seg, into)
+        if not ok:
+            seg.destroy()
+            rejected += 1
+            continue
+        seg.exported = True
+        seg.described = True
+        holder.hold(seg)
+        kept.append((seg, meta))
+    if candidates or rejected:
+        log.info(
+            "adopted %d leftover segments (%s) of %s; discarded %d",
+            len(kept),
+            format_size(sum(s.size for s, _ in kept)),
+            directory,
+            rejected,
+        )
+    return kept
+
+
+def _move(seg: Segment, into: Path) -> bool:
+    """Rename ``seg``'s file and its sidecar into ``into`` (the map stays valid); whether it could."""
+    assert seg.path is not None
+    target = str(into / os.path.basename(seg.path))
+    if os.path.lexists(target) or os.path.lexists(sidecar_path(target)):
+        log.warning("not adopting %s: %s exists already", seg.path, target)
+        return False
+    try:
+        os.rename(sidecar_path(seg.path), sidecar_path(target))
+        os.rename(seg.path, target)
+    except OSError as exc:
+        log.warning("not adopting %s: cannot move it into %s: %s", seg.path, into, exc)
+        with contextlib.suppress(OSError):
+            os.unlink(sidecar_path(target))
+        return False
+    seg.path = target
+    return True

@@ -47,7 +47,7 @@ from memstore.core.reserve import ReservePolicy
 from memstore.core.sizes import format_size
 from memstore.core.status import Orphan
 from memstore.errors import CapacityExceeded, QuotaExceeded
-from memstore.server.leftovers import Check, Leftovers, write_sidecar
+from memstore.server.leftovers import Check, Leftovers, adopt_dead_dir, write_sidecar
 from memstore.server.pages import PAGE, round_up
 from memstore.server.reserve import CANCEL_WAIT_SECONDS, FRESH, Reserve
 from memstore.server.rings import ring_limit, ring_members, ring_order
@@ -123,6 +123,15 @@ class SegmentPool:
         if self.leftovers is None:
             return []
         return self.leftovers.settle(check, self)
+
+    def adopt_from(self, directory: Path, check: Check) -> list[tuple[Segment, bytes]] | None:
+        """Take over the described segments ``check`` accepts from ``directory``, the segment directory of a dead
+        predecessor (another host id) on this tmpfs: they move into this pool's directory, in use and accounted
+        like ``adopt``'s, and ``directory`` goes with the rest (``leftovers.adopt_dead_dir``). None (nothing
+        touched) if a running store holds its lock; [] for a pool without a directory or closed."""
+        if self.directory is None or self._closed:
+            return []
+        return adopt_dead_dir(directory, self.maker, check, self)
 
     def room_left(self) -> int:
         """Bytes the capacity has left beside every segment this pool holds (``Leftovers`` asks)."""

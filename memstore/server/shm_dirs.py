@@ -2,8 +2,10 @@
 
 Files of one store live in ``<shm_dir>/<host_id>-<port>/`` (``segment_dir``), locked by ``.lock``
 (``flock``) while the store runs (``claim``, by ``memstore.server.segments.SegmentPool``). A directory whose
-``.lock`` nobody holds belongs to no running store: an *orphan* (``orphaned_dirs``), removable with
-``reclaim_orphans`` (``memstore reclaim-shm``).
+``.lock`` nobody holds belongs to no running store: an *orphan* (``orphaned_dirs``). A starting store takes
+over its predecessor's orphan (``taken_over``: memstore.server.shm_sweep adopts its verified segments) and
+reclaims the others after a grace period (``reclaim_dir``); ``memstore reclaim-shm`` (``reclaim_orphans``)
+removes them all at once by hand.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from memstore.core.sizes import format_size
@@ -177,9 +181,13 @@ def _orphan_of(directory: Path, entries: list[os.DirEntry[str]]) -> Orphan:
         with contextlib.suppress(OSError):
             total += e.stat(follow_symlinks=False).st_size
             files += is_segment_name(e.name)
-    base, _, port = directory.name.rpartition("-")
-    host_id = base if base and port.isdigit() else directory.name
-    return Orphan(str(directory), host_id, total, files)
+    return Orphan(str(directory), dir_host_id(directory.name), total, files)
+
+
+def dir_host_id(name: str) -> str:
+    """The host id a segment directory's name ``<host_id>-<port>`` carries (the whole name if it has no port)."""
+    base, _, port = name.rpartition("-")
+    return base if base and port.isdigit() else name
 
 
 def _held(directory: Path) -> bool:
@@ -217,35 +225,64 @@ def orphaned_dirs(shm_dir: str) -> list[Orphan]:
 
 
 def reclaim_orphans(shm_dir: str) -> list[Orphan]:
-    """Delete the orphaned segment directories under ``shm_dir``; returns those deleted.
+    """Delete the orphaned segment directories under ``shm_dir``; returns those deleted (``reclaim_dir``)."""
+    return [o for o in (reclaim_dir(Path(orphan.path)) for orphan in orphaned_dirs(shm_dir)) if o is not None]
 
-    Each one is deleted while holding its lock (so a store starting with that directory meanwhile waits
-    for it and then starts in a fresh one); a directory a store claimed since it was listed is skipped.
+
+def reclaim_dir(directory: Path) -> Orphan | None:
+    """Delete the orphaned segment directory ``directory``: what it held, or None if it was left alone (a
+    running store holds its lock, or it does not look like a store's).
+
+    Deleted while holding its lock (``taken_over``), so a store starting with that directory meanwhile waits
+    for it and then starts in a fresh one; a directory a store claimed since it was listed is skipped.
     """
-    reclaimed: list[Orphan] = []
-    for orphan in orphaned_dirs(shm_dir):
-        directory = Path(orphan.path)
+    with taken_over(directory) as entries:
+        if entries is None:
+            return None
+        final = _orphan_of(directory, entries)
+    log.info("reclaimed orphaned segment dir %s (%d segments, %s)", final.path, final.files, format_size(final.bytes))
+    return final
+
+
+@contextlib.contextmanager
+def taken_over(directory: Path) -> Iterator[list[os.DirEntry[str]] | None]:
+    """Hold the lock of ``directory``, a dead store's segment directory, and yield its entries; on exit remove
+    the directory with whatever is still in it (what the caller moved out stays). Yields None, and touches
+    nothing, when a running store holds the lock or it does not look like a store's."""
+    fd = None
+    if _store_dir_contents(directory) is not None:  # never create a lock file in somebody else's directory
         try:
             fd = try_lock(directory, create=True)
         except (StaleLock, OSError):
-            continue
-        if fd is None:
-            continue  # claimed since it was listed
-        try:
-            entries = _store_dir_contents(directory)
-            if entries is None:
-                continue
-            final = _orphan_of(directory, entries)
-            for e in entries:
-                if e.name != LOCK_NAME:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(e.path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(directory / LOCK_NAME)
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-            log.info("reclaimed orphaned segment dir %s (%d segments, %s)", final.path, final.files, format_size(final.bytes))
-            reclaimed.append(final)
-        finally:
-            os.close(fd)
-    return reclaimed
+            fd = None
+    if fd is None:
+        yield None  # held by a running store (or being reclaimed, or not a store's)
+        return
+    try:
+        entries = _store_dir_contents(directory)
+        yield entries
+        if entries is not None:
+            _remove_locked(directory)
+    finally:
+        os.close(fd)
+
+
+def _remove_locked(directory: Path) -> None:
+    """Remove every file of ``directory`` (a store's: ``_store_dir_contents``), its lock last, then the directory,
+    and the dead store's control socket beside it (``<directory>.sock``, memstore.server.local_control)."""
+    sock = directory.with_name(directory.name + ".sock")
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(os.lstat(sock).st_mode):
+            os.unlink(sock)
+    try:
+        names = [n for n in os.listdir(directory) if n != LOCK_NAME]
+    except OSError:
+        return
+    for name in names:
+        if _is_ours(name):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.unlink(directory / name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(directory / LOCK_NAME)
+    with contextlib.suppress(OSError):
+        directory.rmdir()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 from memstore import __version__
 from memstore.config import StoreConfig
@@ -49,6 +50,7 @@ from memstore.server.rings import ring_limit
 from memstore.server.saving import Saver
 from memstore.server.segments import SegmentPool
 from memstore.server.shm_dirs import segment_dir
+from memstore.server.shm_sweep import ShmSweeper
 from memstore.spill.port import DurableTier
 from memstore.v1.channel import boot_id
 from memstore.v1.security import Credentials
@@ -135,6 +137,13 @@ class Store:
             threading.Thread(target=self.janitor.loop, name="janitor", daemon=True),
             threading.Thread(target=self.assembler.loop, name="assembler", daemon=True),
         ]
+        # Dead stores' segment dirs on this machine: a predecessor's adopted, the rest reclaimed after a grace period.
+        self.sweeper: ShmSweeper | None = None
+        self._started = False
+        if self.pool.directory is not None:
+            grace = config.shm_reclaim_after
+            self.sweeper = ShmSweeper(self.pool.directory, self._predecessors, self._adopt_predecessor, grace, self._stop)
+            self._threads.append(threading.Thread(target=self.sweeper.loop, name="shm-sweep", daemon=True))
         if config.peers:  # a fixed --peers list: the table is known before serving
             self.membership.apply({h: (a, config.failure_domains.get(h, "")) for h, a in config.peers})
         self.adopted_shards = self.catalog.adopt_segments()
@@ -184,8 +193,29 @@ class Store:
     def _cluster_changed(self, view: ClusterView) -> None:
         self.peers.set_members(view.table.members())
         self._retention_due.set()  # repair and retention look again under the new placement
+        if self.sweeper is not None and self._started:
+            # Before the view is in force (Membership calls this first): a slot taken over has its former holder's
+            # dead segment dir adopted before the repair pass could pull the same shards.
+            try:
+                self.sweeper.sweep(self._predecessors(view))
+            except Exception:
+                log.exception("sweeping %s failed; the next sweep tries again", self.sweeper.shm_dir)
+
+    def _predecessors(self, view: ClusterView | None = None) -> set[str]:
+        """Host ids whose dead segment dirs on this machine this store adopts: its own (another port) and the
+        former holders of its slot (in ``view``, default the current one)."""
+        slot = (view or self.membership.view).my_slot
+        return {self.host_id, *(slot.former if slot is not None else ())}
+
+    def _adopt_predecessor(self, directory: Path) -> int:
+        adopted = self.catalog.adopt_segments(directory)
+        self.adopted_shards += adopted
+        return adopted
 
     def start(self) -> None:
+        self._started = True  # from now on a change of the slot table sweeps too (after this store's own leftovers)
+        if self.sweeper is not None:
+            self.sweeper.sweep()  # the slot table is known (joined): adopt before the first repair pass looks
         for t in self._threads:
             t.start()
         self.pool.start_reserve()
@@ -203,6 +233,8 @@ class Store:
             self.durable.close()
         self._stop.set()
         self._retention_due.set()
+        if self.sweeper is not None:
+            self.sweeper.due.set()
         self.catalog.wake()
         self.replicator.close()
         self.peers.close()

@@ -1,5 +1,6 @@
 """Shared memory of real stores is neither lost nor leaked: SIGTERM cleans up, --shm-keep-on-exit keeps,
-a SIGKILLed store's segments are orphans until its restart adopts them, one dir per host id and port."""
+a SIGKILLed store's segments are orphans until its restart (or a replacement under a new host id that takes over
+its slot) adopts them, one dir per host id and port."""
 
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ from pathlib import Path
 import pytest
 
 from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.devtools.shm_replacement import replace_once
+from memstore.devtools.shm_replacement import run as run_replacements
 from memstore.server.shm_dirs import orphaned_dirs, segment_dir
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import insecure_channel
+from tests.harness.dns import DnsServer
+from tests.harness.pods import Pods
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
 
@@ -110,3 +115,59 @@ def test_sigkilled_store_adopts_its_segments(make_cluster) -> None:
             assert c.last_load_source == "h0"  # served from its own (adopted) RAM, not pulled from h1
     health = cluster.health("h1")
     assert health is not None and not health.orphans
+
+
+def test_a_replacement_under_a_new_host_id_adopts_its_predecessors_shards_and_pulls_none(make_cluster) -> None:
+    """A replaced pod on the same node: SIGKILLed, its slot taken over by a new host id on the same --shm-dir."""
+    cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB", discovery="file", metrics=True)
+    old = store_dir(cluster, "h0")
+    save_steps(cluster, "h0", "swap", range(1, 3))
+    round_ = replace_once(cluster, "h0", "h2", steps=0, mib=0)
+    assert round_["stranded_by_sigkill_bytes"] > 0 and not old.exists(), cluster.log_tail("h2")
+    assert (round_["adopted_shards"], round_["repair_pulls"], round_["pulled_bytes"], round_["stranded_after_bytes"]) == (2, 0, 0, 0)
+    with CheckpointClient("swap", 0, 1, store=cluster.address("h2")) as c:
+        for step in (2, 1):
+            assert_same(c.load(step), rank_state(0, step, scale=32))
+            assert c.last_load_source == "h2"  # from the RAM it adopted
+
+
+@pytest.mark.slow
+def test_ten_sigkill_replacements_strand_nothing_and_repair_nothing() -> None:
+    """The measurement in docs/operations.md (``python -m memstore.devtools.shm_replacement``)."""
+    result = run_replacements(replacements=10, grace=1.0)
+    for r in result["rounds"]:
+        measured = (r["adopted_shards"], r["repair_pulls"], r["stranded_after_bytes"], r["exact"], r["served_locally"])
+        assert measured == (2, 0, 0, True, True), r
+    assert result["unreplaced"]["stranded_by_sigkill_bytes"] > 0 and result["unreplaced"]["reclaimed_after_s"] < 10
+
+
+@pytest.mark.slow
+def test_a_pod_replaced_after_a_sigkill_serves_its_predecessors_shards_without_repair(dns_server: DnsServer, tmp_path: Path) -> None:
+    """Kubernetes: pods named by their IPs behind DNS, every pod of the "node" on one --shm-dir. The replacement
+    adopts everything (a repair pull would stall it 60 s: it is ready at once), the live pod's directory stays."""
+    job, world = "pod-job", 2
+    pods = Pods(tmp_path, dns_server, world)
+    try:
+        pods.start_all()
+        for rank in range(world):
+            with CheckpointClient(job, rank, world, store=pods.node_address(rank), timeout=20, run_id="run") as c:
+                for step in (1, 2):
+                    assert c.save(step, rank_state(rank, step)).wait(timeout=30).copies == 2
+        dead = f"{pods.host_id(1)}-{pods.port}"
+        live = {p.name for p in (tmp_path / "shm").iterdir()} - {dead, f"{dead}.sock"}
+        assert len(live) == 2  # the other pod's directory and its control socket
+        old = pods.ips.pop(1)
+        pods.procs[old].kill()  # SIGKILL after the grace period: no drain
+        pods.procs[old].wait(timeout=10)
+        pods._publish()  # the endpoint leaves the Service
+        pods.start(1, env={"MEMSTORE_FAULTS": "repair.after_pull=stall:60"})
+        wait_for(lambda: pods.probe(1) == "SERVING", timeout=30, what="the new pod ready")
+        health = pods.health(1)
+        assert health is not None and health.adopted_shards == 4 and health.shards == 4, pods.log(pods.ips[1])
+        assert pods.held(1, job) == {(1, 0), (1, 1), (2, 0), (2, 1)}
+        dirs = {p.name for p in (tmp_path / "shm").iterdir()}
+        new = f"{pods.host_id(1)}-{pods.port}"
+        assert dirs == live | {new, f"{new}.sock"}  # the dead pod's directory and socket went, the live pod's stayed
+        assert orphaned_dirs(str(tmp_path / "shm")) == []
+    finally:
+        pods.close()

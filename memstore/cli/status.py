@@ -114,6 +114,7 @@ def _problems(s: Any, hosts: list[dict[str, Any]]) -> list[Any]:
             seen.add((machine, o["path"]))
             lines.append(render.warn(
                 f"orphaned shared memory: {o['path']} (host {o['host_id']}, {o['files']} segments, {render.size(o['bytes'])}) on "
-                f"the machine of {h['host']}; reclaim there with: memstore reclaim-shm --shm-dir {os.path.dirname(o['path'])}"
+                f"the machine of {h['host']}; its stores adopt it (a predecessor's) or reclaim it after --shm-reclaim-after, "
+                f"or at once with: memstore reclaim-shm --shm-dir {os.path.dirname(o['path'])}"
             ))  # fmt: skip
     return lines

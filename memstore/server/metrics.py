@@ -116,7 +116,8 @@ def state_families(s: Snapshot) -> list[Metric]:
         _gauge("adopted_shards", "Shards adopted at start from the segments a previous incarnation left in RAM.", h.adopted_shards),
         _gauge(
             "orphaned_shm_bytes",
-            "Bytes of segment directories under --shm-dir that no running store owns (adopted by a successor, else reclaimed after --shm-reclaim-after).",
+            "Bytes of segment directories under --shm-dir that no running store owns "
+            "(adopted by a successor, else reclaimed after --shm-reclaim-after).",
             sum(o.bytes for o in h.orphans),
         ),
     ]

@@ -206,7 +206,6 @@ def test_compression_is_chosen_per_job(make_inprocess_cluster, tmp_path) -> None
         CheckpointClient("zjob", 0, 1, store=cluster.address("h0"), spill_compression="lz4")
 
 
-
 def start_with_a_silent_owner(make_inprocess_cluster, root: Path, job: str, steps: range) -> LocalCluster:  # type: ignore[no-untyped-def]
     """Two stores in one group whose h0 never spills (what a lost owner leaves unspilled); ``steps`` saved, h1's own
     ranks of the due ones (every 2nd) spilled."""

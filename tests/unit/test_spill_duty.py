@@ -26,7 +26,10 @@ def table_of(*members: str, table: SlotTable | None = None) -> SlotTable:
     return next_table(table or SlotTable(), {h: (f"127.0.0.1:{i + 1}", "") for i, h in enumerate(members)})
 
 
-def duties(table: SlotTable, strategy: str = "mixed", replicas: int = 2, owners: tuple[str, ...] = ("h0", "h1", "h2", "h3")) -> dict[str, str]:
+OWNERS = ("h0", "h1", "h2", "h3")
+
+
+def duties(table: SlotTable, strategy: str = "mixed", replicas: int = 2, owners: tuple[str, ...] = OWNERS) -> dict[str, str]:
     placement = table.placement(strategy, replicas)
     return {o: spill_duty(o, table, placement) for o in owners}
 
@@ -60,7 +63,8 @@ def test_ring_order_and_no_table() -> None:
 
 def test_exactly_one_live_store_spills_each_owner_as_hosts_come_and_go() -> None:
     table = table_of("h0", "h1", "h2", "h3", "h4", "h5")
-    changes = [("h1", "h2", "h3", "h4", "h5"), ("h1", "h3", "h4", "h5"), ("h1", "h3", "h4", "h5", "h7"), ("h0", "h1", "h3", "h4", "h5", "h7")]
+    changes = [("h1", "h2", "h3", "h4", "h5"), ("h1", "h3", "h4", "h5"), ("h1", "h3", "h4", "h5", "h7"),
+               ("h0", "h1", "h3", "h4", "h5", "h7")]  # fmt: skip
     ever = ("h0", "h1", "h2", "h3", "h4", "h5", "h7")
     for members in changes:
         table = table_of(*members, table=table)

@@ -368,12 +368,13 @@ class Spiller:
             return []
         incomplete = (set(listing.manifests) | set(listing.shards) | listing.intents) - set(complete)
         doomed = steps_to_delete(complete, incomplete, self.retention)
+        spills_for: dict[str, bool] = {}  # owner host -> whether this store spills for it (asked once per owner)
         paths: list[str] = []
         for step in doomed:
             # Unpublish first (manifests), then the bytes; only the ranks this store spills for (whoever spills their
             # owner's shards now: a gone owner's successor collects them too), or debris of incomplete steps.
             ranks = set(listing.manifests.get(step, {})) | set(listing.shards.get(step, {}))
-            mine = {r for r in ranks if self._collects(job_id, step, r)} if step in complete else ranks
+            mine = {r for r in ranks if self._collects(job_id, step, r, spills_for)} if step in complete else ranks
             paths += [listing.manifests[step][r] for r in mine if r in listing.manifests.get(step, {})]
             paths += [listing.shards[step][r][0] for r in mine if r in listing.shards.get(step, {})]
             paths += self._interop_paths(job_id, step, mine)
@@ -419,12 +420,15 @@ class Spiller:
                 log.exception("spill listener %s: files of %s step %d not collected", type(listener).__name__, job_id, step)
         return paths
 
-    def _collects(self, job_id: str, step: int, rank: int) -> bool:
+    def _collects(self, job_id: str, step: int, rank: int, spills_for: dict[str, bool]) -> bool:
         """Whether this store deletes a published rank of a doomed step: it spills for that rank's owner now."""
         try:
-            return self.source.spills_for(self.read_manifest(job_id, step, rank).owner_host)
+            owner = self.read_manifest(job_id, step, rank).owner_host
         except (SpillStorageError, LayoutError):
             return False  # unreadable: whoever spills for it cannot tell either; the next pass tries again
+        if owner not in spills_for:
+            spills_for[owner] = self.source.spills_for(owner)
+        return spills_for[owner]
 
     # -- reading back ---------------------------------------------------------------------------------
     def read_into(self, key: ShardKey, allocate: object) -> SpilledManifest:

@@ -157,3 +157,19 @@ def test_a_successor_finds_what_the_owner_published_and_does_not_rewrite_it(tmp_
     assert published(tmp_path) == {2: {0, 1, 2, 3}}
     assert (tmp_path / "job/step-000000000002/rank-000000.shard").stat().st_mtime_ns == mtime  # found published: not rewritten
     assert taker.status["job"].bytes_written == 2 * len(after.shards[ShardKey("job", 2, 2, "t1")][1])
+
+
+def test_retention_deletes_only_the_ranks_whose_owner_this_store_spills_for(tmp_path: Path) -> None:
+    durable = Durable(f"file://{tmp_path}")
+    everyone = FakeSource()
+    everyone.duty = {"h0", "h1"}
+    for step in (2, 4):
+        for rank in range(4):
+            everyone.hold(step, rank, "h0" if rank < 2 else "h1")
+    Spiller(everyone, durable, every_steps=2, every_seconds=0, retention=RetentionPolicy(keep_last=5), codec="none",  # type: ignore[arg-type]
+            max_rate=0).run_once()  # fmt: skip
+    assert published(tmp_path) == {2: {0, 1, 2, 3}, 4: {0, 1, 2, 3}}
+    h1_only = FakeSource()  # h0 alive again: h1 collects its own ranks of the doomed step, h0 its own
+    Spiller(h1_only, durable, every_steps=2, every_seconds=0, retention=RetentionPolicy(keep_last=1), codec="none",  # type: ignore[arg-type]
+            max_rate=0).collect_garbage("job")  # fmt: skip
+    assert published(tmp_path) == {2: {0, 1}, 4: {0, 1, 2, 3}}

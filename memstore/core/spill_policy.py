@@ -3,12 +3,18 @@
 Every store decides on its own, so the decisions must agree without talking: the step-count
 trigger picks steps by a rule every store computes alike (``step % every_steps == 0``); the time
 trigger is coordinated through an intent marker in durable storage (see ``memstore.spill``).
+Who spills a shard (``spill_duty``) is decided from the slot table every store holds, alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from memstore.core.placement import Placement
+    from memstore.core.slots import SlotTable
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,23 @@ def due_by_steps(step: int, every_steps: int) -> bool:
 
 def due_by_time(last_spill_time: float | None, now: float, every_seconds: float) -> bool:
     return every_seconds > 0 and (last_spill_time is None or now - last_spill_time >= every_seconds)
+
+
+def spill_duty(owner_host: str, table: SlotTable, placement: Placement | None) -> str:
+    """The host that spills (and collects from durable storage) the shards ``owner_host`` captured.
+
+    The owner's slot (the one it holds, else the one it left last: ``SlotTable.owner_slot``) and its group
+    peers, in placement order (the owner's slot first): the current holder of the first of them that is
+    held. So the owner spills its own shards while it holds its slot; once it is gone the slot's successor
+    does (the same host id restarted, or a new host in its slot: it holds the shards again after repair);
+    while the slot is vacant, the next group peer in placement order does. Every store computes this from
+    the same table, so in steady state exactly one store spills each shard. "" when every slot of the
+    group is vacant. Without a table (a single store), or for an owner the table never knew, the owner.
+    """
+    slot = table.owner_slot(owner_host) if owner_host else None
+    if slot is None or placement is None:
+        return owner_host
+    return next((h for h in map(table.holder, placement.holders(slot.name)) if h), "")
 
 
 def steps_to_keep(complete: Mapping[int, Mapping[str, float]], policy: RetentionPolicy) -> set[int]:

@@ -193,16 +193,6 @@ class Catalog:
 
     # ---- the durable tier's reads (memstore.spill.port.ShardSource)
 
-    def owned_shards(self) -> list[Manifest]:
-        with self._lock:
-            return [
-                e.manifest for e in self._entries.values() if e.owner_host == self.host_id and e.state.settled and e.manifest is not None
-            ]
-
-    def owned_ranks(self, job_id: str) -> set[int]:
-        with self._lock:
-            return {k.rank for k, e in self._entries.items() if k.job_id == job_id and e.owner_host == self.host_id}
-
     @contextlib.contextmanager
     def pinned_bytes(self, key: ShardKey) -> Iterator[memoryview | None]:
         entry = self.get(key)

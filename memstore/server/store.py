@@ -34,6 +34,7 @@ from memstore.config import StoreConfig
 from memstore.core.floors import Floor, Floors
 from memstore.core.model import Manifest, ShardKey
 from memstore.core.reserve import ReservePolicy
+from memstore.core.spill_policy import spill_duty
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, SpillReport, job_census
 from memstore.server.assembler import Assembler
 from memstore.server.catalog import Catalog
@@ -126,9 +127,7 @@ class Store:
         self.list_shards = self.catalog.list_shards
         self.drain = self.drainer.drain  # the composition root's shutdown path (memstore.server.app)
 
-        # What the durable tier reads (memstore.spill.port.ShardSource).
-        self.owned_shards = self.catalog.owned_shards
-        self.owned_ranks = self.catalog.owned_ranks
+        # What the durable tier reads (memstore.spill.port.ShardSource), with spill_shards and spills_for below.
         self.pinned_bytes = self.catalog.pinned_bytes
         self.foreground_busy = self.catalog.foreground_busy
 
@@ -159,6 +158,25 @@ class Store:
         self.recovery.durable = tier
         self.janitor.durable = tier
         self.drainer.durable = tier
+
+    def spill_shards(self) -> list[Manifest]:
+        """The settled copies held here whose spill duty is this store's (``ShardSource``; ``spill_duty``)."""
+        view = self.membership.view  # one table for the whole answer
+        duty: dict[str, str] = {}
+        out = []
+        for e in self.catalog.settled_copies():
+            if e.cached or e.manifest is None:
+                continue  # pulled ahead of a restore: not one of the R copies
+            if e.owner_host not in duty:
+                duty[e.owner_host] = spill_duty(e.owner_host, view.table, view.placement)
+            if duty[e.owner_host] == self.host_id:
+                out.append(e.manifest)
+        return out
+
+    def spills_for(self, owner_host: str) -> bool:
+        """Whether this store spills the shards ``owner_host`` captured (``ShardSource``; ``spill_duty``)."""
+        view = self.membership.view
+        return spill_duty(owner_host, view.table, view.placement) == self.host_id
 
     def spilled(self) -> None:
         """A step was published (``ShardSource``): steps kept in RAM only until spilled may go now."""

@@ -6,12 +6,14 @@ The server's composition root (``memstore.server.app``) builds both: the ``Store
 
 Who calls what, in which order:
 
-- The spill loop, every pass: ``source.owned_shards()`` to see which settled steps this host owns
-  (and choose the due ones); for each shard it writes, ``with source.pinned_bytes(key) as view:``
+- The spill loop, every pass: ``source.spill_shards()`` to see which settled shards this store must spill
+  (its own, and those of a gone owner it took over: ``memstore.core.spill_policy.spill_duty``) and choose
+  the due steps; for each shard it writes, ``with source.pinned_bytes(key) as view:``
   (``None`` if the shard was evicted meanwhile; the bytes cannot be freed or reused while the block
   runs); between chunks ``source.foreground_busy()`` to yield to saves and replication; after a step is
   published ``source.spilled()`` so retention may evict steps it kept only for the spill;
-  ``source.owned_ranks(job)`` when collecting garbage.
+  ``source.spills_for(owner_host)`` when collecting garbage (a published rank is deleted by whoever
+  spills its owner's shards now).
 - Listeners (``SpillListener``): the spill loop calls ``published(spiller, shard)`` after publishing each
   rank and ``doomed_paths(...)`` when retention deletes a step.
 - The observer (``SpillObserver``, the store's metrics): ``shard_spilled(job, seconds, nbytes)`` after each
@@ -48,7 +50,7 @@ class JobSpillStatus:
     consecutive_failures: int = 0
     last_error: str = ""
     retry_at: float = 0.0
-    spilled: set[tuple[int, str]] = field(default_factory=set)  # versions (step, timeline) whose owned shards this store published
+    spilled: set[tuple[int, str, int]] = field(default_factory=set)  # (step, timeline, rank) this store published (or found published)
     bytes_written: int = 0
     # What durable storage held of the job (every store's ranks) when this store last listed it: no listing of its own.
     listed_steps: int = 0  # steps with at least one published rank
@@ -60,12 +62,13 @@ class ShardSource(Protocol):
 
     host_id: str
 
-    def owned_shards(self) -> list[Manifest]:
-        """Manifests of the settled, verified shards this host owns (its trainer ranks captured them)."""
+    def spill_shards(self) -> list[Manifest]:
+        """Manifests of the settled, verified copies held here whose spill duty is this store's: the shards its
+        trainer ranks captured while it holds its slot, and a gone owner's it took over (``spill_duty``)."""
         ...
 
-    def owned_ranks(self, job_id: str) -> set[int]:
-        """Ranks of ``job_id`` whose shards this host owns (any state)."""
+    def spills_for(self, owner_host: str) -> bool:
+        """Whether this store spills (and collects from durable storage) the shards ``owner_host`` captured."""
         ...
 
     def pinned_bytes(self, key: ShardKey) -> AbstractContextManager[memoryview | None]:
@@ -130,7 +133,7 @@ class SpillListener(Protocol):
     The spiller calls ``published(spiller, shard)`` after each rank of a step is published (or found
     published), from its own thread: a listener returns at once and never raises into the spill. When
     retention deletes a step, it asks ``doomed_paths(...)`` for the listener's own files in that step
-    (of ``ranks``, the ones this host owns) and deletes them with the step's.
+    (of ``ranks``, the ones this store collects) and deletes them with the step's.
     """
 
     def published(self, spiller: SpillerView, shard: Manifest) -> None: ...

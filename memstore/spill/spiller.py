@@ -1,11 +1,13 @@
 """The background task that spills committed steps to durable storage, and reads them back.
 
-Each store spills only the shards it owns (its trainer ranks'), so a step is spilled once every
-owner has published its ranks' manifests. Which steps:
+Each store spills the shards whose spill duty is its own (``memstore.core.spill_policy.spill_duty``):
+those its trainer ranks captured while it holds its slot, and, once their owner is gone, those of the
+slot it succeeded to or of the first held slot of the owner's group. A step is spilled once every rank's
+manifest is published. Which steps:
 
 - every ``--spill-every-steps N``: steps with ``step % N == 0`` (every store picks the same ones);
 - every ``--spill-every-seconds S``: the first store whose timer fires writes an intent marker
-  (``SPILL``) for its newest committed step; every owner that holds that step spills it too;
+  (``SPILL``) for its newest committed step; every store that spills shards of that step spills it too;
 - on SIGTERM: the newest committed step, within the grace time (``flush``).
 
 A shard is verified chunk by chunk against its capture checksums while it is written; its manifest
@@ -191,7 +193,7 @@ class Spiller:
     # -- the pass ---------------------------------------------------------------------------------
     def run_once(self, now: float | None = None) -> None:
         now = time.time() if now is None else now
-        for job_id, steps in self._owned_settled_steps().items():
+        for job_id, steps in self._duty().items():
             st = self.status.setdefault(job_id, JobSpillStatus())
             if time.monotonic() < st.retry_at:
                 continue
@@ -203,7 +205,7 @@ class Spiller:
                     self.durable.write_small(layout.intent_path(self.durable.root, job_id, newest), b"")
                     due.add(newest)
                 for step in sorted(due, reverse=True):  # newest first
-                    if (step, steps[step]) not in st.spilled:
+                    if _unspilled(st, steps[step]):
                         self.spill_step(job_id, step)
                 self.collect_garbage(job_id)
                 st.consecutive_failures = 0
@@ -211,12 +213,13 @@ class Spiller:
                 self._failed(st, job_id, exc)
 
     def protected_steps(self, job_id: str) -> set[int]:
-        """Owned steps due for spilling but not spilled yet: retention must not evict them from RAM first."""
+        """Steps this store must spill, due but not spilled yet (a gone owner's it took over too): retention must
+        not evict them from RAM first."""
         st = self.status.get(job_id, JobSpillStatus())
         cached = self._listing_cache.get(job_id)
         intents = cached[1].intents if cached else set()
-        steps = self._owned_settled_steps().get(job_id, {})
-        return {s for s, t in steps.items() if (due_by_steps(s, self.every_steps) or s in intents) and (s, t) not in st.spilled}
+        steps = self._duty().get(job_id, {})
+        return {s for s, ms in steps.items() if (due_by_steps(s, self.every_steps) or s in intents) and _unspilled(st, ms)}
 
     def _failed(self, st: JobSpillStatus, job_id: str, exc: Exception) -> None:
         st.consecutive_failures += 1
@@ -225,16 +228,18 @@ class Spiller:
         st.retry_at = time.monotonic() + backoff
         log.warning("spill of job %s failed (%d in a row, retry in %.1fs): %s", job_id, st.consecutive_failures, backoff, exc)
 
-    def _owned_settled_steps(self) -> dict[str, dict[int, str]]:
-        """job -> step -> timeline of the newest owned settled version of that step."""
+    def _duty(self) -> dict[str, dict[int, list[Manifest]]]:
+        """job -> step -> the shards of the newest settled version of that step this store must spill."""
+        shards = self.source.spill_shards()
         newest: dict[tuple[str, int], Manifest] = {}
-        for m in self.source.owned_shards():
+        for m in shards:
             k = (m.key.job_id, m.key.step)
             if k not in newest or m.created_unix > newest[k].created_unix:
                 newest[k] = m
-        out: dict[str, dict[int, str]] = {}
-        for (job, step), m in sorted(newest.items()):
-            out.setdefault(job, {})[step] = m.key.timeline
+        out: dict[str, dict[int, list[Manifest]]] = {}
+        for m in sorted(shards, key=lambda m: (m.key.job_id, m.key.step, m.key.rank)):
+            if m.key.timeline == newest[(m.key.job_id, m.key.step)].key.timeline:
+                out.setdefault(m.key.job_id, {}).setdefault(m.key.step, []).append(m)
         return out
 
     def _published_timeline(self, job_id: str, step: int, rank: int) -> tuple[str, float] | None:
@@ -248,9 +253,8 @@ class Spiller:
         return m.timeline, m.created_unix
 
     def spill_step(self, job_id: str, step: int) -> int:
-        """Publish every shard of ``step`` this store owns (its newest version). Returns bytes written."""
-        timeline = self._owned_settled_steps().get(job_id, {}).get(step)
-        entries = [m for m in self.source.owned_shards() if (m.key.job_id, m.key.step, m.key.timeline) == (job_id, step, timeline)]
+        """Publish every shard of ``step`` this store must spill (its newest version). Returns bytes written."""
+        entries = self._duty().get(job_id, {}).get(step, [])
         st = self.status.setdefault(job_id, JobSpillStatus())
         written = 0
         with self._lock:
@@ -262,10 +266,10 @@ class Spiller:
                         self.durable.delete([layout.manifest_path(self.durable.root, job_id, step, entry.key.rank)])
                         self._manifest_cache.pop(layout.manifest_path(self.durable.root, job_id, step, entry.key.rank), None)
                     written += self._spill_entry(entry)
-                # else published before (by this host's previous incarnation, or a newer version is there already)
+                # else published before (by the owner, its previous incarnation or the store that spilled it before
+                # this one took it over; or a newer version is there already)
                 self._after_publish(entry)
-        if timeline is not None:
-            st.spilled.add((step, timeline))
+                st.spilled.add((step, entry.key.timeline, entry.key.rank))
         st.last_spilled_step = max(st.last_spilled_step, step)
         st.last_spill_time = time.time()
         st.bytes_written += written
@@ -364,12 +368,13 @@ class Spiller:
             return []
         incomplete = (set(listing.manifests) | set(listing.shards) | listing.intents) - set(complete)
         doomed = steps_to_delete(complete, incomplete, self.retention)
-        owned = self._owned_ranks(job_id)
+        spills_for: dict[str, bool] = {}  # owner host -> whether this store spills for it (asked once per owner)
         paths: list[str] = []
         for step in doomed:
-            # Unpublish first (manifests), then the bytes; only ranks this store owns, or debris of incomplete steps.
+            # Unpublish first (manifests), then the bytes; only the ranks this store spills for (whoever spills their
+            # owner's shards now: a gone owner's successor collects them too), or debris of incomplete steps.
             ranks = set(listing.manifests.get(step, {})) | set(listing.shards.get(step, {}))
-            mine = {r for r in ranks if r in owned} if step in complete else ranks
+            mine = {r for r in ranks if self._collects(job_id, step, r, spills_for)} if step in complete else ranks
             paths += [listing.manifests[step][r] for r in mine if r in listing.manifests.get(step, {})]
             paths += [listing.shards[step][r][0] for r in mine if r in listing.shards.get(step, {})]
             paths += self._interop_paths(job_id, step, mine)
@@ -415,8 +420,15 @@ class Spiller:
                 log.exception("spill listener %s: files of %s step %d not collected", type(listener).__name__, job_id, step)
         return paths
 
-    def _owned_ranks(self, job_id: str) -> set[int]:
-        return self.source.owned_ranks(job_id)
+    def _collects(self, job_id: str, step: int, rank: int, spills_for: dict[str, bool]) -> bool:
+        """Whether this store deletes a published rank of a doomed step: it spills for that rank's owner now."""
+        try:
+            owner = self.read_manifest(job_id, step, rank).owner_host
+        except (SpillStorageError, LayoutError):
+            return False  # unreadable: whoever spills for it cannot tell either; the next pass tries again
+        if owner not in spills_for:
+            spills_for[owner] = self.source.spills_for(owner)
+        return spills_for[owner]
 
     # -- reading back ---------------------------------------------------------------------------------
     def read_into(self, key: ShardKey, allocate: object) -> SpilledManifest:
@@ -433,7 +445,7 @@ class Spiller:
         """Spill the newest committed step of every job within ``grace`` seconds. Returns what failed."""
         deadline = time.monotonic() + grace
         failures: list[str] = []
-        for job_id, steps in self._owned_settled_steps().items():
+        for job_id, steps in self._duty().items():
             if time.monotonic() >= deadline:
                 failures.append(f"{job_id}: grace time over before its turn")
                 continue
@@ -444,6 +456,11 @@ class Spiller:
             except (SpillStorageError, LayoutError) as exc:
                 failures.append(f"{job_id} step {newest}: {exc}")
         return failures
+
+
+def _unspilled(st: JobSpillStatus, shards: list[Manifest]) -> bool:
+    """Whether any of ``shards`` (of one step) is not yet published by this store (nor found published)."""
+    return any((m.key.step, m.key.timeline, m.key.rank) not in st.spilled for m in shards)
 
 
 def _as_timestamp(value: object) -> float:

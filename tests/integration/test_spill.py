@@ -204,3 +204,50 @@ def test_compression_is_chosen_per_job(make_inprocess_cluster, tmp_path) -> None
         assert c.last_load_source == "durable" or c.last_load_source.startswith("h")
     with pytest.raises(InvalidArgumentError, match="spill_compression"):
         CheckpointClient("zjob", 0, 1, store=cluster.address("h0"), spill_compression="lz4")
+
+
+def start_with_a_silent_owner(make_inprocess_cluster, root: Path, job: str, steps: range) -> LocalCluster:  # type: ignore[no-untyped-def]
+    """Two stores in one group whose h0 never spills (what a lost owner leaves unspilled); ``steps`` saved, h1's own
+    ranks of the due ones (every 2nd) spilled."""
+    args = ["--spill", f"file://{root}", "--spill-every-steps", "2"]
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB", keep=3, discovery="file", extra_args=args)
+    wait_for(lambda: {"h0", "h1"} <= set(cluster.servers), timeout=10, what="both servers built")
+    cluster.servers["h0"].store.durable.close()
+    save_steps(cluster, job, steps)
+    due = {s: {2, 3} for s in steps if s % 2 == 0}
+    wait_for(lambda: published(root, job) == due, timeout=30, what="h1 to spill its own ranks")
+    assert {rank for _, _, rank in cluster.servers["h1"].store.durable.status[job].spilled} == {2, 3}  # h0's are h0's
+    return cluster
+
+
+def restores_from_durable(cluster: LocalCluster, job: str, step: int, via: str) -> None:
+    for h in cluster.members:
+        cluster.kill(h)
+    for h in cluster.members:
+        cluster.restart(h)  # empty RAM: every rank comes back from the durable tier
+    for r in range(WORLD):
+        with CheckpointClient(job, r, WORLD, store=cluster.address(via)) as c:
+            assert_same(c.load(step), rank_state(r, step))
+            assert c.last_load_source == "durable"
+
+
+def test_a_lost_owners_shards_are_spilled_by_its_group_peer(make_inprocess_cluster, tmp_path) -> None:
+    root = tmp_path / "spill"
+    cluster = start_with_a_silent_owner(make_inprocess_cluster, root, "vacant", range(1, 3))
+    cluster.kill("h0")
+    cluster.remove_host("h0")  # h0's slot vacant: the next held slot of its group (h1's) spills h0's ranks
+    wait_for(lambda: 2 in complete_steps(root, "vacant"), timeout=30, what="h0's ranks spilled by h1")
+    restores_from_durable(cluster, "vacant", 2, via="h1")
+
+
+@pytest.mark.slow  # a replacement joins and repairs first (~5 s)
+def test_a_lost_owners_shards_are_spilled_by_its_slot_successor(make_inprocess_cluster, tmp_path) -> None:
+    root = tmp_path / "spill"
+    cluster = start_with_a_silent_owner(make_inprocess_cluster, root, "succ", range(1, 5))
+    cluster.kill("h0")
+    cluster.add_host("h9", replacing="h0")  # the successor in h0's slot: repairs h0's shards from h1, then spills them
+    wait_for(lambda: {2, 4} <= complete_steps(root, "succ"), timeout=30, what="h0's ranks spilled by its successor")
+    wait_for(lambda: "h9" in cluster.servers, timeout=10, what="h9's server built")
+    assert cluster.servers["h9"].store.durable.status["succ"].bytes_written > 0
+    assert {rank for _, _, rank in cluster.servers["h1"].store.durable.status["succ"].spilled} == {2, 3}  # never vacant
+    restores_from_durable(cluster, "succ", 4, via="h1")

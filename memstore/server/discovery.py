@@ -14,9 +14,9 @@ Who calls what, in which order (``memstore.server.app`` drives it):
    version and digest, and the answer carries the table (and the member list) only if it is newer, so a
    store sends ``GOSSIP_FANOUT`` and answers about as many Hellos per interval, each of a size that does not
    grow with the cluster while nothing changes. An asked store that finds the asker's table newer pulls it
-   from the asker at once (``Membership.take_newer_at``). A new table reaches every store in about
-   ``log_k N + ln N / k`` rounds (``memstore simulate protocol``). A source that fails or returns garbage keeps the last good membership; the
-   error shows in Health (``discovery``) and in the log, once per distinct error.
+   from the asker at once (``Membership.take_newer_at``). A new table reaches every store in O(log N)
+   rounds (modelled by ``memstore simulate protocol``). A source that fails or returns garbage keeps the
+   last good membership; the error shows in Health (``discovery``) and in the log, once per distinct error.
 3. ``close()`` on shutdown.
 """
 

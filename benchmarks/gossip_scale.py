@@ -7,7 +7,7 @@ For each host count, starts that many stores on 127.0.0.1, each following a peer
 every member), the idle Hello rate per store over ``--window`` seconds once joining settled, and the seconds
 (and gossip rounds of --discovery-interval 0.5 s) from one store applying a membership change that only its own
 peers file shows until every store holds the new slot table, with the model's rounds
-(``memstore simulate protocol``) beside it.
+(``memstore simulate protocol``) beside it; and the bytes of one Hello answer, in full and to a gossip ask.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ def main() -> None:
     p.add_argument("--json", default="", help="also write the results here")
     args = p.parse_args()
     results = [scale.run_gossip(int(n), args.window) for n in args.hosts.split(",")]
-    print(f"{'hosts':>5} {'Hello at start':>14} {'Hello/s':>8} {'per store/s':>11} {'converge s':>10} {'rounds':>6} {'model':>5}")
+    print(f"{'hosts':>5} {'Hello at start':>14} {'Hello/s':>8} {'per store/s':>11} {'converge s':>10} {'rounds':>6} {'model':>5} "
+          f"{'bytes full':>10} {'gossip':>6}")  # fmt: skip
     for r in results:
         idle, conv = r["idle"], r["convergence"]
         print(f"{r['hosts']:>5} {r['hello_at_start']:>14} {idle['hello_per_s']:>8.1f} {idle['hello_per_store_per_s']:>11.2f} "
-              f"{conv['seconds']:>10.2f} {conv['rounds']:>6.1f} {r['modelled_rounds']:>5}")  # fmt: skip
+              f"{conv['seconds']:>10.2f} {conv['rounds']:>6.1f} {r['modelled_rounds']:>5} "
+              f"{r['hello_bytes']['full']:>10} {r['hello_bytes']['gossip']:>6}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

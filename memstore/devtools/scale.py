@@ -200,6 +200,22 @@ def table_versions(cluster: LocalCluster, timeout: float = 2.0) -> dict[str, int
     return out
 
 
+def hello_bytes(cluster: LocalCluster, host: str) -> dict[str, int]:
+    """Bytes of ``host``'s Hello answer: in full (a client's ask) and to a gossip ask holding the same table."""
+    from memstore.server.convert import slots_from_pb
+    from memstore.v1 import store_pb2 as pb
+    from memstore.v1.channel import store_stub
+
+    channel, stub = store_stub(cluster.stores[host].address, cluster.credentials)
+    try:
+        full = stub.Hello(pb.HelloRequest(), timeout=10)
+        table = slots_from_pb(full.slots)
+        ask = pb.HelloRequest(known_slots_version=table.version, known_slots_digest=table.digest, asker_host_id=host)
+        return {"full": full.ByteSize(), "gossip": stub.Hello(ask, timeout=10).ByteSize()}
+    finally:
+        channel.close()
+
+
 def convergence(cluster: LocalCluster, leaving: str, seen_by: str, timeout: float = 120.0) -> dict[str, Any]:
     """Take ``leaving`` out of ``seen_by``'s peers file only; seconds (and gossip rounds) from ``seen_by``'s new table
     until every live store holds it."""
@@ -239,6 +255,7 @@ def run_gossip(hosts: int = 32, window: float = 10.0) -> dict[str, Any]:
                                "hello_at_start": rpc_counts(cluster).get("Hello", 0)}  # fmt: skip
         time.sleep(4 * DISCOVERY_INTERVAL)  # joining settles: the last joiners' rounds end
         out["idle"] = hello_rate(cluster, window)
+        out["hello_bytes"] = hello_bytes(cluster, "h1")
         out["convergence"] = convergence(cluster, leaving=f"h{hosts - 1}", seen_by="h0")
         out["modelled_rounds"] = gossip_rounds(hosts, GOSSIP_FANOUT)
         return out

@@ -39,3 +39,6 @@ def test_gossip_hello_rate_per_store_is_independent_of_n_and_a_change_converges_
     # A change one store's source sees reaches all 32 by gossip within a few times the model's O(log N) rounds
     # (plus a round of slack for polling every store's Hello on a loaded machine).
     assert large["convergence"]["rounds"] <= 3 * gossip_rounds(HOSTS, large["fanout"]) + 2
+    # A gossip answer to a store holding the same table leaves the table and member list out: its size does not grow.
+    assert large["hello_bytes"]["gossip"] <= small["hello_bytes"]["gossip"] + 16
+    assert 2 * large["hello_bytes"]["gossip"] < large["hello_bytes"]["full"]

@@ -15,11 +15,22 @@ One scenario, used by ``tests/integration/test_scale.py`` and ``benchmarks/resto
 Calls are counted on the stores' side from their Prometheus counters (``memstore_rpcs_total`` by method), so
 they include what the stores ask each other. Repair passes run every 10 minutes here so that they do not blur
 the counts (a replacement's first pass at start-up is counted: a user pays it).
+
+Membership gossip has its own scenario (``run_gossip``): ``hosts`` stores following a peers file each
+(``gossip_cluster``), the Hello calls each store serves per second on an idle cluster once joining settled
+(``hello_rate``), and how long a membership change that one store's source sees takes to reach every store
+(``convergence``).
+
+To add a measurement: write it as a function of a started ``LocalCluster`` that returns a dict (or a
+``Phase`` from ``phase``-style before/after ``rpc_counts``), and call it from ``run`` or ``run_gossip`` under a
+new key; ``tests/integration/test_scale.py`` and the benchmark scripts read the keys.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -135,3 +146,118 @@ def run(hosts: int = 32, ranks_per_host: int = 1, replicas: int = 2, state_kib: 
     finally:
         cluster.stop()
     return out
+
+
+# -- membership gossip ----------------------------------------------------------------------------
+DISCOVERY_INTERVAL = 0.5  # LocalCluster's --discovery-interval: the gossip round's period
+
+
+def gossip_cluster(hosts: int) -> LocalCluster:
+    """A cluster (not started) whose stores follow a peers file each (``peers-<host>.json``), so that a change
+    written to one store's file reaches the others only by gossip."""
+    cluster = LocalCluster(hosts=hosts, replicas=2, capacity="16MiB", metrics=True, discovery="file",
+                           extra_args=["--repair-interval", "600"])  # fmt: skip
+    for h, sp in cluster.stores.items():
+        own = own_peers_file(cluster, h)
+        shutil.copyfile(cluster.peers_file, own)
+        sp.args = [own if a == str(cluster.peers_file) else a for a in sp.args]
+    return cluster
+
+
+def own_peers_file(cluster: LocalCluster, host: str) -> str:
+    assert cluster.workdir is not None
+    return str(cluster.workdir / f"peers-{host}.json")
+
+
+def hello_rate(cluster: LocalCluster, seconds: float) -> dict[str, float]:
+    """Hello calls served per store per second over ``seconds`` (and the total per second)."""
+    live = sum(sp.alive for sp in cluster.stores.values())
+    before = rpc_counts(cluster).get("Hello", 0)
+    start = time.monotonic()
+    time.sleep(seconds)
+    after = rpc_counts(cluster).get("Hello", 0)
+    elapsed = time.monotonic() - start
+    total = (after - before) / elapsed
+    return {"seconds": round(elapsed, 2), "hello_per_s": round(total, 2), "hello_per_store_per_s": round(total / live, 3)}
+
+
+def table_versions(cluster: LocalCluster, timeout: float = 2.0) -> dict[str, int]:
+    """Each live store's slot-table version, from its Hello (-1: no answer)."""
+    from memstore.errors import StoreError
+    from memstore.server.peers import Peer
+
+    out: dict[str, int] = {}
+    for h, sp in cluster.stores.items():
+        if not sp.alive:
+            continue
+        peer = Peer(h, sp.address, cluster.credentials)
+        try:
+            out[h] = peer.hello(timeout).slots.version
+        except StoreError:
+            out[h] = -1
+        finally:
+            peer.close()
+    return out
+
+
+def hello_bytes(cluster: LocalCluster, host: str) -> dict[str, int]:
+    """Bytes of ``host``'s Hello answer: in full (a client's ask) and to a gossip ask holding the same table."""
+    from memstore.server.convert import slots_from_pb
+    from memstore.v1 import store_pb2 as pb
+    from memstore.v1.channel import store_stub
+
+    channel, stub = store_stub(cluster.stores[host].address, cluster.credentials)
+    try:
+        full = stub.Hello(pb.HelloRequest(), timeout=10)
+        table = slots_from_pb(full.slots)
+        ask = pb.HelloRequest(known_slots_version=table.version, known_slots_digest=table.digest, asker_host_id=host)
+        return {"full": full.ByteSize(), "gossip": stub.Hello(ask, timeout=10).ByteSize()}
+    finally:
+        channel.close()
+
+
+def convergence(cluster: LocalCluster, leaving: str, seen_by: str, timeout: float = 120.0) -> dict[str, Any]:
+    """Take ``leaving`` out of ``seen_by``'s peers file only; seconds (and gossip rounds) from ``seen_by``'s new table
+    until every live store holds it."""
+    before = table_versions(cluster)[seen_by]
+    cluster.members.remove(leaving)
+    cluster.write_endpoints(own_peers_file(cluster, seen_by))
+    written = time.monotonic()
+    target = before
+    while target <= before:
+        if time.monotonic() - written > timeout:
+            raise TimeoutError(f"{seen_by} did not apply its new peers file within {timeout}s")
+        target = table_versions(cluster)[seen_by]
+    changed = time.monotonic()
+    holds: dict[str, float] = {}
+    while len(holds) < sum(sp.alive for sp in cluster.stores.values()):
+        if time.monotonic() - changed > timeout:
+            raise TimeoutError(f"only {sorted(holds)} hold slot table v{target} after {timeout}s")
+        for h, v in table_versions(cluster).items():
+            if v >= target and h not in holds:
+                holds[h] = time.monotonic() - changed
+    seconds = max(holds.values())
+    return {"version": target, "seconds": round(seconds, 2), "rounds": round(seconds / DISCOVERY_INTERVAL, 1),
+            "median_seconds": round(sorted(holds.values())[len(holds) // 2], 2)}  # fmt: skip
+
+
+def run_gossip(hosts: int = 32, window: float = 10.0) -> dict[str, Any]:
+    """Hello traffic and convergence on ``hosts`` real stores: Hellos counted right after joining (the join round
+    with every member), the idle rate over ``window`` seconds after a settling pause, then one member removed from
+    one store's peers file."""
+    from memstore.server.discovery import GOSSIP_FANOUT
+    from memstore.sim.save_path import gossip_rounds
+
+    cluster = gossip_cluster(hosts)
+    try:
+        cluster.start(timeout=60 + 2 * hosts)
+        out: dict[str, Any] = {"hosts": hosts, "fanout": GOSSIP_FANOUT, "interval": DISCOVERY_INTERVAL,
+                               "hello_at_start": rpc_counts(cluster).get("Hello", 0)}  # fmt: skip
+        time.sleep(4 * DISCOVERY_INTERVAL)  # joining settles: the last joiners' rounds end
+        out["idle"] = hello_rate(cluster, window)
+        out["hello_bytes"] = hello_bytes(cluster, "h1")
+        out["convergence"] = convergence(cluster, leaving=f"h{hosts - 1}", seen_by="h0")
+        out["modelled_rounds"] = gossip_rounds(hosts, GOSSIP_FANOUT)
+        return out
+    finally:
+        cluster.stop()

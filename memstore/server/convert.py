@@ -131,8 +131,13 @@ def seen_to_pb(seen: list[Seen], unreachable: list[str]) -> pb.LatestStepRespons
     return pb.LatestStepResponse(found=bool(seen), versions=versions, unreachable_hosts=unreachable)
 
 
-def hello_to_pb(h: HelloReport) -> pb.HelloResponse:
+def hello_to_pb(h: HelloReport, brief: bool = False) -> pb.HelloResponse:
+    """``brief``: a gossip answer to an asker whose table is as new as ours: the slot table and the member list (the
+    parts that grow with the cluster) are left out, so the answer's size does not depend on the cluster's."""
     values = {f.name: getattr(h, f.name) for f in dataclasses.fields(h)}  # same names on both sides
+    if brief:
+        values.update(slots=None, peer_ids=(), peer_addresses=())
+        return pb.HelloResponse(**{k: v for k, v in values.items() if v is not None}, slots_omitted=True)
     return pb.HelloResponse(**{**values, "slots": slots_to_pb(h.slots)})
 
 

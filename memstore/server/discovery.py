@@ -10,8 +10,13 @@ Who calls what, in which order (``memstore.server.app`` drives it):
 2. ``start()`` once serving: the watcher polls the source every ``--discovery-interval`` seconds and
    applies each new membership to the table (``Membership.apply``); a gossip round runs at the same
    interval with up to ``GOSSIP_FANOUT`` random members and adopts a newer table
-   (``Membership.adopt``). A source that fails or returns garbage keeps the last good membership; the
-   error shows in Health (``discovery``) and in the log, once per distinct error.
+   (``Membership.adopt``). Gossip is push-pull with a constant cost: each Hello carries the asker's table
+   version and digest, and the answer carries the table (and the member list) only if it is newer, so a
+   store sends ``GOSSIP_FANOUT`` and answers about as many Hellos per interval, each of a size that does not
+   grow with the cluster while nothing changes. An asked store that finds the asker's table newer pulls it
+   from the asker at once (``Membership.take_newer_at``). A new table reaches every store in O(log N)
+   rounds (modelled by ``memstore simulate protocol``). A source that fails or returns garbage keeps the
+   last good membership; the error shows in Health (``discovery``) and in the log, once per distinct error.
 3. ``close()`` on shutdown.
 """
 
@@ -150,26 +155,41 @@ class ClusterFollower:
 
     def close(self) -> None:
         self._stop.set()
+        self.store.membership.wake()
         self.watcher.close()
         if self._gossip.is_alive():
             self._gossip.join(timeout=5)
 
     def _gossip_loop(self) -> None:
-        while not self._stop.wait(self.config.discovery_interval):
-            others = self.store.membership.view.others()
+        interval = self.config.discovery_interval
+        next_round = time.monotonic() + interval
+        while not self._stop.is_set():
+            # Between rounds, a member that showed us a newer table in its own round is asked at once (the pull half).
+            hosts = self.store.membership.take_newer_at(max(0.0, next_round - time.monotonic()))
+            if self._stop.is_set():
+                return
+            if not hosts:
+                if time.monotonic() < next_round:
+                    continue
+                next_round = time.monotonic() + interval
+                others = self.store.membership.view.others()
+                hosts = random.sample(others, min(GOSSIP_FANOUT, len(others)))
             try:
-                self.gossip_round(random.sample(others, min(GOSSIP_FANOUT, len(others))), self.config.peer_timeout)
+                self.gossip_round(hosts, self.config.peer_timeout)
                 self._report()
             except Exception:
                 log.exception("gossip round failed")
 
     def gossip_round(self, hosts: list[str], timeout: float, checks: bool = False) -> None:
-        """Ask ``hosts`` for their slot tables and adopt the newest; with ``checks``, refuse a differing layout."""
+        """Ask ``hosts`` for their slot tables and adopt the newest; with ``checks`` (at join), ask for the whole
+        answer and refuse a differing layout. Without, each asks with our table, so a peer whose table is not
+        newer answers without its own (and pulls ours if ours is newer)."""
         for h in hosts:
             if h == self.store.host_id:
                 continue
+            known = None if checks else self.store.membership.view.table
             try:
-                hello = self.store.peers[h].hello(timeout)
+                hello = self.store.peers[h].hello(timeout, known, self.store.host_id)
             except StoreError as exc:
                 log.debug("gossip: %s: %s", h, exc)
                 continue

@@ -96,6 +96,8 @@ class Membership:
         self._lock = threading.Lock()
         self._members: dict[str, tuple[str, str]] = {}
         self._view = ClusterView(host_id, SlotTable(), None)
+        self._newer_at: set[str] = set()  # members whose Hello showed a newer table than ours: pull from them
+        self._hint = threading.Event()
 
     @property
     def view(self) -> ClusterView:
@@ -125,6 +127,29 @@ class Membership:
             local = {s.index: replace(s, address=self._members[s.host_id][0]) for s in table.slots if s.host_id in self._members}
             ours = SlotTable(table.version, tuple(local.get(s.index, s) for s in table.slots))
             return self._move_to(ours, f"gossip from {source}")
+
+    def answer_gossip(self, ours: SlotTable, version: int, digest: str, asker: str) -> bool:
+        """A member (``asker``) gossips with us holding table ``(version, digest)``; ``ours`` is the table we answer
+        with. True if ours is newer (send it whole). If the asker's is newer, remember to pull it (push-pull:
+        ``take_newer_at``); an asker our table does not list is left to the next rounds."""
+        theirs = (version, digest)
+        if theirs > (ours.version, ours.digest) and asker in ours.members() and asker != self.host_id:
+            with self._lock:
+                self._newer_at.add(asker)
+            self._hint.set()
+        return (ours.version, ours.digest) > theirs
+
+    def take_newer_at(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` for a member known to hold a newer table; those heard of since the last call."""
+        self._hint.wait(timeout)
+        with self._lock:
+            self._hint.clear()
+            hosts, self._newer_at = sorted(self._newer_at), set()
+        return hosts
+
+    def wake(self) -> None:
+        """End a ``take_newer_at`` wait now (shutdown)."""
+        self._hint.set()
 
     def _move_to(self, table: SlotTable, why: str) -> bool:
         if table == self._view.table:

@@ -18,7 +18,7 @@ from typing import TypeVar
 import grpc
 
 from memstore.core.model import Manifest, ShardInfo, ShardKey, TransferHeader
-from memstore.core.slots import SlotTableError
+from memstore.core.slots import SlotTable, SlotTableError
 from memstore.core.status import HelloReport
 from memstore.errors import (
     ChecksumMismatch,
@@ -115,10 +115,15 @@ class Peer:
         for channel in [*self._retired, self._channel]:
             channel.close()
 
-    def hello(self, timeout: float) -> HelloReport:
-        """The peer's handshake, asked once: no retries, so a peer that is down costs one refused call."""
+    def hello(self, timeout: float, known: SlotTable | None = None, asker: str = "") -> HelloReport:
+        """The peer's handshake, asked once: no retries, so a peer that is down costs one refused call. With ``known``
+        (gossip: our table, and ``asker`` our host id) the peer leaves its slot table and member list out unless its
+        table is newer (the report then holds an empty table, which nobody adopts)."""
+        request = pb.HelloRequest()
+        if known is not None:
+            request = pb.HelloRequest(known_slots_version=known.version, known_slots_digest=known.digest, asker_host_id=asker)
         try:
-            return hello_from_pb(self.stub.Hello(pb.HelloRequest(), timeout=timeout))
+            return hello_from_pb(self.stub.Hello(request, timeout=timeout))
         except grpc.RpcError as err:
             raise _peer_error(self.host_id, "Hello", err) from None
         except SlotTableError as exc:

@@ -107,7 +107,12 @@ class StoreServicer(pb_grpc.StoreServicer):
     @rpc
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
         self._allow(context, Need.ANY)
-        return hello_to_pb(self.store.hello())
+        report = self.store.hello()
+        if not request.known_slots_digest:  # a client, a join check, drain, survey: the whole answer
+            return hello_to_pb(report)
+        membership = self.store.membership
+        newer = membership.answer_gossip(report.slots, request.known_slots_version, request.known_slots_digest, request.asker_host_id)
+        return hello_to_pb(report, brief=not newer)
 
     @rpc
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:

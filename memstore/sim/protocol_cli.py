@@ -15,6 +15,7 @@ from typing import Any
 
 from memstore.sim.flags import fraction, host_list, nonnegative_float, nonnegative_int, positive_float, positive_int
 from memstore.sim.protocol import ProtocolConfig, ProtocolPoint, run_protocol
+from memstore.sim.save_path import SaveConfig, SaveCost, save_cost
 
 HELP = "the restore protocol's messages and restart time at scale, legacy vs process group"
 DESCRIPTION = (
@@ -129,29 +130,43 @@ def title_of(cfg: ProtocolConfig) -> str:
     )
 
 
+MEASURED_HOSTS = (8, 16, 32)  # the save-path table also models the host counts measured on real stores
+
+
+def save_costs(configs: list[ProtocolConfig]) -> list[SaveCost]:
+    """The save path and gossip at the measured host counts and at every host count asked for."""
+    cfg = configs[0]
+    hosts = sorted({*MEASURED_HOSTS, *(c.hosts for c in configs)})
+    return [save_cost(SaveConfig(n, ranks_per_host=cfg.ranks_per_host, replicas=min(cfg.replicas, n))) for n in hosts]
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``memstore simulate protocol``; the exit code. :class:`argparse.ArgumentError` if the flags don't fit together."""
     configs, parameters = configs_from_args(args)
     started = time.perf_counter()
     points: list[ProtocolPoint] = [run_protocol(cfg) for cfg in configs]
+    saves = save_costs(configs)
     elapsed = time.perf_counter() - started
     title = title_of(configs[0])
     if not args.protocol_no_table:
         from rich.console import Console
 
-        from memstore.sim.report import render_protocol
+        from memstore.sim.report import render_protocol, render_save_path
 
         console = Console()
         if not console.is_terminal:  # piped / captured: don't squeeze the tables into 80 columns
             console = Console(width=240)
         render_protocol(points, console, title)
+        render_save_path(saves, console)
         console.print(f"[dim]{len(points)} host counts modelled in {elapsed * 1e3:.1f} ms (closed form)[/]")
     if args.protocol_json:
         from memstore.sim.report import protocol_to_json, write_json
 
-        print(f"wrote {write_json(args.protocol_json, protocol_to_json(points, parameters))}")
+        doc = {**protocol_to_json(points, parameters), "save_path": [c.to_dict() for c in saves]}
+        print(f"wrote {write_json(args.protocol_json, doc)}")
     if args.protocol_markdown:
-        from memstore.sim.report import protocol_markdown, write_text
+        from memstore.sim.report import protocol_markdown, save_path_markdown, write_text
 
-        print(f"wrote {write_text(args.protocol_markdown, protocol_markdown(points, title))}")
+        text = protocol_markdown(points, title) + "\n" + save_path_markdown(saves)
+        print(f"wrote {write_text(args.protocol_markdown, text)}")
     return 0

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from memstore.sim.model import STRATEGIES, PointResult
 from memstore.sim.protocol import COMPLEXITY, PROTOCOL_LABELS, PROTOCOLS, ProtocolConfig, ProtocolCost, ProtocolPoint, growth
+from memstore.sim.save_path import SAVE_METRICS, SaveCost, save_growth
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -424,3 +425,38 @@ def protocol_to_json(points: Sequence[ProtocolPoint], parameters: dict[str, Any]
         "growth": growth(points),
         "complexity": {name: {"legacy": lo, "group": go} for name, (_, lo, go) in COMPLEXITY.items()},
     }
+
+
+# -- the save path and gossip (memstore.sim.save_path) -----------------------------------------------
+SAVE_TITLE = (
+    "save path per saved step beyond --keep (today: every store lists every other; floor: agreed in the process group) "
+    "and gossip per --discovery-interval (full answers vs push-pull). Model outputs, not measurements"
+)
+
+
+def save_rows(costs: Sequence[SaveCost]) -> tuple[list[str], list[list[str]]]:
+    """(headers, rows): one row per metric, one column per host count, then its order and exponents."""
+    ordered = sorted(costs, key=lambda c: c.hosts)
+    steps = [f"e {a.hosts:,}->{b.hosts:,}" for a, b in itertools.pairwise(ordered)]
+    exps = save_growth(ordered)
+    headers = ["metric", *(f"N={c.hosts:,}" for c in ordered), "order", *steps]
+    rows = [[label, *(_count(getattr(c, name)) for c in ordered), order, *(_exponent(e) for e in exps[name])]
+            for name, label, order in SAVE_METRICS]  # fmt: skip
+    return headers, rows
+
+
+def render_save_path(costs: Sequence[SaveCost], console: Console) -> None:
+    from rich.table import Table
+
+    headers, rows = save_rows(costs)
+    t = Table(title=SAVE_TITLE, title_justify="left")
+    for i, name in enumerate(headers):
+        t.add_column(name, justify="left" if i == 0 or name == "order" else "right")
+    for row in rows:
+        t.add_row(*row)
+    console.print(t)
+
+
+def save_path_markdown(costs: Sequence[SaveCost]) -> str:
+    headers, rows = save_rows(costs)
+    return f"{SAVE_TITLE}:\n\n{_markdown(headers, [i > 0 and h != 'order' for i, h in enumerate(headers)], rows)}\n"

@@ -111,11 +111,17 @@ class ShardInfo(_message.Message):
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., state: _Optional[_Union[ShardState, str]] = ..., verified: _Optional[bool] = ..., error: _Optional[str] = ..., copies: _Optional[int] = ..., superseded: _Optional[bool] = ..., cached: _Optional[bool] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("known_slots_version", "known_slots_digest", "asker_host_id")
+    KNOWN_SLOTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_SLOTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ASKER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    known_slots_version: int
+    known_slots_digest: str
+    asker_host_id: str
+    def __init__(self, known_slots_version: _Optional[int] = ..., known_slots_digest: _Optional[str] = ..., asker_host_id: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("host_id", "version", "replicas", "peer_ids", "peer_addresses", "shm_dir", "boot_id", "capacity_bytes", "max_chunk_bytes", "placement", "data_port", "slots", "draining", "failure_domain", "control_socket")
+    __slots__ = ("host_id", "version", "replicas", "peer_ids", "peer_addresses", "shm_dir", "boot_id", "capacity_bytes", "max_chunk_bytes", "placement", "data_port", "slots", "draining", "failure_domain", "control_socket", "slots_omitted")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +137,7 @@ class HelloResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     version: str
     replicas: int
@@ -146,7 +153,8 @@ class HelloResponse(_message.Message):
     draining: bool
     failure_domain: str
     control_socket: str
-    def __init__(self, host_id: _Optional[str] = ..., version: _Optional[str] = ..., replicas: _Optional[int] = ..., peer_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., boot_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., placement: _Optional[str] = ..., data_port: _Optional[int] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., draining: _Optional[bool] = ..., failure_domain: _Optional[str] = ..., control_socket: _Optional[str] = ...) -> None: ...
+    slots_omitted: bool
+    def __init__(self, host_id: _Optional[str] = ..., version: _Optional[str] = ..., replicas: _Optional[int] = ..., peer_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., boot_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., placement: _Optional[str] = ..., data_port: _Optional[int] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., draining: _Optional[bool] = ..., failure_domain: _Optional[str] = ..., control_socket: _Optional[str] = ..., slots_omitted: _Optional[bool] = ...) -> None: ...
 
 class SlotTable(_message.Message):
     __slots__ = ("version", "slots")

@@ -20,6 +20,7 @@ from memstore.server.entries import Entry
 from memstore.server.events import StoreEvents
 from memstore.server.membership import Membership
 from memstore.server.peers import PeerDirectory
+from memstore.v1.datachannel import stream_count
 from memstore.v1.integrity import compute_checksums
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ def push_copy(peers: PeerDirectory, config: StoreConfig, peer_id: str, header: T
     peer = peers[peer_id]
     if config.data_plane == "tcp":
         try:
-            peer.push_data(header, view, deadline, config.peer_timeout)
+            streams = stream_count(header.manifest.nbytes, header.manifest.chunk_size, config.transfer_streams)
+            peer.push_data(header, view, deadline, config.peer_timeout, streams)
             return
         except DataChannelUnsupported:
             log.info("peer %s has no data channel; falling back to gRPC streams", peer_id)

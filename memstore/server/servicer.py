@@ -221,12 +221,12 @@ class StoreServicer(pb_grpc.StoreServicer):
     def PrepareReceive(self, request: pb.PutHeader, context: grpc.ServicerContext) -> pb.DataTicket:
         header = transfer_from_pb(request)
         self._allow_transfer(context, header)
-        return pb.DataTicket(ticket=self.store.prepare_receive(header), data_port=self.store.data_port)
+        return pb.DataTicket(ticket=self.store.prepare_receive(header, request.streams), data_port=self.store.data_port)
 
     @rpc
     def PrepareSend(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.PrepareSendResponse:
         self._allow(context, Need.JOB, request.key.job_id)
-        manifest, ticket = self.store.prepare_send(key_from_pb(request.key))
+        manifest, ticket = self.store.prepare_send(key_from_pb(request.key), request.streams)
         return pb.PrepareSendResponse(manifest=manifest_to_pb(manifest), ticket=ticket, data_port=self.store.data_port)
 
     @rpc

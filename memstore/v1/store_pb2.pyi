@@ -346,14 +346,16 @@ class CommitResponse(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("manifest", "origin", "sender_host")
+    __slots__ = ("manifest", "origin", "sender_host", "streams")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     SENDER_HOST_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     origin: PutOrigin
     sender_host: str
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., origin: _Optional[_Union[PutOrigin, str]] = ..., sender_host: _Optional[str] = ...) -> None: ...
+    streams: int
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., origin: _Optional[_Union[PutOrigin, str]] = ..., sender_host: _Optional[str] = ..., streams: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -420,12 +422,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("key", "chunk_size")
+    __slots__ = ("key", "chunk_size", "streams")
     KEY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     chunk_size: int
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+    streams: int
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., chunk_size: _Optional[int] = ..., streams: _Optional[int] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("manifest", "chunk")

@@ -91,12 +91,14 @@ class FakePeer:
         self.pushes.append(header.manifest.key)
         self.held[header.manifest.key] = (header.manifest, bytes(view))
 
-    def push_data(self, header: TransferHeader, view: memoryview, timeout: float, control_timeout: float) -> None:
+    def push_data(self, header: TransferHeader, view: memoryview, timeout: float, control_timeout: float, streams: int = 1) -> None:
         if not self.data_channel:
             raise DataChannelUnsupported(f"{self.host_id} has no data channel")
         self.push(header, view, timeout)
 
-    def pull_data(self, key: ShardKey, into: Callable[[Manifest], memoryview], timeout: float, control_timeout: float) -> Manifest:
+    def pull_data(
+        self, key: ShardKey, into: Callable[[Manifest], memoryview], timeout: float, control_timeout: float, streams: int = 0
+    ) -> Manifest:
         raise DataChannelUnsupported(f"{self.host_id} has no data channel")
 
     def get(self, key: ShardKey, timeout: float) -> tuple[Manifest, Iterator[bytes], Any]:

@@ -7,6 +7,7 @@ import logging
 import secrets
 import socket
 import time
+from dataclasses import replace
 
 from memstore.config import StoreConfig
 from memstore.core.model import Manifest, ShardKey, TransferHeader
@@ -21,11 +22,10 @@ from memstore.v1.datachannel import (
     TICKET_BYTES,
     Parts,
     abort_check,
-    byte_span,
     granted_streams,
     part_spans,
     receive_verified,
-    send_all,
+    send_chunks,
     send_status,
 )
 
@@ -48,14 +48,23 @@ class DataPath:
     def _deadline(self, nbytes: int) -> float:
         return time.monotonic() + 10.0 + nbytes / self.config.transfer_min_rate
 
-    def prepare_receive(self, header: TransferHeader, streams: int = 1) -> bytes:
+    def prepare_receive(self, header: TransferHeader, streams: int = 1, checksums_follow: bool = False) -> bytes:
         """Reserve memory for a shard that will arrive on the data channel in up to ``streams`` parallel streams;
-        returns one 16-byte one-time ticket per stream, concatenated."""
+        returns one 16-byte one-time ticket per stream, concatenated. ``checksums_follow``: the header's checksums are
+        placeholders, each chunk's comes after it on the data connection and the registered manifest carries those."""
         inbound = self.saver.begin_receive(header)
         m = inbound.manifest
         spans = part_spans(m.nbytes, m.chunk_size, granted_streams(streams, m.nbytes, m.chunk_size, self.config.transfer_streams))
         deadline = self._deadline(m.nbytes)
-        parts = Parts(len(spans), lambda: self.saver.finish_receive(inbound), lambda: self.catalog.abort_inbound(inbound))
+
+        def finish() -> None:
+            if parts.checksums is not None:
+                inbound.manifest = replace(m, checksums=tuple(parts.checksums))
+            self.saver.finish_receive(inbound)
+
+        parts = Parts(len(spans), finish, lambda: self.catalog.abort_inbound(inbound))
+        if checksums_follow:
+            parts.checksums = [0] * len(m.checksums)
         tickets = [secrets.token_bytes(TICKET_BYTES) for _ in spans]
         for ticket, chunks in zip(tickets, spans, strict=True):
             self.catalog.add_ticket(ticket, Ticket(deadline, inbound=inbound, chunks=chunks, parts=parts))
@@ -89,10 +98,9 @@ class DataPath:
         if t.outbound is not None:
             entry = t.outbound
             try:
-                assert entry.manifest is not None
-                off, length = byte_span(entry.nbytes, entry.manifest.chunk_size, t.chunks or (0, len(entry.manifest.checksums)))
-                view = entry.segment.view(entry.nbytes)[off : off + length]
-                send_all(sock, view, t.deadline, on_piece=lambda: fault("serve.after_chunk"))
+                assert entry.manifest is not None and t.chunks is not None
+                view = entry.segment.view(entry.nbytes)
+                send_chunks(sock, view, entry.manifest.chunk_size, t.chunks, t.deadline, on_piece=lambda: fault("serve.after_chunk"))
             finally:
                 self.catalog.unpin(entry)
             return
@@ -104,7 +112,8 @@ class DataPath:
             check()
 
         try:
-            receive_verified(sock, t.inbound.manifest, t.inbound.segment.view(), t.deadline, on_chunk=on_chunk, chunks=t.chunks)
+            view = t.inbound.segment.view()
+            receive_verified(sock, t.inbound.manifest, view, t.deadline, on_chunk=on_chunk, chunks=t.chunks, streamed=parts.checksums)
         except BaseException as exc:
             parts.end(exc)
         else:

@@ -8,7 +8,9 @@ once per call, never per chunk.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -35,6 +37,7 @@ from memstore.server.convert import hello_from_pb, info_from_pb, key_to_pb, mani
 from memstore.v1 import datachannel
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import capacity_numbers, store_stub
+from memstore.v1.integrity import StreamedChecksums
 from memstore.v1.security import Credentials
 from memstore.v1.streams import put_requests
 
@@ -148,11 +151,25 @@ class Peer:
     def host(self) -> str:
         return self.address.rpartition(":")[0].strip("[]")
 
-    def push_data(self, header: TransferHeader, view: memoryview, timeout: float, control_timeout: float, streams: int = 1) -> None:
+    def _data_connection(self, port: int, control_timeout: float) -> socket.socket:
+        return datachannel.connect(self.host, port, control_timeout, self._ssl, self.credentials.server_name)
+
+    def push_data(
+        self,
+        header: TransferHeader,
+        view: memoryview,
+        timeout: float,
+        control_timeout: float,
+        streams: int = 1,
+        sums: StreamedChecksums | None = None,
+    ) -> None:
         """Push a shard over the bulk data channel in up to ``streams`` parallel streams (as many as the peer grants).
-        UNIMPLEMENTED peers raise DataChannelUnsupported."""
+
+        ``sums``: the header's checksums are placeholders; each chunk is hashed as it goes and its checksum follows it
+        (a peer too old for that raises DataChannelUnsupported, as does one without a data channel: UNIMPLEMENTED)."""
         wire = transfer_to_pb(header)
         wire.streams = streams
+        wire.checksums_follow = sums is not None
         try:
             # The peer reserves (and faults in) the whole segment before answering: give it the transfer deadline.
             ticket = self._call(lambda: self.stub.PrepareReceive(wire, timeout=max(control_timeout, timeout)))
@@ -163,11 +180,14 @@ class Peer:
         deadline = time.monotonic() + timeout
         m = header.manifest
         tickets = datachannel.split_tickets(ticket.ticket)
+        if sums is not None and not ticket.checksums_follow:  # it expects the placeholders: fail its streams at once
+            for one in tickets:
+                with contextlib.suppress(DataChannelError), self._data_connection(ticket.data_port, control_timeout) as sock:
+                    sock.sendall(one)
+            raise DataChannelUnsupported(f"{self.host_id} (no streamed checksums)")
         errors: list[str] = []
 
         def stream(one: bytes, chunks: tuple[int, int]) -> Callable[[threading.Event], None]:
-            off, length = datachannel.byte_span(m.nbytes, m.chunk_size, chunks)
-
             def run(failed: threading.Event) -> None:
                 check = datachannel.abort_check(failed)
 
@@ -175,9 +195,9 @@ class Peer:
                     fault("replicate.after_chunk")
                     check()
 
-                with datachannel.connect(self.host, ticket.data_port, control_timeout, self._ssl, self.credentials.server_name) as sock:
+                with self._data_connection(ticket.data_port, control_timeout) as sock:
                     sock.sendall(one)
-                    datachannel.send_all(sock, view[off : off + length], deadline, on_piece=on_piece)
+                    datachannel.send_chunks(sock, view, m.chunk_size, chunks, deadline, sums, on_piece)
                     error = datachannel.read_status(sock, deadline)
                 if error is not None:
                     errors.append(error)
@@ -213,7 +233,7 @@ class Peer:
 
         def stream(one: bytes, chunks: tuple[int, int]) -> Callable[[threading.Event], None]:
             def run(failed: threading.Event) -> None:
-                with datachannel.connect(self.host, prepared.data_port, control_timeout, self._ssl, self.credentials.server_name) as sock:
+                with self._data_connection(prepared.data_port, control_timeout) as sock:
                     sock.sendall(one)
                     datachannel.receive_verified(sock, manifest, dest, deadline, datachannel.abort_check(failed), True, chunks)
 

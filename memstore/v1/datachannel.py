@@ -25,13 +25,14 @@ from collections.abc import Callable, Sequence
 
 from memstore.core.model import Manifest
 from memstore.errors import DataChannelError
-from memstore.v1.integrity import chunk_count, chunk_spans
+from memstore.v1.integrity import StreamedChecksums, chunk_count, chunk_spans
 from memstore.v1.pagefaults import FaultAhead
 from memstore.v1.streams import verify_chunk
 
 TICKET_BYTES = 16
 STATUS_OK = 0
 STATUS_FAILED = 1
+CHECKSUM = struct.Struct("<Q")  # a streamed chunk checksum (PutHeader.checksums_follow), after its chunk
 SOCKET_BUFFER_BYTES = 4 << 20
 # Bytes moved per send/recv call: large enough to amortise the syscall, small enough to stay in L2.
 IO_SLICE_BYTES = 1 << 20
@@ -122,6 +123,7 @@ class Parts:
         self._finish = finish
         self._abort = abort
         self.error: BaseException | None = None
+        self.checksums: list[int] | None = None  # streamed checksums (PutHeader.checksums_follow), as they land
         self.failed = threading.Event()  # some stream failed: the others stop at their next chunk
         self.done = threading.Event()
 
@@ -200,6 +202,28 @@ def send_all(sock: socket.socket, view: memoryview, deadline: float, on_piece: C
             on_piece()
 
 
+def send_chunks(
+    sock: socket.socket,
+    shard: memoryview,
+    chunk_size: int,
+    chunks: tuple[int, int],
+    deadline: float,
+    sums: StreamedChecksums | None = None,
+    on_piece: Callable[[], None] | None = None,
+) -> None:
+    """Send the chunks ``[first, end)`` of ``shard``; with ``sums``, each chunk is hashed just before it goes and its
+    checksum follows it, so hashing chunk i+1 overlaps chunk i on the wire (``receive_verified(streamed=)``)."""
+    off, length = byte_span(len(shard), chunk_size, chunks)
+    if sums is None:
+        send_all(sock, shard[off : off + length], deadline, on_piece)
+        return
+    for index in range(*chunks):
+        start = index * chunk_size
+        value = sums.of(index, shard)
+        send_all(sock, shard[start : min(len(shard), start + chunk_size)], deadline, on_piece)
+        send_all(sock, memoryview(CHECKSUM.pack(value)), deadline)
+
+
 def _set_deadline(sock: socket.socket, deadline: float) -> None:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
@@ -215,12 +239,15 @@ def receive_verified(
     on_chunk: Callable[[], None] | None = None,
     fault_ahead: bool = False,
     chunks: tuple[int, int] | None = None,
+    streamed: list[int] | None = None,
 ) -> None:
     """Read the shard's bytes into ``dest`` chunk by chunk, verifying each; StreamError on a mismatch.
 
     ``fault_ahead``: ``dest`` is fresh memory; a second thread faults its pages in ahead of the socket
     (``FaultAhead``), so allocating and zeroing them overlaps the transfer instead of adding to it.
     ``chunks``: this stream carries only the chunks ``[first, end)`` (one of several parallel streams).
+    ``streamed``: each chunk is followed by its checksum, verified against and recorded here (the manifest's are
+    placeholders).
     """
     out = memoryview(dest)
     first, end = chunks if chunks is not None else (0, chunk_count(manifest.nbytes, manifest.chunk_size))
@@ -232,7 +259,13 @@ def receive_verified(
                 continue
             piece = out[off : off + length]
             recv_exact(sock, piece, deadline)
-            verify_chunk(manifest, index, piece, where=" on the data channel")
+            if streamed is None:
+                verify_chunk(manifest, index, piece, where=" on the data channel")
+            else:
+                trailer = bytearray(CHECKSUM.size)
+                recv_exact(sock, memoryview(trailer), deadline)
+                (streamed[index],) = CHECKSUM.unpack(trailer)
+                verify_chunk(manifest, index, piece, " on the data channel", expected=streamed[index])
             if on_chunk:
                 on_chunk()
     finally:

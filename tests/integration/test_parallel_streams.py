@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from memstore.devtools.cluster import wait_for
 from memstore.errors import ChecksumMismatch, ConfigError, PeerUnavailable
 from memstore.server.peers import PeerDirectory
 from memstore.v1.datachannel import byte_span, granted_streams, part_spans, stream_count
-from memstore.v1.integrity import compute_checksums
+from memstore.v1.integrity import StreamedChecksums, compute_checksums
 from tests.harness.inprocess import store_config
 
 CHUNK = 64 << 10
@@ -29,6 +30,7 @@ def pair(make_inprocess_cluster) -> Iterator[Any]:  # type: ignore[no-untyped-de
     cluster = make_inprocess_cluster(
         hosts=2, replicas=2, capacity="64MiB", extra_args=["--chunk-bytes", str(CHUNK), "--transfer-streams", "4"]
     )
+    wait_for(lambda: {"h0", "h1"} <= set(cluster.servers), timeout=10, what="both stores to serve")
     directory = PeerDirectory("h0", [("h0", cluster.address("h0")), ("h1", cluster.address("h1"))])
     yield cluster, directory
     directory.close()
@@ -84,6 +86,31 @@ def test_a_stream_that_dies_midway_fails_the_transfer_and_frees_the_memory(pair,
     monkeypatch.setattr(faults, "_PLAN", {})
     peers["h1"].push_data(shard(3, data), memoryview(data), 10.0, 5.0, streams=4)  # nothing half-registered blocks a retry
     assert held(cluster, "h1") == {3}
+
+
+def test_streamed_checksums_register_the_true_ones(pair) -> None:  # type: ignore[no-untyped-def]
+    cluster, peers = pair
+    data = bytearray(os.urandom(NBYTES))
+    true = shard(4, data)
+    placeholders = replace(true, manifest=replace(true.manifest, checksums=(0,) * len(true.manifest.checksums)))
+    sums = StreamedChecksums(NBYTES, CHUNK)
+    peers["h1"].push_data(placeholders, memoryview(data), 10.0, 5.0, streams=4, sums=sums)
+    assert sums.complete(memoryview(data)) == true.manifest.checksums
+    (info,) = cluster.servers["h1"].store.catalog.list_shards(JOB)
+    assert info.manifest.checksums == true.manifest.checksums  # the receiver's manifest: what came with the chunks
+
+
+def test_streamed_checksums_catch_a_capture_that_changed_after_hashing(pair) -> None:  # type: ignore[no-untyped-def]
+    cluster, peers = pair
+    data = bytearray(os.urandom(NBYTES))
+    true = shard(5, data)
+    placeholders = replace(true, manifest=replace(true.manifest, checksums=(0,) * len(true.manifest.checksums)))
+    sums = StreamedChecksums(NBYTES, CHUNK)
+    sums.of(9, memoryview(data))  # chunk 9 hashed, then its bytes change before they are sent
+    data[9 * CHUNK + 3] ^= 0x01
+    with pytest.raises(ChecksumMismatch, match="chunk 9"):
+        peers["h1"].push_data(placeholders, memoryview(data), 10.0, 5.0, streams=4, sums=sums)
+    assert held(cluster, "h1") == set()
 
 
 def test_streams_come_from_the_size_and_the_flag() -> None:

@@ -196,9 +196,7 @@ class Peer:
                     check()
 
                 with self._data_connection(ticket.data_port, control_timeout) as sock:
-                    sock.sendall(one)
-                    datachannel.send_chunks(sock, view, m.chunk_size, chunks, deadline, sums, on_piece)
-                    error = datachannel.read_status(sock, deadline)
+                    error = datachannel.push_part(sock, one, view, m.chunk_size, chunks, deadline, sums, on_piece)
                 if error is not None:
                     errors.append(error)
 

@@ -281,6 +281,40 @@ def send_status(sock: socket.socket, error: str | None) -> None:
         sock.sendall(bytes([STATUS_FAILED]) + struct.pack("<I", len(data)) + data)
 
 
+def push_part(
+    sock: socket.socket,
+    ticket: bytes,
+    shard: memoryview,
+    chunk_size: int,
+    chunks: tuple[int, int],
+    deadline: float,
+    sums: StreamedChecksums | None = None,
+    on_piece: Callable[[], None] | None = None,
+) -> str | None:
+    """One stream of a push: the ticket, the chunks ``[first, end)`` (``send_chunks``), then the receiver's answer:
+    None if it stored the shard, else its error. A send that fails because the receiver refused the shard and closed
+    returns that refusal where it can still be read."""
+    sock.sendall(ticket)
+    try:
+        send_chunks(sock, shard, chunk_size, chunks, deadline, sums, on_piece)
+    except StreamAborted:
+        raise
+    except DataChannelError:
+        error = refusal(sock)
+        if error is None:
+            raise
+        return error
+    return read_status(sock, deadline)
+
+
+def refusal(sock: socket.socket, wait: float = 1.0) -> str | None:
+    """After a send failed: the refusal the receiver sent before it closed, if it can still be read, else None."""
+    try:
+        return read_status(sock, time.monotonic() + wait)
+    except DataChannelError:
+        return None
+
+
 def read_status(sock: socket.socket, deadline: float) -> str | None:
     """None if the peer stored the bytes, else its error message."""
     head = bytearray(1)

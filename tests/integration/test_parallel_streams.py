@@ -4,7 +4,9 @@ frees the receiver's memory."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -14,9 +16,19 @@ import pytest
 from memstore import faults
 from memstore.core.model import Manifest, PutOrigin, ShardKey, TransferHeader
 from memstore.devtools.cluster import wait_for
-from memstore.errors import ChecksumMismatch, ConfigError, PeerUnavailable
+from memstore.errors import ChecksumMismatch, ConfigError, DataChannelError, PeerUnavailable
+from memstore.server.convert import transfer_to_pb
 from memstore.server.peers import PeerDirectory
-from memstore.v1.datachannel import byte_span, granted_streams, part_spans, stream_count
+from memstore.v1.datachannel import (
+    byte_span,
+    connect,
+    granted_streams,
+    part_spans,
+    read_status,
+    send_chunks,
+    split_tickets,
+    stream_count,
+)
 from memstore.v1.integrity import StreamedChecksums, compute_checksums
 from tests.harness.inprocess import store_config
 
@@ -86,6 +98,33 @@ def test_a_stream_that_dies_midway_fails_the_transfer_and_frees_the_memory(pair,
     monkeypatch.setattr(faults, "_PLAN", {})
     peers["h1"].push_data(shard(3, data), memoryview(data), 10.0, 5.0, streams=4)  # nothing half-registered blocks a retry
     assert held(cluster, "h1") == {3}
+
+
+def test_a_stream_that_never_connects_fails_the_others_once_its_ticket_expires(pair) -> None:  # type: ignore[no-untyped-def]
+    cluster, peers = pair
+    data = bytearray(os.urandom(NBYTES))
+    header = shard(6, data)
+    before = used(cluster, "h1")
+    wire = transfer_to_pb(header)
+    wire.streams = 4
+    answer = peers["h1"].stub.PrepareReceive(wire, timeout=5.0)
+    tickets = split_tickets(answer.ticket)
+    spans = part_spans(NBYTES, CHUNK, len(tickets))
+    assert len(tickets) == 4
+    deadline = time.monotonic() + 10.0
+    socks = []
+    for ticket, chunks in list(zip(tickets, spans, strict=True))[:3]:  # the fourth stream never comes
+        sock = connect("127.0.0.1", answer.data_port, 5.0)
+        sock.sendall(ticket)
+        send_chunks(sock, memoryview(data), CHUNK, chunks, deadline)
+        socks.append(sock)
+    catalog = cluster.servers["h1"].store.catalog
+    catalog.expire_tickets(time.monotonic() + 3600)  # as the janitor does once the deadline passed
+    for sock in socks:  # each is told the shard failed (or reset, when it closed with bytes still unread)
+        with sock, contextlib.suppress(DataChannelError):
+            assert "expired" in (read_status(sock, deadline) or "")
+    assert held(cluster, "h1") == set()
+    wait_for(lambda: used(cluster, "h1") == before, timeout=5, what="the shard's memory to be freed")
 
 
 def test_streamed_checksums_register_the_true_ones(pair) -> None:  # type: ignore[no-untyped-def]

@@ -17,6 +17,7 @@ from typing import Any
 
 from memstore.core.sizes import parse_size
 from memstore.errors import ConfigError
+from memstore.v1.datachannel import MAX_STREAMS
 from memstore.v1.integrity import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from memstore.v1.keys import HOST_ID_PATTERN, ip_host_id
 
@@ -132,6 +133,19 @@ def _choice(name: str, choices: tuple[str, ...]) -> Callable[[Any], str]:
     return parse
 
 
+def _streams(value: Any) -> int:
+    """--transfer-streams: 'auto' (0) or 1..MAX_STREAMS."""
+    if value in ("auto", 0, "0"):
+        return 0
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = -1
+    if isinstance(value, bool) or not 1 <= number <= MAX_STREAMS:
+        raise ConfigError(f"--transfer-streams {value!r} is invalid: expected auto or 1..{MAX_STREAMS}")
+    return number
+
+
 def _prefault(value: Any) -> int | None:
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
@@ -211,6 +225,13 @@ class StoreConfig:
         "How bulk bytes travel between stores: tcp (a raw data channel, ticketed over gRPC) or grpc (chunked gRPC streams).",
         _choice("--data-plane", ("tcp", "grpc")),
         default="tcp",
+    )
+    transfer_streams: int = _opt(
+        "Parallel data-channel streams per shard moved between stores (a replica's push, a repair's or restore's pull): "
+        "'auto' (1 below 64 MiB, 4 from there) or 1..16. A transfer uses the fewer of the two stores' choices; each "
+        "stream carries a contiguous run of whole chunks, verified per chunk.",
+        _streams,
+        default=0,
     )
     shm_dir: str = _opt(
         "Directory on a tmpfs for shared-memory segments ('' disables the local fast path); each store uses <dir>/<host-id>-<port>.",

@@ -122,6 +122,10 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
             doc["small_saves"] = measure_small_saves(cluster, f"{JOB}-small", config["small_saves"], config["seed"], config["keep"])
         say("restores in a new process: from local RAM, from peer RAM after a host loss")
         doc["restores"] = measure_restores(cluster, JOB, state, config["replicas"], reps, config["keep"])
+    from memstore.bench.streams import measure_streams
+
+    say("one shard pushed store to store on 1, 2 and 4 parallel streams")
+    doc["streams"] = measure_streams(shard_bytes, reps, config["store_env"])
     if config["dp_size"]:
         from memstore.bench.data_parallel import measure_data_parallel
 

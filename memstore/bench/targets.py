@@ -47,6 +47,9 @@ RATIOS: tuple[Ratio, ...] = (
     Ratio("committed_over_tcp_min", "every save: state bytes / (call -> committed) over raw TCP (the worst save)", ">=", 0.7),
     Ratio("torch_load_over_restore_local", "torch.load (page cache warm) over a restore from local RAM in a new process", ">=", 10.0),
     Ratio("restore_peer_over_tcp", "restore from peer RAM after a host loss, new process: throughput over raw TCP", ">=", 0.7),
+    Ratio("stream_p1_over_tcp", "one shard pushed store to store on 1 data-channel stream: throughput over raw TCP"),
+    Ratio("stream_p2_over_tcp", "the same on 2 parallel streams"),
+    Ratio("stream_p4_over_tcp", "the same on 4 parallel streams"),
     Ratio("torch_load_over_restore_peer", "torch.load (page cache warm) over the same restore from peer RAM", ">=", 3.0),
     Ratio("dp2_stall_over_no_dedup", "2 DP ranks save one state at once: stall (slowest rank) with a replica group over without"),
     Ratio("dp4_stall_over_no_dedup", "the same with 4 DP ranks", "<=", 0.35),
@@ -84,6 +87,11 @@ def dp_over_no_dedup(section: dict[str, Any] | None, degree: int, key: str) -> f
     return ratio(dedup[key], today[key]) if dedup and today else None
 
 
+def _stream_over_tcp(doc: dict[str, Any], streams: int, tcp: float | None) -> float | None:
+    case = (doc.get("streams") or {}).get(f"p{streams}")
+    return ratio(doc["streams"]["bytes"] / case["p50"], tcp) if case and case["p50"] else None
+
+
 def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[str, str]]:
     """Every ratio of :data:`RATIOS` from a run's document, and why each missing one is n/a."""
     floors, restores = doc["floors"], doc["restores"]
@@ -112,6 +120,7 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "torch_load_over_restore_local": ratio(floors["disk"]["load_warm_p50"], restores["local"]["p50"]),
         "restore_peer_over_tcp": ratio(shard_bytes / peer["p50"], tcp) if peer else None,
         "torch_load_over_restore_peer": ratio(floors["disk"]["load_warm_p50"], peer["p50"]) if peer else None,
+        **{f"stream_p{p}_over_tcp": _stream_over_tcp(doc, p, tcp) for p in (1, 2, 4)},
         "dp2_stall_over_no_dedup": dp_over_no_dedup(dp, 2, "stall_max"),
         "dp4_stall_over_no_dedup": dp_over_no_dedup(dp, 4, "stall_max"),
         "dp4_captured_over_no_dedup": dp_over_no_dedup(dp, 4, "captured_max"),
@@ -128,6 +137,7 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "restore_peer_over_tcp": "R=1 keeps no peer copy" if not peer else "",
         "torch_load_over_restore_peer": "R=1 keeps no peer copy" if not peer else "",
         **{name: "not measured (--dp-size 0)" for name in DP_RATIOS if not dp},
+        **{f"stream_p{p}_over_tcp": "not measured" for p in (1, 2, 4)},
     }
     return values, {k: v or "not measured" for k, v in why.items() if values[k] is None}
 

@@ -26,6 +26,7 @@ from memstore.core.status import CaptureReport
 from memstore.errors import (
     AlreadySaved,
     CapacityExceeded,
+    DataChannelError,
     InvalidArgument,
     LeaseError,
     QuotaExceeded,
@@ -573,7 +574,9 @@ class Catalog:
             stale = [k for k, t in self._tickets.items() if t.deadline < now]
             expired = [self._tickets.pop(k) for k in stale]
         for t in expired:
-            if t.inbound is not None:
+            if t.parts is not None:  # one of an inbound shard's streams: the last to stop frees the memory
+                t.parts.end(DataChannelError("a stream's ticket expired unused"))
+            elif t.inbound is not None:
                 self.abort_inbound(t.inbound)
             if t.outbound is not None:
                 self.unpin(t.outbound)

@@ -7,6 +7,7 @@ import logging
 import secrets
 import socket
 import time
+from dataclasses import replace
 
 from memstore.config import StoreConfig
 from memstore.core.model import Manifest, ShardKey, TransferHeader
@@ -17,7 +18,16 @@ from memstore.faults import fault
 from memstore.server.catalog import Catalog
 from memstore.server.entries import Ticket, sender_error
 from memstore.server.saving import Saver
-from memstore.v1.datachannel import TICKET_BYTES, receive_verified, send_all, send_status
+from memstore.v1.datachannel import (
+    TICKET_BYTES,
+    Parts,
+    abort_check,
+    granted_streams,
+    part_spans,
+    receive_verified,
+    send_chunks,
+    send_status,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +35,9 @@ log = logging.getLogger(__name__)
 class DataPath:
     """Pushes and pulls of shard bytes over the raw TCP data channel.
 
-    A receive is the saver's (``Saver.begin_receive`` / ``finish_receive``) with the bytes arriving on a data
-    connection; a send pins a verified copy until the connection has read it. The catalog holds the tickets.
+    A receive is the saver's (``Saver.begin_receive`` / ``finish_receive``) with the bytes arriving on one or
+    more data connections (parallel streams, one ticket each, sharing a ``Parts``); a send pins a verified copy
+    once per stream until that connection has read its part. The catalog holds the tickets.
     """
 
     def __init__(self, catalog: Catalog, saver: Saver, config: StoreConfig) -> None:
@@ -37,43 +48,80 @@ class DataPath:
     def _deadline(self, nbytes: int) -> float:
         return time.monotonic() + 10.0 + nbytes / self.config.transfer_min_rate
 
-    def prepare_receive(self, header: TransferHeader) -> bytes:
-        """Reserve memory for a shard that will arrive on the data channel; returns its one-time ticket."""
+    def prepare_receive(self, header: TransferHeader, streams: int = 1, checksums_follow: bool = False) -> bytes:
+        """Reserve memory for a shard that will arrive on the data channel in up to ``streams`` parallel streams;
+        returns one 16-byte one-time ticket per stream, concatenated. ``checksums_follow``: the header's checksums are
+        placeholders, each chunk's comes after it on the data connection and the registered manifest carries those."""
         inbound = self.saver.begin_receive(header)
-        ticket = secrets.token_bytes(TICKET_BYTES)
-        self.catalog.add_ticket(ticket, Ticket(self._deadline(inbound.manifest.nbytes), inbound=inbound))
-        return ticket
+        m = inbound.manifest
+        spans = part_spans(m.nbytes, m.chunk_size, granted_streams(streams, m.nbytes, m.chunk_size, self.config.transfer_streams))
+        deadline = self._deadline(m.nbytes)
 
-    def prepare_send(self, key: ShardKey) -> tuple[Manifest, bytes]:
-        """Pin a verified copy to be read from the data channel; returns (manifest, ticket)."""
+        def finish() -> None:
+            if parts.checksums is not None:
+                inbound.manifest = replace(m, checksums=tuple(parts.checksums))
+            self.saver.finish_receive(inbound)
+
+        parts = Parts(len(spans), finish, lambda: self.catalog.abort_inbound(inbound))
+        if checksums_follow:
+            parts.checksums = [0] * len(m.checksums)
+        tickets = [secrets.token_bytes(TICKET_BYTES) for _ in spans]
+        for ticket, chunks in zip(tickets, spans, strict=True):
+            self.catalog.add_ticket(ticket, Ticket(deadline, inbound=inbound, chunks=chunks, parts=parts))
+        return b"".join(tickets)
+
+    def prepare_send(self, key: ShardKey, streams: int = 1) -> tuple[Manifest, bytes]:
+        """Pin a verified copy to be read from the data channel in up to ``streams`` parallel streams;
+        returns (manifest, one 16-byte ticket per stream, concatenated)."""
         entry = self.catalog.readable(key)
-        if not self.catalog.pin(entry):
-            raise ShardNotFound(f"shard {key} was evicted while preparing to send it")
         assert entry.manifest is not None
-        ticket = secrets.token_bytes(TICKET_BYTES)
-        self.catalog.add_ticket(ticket, Ticket(self._deadline(entry.nbytes), outbound=entry))
-        return entry.manifest, ticket
+        chunk_size = entry.manifest.chunk_size
+        spans = part_spans(entry.nbytes, chunk_size, granted_streams(streams, entry.nbytes, chunk_size, self.config.transfer_streams))
+        deadline = self._deadline(entry.nbytes)
+        tickets: list[bytes] = []
+        for chunks in spans:
+            if not self.catalog.pin(entry):
+                for ticket in tickets:  # never served: unpin what they held
+                    if self.catalog.take_ticket(ticket) is not None:
+                        self.catalog.unpin(entry)
+                raise ShardNotFound(f"shard {key} was evicted while preparing to send it")
+            tickets.append(secrets.token_bytes(TICKET_BYTES))
+            self.catalog.add_ticket(tickets[-1], Ticket(deadline, outbound=entry, chunks=chunks))
+        return entry.manifest, b"".join(tickets)
 
     def serve_ticket(self, ticket: bytes, sock: socket.socket) -> None:
-        """Run the transfer a ticket was issued for, on an accepted data connection."""
+        """Run the transfer (or the part of it) a ticket was issued for, on an accepted data connection."""
         t = self.catalog.take_ticket(ticket)
         if t is None:
             log.warning("data channel: unknown or expired ticket; closing the connection")
             return
         if t.outbound is not None:
+            entry = t.outbound
             try:
-                send_all(sock, t.outbound.segment.view(t.outbound.nbytes), t.deadline, on_piece=lambda: fault("serve.after_chunk"))
+                assert entry.manifest is not None and t.chunks is not None
+                view = entry.segment.view(entry.nbytes)
+                send_chunks(sock, view, entry.manifest.chunk_size, t.chunks, t.deadline, on_piece=lambda: fault("serve.after_chunk"))
             finally:
-                self.catalog.unpin(t.outbound)
+                self.catalog.unpin(entry)
             return
-        assert t.inbound is not None
+        assert t.inbound is not None and t.parts is not None
+        parts, check = t.parts, abort_check(t.parts.failed)
+
+        def on_chunk() -> None:
+            fault("receive.after_chunk")
+            check()
+
         try:
-            receive_verified(sock, t.inbound.manifest, t.inbound.segment.view(), t.deadline, on_chunk=lambda: fault("receive.after_chunk"))
+            view = t.inbound.segment.view()
+            receive_verified(sock, t.inbound.manifest, view, t.deadline, on_chunk=on_chunk, chunks=t.chunks, streamed=parts.checksums)
         except BaseException as exc:
-            self.catalog.abort_inbound(t.inbound)
-            err = sender_error(exc)
-            with contextlib.suppress(OSError):
-                send_status(sock, f"{getattr(err, 'status', 'UNAVAILABLE')}: {err}")
+            parts.end(exc)
+        else:
+            parts.end()
+        error = parts.outcome(t.deadline)
+        if error is None:
+            send_status(sock, None)
             return
-        self.saver.finish_receive(t.inbound)
-        send_status(sock, None)
+        err = sender_error(error)
+        with contextlib.suppress(OSError):
+            send_status(sock, f"{getattr(err, 'status', 'UNAVAILABLE')}: {err}")

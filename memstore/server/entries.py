@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from memstore.core.model import Holding, Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, Stripe
 from memstore.errors import ChecksumMismatch, InvalidArgument
 from memstore.server.segments import Segment
+from memstore.v1.datachannel import Parts
 from memstore.v1.integrity import SPILL_CODECS
 
 ALLOCATE_LEASE_SECONDS = 600.0  # a trainer that allocated but never committed (it crashed) frees the segment after this
@@ -65,6 +66,8 @@ class Ticket:
     deadline: float
     inbound: Inbound | None = None
     outbound: Entry | None = None
+    chunks: tuple[int, int] | None = None  # one of parallel streams: the chunks [first, end) it carries (None: all)
+    parts: Parts | None = None  # an inbound stream's shard-wide outcome (memstore.v1.datachannel.Parts)
 
 
 def sender_error(exc: BaseException) -> BaseException:

@@ -8,7 +8,9 @@ once per call, never per chunk.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -35,6 +37,7 @@ from memstore.server.convert import hello_from_pb, info_from_pb, key_to_pb, mani
 from memstore.v1 import datachannel
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import capacity_numbers, store_stub
+from memstore.v1.integrity import StreamedChecksums
 from memstore.v1.security import Credentials
 from memstore.v1.streams import put_requests
 
@@ -153,9 +156,25 @@ class Peer:
     def host(self) -> str:
         return self.address.rpartition(":")[0].strip("[]")
 
-    def push_data(self, header: TransferHeader, view: memoryview, timeout: float, control_timeout: float) -> None:
-        """Push a shard over the bulk data channel. UNIMPLEMENTED peers raise DataChannelUnsupported."""
+    def _data_connection(self, port: int, control_timeout: float) -> socket.socket:
+        return datachannel.connect(self.host, port, control_timeout, self._ssl, self.credentials.server_name)
+
+    def push_data(
+        self,
+        header: TransferHeader,
+        view: memoryview,
+        timeout: float,
+        control_timeout: float,
+        streams: int = 1,
+        sums: StreamedChecksums | None = None,
+    ) -> None:
+        """Push a shard over the bulk data channel in up to ``streams`` parallel streams (as many as the peer grants).
+
+        ``sums``: the header's checksums are placeholders; each chunk is hashed as it goes and its checksum follows it
+        (a peer too old for that raises DataChannelUnsupported, as does one without a data channel: UNIMPLEMENTED)."""
         wire = transfer_to_pb(header)
+        wire.streams = streams
+        wire.checksums_follow = sums is not None
         try:
             # The peer reserves (and faults in) the whole segment before answering: give it the transfer deadline.
             ticket = self._call(lambda: self.stub.PrepareReceive(wire, timeout=max(control_timeout, timeout)))
@@ -164,20 +183,47 @@ class Peer:
                 raise DataChannelUnsupported(self.host_id) from None
             raise _peer_error(self.host_id, "PrepareReceive", err) from None
         deadline = time.monotonic() + timeout
+        m = header.manifest
+        tickets = datachannel.split_tickets(ticket.ticket)
+        if sums is not None and not ticket.checksums_follow:  # it expects the placeholders: fail its streams at once
+            for one in tickets:
+                with contextlib.suppress(DataChannelError), self._data_connection(ticket.data_port, control_timeout) as sock:
+                    sock.sendall(one)
+            raise DataChannelUnsupported(f"{self.host_id} (no streamed checksums)")
+        errors: list[str] = []
+
+        def stream(one: bytes, chunks: tuple[int, int]) -> Callable[[threading.Event], None]:
+            def run(failed: threading.Event) -> None:
+                check = datachannel.abort_check(failed)
+
+                def on_piece() -> None:
+                    fault("replicate.after_chunk")
+                    check()
+
+                with self._data_connection(ticket.data_port, control_timeout) as sock:
+                    error = datachannel.push_part(sock, one, view, m.chunk_size, chunks, deadline, sums, on_piece)
+                if error is not None:
+                    errors.append(error)
+
+            return run
+
+        spans = datachannel.part_spans(m.nbytes, m.chunk_size, len(tickets))
         try:
-            with datachannel.connect(self.host, ticket.data_port, control_timeout, self._ssl, self.credentials.server_name) as sock:
-                sock.sendall(ticket.ticket)
-                datachannel.send_all(sock, view, deadline, on_piece=lambda: fault("replicate.after_chunk"))
-                error = datachannel.read_status(sock, deadline)
+            datachannel.run_streams([stream(t, c) for t, c in zip(tickets, spans, strict=True)])
         except DataChannelError as exc:
             raise DataChannelError(f"push to peer {self.host_id}: {exc}") from None
-        if error is not None:
-            status, _, detail = error.partition(": ")
+        if errors:
+            status, _, detail = errors[0].partition(": ")
             raise from_status(status, f"peer {self.host_id} refused the shard: {detail or status}")
 
-    def pull_data(self, key: ShardKey, into: Callable[[Manifest], memoryview], timeout: float, control_timeout: float) -> Manifest:
-        """Pull a shard over the bulk data channel into the view ``into(manifest)`` returns; verified per chunk."""
-        request = pb.GetRequest(key=key_to_pb(key))
+    def pull_data(
+        self, key: ShardKey, into: Callable[[Manifest], memoryview], timeout: float, control_timeout: float, streams: int = 0
+    ) -> Manifest:
+        """Pull a shard over the bulk data channel into the view ``into(manifest)`` returns; verified per chunk.
+
+        ``streams``: at most this many parallel streams (``--transfer-streams``; 0 = auto: as many as the peer's size rule
+        grants, ``datachannel.granted_streams``)."""
+        request = pb.GetRequest(key=key_to_pb(key), streams=streams or datachannel.MAX_STREAMS)
         try:
             prepared = self._call(lambda: self.stub.PrepareSend(request, timeout=control_timeout))
         except grpc.RpcError as err:
@@ -187,10 +233,19 @@ class Peer:
         manifest = manifest_from_pb(prepared.manifest)
         dest = into(manifest)
         deadline = time.monotonic() + timeout
+
+        def stream(one: bytes, chunks: tuple[int, int]) -> Callable[[threading.Event], None]:
+            def run(failed: threading.Event) -> None:
+                with self._data_connection(prepared.data_port, control_timeout) as sock:
+                    sock.sendall(one)
+                    datachannel.receive_verified(sock, manifest, dest, deadline, datachannel.abort_check(failed), True, chunks)
+
+            return run
+
         try:
-            with datachannel.connect(self.host, prepared.data_port, control_timeout, self._ssl, self.credentials.server_name) as sock:
-                sock.sendall(prepared.ticket)
-                datachannel.receive_verified(sock, manifest, dest, deadline)
+            tickets = datachannel.split_tickets(prepared.ticket)
+            spans = datachannel.part_spans(manifest.nbytes, manifest.chunk_size, len(tickets))
+            datachannel.run_streams([stream(t, c) for t, c in zip(tickets, spans, strict=True)])
         except DataChannelError as exc:
             raise DataChannelError(f"pull from peer {self.host_id}: {exc}") from None
         except StreamError as exc:  # the peer sent bytes that do not match its own manifest

@@ -198,7 +198,7 @@ class Recovery:
             manifest = None
             if self.config.data_plane == "tcp":
                 try:
-                    manifest = peer.pull_data(key, into, timeout, self.config.peer_timeout)
+                    manifest = peer.pull_data(key, into, timeout, self.config.peer_timeout, self.config.transfer_streams)
                 except DataChannelUnsupported:
                     log.info("peer %s has no data channel; falling back to gRPC streams", host)
             if manifest is None:

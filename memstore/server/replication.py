@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 from memstore.config import StoreConfig
 from memstore.core.floors import Floors
@@ -21,7 +22,8 @@ from memstore.server.entries import Entry
 from memstore.server.events import StoreEvents
 from memstore.server.membership import Membership
 from memstore.server.peers import PeerDirectory
-from memstore.v1.integrity import compute_checksums
+from memstore.v1.datachannel import stream_count
+from memstore.v1.integrity import StreamedChecksums, chunk_count, compute_checksums
 
 log = logging.getLogger(__name__)
 
@@ -30,16 +32,28 @@ REPLICATION_WORKERS = 4  # shards checksummed and pushed at once
 SUPERSEDED = "superseded"  # how a push skipped for a newer capture of the same rank starts its error
 
 
-def push_copy(peers: PeerDirectory, config: StoreConfig, peer_id: str, header: TransferHeader, view: memoryview, deadline: float) -> None:
+def push_copy(
+    peers: PeerDirectory,
+    config: StoreConfig,
+    peer_id: str,
+    header: TransferHeader,
+    view: memoryview,
+    deadline: float,
+    sums: StreamedChecksums | None = None,
+) -> None:
     """Send one verified copy to ``peer_id``: over its raw TCP data channel when ``--data-plane tcp``, else (or when the
-    peer has none) as a gRPC stream. Replication and drain push this way."""
+    peer has none) as a gRPC stream. Replication and drain push this way. ``sums``: the header's checksums are
+    placeholders, computed as the chunks go (``StreamedChecksums``); a gRPC stream gets them all first."""
     peer = peers[peer_id]
     if config.data_plane == "tcp":
         try:
-            peer.push_data(header, view, deadline, config.peer_timeout)
+            streams = stream_count(header.manifest.nbytes, header.manifest.chunk_size, config.transfer_streams)
+            peer.push_data(header, view, deadline, config.peer_timeout, streams, sums)
             return
         except DataChannelUnsupported:
-            log.info("peer %s has no data channel; falling back to gRPC streams", peer_id)
+            log.info("peer %s has no data channel (or no streamed checksums); falling back to gRPC streams", peer_id)
+    if sums is not None:
+        header = replace(header, manifest=replace(header.manifest, checksums=sums.complete(view)))
     peer.push(header, view, timeout=deadline)
 
 
@@ -80,48 +94,69 @@ class Replicator:
         self._push.shutdown(wait=False, cancel_futures=True)
 
     def capture_and_replicate(self, entry: Entry) -> None:
-        """Checksum ``entry`` (unless it has its manifest), push it to the group peers, settle it."""
+        """Checksum ``entry`` (unless it has its manifest), push it to the group peers, settle it.
+
+        Over the data channel the checksums travel with the chunks: each is computed just before its chunk is sent,
+        so hashing overlaps sending, and the owner's manifest gets the very checksums its peers verified. Otherwise
+        (``--data-plane grpc``) every checksum is computed first, on threads."""
         if not self.catalog.take_up(entry):  # a newer save of its rank came first (Catalog.commit_lease: newest wins)
             self.catalog.add_in_flight(-1)
             self.retention_due.set()
             return
         try:
+            sums = None
             if entry.manifest is None:
-                # On threads (xxhash lets go of the GIL): the time from save() to committed includes this pass.
-                checksums = compute_checksums(entry.segment.view(), entry.nbytes, self.config.chunk_bytes, workers=CHECKSUM_WORKERS)
-                manifest = Manifest(
-                    key=entry.key,
-                    world_size=entry.world_size,
-                    nbytes=entry.nbytes,
-                    chunk_size=self.config.chunk_bytes,
-                    checksums=tuple(checksums),
-                    owner_host=self.host_id,
-                    format_version=entry.format_version,
-                    metrics=entry.metrics,
-                    created_unix=entry.created_unix,
-                    spill_codec=entry.spill_codec,
-                    stripe=entry.stripe,
-                )
-                self.catalog.checksummed(entry, manifest)
-            self._replicate(entry)
+                if self.config.data_plane == "tcp":
+                    sums = StreamedChecksums(entry.nbytes, self.config.chunk_bytes)
+                else:
+                    checksums = compute_checksums(entry.segment.view(), entry.nbytes, self.config.chunk_bytes, workers=CHECKSUM_WORKERS)
+                    self.catalog.checksummed(entry, self._manifest(entry, tuple(checksums)))
+            self._replicate(entry, sums)
         except Exception as exc:  # never lose the local copy because replication broke
             log.exception("replication of %s failed", entry.key)
             self._settle(entry, copies=1, errors=[f"internal error: {exc}"])
         finally:
             self.catalog.add_in_flight(-1)
 
-    def _replicate(self, entry: Entry) -> None:
+    def _manifest(self, entry: Entry, checksums: tuple[int, ...]) -> Manifest:
+        return Manifest(
+            key=entry.key,
+            world_size=entry.world_size,
+            nbytes=entry.nbytes,
+            chunk_size=self.config.chunk_bytes,
+            checksums=checksums,
+            owner_host=self.host_id,
+            format_version=entry.format_version,
+            metrics=entry.metrics,
+            created_unix=entry.created_unix,
+            spill_codec=entry.spill_codec,
+            stripe=entry.stripe,
+        )
+
+    def _checksummed(self, entry: Entry, sums: StreamedChecksums) -> None:
+        """The owner's copy gets every checksum: those the pushes computed already, the rest now."""
+        if not self.catalog.pin(entry):
+            return  # dropped meanwhile: nothing left to describe
+        try:
+            self.catalog.checksummed(entry, self._manifest(entry, sums.complete(entry.segment.view(entry.nbytes))))
+        finally:
+            self.catalog.unpin(entry)
+
+    def _replicate(self, entry: Entry, sums: StreamedChecksums | None = None) -> None:
         view = self.membership.view
         peers = view.replication_targets()
         if not peers:
+            if sums is not None:
+                self._checksummed(entry, sums)
             held = len(view.table.members())
             why = f"the slot table (v{view.table.version}) holds {held} store(s): no group peer to copy to yet"
             self._settle(entry, copies=1, errors=[why] if self.config.replicas > 1 else [])
             return
-        assert entry.manifest is not None
+        manifest = entry.manifest if sums is None else self._manifest(entry, (0,) * chunk_count(entry.nbytes, self.config.chunk_bytes))
+        assert manifest is not None
         floor = self.floors.get(entry.key.job_id)
         known = floor.step if floor is not None and floor.timeline == entry.key.timeline and floor.step <= entry.key.step else None
-        header = TransferHeader(entry.manifest, PutOrigin.REPLICA, self.host_id, known)
+        header = TransferHeader(manifest, PutOrigin.REPLICA, self.host_id, known)
         deadline = 10.0 + entry.nbytes / self.config.transfer_min_rate
 
         def push(peer_id: str) -> str | None:
@@ -134,7 +169,7 @@ class Replicator:
                 return f"{entry.key} was dropped before it reached {peer_id}"
             try:
                 fault("replicate.before_send")
-                push_copy(self.peers, self.config, peer_id, header, entry.segment.view(entry.nbytes), deadline)
+                push_copy(self.peers, self.config, peer_id, header, entry.segment.view(entry.nbytes), deadline, sums)
                 self.events.pushed(entry.nbytes)
                 fault("replicate.after_ack")
                 return None
@@ -144,6 +179,8 @@ class Replicator:
                 self.catalog.unpin(entry)
 
         futures: list[Future[str | None]] = [self._push.submit(push, p) for p in peers]
+        if sums is not None:  # hash beside the pushes (each chunk once, by whoever comes first): the owner's copy is
+            self._checksummed(entry, sums)  # verified about when the bytes are sent, even if a peer stalls or is down
         errors = [e for e in (f.result() for f in futures) if e]
         if errors and all(e.startswith(SUPERSEDED) for e in errors):
             self.catalog.mark_superseded(entry)  # newest wins: the client's wait() returns, saying so

@@ -228,12 +228,13 @@ class StoreServicer(pb_grpc.StoreServicer):
     def PrepareReceive(self, request: pb.PutHeader, context: grpc.ServicerContext) -> pb.DataTicket:
         header = transfer_from_pb(request)
         self._allow_transfer(context, header)
-        return pb.DataTicket(ticket=self.store.prepare_receive(header), data_port=self.store.data_port)
+        ticket = self.store.prepare_receive(header, request.streams, request.checksums_follow)
+        return pb.DataTicket(ticket=ticket, data_port=self.store.data_port, checksums_follow=request.checksums_follow)
 
     @rpc
     def PrepareSend(self, request: pb.GetRequest, context: grpc.ServicerContext) -> pb.PrepareSendResponse:
         self._allow(context, Need.JOB, request.key.job_id)
-        manifest, ticket = self.store.prepare_send(key_from_pb(request.key))
+        manifest, ticket = self.store.prepare_send(key_from_pb(request.key), request.streams)
         return pb.PrepareSendResponse(manifest=manifest_to_pb(manifest), ticket=ticket, data_port=self.store.data_port)
 
     @rpc

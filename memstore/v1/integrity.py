@@ -8,6 +8,7 @@ less than the copy it protects.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -76,3 +77,33 @@ def first_mismatch(buf: memoryview, nbytes: int, chunk_size: int, expected: Sequ
     with ThreadPoolExecutor(max_workers=workers) as pool:
         found = [i for i in pool.map(bad_in, parts) if i is not None]
     return min(found) if found else None
+
+
+class StreamedChecksums:
+    """A shard's chunk checksums computed while it is sent: each chunk is hashed once, by whichever stream sends it
+    first (``of``), and the rest (``complete``) once every push has ended, so the owner's manifest carries exactly the
+    checksums the receivers verified against."""
+
+    LOCKS = 64
+
+    def __init__(self, nbytes: int, chunk_size: int) -> None:
+        self.nbytes = nbytes
+        self.chunk_size = chunk_size
+        self._sums: list[int | None] = [None] * chunk_count(nbytes, chunk_size)
+        self._locks = [threading.Lock() for _ in range(min(self.LOCKS, max(1, len(self._sums))))]
+
+    def of(self, index: int, buf: memoryview) -> int:
+        """Chunk ``index``'s checksum (``buf``: the whole shard), computed on first use."""
+        with self._locks[index % len(self._locks)]:
+            value = self._sums[index]
+            if value is None:
+                off = index * self.chunk_size
+                value = self._sums[index] = checksum(buf[off : min(self.nbytes, off + self.chunk_size)])
+            return value
+
+    def complete(self, buf: memoryview) -> tuple[int, ...]:
+        """Every chunk's checksum, computing those no stream has (from the end: streams start at their part's front)."""
+        mv = memoryview(buf)
+        for i in reversed(range(len(self._sums))):
+            self.of(i, mv)
+        return tuple(self.of(i, mv) for i in range(len(self._sums)))

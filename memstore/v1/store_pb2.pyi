@@ -356,16 +356,20 @@ class CommitResponse(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("manifest", "origin", "sender_host", "restorable_floor")
+    __slots__ = ("manifest", "origin", "sender_host", "restorable_floor", "streams", "checksums_follow")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     SENDER_HOST_FIELD_NUMBER: _ClassVar[int]
     RESTORABLE_FLOOR_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     origin: PutOrigin
     sender_host: str
     restorable_floor: int
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., origin: _Optional[_Union[PutOrigin, str]] = ..., sender_host: _Optional[str] = ..., restorable_floor: _Optional[int] = ...) -> None: ...
+    streams: int
+    checksums_follow: bool
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., origin: _Optional[_Union[PutOrigin, str]] = ..., sender_host: _Optional[str] = ..., restorable_floor: _Optional[int] = ..., streams: _Optional[int] = ..., checksums_follow: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -434,12 +438,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("key", "chunk_size")
+    __slots__ = ("key", "chunk_size", "streams")
     KEY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     chunk_size: int
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+    streams: int
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., chunk_size: _Optional[int] = ..., streams: _Optional[int] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("manifest", "chunk")
@@ -558,12 +564,14 @@ class LatestStepResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., unreachable_hosts: _Optional[_Iterable[str]] = ..., timeline: _Optional[str] = ..., note: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[SeenVersion, _Mapping]]] = ...) -> None: ...
 
 class DataTicket(_message.Message):
-    __slots__ = ("ticket", "data_port")
+    __slots__ = ("ticket", "data_port", "checksums_follow")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     ticket: bytes
     data_port: int
-    def __init__(self, ticket: _Optional[bytes] = ..., data_port: _Optional[int] = ...) -> None: ...
+    checksums_follow: bool
+    def __init__(self, ticket: _Optional[bytes] = ..., data_port: _Optional[int] = ..., checksums_follow: _Optional[bool] = ...) -> None: ...
 
 class PrepareSendResponse(_message.Message):
     __slots__ = ("manifest", "ticket", "data_port")

@@ -99,14 +99,15 @@ def get_responses(manifest: pb.Manifest, buf: memoryview, chunk_size: int = 0) -
         yield pb.GetResponse(chunk=chunk)
 
 
-def verify_chunk(manifest: Manifest, index: int, data: memoryview | bytes, where: str = "") -> None:
-    """Raise StreamChecksumError unless ``data`` is chunk ``index`` of the manifest's shard (the one chunk check of both transports)."""
+def verify_chunk(manifest: Manifest, index: int, data: memoryview | bytes, where: str = "", expected: int | None = None) -> None:
+    """Raise StreamChecksumError unless ``data`` is chunk ``index`` of the manifest's shard (the one chunk check of both
+    transports); ``expected``: the checksum that came with the chunk (streamed checksums) instead of the manifest's."""
     got = checksum(data)
-    if got != manifest.checksums[index]:
+    want = manifest.checksums[index] if expected is None else expected
+    if got != want:
         k = manifest.key
         raise StreamChecksumError(
-            f"chunk {index} of {k.job_id}/step={k.step}/rank={k.rank} failed its checksum{where} "
-            f"(got {got:016x}, expected {manifest.checksums[index]:016x})",
+            f"chunk {index} of {k.job_id}/step={k.step}/rank={k.rank} failed its checksum{where} (got {got:016x}, expected {want:016x})",
         )
 
 

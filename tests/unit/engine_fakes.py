@@ -9,7 +9,7 @@ from __future__ import annotations
 import mmap
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,7 +21,7 @@ from memstore.server.entries import Entry
 from memstore.server.events import StoreEvents
 from memstore.server.membership import Membership
 from memstore.server.segments import Segment
-from memstore.v1.integrity import compute_checksums
+from memstore.v1.integrity import StreamedChecksums, compute_checksums
 
 KiB = 1024
 
@@ -91,12 +91,24 @@ class FakePeer:
         self.pushes.append(header.manifest.key)
         self.held[header.manifest.key] = (header.manifest, bytes(view))
 
-    def push_data(self, header: TransferHeader, view: memoryview, timeout: float, control_timeout: float) -> None:
+    def push_data(
+        self,
+        header: TransferHeader,
+        view: memoryview,
+        timeout: float,
+        control_timeout: float,
+        streams: int = 1,
+        sums: StreamedChecksums | None = None,
+    ) -> None:
         if not self.data_channel:
             raise DataChannelUnsupported(f"{self.host_id} has no data channel")
+        if sums is not None:  # the checksums come with the chunks: the copy holds the true ones
+            header = replace(header, manifest=replace(header.manifest, checksums=sums.complete(view)))
         self.push(header, view, timeout)
 
-    def pull_data(self, key: ShardKey, into: Callable[[Manifest], memoryview], timeout: float, control_timeout: float) -> Manifest:
+    def pull_data(
+        self, key: ShardKey, into: Callable[[Manifest], memoryview], timeout: float, control_timeout: float, streams: int = 0
+    ) -> Manifest:
         raise DataChannelUnsupported(f"{self.host_id} has no data channel")
 
     def get(self, key: ShardKey, timeout: float) -> tuple[Manifest, Iterator[bytes], Any]:

@@ -48,6 +48,7 @@ def document() -> dict[str, Any]:
         "saves": saves,
         "small_saves": {"stall_p50": 0.0008},
         "restores": {"local": {"p50": 0.05}, "peer": {"p50": 0.8}},
+        "streams": {"bytes": B, "p1": {"p50": 0.5}, "p2": {"p50": 0.4}, "p4": {"p50": 0.32}},
         "data_parallel": {"replicas": 2, "state_bytes": B, "cases": [
             dp(2, "no_dedup", 0.2, B, 4, 0.1, 0.3), dp(2, "dedup", 0.1, B // 2, 2, 0.12, 0.3),
             dp(4, "no_dedup", 0.4, B, 8, 0.1, 0.4), dp(4, "dedup", 0.12, B // 4, 2, 0.2, 0.44),
@@ -70,6 +71,9 @@ def test_every_ratio_from_its_parts() -> None:
         "torch_load_over_restore_local": 10.0,
         "restore_peer_over_tcp": 0.5,
         "torch_load_over_restore_peer": 0.625,
+        "stream_p1_over_tcp": 0.8,  # 1 GiB pushed in 0.5 s against 0.4 s
+        "stream_p2_over_tcp": 1.0,
+        "stream_p4_over_tcp": 1.25,
         "dp2_stall_over_no_dedup": 0.5,
         "dp4_stall_over_no_dedup": 0.3,
         "dp4_captured_over_no_dedup": 0.25,
@@ -97,6 +101,9 @@ def test_pass_miss_and_the_table() -> None:
         "torch_load_over_restore_local": True,
         "restore_peer_over_tcp": False,
         "torch_load_over_restore_peer": False,
+        "stream_p1_over_tcp": None,  # reported, no target
+        "stream_p2_over_tcp": None,
+        "stream_p4_over_tcp": None,
         "dp2_stall_over_no_dedup": None,
         "dp4_stall_over_no_dedup": True,
         "dp4_captured_over_no_dedup": True,

@@ -1,0 +1,63 @@
+"""P-stream throughput: one shard pushed to a store on P = 1, 2 and 4 parallel data-channel streams.
+
+The pushing side is this process running the owner store's own push (``Peer.push_data``, what replication runs);
+the receiving side is a real store process that verifies every chunk and registers the copy. Each push is timed
+from the call to the store's acknowledgement; the copy is deleted between pushes, so every push lands in memory
+the store has pooled (pre-faulted), as a steady-state replica does. A first, untimed push warms that memory.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from memstore.bench.state import p50
+from memstore.bench.stores import CAPACITY_SLACK, running, store_rpc
+from memstore.core.model import Manifest, PutOrigin, ShardKey, TransferHeader
+from memstore.devtools.cluster import LocalCluster
+from memstore.server.peers import PeerDirectory
+from memstore.v1 import store_pb2 as pb
+from memstore.v1.integrity import DEFAULT_CHUNK_BYTES, compute_checksums
+
+JOB = "bench-streams"
+STREAMS = (1, 2, 4)
+
+
+def _shard(nbytes: int) -> tuple[bytearray, TransferHeader]:
+    block = os.urandom(1 << 20)
+    data = bytearray(block * (nbytes // len(block)) + block[: nbytes % len(block)])
+    sums = compute_checksums(memoryview(data), nbytes, DEFAULT_CHUNK_BYTES, workers=2)
+    manifest = Manifest(ShardKey(JOB, 1, 0), 1, nbytes, DEFAULT_CHUNK_BYTES, tuple(sums), "h0")
+    return data, TransferHeader(manifest, PutOrigin.REPLICA, "h0")
+
+
+def measure_streams(nbytes: int, reps: int, env: dict[str, str]) -> dict[str, Any]:
+    """Seconds of each push of an ``nbytes`` shard, per stream count, and their p50."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    capacity = 3 * (-(-nbytes // page) * page) + CAPACITY_SLACK
+    extra = ["--repair-interval", "3600", "--transfer-streams", "16"]  # the receiver grants what the pusher asks
+    cluster = LocalCluster(hosts=2, replicas=2, capacity=str(capacity), keep=1, extra_args=extra, env=env or None)
+    data, header = _shard(nbytes)
+    out: dict[str, Any] = {"bytes": nbytes}
+    cluster.start()
+    with running(cluster):
+        peers = PeerDirectory("h0", [(h, cluster.address(h)) for h in ("h0", "h1")])
+        target = peers["h1"]
+        timeout = 60.0 + nbytes / (10 << 20)
+
+        def push(streams: int) -> float:
+            t = time.perf_counter()
+            target.push_data(header, memoryview(data), timeout, 5.0, streams)
+            seconds = time.perf_counter() - t
+            store_rpc(cluster.address("h1"), "Delete", pb.DeleteRequest(job_id=JOB, step=-1, rank=-1))
+            return seconds
+
+        try:
+            push(max(STREAMS))  # warm the receiver's memory
+            for streams in STREAMS:
+                seconds = [push(streams) for _ in range(reps)]
+                out[f"p{streams}"] = {"seconds": seconds, "p50": p50(seconds)}
+        finally:
+            peers.close()
+    return out

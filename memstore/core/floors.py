@@ -65,10 +65,11 @@ class Floors:
     def restoring(self, job_id: str, version: Floor) -> None:
         """The job's ranks restore ``version`` (a Fetch of it): they agreed it is the newest restorable one, whatever
         floor came before. Copies lost since (R hosts failing at once) can leave an older floor behind the truth's
-        fall: from now on nothing at or above ``version`` goes, the copy being restored included."""
+        fall: from now on nothing at or above ``version`` goes, the copy being restored included. A job without a
+        floor keeps none: its retention lists the cluster, which protects the newest restorable step itself."""
         with self._lock:
             old = self._floors.get(job_id)
-            if old is None or old.timeline != version.timeline or old.step > version.step:
+            if old is not None and (old.timeline != version.timeline or old.step > version.step):
                 self._floors[job_id] = version
 
     def get(self, job_id: str) -> Floor | None:

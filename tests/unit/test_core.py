@@ -107,6 +107,9 @@ class TestRetention:
         floors = Floors()
         assert floors.note("j", Floor(3, "a")) and not floors.note("j", Floor(2, "a")) and floors.get("j") == Floor(3, "a")
         assert floors.note("j", Floor(1, "b")) and floors.get("j") == Floor(1, "b")  # a new timeline's floor replaces it
+        floors.restoring("j", Floor(0, "b"))  # a restore lowers it
+        floors.restoring("other", Floor(0, "b"))  # a job without a floor (no group=) gets none: it lists as before
+        assert floors.get("j") == Floor(0, "b") and floors.get("other") is None
         assert floor_problem(4, 3) and floor_problem(-1, 3) and floor_problem(3, 3) is None
 
 

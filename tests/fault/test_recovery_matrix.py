@@ -8,13 +8,17 @@ bound its fault declares. Timings are never compared: they are measurements, not
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from memstore.devtools.recovery_matrix import report
 from memstore.devtools.recovery_matrix.catalogue import FAULTS, Fault
-from memstore.devtools.recovery_matrix.scenario import Config, run_row
+from memstore.devtools.recovery_matrix.runner import run_row
+from memstore.devtools.recovery_matrix.scenario import Config, RowResult
+from memstore.devtools.recovery_matrix.state import difference, make_state
 
 pytestmark = pytest.mark.fault
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -53,16 +57,18 @@ def test_a_trainer_sigkill_row_for_real(tmp_path) -> None:  # type: ignore[no-un
     assert sorted(row.sources) == ["h0", "h1"]  # each rank from its own store's RAM
 
 
-def test_a_wrong_restore_is_not_exact(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The runner's exactness check is live: a fault that overwrites h0's segments with zeros must not pass."""
-
-    def zero_segments(s) -> None:  # type: ignore[no-untyped-def]
-        for path in Path(s.cluster.segment_dir("h0")).glob("seg-*"):
-            path.write_bytes(bytes(path.stat().st_size))
-
-    fault = Fault("zeroed", "Zeroed", "h0's segments zeroed at R=1", (Config(1, False),), zero_segments)
-    row = run_row(fault, Config(1, False), steps=2, workdir=tmp_path)
-    assert not row.ok, row
+def test_the_exactness_check_sees_one_byte_and_a_row_needs_a_restore_within_its_bound() -> None:
+    a, b = make_state(1, 5), make_state(1, 5)
+    assert difference(a, b) is None
+    b["model"]["weight"].view(torch.uint8)[1234] ^= 1
+    assert difference(a, b) == "state['model']['weight']: bytes differ"
+    assert difference(a, make_state(1, 6)) is not None
+    row = RowResult("f", "R=1, spill on", committed=6, restored=4, rpo=2, rto=1.0, exact=True, rpo_bound=6)
+    assert row.ok
+    assert not replace(row, rpo_bound=1).ok  # beyond the declared bound
+    assert not replace(row, restored=0, rpo=6).ok  # nothing restored is within no bound
+    assert replace(row, restored=0, rpo=6, rpo_bound=None).ok  # ... unless losing every step is the declared outcome
+    assert not replace(row, exact=False, rpo_bound=None).ok
 
 
 @pytest.mark.slow

@@ -2,9 +2,10 @@
 
 - :mod:`.catalogue`: the faults (id, name, description, the configurations each runs in, how to inject it and
   what to restart), one declarative entry each;
-- :mod:`.scenario`: one row run: a real ``LocalCluster``, trainer ranks as real processes (:mod:`.worker`)
-  saving a deterministic state (:mod:`.state`) every step, the fault, the recovery, every rank's restore;
-  it measures RPO, RTO and whether the bytes are exact;
+- :mod:`.scenario`: the processes of one row: a real ``LocalCluster``, trainer ranks as real processes
+  (:mod:`.worker`) saving a deterministic state (:mod:`.state`) every step, every rank's restore; what RPO,
+  RTO and exact mean;
+- :mod:`.runner`: one row run: start, inject the fault during saves, recover, restore, measure;
 - :mod:`.report`: ``docs/recovery-matrix.md`` and its raw JSON.
 
 Run it with ``python -m memstore.devtools.recovery_matrix`` (``--help``).

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from memstore.devtools.recovery_matrix import report
 from memstore.devtools.recovery_matrix.catalogue import FAULTS
-from memstore.devtools.recovery_matrix.scenario import RowResult, run_row
+from memstore.devtools.recovery_matrix.runner import run_row
+from memstore.devtools.recovery_matrix.scenario import RowResult
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memstore.devtools.children import child_env
 from memstore.devtools.recovery_matrix.scenario import Config, Scenario
 
 R1, R2, R3 = (Config(1, False), Config(2, False), Config(3, False))
 R1S, R2S, R3S = (Config(1, True), Config(2, True), Config(3, True))
-SPILL_LAG = 3  # steps a file:// spill of every step may trail RAM by, at a step every 0.1 s on a busy machine
+# Steps the durable tier may trail RAM by: the spiller looks for new steps every 0.5 s, then writes them; at a step
+# every 0.25 s (scenario.STEP_SECONDS) on a busy 2-core machine that has been up to 1.5 s.
+SPILL_LAG = 6
 
 
 def _nothing(s: Scenario) -> None:
@@ -127,6 +131,33 @@ def _sigterm_store(s: Scenario) -> None:
     sp.proc.wait(timeout=60)
 
 
+def _drain_during_repair(s: Scenario) -> None:
+    """h1 loses its RAM and restarts; while it pulls its copies back (each pull stalled), h0 gets SIGTERM and drains."""
+    s.cluster.kill("h1")
+    s.cluster.restart("h1")
+    _sigterm_store(s)
+
+
+def _rolling_replacement(s: Scenario) -> None:
+    """Every store in turn, while the ranks keep saving: SIGTERM (drain), then its replacement starts empty."""
+    for h in s.hosts:
+        sp = s.cluster.stores[h]
+        assert sp.proc is not None
+        sp.proc.send_signal(signal.SIGTERM)
+        sp.proc.wait(timeout=60)
+        s.cluster.restart(h)
+
+
+def _duplicate_host_id(s: Scenario) -> None:
+    """A second store starts with h0's host id, address and shm dir while h0 runs: it must refuse to serve."""
+    sp = s.cluster.stores["h0"]
+    dup = subprocess.run(sp.args, capture_output=True, text=True, timeout=60, env={**os.environ, **child_env()})
+    if dup.returncode == 0:
+        raise RuntimeError(f"a second store with host id h0 exited 0: {dup.stderr[-300:]}")
+    if not sp.alive:
+        raise RuntimeError("the first store with host id h0 died when a second one started")
+
+
 FAULTS: tuple[Fault, ...] = (
     Fault(
         id="trainer-sigkill",
@@ -194,7 +225,7 @@ FAULTS: tuple[Fault, ...] = (
         id="corrupt-segment-ram",
         name="Corrupted segment in RAM",
         description="one byte of every page of h0's segment files is flipped under the running store",
-        configs=(R1, R2),
+        configs=(R1, R1S, R2),
         inject=_flip_segment_bytes,
         max_rpo=_one_copy_lost,
     ),
@@ -234,5 +265,28 @@ FAULTS: tuple[Fault, ...] = (
         inject=_kill_store,
         recover=_restart_h0,
         store_env={h: {"MEMSTORE_FAULTS": "spill.after_chunk:*=error"} for h in ("h0", "h1")},
+    ),
+    Fault(
+        id="drain-during-repair",
+        name="Drain during a repair",
+        description="h1 restarts empty and repairs from h0 (each pull stalled 0.3 s); h0 gets SIGTERM mid-repair, drains and restarts",
+        configs=(R2,),
+        inject=_drain_during_repair,
+        recover=_restart_h0,
+        store_env={"h1": {"MEMSTORE_FAULTS": "repair.after_pull:*=stall:0.3"}},
+    ),
+    Fault(
+        id="rolling-replacement",
+        name="Rolling replacement during saves",
+        description="every store in turn gets SIGTERM, drains and is replaced by an empty one, while every rank keeps saving",
+        configs=(R2, R3),
+        inject=_rolling_replacement,
+    ),
+    Fault(
+        id="duplicate-host-id",
+        name="A second store with the same host id",
+        description="a second store starts with h0's host id, address and shm dir while h0 serves; it must refuse, h0 keeps serving",
+        configs=(R1, R2),
+        inject=_duplicate_host_id,
     ),
 )

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from memstore.devtools.recovery_matrix.catalogue import FAULTS
-from memstore.devtools.recovery_matrix.scenario import RowResult
+from memstore.devtools.recovery_matrix.scenario import KIB, STEP_SECONDS, RowResult
 
 HEADER = "| Fault | Id | Configuration | RPO (steps) | RPO bound | RTO (s) | Exact | Restored from | Note |"
 
@@ -39,7 +39,8 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         "Each fault below was injected into real processes while every trainer rank was saving a checkpoint each step:",
         "store servers and trainer ranks as separate processes on one machine (127.0.0.1), one rank per host, a",
-        f"{64} KiB state per rank. After the fault the job restarts and every rank restores (`latest_step()` + `load()`).",
+        f"{KIB} KiB state per rank, a step every {STEP_SECONDS} s, in lockstep; spill on = a `file://` durable tier, every step",
+        "spilled. After the fault the job restarts and every rank restores (one agreed `latest_step(group=...)`, then `load()`).",
         "",
         "- **RPO**: the newest step every rank had committed when the fault hit, minus the step restored (0 = nothing lost).",
         "- **RPO bound**: what memstore promises for that configuration; `all` where losing the steps is the correct",

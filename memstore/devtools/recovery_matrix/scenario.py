@@ -1,11 +1,11 @@
-"""One row of the recovery matrix, run for real: stores, trainer processes saving, a fault, recovery, restores.
+"""The processes of one row of the recovery matrix, and what a row measures.
 
-:func:`run_row` starts a ``LocalCluster`` (one store per host on 127.0.0.1, port 0) and one trainer process per
-host (:mod:`.worker`, rank ``r`` on host ``h<r>``) that saves the deterministic state of every step. Once every
-rank has committed ``steps`` steps, the fault is injected while the saves go on; the job is then stopped (a lost
-rank stops a data-parallel job), the fault's recovery runs (the restarts it says) and every rank restores
-(``latest_step`` + ``load``) through its own store, retrying until a deadline as a restarted trainer would. It
-measures:
+A :class:`Scenario` starts a ``LocalCluster`` (one store per host on 127.0.0.1, port 0) and one trainer process
+per host (:mod:`.worker`, rank ``r`` on host ``h<r>``) that saves the deterministic state of every step. Once every
+rank has committed ``steps`` steps, :func:`.runner.run_row` injects the fault while the saves go on; the job is then
+stopped (a lost rank stops a data-parallel job), the fault's recovery runs (the restarts it says) and every rank
+restores (``latest_step`` + ``load``, agreed over one gloo group) through its own store, retrying until a deadline as
+a restarted trainer would. A row measures:
 
 - RPO: the newest step every rank had committed when the fault hit, minus the step restored (0 = nothing lost;
   a step committed while the fault unfolded and restored counts as 0);
@@ -19,26 +19,22 @@ Every wait has a deadline; every process is reaped, whatever happens.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from memstore.devtools.children import child_env
 from memstore.devtools.cluster import LocalCluster, wait_for
 from memstore.devtools.recovery_matrix.state import difference, make_state
 from memstore.devtools.recovery_matrix.worker import committed
 
-if TYPE_CHECKING:
-    from memstore.devtools.recovery_matrix.catalogue import Fault
-
 JOB = "matrix"
 KIB = 64  # state per rank; small so that a row takes seconds
+STEP_SECONDS = 0.25  # each rank's compute between two saves
 
 
 @dataclass(frozen=True)
@@ -95,7 +91,7 @@ class Scenario:
             log = open(self.workdir / f"rank{rank}.log", "ab")  # noqa: SIM115 - owned by the child's lifetime
             cmd = [sys.executable, "-m", "memstore.devtools.recovery_matrix.worker", "--job", JOB, "--rank", str(rank),
                    "--world", str(self.world), "--store", self.store_of(rank), "--progress", str(self.progress(rank)),
-                   "--kib", str(KIB)]  # fmt: skip
+                   "--kib", str(KIB), "--interval", str(STEP_SECONDS)]  # fmt: skip
             env = {**_env(), **child_env(), "MEMSTORE_RUN_ID": self.run_id}  # one timeline, as a launcher gives its ranks
             self.workers.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
             log.close()
@@ -189,33 +185,3 @@ class Scenario:
 
 def _env() -> dict[str, str]:
     return dict(os.environ)
-
-
-def run_row(fault: Fault, config: Config, steps: int = 6, workdir: Path | None = None) -> RowResult:
-    """Run ``fault`` in ``config`` once, for real, and measure it (see the module's docstring)."""
-    own = workdir is None
-    work = Path(workdir or tempfile.mkdtemp(prefix=f"memstore-matrix-{fault.id}-"))
-    work.mkdir(parents=True, exist_ok=True)
-    scenario = Scenario(config, fault.hosts(config), work, fault.store_env)
-    try:
-        scenario.start()
-        scenario.wait_committed(steps)
-        committed = scenario.committed()
-        t0 = time.monotonic()
-        fault.inject(scenario)
-        scenario.stop_workers()  # a lost rank stops the data-parallel job: every rank restarts and restores
-        fault.recover(scenario)
-        restores = scenario.restore()
-        rto = time.monotonic() - t0
-    finally:
-        scenario.close()
-        if own:
-            shutil.rmtree(work, ignore_errors=True)
-    steps_restored = {step for step, _, _ in restores}
-    problems = [d for _, d, _ in restores if d]
-    if len(steps_restored) > 1:
-        problems.append(f"mixed step: ranks restored steps {sorted(steps_restored)}")
-    restored = max(steps_restored)
-    note = "; ".join(problems) or ("nothing restorable" if restored == 0 else "")
-    return RowResult(fault.id, config.label, committed, restored, max(0, committed - restored), round(rto, 2), not problems,
-                     fault.max_rpo(config), note, [s for _, _, s in restores])  # fmt: skip

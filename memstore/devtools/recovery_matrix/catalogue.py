@@ -60,6 +60,7 @@ class Fault:
     max_rpo: Callable[[Config], int | None] = _lossless
     hosts: Callable[[Config], int] = _default_hosts
     store_env: dict[str, dict[str, str]] = field(default_factory=dict)  # host -> its store's environment from the start
+    discovery: str = "peers"  # how the stores learn their peers: a fixed list, or a peers file ("file": hosts can be replaced)
 
 
 # -- injections -------------------------------------------------------------------------------------
@@ -156,6 +157,13 @@ def _duplicate_host_id(s: Scenario) -> None:
         raise RuntimeError(f"a second store with host id h0 exited 0: {dup.stderr[-300:]}")
     if not sp.alive:
         raise RuntimeError("the first store with host id h0 died when a second one started")
+
+
+def _replace_pod(s: Scenario) -> None:
+    """A replaced pod on the same node: a new store with a new host id (new pod IP) takes h0's slot and the node's
+    /dev/shm, where h0's segments still are; rank 0 now reaches it."""
+    s.cluster.add_host("h0-new", replacing="h0")
+    s.hosts[0] = "h0-new"
 
 
 FAULTS: tuple[Fault, ...] = (
@@ -281,6 +289,16 @@ FAULTS: tuple[Fault, ...] = (
         description="every store in turn gets SIGTERM, drains and is replaced by an empty one, while every rank keeps saving",
         configs=(R2, R3),
         inject=_rolling_replacement,
+    ),
+    Fault(
+        id="replaced-pod-same-node",
+        name="A replaced pod on the same node",
+        description="h0's store is SIGKILLed (its segments stay in /dev/shm); a store with a new host id and address "
+        "replaces it in the peers file and adopts them",
+        configs=(R1, R2),
+        inject=_crash_store,
+        recover=_replace_pod,
+        discovery="file",
     ),
     Fault(
         id="duplicate-host-id",

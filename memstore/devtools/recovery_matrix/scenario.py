@@ -69,17 +69,20 @@ class RowResult:
 class Scenario:
     """The processes of one row: what a fault's ``inject`` and ``recover`` act on."""
 
-    def __init__(self, config: Config, hosts: int, workdir: Path, store_env: dict[str, dict[str, str]] | None = None) -> None:
+    def __init__(
+        self, config: Config, hosts: int, workdir: Path, store_env: dict[str, dict[str, str]] | None = None, discovery: str = "peers"
+    ) -> None:
         self.config = config
         self.workdir = workdir
         self.durable = workdir / "durable"
         args = ["--repair-interval", "0.5"]
         if config.spill:
             args += ["--spill", f"file://{self.durable}", "--spill-every-steps", "1", "--spill-keep-last", "3"]
-        self.cluster = LocalCluster(hosts=hosts, replicas=config.replicas, capacity="256MiB", workdir=workdir / "cluster", extra_args=args)
+        self.cluster = LocalCluster(hosts=hosts, replicas=config.replicas, capacity="256MiB", workdir=workdir / "cluster", extra_args=args,
+                                    discovery=discovery)  # fmt: skip
         for host, env in (store_env or {}).items():
             self.cluster.stores[host].env = dict(env)  # kept by restarts
-        self.hosts = [f"h{i}" for i in range(hosts)]
+        self.hosts = [f"h{i}" for i in range(hosts)]  # rank r's host (a fault that replaces a host id changes it)
         self.world = hosts
         self.workers: list[subprocess.Popen[bytes]] = []
         self.run_id = f"matrix-{os.getpid()}-{workdir.name}"[:100]

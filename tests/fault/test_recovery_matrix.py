@@ -49,6 +49,7 @@ def test_the_page_lists_exactly_the_catalogue_rows_all_exact() -> None:
     assert report.markdown(data) == (DOCS / "recovery-matrix.md").read_text(), "the page is made from the JSON alone"
 
 
+@pytest.mark.slow  # 6 s of real processes: the default suite keeps the checks above; every row runs in the slow stage
 def test_a_trainer_sigkill_row_for_real(tmp_path) -> None:  # type: ignore[no-untyped-def]
     fault = next(f for f in FAULTS if f.id == "trainer-sigkill")
     row = run_row(fault, Config(2, False), steps=2, workdir=tmp_path)

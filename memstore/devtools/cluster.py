@@ -97,12 +97,18 @@ class LocalCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.shm_dir = f"/dev/shm/memstore-{os.getpid()}-{self.workdir.name}"
         self.peers_file = self.workdir / "peers.json"
-        ports = [self.base_port + i for i in range(self.hosts)] if self.base_port else free_ports(self.hosts)
+        self.members: list[str] = [f"h{i}" for i in range(self.hosts)]  # the hosts peers.json lists, in order
+        self._assign_ports()
+
+    def _assign_ports(self) -> None:
+        """Give every host a listen port (and a metrics port), and list them in peers.json."""
         ids = [f"h{i}" for i in range(self.hosts)]
-        self.members: list[str] = list(ids)  # the hosts peers.json lists, in order
+        ports = [self.base_port + i for i in range(self.hosts)] if self.base_port else free_ports(self.hosts)
         peers = ",".join(f"{h}=127.0.0.1:{p}" for h, p in zip(ids, ports, strict=True))
         for h, p in zip(ids, ports, strict=True):
+            env = self.stores[h].env if h in self.stores else {}
             self.stores[h] = self._store_process(h, p, peers)
+            self.stores[h].env = env
         if self.discovery == "file":
             self.write_endpoints(self.peers_file)
 
@@ -161,12 +167,34 @@ class LocalCluster:
         self.write_endpoints(self.peers_file)
 
     # -- lifecycle ----------------------------------------------------------------
+    PORT_CLASH_RETRIES = 2  # fresh ports for a start that lost one of its ports to another process (see start)
+
     def start(self, timeout: float = 30.0) -> LocalCluster:
-        for h in self.stores:
-            self._spawn(h)
-        for h in self.stores:
-            self.wait_healthy(h, timeout)
+        """Start every store and wait until each serves.
+
+        The ports come from the kernel (port 0) but are bound again by the stores a moment later; in between, another
+        process (an outgoing connection takes its port from the same range) may take one: the store then exits with
+        "Address already in use". Every store is then stopped and the whole cluster starts again on fresh ports."""
+        for attempt in range(self.PORT_CLASH_RETRIES + 1):
+            for h in self.stores:
+                self._spawn(h)
+            try:
+                for h in self.stores:
+                    self.wait_healthy(h, timeout)
+                return self
+            except RuntimeError as exc:
+                if self.base_port or attempt == self.PORT_CLASH_RETRIES or "Address already in use" not in str(exc):
+                    raise
+                self._kill_all()
+                self._assign_ports()
         return self
+
+    def _kill_all(self) -> None:
+        for sp in self.stores.values():
+            if sp.alive:
+                assert sp.proc is not None
+                sp.proc.kill()
+                sp.proc.wait(timeout=10)
 
     def _spawn(self, host_id: str) -> None:
         sp = self.stores[host_id]

@@ -48,6 +48,8 @@ class _Running:
 class InProcessCluster(LocalCluster):
     """A LocalCluster whose stores run in this process. ``servers[host_id]`` is a running store's StoreServer."""
 
+    PORT_CLASH_RETRIES = 0  # a store thread that failed to bind is not killed like a process: no second start
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self._running: dict[str, _Running] = {}

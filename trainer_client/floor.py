@@ -140,14 +140,21 @@ class FloorAgreement:
             done = [p for p in self._pending if p.work.is_completed()]
             self._pending = [p for p in self._pending if p not in done]
         for p in done:
-            floor = agreed_floor(self._read(p))
+            try:
+                values = self._read(p)
+            except Exception as exc:  # a failed all-reduce (a rank gone): its buffer may hold this rank's own vector
+                log.debug("restorable floor: the all-reduce of step %d failed: %s", p.step, exc)
+                continue
+            floor = agreed_floor(values)
             if floor is None:
                 continue
             with self._lock:
                 self._floors[p.timeline] = max(floor, self._floors.get(p.timeline, floor))
 
     def _read(self, p: _Pending) -> list[int]:
+        """The reduced vector of a completed all-reduce; raises if it failed (then it is no agreement at all)."""
         if self._stream is None:
+            p.work.wait()
             return [int(v) for v in p.values.tolist()]
         with torch.cuda.stream(self._stream):  # a stream of its own: the trainer's queued kernels are not waited for
             p.work.wait()

@@ -40,3 +40,31 @@ def test_the_floor_is_always_a_step_every_rank_saved() -> None:
         assert floor is None or floor in common
         if all(steps == ranks[0] for steps in ranks) and ranks[0]:
             assert floor == max(ranks[0])  # the usual case: the newest step
+
+
+def test_a_failed_all_reduce_gives_no_floor() -> None:
+    """A collective that failed (a rank died) leaves this rank's own vector in the buffer: never read it as agreed."""
+    import torch
+
+    from trainer_client.floor import FloorAgreement, _Pending
+
+    class Failed:
+        def is_completed(self) -> bool:
+            return True
+
+        def wait(self) -> None:
+            raise RuntimeError("Connection closed by peer")
+
+    class Done(Failed):
+        def wait(self) -> None:
+            return None
+
+    agreement = FloorAgreement.__new__(FloorAgreement)  # no process group needed to test the harvest
+    agreement.__dict__.update(_lock=__import__("threading").Lock(), _floors={}, _stream=None)
+    mine = torch.tensor(encode([4, 5]), dtype=torch.int64)  # unreduced: it would read as "every rank saved 5"
+    agreement._pending = [_Pending(6, "t", Failed(), mine, None)]
+    agreement._harvest()
+    assert agreement._floors == {} and agreement._pending == []
+    agreement._pending = [_Pending(6, "t", Done(), mine, None)]
+    agreement._harvest()
+    assert agreement._floors == {"t": 5}

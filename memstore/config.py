@@ -138,8 +138,8 @@ def _streams(value: Any) -> int:
     if value in ("auto", 0, "0"):
         return 0
     try:
-        number = int(value)
-    except (TypeError, ValueError):
+        number = int(value) if not isinstance(value, float) or value.is_integer() else -1
+    except (TypeError, ValueError, OverflowError):  # OverflowError: inf
         number = -1
     if isinstance(value, bool) or not 1 <= number <= MAX_STREAMS:
         raise ConfigError(f"--transfer-streams {value!r} is invalid: expected auto or 1..{MAX_STREAMS}")

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from memstore import faults
+from memstore.config import StoreConfig
 from memstore.core.model import Manifest, PutOrigin, ShardKey, TransferHeader
 from memstore.devtools.cluster import wait_for
 from memstore.errors import ChecksumMismatch, ConfigError, DataChannelError, PeerUnavailable
@@ -168,3 +169,6 @@ def test_transfer_streams_flag_is_validated() -> None:
     for bad in ("0x", "17", "-1", "many"):
         with pytest.raises(ConfigError, match="--transfer-streams"):
             store_config([*args, bad], {})
+    for value in (float("inf"), float("nan"), 2.5):  # a config file's values (the property test found inf)
+        with pytest.raises(ConfigError, match="--transfer-streams"):
+            StoreConfig.load({"transfer_streams": value, "host_id": "h0"}, env={})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 import threading
 import time
@@ -52,6 +53,7 @@ from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import manifest_problem, stripe_problem
 
 log = logging.getLogger(__name__)
+DELETED_SECONDS = 60.0  # how long repair leaves a deleted shard alone (see Catalog.recently_deleted)
 
 
 class Catalog:
@@ -81,6 +83,7 @@ class Catalog:
         self._pulls: dict[ShardKey, threading.Event] = {}  # in-flight pulls, shared by fetch and repair
         self._protected: dict[str, int] = {}  # job -> newest restorable step, protected from eviction
         self._floor: dict[str, tuple[int, str]] = {}  # job -> its restorable floor: nothing at or above it is evicted
+        self._deleted: dict[tuple[str, int, int], float] = {}  # (job, step, rank) deleted (-1: every) -> when
         self._in_flight = 0  # shards being checksummed or replicated
         self.stripes_settled = 0  # stripes settled or pulled in (not cached) so far: the assembler rescans when it moves
         self._repairs_in_flight = 0
@@ -409,7 +412,15 @@ class Catalog:
                 raise UnknownJob(f"job {job_id!r} is unknown to store {self.host_id}")
             for e in victims:
                 self._drop_locked(e, reason="deleted")
+            self._deleted[(job_id, step, rank)] = time.monotonic()  # repair pulls none of these back for a while
         return len(victims)
+
+    def recently_deleted(self, key: ShardKey) -> bool:
+        """Whether ``key`` was deleted here (``delete``) within ``DELETED_SECONDS``: a delete runs store by store, and
+        a repair pass in between must not pull back a copy another store has not deleted yet."""
+        since = time.monotonic() - DELETED_SECONDS
+        with self._lock:
+            return any(self._deleted.get((key.job_id, s, r), -math.inf) > since for s in (key.step, -1) for r in (key.rank, -1))
 
     # ---- saves: allocation leases, commit, newest wins
 

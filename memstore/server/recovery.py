@@ -357,7 +357,10 @@ class Recovery:
         self.unreachable_sources = tuple(sorted(h for h, r in listings.items() if isinstance(r, StoreError)))
         wanted, copies = _wanted(listings, view, owners)
         recent = {job: newest_versions(held, self.config.keep) for job, held in copies.items()}  # the abandoned run's steps rank lower
-        todo = [k for k in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank, k.timeline)) if k.version in recent[k.job_id]]
+        todo = [
+            k for k in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank, k.timeline))
+            if k.version in recent[k.job_id] and not self.catalog.recently_deleted(k)
+        ]  # fmt: skip
         # Several pulls at once, each starting at a different holder: a replacement fills up from its whole group.
         spread = [(key, wanted[key][i % len(wanted[key]) :] + wanted[key][: i % len(wanted[key])]) for i, key in enumerate(todo)]
         results: list[bool | None] = []

@@ -172,3 +172,12 @@ def test_adoption_keeps_settled_copies_that_verify_and_deletes_the_rest() -> Non
     assert fresh.adopt_segments() == 1
     adopted = fresh.get(key(1))
     assert adopted is not None and adopted.segment is intact and adopted.state is ShardState.COMMITTED and adopted.verified
+
+
+def test_a_deleted_shard_is_not_pulled_back_by_repair_for_a_while() -> None:
+    catalog, _, _ = make_catalog(config())
+    for step in (1, 2):
+        settled(catalog, ShardKey("job", step, 0), bytes(4 * KiB))
+    assert catalog.delete("job", 1, -1) == 1
+    assert catalog.recently_deleted(ShardKey("job", 1, 0)) and catalog.recently_deleted(ShardKey("job", 1, 3))
+    assert not catalog.recently_deleted(ShardKey("job", 2, 0)) and not catalog.recently_deleted(ShardKey("other", 1, 0))

@@ -28,10 +28,8 @@ new key; ``tests/integration/test_scale.py`` and the benchmark scripts read the 
 
 from __future__ import annotations
 
-import re
 import shutil
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -40,8 +38,8 @@ import torch
 
 from memstore.devtools.cluster import LocalCluster, wait_for
 from memstore.devtools.ranks import on_every_rank
+from memstore.devtools.save_scale import store_counts
 
-_SAMPLE = re.compile(r'^memstore_rpcs_total\{method="([A-Za-z]+)"\} ([0-9.e+]+)$', re.M)
 JOB = "scale"
 
 
@@ -68,9 +66,8 @@ def rpc_counts(cluster: LocalCluster) -> dict[str, int]:
     for host, sp in cluster.stores.items():
         if not sp.alive:
             continue
-        with urllib.request.urlopen(cluster.metrics_url(host), timeout=10) as resp:
-            for method, value in _SAMPLE.findall(resp.read().decode()):
-                total[method] = total.get(method, 0) + int(float(value))
+        for method, value in store_counts(cluster, host).calls.items():
+            total[method] = total.get(method, 0) + value
     return total
 
 

@@ -1,9 +1,11 @@
-"""The faults of the recovery matrix: one declarative entry each.
+"""The faults of the recovery matrix: one declarative entry each (:class:`.fault.Fault`). This module holds the
+process faults (kills, crashes, drains, corrupted segments); :mod:`.faults_network` and :mod:`.faults_environment`
+hold the others, and ``FAULTS`` is all of them, in the page's order.
 
 A fault says what it does (``inject``, at the moment RTO starts, while every rank is saving), what the operator
 or scheduler does afterwards (``recover``: the restarts), the configurations it runs in, and the RPO it promises
 in each (``max_rpo``; None where losing the steps is the correct outcome, e.g. the only copy was in the RAM of a
-host that is gone). Adding a fault is adding one ``Fault(...)`` to ``FAULTS``.
+host that is gone). Adding a fault is adding one ``Fault(...)`` to one of the three tuples.
 """
 
 from __future__ import annotations
@@ -11,56 +13,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from memstore.devtools.children import child_env
-from memstore.devtools.recovery_matrix.scenario import Config, Scenario
-
-R1, R2, R3 = (Config(1, False), Config(2, False), Config(3, False))
-R1S, R2S, R3S = (Config(1, True), Config(2, True), Config(3, True))
-# Steps the durable tier may trail RAM by: the spiller looks for new steps every 0.5 s, then writes them; at a step
-# every 0.25 s (scenario.STEP_SECONDS) on a busy 2-core machine that has been up to 1.5 s.
-SPILL_LAG = 6
-
-
-def _nothing(s: Scenario) -> None:
-    return None
-
-
-def _lossless(c: Config) -> int | None:
-    return 0
-
-
-def _one_copy_lost(c: Config) -> int | None:
-    """A fault that takes the RAM of one host: nothing lost while another copy exists (R >= 2), else the durable
-    tier's lag (R=1, spill on), else everything (R=1, spill off)."""
-    if c.replicas >= 2:
-        return 0
-    return SPILL_LAG if c.spill else None
-
-
-def _durable_only(c: Config) -> int | None:
-    return SPILL_LAG if c.spill else None
-
-
-def _default_hosts(c: Config) -> int:
-    return max(2, c.replicas)
-
-
-@dataclass(frozen=True)
-class Fault:
-    id: str
-    name: str
-    description: str
-    configs: tuple[Config, ...]
-    inject: Callable[[Scenario], None]
-    recover: Callable[[Scenario], None] = _nothing
-    max_rpo: Callable[[Config], int | None] = _lossless
-    hosts: Callable[[Config], int] = _default_hosts
-    store_env: dict[str, dict[str, str]] = field(default_factory=dict)  # host -> its store's environment from the start
-    discovery: str = "peers"  # how the stores learn their peers: a fixed list, or a peers file ("file": hosts can be replaced)
+from memstore.devtools.recovery_matrix.fault import R1, R1S, R2, R2S, R3, R3S, Fault, durable_only, one_copy_lost
+from memstore.devtools.recovery_matrix.faults_environment import ENVIRONMENT_FAULTS
+from memstore.devtools.recovery_matrix.faults_network import NETWORK_FAULTS
+from memstore.devtools.recovery_matrix.scenario import Scenario
 
 
 # -- injections -------------------------------------------------------------------------------------
@@ -166,7 +125,7 @@ def _replace_pod(s: Scenario) -> None:
     s.hosts[0] = "h0-new"
 
 
-FAULTS: tuple[Fault, ...] = (
+PROCESS_FAULTS: tuple[Fault, ...] = (
     Fault(
         id="trainer-sigkill",
         name="Trainer SIGKILL",
@@ -189,7 +148,7 @@ FAULTS: tuple[Fault, ...] = (
         configs=(R1, R1S, R2, R2S, R3),
         inject=_kill_store,
         recover=_restart_h0,
-        max_rpo=_one_copy_lost,
+        max_rpo=one_copy_lost,
     ),
     Fault(
         id="host-loss",
@@ -198,7 +157,7 @@ FAULTS: tuple[Fault, ...] = (
         configs=(R1S, R2, R2S),
         inject=_lose_host,
         recover=_restart_h0,
-        max_rpo=_one_copy_lost,
+        max_rpo=one_copy_lost,
     ),
     Fault(
         id="group-loss",
@@ -207,7 +166,7 @@ FAULTS: tuple[Fault, ...] = (
         configs=(R2S,),
         inject=_lose_r_hosts,
         recover=_restart_dead,
-        max_rpo=_durable_only,
+        max_rpo=durable_only,
         hosts=lambda c: 4,
     ),
     Fault(
@@ -217,7 +176,7 @@ FAULTS: tuple[Fault, ...] = (
         configs=(R1S, R2, R2S, R3S),
         inject=_lose_r_hosts,
         recover=_restart_dead,
-        max_rpo=_durable_only,
+        max_rpo=durable_only,
         hosts=lambda c: c.replicas + 1,
     ),
     Fault(
@@ -227,7 +186,7 @@ FAULTS: tuple[Fault, ...] = (
         configs=(R1S, R2, R2S),
         inject=_lose_every_host,
         recover=_restart_dead,
-        max_rpo=_durable_only,
+        max_rpo=durable_only,
     ),
     Fault(
         id="corrupt-segment-ram",
@@ -235,7 +194,7 @@ FAULTS: tuple[Fault, ...] = (
         description="one byte of every page of h0's segment files is flipped under the running store",
         configs=(R1, R1S, R2),
         inject=_flip_segment_bytes,
-        max_rpo=_one_copy_lost,
+        max_rpo=one_copy_lost,
     ),
     Fault(
         id="truncated-segment",
@@ -244,7 +203,7 @@ FAULTS: tuple[Fault, ...] = (
         configs=(R1, R2),
         inject=_crash_and_truncate,
         recover=_restart_h0,
-        max_rpo=_one_copy_lost,
+        max_rpo=one_copy_lost,
     ),
     Fault(
         id="sigterm-drain",
@@ -308,3 +267,5 @@ FAULTS: tuple[Fault, ...] = (
         inject=_duplicate_host_id,
     ),
 )
+
+FAULTS: tuple[Fault, ...] = PROCESS_FAULTS + NETWORK_FAULTS + ENVIRONMENT_FAULTS

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from memstore.devtools.recovery_matrix.catalogue import Fault
+from memstore.devtools.recovery_matrix.fault import Fault
 from memstore.devtools.recovery_matrix.scenario import Config, RowResult, Scenario
 
 

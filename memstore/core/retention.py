@@ -40,12 +40,28 @@ def recency(key: ShardKey, starts: dict[str, float]) -> Order:
     return starts.get(key.timeline, math.inf), key.step
 
 
-def newest_versions(copies: Iterable[tuple[ShardKey, float]], keep: int) -> set[tuple[int, str]]:
-    """(step, timeline) of the ``keep`` most recent versions among ``copies`` (repair pulls only these)."""
+def ranked_versions(copies: Iterable[tuple[ShardKey, float]], keep: int) -> list[tuple[int, str]]:
+    """(step, timeline) of the ``keep`` most recent versions among ``copies``, the newest first (repair pulls only
+    these, in this order)."""
     copies = list(copies)
     starts = timeline_starts(copies)
     versions = sorted({key.version: recency(key, starts) for key, _ in copies}.items(), key=lambda kv: kv[1], reverse=True)
-    return {v for v, _ in versions[:keep]}
+    return [v for v, _ in versions[:keep]]
+
+
+def newest_versions(copies: Iterable[tuple[ShardKey, float]], keep: int) -> set[tuple[int, str]]:
+    """(step, timeline) of the ``keep`` most recent versions among ``copies``."""
+    return set(ranked_versions(copies, keep))
+
+
+def repair_waves(keys: Iterable[ShardKey], ranked: dict[str, list[tuple[int, str]]]) -> list[list[ShardKey]]:
+    """``keys`` (shards to pull, each of a version in its job's ``ranked`` list) in waves: the newest version of every
+    job first, then the next. A replacement host fills the step a restarted trainer restores before the older ones,
+    instead of sharing its bandwidth (and its fresh memory's faulting) between them."""
+    waves: dict[int, list[ShardKey]] = defaultdict(list)
+    for key in keys:
+        waves[ranked[key.job_id].index(key.version)].append(key)
+    return [waves[i] for i in sorted(waves)]
 
 
 def _versions(held: list[Held]) -> tuple[dict[tuple[int, str], list[Held]], dict[tuple[int, str], Order]]:

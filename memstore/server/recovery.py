@@ -12,7 +12,7 @@ from memstore.config import StoreConfig
 from memstore.core.agreement import Seen, seen_versions
 from memstore.core.model import Holding, Manifest, ShardInfo, ShardKey, ShardState
 from memstore.core.restorable import RestoreAnswer, latest_restorable, sources_for, split_timelines
-from memstore.core.retention import newest_versions
+from memstore.core.retention import newest_versions, ranked_versions, repair_waves
 from memstore.core.slots import SlotTable
 from memstore.errors import (
     ChecksumMismatch,
@@ -356,17 +356,19 @@ class Recovery:
         complete = not any(isinstance(shards, StoreError) for shards in listings.values())
         self.unreachable_sources = tuple(sorted(h for h, r in listings.items() if isinstance(r, StoreError)))
         wanted, copies = _wanted(listings, view, owners)
-        recent = {job: newest_versions(held, self.config.keep) for job, held in copies.items()}  # the abandoned run's steps rank lower
+        recent = {job: ranked_versions(held, self.config.keep) for job, held in copies.items()}  # the abandoned run's steps rank lower
         todo = [
             k for k in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank, k.timeline))
             if k.version in recent[k.job_id] and not self.catalog.recently_deleted(k)
         ]  # fmt: skip
-        # Several pulls at once, each starting at a different holder: a replacement fills up from its whole group.
-        spread = [(key, wanted[key][i % len(wanted[key]) :] + wanted[key][: i % len(wanted[key])]) for i, key in enumerate(todo)]
         results: list[bool | None] = []
-        if spread:
+        for wave in repair_waves(todo, recent):  # the newest step of every job first: what a restarted trainer restores
+            # Several pulls at once, each starting at a different holder: a replacement fills up from its whole group.
+            spread = [(key, wanted[key][i % len(wanted[key]) :] + wanted[key][: i % len(wanted[key])]) for i, key in enumerate(wave)]
             with ThreadPoolExecutor(max_workers=min(REPAIR_STREAMS, len(spread)), thread_name_prefix="memstore-repair") as pool:
-                results = list(pool.map(lambda job: self._repair_one(*job), spread))
+                results += list(pool.map(lambda job: self._repair_one(*job), spread))
+            if self._stop.is_set():
+                break
         pulled = results.count(True)
         complete = complete and False not in results
         if complete and not self._stop.is_set():

@@ -15,7 +15,14 @@ from memstore.core.restorable import (
     split_timelines,
     superseded_versions,
 )
-from memstore.core.retention import newest_versions, pressure_victims, retention_victims, superseded_in_flight
+from memstore.core.retention import (
+    newest_versions,
+    pressure_victims,
+    ranked_versions,
+    repair_waves,
+    retention_victims,
+    superseded_in_flight,
+)
 from memstore.core.sizes import format_size, parse_size
 
 pytestmark = pytest.mark.unit
@@ -217,3 +224,12 @@ class TestRetentionAcrossTimelines:
     def test_repair_wants_the_newest_versions(self) -> None:
         copies = [(ShardKey("j", s, 0, "A.0"), 100.0 + s) for s in (11, 12)] + [(ShardKey("j", 9, 0, "B.0"), 209.0)]
         assert newest_versions(copies, 2) == {(9, "B.0"), (12, "A.0")}
+
+    def test_repair_pulls_every_jobs_newest_version_first(self) -> None:
+        copies = [(ShardKey("j", s, r, "A.0"), 100.0 + s) for s in (4, 5, 6) for r in (0, 1)]
+        other = [(ShardKey("k", s, 0, "C.0"), 50.0 + s) for s in (1, 2)]
+        ranked = {"j": ranked_versions(copies, 2), "k": ranked_versions(other, 2)}
+        assert ranked["j"] == [(6, "A.0"), (5, "A.0")]
+        todo = [ShardKey("j", 5, 0, "A.0"), ShardKey("k", 1, 0, "C.0"), ShardKey("j", 6, 1, "A.0"), ShardKey("k", 2, 0, "C.0")]
+        waves = repair_waves(todo, ranked)
+        assert waves == [[ShardKey("j", 6, 1, "A.0"), ShardKey("k", 2, 0, "C.0")], [ShardKey("j", 5, 0, "A.0"), ShardKey("k", 1, 0, "C.0")]]

@@ -1,6 +1,7 @@
 """The recovery matrix: each fault of a catalogue injected into real processes during saves, then measured.
 
-- :mod:`.fault`: what a fault is; :mod:`.catalogue` (with :mod:`.faults_network` and :mod:`.faults_environment`): the faults (id, name, description, the configurations each runs in, how to inject it and
+- :mod:`.fault`: what a fault is; :mod:`.catalogue` (with :mod:`.faults_network` and :mod:`.faults_environment`):
+  the faults (id, name, description, the configurations each runs in, how to inject it and
   what to restart), one declarative entry each;
 - :mod:`.scenario`: the processes of one row: a real ``LocalCluster``, trainer ranks as real processes
   (:mod:`.worker`) saving a deterministic state (:mod:`.state`) every step, every rank's restore; what RPO,

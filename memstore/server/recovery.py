@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from memstore.config import StoreConfig
 from memstore.core.agreement import Seen, seen_versions
@@ -40,9 +41,38 @@ from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import receive_chunks, shard_manifest_problem
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RESTORE_FIRST_WAIT = 60.0  # the longest repair defers to restores in flight before it pulls anyway
 REPAIR_STREAMS = 4  # shards one repair pass pulls at once, spread over the holders
+REPAIR_BYTES_IN_FLIGHT = 256 << 20  # beyond this, a pass's pulls wait their turn (RepairGate)
+
+
+class RepairGate:
+    """Lets a repair pass's pulls start in their order, several at once while their bytes in flight stay within
+    ``budget`` (a pull larger than it goes alone). Small shards fill the wire together; a large one already does
+    with its own streams, and pulling two at once would only split the bandwidth, and the faulting of fresh memory,
+    between the step a restarted trainer waits for and an older one."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._turn = 0  # the index of the next pull allowed to start
+        self._in_flight = 0
+        self._cond = threading.Condition()
+
+    def run(self, index: int, nbytes: int, pull: Callable[[], T]) -> T:
+        """Run ``pull`` (the pass's pull number ``index``, of ``nbytes``) once every earlier one started and there is room."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._turn == index and (self._in_flight == 0 or self._in_flight + nbytes <= self.budget))
+            self._turn += 1
+            self._in_flight += nbytes
+            self._cond.notify_all()
+        try:
+            return pull()
+        finally:
+            with self._cond:
+                self._in_flight -= nbytes
+                self._cond.notify_all()
 
 
 class Recovery:
@@ -355,20 +385,25 @@ class Recovery:
         listings = self.peers.list_all("", self.config.peer_timeout, hosts=sources)
         complete = not any(isinstance(shards, StoreError) for shards in listings.values())
         self.unreachable_sources = tuple(sorted(h for h, r in listings.items() if isinstance(r, StoreError)))
-        wanted, copies = _wanted(listings, view, owners)
+        wanted, copies, sizes = _wanted(listings, view, owners)
         recent = {job: ranked_versions(held, self.config.keep) for job, held in copies.items()}  # the abandoned run's steps rank lower
         todo = [
             k for k in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank, k.timeline))
             if k.version in recent[k.job_id] and not self.catalog.recently_deleted(k)
         ]  # fmt: skip
+        order = [key for wave in repair_waves(todo, recent) for key in wave]  # every job's newest step first: what a
+        # restarted trainer restores. Several pulls at once, each starting at a different holder (a replacement fills
+        # up from its whole group), small ones together, large ones in turn (RepairGate).
+        spread = [(key, wanted[key][i % len(wanted[key]) :] + wanted[key][: i % len(wanted[key])]) for i, key in enumerate(order)]
+        gate = RepairGate(REPAIR_BYTES_IN_FLIGHT)
         results: list[bool | None] = []
-        for wave in repair_waves(todo, recent):  # the newest step of every job first: what a restarted trainer restores
-            # Several pulls at once, each starting at a different holder: a replacement fills up from its whole group.
-            spread = [(key, wanted[key][i % len(wanted[key]) :] + wanted[key][: i % len(wanted[key])]) for i, key in enumerate(wave)]
+        if spread:
             with ThreadPoolExecutor(max_workers=min(REPAIR_STREAMS, len(spread)), thread_name_prefix="memstore-repair") as pool:
-                results += list(pool.map(lambda job: self._repair_one(*job), spread))
-            if self._stop.is_set():
-                break
+
+                def pull(i: int) -> bool | None:
+                    return gate.run(i, sizes[spread[i][0]], lambda: self._repair_one(*spread[i]))
+
+                results = list(pool.map(pull, range(len(spread))))
         pulled = results.count(True)
         complete = complete and False not in results
         if complete and not self._stop.is_set():
@@ -446,10 +481,11 @@ def count_under_replicated(
 
 def _wanted(
     listings: dict[str, list[ShardInfo] | StoreError], view: ClusterView, owners: set[str]
-) -> tuple[dict[ShardKey, list[str]], dict[str, list[tuple[ShardKey, float]]]]:
+) -> tuple[dict[ShardKey, list[str]], dict[str, list[tuple[ShardKey, float]]], dict[ShardKey, int]]:
     """From the peers' listings: every settled, verified copy of a shard whose owner slot is one of ``owners``
-    (key -> the hosts that hold it), and per job the (key, created) pairs that rank its recent steps."""
+    (key -> the hosts that hold it), per job the (key, created) pairs that rank its recent steps, and each shard's size."""
     wanted: dict[ShardKey, list[str]] = {}
+    sizes: dict[ShardKey, int] = {}
     copies: dict[str, list[tuple[ShardKey, float]]] = {}
     for host, shards in listings.items():
         if isinstance(shards, StoreError):
@@ -465,5 +501,6 @@ def _wanted(
             if view.slot_name_of_owner(info.manifest.owner_host) not in owners:
                 continue
             wanted.setdefault(k, []).append(host)
+            sizes[k] = info.manifest.nbytes
             copies.setdefault(k.job_id, []).append((k, info.manifest.created_unix))
-    return wanted, copies
+    return wanted, copies, sizes

@@ -102,6 +102,9 @@ class Recovery:
         self._stop = stop
         self.retention_due = retention_due  # set when a copy is pulled in: the janitor looks at retention again
         self.durable: DurableTier | None = None  # set by the store when --spill is on
+        # Set by the store when it has a --shm-dir: adopts dead segment dirs on this machine that hold some of the
+        # given shards (ShmSweeper.adopt_holders), so repair does not pull over the network what this machine holds.
+        self.adopt_local: Callable[[set[ShardKey]], int] | None = None
         self.last_repair_error = ""
         self.under_replicated = 0  # from the last repair pass: recent shards of this store's slots with fewer than R copies
         self.unreachable_sources: tuple[str, ...] = ()  # from the last repair pass: holders of this store's slots that did not answer
@@ -391,6 +394,8 @@ class Recovery:
             k for k in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank, k.timeline))
             if k.version in recent[k.job_id] and not self.catalog.recently_deleted(k)
         ]  # fmt: skip
+        if todo and self.adopt_local is not None and self.adopt_local(set(todo)):
+            todo = [k for k in todo if self.catalog.get(k) is None]
         order = [key for wave in repair_waves(todo, recent) for key in wave]  # every job's newest step first: what a
         # restarted trainer restores. Several pulls at once, each starting at a different holder (a replacement fills
         # up from its whole group), small ones together, large ones in turn (RepairGate).

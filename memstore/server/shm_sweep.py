@@ -13,7 +13,10 @@ first repair pass; on every change of the slot table, before the new table is in
   or this store's own host id under another port (a restart that bound a new port);
 - any other dead directory is reclaimed once it has been seen dead for ``--shm-reclaim-after`` seconds
   (0: never), so a successor that learns its slot later still finds its predecessor's shards;
-- a directory whose lock a running store holds is never touched (``shm_dirs.taken_over``).
+- a directory whose lock a running store holds is never touched (``shm_dirs.taken_over``);
+- and when repair is about to pull shards over the network, a dead directory that holds one of them is adopted
+  too (``adopt_holders``): a successor whose slot table does not name its predecessor (it joined before the dead
+  store's slot was freed, or the table saying so has not reached it yet) still serves what this machine holds.
 
 ``plan`` is the decision, pure; ``ShmSweeper`` applies it.
 """
@@ -27,9 +30,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memstore.core.model import ShardKey
 from memstore.core.sizes import format_size
 from memstore.core.status import Orphan
-from memstore.server.shm_dirs import orphaned_dirs, reclaim_dir
+from memstore.server.convert import sidecar_info
+from memstore.server.shm_dirs import described_segments, orphaned_dirs, reclaim_dir, sidecar_path
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +121,19 @@ class ShmSweeper:
                 setattr(self.total, name, getattr(self.total, name) + getattr(done, name))
             return done
 
+    def adopt_holders(self, keys: set[ShardKey]) -> int:
+        """Adopt every dead directory here that holds a copy of one of ``keys`` (shards repair would otherwise pull
+        over the network); the shards adopted."""
+        with self._sweeping:
+            dead = [o for o in orphaned_dirs(str(self.shm_dir)) if Path(o.path) != self.own_dir]
+            holders = [Path(o.path) for o in dead if described_keys(Path(o.path)) & keys]
+            adopted = 0
+            for path in holders:
+                adopted += self._adopt(path)
+                self.total.adopted_dirs += not path.exists()
+            self.total.adopted_shards += adopted
+            return adopted
+
     def loop(self) -> None:
         """Sweep every ``interval`` seconds, or at once when ``due`` is set, until ``stop``."""
         while not self._stop.is_set():
@@ -127,3 +145,15 @@ class ShmSweeper:
                 self.sweep()
             except Exception:
                 log.exception("sweeping %s failed; trying again later", self.shm_dir)
+
+
+def described_keys(directory: Path) -> set[ShardKey]:
+    """The shards the sidecars in ``directory`` describe (unreadable or malformed ones skipped: adoption checks again)."""
+    keys: set[ShardKey] = set()
+    for _, path, _ in described_segments(directory) or []:
+        try:
+            with open(sidecar_path(path), "rb") as fh:
+                keys.add(sidecar_info(fh.read()).manifest.key)
+        except Exception:  # a torn or foreign sidecar is not ours to judge here: adoption checks again
+            continue
+    return keys

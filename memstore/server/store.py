@@ -143,6 +143,7 @@ class Store:
             grace = config.shm_reclaim_after
             self.sweeper = ShmSweeper(self.pool.directory, self._predecessors, self._adopt_predecessor, grace, self._stop)
             self._threads.append(threading.Thread(target=self.sweeper.loop, name="shm-sweep", daemon=True))
+            self.recovery.adopt_local = self.sweeper.adopt_holders  # what repair would pull, held by a dead dir here
         if config.peers:  # a fixed --peers list: the table is known before serving
             self.membership.apply({h: (a, config.failure_domains.get(h, "")) for h, a in config.peers})
         self.adopted_shards = self.catalog.adopt_segments()

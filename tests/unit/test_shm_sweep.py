@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from memstore.config import StoreConfig
-from memstore.core.model import ShardKey
+from memstore.core.model import ShardInfo, ShardKey, ShardState
 from memstore.core.slots import Slot, SlotTable
 from memstore.core.status import Orphan
+from memstore.server.convert import sidecar_bytes
 from memstore.server.leftovers import write_sidecar
 from memstore.server.pages import PAGE
 from memstore.server.segment import Segment
@@ -20,6 +21,7 @@ from memstore.server.segments import SegmentPool
 from memstore.server.shm_dirs import LOCK_NAME, orphaned_dirs, reclaim_dir
 from memstore.server.shm_sweep import ShmSweeper, plan
 from memstore.server.store import Store
+from tests.unit.engine_fakes import manifest_of
 
 pytestmark = pytest.mark.unit
 
@@ -185,3 +187,29 @@ def test_a_store_adopts_once_the_slot_table_says_whose_slot_it_took_over(tmp_pat
         assert bytes(view) == b"\x02" * (256 << 10)
     finally:
         new.close()
+
+
+def test_repair_adopts_a_dead_dir_that_holds_what_it_would_pull(tmp_path: Path) -> None:
+    """A successor whose slot table does not name its predecessor: the dead directory holding shards repair wants
+    is adopted (no network pull); one holding none of them is left for the grace period."""
+    shm = tmp_path / "shm"
+    wanted, other = ShardKey("job", 5, 0), ShardKey("job", 5, 1)
+    for key, name in ((wanted, "x-7071"), (other, "y-7072")):
+        info = ShardInfo(manifest_of(key, bytes([7]) * (2 * PAGE)), ShardState.COMMITTED, True, copies=2)
+        leave(shm / name, f"seg-{key.rank}-0-aaaa", 7, sidecar_bytes(info))
+    pool = SegmentPool(str(shm / "me-7070"), 16 * PAGE)
+    adopted: list[str] = []
+
+    def adopt(directory: Path) -> int:
+        adopted.append(directory.name)
+        return len(pool.adopt_from(directory, lambda seg, meta: True) or [])
+
+    try:
+        assert pool.directory is not None
+        s = ShmSweeper(pool.directory, lambda: {"me"}, adopt, 600, threading.Event(), clock=Clock())
+        assert s.adopt_holders({ShardKey("job", 6, 0)}) == 0 and adopted == []
+        assert s.adopt_holders({wanted}) == 1 and adopted == ["x-7071"]
+        assert not (shm / "x-7071").exists() and (shm / "y-7072").exists()
+        assert s.total.adopted_shards == 1 and s.total.adopted_dirs == 1
+    finally:
+        pool.close()

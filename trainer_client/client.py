@@ -23,10 +23,8 @@ rollback), which every rank of an SPMD job does at the same point.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
-import mmap
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,20 +38,17 @@ from torch.utils.hooks import RemovableHandle
 from memstore.core.agreement import Seen
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import boot_id, store_stub
-from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums, first_mismatch
+from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums
 from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
-from memstore.v1.manifests import manifest_from_pb
-from memstore.v1.streams import manifest_problem
 from trainer_client import serialization
 from trainer_client.agreement import Agreements, AgreementStats, agree
 from trainer_client.capture import cuda as _cuda
-from trainer_client.capture.device_restore import decode_onto, decode_registered, parse_map_location, populate_for_reading
+from trainer_client.capture.device_restore import parse_map_location
 from trainer_client.capture.device_save import CAPTURE_MODES, Capture, Captures, host_writer
 from trainer_client.capture.ring import CaptureRing, CaptureStats
 from trainer_client.connection import Connection, connection_from_kwargs
 from trainer_client.errors import (
     CapacityExceededError,
-    CorruptShardError,
     InvalidArgumentError,
     NoCheckpointError,
     NotFoundError,
@@ -62,6 +57,7 @@ from trainer_client.errors import (
 )
 from trainer_client.floor import FloorAgreement
 from trainer_client.handles import RestorePoint, SaveHandle, SaveResult
+from trainer_client.reading import VERIFY_THREADS, ShardReader
 from trainer_client.replica_check import verify_replicas
 from trainer_client.replicas import resolve_replica_group
 from trainer_client.run_ids import PROCESS_RUN_ID, broadcast_run_id, run_id_given
@@ -72,7 +68,6 @@ from trainer_client.transport.remote import RemotePath, byte_view, empty_buffer
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 _MAX_BACKGROUND_SENDS = 2  # remote_save="background": staged saves in flight; the next waits for the oldest
 
 
@@ -207,6 +202,8 @@ class CheckpointClient:
         self._sends: collections.deque[Future[None]] = collections.deque()
         self._sender: ThreadPoolExecutor | None = None
         self.last_save_path = ""  # how the last remote save travelled: "data channel" or "grpc"
+        self._reader = ShardReader(self._call, self._control, self._stub, self._ring, self._remote, self.shared_memory, self.hello.host_id,
+                                   rank, self.agreement)  # fmt: skip
 
     @functools.cached_property
     def _captures(self) -> Captures:
@@ -449,7 +446,7 @@ class CheckpointClient:
                 world_size=self.world_size,
                 nbytes=layout.nbytes,
                 chunk_size=chunk,
-                chunk_checksums=compute_checksums(view, layout.nbytes, chunk, workers=_VERIFY_THREADS),
+                chunk_checksums=compute_checksums(view, layout.nbytes, chunk, workers=VERIFY_THREADS),
                 checksum_algo=CHECKSUM_ALGO,
                 format_version=serialization.FORMAT_VERSION,
                 metrics=metrics,
@@ -623,10 +620,10 @@ class CheckpointClient:
                 pools.append(ThreadPoolExecutor(max_workers=8, thread_name_prefix="memstore-stripes"))
             for r in group:
                 if r != key.rank and r not in others:
-                    others[r] = pools[0].submit(self._read_stripe, self._key(key.step, r, key.timeline))
+                    others[r] = pools[0].submit(self._reader.read_stripe, self._key(key.step, r, key.timeline))
 
         try:
-            state = self._fetch_and_read(key, zero_copy, device, fetch_others)
+            state = self._reader.fetch_and_read(key, zero_copy, device, fetch_others, on_source=self._loaded_from)
             if not is_stripe(state):
                 return state
             fetch_others(stripe_members(state))  # a store that did not name the group in the manifest
@@ -636,95 +633,8 @@ class CheckpointClient:
                 pool.shutdown(wait=True)
         return whole_state(key.rank, key.step, state, stripes, device, zero_copy)
 
-    def _read_stripe(self, key: pb.ShardKey) -> Any:
-        """Another member's stripe: opened straight from the local store when it holds one (assembled ahead), else fetched."""
-        if self.shared_memory:
-            with contextlib.suppress(NotFoundError, CorruptShardError):  # a copy that fails verification: fetched anew below
-                return self._read_shared(key, True, None)
-        return self._fetch_and_read(key, True, None, note=False)
-
-    def _fetch_and_read(
-        self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None, on_stripe: Callable[[list[int]], None] | None = None,
-        note: bool = True,
-    ) -> Any:  # fmt: skip
-        """One rank's shard of one version, made local by its store (pulled from a peer if need be) and decoded; a copy
-        that fails verification is discarded and fetched once more. A stripe is decoded in host memory. ``note``: say
-        where it came from in ``last_load_source``; not for another member's stripe, which a store pulls as a cached copy."""
-        step = key.step
-        for attempt in range(2):
-            durable_known = (key.step, key.timeline) in self.agreement.durable  # agreed from the durable tier's one listing
-            request = pb.FetchRequest(key=key, discard_local=attempt > 0, durable_known=durable_known, cached=not note)
-            fetched = self._call(
-                lambda t, request=request: self._stub.Fetch(request, timeout=t + 600),  # type: ignore[misc]
-                f"load step {step}",
-                retries=3,
-            )
-            if note:
-                self.last_load_source = fetched.source_host or self.hello.host_id
-            if fetched.manifest.HasField("stripe"):  # read as it is: its slices are views until assembled
-                zero_copy, device = True, None
-                if on_stripe is not None:
-                    on_stripe(list(fetched.manifest.stripe.group))
-            try:
-                return self._read_shared(key, zero_copy, device) if self.shared_memory else self._read_remote(key, zero_copy, device)
-            except CorruptShardError as exc:
-                log.warning("rank %d: copy of step %d failed verification (%s); asking the store for another", self.rank, step, exc)
-                if attempt == 1:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _read_shared(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
-        # Onto a device the bytes are copied out before Release, so the segment stays recyclable (in its ring).
-        request = pb.OpenRequest(key=key, transient=device is not None)
-        opened = self._control("Open", request, f"open step {key.step}", retries=3)
-        try:
-            m = manifest_from_pb(opened.manifest)
-            problem = manifest_problem(m)
-            if problem:
-                raise CorruptShardError(f"store sent a bad manifest for step {key.step}: {problem}")
-            if device is not None and opened.verified:
-                with self._ring.registered_view(opened.segment_path, m.nbytes) as ring_mm:
-                    if ring_mm is not None:  # a segment of this rank's ring (a same-process restore): DMA straight out of it
-                        return decode_registered(ring_mm, m.nbytes, device)
-            fd = os.open(opened.segment_path, os.O_RDONLY)
-            try:
-                # A private (copy-on-write) mapping: the trainer may modify restored tensors freely and
-                # the store's copy never changes; the store never reuses a segment it let a reader map.
-                mm = mmap.mmap(fd, max(1, m.nbytes), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            if not opened.verified:  # an older store: verify here (the store verifies for this Open otherwise)
-                populate_for_reading(mm)
-                view = memoryview(mm)[: m.nbytes]
-                try:
-                    bad = first_mismatch(view, m.nbytes, m.chunk_size, m.checksums, workers=_VERIFY_THREADS)
-                finally:
-                    view.release()
-                if bad is not None:
-                    mm.close()
-                    raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
-            if device is not None:
-                try:
-                    return decode_onto(mm, device, zero_copy=False)  # nothing may keep the mapping: the lease was transient
-                finally:
-                    with contextlib.suppress(BufferError):  # numpy arrays still viewing it (zero_copy) keep it mapped
-                        mm.close()
-            if zero_copy:
-                return serialization.decode(mm, zero_copy=True)  # tensors keep the mapping alive
-            try:
-                return serialization.decode(mm)
-            finally:
-                mm.close()
-        finally:
-            self._control("Release", pb.ReleaseRequest(lease_id=opened.lease_id), f"release step {key.step}")
-
-    def _read_remote(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
-        """Without shared memory: the shard over the store's data channel (gRPC streams if it has none), every
-        chunk verified as it lands; with ``zero_copy`` large tensors are views of the received buffer."""
-        m, buf = self._remote.get(key, f"read step {key.step}")
-        if device is not None:
-            return decode_onto(byte_view(buf, m.nbytes), device, zero_copy)
-        return serialization.decode(byte_view(buf, m.nbytes), zero_copy=zero_copy)
+    def _loaded_from(self, source: str) -> None:
+        self.last_load_source = source
 
     def close(self) -> None:
         if self._floor is not None:

@@ -1,0 +1,154 @@
+"""Reading one rank's shard of one version through the host's store: the store makes it local (pulling it from a
+peer or the durable tier if need be) and verifies it; the client maps it copy-on-write (shared memory) or receives
+it over the store's data channel, and decodes it. A copy that fails verification is discarded and fetched once
+more. ``CheckpointClient.load`` decides *which* version; this module reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from memstore.v1 import store_pb2 as pb
+from memstore.v1.integrity import first_mismatch
+from memstore.v1.manifests import manifest_from_pb
+from memstore.v1.streams import manifest_problem
+from trainer_client import serialization
+from trainer_client.agreement import Agreements
+from trainer_client.capture.device_restore import decode_onto, decode_registered, populate_for_reading
+from trainer_client.capture.ring import CaptureRing
+from trainer_client.errors import CorruptShardError, NotFoundError
+from trainer_client.transport.remote import RemotePath, byte_view
+
+log = logging.getLogger(__name__)
+
+VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+Call = Callable[..., Any]  # CheckpointClient._call / _control: an RPC with the client's deadline, retries and errors
+
+
+class ShardReader:
+    """Reads shards for one client (its collaborators: its RPC helpers, capture ring, remote path and agreements).
+
+    Args:
+        call: ``CheckpointClient._call`` (gRPC, with retries and typed errors).
+        control: ``CheckpointClient._control`` (the save path's calls: the store's Unix socket where there is one).
+        stub: the store's gRPC stub (``Fetch``).
+        ring: the client's capture ring (a restore onto a device DMAs straight out of a segment of it).
+        remote: the data-channel path, used without shared memory.
+        shared_memory: whether this process maps the store's segments.
+        host_id: the store's host id (the source of a copy it held already).
+        rank: the client's rank (for the log).
+        agreement: the client's agreements: versions known durable are fetched without listing.
+    """
+
+    def __init__(
+        self, call: Call, control: Call, stub: Any, ring: CaptureRing, remote: RemotePath, shared_memory: bool, host_id: str, rank: int,
+        agreement: Agreements,
+    ) -> None:  # fmt: skip
+        self._call = call
+        self._control = control
+        self._stub = stub
+        self._ring = ring
+        self._remote = remote
+        self.shared_memory = shared_memory
+        self.host_id = host_id
+        self.rank = rank
+        self.agreement = agreement
+
+    def read_stripe(self, key: pb.ShardKey) -> Any:
+        """Another member's stripe: opened straight from the local store when it holds one (assembled ahead), else fetched."""
+        if self.shared_memory:
+            with contextlib.suppress(NotFoundError, CorruptShardError):  # a copy that fails verification: fetched anew below
+                return self.read_shared(key, True, None)
+        return self.fetch_and_read(key, True, None)
+
+    def fetch_and_read(
+        self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None, on_stripe: Callable[[list[int]], None] | None = None,
+        on_source: Callable[[str], None] | None = None,
+    ) -> Any:  # fmt: skip
+        """One rank's shard of one version, made local by its store (pulled from a peer if need be) and decoded; a copy
+        that fails verification is discarded and fetched once more. A stripe is decoded in host memory. ``on_source``: told
+        where it came from (the client's ``last_load_source``); None for another member's stripe, which a store pulls as
+        a cached copy."""
+        step = key.step
+        for attempt in range(2):
+            durable_known = (key.step, key.timeline) in self.agreement.durable  # agreed from the durable tier's one listing
+            request = pb.FetchRequest(key=key, discard_local=attempt > 0, durable_known=durable_known, cached=on_source is None)
+            fetched = self._call(
+                lambda t, request=request: self._stub.Fetch(request, timeout=t + 600),  # type: ignore[misc]
+                f"load step {step}",
+                retries=3,
+            )
+            if on_source is not None:
+                on_source(fetched.source_host or self.host_id)
+            if fetched.manifest.HasField("stripe"):  # read as it is: its slices are views until assembled
+                zero_copy, device = True, None
+                if on_stripe is not None:
+                    on_stripe(list(fetched.manifest.stripe.group))
+            try:
+                return self.read_shared(key, zero_copy, device) if self.shared_memory else self.read_remote(key, zero_copy, device)
+            except CorruptShardError as exc:
+                log.warning("rank %d: copy of step %d failed verification (%s); asking the store for another", self.rank, step, exc)
+                if attempt == 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def read_shared(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
+        # Onto a device the bytes are copied out before Release, so the segment stays recyclable (in its ring).
+        request = pb.OpenRequest(key=key, transient=device is not None)
+        opened = self._control("Open", request, f"open step {key.step}", retries=3)
+        try:
+            m = manifest_from_pb(opened.manifest)
+            problem = manifest_problem(m)
+            if problem:
+                raise CorruptShardError(f"store sent a bad manifest for step {key.step}: {problem}")
+            if device is not None and opened.verified:
+                with self._ring.registered_view(opened.segment_path, m.nbytes) as ring_mm:
+                    if ring_mm is not None:  # a segment of this rank's ring (a same-process restore): DMA straight out of it
+                        return decode_registered(ring_mm, m.nbytes, device)
+            fd = os.open(opened.segment_path, os.O_RDONLY)
+            try:
+                # A private (copy-on-write) mapping: the trainer may modify restored tensors freely and
+                # the store's copy never changes; the store never reuses a segment it let a reader map.
+                mm = mmap.mmap(fd, max(1, m.nbytes), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            if not opened.verified:  # an older store: verify here (the store verifies for this Open otherwise)
+                populate_for_reading(mm)
+                view = memoryview(mm)[: m.nbytes]
+                try:
+                    bad = first_mismatch(view, m.nbytes, m.chunk_size, m.checksums, workers=VERIFY_THREADS)
+                finally:
+                    view.release()
+                if bad is not None:
+                    mm.close()
+                    raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
+            if device is not None:
+                try:
+                    return decode_onto(mm, device, zero_copy=False)  # nothing may keep the mapping: the lease was transient
+                finally:
+                    with contextlib.suppress(BufferError):  # numpy arrays still viewing it (zero_copy) keep it mapped
+                        mm.close()
+            if zero_copy:
+                return serialization.decode(mm, zero_copy=True)  # tensors keep the mapping alive
+            try:
+                return serialization.decode(mm)
+            finally:
+                mm.close()
+        finally:
+            self._control("Release", pb.ReleaseRequest(lease_id=opened.lease_id), f"release step {key.step}")
+
+    def read_remote(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
+        """Without shared memory: the shard over the store's data channel (gRPC streams if it has none), every
+        chunk verified as it lands; with ``zero_copy`` large tensors are views of the received buffer."""
+        m, buf = self._remote.get(key, f"read step {key.step}")
+        if device is not None:
+            return decode_onto(byte_view(buf, m.nbytes), device, zero_copy)
+        return serialization.decode(byte_view(buf, m.nbytes), zero_copy=zero_copy)

@@ -122,7 +122,8 @@ def restore_local(cluster: LocalCluster, job: str, expected: str, reps: int, tim
 
 def restore_after_host_loss(cluster: LocalCluster, job: str, expected: str, reps: int, keep: int, timeout: float) -> dict[str, Any]:
     """SIGKILL the owner store (h0), start its replacement (empty RAM) and, meanwhile, restore in a new process on it,
-    timed from the trainer's load call (as soon as the replacement's port accepts): its first restore, from peer RAM."""
+    as soon as the replacement's port accepts: its first restore, from peer RAM (timed both from then and from the
+    trainer's ``load()`` call, see ``summarize``)."""
     runs = []
     for _ in range(reps):
         wait_caught_up(cluster, "h0", job, keep, timeout)
@@ -139,10 +140,14 @@ def restore_after_host_loss(cluster: LocalCluster, job: str, expected: str, reps
 
 
 def summarize(runs: list[dict[str, Any]], expected: str) -> dict[str, Any]:
+    """``seconds``: from the moment the store's port accepts (a replacement may still be starting: adopting what its
+    predecessor left, faulting in its --prefault reserve) to the state loaded; ``load_seconds``: from the ``load()``
+    call, on a client connected once the store serves."""
     seconds = [float(r["seconds"]) for r in runs]
     return {
         "seconds": seconds,
         "p50": p50(seconds),
+        "load_p50": p50([float(r["load_seconds"]) for r in runs]),
         "source_hosts": sorted({str(r["source_host"]) for r in runs}),
         "verified_equal": all(r["fingerprint"] == expected for r in runs),
         "runs": runs,

@@ -14,7 +14,8 @@ faulting and keeps every reserved byte inside ``--capacity``.
   the store's first job pays for fresh memory; the saves, copies and repairs after it find the
   reserve.
 - ``prefault=N`` bytes: keep at least N bytes faulted in from start-up: the shards the store holds, its
-  pooled segments and the reserve together. Shards take their memory from the reserve; it is refilled
+  pooled segments and the reserve together. N/(keep+2) of it is faulted in before the store serves at all
+  (``before_serving``), the rest in the background. Shards take their memory from the reserve; it is refilled
   while the store holds less than N, and one segment is always kept ready. Size N for the segments the store cycles through (per rank
   saving here and per replica held here, about ``keep + 2`` shards): then no save, copy or repair
   ever waits for fresh memory, and the idle cost is N. Reserve segments are ``unit`` bytes
@@ -74,6 +75,13 @@ class ReservePolicy:
         """A shard of ``nbytes`` was placed on this store."""
         if nbytes >= MIN_UNIT:
             self._recent.append(nbytes)
+
+    def before_serving(self) -> int:
+        """Bytes of the reserve to fault in before the store serves: with ``--prefault N``, N/(keep+2), one pass of
+        the cycle N is sized for (the newest step of every rank saving or held here), so the first save of a job on
+        a fresh store, and a replacement's first restore or repair, land in memory faulted in already; the rest is
+        faulted in the background. Nothing with the automatic reserve (it knows no shard size yet) or none."""
+        return self.prefault // self.cycle if self.prefault else 0
 
     def goal(self, held: int = 0) -> ReserveGoal:
         """The reserve to keep while the store holds ``held`` bytes outside it (shards and pooled segments)."""

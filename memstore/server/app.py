@@ -124,6 +124,7 @@ class StoreServer:
         self.follower.join(timeout)
 
     def start(self) -> None:
+        self.store.prepare()  # adoption, and the reserve wanted before serving (--prefault)
         if self.health is not None:
             self.health.start()
         self._server.start()

@@ -45,6 +45,7 @@ class Entry:
     allocated_at: float = field(default_factory=time.monotonic)  # when this entry was made (Allocate, or registration)
     taken_at: float = 0.0  # when the store took a client's save in (Commit, or its stream's end): replication starts
     cached: bool = False  # pulled ahead of a restore (memstore.server.assembler): the first dropped under pressure
+    arrived_verified: float = 0.0  # monotonic time a pull landed with every chunk verified; the first Open soon after skips hashing
 
     @property
     def verified(self) -> bool:

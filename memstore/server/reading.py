@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 
 from memstore.core.model import Manifest, ShardKey
@@ -19,6 +20,7 @@ from memstore.v1.integrity import first_mismatch
 log = logging.getLogger(__name__)
 
 VERIFY_WORKERS = max(1, min(4, os.cpu_count() or 1))  # threads hashing a shard a trainer opens (xxhash lets go of the GIL)
+ARRIVAL_CHECK_SECONDS = 5.0  # a copy pulled in with every chunk verified this recently is lent once without hashing it again
 
 
 class Reader:
@@ -38,6 +40,8 @@ class Reader:
         The store verifies, not the reader: its own mapping of the segment is faulted in already, so a
         restore pays for hashing the bytes and nothing else, and the reader maps only what it touches. A copy
         that fails is dropped and DATA_LOSS tells the reader to ask again (the store then pulls another).
+        A copy pulled in for a restore had every chunk verified as it landed: its first reader within
+        ``ARRIVAL_CHECK_SECONDS`` gets it without a second pass over the same bytes; every later one hashes it.
         """
         entry = self.catalog.readable(key)
         if entry.segment.path is None:
@@ -46,7 +50,10 @@ class Reader:
             raise ShardNotFound(f"shard {key} was evicted while opening it")
         m = entry.manifest
         assert m is not None
-        bad = first_mismatch(entry.segment.view(entry.nbytes), entry.nbytes, m.chunk_size, m.checksums, workers=VERIFY_WORKERS)
+        just_checked = time.monotonic() - entry.arrived_verified < ARRIVAL_CHECK_SECONDS
+        entry.arrived_verified = 0.0  # once
+        bad = None if just_checked else first_mismatch(entry.segment.view(entry.nbytes), entry.nbytes, m.chunk_size, m.checksums,
+                                                       workers=VERIFY_WORKERS)  # fmt: skip
         if bad is not None:
             self.catalog.unpin(entry)
             self.catalog.drop(entry, reason="local copy failed verification when a trainer opened it")

@@ -300,6 +300,7 @@ class Recovery:
             created_unix=m.created_unix or time.time(),
             stripe=m.stripe,
             cached=cached,
+            arrived_verified=time.monotonic(),  # every chunk was verified as it landed (peer or durable tier)
         )
         if self.catalog.register_pulled(entry):
             self.retention_due.set()

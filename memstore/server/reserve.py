@@ -170,6 +170,16 @@ class Reserve:
         self._wake.set()
         self.thread.start()
 
+    def fill_now(self) -> int:
+        """Fault in, on the calling thread, what the policy wants ready before the store serves
+        (``ReservePolicy.before_serving``), within the goal and the capacity; the fresh bytes ready then."""
+        if self.policy is None:
+            return 0
+        want = self.policy.before_serving()
+        while not self._closed and self.fresh_bytes < want and self._add_one():
+            pass
+        return self.fresh_bytes
+
     def join(self, timeout: float) -> None:
         """Wait for the thread to exit after ``stop`` (not when called from the thread itself)."""
         if self.thread is not None and self.thread is not threading.current_thread():

@@ -249,6 +249,10 @@ class SegmentPool:
         """Whether the reserve is being faulted in toward its goal (it is short of it, and the capacity has room)."""
         return self.reserve.filling
 
+    def prefault_now(self) -> int:
+        """Fault in the part of the reserve wanted before the store serves (``Reserve.fill_now``); the bytes ready."""
+        return self.reserve.fill_now()
+
     def start_reserve(self) -> None:
         """Start faulting in the reserve in the background (no-op without a reserve policy or when started)."""
         self.reserve.start()

@@ -34,6 +34,7 @@ from memstore.config import StoreConfig
 from memstore.core.floors import Floor, Floors
 from memstore.core.model import Manifest, ShardKey
 from memstore.core.reserve import ReservePolicy
+from memstore.core.sizes import format_size
 from memstore.core.spill_policy import spill_duty
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, SpillReport, job_census
 from memstore.server.assembler import Assembler
@@ -231,10 +232,20 @@ class Store:
         self.adopted_shards += adopted
         return adopted
 
-    def start(self) -> None:
+    def prepare(self) -> None:
+        """Before the store serves (the slot table is known: joined): adopt what predecessors left here, then fault in
+        the part of the reserve wanted before serving (``--prefault``), so what was adopted is not faulted in twice."""
         self._started = True  # from now on a change of the slot table sweeps too (after this store's own leftovers)
         if self.sweeper is not None:
-            self.sweeper.sweep()  # the slot table is known (joined): adopt before the first repair pass looks
+            self.sweeper.sweep()  # adopt before the first repair pass looks
+        t0 = time.monotonic()
+        ready = self.pool.prefault_now()
+        if ready:
+            log.info("faulted in %s of the --prefault reserve before serving in %.2fs", format_size(ready), time.monotonic() - t0)
+
+    def start(self) -> None:
+        if not self._started:
+            self.prepare()
         for t in self._threads:
             t.start()
         self.pool.start_reserve()

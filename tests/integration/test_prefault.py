@@ -65,6 +65,14 @@ def test_saves_take_prefaulted_segments_and_the_next_one_is_mapped_ahead(make_in
         c.close()
 
 
+def test_a_store_answers_only_once_the_first_pass_of_its_reserve_is_faulted_in(make_inprocess_cluster) -> None:
+    """--prefault 32MiB with keep 2: 8 MiB (N/(keep+2)) is ready at the store's very first answer, so a replacement's
+    first restore or a fresh job's first save never waits for fresh memory; the rest follows in the background."""
+    flags = ["--prefault", "32MiB", "--prefault-unit", "4MiB"]
+    cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="256MiB", keep=2, extra_args=flags)
+    assert health(cluster, "h0").pooled_bytes >= 8 * MiB  # ready (pooled), not merely being faulted in
+
+
 def test_auto_reserve_fills_after_the_first_shard(make_inprocess_cluster) -> None:
     cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB")  # --prefault auto (the default)
     assert health(cluster, "h0").reserve_bytes == 0  # nothing faulted in before a job saves

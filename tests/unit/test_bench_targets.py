@@ -47,7 +47,7 @@ def document() -> dict[str, Any]:
         },
         "saves": saves,
         "small_saves": {"stall_p50": 0.0008},
-        "restores": {"local": {"p50": 0.05}, "peer": {"p50": 0.8}},
+        "restores": {"local": {"p50": 0.05}, "peer": {"p50": 0.8, "load_p50": 0.5}},
         "streams": {"bytes": B, "p1": {"p50": 0.5}, "p2": {"p50": 0.4}, "p4": {"p50": 0.32}},
         "data_parallel": {"replicas": 2, "state_bytes": B, "cases": [
             dp(2, "no_dedup", 0.2, B, 4, 0.1, 0.3), dp(2, "dedup", 0.1, B // 2, 2, 0.12, 0.3),
@@ -69,8 +69,9 @@ def test_every_ratio_from_its_parts() -> None:
         "replication_over_tcp": 0.8,  # 1 GiB in 0.625 - 0.125 s against 0.4 s
         "committed_over_tcp_min": 0.4,  # save 1: 1 GiB in 1.0 s
         "torch_load_over_restore_local": 10.0,
-        "restore_peer_over_tcp": 0.5,
-        "torch_load_over_restore_peer": 0.625,
+        "restore_peer_over_tcp": 0.8,  # from load(): 1 GiB in 0.5 s against 0.4 s
+        "restore_peer_from_accept_over_tcp": 0.5,  # from the replacement's port accepting: 0.8 s
+        "torch_load_over_restore_peer": 1.0,
         "stream_p1_over_tcp": 0.8,  # 1 GiB pushed in 0.5 s against 0.4 s
         "stream_p2_over_tcp": 1.0,
         "stream_p4_over_tcp": 1.25,
@@ -99,7 +100,8 @@ def test_pass_miss_and_the_table() -> None:
         "replication_over_tcp": True,
         "committed_over_tcp_min": False,
         "torch_load_over_restore_local": True,
-        "restore_peer_over_tcp": False,
+        "restore_peer_over_tcp": True,
+        "restore_peer_from_accept_over_tcp": None,  # reported, no target
         "torch_load_over_restore_peer": False,
         "stream_p1_over_tcp": None,  # reported, no target
         "stream_p2_over_tcp": None,

@@ -44,6 +44,23 @@ def test_a_copy_that_fails_verification_when_opened_is_dropped() -> None:
     assert catalog.get(KEY) is None and entry.segment in pool.released
 
 
+def test_a_copy_pulled_in_verified_is_lent_once_without_hashing_again_then_hashed() -> None:
+    catalog, _, _ = make_catalog()
+    entry = settled(catalog, KEY, DATA)
+    entry.segment.view()[5] ^= 0xFF  # stands for the bytes: only hashing them would notice
+    entry.arrived_verified = time.monotonic()  # as a pull registers it: every chunk verified as it landed
+    reader = Reader(catalog)
+    lease, _ = reader.open(KEY)  # its first reader right after the pull: no second pass over the bytes
+    reader.release(lease)
+    with pytest.raises(ChecksumMismatch):
+        reader.open(KEY)  # every later reader hashes it
+    stale = settled(catalog, ShardKey("job", 2, 0), DATA)
+    stale.segment.view()[5] ^= 0xFF
+    stale.arrived_verified = time.monotonic() - 60  # pulled a minute ago: hashed again
+    with pytest.raises(ChecksumMismatch):
+        reader.open(ShardKey("job", 2, 0))
+
+
 def test_a_mapping_reader_marks_the_segment_never_to_be_reused_and_read_streams_pinned_bytes() -> None:
     catalog, _, _ = make_catalog()
     entry = settled(catalog, KEY, DATA)

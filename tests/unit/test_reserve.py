@@ -107,6 +107,21 @@ def directory(request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
     return str(d)
 
 
+def test_explicit_prefault_faults_one_pass_of_the_cycle_in_before_serving(directory: str | None) -> None:
+    assert ReservePolicy(None).before_serving() == 0 and ReservePolicy(0).before_serving() == 0
+    pool = SegmentPool(directory, 64 * MiB, reserve=ReservePolicy(32 * MiB, keep=2))
+    try:
+        assert ReservePolicy(32 * MiB, keep=2).before_serving() == 8 * MiB  # N / (keep + 2)
+        ready = pool.prefault_now()  # on this thread, no background thread started
+        unit = 8 * MiB + 8 * MiB // HEADROOM
+        assert ready == unit and fresh_sizes(pool) == [unit] and pool.reserve.thread is None
+        check_accounting(pool)
+        seg = pool.acquire(8 * MiB, "job-a")  # the first shard takes the segment faulted in before serving
+        assert pool.reserve.fresh_bytes == 0 and seg.owner == "job-a"
+    finally:
+        pool.close()
+
+
 def test_explicit_reserve_fills_at_start_and_any_job_takes_it(directory: str | None) -> None:
     pool = SegmentPool(directory, 64 * MiB, reserve=ReservePolicy(32 * MiB, keep=2))
     try:

@@ -54,6 +54,13 @@ class AlreadySaved(AlreadyExists):
     """
 
 
+class CaptureAbandoned(StoreError):
+    """A capture the store was pushing while its client wrote it (``CommitRequest.captured_bytes``) was never
+    finished: its client stopped making progress. The shard is dropped, with every copy in flight."""
+
+    status = "ABORTED"
+
+
 class ChecksumMismatch(StoreError):
     """Bytes did not match the checksum computed at capture; the copy was discarded."""
 

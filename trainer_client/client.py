@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _MAX_BACKGROUND_SENDS = 2  # remote_save="background": staged saves in flight; the next waits for the oldest
+MARKED_FROM = 64 << 20  # a CPU state this large is pushed by the store while it is copied (CommitRequest.captured_bytes)
 
 
 class CheckpointClient:
@@ -373,22 +374,42 @@ class CheckpointClient:
             release()
             raise
 
-        def commit() -> None:
-            request = pb.CommitRequest(
+        def request(captured: int | None = None) -> pb.CommitRequest:
+            r = pb.CommitRequest(
                 lease_id=slot.lease_id, metrics=metrics, format_version=serialization.FORMAT_VERSION, spill_codec=self.spill_compression,
-                capture=ring.report(), capture_seconds=time.perf_counter() - started, stripe=stripe,
-                restorable_floor=self._floor.floor(key.timeline, key.step) if self._floor else None,
+                stripe=stripe, restorable_floor=self._floor.floor(key.timeline, key.step) if self._floor else None,
+                captured_bytes=captured,
             )  # fmt: skip
+            if captured is None:
+                r.capture.CopyFrom(ring.report())
+                r.capture_seconds = time.perf_counter() - started
             if slot.ahead:
-                request.key.CopyFrom(key)
-                request.nbytes = layout.nbytes
+                r.key.CopyFrom(key)
+                r.nbytes = layout.nbytes
+            return r
+
+        # A large CPU state on a store that replicates: the store pushes the bytes as they become final (marks).
+        marked: list[int] = []
+        marking = not blobs and not deferred and layout.nbytes >= MARKED_FROM and self.hello.marked_captures and self.hello.replicas > 1
+
+        def mark(captured: int) -> None:
+            self._control("Commit", request(captured), f"commit step {key.step} (its first {captured} bytes)")
+            marked.append(captured)  # the store holds the lease's shard from the first mark on
+
+        def commit() -> None:
             try:
-                self._control("Commit", request, f"commit step {key.step}")
+                self._control("Commit", request(), f"commit step {key.step}")
             finally:
                 ring.committed(slot)  # taken in, or refused (the lease then expires in the store)
             ring.reserve_ahead(key, self.world_size, layout.nbytes)
 
-        return Capture(start_copies, host_writer(layout, blobs, slot.mm), commit, release)
+        def abort() -> None:
+            if marked:  # the store took the shard in at the first mark: it drops it once no more marks come
+                ring.committed(slot)
+            else:
+                release()
+
+        return Capture(start_copies, host_writer(layout, blobs, slot.mm, mark=mark if marking else None), commit, abort)
 
     def prepare(self, state_or_nbytes: Any, *, replicated: Sequence[str] | None = None) -> None:
         """Make the next save fast from the first one: reserve its memory in the store now, map it, and (for a state

@@ -28,6 +28,7 @@ class HelloReport:
     draining: bool = False  # leaving on purpose: takes no new copies
     failure_domain: str = ""  # this store's own failure-domain label ("" = none); DNS discovery learns labels here
     control_socket: str = ""  # the same-host control channel's Unix socket ("" = none)
+    marked_captures: bool = False  # takes CommitRequest.captured_bytes (a large save pushed while it is copied)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from memstore.core.model import Holding, Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, Stripe
 from memstore.errors import ChecksumMismatch, InvalidArgument
+from memstore.server.progress import CaptureProgress
 from memstore.server.segments import Segment
 from memstore.v1.datachannel import Parts
 from memstore.v1.integrity import SPILL_CODECS
@@ -46,6 +47,7 @@ class Entry:
     taken_at: float = 0.0  # when the store took a client's save in (Commit, or its stream's end): replication starts
     cached: bool = False  # pulled ahead of a restore (memstore.server.assembler): the first dropped under pressure
     arrived_verified: float = 0.0  # monotonic time a pull landed with every chunk verified; the first Open soon after skips hashing
+    progress: CaptureProgress | None = None  # a capture pushed while its client writes it (memstore.server.progress)
 
     @property
     def verified(self) -> bool:

@@ -167,11 +167,13 @@ class Peer:
         control_timeout: float,
         streams: int = 1,
         sums: StreamedChecksums | None = None,
+        ready: Callable[[int], None] | None = None,
     ) -> None:
         """Push a shard over the bulk data channel in up to ``streams`` parallel streams (as many as the peer grants).
 
         ``sums``: the header's checksums are placeholders; each chunk is hashed as it goes and its checksum follows it
-        (a peer too old for that raises DataChannelUnsupported, as does one without a data channel: UNIMPLEMENTED)."""
+        (a peer too old for that raises DataChannelUnsupported, as does one without a data channel: UNIMPLEMENTED).
+        ``ready``: each stream waits for its next bytes to be final (``datachannel.send_chunks``)."""
         wire = transfer_to_pb(header)
         wire.streams = streams
         wire.checksums_follow = sums is not None
@@ -201,7 +203,7 @@ class Peer:
                     check()
 
                 with self._data_connection(ticket.data_port, control_timeout) as sock:
-                    error = datachannel.push_part(sock, one, view, m.chunk_size, chunks, deadline, sums, on_piece)
+                    error = datachannel.push_part(sock, one, view, m.chunk_size, chunks, deadline, sums, on_piece, ready)
                 if error is not None:
                     errors.append(error)
 

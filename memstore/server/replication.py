@@ -13,6 +13,7 @@ from memstore.config import StoreConfig
 from memstore.core.floors import Floors
 from memstore.core.model import Manifest, PutOrigin, ShardState, TransferHeader
 from memstore.errors import (
+    CaptureAbandoned,
     DataChannelUnsupported,
     StoreError,
 )
@@ -22,6 +23,7 @@ from memstore.server.entries import Entry
 from memstore.server.events import StoreEvents
 from memstore.server.membership import Membership
 from memstore.server.peers import PeerDirectory
+from memstore.server.progress import CaptureProgress
 from memstore.v1.datachannel import stream_count
 from memstore.v1.integrity import StreamedChecksums, chunk_count, compute_checksums
 
@@ -40,18 +42,22 @@ def push_copy(
     view: memoryview,
     deadline: float,
     sums: StreamedChecksums | None = None,
+    progress: CaptureProgress | None = None,
 ) -> None:
     """Send one verified copy to ``peer_id``: over its raw TCP data channel when ``--data-plane tcp``, else (or when the
     peer has none) as a gRPC stream. Replication and drain push this way. ``sums``: the header's checksums are
-    placeholders, computed as the chunks go (``StreamedChecksums``); a gRPC stream gets them all first."""
+    placeholders, computed as the chunks go (``StreamedChecksums``); a gRPC stream gets them all first. ``progress``:
+    the shard is still being captured; each chunk goes once it is final (a gRPC stream once the capture is finished)."""
     peer = peers[peer_id]
     if config.data_plane == "tcp":
         try:
             streams = stream_count(header.manifest.nbytes, header.manifest.chunk_size, config.transfer_streams)
-            peer.push_data(header, view, deadline, config.peer_timeout, streams, sums)
+            peer.push_data(header, view, deadline, config.peer_timeout, streams, sums, progress.wait_for if progress else None)
             return
         except DataChannelUnsupported:
             log.info("peer %s has no data channel (or no streamed checksums); falling back to gRPC streams", peer_id)
+    if progress is not None:
+        progress.wait_finished()
     if sums is not None:
         header = replace(header, manifest=replace(header.manifest, checksums=sums.complete(view)))
     peer.push(header, view, timeout=deadline)
@@ -109,9 +115,14 @@ class Replicator:
                 if self.config.data_plane == "tcp":
                     sums = StreamedChecksums(entry.nbytes, self.config.chunk_bytes)
                 else:
+                    if entry.progress is not None:
+                        entry.progress.wait_finished()
                     checksums = compute_checksums(entry.segment.view(), entry.nbytes, self.config.chunk_bytes, workers=CHECKSUM_WORKERS)
                     self.catalog.checksummed(entry, self._manifest(entry, tuple(checksums)))
             self._replicate(entry, sums)
+        except CaptureAbandoned as exc:  # its client never finished it: no copy of it anywhere is complete
+            log.warning("dropping %s: %s", entry.key, exc)
+            self.catalog.drop(entry, reason=str(exc))
         except Exception as exc:  # never lose the local copy because replication broke
             log.exception("replication of %s failed", entry.key)
             self._settle(entry, copies=1, errors=[f"internal error: {exc}"])
@@ -142,12 +153,19 @@ class Replicator:
         finally:
             self.catalog.unpin(entry)
 
+    def _own_checksums(self, entry: Entry, sums: StreamedChecksums | None) -> None:
+        """The owner's copy gets its checksums (``sums``: those the pushes computed and the rest) once its capture is
+        finished; CaptureAbandoned if its client never finishes it."""
+        if entry.progress is not None:
+            entry.progress.wait_finished()  # the rest of the checksums need the whole shard
+        if sums is not None:
+            self._checksummed(entry, sums)
+
     def _replicate(self, entry: Entry, sums: StreamedChecksums | None = None) -> None:
         view = self.membership.view
         peers = view.replication_targets()
         if not peers:
-            if sums is not None:
-                self._checksummed(entry, sums)
+            self._own_checksums(entry, sums)
             held = len(view.table.members())
             why = f"the slot table (v{view.table.version}) holds {held} store(s): no group peer to copy to yet"
             self._settle(entry, copies=1, errors=[why] if self.config.replicas > 1 else [])
@@ -169,7 +187,7 @@ class Replicator:
                 return f"{entry.key} was dropped before it reached {peer_id}"
             try:
                 fault("replicate.before_send")
-                push_copy(self.peers, self.config, peer_id, header, entry.segment.view(entry.nbytes), deadline, sums)
+                push_copy(self.peers, self.config, peer_id, header, entry.segment.view(entry.nbytes), deadline, sums, entry.progress)
                 self.events.pushed(entry.nbytes)
                 fault("replicate.after_ack")
                 return None
@@ -179,9 +197,10 @@ class Replicator:
                 self.catalog.unpin(entry)
 
         futures: list[Future[str | None]] = [self._push.submit(push, p) for p in peers]
-        if sums is not None:  # hash beside the pushes (each chunk once, by whoever comes first): the owner's copy is
-            self._checksummed(entry, sums)  # verified about when the bytes are sent, even if a peer stalls or is down
-        errors = [e for e in (f.result() for f in futures) if e]
+        try:  # hash beside the pushes (each chunk once, by whoever comes first): the owner's copy is verified about
+            self._own_checksums(entry, sums)  # when the bytes are sent, even if a peer stalls or is down
+        finally:
+            errors = [e for e in (f.result() for f in futures) if e]
         if errors and all(e.startswith(SUPERSEDED) for e in errors):
             self.catalog.mark_superseded(entry)  # newest wins: the client's wait() returns, saying so
         if not errors and entry.taken_at:

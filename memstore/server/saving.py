@@ -17,11 +17,13 @@ from memstore.core.status import CaptureReport
 from memstore.errors import (
     Draining,
     InvalidArgument,
+    LeaseError,
 )
 from memstore.faults import fault
 from memstore.server.catalog import Catalog
 from memstore.server.entries import Entry, Inbound, codec_problem, ensure, sender_error
 from memstore.server.events import StoreEvents
+from memstore.server.progress import CaptureProgress
 from memstore.server.replication import Replicator
 from memstore.server.segments import Segment, SegmentPool
 from memstore.v1.integrity import MAX_CHUNKS_PER_SHARD, chunk_count
@@ -61,6 +63,8 @@ class Saver:
         self.events = events
         self.draining = draining  # set: no new shards are taken in
         self.retention_due = retention_due  # set when a replica arrives: the janitor looks at retention again
+        self._capturing: dict[str, Entry] = {}  # lease id -> a capture pushed while its client writes it
+        self._capturing_lock = threading.Lock()
 
     def allocate(
         self, key: ShardKey, world_size: int, nbytes: int, preferred: str = "", ahead: bool = False, grow: bool = False
@@ -112,8 +116,13 @@ class Saver:
         capture_seconds: float = 0.0,
         stripe: Stripe | None = None,
         restorable_floor: int | None = None,
+        captured_bytes: int | None = None,
     ) -> ShardKey:
         """Take a client's capture in: the shard of ``lease_id`` is the store's from now on; replication starts.
+
+        ``captured_bytes``: the client is still writing, its first ``captured_bytes`` bytes are final. The first such
+        call takes the shard in and replication pushes what is final while the client copies the rest; later ones
+        move the mark on; the call without it ends the capture (``memstore.server.progress``).
 
         An ahead lease (``allocate(ahead=True)``) needs ``key``, the shard it holds (same job and rank), and
         ``nbytes`` when the shard is smaller than the lease. ``capture``: what the client's copies cost it since its
@@ -129,8 +138,21 @@ class Saver:
             raise InvalidArgument(f"capture_seconds {capture_seconds!r} is out of range: expected 0..{MAX_CAPTURE_SECONDS:.0f}")
         if key is not None:
             ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
-        entry = self.catalog.commit_lease(lease_id, key, nbytes, metrics, format_version, spill_codec, capture, stripe, restorable_floor)
-        self._note_floor(entry.key, restorable_floor)
+        entry = self._capturing_entry(lease_id, captured_bytes)
+        if entry is None:
+            entry = self.catalog.commit_lease(
+                lease_id, key, nbytes, metrics, format_version, spill_codec, capture, stripe, restorable_floor
+            )  # fmt: skip
+            self._note_floor(entry.key, restorable_floor)
+            if captured_bytes is not None:  # the client goes on writing: push what is final meanwhile
+                entry.progress = CaptureProgress(entry.nbytes)
+                entry.progress.advance(captured_bytes)
+                with self._capturing_lock:
+                    self._capturing[lease_id] = entry
+                self.replicator.submit(entry)
+                return entry.key
+        elif captured_bytes is not None:
+            return entry.key
         if capture is not None and capture.fallbacks:
             log.warning(
                 "rank %d of job %s copied %d captures through pageable memory (registration failed: %s)",
@@ -138,9 +160,30 @@ class Saver:
             )  # fmt: skip
         self.events.captured(capture.registrations if capture else 0, capture.fallbacks if capture else 0)
         self.events.saved("shm", capture_seconds or entry.taken_at - entry.allocated_at)
-        self.replicator.submit(entry)
+        if entry.progress is None:
+            self.replicator.submit(entry)
         fault("commit.before_ack")
         return entry.key
+
+    def _capturing_entry(self, lease_id: str, captured_bytes: int | None) -> Entry | None:
+        """The shard of ``lease_id`` if it is a capture being pushed while its client writes it (None: the lease's first
+        Commit); its mark moved to ``captured_bytes``, or (None) its capture finished. Abandoned ones are forgotten."""
+        with self._capturing_lock:
+            for lease, abandoned in [(k, e) for k, e in self._capturing.items() if e.progress and e.progress.abandoned]:
+                del self._capturing[lease]
+                if lease == lease_id:
+                    assert abandoned.progress is not None
+                    raise LeaseError(f"the capture of {abandoned.key} was abandoned ({abandoned.progress.abandoned}); save it again")
+            entry = self._capturing.get(lease_id) if captured_bytes is not None else self._capturing.pop(lease_id, None)
+        if entry is None or entry.progress is None:
+            return None
+        if captured_bytes is not None and captured_bytes > entry.nbytes:
+            raise InvalidArgument(f"captured_bytes {captured_bytes} is beyond the shard's {entry.nbytes} bytes")
+        if captured_bytes is None:
+            entry.progress.finish()
+        else:
+            entry.progress.advance(captured_bytes)
+        return entry
 
     def wait_committed(self, key: ShardKey, timeout: float, restorable_floor: int | None = None) -> tuple[ShardInfo, bool]:
         """``key``'s status once it settled or ``timeout`` passed; ``restorable_floor``: its job's floor, as with a commit."""

@@ -149,6 +149,7 @@ class StoreServicer(pb_grpc.StoreServicer):
             capture_seconds=request.capture_seconds,
             stripe=stripe_from_pb(request.stripe, request.key.job_id) if request.HasField("stripe") else None,
             restorable_floor=request.restorable_floor if request.HasField("restorable_floor") else None,
+            captured_bytes=request.captured_bytes if request.HasField("captured_bytes") else None,
         )
         return pb.CommitResponse(key=key_to_pb(key))
 

@@ -291,6 +291,7 @@ class Store:
             draining=self.draining.is_set(),
             failure_domain=self.config.failure_domain,
             control_socket=self.control_socket,
+            marked_captures=True,
         )
 
     def readiness(self) -> str:

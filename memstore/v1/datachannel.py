@@ -210,15 +210,21 @@ def send_chunks(
     deadline: float,
     sums: StreamedChecksums | None = None,
     on_piece: Callable[[], None] | None = None,
+    ready: Callable[[int], None] | None = None,
 ) -> None:
     """Send the chunks ``[first, end)`` of ``shard``; with ``sums``, each chunk is hashed just before it goes and its
-    checksum follows it, so hashing chunk i+1 overlaps chunk i on the wire (``receive_verified(streamed=)``)."""
+    checksum follows it, so hashing chunk i+1 overlaps chunk i on the wire (``receive_verified(streamed=)``).
+    ``ready(end)``: blocks until the shard's first ``end`` bytes are final (a capture still being written), or raises."""
     off, length = byte_span(len(shard), chunk_size, chunks)
     if sums is None:
+        if ready is not None:
+            ready(off + length)
         send_all(sock, shard[off : off + length], deadline, on_piece)
         return
     for index in range(*chunks):
         start = index * chunk_size
+        if ready is not None:
+            ready(min(len(shard), start + chunk_size))
         value = sums.of(index, shard)
         send_all(sock, shard[start : min(len(shard), start + chunk_size)], deadline, on_piece)
         send_all(sock, memoryview(CHECKSUM.pack(value)), deadline)
@@ -290,13 +296,14 @@ def push_part(
     deadline: float,
     sums: StreamedChecksums | None = None,
     on_piece: Callable[[], None] | None = None,
+    ready: Callable[[int], None] | None = None,
 ) -> str | None:
     """One stream of a push: the ticket, the chunks ``[first, end)`` (``send_chunks``), then the receiver's answer:
     None if it stored the shard, else its error. A send that fails because the receiver refused the shard and closed
     returns that refusal where it can still be read."""
     sock.sendall(ticket)
     try:
-        send_chunks(sock, shard, chunk_size, chunks, deadline, sums, on_piece)
+        send_chunks(sock, shard, chunk_size, chunks, deadline, sums, on_piece, ready)
     except StreamAborted:
         raise
     except DataChannelError:

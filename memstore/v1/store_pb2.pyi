@@ -121,7 +121,7 @@ class HelloRequest(_message.Message):
     def __init__(self, known_slots_version: _Optional[int] = ..., known_slots_digest: _Optional[str] = ..., asker_host_id: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("host_id", "version", "replicas", "peer_ids", "peer_addresses", "shm_dir", "boot_id", "capacity_bytes", "max_chunk_bytes", "placement", "data_port", "slots", "draining", "failure_domain", "control_socket", "slots_omitted")
+    __slots__ = ("host_id", "version", "replicas", "peer_ids", "peer_addresses", "shm_dir", "boot_id", "capacity_bytes", "max_chunk_bytes", "placement", "data_port", "slots", "draining", "failure_domain", "control_socket", "slots_omitted", "marked_captures")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class HelloResponse(_message.Message):
     FAILURE_DOMAIN_FIELD_NUMBER: _ClassVar[int]
     CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SLOTS_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    MARKED_CAPTURES_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     version: str
     replicas: int
@@ -154,7 +155,8 @@ class HelloResponse(_message.Message):
     failure_domain: str
     control_socket: str
     slots_omitted: bool
-    def __init__(self, host_id: _Optional[str] = ..., version: _Optional[str] = ..., replicas: _Optional[int] = ..., peer_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., boot_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., placement: _Optional[str] = ..., data_port: _Optional[int] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., draining: _Optional[bool] = ..., failure_domain: _Optional[str] = ..., control_socket: _Optional[str] = ..., slots_omitted: _Optional[bool] = ...) -> None: ...
+    marked_captures: bool
+    def __init__(self, host_id: _Optional[str] = ..., version: _Optional[str] = ..., replicas: _Optional[int] = ..., peer_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., boot_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., placement: _Optional[str] = ..., data_port: _Optional[int] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., draining: _Optional[bool] = ..., failure_domain: _Optional[str] = ..., control_socket: _Optional[str] = ..., slots_omitted: _Optional[bool] = ..., marked_captures: _Optional[bool] = ...) -> None: ...
 
 class SlotTable(_message.Message):
     __slots__ = ("version", "slots")
@@ -309,7 +311,7 @@ class AllocateResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ..., ring_paths: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., ring_limit: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds", "stripe", "restorable_floor")
+    __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds", "stripe", "restorable_floor", "captured_bytes")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -327,6 +329,7 @@ class CommitRequest(_message.Message):
     CAPTURE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STRIPE_FIELD_NUMBER: _ClassVar[int]
     RESTORABLE_FLOOR_FIELD_NUMBER: _ClassVar[int]
+    CAPTURED_BYTES_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     metrics: _containers.ScalarMap[str, float]
     format_version: int
@@ -337,7 +340,8 @@ class CommitRequest(_message.Message):
     capture_seconds: float
     stripe: Stripe
     restorable_floor: int
-    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ..., spill_codec: _Optional[str] = ..., key: _Optional[_Union[ShardKey, _Mapping]] = ..., nbytes: _Optional[int] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., capture_seconds: _Optional[float] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ..., restorable_floor: _Optional[int] = ...) -> None: ...
+    captured_bytes: int
+    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ..., spill_codec: _Optional[str] = ..., key: _Optional[_Union[ShardKey, _Mapping]] = ..., nbytes: _Optional[int] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., capture_seconds: _Optional[float] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ..., restorable_floor: _Optional[int] = ..., captured_bytes: _Optional[int] = ...) -> None: ...
 
 class CaptureStats(_message.Message):
     __slots__ = ("registrations", "fallbacks", "fallback_cause")

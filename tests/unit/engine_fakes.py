@@ -99,9 +99,12 @@ class FakePeer:
         control_timeout: float,
         streams: int = 1,
         sums: StreamedChecksums | None = None,
+        ready: Callable[[int], None] | None = None,
     ) -> None:
         if not self.data_channel:
             raise DataChannelUnsupported(f"{self.host_id} has no data channel")
+        if ready is not None:  # a capture still being written: the whole shard once its client finished it
+            ready(len(view))
         if sums is not None:  # the checksums come with the chunks: the copy holds the true ones
             header = replace(header, manifest=replace(header.manifest, checksums=sums.complete(view)))
         self.push(header, view, timeout)

@@ -75,3 +75,36 @@ def test_tcp_data_plane_falls_back_to_streams_for_a_peer_without_a_data_channel(
     rep, catalog, _, _, _ = replicator(plain, fast, replicas=3, hosts=("h0", "h1", "h2"), data_plane="tcp")
     replicate(rep, ShardKey("job", 1, 0))
     assert catalog.list_shards("job")[0].copies == 3 and plain.pushes and fast.pushes
+
+
+@pytest.mark.parametrize("plane", ["tcp", "grpc"])
+def test_a_capture_still_being_written_is_pushed_only_once_its_client_finished_it(plane: str) -> None:
+    from memstore.server.progress import CaptureProgress
+
+    peer = FakePeer("h1", data_channel=plane == "tcp")
+    rep, catalog, _, _, _ = replicator(peer, data_plane=plane)
+    entry = commit(rep.catalog, ShardKey("job", 1, 0), DATA)
+    entry.progress = CaptureProgress(len(DATA), stall=30)
+    entry.progress.advance(4096)
+    rep.catalog.add_in_flight(1)
+    worker = threading.Thread(target=rep.capture_and_replicate, args=(entry,))
+    worker.start()
+    worker.join(0.1)
+    assert worker.is_alive() and peer.pushes == []  # the peer never gets a shard its client has not finished
+    entry.progress.finish()
+    worker.join(10)
+    (info,) = catalog.list_shards("job")
+    assert info.state is ShardState.COMMITTED and info.copies == 2 and peer.held[ShardKey("job", 1, 0)][1] == DATA
+
+
+def test_a_capture_whose_client_stops_is_dropped_and_pushed_nowhere() -> None:
+    from memstore.server.progress import CaptureProgress
+
+    peer = FakePeer("h1")
+    rep, catalog, pool, _, _ = replicator(peer)
+    entry = commit(rep.catalog, ShardKey("job", 1, 0), DATA)
+    entry.progress = CaptureProgress(len(DATA), stall=0.05)
+    rep.catalog.add_in_flight(1)
+    rep.capture_and_replicate(entry)
+    assert catalog.list_shards("job") == [] and peer.pushes == [] and entry.segment in pool.released
+    assert "abandoned" in entry.error and catalog.in_flight == 0

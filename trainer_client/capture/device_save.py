@@ -100,10 +100,17 @@ class HostRegistrations:
 # --------------------------------------------------------------------------------------
 
 
-def host_writer(layout: ShardLayout, skip: list[int], memory: mmap.mmap | memoryview, fault_ahead: bool = False) -> Callable[[], None]:
+def host_writer(
+    layout: ShardLayout,
+    skip: list[int],
+    memory: mmap.mmap | memoryview,
+    fault_ahead: bool = False,
+    mark: Callable[[int], None] | None = None,
+) -> Callable[[], None]:
     """A function writing ``layout`` into ``memory`` but for the blobs in ``skip`` (the CUDA ones: DMA fills them).
 
     ``fault_ahead``: a thread faults fresh pages in beside the copy (``memstore.v1.pagefaults.FaultAhead``).
+    ``mark``: told how many of the shard's bytes are final as the copy goes (``ShardLayout.write_into``).
     """
     skipped = frozenset(skip)
 
@@ -111,7 +118,7 @@ def host_writer(layout: ShardLayout, skip: list[int], memory: mmap.mmap | memory
         view = memoryview(memory)[: layout.nbytes]  # released below: an mmap with a live export cannot close
         ahead = FaultAhead(view) if fault_ahead else None
         try:
-            layout.write_into(view, skip=skipped)
+            layout.write_into(view, skip=skipped, mark=mark)
         finally:
             if ahead is not None:
                 ahead.stop()

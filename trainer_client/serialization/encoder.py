@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import operator
+from collections.abc import Callable
 from itertools import accumulate, compress
 from operator import attrgetter
 from typing import Any, Final
@@ -45,6 +46,7 @@ _K_NBYTES: Final = attrgetter("nbytes")
 _K_DTYPE: Final = attrgetter("dtype")
 _K_SHAPE: Final = attrgetter("shape")
 _K_MEMMOVE: Final = attrgetter("memmove")
+MARK_BYTES: Final = 64 << 20  # write_into(mark=): about this many bytes between two marks
 
 
 class ShardLayout:
@@ -124,7 +126,7 @@ class ShardLayout:
         out[PRELUDE_SIZE : PRELUDE_SIZE + len(self._header)] = self._header
         return bytes(out)
 
-    def write_into(self, buf: Buffer, skip: frozenset[int] = frozenset()) -> None:
+    def write_into(self, buf: Buffer, skip: frozenset[int] = frozenset(), mark: Callable[[int], None] | None = None) -> None:
         """Write the shard into ``buf[:nbytes]``: header, then every blob into its slot.
 
         ``buf`` must be a writable, C-contiguous buffer (bytearray, writable mmap,
@@ -134,6 +136,9 @@ class ShardLayout:
         ``Tensor.copy_`` straight from the (possibly strided, possibly non-CPU) source
         into a view of ``buf``, which needs no temporary. The slots of the blobs in ``skip`` are left as they
         are (``device_tensors()``: asynchronous device copies fill them).
+
+        ``mark``: called as the shard's bytes become final front to back, with how many are (every
+        ``MARK_BYTES`` or so, not after the last blob): the store pushes them to its peers meanwhile.
         """
         mv = as_byte_view(buf)
         # Everything aliasing ``mv`` (the writer's uint8 tensor) must be dropped before
@@ -152,22 +157,46 @@ class ShardLayout:
             PRELUDE.pack_into(mv, 0, MAGIC, FORMAT_VERSION, len(header))
             mv[PRELUDE_SIZE:header_end] = header
             mv[header_end:data_offset] = ZEROS[: data_offset - header_end]
+            if self._srcs and mark is not None:
+                self._zero_padding(mv, data_offset)
+                with torch.no_grad(), GcPaused():
+                    self._write_marked(writer, data_offset, skip, mark)
+                return
             if self._srcs:
                 with torch.no_grad(), GcPaused():  # the checks make lists of 10k Size objects
                     if not self._write_moved(writer, data_offset):
                         self._write_each(writer, data_offset, [i for i in range(len(self._srcs)) if i not in skip])
                     elif self._others:
                         self._write_each(writer, data_offset, [i for i in self._others if i not in skip] if skip else self._others)
-                size = self.nbytes - data_offset
-                for length, starts in self._padding:
-                    # Rows of `length` bytes starting at every byte of the data area; the
-                    # runs' rows are set to zero (all inside it: each run ends at a blob).
-                    # No name holds the view: nothing may keep `mv` exported after an error.
-                    as_strided(np.frombuffer(mv, np.uint8, size, data_offset), (size - length + 1, length), (1, 1))[starts] = 0
+                self._zero_padding(mv, data_offset)
             parallel_memmove(writer.moves)
         finally:
             writer.close()
             mv.release()
+
+    def _zero_padding(self, mv: memoryview, data_offset: int) -> None:
+        size = self.nbytes - data_offset
+        for length, starts in self._padding:
+            # Rows of `length` bytes starting at every byte of the data area; the
+            # runs' rows are set to zero (all inside it: each run ends at a blob).
+            # No name holds the view: nothing may keep `mv` exported after an error.
+            as_strided(np.frombuffer(mv, np.uint8, size, data_offset), (size - length + 1, length), (1, 1))[starts] = 0
+
+    def _write_marked(self, writer: BlobWriter, data_offset: int, skip: frozenset[int], mark: Callable[[int], None]) -> None:
+        """The blobs in order, in groups of about ``MARK_BYTES``; after each group but the last, ``mark`` of the bytes
+        final so far (every blob before the next group's first slot: the header, the padding and the group's blobs)."""
+        offsets, count = self._offsets, len(self._srcs)
+        first = 0
+        while first < count:
+            end = first + 1
+            while end < count and offsets[end] - offsets[first] < MARK_BYTES:
+                end += 1
+            self._write_each(writer, data_offset, [i for i in range(first, end) if i not in skip])
+            parallel_memmove(writer.moves)
+            writer.moves.clear()
+            if end < count:
+                mark(data_offset + offsets[end])
+            first = end
 
     def _write_moved(self, writer: BlobWriter, data_offset: int) -> bool:
         """Copy the memmove-path tensors, unless one changed since plan(): then False, nothing written.

@@ -173,7 +173,9 @@ class MemStoreCheckpointIO(CheckpointIO):
         ``map_location``: None or ``"cpu"`` (CPU tensors), or a device / device string every tensor lands on.
         """
         if map_location is not None and not isinstance(map_location, str | torch.device):
-            raise InvalidArgumentError(f"map_location {map_location!r} is not supported by {type(self).__name__}: expected None, a device or its name")
+            raise InvalidArgumentError(
+                f"map_location {map_location!r} is not supported by {type(self).__name__}: expected None, a device or its name"
+            )
         pointer = Pointer.read(str(path))
         client = self.client if pointer.job_id == self.job_id else CheckpointClient(pointer.job_id, 0, 1, connection=self.connection)
         try:

@@ -89,7 +89,8 @@ class MemStoreCheckpointManager(CheckpointManager):
         """Step ``step-N`` of ``checkpoint_id`` into memstore; an export (Hugging Face, last model-only) to its files."""
         if to_hf or self._exporting:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-        writer = MemStoreWriter(self.job_id, step_of(checkpoint_id), connection=self.connection, wait_for_replication=self.wait_for_replication)
+        step = step_of(checkpoint_id)
+        writer = MemStoreWriter(self.job_id, step, connection=self.connection, wait_for_replication=self.wait_for_replication)
         ret: Future[Any] | AsyncSaveResponse | None = None
         if async_mode == AsyncMode.ASYNC:
             ret = dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg)

@@ -163,10 +163,8 @@ def test_ckpt_path_last_resumes_bit_exactly(make_inprocess_cluster, tmp_path: Pa
     cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB", keep=4)
     conn = Connection(cluster.address("h0"))
     ckpt_dir = tmp_path / "ckpt"
-    first = model(0)
-    trainer(tmp_path, KILL_EPOCH, MemStoreCheckpointIO("lit-resume", connection=conn), [ModelCheckpoint(dirpath=ckpt_dir, save_last=True)]).fit(
-        first, *loaders()
-    )
+    first_plugin = MemStoreCheckpointIO("lit-resume", connection=conn)
+    trainer(tmp_path, KILL_EPOCH, first_plugin, [ModelCheckpoint(dirpath=ckpt_dir, save_last=True)]).fit(model(0), *loaders())
     # A new process would have a new plugin (and client): the resumed fit starts from other weights and restores all.
     resumed = model(1)
     plugin = MemStoreCheckpointIO("lit-resume", connection=conn)
@@ -202,7 +200,8 @@ def test_hyperparameter_objects_are_pickled_and_loaded_with_lightnings_weights_o
     # Lightning's own resume path with weights_only=False restores through the plugin too.
     torch.manual_seed(1)
     again = Tiny(widths=Widths(hidden=4))
-    trainer(tmp_path, 2, plugin, [ModelCheckpoint(dirpath=ckpt_dir, save_last=True)]).fit(again, *loaders(), ckpt_path="last", weights_only=False)
+    resume = trainer(tmp_path, 2, plugin, [ModelCheckpoint(dirpath=ckpt_dir, save_last=True)])
+    resume.fit(again, *loaders(), ckpt_path="last", weights_only=False)
     assert again.trainer.global_step == 2 * m.trainer.global_step
 
 

@@ -17,11 +17,11 @@ import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install 'memstore[torchtitan]' (./dev installs it)")
 
-import torch.distributed as dist  # noqa: E402
-from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
+import torch.distributed as dist
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
-from trainer_client import CheckpointClient, Connection  # noqa: E402
-from trainer_client.torchtitan import MemStoreCheckpointManager, step_of  # noqa: E402
+from trainer_client import CheckpointClient, Connection
+from trainer_client.torchtitan import MemStoreCheckpointManager, step_of
 
 pytestmark = pytest.mark.integration
 STEPS, CRASH_AT = 10, 6

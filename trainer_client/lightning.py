@@ -91,7 +91,9 @@ def monitored_metrics(checkpoint: dict[str, Any]) -> dict[str, float]:
         if not (isinstance(name, str) and name.startswith("ModelCheckpoint") and isinstance(state, dict)):
             continue
         monitor, score = state.get("monitor"), state.get("current_score")
-        if isinstance(monitor, str) and isinstance(score, torch.Tensor | float | int) and not isinstance(score, bool):
+        if isinstance(score, torch.Tensor) and score.numel() == 1:
+            score = score.item()
+        if isinstance(monitor, str) and isinstance(score, float | int) and not isinstance(score, bool):
             value = float(score)
             if math.isfinite(value):
                 out[monitor] = value

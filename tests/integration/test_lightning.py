@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
 from trainer_client import CheckpointClient, Connection  # noqa: E402
 from trainer_client.errors import InvalidArgumentError  # noqa: E402
-from trainer_client.lightning import POINTER_FORMAT, MemStoreCheckpointIO, Pointer  # noqa: E402
+from trainer_client.lightning import POINTER_FORMAT, MemStoreCheckpointIO, Pointer, monitored_metrics  # noqa: E402
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -212,6 +212,16 @@ def test_a_file_that_is_no_pointer_is_refused(tmp_path: Path) -> None:
         plugin.load_checkpoint(tmp_path / "plain.ckpt")
     with pytest.raises(FileNotFoundError):
         plugin.load_checkpoint(tmp_path / "missing.ckpt")
+
+
+def test_monitored_scores_become_the_saves_metrics() -> None:
+    checkpoint = {"callbacks": {
+        "ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min'}": {"monitor": "val_loss", "current_score": torch.tensor(0.25)},
+        "ModelCheckpoint{'monitor': None}": {"monitor": None, "current_score": None},
+        "ModelCheckpoint{'monitor': 'acc'}": {"monitor": "acc", "current_score": torch.tensor(float("nan"))},
+        "EarlyStopping{'monitor': 'val_loss'}": {"wait_count": 0, "best_score": torch.tensor(0.2)},
+    }}  # fmt: skip
+    assert monitored_metrics(checkpoint) == {"val_loss": 0.25}  # what --spill-keep-best ranks by
 
 
 class KillAt(Callback):

@@ -62,13 +62,13 @@ class Batches:
 class Run:
     """One start of a torchtitan job: model, optimizers, schedulers and the checkpointer built as its Trainer builds them."""
 
-    def __init__(self, tmp_path: Path, store: str, seed: int, **checkpoint: Any) -> None:
+    def __init__(self, tmp_path: Path, store: str, seed: int, job: str = "titan", **checkpoint: Any) -> None:
         torch.manual_seed(seed)
         self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
         self.optimizers = default_adamw(lr=1e-2).build(model_parts=[self.model])
         self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers, training_steps=STEPS)
         self.train_state, self.data = TrainState(), Batches()
-        config = MemStoreCheckpointManager.Config(enable=True, job_id="titan", store=store, interval=2, **checkpoint)
+        config = MemStoreCheckpointManager.Config(enable=True, job_id=job, store=store, interval=2, **checkpoint)
         self.checkpointer = config.build(
             dataloader=self.data, model_parts=[self.model], optimizers=self.optimizers, lr_schedulers=self.lr_schedulers,
             states={"train_state": self.train_state}, sd_adapter=None, base_folder=str(tmp_path),
@@ -108,11 +108,10 @@ def assert_same(a: Run, b: Run) -> None:
     assert a.lr_schedulers.state_dict() == b.lr_schedulers.state_dict() and a.data.position == b.data.position
 
 
-def uninterrupted(tmp_path: Path, store: str) -> Run:
+def uninterrupted(tmp_path: Path, store: str, steps: int = STEPS) -> Run:
     """The same run, never stopped (load_only: it saves nothing, and its job has nothing to load)."""
-    run = Run(tmp_path / "reference", store, seed=0, load_only=True)
-    run.checkpointer.job_id = "titan-reference"
-    assert run.train(STEPS) is False
+    run = Run(tmp_path / "reference", store, seed=0, job="titan-reference", load_only=True)
+    assert run.train(steps) is False
     return run
 
 
@@ -144,7 +143,4 @@ def test_load_step_async_save_and_the_last_step_export(make_inprocess_cluster, p
 
     earlier = Run(tmp_path, store, seed=1)
     assert earlier.train(4, load_step=4) is True  # checkpoint.load_step=4: that step, from memstore
-    again = Run(tmp_path / "again", store, seed=0, load_only=True)
-    again.checkpointer.job_id = "titan-reference"
-    again.train(4)
-    assert_same(earlier, again)
+    assert_same(earlier, uninterrupted(tmp_path, store, 4))

@@ -24,6 +24,7 @@ L = pytest.importorskip("lightning", reason="lightning is not installed: pip ins
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
+from memstore.devtools.cluster import free_ports  # noqa: E402
 from trainer_client import CheckpointClient, Connection  # noqa: E402
 from trainer_client.errors import InvalidArgumentError  # noqa: E402
 from trainer_client.lightning import POINTER_FORMAT, MemStoreCheckpointIO, Pointer, monitored_metrics  # noqa: E402
@@ -258,5 +259,56 @@ def test_a_killed_fit_resumes_bit_exactly(make_inprocess_cluster, tmp_path: Path
     assert_same_training_state(resumed, fit_reference(tmp_path / "ref"))
 
 
+def _ddp_fit(stores: str, ckpt_dir: str, job: str, resume: str, out: str) -> None:
+    """One rank of a 2-rank DDP fit under torchrun; each rank reaches its own host's store. ``job`` "": no checkpoints."""
+    rank = int(os.environ["RANK"])
+    loads: list[str] = []
+
+    class Counting(MemStoreCheckpointIO):
+        def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            loads.append(str(path))
+            return super().load_checkpoint(path, *args, **kwargs)
+
+    plugin = Counting(job, connection=Connection(stores.split(",")[rank])) if job else None
+    fit = L.Trainer(
+        max_epochs=EPOCHS if resume == "1" or not job else KILL_EPOCH, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=ckpt_dir,
+        plugins=[plugin] if plugin else None, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True)] if job else None,
+        enable_checkpointing=bool(job),
+    )  # fmt: skip
+    m = model(0 if resume != "1" else 10 + rank)
+    fit.fit(m, *loaders(), ckpt_path="last" if resume == "1" else None)
+    torch.save({"state": m.state_dict(), "loads": loads}, f"{out}.rank{rank}")
+
+
+@pytest.mark.slow
+def test_ddp_saves_on_rank_0_and_every_rank_resumes_through_its_own_store(make_inprocess_cluster, tmp_path: Path) -> None:
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB", keep=8)
+    stores = f"{cluster.address('h0')},{cluster.address('h1')}"
+    ckpt_dir = tmp_path / "ckpt"
+
+    def torchrun(job: str, resume: str, out: Path) -> list[dict[str, Any]]:
+        (port,) = free_ports(1)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+             str(port), "-m", "tests.integration.test_lightning", "ddp", stores, str(ckpt_dir), job, resume, str(out)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return [torch.load(f"{out}.rank{r}", weights_only=True) for r in (0, 1)]
+
+    torchrun("lit-ddp", "0", tmp_path / "first")
+    resumed = torchrun("lit-ddp", "1", tmp_path / "resumed")
+    reference = torchrun("", "0", tmp_path / "reference")
+    for rank in (0, 1):
+        assert resumed[rank]["loads"] == [str(ckpt_dir / "last.ckpt")]  # every rank loaded, each through its own store
+        for k, v in reference[rank]["state"].items():
+            assert torch.equal(resumed[rank]["state"][k], v), (rank, k)
+
+
 if __name__ == "__main__":
-    _killed_fit(*sys.argv[1:4])
+    if sys.argv[1] == "ddp":
+        _ddp_fit(*sys.argv[2:7])
+    else:
+        _killed_fit(*sys.argv[1:4])

@@ -93,6 +93,8 @@ def third_party_imports(path: Path) -> set[str]:
 
 ONLY_IN = {  # third-party package -> the only package (or module) of ours that may import it, and why
     "ray": ("memstore.ray", "it is an optional extra"),
+    "lightning": ("trainer_client.lightning", "it is an optional extra"),
+    "torchtitan": ("trainer_client.torchtitan", "it is an optional extra"),
     "prometheus_client": ("memstore.server.metrics", "the engine reports through memstore.server.events"),
 }
 

@@ -16,6 +16,7 @@ import torch
 
 from memstore.devtools.recovery_matrix import report
 from memstore.devtools.recovery_matrix.catalogue import FAULTS, Fault
+from memstore.devtools.recovery_matrix.fault import NotRunHere
 from memstore.devtools.recovery_matrix.runner import run_row
 from memstore.devtools.recovery_matrix.scenario import Config, RowResult
 from memstore.devtools.recovery_matrix.state import difference, make_state
@@ -56,6 +57,13 @@ def test_a_trainer_sigkill_row_for_real(tmp_path) -> None:  # type: ignore[no-un
     assert row.exact, row.note
     assert row.rpo == 0 and row.restored >= row.committed >= 2
     assert sorted(row.sources) == ["h0", "h1"]  # each rank from its own store's RAM
+
+
+def test_a_fault_this_machine_cannot_inject_is_not_run_and_says_why(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    fault = replace(FAULTS[0], needs=lambda: "needs root (uid 1000)")
+    with pytest.raises(NotRunHere, match=r"needs root \(uid 1000\)"):
+        run_row(fault, fault.configs[0], workdir=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # raised before anything started
 
 
 def test_the_exactness_check_sees_one_byte_and_a_row_needs_a_restore_within_its_bound() -> None:

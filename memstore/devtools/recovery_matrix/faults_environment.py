@@ -107,35 +107,38 @@ def _dns_back(s: Scenario) -> None:
 
 
 FLAP_SECONDS = 0.3  # one answer, then the next
-FLAPS = 16  # about 5 s: several discovery polls (every 0.5 s) see each answer
+FLAPS_DURING_SAVES = 12  # about 4 s of saves under flapping: several discovery polls (every 0.5 s) see each answer
 
 
 def _flap_dns(s: Scenario) -> None:
-    """The DNS answer changes every 0.3 s: every store, then all but the last, none (NXDOMAIN), only the first; the
-    ranks go on saving; then the full answer stays."""
+    """The DNS answer changes every 0.3 s, round and round: every store, all but the last, none (NXDOMAIN), only the
+    first. The ranks go on saving through 12 changes; the flapping goes on through the restore, until the row ends."""
     hosts = list(s.hosts)
     answers = [hosts, hosts[:-1], [], hosts[:1]]
     stop = threading.Event()
+    flips: list[int] = []
     failures: list[str] = []
 
     def flap() -> None:
         try:
-            for i in range(FLAPS):
-                s.cluster.publish_dns(answers[i % len(answers)])
+            while True:
+                s.cluster.publish_dns(answers[len(flips) % len(answers)])
+                flips.append(1)
                 if stop.wait(FLAP_SECONDS):
-                    break
+                    return
         except Exception as exc:
             failures.append(f"{type(exc).__name__}: {exc}")
-        finally:
-            s.cluster.publish_dns(hosts)
 
     t = threading.Thread(target=flap, name="dns-flapper", daemon=True)
+
+    def stop_flapping() -> None:
+        stop.set()
+        t.join(timeout=10)
+
     t.start()
-    s.on_close(stop.set)
-    try:
-        _keep_saving(s, steps=4, timeout=60)
-    finally:
-        t.join(timeout=FLAPS * FLAP_SECONDS + 10)
+    s.on_close(stop_flapping)
+    _keep_saving(s, steps=4, timeout=60)
+    wait_for(lambda: len(flips) >= FLAPS_DURING_SAVES or failures, timeout=30, what=f"{FLAPS_DURING_SAVES} DNS answers")
     if failures:
         raise RuntimeError(f"the DNS flapper failed: {failures[0]}")
 
@@ -273,8 +276,8 @@ ENVIRONMENT_FAULTS: tuple[Fault, ...] = (
     Fault(
         id="dns-flapping",
         name="DNS flapping",
-        description="the stores discover each other through a DNS server whose answer changes every 0.3 s for 5 s while "
-        "saves go on: every store, all but one, none, only one",
+        description="the stores discover each other through a DNS server whose answer changes every 0.3 s (every store, "
+        "all but one, none, only one) while saves go on and through the restore",
         configs=(R1, R2, R3),
         inject=_flap_dns,
         discovery="dns",

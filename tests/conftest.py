@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -11,6 +9,7 @@ from typing import Any, TypeVar
 import pytest
 
 from memstore.devtools.cluster import LocalCluster
+from memstore.devtools.s3_server import MotoServer
 from tests.harness.fake_cuda import FakeCudaRuntime
 from tests.harness.inprocess import InProcessCluster
 from trainer_client.capture import cuda
@@ -39,8 +38,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def dns_server() -> Iterator[Any]:
-    """A real DNS server on 127.0.0.1 whose records the test sets (tests/harness/dns.py), for --discovery dns://."""
-    from tests.harness.dns import DnsServer
+    """A real DNS server on 127.0.0.1 whose records the test sets (memstore/devtools/dns_server.py), for --discovery dns://."""
+    from memstore.devtools.dns_server import DnsServer
 
     server = DnsServer()
     try:
@@ -83,50 +82,9 @@ def make_inprocess_cluster(tmp_path) -> Iterator[Callable[..., InProcessCluster]
     yield from _clusters(InProcessCluster, tmp_path)
 
 
-class MotoServer:
-    """A real S3-compatible server (moto in server mode) on 127.0.0.1; stoppable and restartable on its port."""
-
-    def __init__(self, workdir: Path) -> None:
-        from memstore.devtools.cluster import free_ports
-
-        (self.port,) = free_ports(1)
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                    "AWS_ENDPOINT_URL": self.endpoint}  # fmt: skip
-
-    def client(self):  # type: ignore[no-untyped-def]
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                            region_name="us-east-1")  # fmt: skip
-
-    def start(self, bucket: str = "ckpt") -> None:
-        from memstore.devtools.cluster import wait_for
-
-        with open(self.workdir / "moto.log", "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                         stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-
-        def up() -> bool:
-            try:
-                self.client().list_buckets()
-                return True
-            except Exception:
-                return False
-
-        wait_for(up, timeout=60, what="moto S3 server")
-        self.client().create_bucket(Bucket=bucket)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
 @pytest.fixture
 def moto(tmp_path) -> Iterator[MotoServer]:  # type: ignore[no-untyped-def]
+    """A real S3-compatible server (moto, memstore/devtools/s3_server.py) on 127.0.0.1 with a bucket "ckpt"."""
     server = MotoServer(tmp_path)
     server.start()
     try:

@@ -15,6 +15,7 @@ collective the others left.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 from memstore.core.agreement import Seen, decide, decode_candidates, encode_candidates, rank_vector
 from trainer_client.errors import InvalidArgumentError, StoreUnavailableError
 
+log = logging.getLogger(__name__)
 _FAILED = b"!"  # rank 0 shares this instead of candidates when its own question failed
 
 
@@ -130,11 +132,12 @@ def agree(
     if reduced[-1] == 0:
         _raise(error, "at least one rank could not ask its store (or passed a group that is not the job's)")
     decision = decide(candidates, reduced[:-1], world_size, step)
-    if decision.version is not None and not decision.fallback:
+    scoped: Seen | None = None  # the version every rank's own store vouched for, if any
+    if decision.version is not None:
         chosen = next(c for c in candidates if (c.step, c.timeline) == (decision.version.step, decision.version.timeline))
-        return Seen(chosen.step, chosen.timeline, world_size, decision.version.created_unix, (), chosen.durable)
+        scoped = Seen(chosen.step, chosen.timeline, world_size, decision.version.created_unix, (), chosen.durable)
     if not decision.fallback:
-        return None
+        return scoped
     stats.fallback = True
     answer: list[Seen] = []
     if root:
@@ -147,6 +150,13 @@ def agree(
     if shared == _FAILED:
         _raise(error, "rank 0 could not ask the cluster which step is restorable")
     agreed = decode_candidates(shared)
+    if not agreed and scoped is not None:
+        # The cluster-wide listing found nothing restorable, yet every rank's store holds a verified copy of ``scoped``:
+        # that listing missed stores (e.g. one whose slot a partial discovery answer left vacant for a moment). Every
+        # rank decides this alike (the same decision, the same shared answer).
+        log.warning("latest_step(group=...): the cluster-wide listing found no restorable step, yet every rank's store holds "
+                    "step %d (%s): restoring that", scoped.step, scoped.timeline)  # fmt: skip
+        return scoped
     return agreed[0] if agreed else None
 
 

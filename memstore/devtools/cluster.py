@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -25,6 +26,9 @@ from memstore.devtools.children import child_env
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from memstore.v1.security import Credentials
+
+if TYPE_CHECKING:
+    from memstore.devtools.dns_server import DnsServer
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -81,7 +85,8 @@ class LocalCluster:
     env: dict[str, str] | None = None
 
     credentials: Credentials | None = None  # what health checks present (default: from the environment)
-    discovery: str = "peers"  # "peers": a fixed --peers list; "file": every store follows peers.json (add_host/remove_host edit it)
+    discovery: str = "peers"  # "peers": a fixed --peers list; "file": every store follows peers.json (add_host/remove_host edit it);
+    # "dns": every store follows a real DNS server of the cluster's own (``dns``, memstore.devtools.dns_server; the dev extra)
     metrics: bool = False  # every store serves Prometheus metrics on a free port of its own (metrics_url)
     stores: dict[str, StoreProcess] = field(default_factory=dict, init=False)
 
@@ -90,20 +95,24 @@ class LocalCluster:
             raise ValueError(f"hosts must be >= 1, got {self.hosts}")
         if not 1 <= self.replicas <= self.hosts:
             raise ValueError(f"replicas must be in 1..{self.hosts}, got {self.replicas}")
-        if self.discovery not in ("peers", "file"):
-            raise ValueError(f"discovery must be 'peers' or 'file', got {self.discovery!r}")
+        if self.discovery not in ("peers", "file", "dns"):
+            raise ValueError(f"discovery must be 'peers', 'file' or 'dns', got {self.discovery!r}")
         self._own_workdir = self.workdir is None
         self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="memstore-cluster-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.shm_dir = f"/dev/shm/memstore-{os.getpid()}-{self.workdir.name}"
         self.peers_file = self.workdir / "peers.json"
         self.members: list[str] = [f"h{i}" for i in range(self.hosts)]  # the hosts peers.json lists, in order
+        self.dns = self._start_dns() if self.discovery == "dns" else None
         self._assign_ports()
 
     def _assign_ports(self) -> None:
         """Give every host a listen port (and a metrics port), and list them in peers.json."""
         ids = [f"h{i}" for i in range(self.hosts)]
-        ports = [self.base_port + i for i in range(self.hosts)] if self.base_port else free_ports(self.hosts)
+        if self.discovery == "dns":  # one port, an IP per host, as the pods behind a headless Service
+            ports = [self.base_port or free_ports(1)[0]] * self.hosts
+        else:
+            ports = [self.base_port + i for i in range(self.hosts)] if self.base_port else free_ports(self.hosts)
         peers = ",".join(f"{h}=127.0.0.1:{p}" for h, p in zip(ids, ports, strict=True))
         for h, p in zip(ids, ports, strict=True):
             env = self.stores[h].env if h in self.stores else {}
@@ -111,16 +120,23 @@ class LocalCluster:
             self.stores[h].env = env
         if self.discovery == "file":
             self.write_endpoints(self.peers_file)
+        if self.discovery == "dns":
+            self.publish_dns()
 
     def _store_process(self, host_id: str, port: int, peers: str) -> StoreProcess:
         assert self.workdir is not None
         metrics_port = free_ports(1)[0] if self.metrics else 0
         args = self._args(host_id, port, peers) + (["--metrics-port", str(metrics_port)] if metrics_port else [])
-        return StoreProcess(host_id, f"127.0.0.1:{port}", args, self.workdir / f"{host_id}.log", metrics_port=metrics_port)
+        ip = self.dns_ip(host_id) if self.dns is not None else "127.0.0.1"
+        return StoreProcess(host_id, f"{ip}:{port}", args, self.workdir / f"{host_id}.log", metrics_port=metrics_port)
 
     def _args(self, host_id: str, port: int, peers: str) -> list[str]:
         from_file = ["--peers-file", str(self.peers_file), "--discovery-interval", "0.5"]
         membership = ["--peers", peers] if self.discovery == "peers" else from_file
+        ip = "127.0.0.1"
+        if self.dns is not None:
+            ip = self.dns_ip(host_id)
+            membership = ["--discovery", self.dns.url(self.DNS_NAME, port), "--discovery-interval", "0.5"]
         return [
             sys.executable,
             "-m",
@@ -129,7 +145,7 @@ class LocalCluster:
             "--host-id",
             host_id,
             "--listen",
-            f"127.0.0.1:{port}",
+            f"{ip}:{port}",
             *membership,
             "--replicas",
             str(self.replicas),
@@ -278,6 +294,8 @@ class LocalCluster:
                     sp.proc.kill()
                     sp.proc.wait(timeout=5)
         shutil.rmtree(self.shm_dir, ignore_errors=True)
+        if self.dns is not None:
+            self.dns.stop()
         if self._own_workdir and self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -307,6 +325,32 @@ class LocalCluster:
         tmp = Path(f"{path}.tmp")
         tmp.write_text(json.dumps({"hosts": {h: self.stores[h].address for h in self.members}}, indent=2) + "\n")
         tmp.replace(path)
+
+    # -- discovery through DNS (discovery="dns") ---------------------------------------------------
+    DNS_NAME = "stores.memstore.test."
+
+    def _start_dns(self) -> DnsServer:
+        from memstore.devtools.dns_server import DnsServer
+
+        return DnsServer()
+
+    def dns_ip(self, host_id: str) -> str:
+        """The loopback IP of ``host_id`` (``h<i>``) with discovery="dns": 127.0.77.<i+1>."""
+        return f"127.0.77.{int(host_id.removeprefix('h')) + 1}"
+
+    def publish_dns(self, hosts: list[str] | None = None) -> None:
+        """Make the cluster's DNS name list ``hosts`` (default: every member): their A records, and a PTR record
+        each naming the host id (``h0.stores.memstore.test.``), as a headless Service of named pods does."""
+        from memstore.devtools.dns_server import ptr_name
+
+        assert self.dns is not None, "publish_dns needs LocalCluster(discovery='dns')"
+        ips = {h: self.dns_ip(h) for h in (self.members if hosts is None else hosts)}
+        for h, ip in ips.items():
+            self.dns.zone.set(ptr_name(ip), "PTR", f"{h}.{self.DNS_NAME}")
+        if ips:
+            self.dns.zone.set(self.DNS_NAME, "A", *sorted(ips.values()))
+        else:
+            self.dns.zone.drop(self.DNS_NAME)
 
     def log_tail(self, host_id: str, lines: int = 40) -> str:
         with contextlib.suppress(OSError):

@@ -16,6 +16,7 @@ import torch
 
 from memstore.devtools.recovery_matrix import report
 from memstore.devtools.recovery_matrix.catalogue import FAULTS, Fault
+from memstore.devtools.recovery_matrix.fault import NotRunHere
 from memstore.devtools.recovery_matrix.runner import run_row
 from memstore.devtools.recovery_matrix.scenario import Config, RowResult
 from memstore.devtools.recovery_matrix.state import difference, make_state
@@ -58,6 +59,13 @@ def test_a_trainer_sigkill_row_for_real(tmp_path) -> None:  # type: ignore[no-un
     assert sorted(row.sources) == ["h0", "h1"]  # each rank from its own store's RAM
 
 
+def test_a_fault_this_machine_cannot_inject_is_not_run_and_says_why(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    fault = replace(FAULTS[0], needs=lambda: "needs root (uid 1000)")
+    with pytest.raises(NotRunHere, match=r"needs root \(uid 1000\)"):
+        run_row(fault, fault.configs[0], workdir=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # raised before anything started
+
+
 def test_the_exactness_check_sees_one_byte_and_a_row_needs_a_restore_within_its_bound() -> None:
     a, b = make_state(1, 5), make_state(1, 5)
     assert difference(a, b) is None
@@ -75,6 +83,9 @@ def test_the_exactness_check_sees_one_byte_and_a_row_needs_a_restore_within_its_
 @pytest.mark.slow
 @pytest.mark.parametrize(("fault", "config"), ROWS, ids=[f"{f.id}-R{c.replicas}{'-spill' if c.spill else ''}" for f, c in ROWS])
 def test_every_row_recovers_exactly(fault: Fault, config: Config, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    why_not = fault.needs()
+    if why_not:
+        pytest.skip(f"not run here: {why_not}")
     row = run_row(fault, config, workdir=tmp_path)
     assert row.exact, row.note
     bound = fault.max_rpo(config)

@@ -7,9 +7,9 @@ import re
 import pytest
 
 from memstore.devtools.cluster import wait_for
+from memstore.devtools.dns_server import DnsServer, ptr_name
 from memstore.errors import DiscoveryError
 from memstore.membership import DnsDiscovery, Member, Members, Watcher
-from tests.harness.dns import DnsServer, ptr_name
 
 pytestmark = pytest.mark.integration
 

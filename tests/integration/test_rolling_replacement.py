@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from memstore.devtools.cluster import wait_for
-from tests.harness.dns import DnsServer
+from memstore.devtools.dns_server import DnsServer
 from tests.harness.pods import Pods
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient

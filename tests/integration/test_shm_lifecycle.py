@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.devtools.dns_server import DnsServer
 from memstore.devtools.shm_replacement import replace_once
 from memstore.devtools.shm_replacement import run as run_replacements
 from memstore.server.shm_dirs import orphaned_dirs, segment_dir
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import insecure_channel
-from tests.harness.dns import DnsServer
 from tests.harness.pods import Pods
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient

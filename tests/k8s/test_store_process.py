@@ -24,7 +24,7 @@ import pytest
 
 from memstore.devtools.children import child_env
 from memstore.devtools.cluster import wait_for
-from tests.harness.dns import DnsServer, ptr_name
+from memstore.devtools.dns_server import DnsServer, ptr_name
 from tests.harness.health import probe
 from tests.k8s.manifests import DOWNWARD_API, EXAMPLE_STORES, argv, container, container_env, one, port_of, rendered, spec_of, store_setup
 

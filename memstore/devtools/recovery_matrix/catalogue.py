@@ -226,8 +226,8 @@ PROCESS_FAULTS: tuple[Fault, ...] = (
     Fault(
         id="spill-failing",
         name="Spill target failing",
-        description="every write to the durable tier fails (MEMSTORE_FAULTS spill.after_chunk=error, in place of ENOSPC); "
-        "then h0 is lost with its RAM",
+        description="every write to the durable tier fails (MEMSTORE_FAULTS spill.after_chunk=error: a fault point, run on any "
+        "machine; a really full disk is spill-enospc); then h0 is lost with its RAM",
         configs=(R2S,),
         inject=_kill_store,
         recover=_restart_h0,

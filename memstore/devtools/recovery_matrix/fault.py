@@ -19,6 +19,14 @@ def nothing(s: Scenario) -> None:
     return None
 
 
+def anywhere() -> str | None:
+    return None
+
+
+class NotRunHere(Exception):
+    """This machine lacks what a fault needs (root, a kernel feature): its rows are not run, and say why."""
+
+
 def lossless(c: Config) -> int | None:
     return 0
 
@@ -51,3 +59,6 @@ class Fault:
     hosts: Callable[[Config], int] = default_hosts
     store_env: dict[str, dict[str, str]] = field(default_factory=dict)  # host -> its store's environment from the start
     discovery: str = "peers"  # how the stores learn their peers: a fixed list, or a peers file ("file": hosts can be replaced)
+    # ... or a DNS server of the cluster's own ("dns": LocalCluster.dns)
+    needs: Callable[[], str | None] = anywhere  # None if this machine can run the fault, else why not (e.g. "needs root")
+    setup: Callable[[Scenario], None] = nothing  # before any process starts (e.g. the spill target on a tiny tmpfs)

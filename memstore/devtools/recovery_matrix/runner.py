@@ -9,17 +9,22 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from memstore.devtools.recovery_matrix.fault import Fault
+from memstore.devtools.recovery_matrix.fault import Fault, NotRunHere
 from memstore.devtools.recovery_matrix.scenario import Config, RowResult, Scenario
 
 
 def run_row(fault: Fault, config: Config, steps: int = 6, workdir: Path | None = None) -> RowResult:
-    """Run ``fault`` in ``config`` once, for real, and measure it (see the module's docstring)."""
+    """Run ``fault`` in ``config`` once, for real, and measure it (see the module's docstring). Raises
+    :class:`.fault.NotRunHere` (before starting anything) where this machine cannot inject the fault."""
+    why_not = fault.needs()
+    if why_not:
+        raise NotRunHere(why_not)
     own = workdir is None
     work = Path(workdir or tempfile.mkdtemp(prefix=f"memstore-matrix-{fault.id}-"))
     work.mkdir(parents=True, exist_ok=True)
     scenario = Scenario(config, fault.hosts(config), work, fault.store_env, fault.discovery)
     try:
+        fault.setup(scenario)
         scenario.start()
         scenario.wait_committed(steps)
         committed = scenario.committed()

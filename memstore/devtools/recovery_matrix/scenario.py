@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,8 @@ class Scenario:
         self.world = hosts
         self.workers: list[subprocess.Popen[bytes]] = []
         self.run_id = f"matrix-{os.getpid()}-{workdir.name}"[:100]
+        self.cleanups: list[Callable[[], None]] = []  # run by close() once every process is gone, last added first
+        self.services: dict[str, Any] = {}  # what a fault's setup started for the row (an S3 server, a proxy), by name
 
     # -- processes ------------------------------------------------------------------------
     def start(self) -> None:
@@ -121,6 +124,28 @@ class Scenario:
         for h in self.cluster.stores:
             self.cluster.kill(h)
         self.cluster.stop()
+        for cleanup in reversed(self.cleanups):
+            try:
+                cleanup()
+            except Exception as exc:  # the row's result stands; what was left behind is said
+                print(f"recovery matrix: cleanup {getattr(cleanup, '__name__', cleanup)} failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)  # fmt: skip
+        self.cleanups.clear()
+
+    # -- the machine's services (faults_environment) ------------------------------------------
+    def on_close(self, cleanup: Callable[[], None]) -> None:
+        """Run ``cleanup`` when the row ends (after every process is gone): unmount, stop a server, remove a cgroup."""
+        self.cleanups.append(cleanup)
+
+    def use_spill(self, url: str, env: dict[str, str] | None = None) -> None:
+        """Before ``start()``: every store spills to ``url`` (instead of the row's file:// directory), with ``env``
+        added to its environment (e.g. an S3 endpoint and credentials). Needs spill on."""
+        if not self.config.spill:
+            raise ValueError("use_spill needs a configuration with spill on")
+        for sp in self.cluster.stores.values():
+            sp.args[sp.args.index("--spill") + 1] = url
+            sp.env.update(env or {})
+        self.cluster.extra_args[self.cluster.extra_args.index("--spill") + 1] = url
 
     # -- progress -------------------------------------------------------------------------
     def committed(self) -> int:

@@ -3,6 +3,11 @@
 A failed poll (DiscoveryError, an unexpected exception, or an answer that is not a valid non-empty
 membership) never replaces the membership: it is kept until the source answers well again. Each new
 error is logged once, recovery once; ``on_change`` hears every change of the good membership.
+
+A member a good answer leaves out stays in the membership (at its last address) until ``ABSENT_POLLS`` answers
+in a row have left it out (``debounce``): a DNS answer that flaps between the whole set and part of it (records
+of a headless Service while pods churn) must not empty a live store's slot, which makes every save of its group
+fall short of R copies until the next answer. A member that is really gone leaves a few polls later.
 """
 
 from __future__ import annotations
@@ -18,6 +23,16 @@ from memstore.errors import ConfigError, DiscoveryError
 from memstore.membership.members import DiscoverySource, Members, validate_members
 
 log = logging.getLogger(__name__)
+ABSENT_POLLS = 3  # good answers in a row that must leave a member out before it leaves the membership
+
+
+def debounce(kept: Members | None, answer: Members, absent: dict[str, int]) -> tuple[Members, dict[str, int]]:
+    """The membership after a good ``answer``, given the one ``kept`` so far: every member of the answer, plus those
+    of ``kept`` left out by fewer than ABSENT_POLLS answers in a row (``absent``: member -> answers that left it out
+    so far, before this one). Returns it and the new counts."""
+    counts = {h: absent.get(h, 0) + 1 for h in (kept or {}) if h not in answer}
+    staying = {h: (kept or {})[h] for h, n in counts.items() if n < ABSENT_POLLS}
+    return {**answer, **staying}, {h: n for h, n in counts.items() if n < ABSENT_POLLS}
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class Watcher:
         self._poll_lock = threading.Lock()  # one source query and state update at a time (never held in on_change)
         self._lock = threading.Lock()  # guards the fields below (never held in on_change or a source query)
         self._members: Members | None = None
+        self._absent: dict[str, int] = {}  # members good answers left out lately -> how many in a row (debounce)
         self._last_ok = 0.0
         self._error = ""
         self._failures = 0
@@ -123,6 +139,7 @@ class Watcher:
             failures, self._failures = self._failures, 0
             self._error = self._logged_error = ""
             self._last_ok = time.time()
+            answer, self._absent = debounce(self._members, answer, self._absent)
             old, self._members = self._members, answer
             if answer != old:
                 self._pending = answer

@@ -377,7 +377,29 @@ def test_watcher_survives_a_failing_on_change() -> None:
     assert watcher.poll_once()
     source.set([H1])
     assert watcher.poll_once()
-    assert seen == [_members(H0), _members(H1)]
+    assert seen == [_members(H0), {**_members(H0), **_members(H1)}]  # H0 leaves only after ABSENT_POLLS answers
+
+
+def test_a_member_leaves_only_after_answers_in_a_row_leave_it_out() -> None:
+    from memstore.membership.watcher import ABSENT_POLLS
+
+    source = FedMembers()
+    source.set([H0, H1])
+    seen: list[Members] = []
+    watcher = Watcher(source, 60, seen.append)
+    assert watcher.poll_once()
+    for _ in range(ABSENT_POLLS - 1):  # a flapping answer (DNS while pods churn): H1 is kept at its last address
+        source.set([H0])
+        assert watcher.poll_once()
+        source.set([H0, H1])
+        assert watcher.poll_once()
+    assert seen == [_members(H0, H1)] and watcher.status().members == _members(H0, H1)
+    source.set([H0])
+    for _ in range(ABSENT_POLLS - 1):
+        assert watcher.poll_once()
+    assert seen == [_members(H0, H1)]
+    assert watcher.poll_once()  # the ABSENT_POLLS-th answer in a row without it: H1 is gone
+    assert seen == [_members(H0, H1), _members(H0)]
 
 
 def test_watcher_thread_polls_and_close_is_prompt() -> None:

@@ -51,3 +51,7 @@ class Fault:
     hosts: Callable[[Config], int] = default_hosts
     store_env: dict[str, dict[str, str]] = field(default_factory=dict)  # host -> its store's environment from the start
     discovery: str = "peers"  # how the stores learn their peers: a fixed list, or a peers file ("file": hosts can be replaced)
+    # Links through fault proxies (.links): "stores": every store-to-store link; "clients": every rank saves over the
+    # network (no shared memory) through a link to its store. Its inject then acts on s.links.
+    proxied: tuple[str, ...] = ()
+    kib: int = 0  # each rank's state in KiB (0: scenario.KIB); a fault that needs bigger copies says so in its description

@@ -1,7 +1,178 @@
-"""The recovery matrix's network faults: partitions, a slow peer, bit flips on the wire, a clock jump."""
+"""The recovery matrix's network faults: partitions, a slow peer, bit flips on the wire, a clock jump.
+
+Links are real TCP connections through fault proxies (:mod:`.links`, ``Fault.proxied``): a partition stalls them (a
+silent partition: connections stay open and nothing arrives, as when packets are dropped; what was in flight
+arrives when it heals, as TCP retransmits it), a slow peer's links carry 1% of what they carry unthrottled, bit flips
+change bits of the bulk bytes (the data channel) in both directions. A clock jump moves one store's wall clock
+(libfaketime preloaded, its offset file rewritten while it runs; its monotonic clock does not jump, as with an NTP
+step).
+"""
 
 from __future__ import annotations
 
-from memstore.devtools.recovery_matrix.fault import Fault
+import glob
+import time
 
-NETWORK_FAULTS: tuple[Fault, ...] = ()
+from memstore.devtools.recovery_matrix.fault import R1, R1S, R2, R2S, R3, Fault, one_copy_lost
+from memstore.devtools.recovery_matrix.links import set_links, unthrottled_rate
+from memstore.devtools.recovery_matrix.scenario import Scenario
+
+PARTITION_SECONDS = 3.0  # how long a partition (or a slow or flipping link) lasts while every rank keeps saving
+SLOW_KIB = 2048  # the slow-peer row's state per rank (about 3 MiB): a copy at 1% takes longer than a step
+FLIP_EVERY = 256 << 10  # one bit flipped in every 256 KiB of a link: some copies of a 64 KiB-state row hit, others not
+
+
+def _hold(seconds: float = PARTITION_SECONDS) -> None:
+    """The fault lasts this long while the ranks keep saving (the runner stops them after inject)."""
+    time.sleep(seconds)
+
+
+# -- partitions -------------------------------------------------------------------------------------
+def _partition_h0(s: Scenario) -> None:
+    """h0 and its peers stop reaching each other, both ways, gRPC and data channel."""
+    set_links(s.links.of_host("h0"), "stall")
+    _hold()
+
+
+def _partition_then_heal(s: Scenario) -> None:
+    _partition_h0(s)
+    set_links(s.links.of_host("h0"), "pass")
+
+
+def _partition_then_lose_h0(s: Scenario) -> None:
+    """h0 is lost (its RAM with it) while partitioned: what it alone held was never committed."""
+    _partition_h0(s)
+    s.cluster.kill("h0")
+
+
+def _restart_h0(s: Scenario) -> None:
+    s.cluster.restart("h0")
+
+
+def _heal_and_restart_h0(s: Scenario) -> None:
+    set_links(s.links.of_host("h0"), "pass")
+    s.cluster.restart("h0")
+
+
+def _client_partition(s: Scenario) -> None:
+    """Rank 0 cannot reach its store (gRPC and data channel) while it saves; then the link heals."""
+    link = s.links.clients[0]
+    set_links([link], "stall")
+    _hold()
+    set_links([link], "pass")
+
+
+# -- a slow peer ------------------------------------------------------------------------------------
+def _slow_peer_then_lose_h0(s: Scenario) -> None:
+    """Every link into h1, h0's replica target, runs at 1% of what it carries unthrottled; then h0 is lost, and its
+    restart pulls back over the slow link."""
+    rate = max(1, unthrottled_rate() // 100)
+    set_links([link for (a, b), link in s.links.stores.items() if b == "h1"], "slow", rate=rate)
+    _hold()
+    s.cluster.kill("h0")
+
+
+# -- bit flips on the wire --------------------------------------------------------------------------
+def _flip_bits_then_lose_h0(s: Scenario) -> None:
+    """Bits flip on h0's data channel links, both ways, while every rank saves; then h0 is lost and its restart
+    pulls its copies back over the same flipping links: every flipped copy must be refused by its checksums."""
+    links = s.links.of_host("h0")
+    set_links(links, "corrupt", every=FLIP_EVERY, direction="both", data_only=True)
+    _hold()
+    if not any(link.data is not None and link.data.corrupted for link in links):
+        raise RuntimeError("no bit was flipped: no copy crossed h0's data channel links")
+    s.cluster.kill("h0")
+
+
+# -- a clock jump -----------------------------------------------------------------------------------
+def _libfaketime() -> str:
+    """The multithreaded libfaketime (Debian: apt-get install libfaketime), or "" if it is not installed."""
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1") + glob.glob("/usr/lib/faketime/libfaketimeMT.so.1"))
+    return found[0] if found else ""
+
+
+CLOCK_FILE = "{workdir}/h0.faketime"  # h0's clock offset, read at every clock read (FAKETIME_NO_CACHE)
+CLOCK_ENV = {
+    "LD_PRELOAD": _libfaketime(),
+    "FAKETIME_TIMESTAMP_FILE": CLOCK_FILE,
+    "FAKETIME_NO_CACHE": "1",
+    "FAKETIME_DONT_FAKE_MONOTONIC": "1",  # an NTP step moves the wall clock only
+}
+
+
+def _jump_clock(s: Scenario) -> None:
+    """h0's wall clock jumps 1 h ahead while every rank saves, then 2 h back (1 h behind)."""
+    if not CLOCK_ENV["LD_PRELOAD"]:
+        raise RuntimeError("libfaketime is not installed (apt-get install libfaketime): the clock cannot jump")
+    offset = s.workdir / "h0.faketime"
+    for jump in ("+1h", "-1h"):
+        offset.write_text(jump + "\n")
+        _hold(PARTITION_SECONDS / 2)
+    # h0 serves on with its clock 1 h behind: the restore reads through it
+
+
+NETWORK_FAULTS: tuple[Fault, ...] = (
+    Fault(
+        id="store-partition",
+        name="Store-to-store partition, healed",
+        description=f"h0 and its peers cannot reach each other (every link between them stalls, gRPC and data channel) "
+        f"for {PARTITION_SECONDS:g} s while every rank saves; then the partition heals",
+        configs=(R2, R2S, R3),
+        inject=_partition_then_heal,
+        proxied=("stores",),
+    ),
+    Fault(
+        id="store-partition-lost",
+        name="Store-to-store partition, then the isolated host lost",
+        description=f"h0 is partitioned from its peers for {PARTITION_SECONDS:g} s while every rank saves, then lost "
+        "with its RAM while still cut off; it restarts empty once the network heals",
+        configs=(R1S, R2, R2S, R3),
+        inject=_partition_then_lose_h0,
+        recover=_heal_and_restart_h0,
+        max_rpo=one_copy_lost,
+        proxied=("stores",),
+    ),
+    Fault(
+        id="client-partition",
+        name="Client-to-store partition",
+        description=f"rank 0 saves over the network (no shared memory) and cannot reach its store (gRPC and data "
+        f"channel stall) for {PARTITION_SECONDS:g} s; then the link heals",
+        configs=(R1, R2, R2S),
+        inject=_client_partition,
+        proxied=("clients",),
+    ),
+    Fault(
+        id="slow-peer",
+        name="Slow peer (1% bandwidth)",
+        description=f"every link into h1, h0's replica target, carries 1% of what it carries unthrottled (measured "
+        f"first) for {PARTITION_SECONDS:g} s while every rank saves a {SLOW_KIB} KiB state; then h0 is lost with its "
+        "RAM and restarts over the slow link",
+        configs=(R2, R2S, R3),
+        inject=_slow_peer_then_lose_h0,
+        recover=_heal_and_restart_h0,
+        max_rpo=one_copy_lost,
+        proxied=("stores",),
+        kib=SLOW_KIB,
+    ),
+    Fault(
+        id="wire-bit-flip",
+        name="Bit flip on the wire",
+        description=f"one bit in every {FLIP_EVERY >> 10} KiB of the bulk bytes on h0's data channel links flips, "
+        f"both ways, for {PARTITION_SECONDS:g} s of saves and through h0's loss and restart: its restore pulls over "
+        "the flipping links",
+        configs=(R2, R3),
+        inject=_flip_bits_then_lose_h0,
+        recover=_restart_h0,
+        max_rpo=one_copy_lost,
+        proxied=("stores",),
+    ),
+    Fault(
+        id="clock-jump",
+        name="Clock jump",
+        description="h0's wall clock jumps 1 h ahead, then 2 h back, while every rank saves (libfaketime; "
+        "its monotonic clock runs on)",
+        configs=(R1, R2, R2S),
+        inject=_jump_clock,
+        store_env={"h0": CLOCK_ENV},
+    ),
+)

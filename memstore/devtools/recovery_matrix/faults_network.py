@@ -169,8 +169,7 @@ NETWORK_FAULTS: tuple[Fault, ...] = (
     Fault(
         id="clock-jump",
         name="Clock jump",
-        description="h0's wall clock jumps 1 h ahead, then 2 h back, while every rank saves (libfaketime; "
-        "its monotonic clock runs on)",
+        description="h0's wall clock jumps 1 h ahead, then 2 h back, while every rank saves (libfaketime; its monotonic clock runs on)",
         configs=(R1, R2, R2S),
         inject=_jump_clock,
         store_env={"h0": CLOCK_ENV},

@@ -1,8 +1,8 @@
 """The recovery matrix's network faults: partitions, a slow peer, bit flips on the wire, a clock jump.
 
-Links are real TCP connections through fault proxies (:mod:`.links`, ``Fault.proxied``): a partition stalls them (a
-silent partition: connections stay open and nothing arrives, as when packets are dropped; what was in flight
-arrives when it heals, as TCP retransmits it), a slow peer's links carry 1% of what they carry unthrottled, bit flips
+Links are real TCP connections through fault proxies (:mod:`.links`, ``Fault.proxied``): a partition first stalls
+them (silent: connections stay open and nothing arrives, as when packets are dropped), then resets and refuses them
+(as a firewall that rejects); a slow peer's links carry 1% of what they carry unthrottled, bit flips
 change bits of the bulk bytes (the data channel) in both directions. A clock jump moves one store's wall clock
 (libfaketime preloaded, its offset file rewritten while it runs; its monotonic clock does not jump, as with an NTP
 step).
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import glob
 import time
+from pathlib import Path
 
 from memstore.devtools.recovery_matrix.fault import R1, R1S, R2, R2S, R3, Fault, one_copy_lost
-from memstore.devtools.recovery_matrix.links import set_links, unthrottled_rate
+from memstore.devtools.recovery_matrix.links import Link, set_links, unthrottled_rate
 from memstore.devtools.recovery_matrix.scenario import Scenario
 
 PARTITION_SECONDS = 3.0  # how long a partition (or a slow or flipping link) lasts while every rank keeps saving
@@ -28,10 +29,18 @@ def _hold(seconds: float = PARTITION_SECONDS) -> None:
 
 
 # -- partitions -------------------------------------------------------------------------------------
+def _partition(links: list[Link]) -> None:
+    """Nothing crosses ``links`` (gRPC and data channel): first silently (connections hang, as when packets are
+    dropped), then refused (the connections are reset and new ones refused, as when a firewall rejects them)."""
+    set_links(links, "stall")
+    _hold(PARTITION_SECONDS / 2)
+    set_links(links, "cut")
+    _hold(PARTITION_SECONDS / 2)
+
+
 def _partition_h0(s: Scenario) -> None:
-    """h0 and its peers stop reaching each other, both ways, gRPC and data channel."""
-    set_links(s.links.of_host("h0"), "stall")
-    _hold()
+    """h0 and its peers stop reaching each other, both ways."""
+    _partition(s.links.of_host("h0"))
 
 
 def _partition_then_heal(s: Scenario) -> None:
@@ -56,10 +65,8 @@ def _heal_and_restart_h0(s: Scenario) -> None:
 
 def _client_partition(s: Scenario) -> None:
     """Rank 0 cannot reach its store (gRPC and data channel) while it saves; then the link heals."""
-    link = s.links.clients[0]
-    set_links([link], "stall")
-    _hold()
-    set_links([link], "pass")
+    _partition([s.links.clients[0]])
+    set_links([s.links.clients[0]], "pass")
 
 
 # -- a slow peer ------------------------------------------------------------------------------------
@@ -104,6 +111,9 @@ def _jump_clock(s: Scenario) -> None:
     """h0's wall clock jumps 1 h ahead while every rank saves, then 2 h back (1 h behind)."""
     if not CLOCK_ENV["LD_PRELOAD"]:
         raise RuntimeError("libfaketime is not installed (apt-get install libfaketime): the clock cannot jump")
+    proc = s.cluster.stores["h0"].proc
+    if proc is None or "libfaketime" not in Path(f"/proc/{proc.pid}/maps").read_text():
+        raise RuntimeError("libfaketime is not loaded in h0's store process: its clock cannot jump")
     offset = s.workdir / "h0.faketime"
     for jump in ("+1h", "-1h"):
         offset.write_text(jump + "\n")
@@ -115,7 +125,7 @@ NETWORK_FAULTS: tuple[Fault, ...] = (
     Fault(
         id="store-partition",
         name="Store-to-store partition, healed",
-        description=f"h0 and its peers cannot reach each other (every link between them stalls, gRPC and data channel) "
+        description=f"h0 and its peers cannot reach each other (every link between them, gRPC and data channel, stalls, then refuses) "
         f"for {PARTITION_SECONDS:g} s while every rank saves; then the partition heals",
         configs=(R2, R2S, R3),
         inject=_partition_then_heal,
@@ -136,7 +146,7 @@ NETWORK_FAULTS: tuple[Fault, ...] = (
         id="client-partition",
         name="Client-to-store partition",
         description=f"rank 0 saves over the network (no shared memory) and cannot reach its store (gRPC and data "
-        f"channel stall) for {PARTITION_SECONDS:g} s; then the link heals",
+        f"channel stall, then refuse) for {PARTITION_SECONDS:g} s; then the link heals",
         configs=(R1, R2, R2S),
         inject=_client_partition,
         proxied=("clients",),

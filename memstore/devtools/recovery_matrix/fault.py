@@ -54,4 +54,5 @@ class Fault:
     # Links through fault proxies (.links): "stores": every store-to-store link; "clients": every rank saves over the
     # network (no shared memory) through a link to its store. Its inject then acts on s.links.
     proxied: tuple[str, ...] = ()
+    setup: Callable[[Scenario], None] = nothing  # before the processes start (e.g. a store environment naming the row's files)
     kib: int = 0  # each rank's state in KiB (0: scenario.KIB); a fault that needs bigger copies says so in its description

@@ -4,16 +4,16 @@ Links are real TCP connections through fault proxies (:mod:`.links`, ``Fault.pro
 them (silent: connections stay open and nothing arrives, as when packets are dropped), then resets and refuses them
 (as a firewall that rejects); a slow peer's links carry 1% of what they carry unthrottled, bit flips
 change bits of the bulk bytes (the data channel) in both directions. A clock jump moves one store's wall clock
-(libfaketime preloaded, its offset file rewritten while it runs; its monotonic clock does not jump, as with an NTP
-step).
+(:mod:`memstore.devtools.clockshift` preloaded, its offset file rewritten while it runs; its monotonic clock does not
+jump, as with an NTP step).
 """
 
 from __future__ import annotations
 
-import glob
 import time
 from pathlib import Path
 
+from memstore.devtools import clockshift
 from memstore.devtools.recovery_matrix.fault import R1, R1S, R2, R2S, R3, Fault, one_copy_lost
 from memstore.devtools.recovery_matrix.links import Link, set_links, unthrottled_rate
 from memstore.devtools.recovery_matrix.scenario import Scenario
@@ -92,33 +92,26 @@ def _flip_bits_then_lose_h0(s: Scenario) -> None:
 
 
 # -- a clock jump -----------------------------------------------------------------------------------
-def _libfaketime() -> str:
-    """The multithreaded libfaketime (Debian: apt-get install libfaketime), or "" if it is not installed."""
-    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1") + glob.glob("/usr/lib/faketime/libfaketimeMT.so.1"))
-    return found[0] if found else ""
+def _clock_file(s: Scenario) -> Path:
+    return s.workdir / "h0.clock-offset"  # seconds h0's wall clock is off by
 
 
-CLOCK_FILE = "{workdir}/h0.faketime"  # h0's clock offset, read at every clock read (FAKETIME_NO_CACHE)
-CLOCK_ENV = {
-    "LD_PRELOAD": _libfaketime(),
-    "FAKETIME_TIMESTAMP_FILE": CLOCK_FILE,
-    "FAKETIME_NO_CACHE": "1",
-    "FAKETIME_DONT_FAKE_MONOTONIC": "1",  # an NTP step moves the wall clock only
-}
+def _shiftable_clock(s: Scenario) -> None:
+    """h0's store starts with its wall clock following a file (memstore.devtools.clockshift), at 0 for now."""
+    lib = clockshift.build(s.workdir)
+    clockshift.set_offset(_clock_file(s), 0)
+    s.cluster.stores["h0"].env.update(clockshift.preload_env(lib, _clock_file(s)))
 
 
 def _jump_clock(s: Scenario) -> None:
-    """h0's wall clock jumps 1 h ahead while every rank saves, then 2 h back (1 h behind)."""
-    if not CLOCK_ENV["LD_PRELOAD"]:
-        raise RuntimeError("libfaketime is not installed (apt-get install libfaketime): the clock cannot jump")
+    """h0's wall clock jumps 1 h ahead while every rank saves, then 2 h back (1 h behind); it stays there."""
     proc = s.cluster.stores["h0"].proc
-    if proc is None or "libfaketime" not in Path(f"/proc/{proc.pid}/maps").read_text():
-        raise RuntimeError("libfaketime is not loaded in h0's store process: its clock cannot jump")
-    offset = s.workdir / "h0.faketime"
-    for jump in ("+1h", "-1h"):
-        offset.write_text(jump + "\n")
+    lib = Path(s.cluster.stores["h0"].env.get("LD_PRELOAD", "-"))
+    if proc is None or not clockshift.loaded(proc.pid, lib):
+        raise RuntimeError(f"the clock-jump library {lib} is not loaded in h0's store process: its clock cannot jump")
+    for seconds in (3600, -3600):
+        clockshift.set_offset(_clock_file(s), seconds)
         _hold(PARTITION_SECONDS / 2)
-    # h0 serves on with its clock 1 h behind: the restore reads through it
 
 
 NETWORK_FAULTS: tuple[Fault, ...] = (
@@ -179,9 +172,10 @@ NETWORK_FAULTS: tuple[Fault, ...] = (
     Fault(
         id="clock-jump",
         name="Clock jump",
-        description="h0's wall clock jumps 1 h ahead, then 2 h back, while every rank saves (libfaketime; its monotonic clock runs on)",
+        description="h0's wall clock jumps 1 h ahead, then 2 h back, while every rank saves (an LD_PRELOAD library shifts "
+        "CLOCK_REALTIME; its monotonic clock runs on, as with an NTP step)",
         configs=(R1, R2, R2S),
         inject=_jump_clock,
-        store_env={"h0": CLOCK_ENV},
+        setup=_shiftable_clock,
     ),
 )

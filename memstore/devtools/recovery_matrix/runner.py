@@ -20,6 +20,7 @@ def run_row(fault: Fault, config: Config, steps: int = 6, workdir: Path | None =
     work.mkdir(parents=True, exist_ok=True)
     scenario = Scenario(config, fault.hosts(config), work, fault.store_env, fault.discovery, fault.proxied, fault.kib)
     try:
+        fault.setup(scenario)
         scenario.start()
         scenario.wait_committed(steps)
         committed = scenario.committed()

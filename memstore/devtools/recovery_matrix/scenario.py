@@ -93,8 +93,7 @@ class Scenario:
                                     discovery=discovery, data_ports=bool(proxied),
                                     dial=self.links.dial if "stores" in proxied else None)  # fmt: skip
         for host, env in (store_env or {}).items():
-            # kept by restarts; "{workdir}" in a value is this row's directory (e.g. a file the fault writes later)
-            self.cluster.stores[host].env = {k: v.replace("{workdir}", str(workdir)) for k, v in env.items()}
+            self.cluster.stores[host].env = dict(env)  # kept by restarts
         self.hosts = [f"h{i}" for i in range(hosts)]  # rank r's host (a fault that replaces a host id changes it)
         self.world = hosts
         self.workers: list[subprocess.Popen[bytes]] = []

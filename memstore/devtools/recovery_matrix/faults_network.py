@@ -152,7 +152,7 @@ NETWORK_FAULTS: tuple[Fault, ...] = (
         "RAM and restarts over the slow link",
         configs=(R2, R2S, R3),
         inject=_slow_peer_then_lose_h0,
-        recover=_heal_and_restart_h0,
+        recover=_restart_h0,
         max_rpo=one_copy_lost,
         proxied=("stores",),
         kib=SLOW_KIB,

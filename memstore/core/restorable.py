@@ -12,7 +12,7 @@ shard (a run of the job, or one DCP save), so two saves of the same step are two
   that step on is dead. Until the new timeline completes a step, the old versions stay visible, so
   re-saving a step is atomic: the old version is the answer until the new one is complete.
 - The **latest** restorable version is the newest step among restorable versions that are not
-  superseded.
+  superseded. The latest **replicated** one also has every rank on R hosts: the newest committed version.
 
 Every answer is a pure function of the holdings, so callers that see the same holdings agree.
 """
@@ -131,13 +131,33 @@ def latest_restorable(holdings: Iterable[Holding], job_id: str, step: int | None
     return latest_among(restorable_versions(holdings, job_id), step)
 
 
+def latest_replicated(holdings: Iterable[Holding], job_id: str, copies: int) -> Version | None:
+    """The newest live restorable version every rank of which has verified copies on at least ``copies`` hosts: with
+    ``copies`` = R, the newest committed version, the one that survives the loss of any R-1 hosts.
+
+    It may be older than :func:`latest_restorable`: a newer version can be restorable from a single copy (its
+    replication failed), which the loss of one host takes away. None if there is none."""
+    holdings = [h for h in holdings if h.key.job_id == job_id and h.verified]
+    hosts: dict[tuple[int, str, int], set[str]] = defaultdict(set)
+    for h in holdings:
+        hosts[(h.key.step, h.key.timeline, h.key.rank)].add(h.host)
+    live = _live(restorable_versions(holdings, job_id))
+    replicated = [v for v in live if all(len(hosts[(v.step, v.timeline, r)]) >= copies for r in range(v.world_size))]
+    return max(replicated, key=lambda v: (v.step, v.created_unix), default=None)
+
+
 def latest_among(complete: list[Version], step: int | None = None) -> Version | None:
     """:func:`latest_restorable` over restorable versions already known (the rule, without the holdings)."""
-    live = [v for v in complete if not any(supersedes(w, v.step, v.timeline, v.created_unix) for w in complete)]
+    live = _live(complete)
     if step is None:
         return max(live, key=lambda v: (v.step, v.created_unix), default=None)
     at_step = [v for v in live if v.step == step] or [v for v in complete if v.step == step]
     return max(at_step, key=lambda v: v.created_unix, default=None)
+
+
+def _live(complete: list[Version]) -> list[Version]:
+    """The restorable versions no other one supersedes."""
+    return [v for v in complete if not any(supersedes(w, v.step, v.timeline, v.created_unix) for w in complete)]
 
 
 def latest_restorable_step(holdings: Iterable[Holding], job_id: str) -> tuple[int, int] | None:

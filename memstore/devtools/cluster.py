@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -67,6 +68,7 @@ class StoreProcess:
     restarts: int = 0
     env: dict[str, str] = field(default_factory=dict)  # extra environment of this store only (e.g. MEMSTORE_FAULTS)
     metrics_port: int = 0  # its --metrics-port (0 = off)
+    data_port: int = 0  # its --data-port, chosen before it starts (LocalCluster(data_ports=True); 0 = its own choice)
 
     @property
     def alive(self) -> bool:
@@ -88,6 +90,10 @@ class LocalCluster:
     discovery: str = "peers"  # "peers": a fixed --peers list; "file": every store follows peers.json (add_host/remove_host edit it);
     # "dns": every store follows a real DNS server of the cluster's own (``dns``, memstore.devtools.dns_server; the dev extra)
     metrics: bool = False  # every store serves Prometheus metrics on a free port of its own (metrics_url)
+    data_ports: bool = False  # every store's data channel on a port chosen here (--data-port), known before it starts
+    # How store ``a`` dials its peer ``b`` (discovery "peers"): dial(a, b, b's address, b's data port) -> the address
+    # in a's --peers (e.g. a fault proxy's); None: directly. Called again whenever ports are assigned anew.
+    dial: Callable[[str, str, str, int], str] | None = None
     stores: dict[str, StoreProcess] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -107,28 +113,36 @@ class LocalCluster:
         self._assign_ports()
 
     def _assign_ports(self) -> None:
-        """Give every host a listen port (and a metrics port), and list them in peers.json."""
+        """Give every host a listen port (and a metrics port, a data port), and list them in --peers or peers.json."""
         ids = [f"h{i}" for i in range(self.hosts)]
         if self.discovery == "dns":  # one port, an IP per host, as the pods behind a headless Service
             ports = [self.base_port or free_ports(1)[0]] * self.hosts
         else:
             ports = [self.base_port + i for i in range(self.hosts)] if self.base_port else free_ports(self.hosts)
-        peers = ",".join(f"{h}=127.0.0.1:{p}" for h, p in zip(ids, ports, strict=True))
+        data = dict(zip(ids, free_ports(self.hosts) if self.data_ports else [0] * self.hosts, strict=True))
+        addresses = {h: f"127.0.0.1:{p}" for h, p in zip(ids, ports, strict=True)}
         for h, p in zip(ids, ports, strict=True):
+            peers = ",".join(f"{o}={self._dialled(h, o, a, data[o])}" for o, a in addresses.items())
             env = self.stores[h].env if h in self.stores else {}
-            self.stores[h] = self._store_process(h, p, peers)
+            self.stores[h] = self._store_process(h, p, peers, data[h])
             self.stores[h].env = env
         if self.discovery == "file":
             self.write_endpoints(self.peers_file)
         if self.discovery == "dns":
             self.publish_dns()
 
-    def _store_process(self, host_id: str, port: int, peers: str) -> StoreProcess:
+    def _dialled(self, host_id: str, peer: str, address: str, data_port: int) -> str:
+        return address if self.dial is None or peer == host_id else self.dial(host_id, peer, address, data_port)
+
+    def _store_process(self, host_id: str, port: int, peers: str, data_port: int = 0) -> StoreProcess:
         assert self.workdir is not None
         metrics_port = free_ports(1)[0] if self.metrics else 0
+        data_port = data_port or (free_ports(1)[0] if self.data_ports else 0)
         args = self._args(host_id, port, peers) + (["--metrics-port", str(metrics_port)] if metrics_port else [])
+        args += ["--data-port", str(data_port)] if data_port else []
         ip = self.dns_ip(host_id) if self.dns is not None else "127.0.0.1"
-        return StoreProcess(host_id, f"{ip}:{port}", args, self.workdir / f"{host_id}.log", metrics_port=metrics_port)
+        return StoreProcess(host_id, f"{ip}:{port}", args, self.workdir / f"{host_id}.log", metrics_port=metrics_port,
+                            data_port=data_port)  # fmt: skip
 
     def _args(self, host_id: str, port: int, peers: str) -> list[str]:
         from_file = ["--peers-file", str(self.peers_file), "--discovery-interval", "0.5"]

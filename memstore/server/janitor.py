@@ -10,7 +10,7 @@ from collections.abc import Callable
 from memstore.config import StoreConfig
 from memstore.core.floors import Floors
 from memstore.core.model import Holding
-from memstore.core.restorable import latest_restorable, may_supersede, superseded_versions
+from memstore.core.restorable import latest_replicated, latest_restorable, may_supersede, superseded_versions
 from memstore.core.retention import retention_victims
 from memstore.server.catalog import Catalog
 from memstore.spill.port import DurableTier
@@ -84,5 +84,8 @@ class Janitor:
             holdings, _ = self.cluster_holdings(job)
             dead = superseded_versions(holdings, job)
             latest = latest_restorable(holdings, job)
-            protected = ([latest.step] if latest else []) + spilling
+            # ... and the newest committed version (every rank on R hosts): the latest restorable one may rest on a
+            # single copy whose replication failed, and the loss of that one host must not leave nothing to restore.
+            committed = latest_replicated(holdings, job, self.config.replicas)
+            protected = [v.step for v in (latest, committed) if v is not None] + spilling
             self.catalog.retire(job, dead, latest.step if latest else None, protected, floor.version if floor else None)

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.devtools.faultproxy import FaultProxy
 from tests.fault.test_protocol_faults import _has
-from tests.harness.proxy import FaultProxy
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
 from trainer_client.errors import ReplicationError

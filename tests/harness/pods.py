@@ -12,10 +12,10 @@ import grpc
 from memstore.devtools.children import child_env
 from memstore.devtools.cluster import free_ports, wait_for
 from memstore.devtools.dns_server import DnsServer
+from memstore.devtools.faultproxy import FaultProxy
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from tests.harness.health import probe
-from tests.harness.proxy import FaultProxy
 
 SERVICE = "memstore-peers.memstore.svc.cluster.local."
 READINESS = "memstore.v1.Store"

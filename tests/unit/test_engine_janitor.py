@@ -40,6 +40,25 @@ def test_retention_keeps_k_and_asks_the_cluster_only_when_something_would_go() -
     assert asked == ["job"] and sorted(k.step for k, _, _ in catalog.held("job")) == [2, 3]
 
 
+def test_retention_keeps_the_newest_committed_step_when_newer_ones_rest_on_one_copy() -> None:
+    """R=2, two ranks. Step 3 is committed (both ranks on h0 and h1); step 4 is restorable only through rank 0's one
+    copy on h0 (its replication to h1 failed); steps 5 and 6 have rank 1 only. h1 keeps 2 steps: it must keep step 3
+    too, or losing h0 leaves nothing restorable (the recovery matrix's wire-bit-flip row found this)."""
+    cfg = config(keep="2", replicas="2")
+    catalog, _, stop = make_catalog(cfg)
+    held = [(3, 0), (3, 1), (4, 1), (5, 1), (6, 1)]  # what h1 holds
+    for step, rank in held:
+        settled(catalog, ShardKey("job", step, rank), DATA, created=float(step))
+    view = [Holding("h1", ShardKey("job", s, r), 2, True, float(s)) for s, r in held]
+    view += [Holding("h0", ShardKey("job", s, r), 2, True, float(s)) for s, r in [(3, 0), (3, 1), (4, 0), (4, 1)]]
+    Janitor(catalog, cfg, lambda job: (view, []), stop, threading.Event(), Floors()).apply_retention()
+    assert sorted({k.step for k, _, _ in catalog.held("job")}) == [3, 4, 5, 6]  # 4: the latest restorable; 3: committed
+    view = [h for h in view if h.host != "h1" or h.key.step != 3] + [Holding("h1", ShardKey("job", 4, 0), 2, True, 4.0)]
+    settled(catalog, ShardKey("job", 4, 0), DATA, created=4.0)  # step 4 committed after all (repair)
+    Janitor(catalog, cfg, lambda job: (view, []), stop, threading.Event(), Floors()).apply_retention()
+    assert sorted({k.step for k, _, _ in catalog.held("job")}) == [4, 5, 6]  # now step 3 may go
+
+
 def test_the_durable_tier_keeps_steps_due_for_spilling() -> None:
     class Durable:
         def protected_steps(self, job: str) -> set[int]:

@@ -61,4 +61,8 @@ class Fault:
     discovery: str = "peers"  # how the stores learn their peers: a fixed list, or a peers file ("file": hosts can be replaced)
     # ... or a DNS server of the cluster's own ("dns": LocalCluster.dns)
     needs: Callable[[], str | None] = anywhere  # None if this machine can run the fault, else why not (e.g. "needs root")
+    # Links through fault proxies (.links): "stores": every store-to-store link; "clients": every rank saves over the
+    # network (no shared memory) through a link to its store. Its inject then acts on s.links.
+    proxied: tuple[str, ...] = ()
     setup: Callable[[Scenario], None] = nothing  # before any process starts (e.g. the spill target on a tiny tmpfs)
+    kib: int = 0  # each rank's state in KiB (0: scenario.KIB); a fault that needs bigger copies says so in its description

@@ -22,7 +22,7 @@ def run_row(fault: Fault, config: Config, steps: int = 6, workdir: Path | None =
     own = workdir is None
     work = Path(workdir or tempfile.mkdtemp(prefix=f"memstore-matrix-{fault.id}-"))
     work.mkdir(parents=True, exist_ok=True)
-    scenario = Scenario(config, fault.hosts(config), work, fault.store_env, fault.discovery)
+    scenario = Scenario(config, fault.hosts(config), work, fault.store_env, fault.discovery, fault.proxied, fault.kib)
     try:
         fault.setup(scenario)
         scenario.start()

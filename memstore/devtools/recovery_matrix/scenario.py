@@ -30,6 +30,7 @@ from typing import Any
 
 from memstore.devtools.children import child_env
 from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.devtools.recovery_matrix.links import Links
 from memstore.devtools.recovery_matrix.state import difference, make_state
 from memstore.devtools.recovery_matrix.worker import committed
 
@@ -71,7 +72,14 @@ class Scenario:
     """The processes of one row: what a fault's ``inject`` and ``recover`` act on."""
 
     def __init__(
-        self, config: Config, hosts: int, workdir: Path, store_env: dict[str, dict[str, str]] | None = None, discovery: str = "peers"
+        self,
+        config: Config,
+        hosts: int,
+        workdir: Path,
+        store_env: dict[str, dict[str, str]] | None = None,
+        discovery: str = "peers",
+        proxied: tuple[str, ...] = (),
+        kib: int = 0,
     ) -> None:
         self.config = config
         self.workdir = workdir
@@ -79,8 +87,12 @@ class Scenario:
         args = ["--repair-interval", "0.5"]
         if config.spill:
             args += ["--spill", f"file://{self.durable}", "--spill-every-steps", "1", "--spill-keep-last", "3"]
+        self.kib = kib or KIB  # each rank's state
+        self.links = Links()  # the proxied links (Fault.proxied); see the network section below
+        self.remote_ranks = "clients" in proxied
         self.cluster = LocalCluster(hosts=hosts, replicas=config.replicas, capacity="256MiB", workdir=workdir / "cluster", extra_args=args,
-                                    discovery=discovery)  # fmt: skip
+                                    discovery=discovery, data_ports=bool(proxied),
+                                    dial=self.links.dial if "stores" in proxied else None)  # fmt: skip
         for host, env in (store_env or {}).items():
             self.cluster.stores[host].env = dict(env)  # kept by restarts
         self.hosts = [f"h{i}" for i in range(hosts)]  # rank r's host (a fault that replaces a host id changes it)
@@ -97,13 +109,16 @@ class Scenario:
             log = open(self.workdir / f"rank{rank}.log", "ab")  # noqa: SIM115 - owned by the child's lifetime
             cmd = [sys.executable, "-m", "memstore.devtools.recovery_matrix.worker", "--job", JOB, "--rank", str(rank),
                    "--world", str(self.world), "--store", self.store_of(rank), "--progress", str(self.progress(rank)),
-                   "--kib", str(KIB), "--interval", str(STEP_SECONDS)]  # fmt: skip
+                   "--kib", str(self.kib), "--interval", str(STEP_SECONDS)] + (["--remote"] if self.remote_ranks else [])  # fmt: skip
             env = {**_env(), **child_env(), "MEMSTORE_RUN_ID": self.run_id}  # one timeline, as a launcher gives its ranks
             self.workers.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
             log.close()
 
     def store_of(self, rank: int) -> str:
-        return self.cluster.address(self.hosts[rank % len(self.hosts)])
+        host = self.hosts[rank % len(self.hosts)]
+        if self.remote_ranks:
+            return self.client_link(rank, host)
+        return self.cluster.address(host)
 
     def progress(self, rank: int) -> Path:
         return self.workdir / f"rank{rank}.progress"
@@ -124,6 +139,7 @@ class Scenario:
         for h in self.cluster.stores:
             self.cluster.kill(h)
         self.cluster.stop()
+        self.links.close()
         for cleanup in reversed(self.cleanups):
             try:
                 cleanup()
@@ -146,6 +162,12 @@ class Scenario:
             sp.args[sp.args.index("--spill") + 1] = url
             sp.env.update(env or {})
         self.cluster.extra_args[self.cluster.extra_args.index("--spill") + 1] = url
+
+    # -- network (Fault.proxied) ---------------------------------------------------------------
+    def client_link(self, rank: int, host: str) -> str:
+        """The address rank ``rank`` dials its store ``host`` at: its own proxied link (``self.links.clients``)."""
+        sp = self.cluster.stores[host]
+        return self.links.client(rank, host, sp.address, sp.data_port)
 
     # -- progress -------------------------------------------------------------------------
     def committed(self) -> int:
@@ -197,7 +219,7 @@ class Scenario:
                     if step is None:
                         outcome = (0, None, "")
                     else:
-                        diff = difference(client.load(step, group=group), make_state(rank, step, KIB))
+                        diff = difference(client.load(step, group=group), make_state(rank, step, self.kib))
                         outcome = (step, diff, str(client.last_load_source))
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"

@@ -46,10 +46,11 @@ def main() -> None:
     p.add_argument("--progress", required=True)
     p.add_argument("--kib", type=int, default=64)
     p.add_argument("--interval", type=float, default=0.1, help="seconds between steps (the training compute)")
+    p.add_argument("--remote", action="store_true", help="save over the network (no shared memory with the store)")
     args = p.parse_args()
     from trainer_client import CheckpointClient, Connection
 
-    connection = Connection(args.store, timeout=10)
+    connection = Connection(args.store, timeout=10, shared_memory=False if args.remote else None)
     with CheckpointClient(args.job, args.rank, args.world, connection=connection) as client, open(args.progress, "a") as out:
         step = 0
         while True:

@@ -32,7 +32,11 @@ def run_row(fault: Fault, config: Config, steps: int = 6, workdir: Path | None =
         problems = _attempt("the fault", fault.inject, scenario)
         scenario.stop_workers()  # a lost rank stops the data-parallel job: every rank restarts and restores
         problems += _attempt("the recovery", fault.recover, scenario)
-        restores = scenario.restore()
+        try:
+            restores = scenario.restore()
+        except Exception as exc:  # the row fails, the run goes on (and keeps the other rows)
+            problems.append(f"the restore failed: {type(exc).__name__}: {str(exc)[:300]}")
+            restores = [(0, None, "")]
         rto = time.monotonic() - t0
     finally:
         scenario.close()

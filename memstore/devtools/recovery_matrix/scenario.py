@@ -213,16 +213,30 @@ class Scenario:
         error = ""
         while True:
             outcome: tuple[int, str | None, str] | None = None
+            client = None
             try:
-                with CheckpointClient(JOB, rank, self.world, connection=Connection(self.store_of(rank), timeout=10)) as client:
-                    step = client.latest_step(group=group)
-                    if step is None:
-                        outcome = (0, None, "")
-                    else:
-                        diff = difference(client.load(step, group=group), make_state(rank, step, self.kib))
-                        outcome = (step, diff, str(client.last_load_source))
+                client = CheckpointClient(JOB, rank, self.world, connection=Connection(self.store_of(rank), timeout=10))
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
+            # Every rank connected, or none goes on: latest_step and load are collectives, and a rank that could not
+            # connect must not leave the others' all-reduces paired with its own flags below.
+            connected = torch.tensor([0 if client is None else 1])
+            dist.all_reduce(connected, op=dist.ReduceOp.MIN, group=group)
+            try:
+                if connected.item() == 0:
+                    raise ConnectionError("a rank could not connect to its store")
+                assert client is not None
+                step = client.latest_step(group=group)
+                if step is None:
+                    outcome = (0, None, "")
+                else:
+                    diff = difference(client.load(step, group=group), make_state(rank, step, self.kib))
+                    outcome = (step, diff, str(client.last_load_source))
+            except Exception as exc:
+                error = error if isinstance(exc, ConnectionError) and error else f"{type(exc).__name__}: {exc}"
+            finally:
+                if client is not None:
+                    client.close()
             # Did every rank restore, and is every rank still within its deadline? Decided together.
             flags = torch.tensor([0 if outcome is None else 1, 1 if time.monotonic() < deadline else 0])
             dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)

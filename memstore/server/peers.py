@@ -219,12 +219,14 @@ class Peer:
             raise from_status(status, f"peer {self.host_id} refused the shard: {detail or status}")
 
     def pull_data(
-        self, key: ShardKey, into: Callable[[Manifest], memoryview], timeout: float, control_timeout: float, streams: int = 0
-    ) -> Manifest:
+        self, key: ShardKey, into: Callable[[Manifest], memoryview], timeout: float, control_timeout: float, streams: int = 0,
+        fresh: Callable[[], bool] = lambda: True,
+    ) -> Manifest:  # fmt: skip
         """Pull a shard over the bulk data channel into the view ``into(manifest)`` returns; verified per chunk.
 
         ``streams``: at most this many parallel streams (``--transfer-streams``; 0 = auto: as many as the peer's size rule
-        grants, ``datachannel.granted_streams``)."""
+        grants, ``datachannel.granted_streams``). ``fresh()``, asked once ``into`` answered: the view is fresh memory, so
+        each stream faults its pages in ahead of the socket (``FaultAhead``)."""
         request = pb.GetRequest(key=key_to_pb(key), streams=streams or datachannel.MAX_STREAMS)
         try:
             prepared = self._call(lambda: self.stub.PrepareSend(request, timeout=control_timeout))
@@ -234,13 +236,14 @@ class Peer:
             raise _peer_error(self.host_id, "PrepareSend", err) from None
         manifest = manifest_from_pb(prepared.manifest)
         dest = into(manifest)
+        fault_ahead = fresh()  # memory faulted in already (the reserve, a pool) needs no thread faulting it again
         deadline = time.monotonic() + timeout
 
         def stream(one: bytes, chunks: tuple[int, int]) -> Callable[[threading.Event], None]:
             def run(failed: threading.Event) -> None:
                 with self._data_connection(prepared.data_port, control_timeout) as sock:
                     sock.sendall(one)
-                    datachannel.receive_verified(sock, manifest, dest, deadline, datachannel.abort_check(failed), True, chunks)
+                    datachannel.receive_verified(sock, manifest, dest, deadline, datachannel.abort_check(failed), fault_ahead, chunks)
 
             return run
 

@@ -231,7 +231,8 @@ class Recovery:
             manifest = None
             if self.config.data_plane == "tcp":
                 try:
-                    manifest = peer.pull_data(key, into, timeout, self.config.peer_timeout, self.config.transfer_streams)
+                    manifest = peer.pull_data(key, into, timeout, self.config.peer_timeout, self.config.transfer_streams,
+                                              fresh=lambda: bool(segments) and segments[-1].fresh)  # fmt: skip
                 except DataChannelUnsupported:
                     log.info("peer %s has no data channel; falling back to gRPC streams", host)
             if manifest is None:

@@ -30,7 +30,7 @@ NO_RING = -1  # Segment.ring of a segment in no rank's capture ring
 class Segment:
     """One mapped region. ``path`` is None for anonymous memory (no shm dir configured)."""
 
-    __slots__ = ("_closed", "described", "exported", "mm", "owner", "path", "ring", "size")
+    __slots__ = ("_closed", "described", "exported", "fresh", "mm", "owner", "path", "ring", "size")
 
     def __init__(self, path: str | None, size: int, mm: mmap.mmap) -> None:
         self.path = path
@@ -41,6 +41,7 @@ class Segment:
         # A reader mapped it (copy-on-write): its bytes must never change, so it is unlinked, not recycled.
         self.exported = False
         self.described = False  # a sidecar exists next to it (SegmentPool.describe)
+        self.fresh = False  # made for the shard that took it, never touched: its pages fault in as they are written
         self.size = size
         self.mm = mm
         self._closed = False

@@ -344,6 +344,7 @@ class SegmentPool:
             seg = self.maker.create(size, used=self._in_use_bytes, capacity=self.capacity)
             seg.owner = owner
             seg.ring = ring
+            seg.fresh = True  # not from the reserve nor a pool: a writer into it may fault its pages in ahead
         except BaseException:
             with self._lock:
                 self._in_use_bytes -= size
@@ -471,6 +472,7 @@ class SegmentPool:
                 return
             self._in_use.remove(seg)
             self._in_use_bytes -= seg.size
+            seg.fresh = False  # whatever was written into it is faulted in now
             if seg.described and seg.path:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(sidecar_path(seg.path))

@@ -110,8 +110,9 @@ class FakePeer:
         self.push(header, view, timeout)
 
     def pull_data(
-        self, key: ShardKey, into: Callable[[Manifest], memoryview], timeout: float, control_timeout: float, streams: int = 0
-    ) -> Manifest:
+        self, key: ShardKey, into: Callable[[Manifest], memoryview], timeout: float, control_timeout: float, streams: int = 0,
+        fresh: Callable[[], bool] = lambda: True,
+    ) -> Manifest:  # fmt: skip
         raise DataChannelUnsupported(f"{self.host_id} has no data channel")
 
     def get(self, key: ShardKey, timeout: float) -> tuple[Manifest, Iterator[bytes], Any]:

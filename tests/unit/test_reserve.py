@@ -263,3 +263,18 @@ def test_a_far_smaller_shard_leaves_the_reserve_alone(directory: str | None) -> 
         check_accounting(pool)
     finally:
         pool.close()
+
+
+def test_only_a_segment_made_for_the_shard_is_fresh(directory: str | None) -> None:
+    """A pull faults its destination in ahead of the socket only when it is fresh memory (peers.pull_data(fresh=))."""
+    pool = SegmentPool(directory, 64 * MiB, reserve=ReservePolicy(32 * MiB, keep=2))
+    try:
+        new = pool.acquire(8 * MiB, "job-a")  # no reserve yet: made now
+        assert new.fresh
+        pool.release(new)
+        assert not new.fresh and pool.acquire(8 * MiB, "job-a") is new  # pooled: faulted in already
+        pool.prefault_now()
+        from_reserve = pool.acquire(8 * MiB, "job-b")
+        assert from_reserve is not new and not from_reserve.fresh
+    finally:
+        pool.close()

@@ -36,6 +36,7 @@ class Context:
     nbytes: int
     fingerprint: str
     timeout: float
+    spec: dict[str, Any] = field(default_factory=dict)  # the StateSpec, for a system whose trainer is another process
     notes: list[str] = field(default_factory=list)  # what the system did differently from the brief, and why
 
 
@@ -98,12 +99,13 @@ def tree_bytes(path: str | Path) -> int:
 
 
 class ChildProcess(RestoreProcess):
-    """A fresh python running :mod:`benchmarks.peers.child`: memstore's restore process, speaking the same JSON
-    lines (ready after importing torch, then one restore), with the system's own restore in it."""
+    """A fresh process speaking memstore's restore-process JSON lines (ready after importing torch, then commands):
+    :mod:`benchmarks.peers.child` (one restore with the system's own code) or a peer's rank. It runs in a session of
+    its own, ended whole by :meth:`close`."""
 
-    def __init__(self, system: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.peers.child", system],
+            argv,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**module_env(), **(env or {})},
             start_new_session=True,
         )  # fmt: skip
@@ -120,7 +122,7 @@ class ChildProcess(RestoreProcess):
 
 def restore_in_child(system: str, spec: dict[str, Any], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Restore with ``system``'s ``restore_here(spec)`` in a fresh process: its report (seconds, fingerprint, rss)."""
-    child = ChildProcess(system, env)
+    child = ChildProcess([sys.executable, "-m", "benchmarks.peers.child", system], env)
     try:
         ready = child.read(timeout=120.0)
         child.send({"system": system, "spec": spec})

@@ -73,12 +73,13 @@ def measure(system: System, state: Any, ctx: Context, saves: int) -> dict[str, A
         t1 = time.perf_counter()
         info = system.wait_durable(token)
         t2 = time.perf_counter()
+        # a system whose trainer is another process times the save there: its figures replace these
         out["saves"].append({"step": step, "stall_seconds": t1 - t0, "durable_seconds": t2 - t0, **info})
     stalls, durables = [s["stall_seconds"] for s in out["saves"]], [s["durable_seconds"] for s in out["saves"]]
     out.update(stall_first=stalls[0], stall_steady=p50(stalls[1:]), durable_first=durables[0], durable_steady=p50(durables[1:]))
     after = process_memory(os.getpid())
     trainer = {"rss_before": before["rss"], "rss_after": after["rss"], "rss_added": after["rss"] - before["rss"], "shmem": after["shmem"]}
-    out["memory"] = {"trainer": trainer, **system.memory()}
+    out["memory"] = {"trainer": trainer, **system.memory()}  # the system's "trainer" replaces this one where it has one
     out["restore_local"] = system.restore_local()
     out["restore_after_loss"] = system.restore_after_loss()
     return out
@@ -95,7 +96,7 @@ def run_one(name: str, spec: StateSpec, state: Any, args: argparse.Namespace) ->
     nbytes = nbytes_of(tensors_of(state))
     exact, as_str = fingerprint(state), fingerprint(keys_as_str(state))
     with tempfile.TemporaryDirectory(prefix=f"peers-{name}-", dir=args.workdir) as d:
-        ctx = Context(Path(d), nbytes, exact, 120.0 + nbytes / (20 << 20))
+        ctx = Context(Path(d), nbytes, exact, 120.0 + nbytes / (20 << 20), spec.describe())
         row.update(available=True, version=loaded.version())
         try:
             row.update(measure(loaded, state, ctx, args.saves))

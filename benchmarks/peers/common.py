@@ -86,6 +86,14 @@ def process_memory(pid: int) -> dict[str, int]:
     return out
 
 
+def trainer_memory(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The trainer's memory from two :func:`process_memory` readings: before its first save and after its saves."""
+    return {
+        "rss_before": before["rss"], "rss_after": after["rss"], "rss_added": after["rss"] - before["rss"],
+        "anon_added": after["anon"] - before["anon"], "shmem": after["shmem"],
+    }  # fmt: skip
+
+
 def tree_bytes(path: str | Path) -> int:
     """Bytes allocated by the files under ``path`` (a shared-memory directory)."""
     total = 0

@@ -130,9 +130,8 @@ def main() -> None:
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     t0 = time.perf_counter()
-    import torch  # noqa: F401
-
     import ml_flashpoint.adapter.pytorch.memory_storage_writer  # noqa: F401
+    import torch  # noqa: F401
 
     rank = Rank()
     out.write(json.dumps({"ready": True, "import_seconds": time.perf_counter() - t0}) + "\n")

@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers.common import Context, System, Unavailable, dumps, process_memory
+from benchmarks.peers.common import Context, System, Unavailable, dumps, process_memory, trainer_memory
 from benchmarks.peers.states import KINDS, StateSpec, build, shape_of
 
 SYSTEMS = {
@@ -78,8 +78,10 @@ def measure(system: System, state: Any, ctx: Context, saves: int) -> dict[str, A
     stalls, durables = [s["stall_seconds"] for s in out["saves"]], [s["durable_seconds"] for s in out["saves"]]
     out.update(stall_first=stalls[0], stall_steady=p50(stalls[1:]), durable_first=durables[0], durable_steady=p50(durables[1:]))
     after = process_memory(os.getpid())
-    trainer = {"rss_before": before["rss"], "rss_after": after["rss"], "rss_added": after["rss"] - before["rss"], "shmem": after["shmem"]}
-    out["memory"] = {"trainer": trainer, **system.memory()}  # the system's "trainer" replaces this one where it has one
+    out["memory"] = {
+        "trainer": trainer_memory(before, after),
+        **system.memory(),
+    }  # the system's "trainer" replaces this one where it has one
     out["restore_local"] = system.restore_local()
     out["restore_after_loss"] = system.restore_after_loss()
     return out

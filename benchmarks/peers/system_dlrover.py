@@ -56,9 +56,18 @@ class DlroverSystem:
         self.ctx = ctx
         self.directory = ctx.workdir / "ckpt"
         self.saved_env = os.environ.get("TORCHELASTIC_RUN_ID")
-        os.environ["TORCHELASTIC_RUN_ID"] = self.job  # its shared memory and sockets are this run's
-        self.start_saver()
-        self.checkpointer = DdpCheckpointer(str(self.directory))
+        for attempt in (1, 2):
+            os.environ["TORCHELASTIC_RUN_ID"] = self.job  # its shared memory and sockets are this run's
+            self.start_saver()
+            try:
+                self.checkpointer = DdpCheckpointer(str(self.directory))
+                break
+            except TimeoutError as exc:  # the engine's 60 s wait for its saver (see start_saver): once more, afresh
+                ctx.notes.append(f"engine start {attempt} failed after 60 s: TimeoutError: {exc}")
+                if attempt == 2:
+                    raise
+                self.end_saver()
+                self.job += "-retry"
         ctx.notes.append(
             "no launcher: the saver process is the engine's own start_async_save, spawned (forked by the engine, it "
             "now and then never answered: 'TimeoutError: Timed out waiting for socket server: ckpt_lock_rank_0'); "
@@ -144,7 +153,8 @@ class DlroverSystem:
             shutil.rmtree(os.path.join(SOCKETS, f"{self.job}-replacement"), ignore_errors=True)
             (Path("/dev/shm") / f"{self.job}-replacement_{shm_prefix()}0").unlink(missing_ok=True)
 
-    def stop(self) -> None:
+    def end_saver(self) -> None:
+        """Kill the saver and remove its shared memory and sockets."""
         from dlrover.trainer.torch.flash_checkpoint import engine
 
         pid = self.saver_pid()
@@ -153,6 +163,9 @@ class DlroverSystem:
         engine.CheckpointEngine.saver_proc = None
         self.shm_path().unlink(missing_ok=True)
         shutil.rmtree(os.path.join(SOCKETS, self.job), ignore_errors=True)
+
+    def stop(self) -> None:
+        self.end_saver()
         if self.saved_env is None:
             os.environ.pop("TORCHELASTIC_RUN_ID", None)
         else:

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from typing import Any
 
-from benchmarks.peers.common import ChildProcess, Context, process_memory
+from benchmarks.peers.common import ChildProcess, Context, process_memory, trainer_memory
 
 TMPFS = "size=50%"
 
@@ -87,7 +87,7 @@ class MlFlashpointSystem:
 
     def unavailable(self) -> str | None:
         try:
-            import ml_flashpoint.adapter.pytorch.memory_storage_writer  # noqa: F401
+            import ml_flashpoint.adapter.pytorch.memory_storage_writer
             import ml_flashpoint.replication.transfer_service  # noqa: F401
         except ImportError as exc:
             return f"ImportError: {exc}"
@@ -130,18 +130,18 @@ class MlFlashpointSystem:
         }  # fmt: skip
 
     def memory(self) -> dict[str, Any]:
-        before, after = self.built["memory"], process_memory(self.ranks[0].proc.pid)
-        trainer = {"rss_before": before["rss"], "rss_after": after["rss"], "rss_added": after["rss"] - before["rss"], "shmem": after["shmem"]}
-        return {"trainer": trainer, "servers": {"rank 1 (h1)": process_memory(self.ranks[1].proc.pid)}, "shm_bytes": sum(h.used() for h in self.hosts)}
+        trainer = trainer_memory(self.built["memory"], process_memory(self.ranks[0].proc.pid))
+        peer = process_memory(self.ranks[1].proc.pid)
+        return {"trainer": trainer, "servers": {"rank 1 (h1)": peer}, "shm_bytes": sum(h.used() for h in self.hosts)}
 
     def restore(self) -> dict[str, Any]:
         assert self.ctx is not None
         joined = self.join()
         answer = ask(self.ranks, [{"op": "restore"}] * 2, self.ctx.timeout)[0]
+        fingerprints = {k: answer[k] for k in ("fingerprint", "fingerprint_keys_as_str")}
         return {
             "seconds": answer["done"] - answer["started"], "join_seconds": joined[0]["init_seconds"], "checkpoint": answer["checkpoint"],
-            "fingerprint": answer["fingerprint"], "fingerprint_keys_as_str": answer["fingerprint_keys_as_str"], "rss": answer["memory"]["rss"],
-            "import_seconds": joined[0]["import_seconds"],
+            "rss": answer["memory"]["rss"], "import_seconds": joined[0]["import_seconds"], **fingerprints,
         }  # fmt: skip
 
     def restore_local(self) -> dict[str, Any]:

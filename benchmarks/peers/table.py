@@ -8,7 +8,7 @@ from typing import Any
 BEGIN, END = "<!-- peers-table:begin -->", "<!-- peers-table:end -->"
 HEADER = (
     "| system | state | stall: first / steady | survives a host loss: first / steady | restore, local | restore, host lost "
-    "| memory: trainer +RSS / servers RSS / shm | version |"
+    "| memory: trainer + / servers / shared | version |"
 )
 
 
@@ -32,11 +32,11 @@ def restore_cell(r: dict[str, Any] | None) -> str:
 def memory_cell(m: dict[str, Any] | None) -> str:
     if not m:
         return "-"
-    servers = sum(p["rss"] for p in m.get("servers", {}).values()) if m.get("servers") else None
+    servers = sum(p["anon"] for p in m.get("servers", {}).values()) if m.get("servers") else None
     shm = m.get("shm_bytes")
     if shm is None:
         shm = m["trainer"]["shmem"]
-    return f"{mib(m['trainer']['rss_added'])} / {mib(servers) if servers is not None else 'none'} / {mib(shm)}"
+    return f"{mib(m['trainer']['anon_added'])} / {mib(servers) if servers is not None else 'none'} / {mib(shm)}"
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -48,6 +48,11 @@ def markdown(doc: dict[str, Any]) -> str:
         HEADER,
         "|" + "---|" * 8,
     ]
+    legend = (
+        "Memory, after the saves: the trainer's added private memory (RssAnon), the private memory of the system's "
+        "server or agent processes, and the shared memory the system holds (its shared-memory files or tmpfs; "
+        "DCP: the trainer's RssShmem), each counted once."
+    )
     notes: list[str] = []
     for r in doc["rows"]:
         state = doc["states"][r["state"]]
@@ -65,7 +70,7 @@ def markdown(doc: dict[str, Any]) -> str:
         )
         notes += [f"- **{r['system']}**, {r['state']}: {n}" for n in r.get("notes", [])]
     commands = sorted({f"- `{r['command']}`" for r in doc["rows"]})
-    return "\n".join([*lines, "", "Each row alone:", "", *commands, *(["", *notes] if notes else [])]) + "\n"
+    return "\n".join([*lines, "", legend, "", "Each row alone:", "", *commands, *(["", *notes] if notes else [])]) + "\n"
 
 
 def rewrite_section(page: Path, table: str) -> None:

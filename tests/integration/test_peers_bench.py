@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_memstore_and_dcp_run_end_to_end_and_fill_the_table(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
-    page.write_text(f"# title\n\n{BEGIN}\nold\n{END}\n\nafter\n")
+    page.write_text(f"# title\n\n{BEGIN}\nstale table\n{END}\n\nafter\n")
     out = tmp_path / "peers.json"
     argv = ["--systems", "memstore,dcp", "--states", "tensors", "--size", "1MiB", "--tensors", "4", "--saves", "2"]
     assert main([*argv, "--workdir", str(tmp_path), "--json", str(out), "--docs", str(page)]) == 0
@@ -39,7 +39,7 @@ def test_memstore_and_dcp_run_end_to_end_and_fill_the_table(tmp_path: Path) -> N
     assert set(rows["memstore"]["memory"]["servers"]) == {"h0", "h1"}
 
     text = page.read_text()
-    assert text.startswith("# title\n") and text.endswith("\nafter\n") and "old" not in text
+    assert text.startswith("# title\n") and text.endswith("\nafter\n") and "stale table" not in text
     assert "| memstore | tensors (4 tensors" in text and "| dcp | tensors (4 tensors" in text
 
 

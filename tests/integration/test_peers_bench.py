@@ -15,6 +15,7 @@ from benchmarks.peers.table import BEGIN, END
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow  # two store processes and four fresh restore processes importing torch: ~16 s
 @pytest.mark.timeout(180)
 def test_memstore_and_dcp_run_end_to_end_and_fill_the_table(tmp_path: Path) -> None:
     page = tmp_path / "page.md"

@@ -7,7 +7,8 @@ error is logged once, recovery once; ``on_change`` hears every change of the goo
 A member a good answer leaves out stays in the membership (at its last address) until ``ABSENT_POLLS`` answers
 in a row have left it out (``debounce``): a DNS answer that flaps between the whole set and part of it (records
 of a headless Service while pods churn) must not empty a live store's slot, which makes every save of its group
-fall short of R copies until the next answer. A member that is really gone leaves a few polls later.
+fall short of R copies until the next answer. A member that is really gone leaves a few polls later, and one
+replaced by a newcomer in the same answer at once (its successor takes its slot over).
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ ABSENT_POLLS = 3  # good answers in a row that must leave a member out before it
 def debounce(kept: Members | None, answer: Members, absent: dict[str, int]) -> tuple[Members, dict[str, int]]:
     """The membership after a good ``answer``, given the one ``kept`` so far: every member of the answer, plus those
     of ``kept`` left out by fewer than ABSENT_POLLS answers in a row (``absent``: member -> answers that left it out
-    so far, before this one). Returns it and the new counts."""
-    counts = {h: absent.get(h, 0) + 1 for h in (kept or {}) if h not in answer}
-    staying = {h: (kept or {})[h] for h, n in counts.items() if n < ABSENT_POLLS}
+    so far, before this one). Returns it and the new counts.
+
+    An answer that names a newcomer is taken as it is: a member replaced by another (a pod replaced under a new IP, a
+    peers file edited) leaves at once, so its successor takes over its slot, and what it left on the machine."""
+    if kept is None or set(answer) - set(kept):
+        return answer, {}
+    counts = {h: absent.get(h, 0) + 1 for h in kept if h not in answer}
+    staying = {h: kept[h] for h, n in counts.items() if n < ABSENT_POLLS}
     return {**answer, **staying}, {h: n for h, n in counts.items() if n < ABSENT_POLLS}
 
 

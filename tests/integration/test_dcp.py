@@ -557,7 +557,7 @@ def test_only_a_complete_step_is_visible(make_inprocess_cluster) -> None:  # typ
     with pytest.raises(NotFoundError, match=r"step 2 of job 'dcp-incomplete' has no DCP metadata.*did not finish"):
         MemStoreReader(job, 2, connection=Connection(addr)).read_metadata()
     # how dcp.load reports a rank's error: with the reader's message, where this torch keeps it
-    with pytest.raises(CheckpointException, match="has no DCP metadata" if LOAD_KEEPS_READER_MESSAGE else ""):
+    with pytest.raises(CheckpointException, match="has no DCP metadata" if LOAD_KEEPS_READER_MESSAGE else None):
         dcp.load(_blank_like(new), storage_reader=MemStoreReader(job, connection=Connection(addr)), checkpoint_id=2)
 
     # finishing the save makes step 2 the newest complete step

@@ -190,7 +190,8 @@ def _encode_object(value: Any, t: type, path: str) -> Any:
         for extra in dataclasses.fields(value):  # a field a newer torch added: never drop it silently
             if extra.name not in fields and getattr(value, extra.name) is not None:
                 raise SerializationError(f"{tag}.{extra.name} is not known to memstore's DCP metadata encoding", path)
-        return {_TAG: tag, **{f: _encode(getattr(value, f), f"{path}.{f}") for f in fields}}
+        # getattr with a default: a field this torch's class lacks (Metadata.version before torch 2.9) is None
+        return {_TAG: tag, **{f: _encode(getattr(value, f, None), f"{path}.{f}") for f in fields}}
     raise SerializationError(
         f"unsupported type {t.__module__}.{t.__qualname__} in DCP metadata (it is never pickled); allowed: {_ALLOWED_NAMES}", path
     )
@@ -277,4 +278,8 @@ def _decode_dataclass(value: dict[str, Any], tag: str, path: str) -> Any:
     for f, check in fields.items():
         if not check(kwargs[f]):
             raise CorruptShardError(f"{path}.{f}: {type(kwargs[f]).__qualname__} is not valid for {tag}.{f}")
-    return cls(**kwargs)
+    declared = {f.name for f in dataclasses.fields(cls)}
+    obj = cls(**{f: v for f, v in kwargs.items() if f in declared})
+    for f in kwargs.keys() - declared:  # a field this torch's class lacks (Metadata.version before torch 2.9): kept as an attribute
+        setattr(obj, f, kwargs[f])
+    return obj

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from memstore.bench import main
+from memstore.bench.floors_dcp import CLOSED_STAGER_HINT
 from memstore.bench.targets import RATIOS
+from tests.harness.torch_versions import TORCH_MINOR
 
 pytestmark = pytest.mark.integration
 
@@ -42,6 +44,8 @@ def test_a_tiny_run_writes_the_table_and_every_ratio(tmp_path: Path, capsys: pyt
         "stall_over_dcp_blocking": dcp["default"]["unavailable"],
         "stall_over_dcp_blocking_reused_stager": dcp["reused_stager"]["unavailable"],
     }
+    if TORCH_MINOR == (2, 11):  # torch 2.11's own reused stager fails (pytorch/pytorch#183413): reported, the run goes on
+        assert dcp["default"]["unavailable"] is None and dcp["reused_stager"]["unavailable"].endswith(CLOSED_STAGER_HINT)
     for row in data["targets"]:
         value = row["value"]
         if unavailable.get(row["ratio"]):

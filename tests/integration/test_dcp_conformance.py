@@ -36,7 +36,9 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from memstore.devtools.cluster import LocalCluster, free_ports
 from tests.harness.inprocess import InProcessCluster
 from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_preloading, run_ranks
+from tests.harness.torch_versions import LOAD_SAYS_METADATA_IS_NONE, LOAD_WRAPS_READER_ERROR
 from trainer_client.dcp import MemStoreReader, MemStoreWriter
+from trainer_client.errors import NotFoundError
 
 pytestmark = [
     pytest.mark.integration,
@@ -300,10 +302,11 @@ def test_storage_meta_ids_and_metadata(backend: Backend) -> None:
     assert str(md.storage_meta.checkpoint_id) == str(writer.checkpoint_id)  # type: ignore[attr-defined]
     assert md.storage_meta.save_id == writer.save_id  # type: ignore[attr-defined]
     assert md.storage_meta.load_id == reader.load_id  # type: ignore[attr-defined]
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    from torch.distributed.checkpoint import filesystem
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    assert md.version == CURRENT_DCP_VERSION
+    if hasattr(filesystem, "CURRENT_DCP_VERSION"):  # torch 2.9+ stamps a version on its metadata
+        assert md.version == filesystem.CURRENT_DCP_VERSION
     assert sorted(md.state_dict_metadata) == ["a", "b"]
     a_md = md.state_dict_metadata["a"]
     assert isinstance(a_md, TensorStorageMetadata) and a_md.size == torch.Size([4, 4]) and a_md.properties.dtype == torch.float32
@@ -355,9 +358,11 @@ def test_missing_keys_partial_load_and_dtype_casts(backend: Backend) -> None:
     assert _bits_equal(casts["model"]["w"], saved["model"]["w"].to(torch.bfloat16))
     assert _bits_equal(casts["half"], saved["half"].float())
 
-    with pytest.raises(CheckpointException, match="metadata is None") as info:  # no such checkpoint
+    # No such checkpoint: each torch fails as it does for FileSystemReader (tests/harness/torch_versions.py)
+    with pytest.raises(CheckpointException, match="metadata is None" if LOAD_SAYS_METADATA_IS_NONE else None) as info:
         dcp.load({"w": torch.zeros(1)}, storage_reader=backend.reader("partial", 2))
-    assert set(_failure_types(info.value).values()) == {AssertionError}
+    reader_error = FileNotFoundError if backend.kind == "file" else NotFoundError
+    assert set(_failure_types(info.value).values()) == ({AssertionError} if LOAD_WRAPS_READER_ERROR else {reader_error})
 
 
 def test_overwrite_single_process(backend: Backend) -> None:
@@ -632,7 +637,7 @@ def _stop_checkpoint_daemon() -> None:
 
 
 def _async_worker(rank: int, backend: Backend, port: int) -> None:
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor, zeros
 
@@ -644,7 +649,7 @@ def _async_worker(rank: int, backend: Backend, port: int) -> None:
             return {"w": distribute_tensor(_full(step)["w"], mesh, [Shard(0)]), "extra": {"step": step}}
 
         def wait(result: Any) -> None:
-            future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
+            future = getattr(result, "upload_completion", result)  # AsyncSaveResponse (torch 2.9+) or a Future
             future.result(timeout=PROCESS_TIMEOUT)
 
         process = AsyncCheckpointerType.PROCESS

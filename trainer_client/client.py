@@ -70,6 +70,16 @@ T = TypeVar("T")
 
 _MAX_BACKGROUND_SENDS = 2  # remote_save="background": staged saves in flight; the next waits for the oldest
 MARKED_FROM = 64 << 20  # a CPU state this large is pushed by the store while it is copied (CommitRequest.captured_bytes)
+MARK_MIN_CPUS = 8  # below this many cores the push takes the copy's cores: the stall doubled on 2 (docs/benchmarks.md)
+
+
+def marked_captures_wanted() -> bool:
+    """Whether large saves are pushed while they are copied: ``MEMSTORE_MARKED_CAPTURES`` on / off / auto (default:
+    on with at least MARK_MIN_CPUS cores)."""
+    choice = os.environ.get("MEMSTORE_MARKED_CAPTURES", "auto").strip().lower()
+    if choice not in ("auto", "on", "off"):
+        raise InvalidArgumentError(f"MEMSTORE_MARKED_CAPTURES={choice!r} is invalid: expected on, off or auto")
+    return choice == "on" or (choice == "auto" and (os.cpu_count() or 1) >= MARK_MIN_CPUS)
 
 
 class CheckpointClient:
@@ -203,6 +213,7 @@ class CheckpointClient:
         self._sends: collections.deque[Future[None]] = collections.deque()
         self._sender: ThreadPoolExecutor | None = None
         self.last_save_path = ""  # how the last remote save travelled: "data channel" or "grpc"
+        self._marking = marked_captures_wanted()
         self._reader = ShardReader(self._call, self._control, self._stub, self._ring, self._remote, self.shared_memory, self.hello.host_id,
                                    rank, self.agreement)  # fmt: skip
 
@@ -390,7 +401,10 @@ class CheckpointClient:
 
         # A large CPU state on a store that replicates: the store pushes the bytes as they become final (marks).
         marked: list[int] = []
-        marking = not blobs and not deferred and layout.nbytes >= MARKED_FROM and self.hello.marked_captures and self.hello.replicas > 1
+        marking = (
+            not blobs and not deferred and layout.nbytes >= MARKED_FROM and self.hello.marked_captures and self.hello.replicas > 1
+            and self._marking
+        )  # fmt: skip
 
         def mark(captured: int) -> None:
             self._control("Commit", request(captured), f"commit step {key.step} (its first {captured} bytes)")

@@ -18,6 +18,7 @@ from memstore.v1.channel import store_stub
 from tests.harness.inprocess import InProcessCluster
 from tests.harness.shards import assert_same
 from trainer_client import CheckpointClient, Connection, client
+from trainer_client.errors import InvalidArgumentError
 from trainer_client.serialization import encoder
 
 pytestmark = pytest.mark.integration
@@ -43,6 +44,7 @@ def record_marks(cluster: InProcessCluster, host: str) -> list[int | None]:
 
 
 def test_a_marked_save_is_pushed_as_it_is_copied_and_the_replica_is_exact(make_inprocess_cluster, monkeypatch) -> None:
+    monkeypatch.setenv("MEMSTORE_MARKED_CAPTURES", "on")  # whatever this machine's cores
     monkeypatch.setattr(client, "MARKED_FROM", 1 * MiB)  # a small state takes the large-state path
     monkeypatch.setattr(encoder, "MARK_BYTES", 1 * MiB)
     cluster: InProcessCluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB")
@@ -78,3 +80,16 @@ def test_a_capture_whose_client_stops_is_dropped_and_no_peer_keeps_a_copy(make_i
         assert not list(peer.List(pb.ListRequest(job_id="stopped"), timeout=10).shards)
     finally:
         peer_channel.close()
+
+
+def test_marked_captures_follow_the_setting_and_refuse_a_bad_one(monkeypatch) -> None:
+    monkeypatch.setattr(client.os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("MEMSTORE_MARKED_CAPTURES", raising=False)
+    assert not client.marked_captures_wanted()  # auto on 2 cores: the push would take the copy's cores
+    monkeypatch.setattr(client.os, "cpu_count", lambda: 16)
+    assert client.marked_captures_wanted()
+    monkeypatch.setenv("MEMSTORE_MARKED_CAPTURES", "off")
+    assert not client.marked_captures_wanted()
+    monkeypatch.setenv("MEMSTORE_MARKED_CAPTURES", "sometimes")
+    with pytest.raises(InvalidArgumentError, match="MEMSTORE_MARKED_CAPTURES"):
+        client.marked_captures_wanted()

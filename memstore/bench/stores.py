@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from memstore.bench.state import MiB, module_env
+from memstore.core.sizes import parse_size
 from memstore.devtools.cluster import LocalCluster, wait_for
 
 CAPACITY_SLACK = 64 * MiB
@@ -25,10 +26,14 @@ CAPACITY_SLACK = 64 * MiB
 
 def start_cluster(hosts: int, replicas: int, keep: int, shard_bytes: int, data_plane: str | None, env: dict[str, str]) -> LocalCluster:
     """Freshly started stores with room for keep+3 shards (keep steps, one being saved, the automatic reserve's two
-    segments) and the small saves. ``--repair-interval 3600``: no anti-entropy pass runs during the measurements (a
+    segments) and the small saves, or for an explicit ``--prefault`` if that is more. ``--repair-interval 3600``: no
+    anti-entropy pass runs during the measurements (a
     replacement store still runs its start-up pass: that is how it gets back to R copies after a host loss)."""
     page = os.sysconf("SC_PAGE_SIZE")
     capacity = (keep + 3) * (-(-shard_bytes // page) * page) + CAPACITY_SLACK
+    prefault = env.get("MEMSTORE_PREFAULT", "auto")
+    if prefault not in ("auto", "0"):  # an explicit reserve is part of the capacity: room for it beside the shards
+        capacity = max(capacity, parse_size(prefault) + CAPACITY_SLACK)
     extra = ["--repair-interval", "3600"] + (["--data-plane", data_plane] if data_plane else [])
     cluster = LocalCluster(hosts=hosts, replicas=replicas, capacity=str(capacity), keep=keep, extra_args=extra, env=env or None)
     try:

@@ -165,6 +165,14 @@ class Saver:
         fault("commit.before_ack")
         return entry.key
 
+    def close(self) -> None:
+        """The store is closing: captures still being written are given up, so no push waits for their marks."""
+        with self._capturing_lock:
+            capturing, self._capturing = list(self._capturing.values()), {}
+        for entry in capturing:
+            if entry.progress is not None:
+                entry.progress.abandon("the store is closing")
+
     def _capturing_entry(self, lease_id: str, captured_bytes: int | None) -> Entry | None:
         """The shard of ``lease_id`` if it is a capture being pushed while its client writes it (None: the lease's first
         Commit); its mark moved to ``captured_bytes``, or (None) its capture finished. Abandoned ones are forgotten."""

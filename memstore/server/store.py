@@ -266,6 +266,7 @@ class Store:
         if self.sweeper is not None:
             self.sweeper.due.set()
         self.catalog.wake()
+        self.saver.close()  # before the replicator: its pushes waiting on a capture's marks end now
         self.replicator.close()
         self.peers.close()
         for t in self._threads:

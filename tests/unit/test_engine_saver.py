@@ -8,7 +8,7 @@ import pytest
 
 from memstore.core.floors import Floors
 from memstore.core.model import PutOrigin, ShardKey, ShardState, TransferHeader
-from memstore.errors import Draining, InvalidArgument
+from memstore.errors import Draining, InvalidArgument, LeaseError
 from memstore.server.entries import Entry
 from memstore.server.saving import Saver
 from tests.unit.engine_fakes import RecordingEvents, config, make_catalog, manifest_of
@@ -67,3 +67,15 @@ def test_a_stream_from_a_client_is_verified_registered_and_replicated() -> None:
     with pytest.raises(Exception, match="checksum"):
         s.receive(TransferHeader(bad, PutOrigin.CLIENT, ""), [DATA[:4096], DATA[::-1][4096:]])
     assert catalog.open_streams() == {} and catalog.get(ShardKey("job", 2, 0)) is None and pool.used == len(DATA)
+
+
+def test_closing_gives_up_the_captures_still_being_written() -> None:
+    s, _, _, _, submitted, _ = saver()
+    lease, _ = s.allocate(ShardKey("job", 1, 0), 1, len(DATA))
+    s.commit(lease, {}, 1, captured_bytes=len(DATA) // 2)  # the first mark: taken in, pushed while it is copied
+    (entry,) = submitted
+    assert entry.progress is not None and not entry.progress.abandoned
+    s.close()
+    assert entry.progress.abandoned == "the store is closing"
+    with pytest.raises(LeaseError):
+        s.commit(lease, {}, 1)  # the end of a capture given up: the client saves again

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memstore.core.sizes import parse_size
+
 __all__ = ["add_arguments", "main", "run"]
 
 QUICK: dict[str, Any] = {"size": "64MiB", "saves": 2, "restores": 1, "small_saves": 5, "dp_size": "16MiB"}
@@ -55,8 +57,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-dir", default=None, help="directory on local disk for the torch.save and DCP floors (default: the temp dir)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random state")
     p.add_argument("--data-plane", choices=("tcp", "grpc"), default=None, help="passed to the stores (how replicas and pulls travel)")
-    p.add_argument("--prefault", default=None, metavar="SIZE|auto", help="passed to the stores as MEMSTORE_PREFAULT")
+    p.add_argument("--prefault", type=_prefault, default=None, metavar="SIZE|auto", help="passed to the stores as MEMSTORE_PREFAULT")
     p.add_argument("--store-env", action="append", default=[], metavar="KEY=VALUE", help="extra environment of the stores, repeatable")
+
+
+def _prefault(text: str) -> str:
+    """``--prefault``: auto or a size (checked here, so a bad one fails before any store starts); kept as given."""
+    if text.strip().lower() != "auto":
+        try:
+            parse_size(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{exc}; or auto") from None
+    return text
 
 
 def config_of(args: argparse.Namespace) -> dict[str, Any]:

@@ -32,3 +32,17 @@ def test_the_stores_hold_an_explicit_prefault_beside_their_shards(monkeypatch: p
     assert capacity(monkeypatch, {"MEMSTORE_PREFAULT": "auto"}) == shards
     assert capacity(monkeypatch, {"MEMSTORE_PREFAULT": "256MiB"}) == shards  # fits already
     assert capacity(monkeypatch, {"MEMSTORE_PREFAULT": "1GiB"}) == 1024 * MiB + stores.CAPACITY_SLACK
+
+
+def test_a_bad_prefault_is_refused_before_any_store_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from memstore.bench import add_arguments
+
+    p = argparse.ArgumentParser(prog="memstore bench")
+    add_arguments(p)
+    assert p.parse_args(["--prefault", "4100MiB"]).prefault == "4100MiB"
+    assert p.parse_args(["--prefault", "auto"]).prefault == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--prefault", "lots"])
+    assert "argument --prefault: size 'lots' is invalid" in capsys.readouterr().err

@@ -99,7 +99,7 @@ class ShmSweeper:
         """Adopt the predecessors' dead directories (default: ``predecessors()`` of the constructor) and reclaim the
         others due; what it did."""
         with self._sweeping:
-            dead = [o for o in orphaned_dirs(str(self.shm_dir)) if Path(o.path) != self.own_dir]
+            dead = self._dead()
             who = self._predecessors() if predecessors is None else predecessors
             todo = plan(dead, who, self._first_seen, self._clock(), self.grace)
             self._first_seen = todo.first_seen
@@ -125,14 +125,17 @@ class ShmSweeper:
         """Adopt every dead directory here that holds a copy of one of ``keys`` (shards repair would otherwise pull
         over the network); the shards adopted."""
         with self._sweeping:
-            dead = [o for o in orphaned_dirs(str(self.shm_dir)) if Path(o.path) != self.own_dir]
-            holders = [Path(o.path) for o in dead if described_keys(Path(o.path)) & keys]
+            holders = [Path(o.path) for o in self._dead() if described_keys(Path(o.path)) & keys]
             adopted = 0
             for path in holders:
                 adopted += self._adopt(path)
                 self.total.adopted_dirs += not path.exists()
             self.total.adopted_shards += adopted
             return adopted
+
+    def _dead(self) -> list[Orphan]:
+        """The segment dirs under --shm-dir that no running store holds, but this store's own."""
+        return [o for o in orphaned_dirs(str(self.shm_dir)) if Path(o.path) != self.own_dir]
 
     def loop(self) -> None:
         """Sweep every ``interval`` seconds, or at once when ``due`` is set, until ``stop``."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from memstore.devtools.children import child_env
+from memstore.devtools.children import child_env, thread_dump
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from memstore.v1.security import Credentials
@@ -365,6 +365,11 @@ class LocalCluster:
             self.dns.zone.set(self.DNS_NAME, "A", *sorted(ips.values()))
         else:
             self.dns.zone.drop(self.DNS_NAME)
+
+    def thread_dump(self, host_id: str) -> str:
+        """Every thread's stack of store ``host_id`` now (``children.thread_dump``), for a test that timed out on it."""
+        sp = self.stores[host_id]
+        return thread_dump(sp.proc, sp.log_path)
 
     def log_tail(self, host_id: str, lines: int = 40) -> str:
         with contextlib.suppress(OSError):

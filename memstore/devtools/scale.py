@@ -223,13 +223,16 @@ def convergence(cluster: LocalCluster, leaving: str, seen_by: str, timeout: floa
     target = before
     while target <= before:
         if time.monotonic() - written > timeout:
-            raise TimeoutError(f"{seen_by} did not apply its new peers file within {timeout}s")
+            raise TimeoutError(f"{seen_by} did not apply its new peers file within {timeout}s (slot table v{target}); its log "
+                               f"ends:\n{cluster.log_tail(seen_by)}\nits threads:\n{cluster.thread_dump(seen_by)}")  # fmt: skip
         target = table_versions(cluster)[seen_by]
     changed = time.monotonic()
     holds: dict[str, float] = {}
     while len(holds) < sum(sp.alive for sp in cluster.stores.values()):
         if time.monotonic() - changed > timeout:
-            raise TimeoutError(f"only {sorted(holds)} hold slot table v{target} after {timeout}s")
+            late = sorted(set(cluster.stores) - set(holds))[:1]
+            raise TimeoutError(f"only {sorted(holds)} hold slot table v{target} after {timeout}s; the threads of "
+                               f"{late}:\n{''.join(cluster.thread_dump(h) for h in late)}")  # fmt: skip
         for h, v in table_versions(cluster).items():
             if v >= target and h not in holds:
                 holds[h] = time.monotonic() - changed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -202,6 +203,8 @@ def serve(config: StoreConfig, ready_file: str | None = None, spill_listeners: S
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # `kill -USR1 <pid>` writes every thread's stack to stderr: what a store that stopped answering is waiting on.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     print(f"READY {config.host_id} {server.address}", flush=True)
     if ready_file:
         with open(ready_file, "w") as fh:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 
-from memstore.devtools.children import child_env
+from memstore.devtools.children import child_env, thread_dump
 from memstore.devtools.cluster import free_ports, wait_for
 from memstore.devtools.dns_server import DnsServer
 from memstore.devtools.faultproxy import FaultProxy
@@ -106,6 +106,14 @@ class Pods:
     def log(self, ip: str) -> str:
         path = self.tmp / f"{ip}.log"
         return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def thread_dumps(self) -> str:
+        """Every current pod's log tail and thread stacks now, for a test that timed out waiting on them."""
+        out = []
+        for node, ip in sorted(self.ips.items()):
+            tail = self.log(ip)
+            out.append(f"--- node {node} ({ip}): log ends\n{tail}\n--- its threads\n{thread_dump(self.procs[ip], self.tmp / f'{ip}.log')}")
+        return "\n".join(out)
 
     def close(self) -> None:
         for p in self.procs.values():

@@ -1,4 +1,5 @@
-"""The test harness's subprocess cluster (``memstore.devtools.cluster.LocalCluster``) survives a port taken under it."""
+"""The test harness's subprocess cluster (``memstore.devtools.cluster.LocalCluster``) survives a port taken under it,
+and shows a store's threads on demand."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ def test_a_port_taken_before_the_stores_bind_it_restarts_the_cluster_on_fresh_po
         cluster.start(timeout=60)
         assert cluster.stores["h0"].address != taken and all(sp.alive for sp in cluster.stores.values())
         assert cluster.health("h1") is not None
+        # A store asked for its threads (SIGUSR1) writes their stacks to its log and goes on serving.
+        dump = cluster.thread_dump("h1")
+        assert "most recent call first" in dump and "in serve" in dump, dump
+        assert cluster.health("h1") is not None and cluster.stores["h1"].alive
     finally:
         squatter.close()
         cluster.stop()

@@ -6,6 +6,7 @@ while the trainers keep saving (docs/kubernetes.md, "Upgrades")."""
 from __future__ import annotations
 
 import threading
+import traceback
 from pathlib import Path
 
 import pytest
@@ -60,54 +61,72 @@ def test_first_pod_waits_for_its_dns_records(dns_server: DnsServer, tmp_path: Pa
         pods.close()
 
 
+class Trainer(threading.Thread):
+    """One process's save loop for every rank of ``job``: a step counts once every rank's save committed."""
+
+    def __init__(self, pods: Pods, job: str, world: int) -> None:
+        super().__init__(name="trainer")
+        self.pods, self.job, self.world = pods, job, world
+        self.committed: list[int] = []
+        self.failed: list[str] = []  # steps refused while a store was replaced (not committed), with why
+        self.died: list[str] = []  # what stopped the loop, if anything did (a save hanging past its wait, ...)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        pods, job, world = self.pods, self.job, self.world
+        clients = [CheckpointClient(job, r, world, store=pods.node_address(r), timeout=10, run_id="run") for r in range(world)]
+        step = 0
+        try:
+            while not self.stop.is_set():
+                step += 1
+                try:
+                    handles = [c.save(step, rank_state(c.rank, step)) for c in clients]
+                    for h in handles:
+                        h.wait(timeout=30)
+                    self.committed.append(step)
+                except MemstoreClientError as exc:  # this rank's store is being replaced: the step is not committed
+                    self.failed.append(f"{step}: {exc}")
+                self.stop.wait(0.05)
+        except Exception:
+            self.died.append(f"at step {step}, after {self.failed[-3:]} failed:\n{traceback.format_exc()}")
+        finally:
+            for c in clients:
+                c.close()
+
+    def commits(self, what: str) -> None:
+        """Wait for three more committed steps; else fail, saying why (the loop's error, the stores' threads)."""
+        seen = len(self.committed)
+        try:
+            wait_for(lambda: len(self.committed) >= seen + 3 or self.died, timeout=60, what=what)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}; steps that failed lately: {self.failed[-3:]}\n{self.pods.thread_dumps()}") from None
+        assert not self.died, f"the trainer stopped {self.died[0]}\n{self.pods.thread_dumps()}"
+
+
 @pytest.mark.slow  # every store replaced in turn (~27 s on 2 cores); test_readiness_waits_for_repair keeps one replacement
 def test_rolling_replacement_loses_no_committed_step(dns_server: DnsServer, tmp_path: Path) -> None:
     """Every store is replaced one at a time (drain, new pod, wait for Ready) while three ranks keep saving."""
     job, world = "rolling-job", 3
     pods = Pods(tmp_path, dns_server, world)
-    committed: list[int] = []
-    failed: list[str] = []
-    stop = threading.Event()
-
-    def train() -> None:  # one process's loop for all ranks; a step counts once every rank's save committed
-        clients = [CheckpointClient(job, r, world, store=pods.node_address(r), timeout=10, run_id="run") for r in range(world)]
-        try:
-            for step in range(1, 10_000):
-                if stop.is_set():
-                    return
-                try:
-                    handles = [c.save(step, rank_state(c.rank, step)) for c in clients]
-                    for h in handles:
-                        h.wait(timeout=30)
-                    committed.append(step)
-                except MemstoreClientError as exc:  # this rank's store is being replaced: the step is not committed
-                    failed.append(f"{step}: {exc}")
-                stop.wait(0.05)
-        finally:
-            for c in clients:
-                c.close()
-
-    trainer = threading.Thread(target=train, name="trainer")
+    trainer = Trainer(pods, job, world)
     try:
         pods.start_all()
         first = [pods.host_id(n) for n in range(world)]
         trainer.start()
         for node in range(world):
-            seen = len(committed)
-            wait_for(lambda seen=seen: len(committed) >= seen + 3, timeout=60, what="the trainer to commit steps")
-            before = committed[-1]
+            trainer.commits(f"the trainer to commit steps before node {node} is replaced")
+            before = trainer.committed[-1]
             pods.drain(node)
             pods.start(node)
             wait_for(lambda node=node: pods.probe(node) == "SERVING", timeout=60, what=f"the new pod of node {node} ready")
             with CheckpointClient(job, node, world, store=pods.node_address(node), timeout=20, run_id="run") as c:
                 latest = c.latest_step()
                 assert latest is not None and latest >= before, (latest, before)
-        seen = len(committed)
-        wait_for(lambda: len(committed) >= seen + 3, timeout=60, what="the trainer to commit after the last replacement")
-        stop.set()
+        trainer.commits("the trainer to commit after the last replacement")
+        trainer.stop.set()
         trainer.join(timeout=60)
         assert not trainer.is_alive()
-        last = committed[-1]
+        last = trainer.committed[-1]
         for node in range(world):
             with CheckpointClient(job, node, world, store=pods.node_address(node), timeout=20, run_id="run") as c:
                 assert c.latest_step() == last
@@ -118,7 +137,7 @@ def test_rolling_replacement_loses_no_committed_step(dns_server: DnsServer, tmp_
         assert slots == {pods.host_id(n): f"zone-{n % 2}" for n in range(world)}  # labels learned over Hello, not DNS
         assert not set(slots) & set(first)  # every store was replaced
     finally:
-        stop.set()
+        trainer.stop.set()
         if trainer.is_alive():
             trainer.join(timeout=60)
         pods.close()

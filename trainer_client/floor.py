@@ -134,6 +134,11 @@ class FloorAgreement:
         if last is not None:
             with contextlib.suppress(Exception):
                 last.result(timeout=CLOSE_WAIT_SECONDS)
+        # Let go of the process group and its collectives now: a closed client must not keep the job's group (its
+        # connections to every rank) alive until the garbage collector breaks a cycle that holds the client.
+        with self._lock:
+            self._pending = []
+        self.group = None
 
     def _harvest(self) -> None:
         with self._lock:

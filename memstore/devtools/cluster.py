@@ -88,6 +88,7 @@ class LocalCluster:
 
     credentials: Credentials | None = None  # what health checks present (default: from the environment)
     discovery: str = "peers"  # "peers": a fixed --peers list; "file": every store follows peers.json (add_host/remove_host edit it);
+    # "files": each store follows a file of its own, peers-<host>.json (written alike; a test edits one to see gossip carry it);
     # "dns": every store follows a real DNS server of the cluster's own (``dns``, memstore.devtools.dns_server; the dev extra)
     metrics: bool = False  # every store serves Prometheus metrics on a free port of its own (metrics_url)
     data_ports: bool = False  # every store's data channel on a port chosen here (--data-port), known before it starts
@@ -101,8 +102,8 @@ class LocalCluster:
             raise ValueError(f"hosts must be >= 1, got {self.hosts}")
         if not 1 <= self.replicas <= self.hosts:
             raise ValueError(f"replicas must be in 1..{self.hosts}, got {self.replicas}")
-        if self.discovery not in ("peers", "file", "dns"):
-            raise ValueError(f"discovery must be 'peers', 'file' or 'dns', got {self.discovery!r}")
+        if self.discovery not in ("peers", "file", "files", "dns"):
+            raise ValueError(f"discovery must be 'peers', 'file', 'files' or 'dns', got {self.discovery!r}")
         self._own_workdir = self.workdir is None
         self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="memstore-cluster-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -126,10 +127,20 @@ class LocalCluster:
             env = self.stores[h].env if h in self.stores else {}
             self.stores[h] = self._store_process(h, p, peers, data[h])
             self.stores[h].env = env
-        if self.discovery == "file":
-            self.write_endpoints(self.peers_file)
+        self._write_peers_files()
         if self.discovery == "dns":
             self.publish_dns()
+
+    def peers_file_of(self, host_id: str) -> Path:
+        """The peers file the store of ``host_id`` follows (discovery "file" or "files")."""
+        assert self.workdir is not None
+        return self.workdir / f"peers-{host_id}.json" if self.discovery == "files" else self.peers_file
+
+    def _write_peers_files(self) -> None:
+        """Write the members to every peers file a store follows (none unless discovery is "file" or "files")."""
+        if self.discovery in ("file", "files"):
+            for path in {self.peers_file_of(h) for h in self.stores}:
+                self.write_endpoints(path)
 
     def _dialled(self, host_id: str, peer: str, address: str, data_port: int) -> str:
         return address if self.dial is None or peer == host_id else self.dial(host_id, peer, address, data_port)
@@ -145,7 +156,7 @@ class LocalCluster:
                             data_port=data_port)  # fmt: skip
 
     def _args(self, host_id: str, port: int, peers: str) -> list[str]:
-        from_file = ["--peers-file", str(self.peers_file), "--discovery-interval", "0.5"]
+        from_file = ["--peers-file", str(self.peers_file_of(host_id)), "--discovery-interval", "0.5"]
         membership = ["--peers", peers] if self.discovery == "peers" else from_file
         ip = "127.0.0.1"
         if self.dns is not None:
@@ -185,7 +196,7 @@ class LocalCluster:
             self.members[self.members.index(replacing)] = host_id
         else:
             self.members.append(host_id)
-        self.write_endpoints(self.peers_file)
+        self._write_peers_files()
         self._spawn(host_id)
         if wait:
             self.wait_healthy(host_id, timeout)
@@ -194,7 +205,7 @@ class LocalCluster:
     def remove_host(self, host_id: str) -> None:
         """Take ``host_id`` out of peers.json (its process, if any, is left alone)."""
         self.members.remove(host_id)
-        self.write_endpoints(self.peers_file)
+        self._write_peers_files()
 
     # -- lifecycle ----------------------------------------------------------------
     PORT_CLASH_RETRIES = 2  # fresh ports for a start that lost one of its ports to another process (see start)

@@ -156,4 +156,8 @@ class FaultProxy:
 
 
 def _readable(sock: socket.socket, timeout: float = 0.2) -> bool:
-    return bool(select.select([sock], [], [], timeout)[0])
+    """Whether ``sock`` has something to read within ``timeout``. poll(), not select(): select() refuses descriptors
+    from 1024 up, and a test process that opened many (a 32-rank gloo group) would silently lose its proxies."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))

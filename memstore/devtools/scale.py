@@ -28,7 +28,6 @@ new key; ``tests/integration/test_scale.py`` and the benchmark scripts read the 
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -152,18 +151,8 @@ DISCOVERY_INTERVAL = 0.5  # LocalCluster's --discovery-interval: the gossip roun
 def gossip_cluster(hosts: int) -> LocalCluster:
     """A cluster (not started) whose stores follow a peers file each (``peers-<host>.json``), so that a change
     written to one store's file reaches the others only by gossip."""
-    cluster = LocalCluster(hosts=hosts, replicas=2, capacity="16MiB", metrics=True, discovery="file",
-                           extra_args=["--repair-interval", "600"])  # fmt: skip
-    for h, sp in cluster.stores.items():
-        own = own_peers_file(cluster, h)
-        shutil.copyfile(cluster.peers_file, own)
-        sp.args = [own if a == str(cluster.peers_file) else a for a in sp.args]
-    return cluster
-
-
-def own_peers_file(cluster: LocalCluster, host: str) -> str:
-    assert cluster.workdir is not None
-    return str(cluster.workdir / f"peers-{host}.json")
+    return LocalCluster(hosts=hosts, replicas=2, capacity="16MiB", metrics=True, discovery="files",
+                        extra_args=["--repair-interval", "600"])  # fmt: skip
 
 
 def hello_rate(cluster: LocalCluster, seconds: float) -> dict[str, float]:
@@ -218,7 +207,7 @@ def convergence(cluster: LocalCluster, leaving: str, seen_by: str, timeout: floa
     until every live store holds it."""
     before = table_versions(cluster)[seen_by]
     cluster.members.remove(leaving)
-    cluster.write_endpoints(own_peers_file(cluster, seen_by))
+    cluster.write_endpoints(cluster.peers_file_of(seen_by))
     written = time.monotonic()
     target = before
     while target <= before:

@@ -81,6 +81,19 @@ def test_a_link_passes_corrupts_in_the_direction_asked_and_cuts(echo) -> None:  
             proxy.set("slow")  # a rate is needed
 
 
+def test_a_proxy_forwards_in_a_process_with_descriptors_past_1024(echo) -> None:  # type: ignore[no-untyped-def]
+    """A test process may hold many descriptors (a 32-rank gloo group holds ~1,000): select() refuses those from 1024
+    up, which once made a proxy stop accepting without a word, and the rolling-replacement test time out."""
+    spare = os.open(os.devnull, os.O_RDONLY)
+    held = [os.dup(spare) for _ in range(max(0, 1100 - spare))]
+    try:
+        with FaultProxy(echo) as proxy:
+            assert roundtrip(proxy.address, b"x" * 1000) == b"x" * 1000
+    finally:
+        for fd in [spare, *held]:
+            os.close(fd)
+
+
 def test_links_give_every_store_pair_an_alias_and_reuse_a_link_to_the_same_target(echo) -> None:  # type: ignore[no-untyped-def]
     links = Links()
     try:

@@ -22,6 +22,8 @@ from memstore.v1.datachannel import (
     TICKET_BYTES,
     Parts,
     abort_check,
+    await_close,
+    by_reference,
     granted_streams,
     part_spans,
     receive_verified,
@@ -100,7 +102,11 @@ class DataPath:
             try:
                 assert entry.manifest is not None and t.chunks is not None
                 view = entry.segment.view(entry.nbytes)
-                send_chunks(sock, view, entry.manifest.chunk_size, t.chunks, t.deadline, on_piece=lambda: fault("serve.after_chunk"))
+                with entry.segment.opened() as fd:
+                    send_chunks(sock, view, entry.manifest.chunk_size, t.chunks, t.deadline, on_piece=lambda: fault("serve.after_chunk"),
+                                source_fd=fd)  # fmt: skip
+                    if by_reference(sock, fd):
+                        await_close(sock, t.deadline)  # the pages went by reference: unpinned only once they are read
             finally:
                 self.catalog.unpin(entry)
             return

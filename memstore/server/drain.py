@@ -116,7 +116,9 @@ class Drainer:
         try:
             for h in targets:
                 try:
-                    push_copy(self.peers, self.config, h, header, entry.segment.view(entry.nbytes), max(1.0, deadline - time.monotonic()))
+                    with entry.segment.opened() as fd:
+                        view, left = entry.segment.view(entry.nbytes), max(1.0, deadline - time.monotonic())
+                        push_copy(self.peers, self.config, h, header, view, left, source_fd=fd)
                     return h
                 except StoreError as exc:
                     log.warning("drain: %s refused %s: %s", h, entry.key, exc)

@@ -168,12 +168,14 @@ class Peer:
         streams: int = 1,
         sums: StreamedChecksums | None = None,
         ready: Callable[[int], None] | None = None,
+        source_fd: int | None = None,
     ) -> None:
         """Push a shard over the bulk data channel in up to ``streams`` parallel streams (as many as the peer grants).
 
         ``sums``: the header's checksums are placeholders; each chunk is hashed as it goes and its checksum follows it
         (a peer too old for that raises DataChannelUnsupported, as does one without a data channel: UNIMPLEMENTED).
-        ``ready``: each stream waits for its next bytes to be final (``datachannel.send_chunks``)."""
+        ``ready``: each stream waits for its next bytes to be final (``datachannel.send_chunks``). ``source_fd``: the
+        file ``view`` maps from its first byte (a segment): its pages are sent without a copy (``sendfile``)."""
         wire = transfer_to_pb(header)
         wire.streams = streams
         wire.checksums_follow = sums is not None
@@ -203,7 +205,7 @@ class Peer:
                     check()
 
                 with self._data_connection(ticket.data_port, control_timeout) as sock:
-                    error = datachannel.push_part(sock, one, view, m.chunk_size, chunks, deadline, sums, on_piece, ready)
+                    error = datachannel.push_part(sock, one, view, m.chunk_size, chunks, deadline, sums, on_piece, ready, source_fd)
                 if error is not None:
                     errors.append(error)
 

@@ -43,16 +43,18 @@ def push_copy(
     deadline: float,
     sums: StreamedChecksums | None = None,
     progress: CaptureProgress | None = None,
+    source_fd: int | None = None,
 ) -> None:
     """Send one verified copy to ``peer_id``: over its raw TCP data channel when ``--data-plane tcp``, else (or when the
     peer has none) as a gRPC stream. Replication and drain push this way. ``sums``: the header's checksums are
     placeholders, computed as the chunks go (``StreamedChecksums``); a gRPC stream gets them all first. ``progress``:
-    the shard is still being captured; each chunk goes once it is final (a gRPC stream once the capture is finished)."""
+    the shard is still being captured; each chunk goes once it is final (a gRPC stream once the capture is finished).
+    ``source_fd``: the segment file ``view`` maps (``Segment.opened``): the data channel sends its pages without a copy."""
     peer = peers[peer_id]
     if config.data_plane == "tcp":
         try:
             streams = stream_count(header.manifest.nbytes, header.manifest.chunk_size, config.transfer_streams)
-            peer.push_data(header, view, deadline, config.peer_timeout, streams, sums, progress.wait_for if progress else None)
+            peer.push_data(header, view, deadline, config.peer_timeout, streams, sums, progress.wait_for if progress else None, source_fd)
             return
         except DataChannelUnsupported:
             log.info("peer %s has no data channel (or no streamed checksums); falling back to gRPC streams", peer_id)
@@ -187,7 +189,9 @@ class Replicator:
                 return f"{entry.key} was dropped before it reached {peer_id}"
             try:
                 fault("replicate.before_send")
-                push_copy(self.peers, self.config, peer_id, header, entry.segment.view(entry.nbytes), deadline, sums, entry.progress)
+                with entry.segment.opened() as fd:
+                    view = entry.segment.view(entry.nbytes)
+                    push_copy(self.peers, self.config, peer_id, header, view, deadline, sums, entry.progress, fd)
                 self.events.pushed(entry.nbytes)
                 fault("replicate.after_ack")
                 return None

@@ -14,7 +14,7 @@ import mmap
 import os
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from memstore.core.sizes import format_size
@@ -45,6 +45,20 @@ class Segment:
         self.size = size
         self.mm = mm
         self._closed = False
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[int | None]:
+        """A read-only descriptor of the segment's file while the block runs, to send its pages from by reference
+        (``datachannel.send_all(source=)``); None for anonymous memory or a file that is gone (unlinked on export)."""
+        fd = None
+        if self.path:
+            with contextlib.suppress(OSError):
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def view(self, nbytes: int | None = None) -> memoryview:
         """The first ``nbytes`` (default ``size``; the map may be longer after a shrink, see ``shrink_to``)."""

@@ -16,6 +16,9 @@ from the shard's size and ``--transfer-streams`` (``stream_count``); a failed st
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import socket
 import ssl
 import struct
@@ -39,6 +42,7 @@ IO_SLICE_BYTES = 1 << 20
 MAX_STREAMS = 16  # parallel streams of one shard (--transfer-streams, and what a store grants a request)
 AUTO_STREAMS = 4  # --transfer-streams auto: streams of a shard of at least AUTO_STREAMS_FROM bytes
 AUTO_STREAMS_FROM = 64 << 20  # below this, one stream: the connections' set-up costs more than they gain
+FileSource = tuple[int, int] | None  # (fd, offset): the file a view's bytes are in, from that offset (send_all)
 
 
 def stream_count(nbytes: int, chunk_size: int, streams: int = 0) -> int:
@@ -190,16 +194,68 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
         got += r
 
 
-def send_all(sock: socket.socket, view: memoryview, deadline: float, on_piece: Callable[[], None] | None = None) -> None:
-    """Send ``view`` in IO_SLICE_BYTES pieces; ``on_piece`` runs after each (fault-injection points)."""
+def send_all(
+    sock: socket.socket, view: memoryview, deadline: float, on_piece: Callable[[], None] | None = None, source: FileSource = None
+) -> None:
+    """Send ``view`` in IO_SLICE_BYTES pieces; ``on_piece`` runs after each (fault-injection points).
+
+    ``source``: ``(fd, offset)``, a file whose bytes from ``offset`` on are ``view``'s (a segment on the tmpfs): the
+    kernel then sends its pages as they are (``sendfile``) instead of copying ``view`` into the socket first, one
+    copy of every byte fewer. A TLS socket ignores it. The pages are sent by reference: they must not change until the
+    receiver has read them (``await_close`` on a transfer that gets no answer)."""
+    by_file = source is not None and by_reference(sock, source[0])
     for off in range(0, len(view), IO_SLICE_BYTES):
         _set_deadline(sock, deadline)
+        piece = min(IO_SLICE_BYTES, len(view) - off)
         try:
-            sock.sendall(view[off : off + IO_SLICE_BYTES])
+            if by_file:
+                assert source is not None
+                _sendfile_exact(sock, source[0], source[1] + off, piece, deadline)
+            else:
+                sock.sendall(view[off : off + piece])
         except OSError as exc:
             raise DataChannelError(f"data channel send failed at byte {off} of {len(view)}: {exc}") from None
         if on_piece:
             on_piece()
+
+
+def by_reference(sock: socket.socket, source_fd: int | None) -> bool:
+    """Whether a send from ``source_fd`` on ``sock`` goes by reference (``sendfile``): a plain socket (TLS copies)."""
+    return source_fd is not None and not isinstance(sock, ssl.SSLSocket)
+
+
+def _sendfile_exact(sock: socket.socket, fd: int, offset: int, count: int, deadline: float) -> None:
+    """``count`` bytes of file ``fd`` from ``offset`` into ``sock`` (non-blocking once it has a timeout: wait for room)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    end = offset + count
+    while offset < end:
+        try:
+            sent = os.sendfile(sock.fileno(), fd, offset, end - offset)
+        except BlockingIOError:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not poller.poll(remaining * 1000):
+                raise DataChannelError("data channel transfer exceeded its deadline") from None
+            continue
+        if sent == 0:
+            raise DataChannelError(f"the segment file ends at byte {offset}, before the {count} bytes asked for")
+        offset += sent
+
+
+def await_close(sock: socket.socket, deadline: float) -> None:
+    """Wait until the receiver has closed its end: it read everything it wanted (a pull gets no answer, and bytes sent
+    from a file by reference must not change until then). Anything it sends is dropped; a reset counts as closed."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+    while True:
+        _set_deadline(sock, deadline)
+        try:
+            if not sock.recv(4096):
+                return
+        except OSError as exc:
+            if isinstance(exc, (TimeoutError, socket.timeout)):
+                raise DataChannelError("the receiver did not close the data connection before the deadline") from None
+            return
 
 
 def send_chunks(
@@ -211,22 +267,28 @@ def send_chunks(
     sums: StreamedChecksums | None = None,
     on_piece: Callable[[], None] | None = None,
     ready: Callable[[int], None] | None = None,
+    source_fd: int | None = None,
 ) -> None:
     """Send the chunks ``[first, end)`` of ``shard``; with ``sums``, each chunk is hashed just before it goes and its
     checksum follows it, so hashing chunk i+1 overlaps chunk i on the wire (``receive_verified(streamed=)``).
-    ``ready(end)``: blocks until the shard's first ``end`` bytes are final (a capture still being written), or raises."""
+    ``ready(end)``: blocks until the shard's first ``end`` bytes are final (a capture still being written), or raises.
+    ``source_fd``: a file holding ``shard`` from its first byte, sent from by reference (``send_all(source=)``)."""
+
+    def at(offset: int) -> FileSource:
+        return None if source_fd is None else (source_fd, offset)
+
     off, length = byte_span(len(shard), chunk_size, chunks)
     if sums is None:
         if ready is not None:
             ready(off + length)
-        send_all(sock, shard[off : off + length], deadline, on_piece)
+        send_all(sock, shard[off : off + length], deadline, on_piece, at(off))
         return
     for index in range(*chunks):
         start = index * chunk_size
         if ready is not None:
             ready(min(len(shard), start + chunk_size))
         value = sums.of(index, shard)
-        send_all(sock, shard[start : min(len(shard), start + chunk_size)], deadline, on_piece)
+        send_all(sock, shard[start : min(len(shard), start + chunk_size)], deadline, on_piece, at(start))
         send_all(sock, memoryview(CHECKSUM.pack(value)), deadline)
 
 
@@ -297,13 +359,14 @@ def push_part(
     sums: StreamedChecksums | None = None,
     on_piece: Callable[[], None] | None = None,
     ready: Callable[[int], None] | None = None,
+    source_fd: int | None = None,
 ) -> str | None:
     """One stream of a push: the ticket, the chunks ``[first, end)`` (``send_chunks``), then the receiver's answer:
     None if it stored the shard, else its error. A send that fails because the receiver refused the shard and closed
     returns that refusal where it can still be read."""
     sock.sendall(ticket)
     try:
-        send_chunks(sock, shard, chunk_size, chunks, deadline, sums, on_piece, ready)
+        send_chunks(sock, shard, chunk_size, chunks, deadline, sums, on_piece, ready, source_fd)
     except StreamAborted:
         raise
     except DataChannelError:

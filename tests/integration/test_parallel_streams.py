@@ -21,6 +21,7 @@ from memstore.errors import ChecksumMismatch, ConfigError, DataChannelError, Pee
 from memstore.server.convert import transfer_to_pb
 from memstore.server.peers import PeerDirectory
 from memstore.v1.datachannel import (
+    await_close,
     byte_span,
     connect,
     granted_streams,
@@ -151,6 +152,41 @@ def test_streamed_checksums_catch_a_capture_that_changed_after_hashing(pair) -> 
     with pytest.raises(ChecksumMismatch, match="chunk 9"):
         peers["h1"].push_data(placeholders, memoryview(data), 10.0, 5.0, streams=4, sums=sums)
     assert held(cluster, "h1") == set()
+
+
+def test_a_push_from_the_segment_file_sends_the_files_pages(pair, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With the segment's file (``source_fd``) the chunks go by reference (``sendfile``), on every stream: the receiver
+    gets the file's bytes. The view given beside it holds zeros, so a push that copied the view would be refused."""
+    cluster, peers = pair
+    data = bytearray(os.urandom(NBYTES))
+    path = tmp_path / "segment"
+    path.write_bytes(bytes(data) + bytes(CHUNK))  # a segment is often longer than its shard
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        peers["h1"].push_data(shard(7, data), memoryview(bytearray(NBYTES)), 10.0, 5.0, streams=4, source_fd=fd)
+    finally:
+        os.close(fd)
+    assert 7 in held(cluster, "h1")
+    got = bytearray(NBYTES)
+    peers["h1"].pull_data(ShardKey(JOB, 7, 0), lambda _m: memoryview(got), 10.0, 5.0, streams=4)  # served from its file
+    assert got == data
+
+
+def test_a_sender_by_reference_waits_for_the_receiver_to_close() -> None:
+    """Pages sent by reference must not change until the receiver read them: the holder of a pulled shard keeps it
+    pinned until the puller closes (``await_close``), and gives up at the deadline."""
+    import socket
+
+    a, b = socket.socketpair()
+    with a, b:
+        b.close()
+        await_close(a, time.monotonic() + 5)  # closed: returns at once
+    a, b = socket.socketpair()
+    with a, b:
+        start = time.monotonic()
+        with pytest.raises(DataChannelError, match="did not close"):
+            await_close(a, start + 0.3)
+        assert time.monotonic() - start >= 0.3
 
 
 def test_streams_come_from_the_size_and_the_flag() -> None:

@@ -1,15 +1,20 @@
 """P-stream throughput: one shard pushed to a store on P = 1, 2 and 4 parallel data-channel streams.
 
-The pushing side is this process running the owner store's own push (``Peer.push_data``, what replication runs);
-the receiving side is a real store process that verifies every chunk and registers the copy. Each push is timed
-from the call to the store's acknowledgement; the copy is deleted between pushes, so every push lands in memory
-the store has pooled (pre-faulted), as a steady-state replica does. A first, untimed push warms that memory.
+The pushing side is this process running the owner store's own push (``Peer.push_data``, what replication runs),
+from a segment file on the tmpfs as an owner's shard is (its pages sent by reference, ``sendfile``); the receiving
+side is a real store process that verifies every chunk and registers the copy. Each push is timed from the call to
+the store's acknowledgement; the copy is deleted between pushes, so every push lands in memory the store has pooled
+(pre-faulted), as a steady-state replica does. A first, untimed push warms that memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
+import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from memstore.bench.state import p50
@@ -22,14 +27,22 @@ from memstore.v1.integrity import DEFAULT_CHUNK_BYTES, compute_checksums
 
 JOB = "bench-streams"
 STREAMS = (1, 2, 4)
+SHM_DIR = "/dev/shm"  # where the pushed shard's file lives, as a store's segments do (else the temp dir)
 
 
-def _shard(nbytes: int) -> tuple[bytearray, TransferHeader]:
+@contextlib.contextmanager
+def _segment(nbytes: int, directory: str) -> Iterator[tuple[int, mmap.mmap, TransferHeader]]:
+    """A shard of ``nbytes`` random bytes in a file under ``directory`` (a tmpfs), as an owner holds one: its
+    descriptor, its mapping and the header a push of it sends."""
     block = os.urandom(1 << 20)
-    data = bytearray(block * (nbytes // len(block)) + block[: nbytes % len(block)])
-    sums = compute_checksums(memoryview(data), nbytes, DEFAULT_CHUNK_BYTES, workers=2)
-    manifest = Manifest(ShardKey(JOB, 1, 0), 1, nbytes, DEFAULT_CHUNK_BYTES, tuple(sums), "h0")
-    return data, TransferHeader(manifest, PutOrigin.REPLICA, "h0")
+    with tempfile.NamedTemporaryFile(dir=directory, prefix="bench-streams-") as fh:
+        for off in range(0, nbytes, len(block)):
+            fh.write(block[: min(len(block), nbytes - off)])
+        fh.flush()
+        with mmap.mmap(fh.fileno(), nbytes) as mm:
+            sums = compute_checksums(memoryview(mm), nbytes, DEFAULT_CHUNK_BYTES, workers=2)
+            manifest = Manifest(ShardKey(JOB, 1, 0), 1, nbytes, DEFAULT_CHUNK_BYTES, tuple(sums), "h0")
+            yield fh.fileno(), mm, TransferHeader(manifest, PutOrigin.REPLICA, "h0")
 
 
 def measure_streams(nbytes: int, reps: int, env: dict[str, str]) -> dict[str, Any]:
@@ -40,17 +53,18 @@ def measure_streams(nbytes: int, reps: int, env: dict[str, str]) -> dict[str, An
     # Pushes into memory the receiver pooled (warmed below): the run's --prefault, sized for its own stores, is not theirs.
     env = {k: v for k, v in env.items() if k != "MEMSTORE_PREFAULT"}
     cluster = LocalCluster(hosts=2, replicas=2, capacity=str(capacity), keep=1, extra_args=extra, env=env or None)
-    data, header = _shard(nbytes)
     out: dict[str, Any] = {"bytes": nbytes}
     cluster.start()
-    with running(cluster):
+    with running(cluster), _segment(nbytes, SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()) as (fd, mm, header):
         peers = PeerDirectory("h0", [(h, cluster.address(h)) for h in ("h0", "h1")])
         target = peers["h1"]
         timeout = 60.0 + nbytes / (10 << 20)
 
+        view = memoryview(mm)
+
         def push(streams: int) -> float:
             t = time.perf_counter()
-            target.push_data(header, memoryview(data), timeout, 5.0, streams)
+            target.push_data(header, view, timeout, 5.0, streams, source_fd=fd)
             seconds = time.perf_counter() - t
             store_rpc(cluster.address("h1"), "Delete", pb.DeleteRequest(job_id=JOB, step=-1, rank=-1))
             return seconds
@@ -61,5 +75,6 @@ def measure_streams(nbytes: int, reps: int, env: dict[str, str]) -> dict[str, An
                 seconds = [push(streams) for _ in range(reps)]
                 out[f"p{streams}"] = {"seconds": seconds, "p50": p50(seconds)}
         finally:
+            view.release()
             peers.close()
     return out

@@ -226,13 +226,15 @@ def by_reference(sock: socket.socket, source_fd: int | None) -> bool:
 
 def _sendfile_exact(sock: socket.socket, fd: int, offset: int, count: int, deadline: float) -> None:
     """``count`` bytes of file ``fd`` from ``offset`` into ``sock`` (non-blocking once it has a timeout: wait for room)."""
-    poller = select.poll()
-    poller.register(sock, select.POLLOUT)
+    poller = None  # made only when the socket's buffer is full
     end = offset + count
     while offset < end:
         try:
             sent = os.sendfile(sock.fileno(), fd, offset, end - offset)
         except BlockingIOError:
+            if poller is None:
+                poller = select.poll()
+                poller.register(sock, select.POLLOUT)
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not poller.poll(remaining * 1000):
                 raise DataChannelError("data channel transfer exceeded its deadline") from None

@@ -7,7 +7,6 @@ stand in for the segment pool, the peers and the events, in memory and without t
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -83,7 +82,6 @@ class FakePeer:
     refuse_push: str = ""  # only pushes fail (the peer answers Hello and listings)
     draining: bool = False
     pushes: list[ShardKey] = field(default_factory=list)
-    pushed_from_file = 0  # pushes handed the segment's file to send from (never here: fake segments have none)
     data_channel: bool = False
     cached: set[ShardKey] = field(default_factory=set)  # held copies it lists as cached (pulled ahead of a restore)
 
@@ -102,15 +100,12 @@ class FakePeer:
         streams: int = 1,
         sums: StreamedChecksums | None = None,
         ready: Callable[[int], None] | None = None,
-        source_fd: int | None = None,
+        source_fd: int | None = None,  # never given here: fake segments have no file
     ) -> None:
         if not self.data_channel:
             raise DataChannelUnsupported(f"{self.host_id} has no data channel")
         if ready is not None:  # a capture still being written: the whole shard once its client finished it
             ready(len(view))
-        if source_fd is not None:  # what the real channel sends from by reference: the same bytes as the view
-            assert os.pread(source_fd, len(view), 0) == bytes(view)
-            self.pushed_from_file += 1
         if sums is not None:  # the checksums come with the chunks: the copy holds the true ones
             header = replace(header, manifest=replace(header.manifest, checksums=sums.complete(view)))
         self.push(header, view, timeout)

@@ -16,7 +16,6 @@ to run "lock held" are called by the pool with that lock held; the others take i
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Protocol
@@ -32,17 +31,6 @@ FRESH = ""  # owner of a reserve segment: it never held any job's bytes, so any 
 GROW_FRACTION = 8  # a fresh segment up to 1/8 short of a shard grows to fit it
 TRIM_FACTOR = 8  # ... and one up to 8x the shard is trimmed to it; a far smaller shard faults in fresh memory of its own
 CANCEL_WAIT_SECONDS = 5.0  # how long an allocation waits for the reserve to give back bytes it is faulting in
-BACKGROUND_NICE = 19  # the filling thread's nice value: faulting in for later yields the CPU to transfers now
-
-
-def background_priority() -> None:
-    """Lower the calling thread's CPU priority to ``BACKGROUND_NICE`` (Linux: a thread id is a PRIO_PROCESS target).
-    The reserve's thread faults in memory for later saves; right after start-up that is seconds of CPU, which must not
-    slow the first saves and pulls that need the cores now. Where it cannot (another OS, a sandbox), nothing changes."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-    except (OSError, AttributeError) as exc:
-        log.debug("reserve: cannot lower the prefault thread's priority: %s", exc)
 
 
 class Holdings(Protocol):
@@ -198,7 +186,6 @@ class Reserve:
             self.thread.join(timeout=timeout)
 
     def _loop(self) -> None:
-        background_priority()
         while not self._closed:
             self._wake.wait(timeout=5.0)
             self._wake.clear()

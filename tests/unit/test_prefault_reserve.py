@@ -188,20 +188,3 @@ def test_without_a_policy_it_stays_empty() -> None:
         reserve.saw(2 * MiB)
         assert reserve.pick(MiB) is None and not reserve.await_fitting(MiB)
     assert reserve.thread is None and not reserve.filling and reserve.held_bytes == 0
-
-
-def test_the_filling_thread_runs_at_background_priority() -> None:
-    """Faulting in for later saves must yield the cores to the transfers of now (the first saves after start-up)."""
-    from memstore.server.reserve import BACKGROUND_NICE
-
-    reserve, lock = make(ReservePolicy(None, unit=MiB), FakeHoldings(8 * MiB))
-    reserve.start()
-    try:
-        assert reserve.thread is not None
-        wait_until(lambda: reserve.thread is not None and reserve.thread.native_id is not None)
-        thread_id = reserve.thread.native_id
-        assert thread_id is not None
-        wait_until(lambda: os.getpriority(os.PRIO_PROCESS, thread_id) == BACKGROUND_NICE)
-        assert os.getpriority(os.PRIO_PROCESS, 0) < BACKGROUND_NICE  # the rest of the process keeps its own
-    finally:
-        stop(reserve, lock)

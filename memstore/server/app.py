@@ -187,6 +187,9 @@ class StoreServer:
 
 def serve(config: StoreConfig, ready_file: str | None = None, spill_listeners: Sequence[SpillListener] = ()) -> int:
     """Run until SIGINT/SIGTERM. Prints ``READY <host_id> <address>`` once serving."""
+    # `kill -USR1 <pid>` writes every thread's stack to stderr: what a store that stopped answering is waiting on.
+    # First thing: a store answers health checks before READY, and SIGUSR1 unhandled would end the process.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     server = StoreServer(config, spill_listeners)
     try:
         server.join()
@@ -203,8 +206,6 @@ def serve(config: StoreConfig, ready_file: str | None = None, spill_listeners: S
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    # `kill -USR1 <pid>` writes every thread's stack to stderr: what a store that stopped answering is waiting on.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     print(f"READY {config.host_id} {server.address}", flush=True)
     if ready_file:
         with open(ready_file, "w") as fh:

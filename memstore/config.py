@@ -254,14 +254,14 @@ class StoreConfig:
         "Fresh shared memory kept faulted in ahead of need, so a save, a replica or a repair never waits for the kernel "
         "to allocate and zero pages: 'auto' (keep two segments of the largest recent shard ready once shards arrive; "
         "the store's first shard pays for fresh memory), a size (at least that many bytes stay faulted in from start-up, "
-        "shards included: size it for what the store cycles through, about (keep+2) x each shard saved or copied here), or 0 "
+        "shards included: size it for what the store cycles through, (keep+3) x each shard saved or copied here), or 0 "
         "(none). Counts against --capacity as pooled bytes; resident while idle.",
         _prefault,
         default=None,
     )
     prefault_unit: int = _opt(
         "Size of each pre-faulted segment (e.g. one rank's shard); default: the largest shard seen lately, before any "
-        "--prefault/(keep+2). A larger segment is shrunk to the shard that takes it.",
+        "--prefault/(keep+3). A larger segment is shrunk to the shard that takes it.",
         _size("--prefault-unit"),
         default=0,
     )

@@ -11,7 +11,7 @@ import torch
 from memstore.devtools.cluster import LocalCluster, wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
-from trainer_client import CheckpointClient
+from trainer_client import CheckpointClient, Connection
 
 pytestmark = pytest.mark.integration
 MiB = 1 << 20
@@ -66,11 +66,44 @@ def test_saves_take_prefaulted_segments_and_the_next_one_is_mapped_ahead(make_in
 
 
 def test_a_store_answers_only_once_the_first_pass_of_its_reserve_is_faulted_in(make_inprocess_cluster) -> None:
-    """--prefault 32MiB with keep 2: 8 MiB (N/(keep+2)) is ready at the store's very first answer, so a replacement's
+    """--prefault 40MiB with keep 2: 8 MiB (N/(keep+3)) is ready at the store's very first answer, so a replacement's
     first restore or a fresh job's first save never waits for fresh memory; the rest follows in the background."""
-    flags = ["--prefault", "32MiB", "--prefault-unit", "4MiB"]
+    flags = ["--prefault", "40MiB", "--prefault-unit", "4MiB"]
     cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="256MiB", keep=2, extra_args=flags)
     assert health(cluster, "h0").pooled_bytes >= 8 * MiB  # ready (pooled), not merely being faulted in
+
+
+def steps_held(cluster: LocalCluster, host: str, job: str) -> set[int]:
+    channel, stub = store_stub(cluster.address(host))
+    try:
+        return {s.manifest.key.step for s in stub.List(pb.ListRequest(job_id=job), timeout=10).shards}
+    finally:
+        channel.close()
+
+
+def test_a_reserve_sized_as_documented_faults_nothing_in_after_start_up(make_inprocess_cluster) -> None:
+    """--prefault (keep+3) x the shard, as docs/operations.md says, and no --prefault-unit, on stores whose capacity is
+    about the reserve (no room for a capture ring to grow past what its saves need): the reserve is cut into
+    shard-sized segments before any shard arrives, and the owner's cycle (the kept steps, the one being saved, the
+    one reserved ahead, one ready) never needs a segment beyond them. Sized for keep+2, the owner faulted a fifth
+    one in during the first saves, beside their copies and pushes."""
+    keep = 2
+    prefault = (keep + 3) * 4 * MiB
+    cluster = make_inprocess_cluster(
+        hosts=2, replicas=2, capacity=str(prefault + 4 * MiB), keep=keep, extra_args=["--prefault", str(prefault)]
+    )
+    for host in ("h0", "h1"):
+        wait_for(lambda host=host: settled(cluster, host), timeout=30, what=f"{host}'s reserve faulted in")
+    ready = {host: segments(cluster, host) for host in ("h0", "h1")}
+    assert len(ready["h0"]) == keep + 3
+    with CheckpointClient("sized", 0, 1, connection=Connection(cluster.address("h0"))) as c:
+        for step in range(1, 2 * keep + 4):
+            c.save(step, state(step)).wait(timeout=30)
+            wait_for(lambda: all(len(steps_held(cluster, h, "sized")) <= keep for h in ("h0", "h1")), timeout=30, what="retention")
+        c._ring.wait_ahead()
+        for host in ("h0", "h1"):
+            wait_for(lambda host=host: settled(cluster, host), timeout=30, what=f"{host}'s reserve settled")
+            assert segments(cluster, host) <= ready[host], f"{host} made segments beyond its reserve"
 
 
 def test_auto_reserve_fills_after_the_first_shard(make_inprocess_cluster) -> None:

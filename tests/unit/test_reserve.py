@@ -56,12 +56,12 @@ def test_auto_keeps_nothing_until_a_shard_is_seen_then_two_of_the_largest_recent
 
 
 def test_explicit_prefault_counts_what_the_store_holds_and_keeps_one_segment_ready() -> None:
-    policy = ReservePolicy(64 * MiB, keep=2)
+    policy = ReservePolicy(80 * MiB, keep=2)
     goal = policy.goal()
-    assert goal.unit == 16 * MiB  # before any shard: N / (keep + 2)
-    assert goal.target == 64 * MiB
+    assert goal.unit == 16 * MiB  # before any shard: N / (keep + 3)
+    assert goal.target == 80 * MiB
     assert goal.segment_bytes == 16 * MiB + 16 * MiB // HEADROOM
-    assert policy.goal(held=40 * MiB).target == 24 * MiB
+    assert policy.goal(held=40 * MiB).target == 40 * MiB
     assert policy.goal(held=1 << 30).target == goal.segment_bytes  # never less than one segment
     policy.saw(10 * MiB)
     assert policy.goal().unit == 10 * MiB  # learned
@@ -109,9 +109,9 @@ def directory(request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
 
 def test_explicit_prefault_faults_one_pass_of_the_cycle_in_before_serving(directory: str | None) -> None:
     assert ReservePolicy(None).before_serving() == 0 and ReservePolicy(0).before_serving() == 0
-    pool = SegmentPool(directory, 64 * MiB, reserve=ReservePolicy(32 * MiB, keep=2))
+    pool = SegmentPool(directory, 64 * MiB, reserve=ReservePolicy(40 * MiB, keep=2))
     try:
-        assert ReservePolicy(32 * MiB, keep=2).before_serving() == 8 * MiB  # N / (keep + 2)
+        assert ReservePolicy(40 * MiB, keep=2).before_serving() == 8 * MiB  # N / (keep + 3)
         ready = pool.prefault_now()  # on this thread, no background thread started
         unit = 8 * MiB + 8 * MiB // HEADROOM
         assert ready == unit and fresh_sizes(pool) == [unit] and pool.reserve.thread is None
@@ -123,12 +123,12 @@ def test_explicit_prefault_faults_one_pass_of_the_cycle_in_before_serving(direct
 
 
 def test_explicit_reserve_fills_at_start_and_any_job_takes_it(directory: str | None) -> None:
-    pool = SegmentPool(directory, 64 * MiB, reserve=ReservePolicy(32 * MiB, keep=2))
+    pool = SegmentPool(directory, 64 * MiB, reserve=ReservePolicy(40 * MiB, keep=2))
     try:
         pool.start_reserve()
         wait_until(settled(pool))
         unit = 8 * MiB + 8 * MiB // HEADROOM
-        assert fresh_sizes(pool) == [unit] * 4
+        assert fresh_sizes(pool) == [unit] * 5
         check_accounting(pool)
         seg = pool.acquire(8 * MiB, "job-a")
         assert seg.size == 8 * MiB and seg.owner == "job-a"  # a fresh one, trimmed to what a new one would take
@@ -136,7 +136,7 @@ def test_explicit_reserve_fills_at_start_and_any_job_takes_it(directory: str | N
         check_accounting(pool)
         # The reserve refills only while what the store holds stays under --prefault.
         wait_until(settled(pool))
-        assert sum(fresh_sizes(pool)) + pool.in_use_bytes <= 32 * MiB + 32 * MiB // HEADROOM
+        assert sum(fresh_sizes(pool)) + pool.in_use_bytes <= 40 * MiB + 40 * MiB // HEADROOM
         # A pooled segment of a job goes back to that job only; fresh ones to anyone.
         pool.release(seg)
         other = pool.acquire(8 * MiB, "job-b")

@@ -59,6 +59,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-plane", choices=("tcp", "grpc"), default=None, help="passed to the stores (how replicas and pulls travel)")
     p.add_argument("--prefault", type=_prefault, default=None, metavar="SIZE|auto", help="passed to the stores as MEMSTORE_PREFAULT")
     p.add_argument("--store-env", action="append", default=[], metavar="KEY=VALUE", help="extra environment of the stores, repeatable")
+    p.add_argument(
+        "--shm-dir", type=_directory, default="/dev/shm", metavar="DIR",
+        help="the tmpfs the stores keep their segments in (default /dev/shm); e.g. one mounted with huge pages (docs/operations.md)",
+    )  # fmt: skip
+
+
+def _directory(text: str) -> str:
+    """``--shm-dir``: an existing directory this process may write in (checked before any store starts)."""
+    import os
+
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable by this user")
+    return text
 
 
 def _prefault(text: str) -> str:
@@ -89,6 +104,7 @@ def config_of(args: argparse.Namespace) -> dict[str, Any]:
         "saves": pick["saves"], "restores": pick["restores"], "small_saves": pick["small_saves"], "quick": args.quick,
         "dp_size": parse_size(str(pick["dp_size"])),
         "seed": args.seed, "disk_dir": args.disk_dir, "data_plane": args.data_plane, "store_env": env, "json": args.json_path,
+        "shm_dir": args.shm_dir,
     }  # fmt: skip
 
 
@@ -96,12 +112,18 @@ def say(what: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
 
-def machine() -> dict[str, Any]:
+def machine(shm_dir: str = "/dev/shm") -> dict[str, Any]:
     import os
 
     import torch
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform()}
+    from memstore.server.shm_pages import shm_pages
+
+    pages = shm_pages(shm_dir)
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform(),
+        "shm_dir": shm_dir, "shm_huge_pages": pages.huge, "shm_pages": pages.describe(),
+    }  # fmt: skip
 
 
 def measure_all(config: dict[str, Any]) -> dict[str, Any]:
@@ -117,7 +139,7 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
     state = make_state(size, config["seed"])
     tensors = tensors_of(state)
     shard_bytes = nbytes_of(tensors)  # the shard's header adds a few KiB: negligible next to the floors' noise
-    doc: dict[str, Any] = {"config": config, "machine": machine()}
+    doc: dict[str, Any] = {"config": config, "machine": machine(config["shm_dir"])}
     doc["state"] = {"bytes": nbytes_of(tensors), "shard_bytes": shard_bytes, "tensors": len(tensors), "layout": LAYOUT}
     say("floors: memcpy, raw TCP, torch.save + fsync / torch.load, DCP async_save")
     doc["floors"] = {
@@ -125,7 +147,9 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
         "disk": floor_disk(state, config["disk_dir"], reps), "dcp": floor_dcp(state, config["disk_dir"], reps),
     }  # fmt: skip
     say(f"starting {config['hosts']} stores, R={config['replicas']}")
-    cluster = start_cluster(config["hosts"], config["replicas"], config["keep"], shard_bytes, config["data_plane"], config["store_env"])
+    cluster = start_cluster(
+        config["hosts"], config["replicas"], config["keep"], shard_bytes, config["data_plane"], config["store_env"], config["shm_dir"]
+    )
     with running(cluster):
         say("saves from the first")
         doc["saves"] = measure_saves(cluster, JOB, state, config["keep"], config["saves"])
@@ -137,14 +161,16 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
     from memstore.bench.streams import measure_streams
 
     say("one shard pushed store to store on 1, 2 and 4 parallel streams")
-    doc["streams"] = measure_streams(shard_bytes, reps, config["store_env"])
+    doc["streams"] = measure_streams(shard_bytes, reps, config["store_env"], config["shm_dir"])
     if config["dp_size"]:
         from memstore.bench.data_parallel import measure_data_parallel
 
         say(f"data parallel: D=1, 2, 4 ranks of one {config['dp_size']}-byte state, without and with a replica group")
         del state, tensors
         dp_state = make_state(config["dp_size"], config["seed"])
-        doc["data_parallel"] = measure_data_parallel(dp_state, config["replicas"], reps, config["data_plane"], config["store_env"])
+        doc["data_parallel"] = measure_data_parallel(
+            dp_state, config["replicas"], reps, config["data_plane"], config["store_env"], config["shm_dir"]
+        )
     return doc
 
 

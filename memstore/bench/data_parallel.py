@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from memstore.bench.measure import Series, one_save
 from memstore.bench.state import MiB, fingerprint, p50, tensors_of
-from memstore.bench.stores import running, start_cluster, store_rpc, wait_idle, wait_settled
+from memstore.bench.stores import SHM_ROOT, running, start_cluster, store_rpc, wait_idle, wait_settled
 
 if TYPE_CHECKING:
     from memstore.devtools.cluster import LocalCluster
@@ -173,7 +173,9 @@ def summary(
     }  # fmt: skip
 
 
-def measure_data_parallel(state: Any, replicas: int, rounds: int, data_plane: str | None, env: dict[str, str]) -> dict[str, Any]:
+def measure_data_parallel(
+    state: Any, replicas: int, rounds: int, data_plane: str | None, env: dict[str, str], shm_root: str = SHM_ROOT
+) -> dict[str, Any]:
     """Every case, D in :data:`DEGREES` x :data:`PATHS`, on a fresh cluster of max(4, R) stores; the section's document.
     ``rounds``: measured saves and restores of each case (their medians are reported)."""
     from trainer_client import serialization
@@ -183,7 +185,7 @@ def measure_data_parallel(state: Any, replicas: int, rounds: int, data_plane: st
     expected = fingerprint(state)
     # room per store: keep+3 steps (see start_cluster) of up to R copies each (its rank's and the replicas of others'),
     # for both paths' jobs at once
-    with running(start_cluster(hosts, replicas, KEEP, 2 * whole * replicas, data_plane, env)) as cluster:
+    with running(start_cluster(hosts, replicas, KEEP, 2 * whole * replicas, data_plane, env, shm_root)) as cluster:
         wait_idle(cluster)
         cases = [c for d in DEGREES for c in one_degree(cluster, state, whole, expected, d, rounds)]
     return {"hosts": hosts, "replicas": replicas, "state_bytes": whole, "rounds": rounds, "cases": cases}

@@ -2,7 +2,8 @@
 pre-faulted memory), raw TCP between two Python processes on loopback, and ``torch.save`` + fsync / ``torch.load``
 (DCP ``async_save``: :mod:`memstore.bench.floors_dcp`). ``torch.load`` runs in a new process, as the restores do.
 
-The TCP sender is this module run as a child: ``python -m memstore.bench.floors PORT NBYTES REPS``.
+The TCP sender is this module run as a child: ``python -m memstore.bench.floors PORT NBYTES REPS``, or, for
+``PairedTcp`` (one transfer on demand, paired with each save), ``python -m memstore.bench.floors --paired PORT NBYTES``.
 """
 
 from __future__ import annotations
@@ -91,6 +92,78 @@ def _receive(conn: socket.socket, view: memoryview, nbytes: int, reps: int) -> l
     return rates
 
 
+class PairedTcp:
+    """Raw loopback TCP of ``nbytes``, one transfer whenever asked: a save's ratio is taken against the TCP of the same
+    bytes measured right before it (as its stall is against the memcpy right before it), so a machine whose speed
+    drifts over the run (other tenants, frequency) moves both alike. A child process sends (``serve_tcp``), this one
+    receives into a pre-faulted buffer; each transfer is timed from its first byte to its last, like
+    ``floor_tcp``'s first repetition."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._buf = bytearray(nbytes)
+        self._view = memoryview(self._buf)
+        for off in range(0, nbytes, 1 << 12):
+            self._buf[off] = 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            listener.settimeout(FLOOR_TIMEOUT)
+            port = listener.getsockname()[1]
+            self._child = subprocess.Popen(
+                [sys.executable, "-m", __name__, "--paired", str(port), str(nbytes)], stderr=subprocess.PIPE, env=module_env()
+            )
+            try:
+                self._conn, _ = listener.accept()
+            except BaseException:
+                self._reap()
+                raise
+        self._conn.settimeout(FLOOR_TIMEOUT)
+
+    def seconds(self) -> float:
+        """One transfer of ``nbytes``: seconds at the rate from its first byte to its last."""
+        self._conn.sendall(b"g")
+        (rate,) = _receive(self._conn, self._view, self.nbytes, 1)
+        return self.nbytes / rate
+
+    def close(self) -> None:
+        try:
+            self._conn.sendall(b"q")
+            self._conn.close()
+        except OSError:
+            pass
+        self._reap()
+        self._view.release()
+
+    def _reap(self) -> None:
+        try:
+            self._child.communicate(timeout=FLOOR_TIMEOUT)
+        finally:
+            if self._child.poll() is None:
+                self._child.kill()
+                self._child.wait(timeout=10)
+
+    def __enter__(self) -> PairedTcp:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve_tcp(port: int, nbytes: int) -> None:
+    """The sending side of :class:`PairedTcp`: ``nbytes`` each time the receiver sends ``g``, until it sends ``q``."""
+    buf = bytearray(nbytes)
+    mv = memoryview(buf)
+    pattern = bytes(range(256)) * (CHUNK // 256)
+    for off in range(0, nbytes, CHUNK):
+        mv[off : off + CHUNK] = pattern[: min(CHUNK, nbytes - off)]
+    with socket.create_connection(("127.0.0.1", port), timeout=FLOOR_TIMEOUT) as s:
+        s.settimeout(None)
+        while s.recv(1) == b"g":
+            for off in range(0, nbytes, CHUNK):
+                s.sendall(mv[off : off + CHUNK])
+
+
 def send_tcp(port: int, nbytes: int, reps: int) -> None:
     """The sending side of :func:`floor_tcp`; waits for the receiver's one-byte acknowledgement."""
     buf = bytearray(nbytes)
@@ -99,6 +172,7 @@ def send_tcp(port: int, nbytes: int, reps: int) -> None:
     for off in range(0, nbytes, CHUNK):
         mv[off : off + CHUNK] = pattern[: min(CHUNK, nbytes - off)]
     with socket.create_connection(("127.0.0.1", port), timeout=FLOOR_TIMEOUT) as s:
+        s.settimeout(None)  # blocking sends: one call per piece (with a timeout, sendall polls before every partial send)
         for _ in range(reps):
             for off in range(0, nbytes, CHUNK):
                 s.sendall(mv[off : off + CHUNK])
@@ -161,4 +235,7 @@ def floor_disk(state: Any, disk_dir: str | None, reps: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    send_tcp(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    if sys.argv[1] == "--paired":
+        serve_tcp(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        send_tcp(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

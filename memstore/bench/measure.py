@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from memstore.bench.floors import PairedTcp
 from memstore.bench.state import MiB, copy_all, fingerprint, make_state, nbytes_of, p50, prefaulted, tensors_of
 from memstore.bench.stores import restore_in_new_process, wait_caught_up, wait_idle, wait_settled
 
@@ -42,13 +43,15 @@ class Series:
     keep: int
     count: int
     paired: Any = None  # a pre-faulted buffer of the state's bytes for the paired memcpy (None: no memcpy)
+    tcp: PairedTcp | None = None  # raw TCP of the shard's bytes, measured right before each save (None: not measured)
 
 
 def one_save(series: Series, index: int, tensors: list[Any]) -> dict[str, Any]:
-    """A paired memcpy (when asked), then one save timed from the call: stall (call -> return) and call -> committed;
-    ``nbytes``: the bytes the rank captured (its shard's size as the store reports it)."""
+    """A paired raw TCP transfer and memcpy (when asked), then one save timed from the call: stall (call -> return) and
+    call -> committed; ``nbytes``: the bytes the rank captured (its shard's size as the store reports it)."""
     from trainer_client.errors import ReplicationError
 
+    tcp = series.tcp.seconds() if series.tcp is not None else None
     memcpy = None
     if series.paired is not None:
         t = time.perf_counter()
@@ -70,6 +73,7 @@ def one_save(series: Series, index: int, tensors: list[Any]) -> dict[str, Any]:
         "stall_seconds": t1 - t0,
         "committed_seconds": t2 - t0,
         "memcpy_seconds": memcpy,
+        "tcp_seconds": tcp,
         "copies": copies,
         "nbytes": nbytes,
         "error": error,
@@ -87,17 +91,20 @@ def save_series(series: Series) -> list[dict[str, Any]]:
 
 
 def measure_saves(cluster: LocalCluster, job: str, state: Any, keep: int, steady: int) -> list[dict[str, Any]]:
-    """Save 1 of a fresh job on the fresh stores (once they are idle), saves 2..keep+2, then ``steady`` ones. The memcpy
-    buffer is made first, so the first memcpy, like save 1, runs right after the client connected."""
+    """Save 1 of a fresh job on the fresh stores (once they are idle), saves 2..keep+2, then ``steady`` ones, each
+    after a raw TCP transfer and a memcpy of the same bytes (``tcp_seconds``, ``memcpy_seconds``). The memcpy buffer
+    and the TCP pair are made first, so the first memcpy, like save 1, runs right after the client connected."""
     from trainer_client import CheckpointClient, Connection
 
-    paired = prefaulted(nbytes_of(tensors_of(state)))
-    wait_idle(cluster)
-    client = CheckpointClient(job, 0, 1, connection=Connection(cluster.address("h0")))
-    try:
-        return save_series(Series(cluster, client, state, keep, 1 + keep + 1 + steady, paired))
-    finally:
-        client.close()
+    nbytes = nbytes_of(tensors_of(state))
+    paired = prefaulted(nbytes)
+    with PairedTcp(nbytes) as tcp:
+        wait_idle(cluster)
+        client = CheckpointClient(job, 0, 1, connection=Connection(cluster.address("h0")))
+        try:
+            return save_series(Series(cluster, client, state, keep, 1 + keep + 1 + steady, paired, tcp))
+        finally:
+            client.close()
 
 
 def measure_small_saves(cluster: LocalCluster, job: str, count: int, seed: int, keep: int) -> dict[str, Any]:

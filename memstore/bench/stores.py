@@ -22,20 +22,26 @@ from memstore.core.sizes import parse_size
 from memstore.devtools.cluster import LocalCluster, wait_for
 
 CAPACITY_SLACK = 64 * MiB
+SHM_ROOT = "/dev/shm"  # where the stores' segment directories go unless --shm-dir says otherwise
 
 
-def start_cluster(hosts: int, replicas: int, keep: int, shard_bytes: int, data_plane: str | None, env: dict[str, str]) -> LocalCluster:
+def start_cluster(
+    hosts: int, replicas: int, keep: int, shard_bytes: int, data_plane: str | None, env: dict[str, str], shm_root: str = SHM_ROOT
+) -> LocalCluster:
     """Freshly started stores with room for keep+3 shards (keep steps, one being saved, the automatic reserve's two
     segments) and the small saves, or for an explicit ``--prefault`` if that is more. ``--repair-interval 3600``: no
     anti-entropy pass runs during the measurements (a
-    replacement store still runs its start-up pass: that is how it gets back to R copies after a host loss)."""
+    replacement store still runs its start-up pass: that is how it gets back to R copies after a host loss).
+    ``shm_root``: the tmpfs their segment directories are made in (``--shm-dir``)."""
     page = os.sysconf("SC_PAGE_SIZE")
     capacity = (keep + 3) * (-(-shard_bytes // page) * page) + CAPACITY_SLACK
     prefault = env.get("MEMSTORE_PREFAULT", "auto")
     if prefault not in ("auto", "0"):  # an explicit reserve is part of the capacity: room for it beside the shards
         capacity = max(capacity, parse_size(prefault) + CAPACITY_SLACK)
     extra = ["--repair-interval", "3600"] + (["--data-plane", data_plane] if data_plane else [])
-    cluster = LocalCluster(hosts=hosts, replicas=replicas, capacity=str(capacity), keep=keep, extra_args=extra, env=env or None)
+    cluster = LocalCluster(
+        hosts=hosts, replicas=replicas, capacity=str(capacity), keep=keep, extra_args=extra, env=env or None, shm_root=shm_root
+    )
     try:
         cluster.start()
     except BaseException:

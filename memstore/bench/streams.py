@@ -45,17 +45,18 @@ def _segment(nbytes: int, directory: str) -> Iterator[tuple[int, mmap.mmap, Tran
             yield fh.fileno(), mm, TransferHeader(manifest, PutOrigin.REPLICA, "h0")
 
 
-def measure_streams(nbytes: int, reps: int, env: dict[str, str]) -> dict[str, Any]:
-    """Seconds of each push of an ``nbytes`` shard, per stream count, and their p50."""
+def measure_streams(nbytes: int, reps: int, env: dict[str, str], shm_root: str = SHM_DIR) -> dict[str, Any]:
+    """Seconds of each push of an ``nbytes`` shard, per stream count, and their p50; the pushed file and the receiver's
+    segments on the tmpfs ``shm_root``."""
     page = os.sysconf("SC_PAGE_SIZE")
     capacity = 3 * (-(-nbytes // page) * page) + CAPACITY_SLACK
     extra = ["--repair-interval", "3600", "--transfer-streams", "16"]  # the receiver grants what the pusher asks
     # Pushes into memory the receiver pooled (warmed below): the run's --prefault, sized for its own stores, is not theirs.
     env = {k: v for k, v in env.items() if k != "MEMSTORE_PREFAULT"}
-    cluster = LocalCluster(hosts=2, replicas=2, capacity=str(capacity), keep=1, extra_args=extra, env=env or None)
+    cluster = LocalCluster(hosts=2, replicas=2, capacity=str(capacity), keep=1, extra_args=extra, env=env or None, shm_root=shm_root)
     out: dict[str, Any] = {"bytes": nbytes}
     cluster.start()
-    with running(cluster), _segment(nbytes, SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()) as (fd, mm, header):
+    with running(cluster), _segment(nbytes, shm_root if os.path.isdir(shm_root) else tempfile.gettempdir()) as (fd, mm, header):
         peers = PeerDirectory("h0", [(h, cluster.address(h)) for h in ("h0", "h1")])
         target = peers["h1"]
         timeout = 60.0 + nbytes / (10 << 20)

@@ -92,6 +92,7 @@ class LocalCluster:
     # "dns": every store follows a real DNS server of the cluster's own (``dns``, memstore.devtools.dns_server; the dev extra)
     metrics: bool = False  # every store serves Prometheus metrics on a free port of its own (metrics_url)
     data_ports: bool = False  # every store's data channel on a port chosen here (--data-port), known before it starts
+    shm_root: str = "/dev/shm"  # the tmpfs the stores' --shm-dir is made in (e.g. one mounted with huge pages)
     # How store ``a`` dials its peer ``b`` (discovery "peers"): dial(a, b, b's address, b's data port) -> the address
     # in a's --peers (e.g. a fault proxy's); None: directly. Called again whenever ports are assigned anew.
     dial: Callable[[str, str, str, int], str] | None = None
@@ -107,7 +108,7 @@ class LocalCluster:
         self._own_workdir = self.workdir is None
         self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="memstore-cluster-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.shm_dir = f"/dev/shm/memstore-{os.getpid()}-{self.workdir.name}"
+        self.shm_dir = os.path.join(self.shm_root, f"memstore-{os.getpid()}-{self.workdir.name}")
         self.peers_file = self.workdir / "peers.json"
         self.members: list[str] = [f"h{i}" for i in range(self.hosts)]  # the hosts peers.json lists, in order
         self.dns = self._start_dns() if self.discovery == "dns" else None

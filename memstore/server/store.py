@@ -52,6 +52,7 @@ from memstore.server.rings import ring_limit
 from memstore.server.saving import Saver
 from memstore.server.segments import SegmentPool
 from memstore.server.shm_dirs import segment_dir
+from memstore.server.shm_pages import shm_pages
 from memstore.server.shm_sweep import ShmSweeper
 from memstore.spill.port import DurableTier
 from memstore.v1.channel import boot_id
@@ -236,6 +237,8 @@ class Store:
         """Before the store serves (the slot table is known: joined): adopt what predecessors left here, then fault in
         the part of the reserve wanted before serving (``--prefault``), so what was adopted is not faulted in twice."""
         self._started = True  # from now on a change of the slot table sweeps too (after this store's own leftovers)
+        if self.pool.directory is not None:
+            log.info("segments in %s: %s", self.pool.directory, shm_pages(str(self.pool.directory)).describe())
         if self.sweeper is not None:
             self.sweeper.sweep()  # adopt before the first repair pass looks
         t0 = time.monotonic()

@@ -67,7 +67,8 @@ def test_every_ratio_from_its_parts() -> None:
         "stall_over_dcp_blocking": 0.25,
         "stall_over_dcp_blocking_reused_stager": 0.5,
         "replication_over_tcp": 0.8,  # 1 GiB in 0.625 - 0.125 s against 0.4 s
-        "committed_over_tcp_min": 0.4,  # save 1: 1 GiB in 1.0 s
+        "committed_over_tcp_min": 0.4,  # save 1: 1 GiB in 1.0 s (no paired TCP here: against the floor)
+        "committed_over_tcp_first": 0.4,
         "torch_load_over_restore_local": 10.0,
         "restore_peer_over_tcp": 0.8,  # from load(): 1 GiB in 0.5 s against 0.4 s
         "restore_peer_from_accept_over_tcp": 0.5,  # from the replacement's port accepting: 0.8 s
@@ -99,6 +100,7 @@ def test_pass_miss_and_the_table() -> None:
         "stall_over_dcp_blocking_reused_stager": None,  # reported, no target
         "replication_over_tcp": True,
         "committed_over_tcp_min": False,
+        "committed_over_tcp_first": None,  # reported, no target of its own (the min holds save 1 to 0.7)
         "torch_load_over_restore_local": True,
         "restore_peer_over_tcp": True,
         "restore_peer_from_accept_over_tcp": None,  # reported, no target
@@ -119,6 +121,20 @@ def test_pass_miss_and_the_table() -> None:
     row = next(x for x in lines if x.startswith("committed_over_tcp_min "))
     assert row.split() == ["committed_over_tcp_min", "0.4", "≥", "0.7", "MISS"]
     assert json.loads(json.dumps(rows)) == rows  # what the JSON holds
+
+
+def test_a_save_is_compared_with_the_tcp_transfer_paired_with_it() -> None:
+    """Each save carries the raw TCP time of its bytes measured right before it: its ratio is against that, not against
+    the run's floor, so a machine that got faster or slower over the run moves both."""
+    doc = document()
+    for s in doc["saves"]:
+        s["tcp_seconds"] = 0.35
+    doc["saves"][0]["tcp_seconds"] = 0.5  # the machine was slower at save 1: 1 GiB over TCP took 0.5 s then
+    values, _ = compute_ratios(doc)
+    assert values["committed_over_tcp_first"] == pytest.approx(0.5)  # 0.5 s of TCP against 1.0 s to committed
+    assert values["committed_over_tcp_min"] == pytest.approx(0.5)  # the early saves: 0.35 / 0.7
+    doc["saves"][2]["tcp_seconds"] = 0.28
+    assert compute_ratios(doc)[0]["committed_over_tcp_min"] == pytest.approx(0.4)  # 0.28 / 0.7
 
 
 def test_a_save_that_did_not_commit_counts_zero_and_r1_has_no_peer_figures() -> None:

@@ -211,8 +211,16 @@ class Catalog:
             self.unpin(entry)
 
     def foreground_busy(self) -> bool:
-        """A trainer is copying a save in (an open allocation) or a shard is being checksummed/replicated."""
-        return any(not lease.ahead for lease in list(self._alloc_leases.values())) or self._in_flight > 0
+        """A trainer is copying a save in (an open allocation), a shard is being checksummed or replicated, received
+        from a peer (an inbound transfer open), or pulled for a restore or a repair: what background work (the spill
+        tier, the reserve's faulting) yields to."""
+        return (
+            any(not lease.ahead for lease in list(self._alloc_leases.values()))
+            or self._in_flight > 0
+            or self._repairs_in_flight > 0
+            or self._fetching > 0
+            or any(self._streams.values())
+        )
 
     # ---- memory
 

@@ -253,9 +253,10 @@ class SegmentPool:
         """Fault in the part of the reserve wanted before the store serves (``Reserve.fill_now``); the bytes ready."""
         return self.reserve.fill_now()
 
-    def start_reserve(self) -> None:
-        """Start faulting in the reserve in the background (no-op without a reserve policy or when started)."""
-        self.reserve.start()
+    def start_reserve(self, busy: Callable[[], bool] | None = None) -> None:
+        """Start faulting in the reserve in the background (no-op without a reserve policy or when started); ``busy``:
+        whether the store moves bytes in the foreground, which the reserve's thread yields to (``Reserve.start``)."""
+        self.reserve.start(busy)
 
     # -- allocation ------------------------------------------------------------
     def owner_bytes(self, owner: str) -> int:

@@ -251,7 +251,7 @@ class Store:
             self.prepare()
         for t in self._threads:
             t.start()
-        self.pool.start_reserve()
+        self.pool.start_reserve(busy=self.catalog.foreground_busy)  # the reserve yields to saves, pushes, receives, pulls
         if self.durable is not None:
             self.durable.start()
 

@@ -181,3 +181,23 @@ def test_a_deleted_shard_is_not_pulled_back_by_repair_for_a_while() -> None:
     assert catalog.delete("job", 1, -1) == 1
     assert catalog.recently_deleted(ShardKey("job", 1, 0)) and catalog.recently_deleted(ShardKey("job", 1, 3))
     assert not catalog.recently_deleted(ShardKey("job", 2, 0)) and not catalog.recently_deleted(ShardKey("other", 1, 0))
+
+
+def test_the_foreground_is_busy_while_bytes_move_in_or_out_for_a_save_a_restore_or_a_repair() -> None:
+    """What the spill tier and the reserve's faulting yield to: an open allocation, a replication, an inbound transfer,
+    a restore's pull and a repair, each alone."""
+    catalog, _, _ = make_catalog()
+    assert not catalog.foreground_busy()
+    catalog.add_in_flight(1)
+    assert catalog.foreground_busy()
+    catalog.add_in_flight(-1)
+    catalog.admit_inbound(key(1), "h1", client=False)
+    assert catalog.foreground_busy()
+    catalog.cancel_inbound("h1")
+    assert not catalog.foreground_busy()
+    catalog.fetch_started()
+    assert catalog.foreground_busy()
+    catalog.fetch_ended()
+    assert catalog.begin_repair(key(2), restore_first=0.0) and catalog.foreground_busy()
+    catalog.end_repair()
+    assert not catalog.foreground_busy()

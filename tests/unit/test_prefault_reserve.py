@@ -188,3 +188,42 @@ def test_without_a_policy_it_stays_empty() -> None:
         reserve.saw(2 * MiB)
         assert reserve.pick(MiB) is None and not reserve.await_fitting(MiB)
     assert reserve.thread is None and not reserve.filling and reserve.held_bytes == 0
+
+
+def test_the_thread_starts_no_segment_while_the_store_moves_bytes_in_the_foreground() -> None:
+    """A save being copied in, a push, a receive or a pull (``Catalog.foreground_busy``) holds new segments back: on a
+    replacement, faulting the reserve in beside its first repair pull made the restore waiting on that pull slower."""
+    holdings = FakeHoldings(64 * MiB)
+    reserve, lock = make(ReservePolicy(4 * MiB, unit=MiB), holdings)
+    busy, asked = threading.Event(), []
+    busy.set()
+
+    def foreground() -> bool:
+        asked.append(1)
+        return busy.is_set()
+
+    reserve.start(busy=foreground, yield_seconds=60.0)
+    try:
+        wait_until(lambda: len(asked) >= 5)  # the thread is waiting for the foreground, not faulting
+        assert reserve.fresh_bytes == 0 and reserve.warming == 0 and reserve.filling
+        busy.clear()
+        wait_until(lambda: not reserve.filling)
+        assert reserve.fresh_bytes == 4 * UNIT
+    finally:
+        stop(reserve, lock)
+
+
+def test_a_store_busy_without_a_break_still_gets_its_reserve_and_stops_promptly() -> None:
+    holdings = FakeHoldings(64 * MiB)
+    reserve, lock = make(ReservePolicy(4 * MiB, unit=MiB), holdings)
+    reserve.start(busy=lambda: True, yield_seconds=0.02)  # each segment waits at most 20 ms
+    try:
+        wait_until(lambda: not reserve.filling)
+        assert reserve.fresh_bytes == 4 * UNIT
+    finally:
+        stop(reserve, lock)
+    waiting, lock2 = make(ReservePolicy(4 * MiB, unit=MiB), FakeHoldings(64 * MiB))
+    waiting.start(busy=lambda: True, yield_seconds=600.0)
+    wait_until(lambda: waiting.thread is not None and waiting.thread.is_alive())
+    stop(waiting, lock2)  # joins for at most 5 s
+    assert waiting.thread is not None and not waiting.thread.is_alive()

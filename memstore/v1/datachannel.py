@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 
 from memstore.core.model import Manifest
 from memstore.errors import DataChannelError
-from memstore.v1.integrity import StreamedChecksums, chunk_count, chunk_spans
+from memstore.v1.integrity import StreamedChecksums, chunk_count, chunk_spans, running_checksum
 from memstore.v1.pagefaults import FaultAhead
-from memstore.v1.streams import verify_chunk
+from memstore.v1.streams import check_chunk
 
 TICKET_BYTES = 16
 STATUS_OK = 0
@@ -180,7 +180,8 @@ def connect(host: str, port: int, timeout: float, tls: ssl.SSLContext | None = N
         raise DataChannelError(f"TLS handshake with data channel {host}:{port} failed: {exc}") from None
 
 
-def recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float, on_bytes: Callable[[memoryview], object] | None = None) -> None:
+    """Fill ``view`` from ``sock``; ``on_bytes`` sees every piece as it lands, in order (a running checksum)."""
     got = 0
     n = len(view)
     while got < n:
@@ -191,6 +192,8 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float) -> None:
             raise DataChannelError(f"data channel receive failed after {got} of {n} bytes: {exc}") from None
         if r == 0:
             raise DataChannelError(f"data channel closed after {got} of {n} bytes")
+        if on_bytes is not None:
+            on_bytes(view[got : got + r])
         got += r
 
 
@@ -327,15 +330,15 @@ def receive_verified(
         for index, (off, length) in enumerate(chunk_spans(manifest.nbytes, manifest.chunk_size)):
             if not first <= index < end:
                 continue
-            piece = out[off : off + length]
-            recv_exact(sock, piece, deadline)
+            running = running_checksum()  # each piece hashed as it lands, still in cache
+            recv_exact(sock, out[off : off + length], deadline, running.update)
             if streamed is None:
-                verify_chunk(manifest, index, piece, where=" on the data channel")
+                check_chunk(manifest, index, running.intdigest(), where=" on the data channel")
             else:
                 trailer = bytearray(CHECKSUM.size)
                 recv_exact(sock, memoryview(trailer), deadline)
                 (streamed[index],) = CHECKSUM.unpack(trailer)
-                verify_chunk(manifest, index, piece, " on the data channel", expected=streamed[index])
+                check_chunk(manifest, index, running.intdigest(), " on the data channel", expected=streamed[index])
             if on_chunk:
                 on_chunk()
     finally:

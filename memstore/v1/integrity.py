@@ -40,6 +40,13 @@ def checksum(data: memoryview | bytes | bytearray) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def running_checksum() -> xxhash.xxh3_64:
+    """A checksum fed piece by piece (``update``); its ``intdigest()`` equals ``checksum`` of the pieces joined. A
+    receiver hashes each piece right after it lands, while it is still in the core's cache, instead of reading the
+    whole chunk back from memory afterwards."""
+    return xxhash.xxh3_64()
+
+
 def compute_checksums(buf: memoryview, nbytes: int, chunk_size: int, workers: int = 1) -> list[int]:
     """Every chunk's checksum; ``workers > 1`` hashes on that many threads (xxhash releases the GIL)."""
     mv = memoryview(buf)

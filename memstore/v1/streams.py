@@ -102,7 +102,11 @@ def get_responses(manifest: pb.Manifest, buf: memoryview, chunk_size: int = 0) -
 def verify_chunk(manifest: Manifest, index: int, data: memoryview | bytes, where: str = "", expected: int | None = None) -> None:
     """Raise StreamChecksumError unless ``data`` is chunk ``index`` of the manifest's shard (the one chunk check of both
     transports); ``expected``: the checksum that came with the chunk (streamed checksums) instead of the manifest's."""
-    got = checksum(data)
+    check_chunk(manifest, index, checksum(data), where, expected)
+
+
+def check_chunk(manifest: Manifest, index: int, got: int, where: str = "", expected: int | None = None) -> None:
+    """``verify_chunk`` for a chunk whose checksum ``got`` was computed as it arrived (``running_checksum``)."""
     want = manifest.checksums[index] if expected is None else expected
     if got != want:
         k = manifest.key

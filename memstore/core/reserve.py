@@ -9,9 +9,10 @@ next, and refilled in the background.
 Pure policy; the engine (``memstore.server.reserve.Reserve``, in ``SegmentPool``) holds the segments, does the
 faulting and keeps every reserved byte inside ``--capacity``.
 
-- ``prefault=None`` (``--prefault auto``, the default): nothing at start-up; once shards have been seen,
-  keep two *units* ready, a unit being the largest shard this store saw lately. The first shard of
-  the store's first job pays for fresh memory; the saves, copies and repairs after it find the
+- ``prefault=None`` (``--prefault auto``, the default): nothing at start-up, unless the store replaces a host
+  whose group holds shards for it (``expect``: the newest step of each, faulted in before it serves, up to two
+  units); once shards have been seen, keep two *units* ready, a unit being the largest shard this store saw
+  lately. The first shard of a fresh job pays for fresh memory; the saves, copies and repairs after it find the
   reserve.
 - ``prefault=N`` bytes: keep at least N bytes faulted in from start-up: the shards the store holds, its
   pooled segments and the reserve together. N/(keep+3) of it is faulted in before the store serves at all
@@ -71,6 +72,7 @@ class ReservePolicy:
         # saves, beside their copies and pushes (measured: 0.3 s of a core per GiB, on saves 3-4 with keep 2).
         self.cycle = keep + 3
         self._recent: collections.deque[int] = collections.deque(maxlen=RECENT)
+        self._expected = 0  # bytes of the shards a replacement's first repair pass will pull (``expect``)
 
     @property
     def auto(self) -> bool:
@@ -81,11 +83,22 @@ class ReservePolicy:
         if nbytes >= MIN_UNIT:
             self._recent.append(nbytes)
 
+    def expect(self, sizes: list[int]) -> None:
+        """Shards about to be pulled here (a replacement's first repair pass: the newest step of what its group holds for
+        it): learned as seen (the reserve's unit), and with the automatic reserve faulted in before the store serves,
+        up to its goal (``before_serving``), so the pull a restarted trainer waits for lands in memory ready for it."""
+        for n in sizes:
+            self.saw(n)
+        self._expected = sum(n for n in sizes if n >= MIN_UNIT)
+
     def before_serving(self) -> int:
         """Bytes of the reserve to fault in before the store serves: with ``--prefault N``, N/(keep+3), one pass of
         the cycle N is sized for (the newest step of every rank saving or held here), so the first save of a job on
         a fresh store, and a replacement's first restore or repair, land in memory faulted in already; the rest is
-        faulted in the background. Nothing with the automatic reserve (it knows no shard size yet) or none."""
+        faulted in the background. With the automatic reserve, the shards ``expect`` announced, up to its goal (nothing
+        when none were: it knows no shard size yet); none with ``prefault=0``."""
+        if self.prefault is None:
+            return min(self._expected, self.goal().target)
         return self.prefault // self.cycle if self.prefault else 0
 
     def goal(self, held: int = 0) -> ReserveGoal:

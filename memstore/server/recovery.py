@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 from memstore.config import StoreConfig
@@ -41,6 +42,7 @@ from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import receive_chunks, shard_manifest_problem
 
 log = logging.getLogger(__name__)
+EXPECT_TIMEOUT = 2.0  # how long a starting store waits for its group's listings to learn what it will pull
 T = TypeVar("T")
 
 RESTORE_FIRST_WAIT = 60.0  # the longest repair defers to restores in flight before it pulls anyway
@@ -374,33 +376,51 @@ class Recovery:
         finally:
             self.catalog.end_repair()
 
-    def repair_once(self) -> int:
-        """Pull every recent shard this host should hold but lacks. Returns how many were pulled."""
-        fault("repair.before_pass")
+    def expected_pulls(self) -> list[int]:
+        """Bytes of each shard of the newest step of every job that the first repair pass will pull here (a replacement's
+        own and its group's), from one listing of the group; [] when nothing is to pull or a peer does not answer. The
+        automatic reserve faults that much in before the store serves (``ReservePolicy.expect``)."""
+        plan = self._plan(min(self.config.peer_timeout, EXPECT_TIMEOUT))
+        if not plan.sources or not plan.complete or not plan.waves:
+            return []
+        return [plan.sizes[k] for k in plan.waves[0] if self.catalog.get(k) is None]
+
+    def _plan(self, timeout: float | None = None) -> RepairPlan:
+        """One listing of the group and what to pull from it (nothing listed when no other host holds this host's slots'
+        shards: ``sources`` empty)."""
         view = self.membership.view  # one table for the whole pass
         owners = view.owned_slots()
         sources = view.repair_sources(owners)
-        if self.draining.is_set():
-            return 0
         if not sources:
-            self.repaired_table = view.table  # nobody else holds our slots' shards: nothing to confirm
-            self.unreachable_sources = ()
-            self.under_replicated = self.catalog.own_under_replicated()
-            return 0
-        listings = self.peers.list_all("", self.config.peer_timeout, hosts=sources)
-        complete = not any(isinstance(shards, StoreError) for shards in listings.values())
-        self.unreachable_sources = tuple(sorted(h for h, r in listings.items() if isinstance(r, StoreError)))
+            return RepairPlan(view, owners, sources, {}, {}, {}, [])
+        listings = self.peers.list_all("", self.config.peer_timeout if timeout is None else timeout, hosts=sources)
         wanted, copies, sizes = _wanted(listings, view, owners)
         recent = {job: ranked_versions(held, self.config.keep) for job, held in copies.items()}  # the abandoned run's steps rank lower
         todo = [
             k for k in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank, k.timeline))
             if k.version in recent[k.job_id] and not self.catalog.recently_deleted(k)
         ]  # fmt: skip
-        if todo and self.adopt_local is not None and self.adopt_local(set(todo)):
-            todo = [k for k in todo if self.catalog.get(k) is None]
-        order = [key for wave in repair_waves(todo, recent) for key in wave]  # every job's newest step first: what a
-        # restarted trainer restores. Several pulls at once, each starting at a different holder (a replacement fills
-        # up from its whole group), small ones together, large ones in turn (RepairGate).
+        return RepairPlan(view, owners, sources, listings, wanted, sizes, repair_waves(todo, recent))
+
+    def repair_once(self) -> int:
+        """Pull every recent shard this host should hold but lacks. Returns how many were pulled."""
+        fault("repair.before_pass")
+        if self.draining.is_set():
+            return 0
+        plan = self._plan()
+        if not plan.sources:
+            self.repaired_table = plan.view.table  # nobody else holds our slots' shards: nothing to confirm
+            self.unreachable_sources = ()
+            self.under_replicated = self.catalog.own_under_replicated()
+            return 0
+        view, owners, listings, wanted, sizes = plan.view, plan.owners, plan.listings, plan.wanted, plan.sizes
+        complete = plan.complete
+        self.unreachable_sources = tuple(sorted(h for h, r in listings.items() if isinstance(r, StoreError)))
+        order = [key for wave in plan.waves for key in wave]  # every job's newest step first: what a restarted trainer restores
+        if order and self.adopt_local is not None and self.adopt_local(set(order)):
+            order = [k for k in order if self.catalog.get(k) is None]
+        # Several pulls at once, each starting at a different holder (a replacement fills up from its whole group), small
+        # ones together, large ones in turn (RepairGate).
         spread = [(key, wanted[key][i % len(wanted[key]) :] + wanted[key][: i % len(wanted[key])]) for i, key in enumerate(order)]
         gate = RepairGate(REPAIR_BYTES_IN_FLIGHT)
         results: list[bool | None] = []
@@ -420,6 +440,24 @@ class Recovery:
             listings, here, view.slot_name_of_owner, owners, self.host_id, self.config.replicas, self.config.keep
         )
         return pulled
+
+
+@dataclass(frozen=True)
+class RepairPlan:
+    """One listing of a host's group and what a repair pass pulls from it (``Recovery._plan``)."""
+
+    view: ClusterView
+    owners: set[str]  # the slots whose shards this host holds
+    sources: Collection[str]  # the hosts that may hold copies of them (none: nothing to list)
+    listings: dict[str, list[ShardInfo] | StoreError]
+    wanted: dict[ShardKey, list[str]]  # key -> the hosts holding a verified copy
+    sizes: dict[ShardKey, int]
+    waves: list[list[ShardKey]]  # the recent keys to hold, every job's newest step first (``repair_waves``)
+
+    @property
+    def complete(self) -> bool:
+        """Every source answered."""
+        return not any(isinstance(shards, StoreError) for shards in self.listings.values())
 
 
 def durable_holdings(durable: DurableTier | None, job_id: str, unreachable: list[str]) -> list[Holding]:

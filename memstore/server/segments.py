@@ -249,6 +249,12 @@ class SegmentPool:
         """Whether the reserve is being faulted in toward its goal (it is short of it, and the capacity has room)."""
         return self.reserve.filling
 
+    def expect(self, sizes: list[int]) -> None:
+        """Shards about to be pulled here, before the store serves (``ReservePolicy.expect``); no-op without a reserve."""
+        with self._lock:
+            if self.reserve.policy is not None:
+                self.reserve.policy.expect(sizes)
+
     def prefault_now(self) -> int:
         """Fault in the part of the reserve wanted before the store serves (``Reserve.fill_now``); the bytes ready."""
         return self.reserve.fill_now()

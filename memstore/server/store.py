@@ -242,6 +242,11 @@ class Store:
         if self.sweeper is not None:
             self.sweeper.sweep()  # adopt before the first repair pass looks
         t0 = time.monotonic()
+        if self.config.prefault != 0:  # a replacement: what its group holds for it, so its first pulls land in ready memory
+            expected = self.recovery.expected_pulls()
+            if expected:
+                self.pool.expect(expected)
+                log.info("the group holds %d shard(s) of %s for this host's newest steps", len(expected), format_size(sum(expected)))
         ready = self.pool.prefault_now()
         if ready:
             log.info("faulted in %s of the --prefault reserve before serving in %.2fs", format_size(ready), time.monotonic() - t0)

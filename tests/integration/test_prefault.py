@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -149,3 +150,25 @@ def test_a_failed_reservation_ahead_only_costs_the_reservation(make_inprocess_cl
         c._ring._ahead = failed
         c.save(2, state(2)).wait(timeout=30)
         assert c.load(2)["w"][0].item() == 2.0
+
+
+def test_a_replacement_with_the_automatic_reserve_faults_its_groups_newest_shard_in_before_serving(
+    make_inprocess_cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--prefault auto (the default) knows no shard size on a fresh store, but a replacement's group does: before it
+    serves, the replacement lists what it will pull and faults the newest step's shards in, so the pull a restarted
+    trainer's load() waits for lands in memory ready for it (nothing fresh is faulted in beside that pull)."""
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB", keep=2)
+    with caplog.at_level(logging.INFO, logger="memstore.server.store"):
+        with CheckpointClient("auto-repl", 0, 1, connection=Connection(cluster.address("h0"))) as c:
+            for step in (1, 2):
+                c.save(step, state(step)).wait(timeout=30)
+        assert "the group holds" not in caplog.text  # fresh stores of a fresh cluster: nothing to expect
+        cluster.kill("h0")
+        caplog.clear()
+        cluster.restart("h0")
+        said = [r.getMessage() for r in caplog.records if getattr(r, "host", "h0") == "h0"]
+    assert any("the group holds 1 shard(s) of 4.00 MiB" in m for m in said), said
+    assert any("of the --prefault reserve before serving" in m for m in said), said
+    with CheckpointClient("auto-repl", 0, 1, connection=Connection(cluster.address("h0"))) as c:
+        assert c.load()["w"][0].item() == 2.0

@@ -278,3 +278,19 @@ def test_only_a_segment_made_for_the_shard_is_fresh(directory: str | None) -> No
         assert from_reserve is not new and not from_reserve.fresh
     finally:
         pool.close()
+
+
+def test_a_replacement_expects_its_groups_newest_shards_before_it_serves() -> None:
+    """``expect``: what the first repair pass will pull (the newest step of each shard the group holds for this host).
+    The automatic reserve faults that much in before serving, up to its goal; an explicit one learns the shard size."""
+    auto = ReservePolicy(None, keep=2)
+    assert auto.before_serving() == 0  # a fresh store of a fresh cluster: nothing known
+    auto.expect([16 * MiB, MIN_UNIT - 1])  # a tiny shard faults in fast: not worth a segment of its own
+    assert auto.before_serving() == 16 * MiB and auto.goal().unit == 16 * MiB
+    many = ReservePolicy(None, keep=2)
+    many.expect([16 * MiB] * 5)
+    assert many.before_serving() == 2 * 16 * MiB  # at most the automatic goal: two units
+    explicit = ReservePolicy(80 * MiB, keep=2)
+    explicit.expect([10 * MiB])
+    assert explicit.before_serving() == 16 * MiB and explicit.goal().unit == 10 * MiB  # shard-sized segments
+    assert ReservePolicy(0).before_serving() == 0

@@ -132,9 +132,14 @@ class Peer:
         except SlotTableError as exc:
             raise PeerUnavailable(f"peer {self.host_id} at {self.address} sent a malformed slot table: {exc}") from None
 
-    def list(self, job_id: str, timeout: float) -> list[ShardInfo]:
+    def list(self, job_id: str, timeout: float, retrying: bool = True) -> list[ShardInfo]:
+        """The peer's shards of ``job_id`` (every job: ""). ``retrying=False``: asked once, and a failure does not mark
+        the peer suspect (a starting store probing peers that may not serve yet)."""
         try:
-            resp = self._call(lambda: self.stub.List(pb.ListRequest(job_id=job_id), timeout=timeout))
+            if retrying:
+                resp = self._call(lambda: self.stub.List(pb.ListRequest(job_id=job_id), timeout=timeout))
+            else:
+                resp = self.stub.List(pb.ListRequest(job_id=job_id), timeout=timeout)
         except grpc.RpcError as err:
             raise _peer_error(self.host_id, "List", err) from None
         if resp.host_id != self.host_id:
@@ -316,14 +321,16 @@ class PeerDirectory:
     def ids(self) -> list[str]:
         return list(self._peers)
 
-    def list_all(self, job_id: str, timeout: float, hosts: Iterable[str] | None = None) -> dict[str, list[ShardInfo] | StoreError]:
-        """List every (or the given) peer in parallel; failures are returned, not raised."""
+    def list_all(
+        self, job_id: str, timeout: float, hosts: Iterable[str] | None = None, retrying: bool = True
+    ) -> dict[str, list[ShardInfo] | StoreError]:
+        """List every (or the given) peer in parallel; failures are returned, not raised (``Peer.list``'s ``retrying``)."""
         peers = self._peers
         targets = [h for h in (hosts if hosts is not None else peers) if h in peers]
 
         def one(h: str) -> list[ShardInfo] | StoreError:
             try:
-                return peers[h].list(job_id, timeout)
+                return peers[h].list(job_id, timeout, retrying)
             except StoreError as exc:
                 return exc
 

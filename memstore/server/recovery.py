@@ -380,12 +380,12 @@ class Recovery:
         """Bytes of each shard of the newest step of every job that the first repair pass will pull here (a replacement's
         own and its group's), from one listing of the group; [] when nothing is to pull or a peer does not answer. The
         automatic reserve faults that much in before the store serves (``ReservePolicy.expect``)."""
-        plan = self._plan(min(self.config.peer_timeout, EXPECT_TIMEOUT))
+        plan = self._plan(min(self.config.peer_timeout, EXPECT_TIMEOUT), retrying=False)  # peers may not serve yet
         if not plan.sources or not plan.complete or not plan.waves:
             return []
         return [plan.sizes[k] for k in plan.waves[0] if self.catalog.get(k) is None]
 
-    def _plan(self, timeout: float | None = None) -> RepairPlan:
+    def _plan(self, timeout: float | None = None, retrying: bool = True) -> RepairPlan:
         """One listing of the group and what to pull from it (nothing listed when no other host holds this host's slots'
         shards: ``sources`` empty)."""
         view = self.membership.view  # one table for the whole pass
@@ -393,7 +393,7 @@ class Recovery:
         sources = view.repair_sources(owners)
         if not sources:
             return RepairPlan(view, owners, sources, {}, {}, {}, [])
-        listings = self.peers.list_all("", self.config.peer_timeout if timeout is None else timeout, hosts=sources)
+        listings = self.peers.list_all("", self.config.peer_timeout if timeout is None else timeout, hosts=sources, retrying=retrying)
         wanted, copies, sizes = _wanted(listings, view, owners)
         recent = {job: ranked_versions(held, self.config.keep) for job, held in copies.items()}  # the abandoned run's steps rank lower
         todo = [

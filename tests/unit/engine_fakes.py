@@ -148,7 +148,9 @@ class FakePeers:
     def __getitem__(self, host_id: str) -> FakePeer:
         return self.peers[host_id]
 
-    def list_all(self, job_id: str, timeout: float, hosts: Iterable[str] | None = None) -> dict[str, list[ShardInfo] | StoreError]:
+    def list_all(
+        self, job_id: str, timeout: float, hosts: Iterable[str] | None = None, retrying: bool = True
+    ) -> dict[str, list[ShardInfo] | StoreError]:
         out: dict[str, list[ShardInfo] | StoreError] = {}
         for h in self.peers if hosts is None else hosts:
             if h in self.peers:

@@ -2,8 +2,8 @@
 pre-faulted memory), raw TCP between two Python processes on loopback, and ``torch.save`` + fsync / ``torch.load``
 (DCP ``async_save``: :mod:`memstore.bench.floors_dcp`). ``torch.load`` runs in a new process, as the restores do.
 
-The TCP sender is this module run as a child: ``python -m memstore.bench.floors PORT NBYTES REPS``, or, for
-``PairedTcp`` (one transfer on demand, paired with each save), ``python -m memstore.bench.floors --paired PORT NBYTES``.
+The TCP sender is this module run as a child: ``python -m memstore.bench.floors PORT NBYTES`` (``PairedTcp``: one
+transfer each time it is asked; the floor is a few of them, each save's paired TCP one).
 """
 
 from __future__ import annotations
@@ -44,75 +44,45 @@ def floor_memcpy(tensors: list[torch.Tensor], reps: int = MEMCPY_REPS) -> dict[s
 
 
 def floor_tcp(nbytes: int, reps: int = TCP_REPS) -> dict[str, Any]:
-    """A child Python process sends ``nbytes`` ``reps`` times (sendall of 4 MiB memoryview slices); this process
-    receives with recv_into a pre-faulted buffer. Each repetition is timed from its first byte (rep 0) or the previous
-    repetition's last byte to its last byte; the figure is bytes per second, p50."""
-    buf = bytearray(nbytes)
-    view = memoryview(buf)
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        listener.settimeout(FLOOR_TIMEOUT)
-        port = listener.getsockname()[1]
-        child = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(port), str(nbytes), str(reps)], stderr=subprocess.PIPE, env=module_env()
-        )
-        try:
-            conn, _ = listener.accept()
-            with conn:
-                conn.settimeout(FLOOR_TIMEOUT)
-                rates = _receive(conn, view, nbytes, reps)
-                conn.sendall(b"k")
-            _, err = child.communicate(timeout=FLOOR_TIMEOUT)
-        finally:
-            view.release()
-            if child.poll() is None:
-                child.kill()
-                child.wait(timeout=10)
-    if child.returncode != 0:
-        raise RuntimeError(f"TCP sender failed with {child.returncode}: {err.decode(errors='replace')[-2000:]}")
+    """Raw TCP of ``nbytes``, ``reps`` transfers on one connection (``PairedTcp``: a child Python process sends 4 MiB
+    memoryview slices with blocking ``sendall``, this one receives with ``recv_into`` a pre-faulted buffer); each is
+    timed from its first byte to its last; the figure is bytes per second, p50."""
+    with PairedTcp(nbytes) as tcp:
+        rates = [nbytes / tcp.seconds() for _ in range(reps)]
     return {"bytes": nbytes, "reps": reps, "bytes_per_second": rates, "p50": p50(rates)}
 
 
-def _receive(conn: socket.socket, view: memoryview, nbytes: int, reps: int) -> list[float]:
-    rates: list[float] = []
-    t_prev = 0.0
-    for rep in range(reps):
-        got = missed = 0
-        while got < nbytes:
-            n = conn.recv_into(view[got:], nbytes - got)
-            if n == 0:
-                raise RuntimeError(f"TCP sender closed after {got} of {nbytes} bytes (rep {rep})")
-            if rep == 0 and got == 0:
-                t_prev, missed = time.perf_counter(), n  # rep 0 is timed from its first recv, which it then misses
-            got += n
-        now = time.perf_counter()
-        rates.append((nbytes - missed) / (now - t_prev))
-        t_prev = now
-    return rates
+def _receive(conn: socket.socket, view: memoryview, nbytes: int) -> float:
+    """One transfer of ``nbytes`` into ``view``: bytes per second from its first recv (which it then misses) to its last."""
+    got = missed = 0
+    start = 0.0
+    while got < nbytes:
+        n = conn.recv_into(view[got:], nbytes - got)
+        if n == 0:
+            raise RuntimeError(f"TCP sender closed after {got} of {nbytes} bytes")
+        if got == 0:
+            start, missed = time.perf_counter(), n
+        got += n
+    return (nbytes - missed) / (time.perf_counter() - start)
 
 
 class PairedTcp:
     """Raw loopback TCP of ``nbytes``, one transfer whenever asked: a save's ratio is taken against the TCP of the same
     bytes measured right before it (as its stall is against the memcpy right before it), so a machine whose speed
     drifts over the run (other tenants, frequency) moves both alike. A child process sends (``serve_tcp``), this one
-    receives into a pre-faulted buffer; each transfer is timed from its first byte to its last, like
-    ``floor_tcp``'s first repetition."""
+    receives into a pre-faulted buffer; each transfer is timed from its first byte to its last (``_receive``)."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        self._buf = bytearray(nbytes)
-        self._view = memoryview(self._buf)
-        for off in range(0, nbytes, 1 << 12):
-            self._buf[off] = 0
+        self._buf = prefaulted(nbytes)
+        self._view = self._buf.numpy().data
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
             listener.bind(("127.0.0.1", 0))
             listener.listen(1)
             listener.settimeout(FLOOR_TIMEOUT)
             port = listener.getsockname()[1]
-            self._child = subprocess.Popen(
-                [sys.executable, "-m", __name__, "--paired", str(port), str(nbytes)], stderr=subprocess.PIPE, env=module_env()
-            )
+            sender = [sys.executable, "-m", __name__, str(port), str(nbytes)]
+            self._child = subprocess.Popen(sender, stderr=subprocess.PIPE, env=module_env())
             try:
                 self._conn, _ = listener.accept()
             except BaseException:
@@ -123,21 +93,24 @@ class PairedTcp:
     def seconds(self) -> float:
         """One transfer of ``nbytes``: seconds at the rate from its first byte to its last."""
         self._conn.sendall(b"g")
-        (rate,) = _receive(self._conn, self._view, self.nbytes, 1)
-        return self.nbytes / rate
+        return self.nbytes / _receive(self._conn, self._view, self.nbytes)
 
     def close(self) -> None:
+        """Tell the sender to stop and reap it; RuntimeError with its stderr if it failed."""
         try:
             self._conn.sendall(b"q")
             self._conn.close()
         except OSError:
             pass
-        self._reap()
+        err = self._reap()
         self._view.release()
+        if self._child.returncode != 0:
+            raise RuntimeError(f"TCP sender failed with {self._child.returncode}: {err[-2000:]}")
 
-    def _reap(self) -> None:
+    def _reap(self) -> str:
         try:
-            self._child.communicate(timeout=FLOOR_TIMEOUT)
+            _, err = self._child.communicate(timeout=FLOOR_TIMEOUT)
+            return err.decode(errors="replace")
         finally:
             if self._child.poll() is None:
                 self._child.kill()
@@ -158,26 +131,10 @@ def serve_tcp(port: int, nbytes: int) -> None:
     for off in range(0, nbytes, CHUNK):
         mv[off : off + CHUNK] = pattern[: min(CHUNK, nbytes - off)]
     with socket.create_connection(("127.0.0.1", port), timeout=FLOOR_TIMEOUT) as s:
-        s.settimeout(None)
+        s.settimeout(None)  # blocking sends: one call per piece (with a timeout, sendall polls before every partial send)
         while s.recv(1) == b"g":
             for off in range(0, nbytes, CHUNK):
                 s.sendall(mv[off : off + CHUNK])
-
-
-def send_tcp(port: int, nbytes: int, reps: int) -> None:
-    """The sending side of :func:`floor_tcp`; waits for the receiver's one-byte acknowledgement."""
-    buf = bytearray(nbytes)
-    mv = memoryview(buf)
-    pattern = bytes(range(256)) * (CHUNK // 256)
-    for off in range(0, nbytes, CHUNK):
-        mv[off : off + CHUNK] = pattern[: min(CHUNK, nbytes - off)]
-    with socket.create_connection(("127.0.0.1", port), timeout=FLOOR_TIMEOUT) as s:
-        s.settimeout(None)  # blocking sends: one call per piece (with a timeout, sendall polls before every partial send)
-        for _ in range(reps):
-            for off in range(0, nbytes, CHUNK):
-                s.sendall(mv[off : off + CHUNK])
-        s.shutdown(socket.SHUT_WR)
-        s.recv(1)
 
 
 def _evict_page_cache(path: str) -> bool:
@@ -235,7 +192,4 @@ def floor_disk(state: Any, disk_dir: str | None, reps: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--paired":
-        serve_tcp(int(sys.argv[2]), int(sys.argv[3]))
-    else:
-        send_tcp(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    serve_tcp(int(sys.argv[1]), int(sys.argv[2]))

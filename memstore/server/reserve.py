@@ -173,8 +173,7 @@ class Reserve:
         thread starts no new segment while it is, for up to ``yield_seconds`` each. Faulting in takes a core (0.14 s per
         GiB on huge pages, about 0.5 s on 4 KiB pages, on the development VM): beside a replacement's first repair pull,
         the restore waiting on that pull took 0.46-0.56 s instead of 0.36-0.38 s (1 GiB, huge pages, 2 cores). It never
-        pauses inside a segment, so an allocation
-        waiting for the bytes it is faulting in never waits on a transfer."""
+        pauses inside a segment, so an allocation waiting for the bytes it is faulting in never waits on a transfer."""
         if self.policy is None or self.thread is not None:
             return
         self._busy = busy
@@ -203,17 +202,18 @@ class Reserve:
             self._wake.wait(timeout=5.0)
             self._wake.clear()
             self._apply_shrinks()
-            while not self._closed and self._yield_to_foreground() and self._add_one():
-                pass
+            while not self._closed:
+                self._yield_to_foreground()
+                if not self._add_one():
+                    break
 
-    def _yield_to_foreground(self) -> bool:
-        """Wait (bounded) while the store is busy in the foreground, before a new segment; always True (go on)."""
+    def _yield_to_foreground(self) -> None:
+        """Wait (bounded) while the store is busy in the foreground, before a new segment."""
         if self._busy is None:
-            return True
+            return
         deadline = time.monotonic() + self._yield_seconds
         while not self._closed and self._busy() and time.monotonic() < deadline:
             time.sleep(YIELD_POLL_SECONDS)
-        return True
 
     def _resize(self, seg: Segment, size: int) -> bool:
         """Resize fresh ``seg`` to ``size`` bytes: grown now if the capacity has room, trimmed later by the

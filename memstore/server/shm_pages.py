@@ -11,6 +11,7 @@ its ``huge=`` mount option (``never`` by default, which is what ``/dev/shm`` usu
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 MOUNTS = "/proc/self/mounts"
@@ -44,33 +45,24 @@ class ShmPages:
 
 def _unescape(field: str) -> str:
     """A /proc/mounts field with its octal escapes (\\040 for a space) decoded."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _read(path: str) -> str:
+    """The text of a /proc or /sys file; "" where it cannot be read (another OS, no THP in the kernel)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def shm_pages(directory: str, mounts: str | None = None, shmem_enabled: str | None = None) -> ShmPages:
     """The page policy for files under ``directory`` (which may not exist yet: its nearest existing parent counts).
     ``mounts`` (the text of /proc/self/mounts) and ``shmem_enabled`` (the sysfs switch, e.g. ``always [never] deny``)
     are read from the system when None."""
-    if mounts is None:
-        try:
-            with open(MOUNTS, encoding="utf-8") as f:
-                mounts = f.read()
-        except OSError:
-            mounts = ""
-    if shmem_enabled is None:
-        try:
-            with open(SHMEM_ENABLED, encoding="utf-8") as f:
-                shmem_enabled = f.read()
-        except OSError:
-            shmem_enabled = ""
+    mounts = _read(MOUNTS) if mounts is None else mounts
+    shmem_enabled = _read(SHMEM_ENABLED) if shmem_enabled is None else shmem_enabled
     path = os.path.realpath(directory)
     best: tuple[str, str, str] = ("", "", "")
     for line in mounts.splitlines():

@@ -394,6 +394,9 @@ class CheckpointClient:
             if captured is None:
                 r.capture.CopyFrom(ring.report())
                 r.capture_seconds = time.perf_counter() - started
+                if sums is not None and sums.values is not None:
+                    r.chunk_size, r.checksum_algo = sums.chunk_size, CHECKSUM_ALGO
+                    r.chunk_checksums.extend(sums.values)
             if slot.ahead:
                 r.key.CopyFrom(key)
                 r.nbytes = layout.nbytes
@@ -405,6 +408,9 @@ class CheckpointClient:
             not blobs and not deferred and layout.nbytes >= MARKED_FROM and self.hello.marked_captures and self.hello.replicas > 1
             and self._marking
         )  # fmt: skip
+        # Otherwise a state copied by this process alone is hashed chunk by chunk as it is copied, with the store's
+        # chunk size: the store then never reads the shard back to hash it (CommitRequest.chunk_checksums).
+        sums = serialization.ChunkSums(self.hello.max_chunk_bytes) if not blobs and not marking and self.hello.max_chunk_bytes else None
 
         def mark(captured: int) -> None:
             self._control("Commit", request(captured), f"commit step {key.step} (its first {captured} bytes)")
@@ -423,7 +429,7 @@ class CheckpointClient:
             else:
                 release()
 
-        return Capture(start_copies, host_writer(layout, blobs, slot.mm, mark=mark if marking else None), commit, abort)
+        return Capture(start_copies, host_writer(layout, blobs, slot.mm, mark=mark if marking else None, sums=sums), commit, abort)
 
     def prepare(self, state_or_nbytes: Any, *, replicated: Sequence[str] | None = None) -> None:
         """Make the next save fast from the first one: reserve its memory in the store now, map it, and (for a state
@@ -473,15 +479,17 @@ class CheckpointClient:
             self._captures.copier.pin_buffer(buf)
         blobs, start_copies = self._captures.device_copies(layout, buf, deferred=capture == "enqueued")
         chunk = min(DEFAULT_CHUNK_BYTES, self.hello.max_chunk_bytes or DEFAULT_CHUNK_BYTES)
+        sums = serialization.ChunkSums(chunk)  # hashed as the copy goes unless device copies fill part of it
         created = time.time()
 
         def send() -> None:
+            checksums = sums.values if sums.values is not None else compute_checksums(view, layout.nbytes, chunk, workers=VERIFY_THREADS)
             manifest = pb.Manifest(
                 key=key,
                 world_size=self.world_size,
                 nbytes=layout.nbytes,
                 chunk_size=chunk,
-                chunk_checksums=compute_checksums(view, layout.nbytes, chunk, workers=VERIFY_THREADS),
+                chunk_checksums=checksums,
                 checksum_algo=CHECKSUM_ALGO,
                 format_version=serialization.FORMAT_VERSION,
                 metrics=metrics,
@@ -508,7 +516,8 @@ class CheckpointClient:
             self._sends.append(future)
             return future
 
-        return Capture(start_copies, host_writer(layout, blobs, view, fault_ahead=fresh), finish, lambda: self._free_staging.append(buf))
+        writer = host_writer(layout, blobs, view, fault_ahead=fresh, sums=sums)
+        return Capture(start_copies, writer, finish, lambda: self._free_staging.append(buf))
 
     def _staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]:
         """A free staging buffer of at least ``nbytes`` (kept between saves: its pages are faulted in once), and

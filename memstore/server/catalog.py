@@ -48,7 +48,7 @@ from memstore.server.entries import (
     ensure,
 )
 from memstore.server.segments import NO_RING, Segment, SegmentPool
-from memstore.v1.integrity import first_mismatch
+from memstore.v1.integrity import ChunkChecksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import manifest_problem, stripe_problem
 
@@ -442,12 +442,13 @@ class Catalog:
     def commit_lease(
         self, lease_id: str, key: ShardKey | None, nbytes: int, metrics: dict[str, float], format_version: int, spill_codec: str,
         capture: CaptureReport | None, stripe: Stripe | None = None, floor: int | None = None,
+        checksums: ChunkChecksums | None = None,
     ) -> Entry:  # fmt: skip
         """Register the shard of allocation lease ``lease_id`` (see ``Saver.commit``); older captures of its rank that
         replication has not taken up yet are superseded (newest wins). Returns its entry.
 
-        A wrong key, size, ``stripe`` or restorable ``floor`` (checked against the shard the lease holds) is refused and the
-        lease kept."""
+        A wrong key, size, ``stripe``, restorable ``floor`` or client ``checksums`` (checked against the shard the lease
+        holds) is refused and the lease kept."""
         with self._lock:
             lease = self._alloc_leases.get(lease_id)
             if lease is None:
@@ -458,6 +459,8 @@ class Catalog:
             if stripe is not None:
                 rank = entry.key.rank  # an ahead lease's commit may name another step, never another rank
                 ensure(stripe_problem(stripe, rank, entry.world_size, nbytes or entry.nbytes))
+            if checksums is not None:
+                ensure(checksums.problem(nbytes or entry.nbytes, self.config.chunk_bytes))
             del self._alloc_leases[lease_id]
             if lease.ahead:
                 assert key is not None
@@ -472,6 +475,7 @@ class Catalog:
             entry.format_version = format_version
             entry.spill_codec = spill_codec
             entry.stripe = stripe
+            entry.client_checksums = None if checksums is None else checksums.values
             entry.taken_at = time.monotonic()
             self._register_locked(entry)
             self._supersede_older_locked(entry)

@@ -18,6 +18,7 @@ from memstore.core.slots import Slot, SlotTable
 from memstore.core.status import CaptureReport, HealthReport, HelloReport
 from memstore.errors import InvalidArgument
 from memstore.v1 import store_pb2 as pb
+from memstore.v1.integrity import ChunkChecksums
 from memstore.v1.manifests import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, stripe_from_pb
 
 __all__ = [
@@ -69,6 +70,13 @@ def state_from_pb(state: int) -> ShardState | None:
 # -- shard reports and sidecars -------------------------------------------------------
 def capture_from_pb(c: pb.CaptureStats) -> CaptureReport:
     return CaptureReport(c.registrations, c.fallbacks, c.fallback_cause)
+
+
+def client_checksums_from_pb(request: pb.CommitRequest) -> ChunkChecksums | None:
+    """The chunk checksums a Commit carries (``CommitRequest.chunk_checksums``), or None when it carries none."""
+    if not request.chunk_checksums:
+        return None
+    return ChunkChecksums(request.chunk_size, tuple(request.chunk_checksums), request.checksum_algo)
 
 
 def info_to_pb(info: ShardInfo) -> pb.ShardInfo:

@@ -48,6 +48,7 @@ class Entry:
     cached: bool = False  # pulled ahead of a restore (memstore.server.assembler): the first dropped under pressure
     arrived_verified: float = 0.0  # monotonic time a pull landed with every chunk verified; the first Open soon after skips hashing
     progress: CaptureProgress | None = None  # a capture pushed while its client writes it (memstore.server.progress)
+    client_checksums: tuple[int, ...] | None = None  # its chunks' checksums as its client computed them (Commit): none to compute
 
     @property
     def verified(self) -> bool:

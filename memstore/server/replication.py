@@ -102,7 +102,8 @@ class Replicator:
         self._push.shutdown(wait=False, cancel_futures=True)
 
     def capture_and_replicate(self, entry: Entry) -> None:
-        """Checksum ``entry`` (unless it has its manifest), push it to the group peers, settle it.
+        """Checksum ``entry`` (unless it has its manifest, or its client's checksums), push it to the group peers,
+        settle it.
 
         Over the data channel the checksums travel with the chunks: each is computed just before its chunk is sent,
         so hashing overlaps sending, and the owner's manifest gets the very checksums its peers verified. Otherwise
@@ -114,7 +115,9 @@ class Replicator:
         try:
             sums = None
             if entry.manifest is None:
-                if self.config.data_plane == "tcp":
+                if entry.client_checksums is not None:  # hashed by its client as it copied (Commit): nothing to read back
+                    self.catalog.checksummed(entry, self._manifest(entry, entry.client_checksums))
+                elif self.config.data_plane == "tcp":
                     sums = StreamedChecksums(entry.nbytes, self.config.chunk_bytes)
                 else:
                     if entry.progress is not None:

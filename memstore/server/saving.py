@@ -26,7 +26,7 @@ from memstore.server.events import StoreEvents
 from memstore.server.progress import CaptureProgress
 from memstore.server.replication import Replicator
 from memstore.server.segments import Segment, SegmentPool
-from memstore.v1.integrity import MAX_CHUNKS_PER_SHARD, chunk_count
+from memstore.v1.integrity import MAX_CHUNKS_PER_SHARD, ChunkChecksums, chunk_count
 from memstore.v1.keys import capture_problem, host_id_problem, key_problem, metrics_problem
 from memstore.v1.streams import receive_chunks, shard_manifest_problem
 
@@ -117,6 +117,7 @@ class Saver:
         stripe: Stripe | None = None,
         restorable_floor: int | None = None,
         captured_bytes: int | None = None,
+        checksums: ChunkChecksums | None = None,
     ) -> ShardKey:
         """Take a client's capture in: the shard of ``lease_id`` is the store's from now on; replication starts.
 
@@ -129,7 +130,9 @@ class Saver:
         last commit (summed into ``memstore status`` and the metrics); ``capture_seconds``: its save's time until
         this commit (the store sees an ahead lease's save start nowhere). ``stripe``: the shard is one member's
         stripe of a replica group's save (``memstore.core.model.Stripe``), kept in its manifest. ``restorable_floor``:
-        a step of this shard's timeline its job's ranks all saved (``memstore.core.floors``).
+        a step of this shard's timeline its job's ranks all saved (``memstore.core.floors``). ``checksums``: the chunk
+        checksums the client computed as it copied (``ChunkChecksums``): replication hashes nothing and its peers verify
+        against them; only with the Commit that ends a save in one call.
         """
         ensure(codec_problem(spill_codec) or metrics_problem(metrics))
         if capture is not None:
@@ -138,10 +141,12 @@ class Saver:
             raise InvalidArgument(f"capture_seconds {capture_seconds!r} is out of range: expected 0..{MAX_CAPTURE_SECONDS:.0f}")
         if key is not None:
             ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
+        if checksums is not None:
+            ensure(self._checksums_problem(lease_id, captured_bytes))
         entry = self._capturing_entry(lease_id, captured_bytes)
         if entry is None:
             entry = self.catalog.commit_lease(
-                lease_id, key, nbytes, metrics, format_version, spill_codec, capture, stripe, restorable_floor
+                lease_id, key, nbytes, metrics, format_version, spill_codec, capture, stripe, restorable_floor, checksums
             )  # fmt: skip
             self._note_floor(entry.key, restorable_floor)
             if captured_bytes is not None:  # the client goes on writing: push what is final meanwhile
@@ -172,6 +177,15 @@ class Saver:
         for entry in capturing:
             if entry.progress is not None:
                 entry.progress.abandon("the store is closing")
+
+    def _checksums_problem(self, lease_id: str, captured_bytes: int | None) -> str | None:
+        """Why a Commit of ``lease_id`` may not carry the client's chunk checksums: a capture pushed as it is copied
+        (marks) is hashed by the store, chunk by chunk as it becomes final."""
+        with self._capturing_lock:
+            marked = lease_id in self._capturing
+        if captured_bytes is not None or marked:
+            return "chunk_checksums come with the one Commit of a save, never with a capture committed in marks (captured_bytes)"
+        return None
 
     def _capturing_entry(self, lease_id: str, captured_bytes: int | None) -> Entry | None:
         """The shard of ``lease_id`` if it is a capture being pushed while its client writes it (None: the lease's first

@@ -22,6 +22,7 @@ from memstore.errors import InvalidArgument, StoreError
 from memstore.server.auth import Authenticator, Need, Principal
 from memstore.server.convert import (
     capture_from_pb,
+    client_checksums_from_pb,
     health_to_pb,
     hello_to_pb,
     info_to_pb,
@@ -150,6 +151,7 @@ class StoreServicer(pb_grpc.StoreServicer):
             stripe=stripe_from_pb(request.stripe, request.key.job_id) if request.HasField("stripe") else None,
             restorable_floor=request.restorable_floor if request.HasField("restorable_floor") else None,
             captured_bytes=request.captured_bytes if request.HasField("captured_bytes") else None,
+            checksums=client_checksums_from_pb(request),
         )
         return pb.CommitResponse(key=key_to_pb(key))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import xxhash
 
@@ -45,6 +46,27 @@ def running_checksum() -> xxhash.xxh3_64:
     receiver hashes each piece right after it lands, while it is still in the core's cache, instead of reading the
     whole chunk back from memory afterwards."""
     return xxhash.xxh3_64()
+
+
+@dataclass(frozen=True)
+class ChunkChecksums:
+    """A shard's chunk checksums as a client computed them while it copied the shard (``CommitRequest.chunk_checksums``):
+    the store takes them as its manifest's instead of reading the shard back to hash it."""
+
+    chunk_size: int
+    values: tuple[int, ...]
+    algo: str = CHECKSUM_ALGO
+
+    def problem(self, nbytes: int, chunk_size: int) -> str | None:
+        """What is wrong with these for a shard of ``nbytes`` on a store cutting chunks of ``chunk_size``, or None."""
+        if self.algo != CHECKSUM_ALGO:
+            return f"chunk checksums use {self.algo!r}; this store verifies {CHECKSUM_ALGO!r}"
+        if self.chunk_size != chunk_size:
+            return f"chunk checksums were computed over {self.chunk_size}-byte chunks; this store cuts {chunk_size}-byte ones"
+        want = chunk_count(nbytes, chunk_size)
+        if len(self.values) != want:
+            return f"{len(self.values)} chunk checksums for a shard of {nbytes} bytes, which has {want} chunks of {chunk_size} bytes"
+        return None
 
 
 def compute_checksums(buf: memoryview, nbytes: int, chunk_size: int, workers: int = 1) -> list[int]:

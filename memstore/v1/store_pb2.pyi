@@ -311,7 +311,7 @@ class AllocateResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ..., ring_paths: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., ring_limit: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds", "stripe", "restorable_floor", "captured_bytes")
+    __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds", "stripe", "restorable_floor", "captured_bytes", "chunk_size", "chunk_checksums", "checksum_algo")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +330,9 @@ class CommitRequest(_message.Message):
     STRIPE_FIELD_NUMBER: _ClassVar[int]
     RESTORABLE_FLOOR_FIELD_NUMBER: _ClassVar[int]
     CAPTURED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     metrics: _containers.ScalarMap[str, float]
     format_version: int
@@ -341,7 +344,10 @@ class CommitRequest(_message.Message):
     stripe: Stripe
     restorable_floor: int
     captured_bytes: int
-    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ..., spill_codec: _Optional[str] = ..., key: _Optional[_Union[ShardKey, _Mapping]] = ..., nbytes: _Optional[int] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., capture_seconds: _Optional[float] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ..., restorable_floor: _Optional[int] = ..., captured_bytes: _Optional[int] = ...) -> None: ...
+    chunk_size: int
+    chunk_checksums: _containers.RepeatedScalarFieldContainer[int]
+    checksum_algo: str
+    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ..., spill_codec: _Optional[str] = ..., key: _Optional[_Union[ShardKey, _Mapping]] = ..., nbytes: _Optional[int] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., capture_seconds: _Optional[float] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ..., restorable_floor: _Optional[int] = ..., captured_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum_algo: _Optional[str] = ...) -> None: ...
 
 class CaptureStats(_message.Message):
     __slots__ = ("registrations", "fallbacks", "fallback_cause")

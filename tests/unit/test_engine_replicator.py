@@ -9,7 +9,8 @@ import pytest
 from memstore.core.floors import Floors
 from memstore.core.model import ShardKey, ShardState
 from memstore.server.replication import Replicator
-from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, commit, config, make_catalog, membership
+from memstore.v1.integrity import ChunkChecksums
+from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, captured, commit, config, make_catalog, membership
 
 pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 32  # 8 KiB
@@ -108,3 +109,25 @@ def test_a_capture_whose_client_stops_is_dropped_and_pushed_nowhere() -> None:
     rep.capture_and_replicate(entry)
     assert catalog.list_shards("job") == [] and peer.pushes == [] and entry.segment in pool.released
     assert "abandoned" in entry.error and catalog.in_flight == 0
+
+
+@pytest.mark.parametrize("plane", ["tcp", "grpc"])
+def test_a_capture_its_client_hashed_is_pushed_with_those_checksums_and_never_read_back(plane: str, monkeypatch) -> None:
+    from memstore.server import replication
+
+    def no_hashing(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the store hashed a shard its client had hashed")
+
+    monkeypatch.setattr(replication, "StreamedChecksums", no_hashing)
+    monkeypatch.setattr(replication, "compute_checksums", no_hashing)
+    peer = FakePeer("h1", data_channel=plane == "tcp")
+    rep, catalog, _, _, _ = replicator(peer, data_plane=plane)
+    key = ShardKey("job", 1, 0)
+    sums = ChunkChecksums(4096, (11, 22))  # not DATA's: the store takes them as they are, its peers verify them
+    lease = catalog.lease_allocation(captured(catalog, key, DATA), ahead=False)
+    entry = catalog.commit_lease(lease, None, 0, {}, 1, "", None, checksums=sums)
+    rep.catalog.add_in_flight(1)
+    rep.capture_and_replicate(entry)
+    (info,) = catalog.list_shards("job")
+    assert info.state is ShardState.COMMITTED and info.manifest.checksums == (11, 22)
+    assert peer.held[key][0].checksums == (11, 22) and peer.held[key][1] == DATA

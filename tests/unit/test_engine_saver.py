@@ -11,6 +11,7 @@ from memstore.core.model import PutOrigin, ShardKey, ShardState, TransferHeader
 from memstore.errors import Draining, InvalidArgument, LeaseError
 from memstore.server.entries import Entry
 from memstore.server.saving import Saver
+from memstore.v1.integrity import ChunkChecksums, compute_checksums
 from tests.unit.engine_fakes import RecordingEvents, config, make_catalog, manifest_of
 
 pytestmark = pytest.mark.unit
@@ -79,3 +80,36 @@ def test_closing_gives_up_the_captures_still_being_written() -> None:
     assert entry.progress.abandoned == "the store is closing"
     with pytest.raises(LeaseError):
         s.commit(lease, {}, 1)  # the end of a capture given up: the client saves again
+
+
+def test_a_commit_takes_its_clients_chunk_checksums_and_refuses_wrong_ones_keeping_the_lease() -> None:
+    s, catalog, pool, _, submitted, _ = saver()
+    key = ShardKey("job", 1, 0)
+    lease, seg = s.allocate(key, 1, len(DATA))
+    seg.view(len(DATA))[:] = DATA
+    right = compute_checksums(memoryview(DATA), len(DATA), 4096)
+    wrong = {
+        "'crc32'": ChunkChecksums(4096, tuple(right), "crc32"),
+        "2048-byte chunks; this store cuts 4096": ChunkChecksums(2048, tuple(right)),
+        "1 chunk checksums for a shard of 8192 bytes, which has 2": ChunkChecksums(4096, tuple(right[:1])),
+    }
+    for why, sums in wrong.items():
+        with pytest.raises(InvalidArgument, match=why):
+            s.commit(lease, {}, 1, checksums=sums)
+    with pytest.raises(InvalidArgument, match="captured_bytes"):
+        s.commit(lease, {}, 1, captured_bytes=100, checksums=ChunkChecksums(4096, tuple(right)))
+    assert not submitted and pool.used == len(DATA)  # every refusal kept the lease and its bytes
+    s.commit(lease, {}, 1, checksums=ChunkChecksums(4096, tuple(right)))
+    assert [e.key for e in submitted] == [key] and catalog.get(key).client_checksums == tuple(right)
+
+
+def test_the_final_commit_of_a_marked_capture_carries_no_checksums() -> None:
+    s, _, _, _, submitted, _ = saver()
+    lease, seg = s.allocate(ShardKey("job", 1, 0), 1, len(DATA))
+    seg.view(len(DATA))[:] = DATA
+    s.commit(lease, {}, 1, captured_bytes=4096)
+    sums = ChunkChecksums(4096, tuple(compute_checksums(memoryview(DATA), len(DATA), 4096)))
+    with pytest.raises(InvalidArgument, match="marks"):
+        s.commit(lease, {}, 1, checksums=sums)
+    (entry,) = submitted
+    assert entry.client_checksums is None and entry.progress is not None and not entry.progress.finished

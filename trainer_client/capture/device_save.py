@@ -31,7 +31,7 @@ from memstore.v1.pagefaults import FaultAhead
 from trainer_client.capture import cuda
 from trainer_client.capture.ring import CaptureStats
 from trainer_client.errors import CapacityExceededError, CaptureError
-from trainer_client.serialization import ALIGNMENT, ShardLayout
+from trainer_client.serialization import ALIGNMENT, ChunkSums, ShardLayout
 from trainer_client.serialization.dtypes import raw_byte_view
 
 log = logging.getLogger(__name__)
@@ -106,11 +106,13 @@ def host_writer(
     memory: mmap.mmap | memoryview,
     fault_ahead: bool = False,
     mark: Callable[[int], None] | None = None,
+    sums: ChunkSums | None = None,
 ) -> Callable[[], None]:
     """A function writing ``layout`` into ``memory`` but for the blobs in ``skip`` (the CUDA ones: DMA fills them).
 
     ``fault_ahead``: a thread faults fresh pages in beside the copy (``memstore.v1.pagefaults.FaultAhead``).
-    ``mark``: told how many of the shard's bytes are final as the copy goes (``ShardLayout.write_into``).
+    ``mark``: told how many of the shard's bytes are final as the copy goes (``ShardLayout.write_into``). ``sums``: the
+    chunks are hashed as they are copied (``ShardLayout.write_into``).
     """
     skipped = frozenset(skip)
 
@@ -118,7 +120,7 @@ def host_writer(
         view = memoryview(memory)[: layout.nbytes]  # released below: an mmap with a live export cannot close
         ahead = FaultAhead(view) if fault_ahead else None
         try:
-            layout.write_into(view, skip=skipped, mark=mark)
+            layout.write_into(view, skip=skipped, mark=mark, sums=sums)
         finally:
             if ahead is not None:
                 ahead.stop()

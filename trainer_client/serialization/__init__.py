@@ -12,12 +12,13 @@ Public surface (what ``__all__`` lists): :func:`plan` a state into a :class:`Sha
 ``encoder``         :func:`plan`, :class:`ShardLayout` (``write_into``), :func:`encode`
 ``blob_writer``     the copies of blobs into a shard buffer
 ``decoder``         :func:`decode`, :func:`peek_header`
-``memory``          byte views, parallel memmove, the GC pause of header bursts
+``memory``          byte views, parallel memmove (hashing chunks as it copies), the GC pause
 ==================  ================================================================
 """
 
 from trainer_client.serialization.decoder import decode, peek_header
 from trainer_client.serialization.encoder import ShardLayout, encode, plan
+from trainer_client.serialization.memory import ChunkSums
 from trainer_client.serialization.spec import ALIGNMENT, FORMAT_VERSION, MAGIC, MAX_DEPTH, READABLE_VERSIONS
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "MAGIC",
     "MAX_DEPTH",
     "READABLE_VERSIONS",
+    "ChunkSums",
     "ShardLayout",
     "decode",
     "encode",

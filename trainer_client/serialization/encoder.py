@@ -22,7 +22,7 @@ from numpy.lib.stride_tricks import as_strided
 from trainer_client.errors import InvalidArgumentError, SerializationError
 from trainer_client.serialization.blob_writer import BlobWriter, raise_changed
 from trainer_client.serialization.header import render_header
-from trainer_client.serialization.memory import GcPaused, as_byte_view, parallel_memmove
+from trainer_client.serialization.memory import ChunkSums, GcPaused, as_byte_view, memmove_hashing, parallel_memmove
 from trainer_client.serialization.spec import BLOB_NDARRAY, BLOB_TENSOR, FORMAT_VERSION, MAGIC, PRELUDE, PRELUDE_SIZE, ZEROS, Buffer
 from trainer_client.serialization.walk import (
     DATA_PTR,
@@ -126,7 +126,9 @@ class ShardLayout:
         out[PRELUDE_SIZE : PRELUDE_SIZE + len(self._header)] = self._header
         return bytes(out)
 
-    def write_into(self, buf: Buffer, skip: frozenset[int] = frozenset(), mark: Callable[[int], None] | None = None) -> None:
+    def write_into(
+        self, buf: Buffer, skip: frozenset[int] = frozenset(), mark: Callable[[int], None] | None = None, sums: ChunkSums | None = None
+    ) -> None:
         """Write the shard into ``buf[:nbytes]``: header, then every blob into its slot.
 
         ``buf`` must be a writable, C-contiguous buffer (bytearray, writable mmap,
@@ -139,6 +141,9 @@ class ShardLayout:
 
         ``mark``: called as the shard's bytes become final front to back, with how many are (every
         ``MARK_BYTES`` or so, not after the last blob): the store pushes them to its peers meanwhile.
+
+        ``sums``: hash every chunk of the shard as it is copied (``memmove_hashing``) into ``sums.values``; left None
+        with ``skip`` or ``mark`` (bytes still to come when the copy ends).
         """
         mv = as_byte_view(buf)
         # Everything aliasing ``mv`` (the writer's uint8 tensor) must be dropped before
@@ -169,7 +174,10 @@ class ShardLayout:
                     elif self._others:
                         self._write_each(writer, data_offset, [i for i in self._others if i not in skip] if skip else self._others)
                 self._zero_padding(mv, data_offset)
-            parallel_memmove(writer.moves)
+            if sums is not None and not skip:
+                sums.values = memmove_hashing(writer.moves, writer.base_address(), self.nbytes, sums.chunk_size)
+            else:
+                parallel_memmove(writer.moves)
         finally:
             writer.close()
             mv.release()

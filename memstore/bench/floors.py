@@ -90,6 +90,10 @@ class PairedTcp:
                 raise
         self._conn.settimeout(FLOOR_TIMEOUT)
 
+    @property
+    def sender_pid(self) -> int:
+        return self._child.pid
+
     def seconds(self) -> float:
         """One transfer of ``nbytes``: seconds at the rate from its first byte to its last."""
         self._conn.sendall(b"g")

@@ -8,10 +8,12 @@ Save 1 is the first save of a fresh job on freshly started stores (nothing warms
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from memstore.bench.cpu import CpuMeter
 from memstore.bench.floors import PairedTcp
 from memstore.bench.state import MiB, copy_all, fingerprint, make_state, nbytes_of, p50, prefaulted, tensors_of
 from memstore.bench.stores import restore_in_new_process, wait_caught_up, wait_idle, wait_settled
@@ -44,29 +46,38 @@ class Series:
     count: int
     paired: Any = None  # a pre-faulted buffer of the state's bytes for the paired memcpy (None: no memcpy)
     tcp: PairedTcp | None = None  # raw TCP of the shard's bytes, measured right before each save (None: not measured)
+    stores: dict[str, int] = field(default_factory=dict)  # the store processes' pids: their CPU per save is reported
 
 
 def one_save(series: Series, index: int, tensors: list[Any]) -> dict[str, Any]:
     """A paired raw TCP transfer and memcpy (when asked), then one save timed from the call: stall (call -> return) and
-    call -> committed; ``nbytes``: the bytes the rank captured (its shard's size as the store reports it)."""
+    call -> committed; ``nbytes``: the bytes the rank captured (its shard's size as the store reports it); ``cpu``: the
+    CPU seconds the save took in the trainer, each store and the machine (``memstore.bench.cpu``), ``tcp_cpu`` those
+    of its paired TCP transfer."""
     from trainer_client.errors import ReplicationError
 
-    tcp = series.tcp.seconds() if series.tcp is not None else None
+    cpus = os.cpu_count() or 1
+    tcp = tcp_cpu = None
+    if series.tcp is not None:
+        with CpuMeter({"sender": series.tcp.sender_pid}) as meter:
+            tcp = series.tcp.seconds()
+        tcp_cpu = meter.report(cpus)
     memcpy = None
     if series.paired is not None:
         t = time.perf_counter()
         copy_all(series.paired, tensors)
         memcpy = time.perf_counter() - t
-    t0 = time.perf_counter()
-    handle = series.client.save(index + 1, series.state)
-    t1 = time.perf_counter()
-    copies, nbytes, error = 0, 0, ""
-    try:
-        result = handle.wait(timeout=commit_timeout(nbytes_of(tensors)))
-        copies, nbytes = int(result.copies), int(result.nbytes)
-    except (ReplicationError, TimeoutError) as exc:  # a real outcome (a peer timing out): recorded, the run goes on
-        error = str(exc)
-    t2 = time.perf_counter()
+    with CpuMeter(series.stores) as meter:
+        t0 = time.perf_counter()
+        handle = series.client.save(index + 1, series.state)
+        t1 = time.perf_counter()
+        copies, nbytes, error = 0, 0, ""
+        try:
+            result = handle.wait(timeout=commit_timeout(nbytes_of(tensors)))
+            copies, nbytes = int(result.copies), int(result.nbytes)
+        except (ReplicationError, TimeoutError) as exc:  # a real outcome (a peer timing out): recorded, the run goes on
+            error = str(exc)
+        t2 = time.perf_counter()
     return {
         "step": index + 1,
         "phase": phase_of(index, series.keep),
@@ -74,6 +85,8 @@ def one_save(series: Series, index: int, tensors: list[Any]) -> dict[str, Any]:
         "committed_seconds": t2 - t0,
         "memcpy_seconds": memcpy,
         "tcp_seconds": tcp,
+        "cpu": meter.report(cpus),
+        "tcp_cpu": tcp_cpu,
         "copies": copies,
         "nbytes": nbytes,
         "error": error,
@@ -102,7 +115,8 @@ def measure_saves(cluster: LocalCluster, job: str, state: Any, keep: int, steady
         wait_idle(cluster)
         client = CheckpointClient(job, 0, 1, connection=Connection(cluster.address("h0")))
         try:
-            return save_series(Series(cluster, client, state, keep, 1 + keep + 1 + steady, paired, tcp))
+            stores = {host: store.proc.pid for host, store in cluster.stores.items() if store.proc is not None}
+            return save_series(Series(cluster, client, state, keep, 1 + keep + 1 + steady, paired, tcp, stores))
         finally:
             client.close()
 

@@ -49,6 +49,8 @@ RATIOS: tuple[Ratio, ...] = (
         "every save: state bytes / (call -> committed) over raw TCP of the shard right before it (the worst save)", ">=", 0.7,
     ),
     Ratio("committed_over_tcp_first", "save 1 of a fresh job alone: the same"),
+    Ratio("save_cores_busy_min", "every save: the machine's busy CPU seconds over (call -> committed) x its cores (1: CPU-bound)"),
+    Ratio("tcp_over_cpu_floor_min", "every save: its paired TCP over its CPU seconds / cores, the committed_over_tcp those allow"),
     Ratio("torch_load_over_restore_local", "torch.load (page cache warm) over a restore from local RAM in a new process", ">=", 10.0),
     Ratio("restore_peer_over_tcp", "restore from peer RAM after a host loss, new process, from load(): throughput over raw TCP", ">=", 0.7),
     Ratio("restore_peer_from_accept_over_tcp", "the same from the moment the replacement's port accepts (its start-up included)"),
@@ -103,6 +105,23 @@ def dp_over_no_dedup(section: dict[str, Any] | None, degree: int, key: str) -> f
     return ratio(dedup[key], today[key]) if dedup and today else None
 
 
+def _cpu_bound(doc: dict[str, Any], key: str, tcp_seconds: float | None) -> float | None:
+    """The least over the saves of ``cores_busy`` (``key``) or of the TCP of its bytes (paired, else the run's floor,
+    ``tcp_seconds``) over the save's CPU floor (the machine's busy seconds / cores: the shortest the save could take on
+    these cores); None where no save measured its CPU."""
+    cpus = doc.get("machine", {}).get("cpus") or 1
+    values = []
+    for save in doc["saves"]:
+        cpu = save.get("cpu") or {}
+        tcp = save.get("tcp_seconds") or tcp_seconds
+        if key == "cores_busy":
+            values.append(cpu.get("cores_busy"))
+        elif cpu.get("machine") and tcp:
+            values.append(tcp / (cpu["machine"] / cpus))
+    measured = [v for v in values if v is not None]
+    return min(measured) if measured else None
+
+
 def _stream_over_tcp(doc: dict[str, Any], streams: int, tcp: float | None) -> float | None:
     case = (doc.get("streams") or {}).get(f"p{streams}")
     return ratio(doc["streams"]["bytes"] / case["p50"], tcp) if case and case["p50"] else None
@@ -134,6 +153,8 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "replication_over_tcp": ratio(replication, tcp),
         "committed_over_tcp_min": min(_committed_over_tcp(s, tcp, state_bytes) for s in _saves(doc)),
         "committed_over_tcp_first": _committed_over_tcp(doc["saves"][0], tcp, state_bytes),
+        "save_cores_busy_min": _cpu_bound(doc, "cores_busy", None),
+        "tcp_over_cpu_floor_min": _cpu_bound(doc, "tcp_over_floor", ratio(state_bytes, tcp)),
         "torch_load_over_restore_local": ratio(floors["disk"]["load_warm_p50"], restores["local"]["p50"]),
         "restore_peer_over_tcp": ratio(shard_bytes / peer.get("load_p50", peer["p50"]), tcp) if peer else None,
         "restore_peer_from_accept_over_tcp": ratio(shard_bytes / peer["p50"], tcp) if peer else None,
@@ -157,6 +178,8 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "torch_load_over_restore_peer": "R=1 keeps no peer copy" if not peer else "",
         **{name: "not measured (--dp-size 0)" for name in DP_RATIOS if not dp},
         **{f"stream_p{p}_over_tcp": "not measured" for p in (1, 2, 4)},
+        "save_cores_busy_min": "",  # no /proc (not Linux), or a document from before the bench measured CPU
+        "tcp_over_cpu_floor_min": "",
     }
     return values, {k: v or "not measured" for k, v in why.items() if values[k] is None}
 

@@ -31,6 +31,9 @@ def test_a_tiny_run_writes_the_table_and_every_ratio(tmp_path: Path, capsys: pyt
     assert data["ok"] is True and data["config"]["size"] == 4 << 20
     assert [s["phase"] for s in data["saves"]] == ["first", "early", "early", "early", "steady"]  # keep 2, --saves 1
     assert all(s["copies"] == 2 and not s["error"] for s in data["saves"])
+    for s in data["saves"]:  # the CPU each save took, per process and on the machine (Linux /proc)
+        assert set(s["cpu"]) == {"trainer", "h0", "h1", "machine", "wall", "cores_busy"}  # in 10 ms ticks: 0 is possible
+        assert all(v is not None and v >= 0 for v in [*s["cpu"].values(), *s["tcp_cpu"].values()]), s
     for kind in ("local", "peer"):
         restore = data["restores"][kind]
         assert restore["verified_equal"] is True and restore["p50"] > 0, kind

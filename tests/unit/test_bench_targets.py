@@ -20,9 +20,12 @@ B = 1 << 30
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 
-def save(step: int, phase: str, stall: float, memcpy: float, committed: float, error: str = "") -> dict[str, Any]:
+def save(step: int, phase: str, stall: float, memcpy: float, committed: float, error: str = "", busy: float = 0.9) -> dict[str, Any]:
+    """One save; ``busy``: the share of the machine's 2 cores it kept busy from the call to committed."""
     return {"step": step, "phase": phase, "stall_seconds": stall, "committed_seconds": committed, "memcpy_seconds": memcpy,
-            "copies": 0 if error else 2, "error": error}  # fmt: skip
+            "copies": 0 if error else 2, "error": error,
+            "cpu": {"trainer": 0.2, "h0": 0.1, "h1": 0.5, "machine": 2 * committed * busy, "wall": committed,
+                    "cores_busy": busy}}  # fmt: skip
 
 
 def dp(degree: int, path: str, stall: float, captured: int, copies: int, restore: float, read: float) -> dict[str, Any]:
@@ -32,12 +35,13 @@ def dp(degree: int, path: str, stall: float, captured: int, copies: int, restore
 
 def document() -> dict[str, Any]:
     """A run of 1 GiB, keep 2: raw TCP moves it in 0.4 s, a memcpy takes 0.1 s, torch.load 0.5 s."""
-    saves = [save(1, FIRST, 0.3, 0.1, 1.0)]
+    saves = [save(1, FIRST, 0.3, 0.1, 1.0, busy=0.8)]
     saves += [save(i, EARLY, 0.12, 0.1, 0.7) for i in (2, 3, 4)]
     saves += [save(5, STEADY, 0.125, 0.1, 0.625), save(6, STEADY, 0.125, 0.1, 0.625)]
     dcp_mode = {"blocking_seconds": [0.5], "blocking_p50": 0.5, "total_p50": 2.0, "unavailable": None}
     return {
         "config": {"replicas": 2, "keep": 2},
+        "machine": {"cpus": 2},
         "state": {"bytes": B, "shard_bytes": B},
         "floors": {
             "memcpy": {"p50": 0.1},
@@ -69,6 +73,8 @@ def test_every_ratio_from_its_parts() -> None:
         "replication_over_tcp": 0.8,  # 1 GiB in 0.625 - 0.125 s against 0.4 s
         "committed_over_tcp_min": 0.4,  # save 1: 1 GiB in 1.0 s (no paired TCP here: against the floor)
         "committed_over_tcp_first": 0.4,
+        "save_cores_busy_min": 0.8,  # save 1 kept 80% of the cores busy, the others 90%
+        "tcp_over_cpu_floor_min": 0.5,  # save 1 took 1.6 CPU seconds: 0.8 s on 2 cores, against 0.4 s of TCP
         "torch_load_over_restore_local": 10.0,
         "restore_peer_over_tcp": 0.8,  # from load(): 1 GiB in 0.5 s against 0.4 s
         "restore_peer_from_accept_over_tcp": 0.5,  # from the replacement's port accepting: 0.8 s
@@ -101,6 +107,8 @@ def test_pass_miss_and_the_table() -> None:
         "replication_over_tcp": True,
         "committed_over_tcp_min": False,
         "committed_over_tcp_first": None,  # reported, no target of its own (the min holds save 1 to 0.7)
+        "save_cores_busy_min": None,  # reported, no target
+        "tcp_over_cpu_floor_min": None,
         "torch_load_over_restore_local": True,
         "restore_peer_over_tcp": True,
         "restore_peer_from_accept_over_tcp": None,  # reported, no target
@@ -133,8 +141,18 @@ def test_a_save_is_compared_with_the_tcp_transfer_paired_with_it() -> None:
     values, _ = compute_ratios(doc)
     assert values["committed_over_tcp_first"] == pytest.approx(0.5)  # 0.5 s of TCP against 1.0 s to committed
     assert values["committed_over_tcp_min"] == pytest.approx(0.5)  # the early saves: 0.35 / 0.7
+    assert values["tcp_over_cpu_floor_min"] == pytest.approx(0.35 / 0.63)  # an early save: 1.26 CPU seconds on 2 cores
     doc["saves"][2]["tcp_seconds"] = 0.28
     assert compute_ratios(doc)[0]["committed_over_tcp_min"] == pytest.approx(0.4)  # 0.28 / 0.7
+
+
+def test_saves_that_measured_no_cpu_report_no_cpu_bound() -> None:
+    doc = document()
+    for s in doc["saves"]:
+        s.pop("cpu")
+    values, why = compute_ratios(doc)
+    assert values["save_cores_busy_min"] is None and values["tcp_over_cpu_floor_min"] is None
+    assert why["save_cores_busy_min"] == why["tcp_over_cpu_floor_min"] == "not measured"
 
 
 def test_a_save_that_did_not_commit_counts_zero_and_r1_has_no_peer_figures() -> None:

@@ -1,6 +1,7 @@
 """A save hashed by its client as it is copied (CommitRequest.chunk_checksums), against real in-process stores: the
 owner never reads the shard back to hash it, its peer verifies every chunk against the client's checksums, and a
-wrong checksum fails the push instead of making a wrong copy."""
+wrong checksum fails the push instead of making a wrong copy. Only on few cores (``trainer_hashing_wanted``): with
+more, the store hashes beside the push and the trainer's stall stays a copy."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from memstore.server import replication
 from memstore.v1.integrity import compute_checksums
 from tests.harness.inprocess import InProcessCluster
 from tests.harness.shards import assert_same
-from trainer_client import CheckpointClient, Connection, serialization
+from trainer_client import CheckpointClient, Connection, client, serialization
 from trainer_client.errors import ReplicationError
 from trainer_client.serialization import memory
 
@@ -24,6 +25,11 @@ JOB = "sums"
 def state() -> dict[str, Any]:
     torch.manual_seed(5)
     return {"layers": [torch.randn(256 * 1024) for _ in range(6)], "half": [torch.randn(300, 7).to(torch.bfloat16) for _ in range(30)]}
+
+
+@pytest.fixture(autouse=True)
+def few_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client, "MARK_MIN_CPUS", 1 << 20)  # whatever this machine's cores: the trainer hashes
 
 
 def owner_manifest(cluster: InProcessCluster, step: int) -> Any:
@@ -68,3 +74,22 @@ def test_a_wrong_client_checksum_fails_the_push_and_no_peer_keeps_a_copy(make_in
         assert not [i for i in cluster.servers["h1"].store.catalog.list_shards(JOB)]
         monkeypatch.setattr(serialization.encoder, "memmove_hashing", hashing)
         assert c.save(2, saved).wait(timeout=30).copies == 2  # the next save, hashed right, is replicated
+
+
+def test_on_many_cores_the_trainer_copies_and_the_store_hashes(make_inprocess_cluster, monkeypatch) -> None:
+    monkeypatch.setattr(client, "MARK_MIN_CPUS", 1)  # every machine has "many" cores
+    cluster: InProcessCluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB")
+    store = cluster.servers["h0"].store
+    commit, seen = store.commit, []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("checksums"))
+        return commit(*args, **kwargs)
+
+    store.commit = recording  # type: ignore[method-assign]
+    saved = state()
+    with CheckpointClient(JOB, 0, 1, connection=Connection(cluster.address("h0"))) as c:
+        assert c.save(1, saved).wait(timeout=30).copies == 2
+    expected = serialization.encode(saved)
+    assert seen == [None]  # the Commit carried no checksums: the owner computed the manifest's
+    assert list(owner_manifest(cluster, 1).manifest.checksums) == compute_checksums(memoryview(expected), len(expected), 4 << 20)

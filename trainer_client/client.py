@@ -222,7 +222,6 @@ class CheckpointClient:
         self._sender: ThreadPoolExecutor | None = None
         self.last_save_path = ""  # how the last remote save travelled: "data channel" or "grpc"
         self._marking = marked_captures_wanted()
-        self._hashing = trainer_hashing_wanted()
         self._reader = ShardReader(self._call, self._control, self._stub, self._ring, self._remote, self.shared_memory, self.hello.host_id,
                                    rank, self.agreement)  # fmt: skip
 
@@ -419,7 +418,7 @@ class CheckpointClient:
         )  # fmt: skip
         # Otherwise, on few cores, a state copied by this process alone is hashed chunk by chunk as it is copied, with
         # the store's chunk size: the store then never reads the shard back to hash it (CommitRequest.chunk_checksums).
-        hashing = self._hashing and not blobs and not marking and self.hello.max_chunk_bytes > 0
+        hashing = trainer_hashing_wanted() and not blobs and not marking and self.hello.max_chunk_bytes > 0
         sums = serialization.ChunkSums(self.hello.max_chunk_bytes) if hashing else None
 
         def mark(captured: int) -> None:

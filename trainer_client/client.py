@@ -73,21 +73,27 @@ MARKED_FROM = 64 << 20  # a CPU state this large is pushed by the store while it
 MARK_MIN_CPUS = 8  # below this many cores the push takes the copy's cores: the stall doubled on 2 (docs/benchmarks.md)
 
 
+def _switch(name: str, auto: bool) -> bool:
+    """The environment variable ``name``: on / off / auto (``auto``'s answer); InvalidArgumentError for anything else."""
+    choice = os.environ.get(name, "auto").strip().lower()
+    if choice not in ("auto", "on", "off"):
+        raise InvalidArgumentError(f"{name}={choice!r} is invalid: expected on, off or auto")
+    return choice == "on" or (choice == "auto" and auto)
+
+
 def marked_captures_wanted() -> bool:
     """Whether large saves are pushed while they are copied: ``MEMSTORE_MARKED_CAPTURES`` on / off / auto (default:
     on with at least MARK_MIN_CPUS cores)."""
-    choice = os.environ.get("MEMSTORE_MARKED_CAPTURES", "auto").strip().lower()
-    if choice not in ("auto", "on", "off"):
-        raise InvalidArgumentError(f"MEMSTORE_MARKED_CAPTURES={choice!r} is invalid: expected on, off or auto")
-    return choice == "on" or (choice == "auto" and (os.cpu_count() or 1) >= MARK_MIN_CPUS)
+    return _switch("MEMSTORE_MARKED_CAPTURES", (os.cpu_count() or 1) >= MARK_MIN_CPUS)
 
 
 def trainer_hashing_wanted() -> bool:
     """Whether a save copied into shared memory is hashed by the trainer as it copies (``CommitRequest.chunk_checksums``):
-    below MARK_MIN_CPUS cores, where the store's hashing would take the cores the trainer, the owner and the replica
-    share (0.13 core-s per GiB read back cold, against 0.08 hot in the copy, which makes the stall 0.04 s per GiB
-    longer). With more cores the store hashes in the background, beside the push, and the stall stays a copy."""
-    return (os.cpu_count() or 1) < MARK_MIN_CPUS
+    ``MEMSTORE_TRAINER_HASHING`` on / off / auto (default: on below MARK_MIN_CPUS cores, where the store's hashing would
+    take the cores the trainer, the owner and the replica share: 0.13 core-s per GiB read back cold, against 0.08 hot in
+    the copy, which makes the stall 0.04 s per GiB longer). With more cores the store hashes in the background, beside
+    the push, and the stall stays a copy."""
+    return _switch("MEMSTORE_TRAINER_HASHING", (os.cpu_count() or 1) < MARK_MIN_CPUS)
 
 
 class CheckpointClient:

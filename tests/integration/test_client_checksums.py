@@ -29,6 +29,7 @@ def state() -> dict[str, Any]:
 
 @pytest.fixture(autouse=True)
 def few_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MEMSTORE_TRAINER_HASHING", raising=False)
     monkeypatch.setattr(client, "MARK_MIN_CPUS", 1 << 20)  # whatever this machine's cores: the trainer hashes
 
 
@@ -93,3 +94,19 @@ def test_on_many_cores_the_trainer_copies_and_the_store_hashes(make_inprocess_cl
     expected = serialization.encode(saved)
     assert seen == [None]  # the Commit carried no checksums: the owner computed the manifest's
     assert list(owner_manifest(cluster, 1).manifest.checksums) == compute_checksums(memoryview(expected), len(expected), 4 << 20)
+
+
+def test_trainer_hashing_follows_the_setting_and_refuses_a_bad_one(monkeypatch) -> None:
+    from trainer_client.errors import InvalidArgumentError
+
+    assert client.trainer_hashing_wanted()  # auto, on "few" cores
+    monkeypatch.setattr(client, "MARK_MIN_CPUS", 1)
+    assert not client.trainer_hashing_wanted()
+    monkeypatch.setenv("MEMSTORE_TRAINER_HASHING", "on")
+    assert client.trainer_hashing_wanted()
+    monkeypatch.setenv("MEMSTORE_TRAINER_HASHING", "off")
+    monkeypatch.setattr(client, "MARK_MIN_CPUS", 1 << 20)
+    assert not client.trainer_hashing_wanted()
+    monkeypatch.setenv("MEMSTORE_TRAINER_HASHING", "maybe")
+    with pytest.raises(InvalidArgumentError, match="MEMSTORE_TRAINER_HASHING='maybe' is invalid"):
+        client.trainer_hashing_wanted()

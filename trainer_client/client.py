@@ -73,27 +73,25 @@ MARKED_FROM = 64 << 20  # a CPU state this large is pushed by the store while it
 MARK_MIN_CPUS = 8  # below this many cores the push takes the copy's cores: the stall doubled on 2 (docs/benchmarks.md)
 
 
-def _switch(name: str, auto: bool) -> bool:
-    """The environment variable ``name``: on / off / auto (``auto``'s answer); InvalidArgumentError for anything else."""
-    choice = os.environ.get(name, "auto").strip().lower()
-    if choice not in ("auto", "on", "off"):
-        raise InvalidArgumentError(f"{name}={choice!r} is invalid: expected on, off or auto")
-    return choice == "on" or (choice == "auto" and auto)
-
-
 def marked_captures_wanted() -> bool:
     """Whether large saves are pushed while they are copied: ``MEMSTORE_MARKED_CAPTURES`` on / off / auto (default:
     on with at least MARK_MIN_CPUS cores)."""
-    return _switch("MEMSTORE_MARKED_CAPTURES", (os.cpu_count() or 1) >= MARK_MIN_CPUS)
+    choice = os.environ.get("MEMSTORE_MARKED_CAPTURES", "auto").strip().lower()
+    if choice not in ("auto", "on", "off"):
+        raise InvalidArgumentError(f"MEMSTORE_MARKED_CAPTURES={choice!r} is invalid: expected on, off or auto")
+    return choice == "on" or (choice == "auto" and (os.cpu_count() or 1) >= MARK_MIN_CPUS)
 
 
 def trainer_hashing_wanted() -> bool:
     """Whether a save copied into shared memory is hashed by the trainer as it copies (``CommitRequest.chunk_checksums``):
-    ``MEMSTORE_TRAINER_HASHING`` on / off / auto (default: on below MARK_MIN_CPUS cores, where the store's hashing would
-    take the cores the trainer, the owner and the replica share: 0.13 core-s per GiB read back cold, against 0.08 hot in
-    the copy, which makes the stall 0.04 s per GiB longer). With more cores the store hashes in the background, beside
-    the push, and the stall stays a copy."""
-    return _switch("MEMSTORE_TRAINER_HASHING", (os.cpu_count() or 1) < MARK_MIN_CPUS)
+    ``MEMSTORE_TRAINER_HASHING`` on / off (default off). On, the store never reads the shard back to hash it, which
+    on a machine whose few cores the trainer, the owner and the replica share takes 0.05 s per GiB off save ->
+    committed; but the hashing makes the stall itself 0.04 s per GiB longer (a real model's 0.6 GB state: 104 ms
+    against 79 ms on the 2-core VM), and the stall is what training waits for."""
+    choice = os.environ.get("MEMSTORE_TRAINER_HASHING", "off").strip().lower()
+    if choice not in ("on", "off"):
+        raise InvalidArgumentError(f"MEMSTORE_TRAINER_HASHING={choice!r} is invalid: expected on or off")
+    return choice == "on"
 
 
 class CheckpointClient:
@@ -422,8 +420,8 @@ class CheckpointClient:
             not blobs and not deferred and layout.nbytes >= MARKED_FROM and self.hello.marked_captures and self.hello.replicas > 1
             and self._marking
         )  # fmt: skip
-        # Otherwise, on few cores, a state copied by this process alone is hashed chunk by chunk as it is copied, with
-        # the store's chunk size: the store then never reads the shard back to hash it (CommitRequest.chunk_checksums).
+        # Otherwise, with MEMSTORE_TRAINER_HASHING=on, a state copied by this process alone is hashed chunk by chunk as
+        # it is copied, with the store's chunk size: the store never reads it back to hash it (CommitRequest.chunk_checksums).
         hashing = trainer_hashing_wanted() and not blobs and not marking and self.hello.max_chunk_bytes > 0
         sums = serialization.ChunkSums(self.hello.max_chunk_bytes) if hashing else None
 
@@ -494,11 +492,15 @@ class CheckpointClient:
             self._captures.copier.pin_buffer(buf)
         blobs, start_copies = self._captures.device_copies(layout, buf, deferred=capture == "enqueued")
         chunk = min(DEFAULT_CHUNK_BYTES, self.hello.max_chunk_bytes or DEFAULT_CHUNK_BYTES)
-        sums = serialization.ChunkSums(chunk)  # hashed as the copy goes unless device copies fill part of it
+        # A send that follows the copy on the same thread (finish() below) has the copy hash each chunk from cache
+        # instead of reading the shard back first; a background send keeps the stall a copy and hashes on its thread.
+        inline = self.remote_save == "sync" or capture == "enqueued"
+        sums = serialization.ChunkSums(chunk) if inline else None
         created = time.time()
 
         def send() -> None:
-            checksums = sums.values if sums.values is not None else compute_checksums(view, layout.nbytes, chunk, workers=VERIFY_THREADS)
+            done = sums.values if sums is not None else None
+            checksums = done if done is not None else compute_checksums(view, layout.nbytes, chunk, workers=VERIFY_THREADS)
             manifest = pb.Manifest(
                 key=key,
                 world_size=self.world_size,
@@ -522,7 +524,7 @@ class CheckpointClient:
                 self._free_staging.append(buf)
 
         def finish() -> Future[None] | None:
-            if self.remote_save == "sync" or capture == "enqueued":
+            if inline:
                 send()
                 return None
             if self._sender is None:

@@ -1,7 +1,7 @@
 """A save hashed by its client as it is copied (CommitRequest.chunk_checksums), against real in-process stores: the
 owner never reads the shard back to hash it, its peer verifies every chunk against the client's checksums, and a
-wrong checksum fails the push instead of making a wrong copy. Only on few cores (``trainer_hashing_wanted``): with
-more, the store hashes beside the push and the trainer's stall stays a copy."""
+wrong checksum fails the push instead of making a wrong copy. Only with ``MEMSTORE_TRAINER_HASHING=on``: by default
+the store hashes, and the trainer's stall stays a copy."""
 
 from __future__ import annotations
 
@@ -28,9 +28,8 @@ def state() -> dict[str, Any]:
 
 
 @pytest.fixture(autouse=True)
-def few_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MEMSTORE_TRAINER_HASHING", raising=False)
-    monkeypatch.setattr(client, "MARK_MIN_CPUS", 1 << 20)  # whatever this machine's cores: the trainer hashes
+def trainer_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEMSTORE_TRAINER_HASHING", "on")
 
 
 def owner_manifest(cluster: InProcessCluster, step: int) -> Any:
@@ -77,8 +76,8 @@ def test_a_wrong_client_checksum_fails_the_push_and_no_peer_keeps_a_copy(make_in
         assert c.save(2, saved).wait(timeout=30).copies == 2  # the next save, hashed right, is replicated
 
 
-def test_on_many_cores_the_trainer_copies_and_the_store_hashes(make_inprocess_cluster, monkeypatch) -> None:
-    monkeypatch.setattr(client, "MARK_MIN_CPUS", 1)  # every machine has "many" cores
+def test_by_default_the_trainer_copies_and_the_store_hashes(make_inprocess_cluster, monkeypatch) -> None:
+    monkeypatch.delenv("MEMSTORE_TRAINER_HASHING")
     cluster: InProcessCluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB")
     store = cluster.servers["h0"].store
     commit, seen = store.commit, []
@@ -99,14 +98,11 @@ def test_on_many_cores_the_trainer_copies_and_the_store_hashes(make_inprocess_cl
 def test_trainer_hashing_follows_the_setting_and_refuses_a_bad_one(monkeypatch) -> None:
     from trainer_client.errors import InvalidArgumentError
 
-    assert client.trainer_hashing_wanted()  # auto, on "few" cores
-    monkeypatch.setattr(client, "MARK_MIN_CPUS", 1)
-    assert not client.trainer_hashing_wanted()
-    monkeypatch.setenv("MEMSTORE_TRAINER_HASHING", "on")
     assert client.trainer_hashing_wanted()
     monkeypatch.setenv("MEMSTORE_TRAINER_HASHING", "off")
-    monkeypatch.setattr(client, "MARK_MIN_CPUS", 1 << 20)
     assert not client.trainer_hashing_wanted()
-    monkeypatch.setenv("MEMSTORE_TRAINER_HASHING", "maybe")
-    with pytest.raises(InvalidArgumentError, match="MEMSTORE_TRAINER_HASHING='maybe' is invalid"):
+    monkeypatch.delenv("MEMSTORE_TRAINER_HASHING")
+    assert not client.trainer_hashing_wanted()  # the default: the stall stays a copy
+    monkeypatch.setenv("MEMSTORE_TRAINER_HASHING", "auto")
+    with pytest.raises(InvalidArgumentError, match="MEMSTORE_TRAINER_HASHING='auto' is invalid: expected on or off"):
         client.trainer_hashing_wanted()

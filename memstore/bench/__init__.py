@@ -118,11 +118,13 @@ def machine(shm_dir: str = "/dev/shm") -> dict[str, Any]:
     import torch
 
     from memstore.server.shm_pages import shm_pages
+    from trainer_client.client import marked_captures_wanted, trainer_hashing_wanted
 
     pages = shm_pages(shm_dir)
     return {
         "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform(),
         "shm_dir": shm_dir, "shm_huge_pages": pages.huge, "shm_pages": pages.describe(),
+        "trainer_hashing": trainer_hashing_wanted(), "marked_captures": marked_captures_wanted(),  # the trainer's switches
     }  # fmt: skip
 
 

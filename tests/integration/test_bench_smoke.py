@@ -22,7 +22,10 @@ ARGV = ["--size", "4MiB", "--saves", "1", "--restores", "1", "--small-saves", "2
 
 
 @pytest.mark.timeout(240)
-def test_a_tiny_run_writes_the_table_and_every_ratio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_tiny_run_writes_the_table_and_every_ratio(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MEMSTORE_TRAINER_HASHING", raising=False)
     out = tmp_path / "b.json"
     assert main([*ARGV, "--json", str(out), "--disk-dir", str(tmp_path)]) == 0
     data = json.loads(out.read_text())
@@ -31,6 +34,7 @@ def test_a_tiny_run_writes_the_table_and_every_ratio(tmp_path: Path, capsys: pyt
     assert data["ok"] is True and data["config"]["size"] == 4 << 20
     assert [s["phase"] for s in data["saves"]] == ["first", "early", "early", "early", "steady"]  # keep 2, --saves 1
     assert all(s["copies"] == 2 and not s["error"] for s in data["saves"])
+    assert data["machine"]["trainer_hashing"] is False and data["machine"]["marked_captures"] in (True, False)
     for s in data["saves"]:  # the CPU each save took, per process and on the machine (Linux /proc)
         assert set(s["cpu"]) == {"trainer", "h0", "h1", "machine", "wall", "cores_busy"}  # in 10 ms ticks: 0 is possible
         assert all(v is not None and v >= 0 for v in [*s["cpu"].values(), *s["tcp_cpu"].values()]), s

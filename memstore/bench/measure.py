@@ -141,21 +141,28 @@ def restore_local(cluster: LocalCluster, job: str, expected: str, reps: int, tim
     return summarize(runs, expected)
 
 
-def restore_after_host_loss(cluster: LocalCluster, job: str, expected: str, reps: int, keep: int, timeout: float) -> dict[str, Any]:
+def restore_after_host_loss(
+    cluster: LocalCluster, job: str, expected: str, reps: int, keep: int, timeout: float, tcp: PairedTcp | None = None
+) -> dict[str, Any]:
     """SIGKILL the owner store (h0), start its replacement (empty RAM) and, meanwhile, restore in a new process on it,
     as soon as the replacement's port accepts: its first restore, from peer RAM (timed both from then and from the
-    trainer's ``load()`` call, see ``summarize``)."""
+    trainer's ``load()`` call, see ``summarize``). ``tcp``: each restore is paired with a raw TCP transfer of the shard
+    right before it (``tcp_seconds``), as each save is, on stores that are idle again (the last replacement's reserve
+    faulted in): a transfer beside their start-up work would flatter the restore."""
     runs = []
     for _ in range(reps):
         wait_caught_up(cluster, "h0", job, keep, timeout)
-        runs.append(
-            restore_in_new_process(
-                {"address": cluster.address("h0"), "job": job},
-                timeout,
-                before=lambda: cluster.kill("h0"),
-                during=lambda: cluster.restart("h0", timeout=60),
-            )
+        paired = None
+        if tcp is not None:
+            wait_idle(cluster)
+            paired = tcp.seconds()
+        run = restore_in_new_process(
+            {"address": cluster.address("h0"), "job": job},
+            timeout,
+            before=lambda: cluster.kill("h0"),
+            during=lambda: cluster.restart("h0", timeout=60),
         )
+        runs.append(run | {"tcp_seconds": paired})
     wait_caught_up(cluster, "h0", job, keep, timeout)
     return summarize(runs, expected)
 
@@ -178,8 +185,10 @@ def summarize(runs: list[dict[str, Any]], expected: str) -> dict[str, Any]:
 def measure_restores(cluster: LocalCluster, job: str, state: Any, replicas: int, reps: int, keep: int) -> dict[str, Any]:
     """Both restores of the saved state (the peer one only where a peer holds a copy, R >= 2)."""
     expected = fingerprint(state)
-    timeout = 120.0 + nbytes_of(tensors_of(state)) / (20 * MiB)
+    nbytes = nbytes_of(tensors_of(state))
+    timeout = 120.0 + nbytes / (20 * MiB)
     out = {"local": restore_local(cluster, job, expected, reps, timeout), "peer": None}
     if replicas >= 2:
-        out["peer"] = restore_after_host_loss(cluster, job, expected, reps, keep, timeout)
+        with PairedTcp(nbytes) as tcp:
+            out["peer"] = restore_after_host_loss(cluster, job, expected, reps, keep, timeout, tcp)
     return out

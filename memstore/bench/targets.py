@@ -52,7 +52,10 @@ RATIOS: tuple[Ratio, ...] = (
     Ratio("save_cores_busy_min", "every save: the machine's busy CPU seconds over (call -> committed) x its cores (1: CPU-bound)"),
     Ratio("tcp_over_cpu_floor_min", "every save: its paired TCP over its CPU seconds / cores, the committed_over_tcp those allow"),
     Ratio("torch_load_over_restore_local", "torch.load (page cache warm) over a restore from local RAM in a new process", ">=", 10.0),
-    Ratio("restore_peer_over_tcp", "restore from peer RAM after a host loss, new process, from load(): throughput over raw TCP", ">=", 0.7),
+    Ratio(
+        "restore_peer_over_tcp",
+        "restore from peer RAM after a host loss, new process, from load(): over raw TCP of the shard right before it (p50)", ">=", 0.7,
+    ),
     Ratio("restore_peer_from_accept_over_tcp", "the same from the moment the replacement's port accepts (its start-up included)"),
     Ratio("stream_p1_over_tcp", "one shard pushed store to store on 1 data-channel stream: throughput over raw TCP"),
     Ratio("stream_p2_over_tcp", "the same on 2 parallel streams"),
@@ -122,6 +125,19 @@ def _cpu_bound(doc: dict[str, Any], key: str, tcp_seconds: float | None) -> floa
     return min(measured) if measured else None
 
 
+def _restore_over_tcp(peer: dict[str, Any] | None, key: str, shard_bytes: int, tcp_rate: float | None) -> float | None:
+    """The restores' (``key``: from ``load()``, or from the port accepting) speed over raw TCP, p50 over the runs: each
+    against the TCP transfer paired with it (``tcp_seconds``), else the shard over the run's floor (documents from
+    before the pairing)."""
+    if not peer:
+        return None
+    runs = peer.get("runs") or []
+    if runs and all(r.get("tcp_seconds") for r in runs):
+        return p50([r["tcp_seconds"] / r[key] for r in runs])
+    seconds = peer.get("load_p50", peer["p50"]) if key == "load_seconds" else peer["p50"]
+    return ratio(shard_bytes / seconds, tcp_rate)
+
+
 def _stream_over_tcp(doc: dict[str, Any], streams: int, tcp: float | None) -> float | None:
     case = (doc.get("streams") or {}).get(f"p{streams}")
     return ratio(doc["streams"]["bytes"] / case["p50"], tcp) if case and case["p50"] else None
@@ -156,8 +172,8 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "save_cores_busy_min": _cpu_bound(doc, "cores_busy", None),
         "tcp_over_cpu_floor_min": _cpu_bound(doc, "tcp_over_floor", ratio(state_bytes, tcp)),
         "torch_load_over_restore_local": ratio(floors["disk"]["load_warm_p50"], restores["local"]["p50"]),
-        "restore_peer_over_tcp": ratio(shard_bytes / peer.get("load_p50", peer["p50"]), tcp) if peer else None,
-        "restore_peer_from_accept_over_tcp": ratio(shard_bytes / peer["p50"], tcp) if peer else None,
+        "restore_peer_over_tcp": _restore_over_tcp(peer, "load_seconds", shard_bytes, tcp),
+        "restore_peer_from_accept_over_tcp": _restore_over_tcp(peer, "seconds", shard_bytes, tcp),
         "torch_load_over_restore_peer": ratio(floors["disk"]["load_warm_p50"], peer.get("load_p50", peer["p50"])) if peer else None,
         **{f"stream_p{p}_over_tcp": _stream_over_tcp(doc, p, tcp) for p in (1, 2, 4)},
         "dp2_stall_over_no_dedup": dp_over_no_dedup(dp, 2, "stall_max"),

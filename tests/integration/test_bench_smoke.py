@@ -35,6 +35,7 @@ def test_a_tiny_run_writes_the_table_and_every_ratio(
     assert [s["phase"] for s in data["saves"]] == ["first", "early", "early", "early", "steady"]  # keep 2, --saves 1
     assert all(s["copies"] == 2 and not s["error"] for s in data["saves"])
     assert data["machine"]["trainer_hashing"] is False and data["machine"]["marked_captures"] in (True, False)
+    assert all(r["tcp_seconds"] > 0 for r in data["restores"]["peer"]["runs"])  # each restore paired with raw TCP
     for s in data["saves"]:  # the CPU each save took, per process and on the machine (Linux /proc)
         assert set(s["cpu"]) == {"trainer", "h0", "h1", "machine", "wall", "cores_busy"}  # in 10 ms ticks: 0 is possible
         assert all(v is not None and v >= 0 for v in [*s["cpu"].values(), *s["tcp_cpu"].values()]), s

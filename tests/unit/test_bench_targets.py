@@ -146,6 +146,20 @@ def test_a_save_is_compared_with_the_tcp_transfer_paired_with_it() -> None:
     assert compute_ratios(doc)[0]["committed_over_tcp_min"] == pytest.approx(0.4)  # 0.28 / 0.7
 
 
+def test_a_restore_is_compared_with_the_tcp_transfer_paired_with_it() -> None:
+    doc = document()
+    doc["restores"]["peer"]["runs"] = [
+        {"seconds": 0.8, "load_seconds": 0.5, "tcp_seconds": 0.45},  # the machine was slower then: TCP took 0.45 s
+        {"seconds": 0.6, "load_seconds": 0.4, "tcp_seconds": 0.3},
+        {"seconds": 0.7, "load_seconds": 0.6, "tcp_seconds": 0.3},
+    ]
+    values, _ = compute_ratios(doc)
+    assert values["restore_peer_over_tcp"] == pytest.approx(0.75)  # p50 of 0.9, 0.75 and 0.5
+    assert values["restore_peer_from_accept_over_tcp"] == pytest.approx(0.5)  # p50 of 0.5625, 0.5 and 0.43
+    doc["restores"]["peer"]["runs"][0].pop("tcp_seconds")  # a run without its pair: the run's floor for all
+    assert compute_ratios(doc)[0]["restore_peer_over_tcp"] == pytest.approx(0.8)
+
+
 def test_saves_that_measured_no_cpu_report_no_cpu_bound() -> None:
     doc = document()
     for s in doc["saves"]:

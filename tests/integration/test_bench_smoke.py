@@ -59,6 +59,9 @@ def test_a_tiny_run_writes_the_table_and_every_ratio(
         if unavailable.get(row["ratio"]):
             assert value is None and row["note"], row  # this torch's DCP cannot: n/a with the reason
             continue
+        if row["ratio"] in ("save_cores_busy_min", "tcp_over_cpu_floor_min"):  # 4 MiB saves last a few 10 ms CPU ticks
+            assert value is None or (math.isfinite(value) and value >= 0), row
+            continue
         assert isinstance(value, float) and math.isfinite(value) and value > 0, row
         assert row["pass"] in ((True, False) if row["target"] != "-" else (None,)), row
     assert data["ratios"] == {row["ratio"]: row["value"] for row in data["targets"]}

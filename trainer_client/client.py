@@ -216,8 +216,7 @@ class CheckpointClient:
             lambda lease_id: self._control("Release", pb.ReleaseRequest(lease_id=lease_id), "release an unused capture lease"),
             lambda request: self._call(lambda t: self._stub.Allocate(request, timeout=t), f"reserve memory for rank {rank}'s next save"),
         )
-        self.last_load_source = ""
-        self.last_restore_note = ""
+        self.last_load_source = self.last_restore_note = ""
         self.agreement = Agreements()  # latest_step(group=...): its last cost, its answer, versions found durable
         # Without shared memory: shards travel over the store's data channel, staged in buffers kept here.
         self._remote = RemotePath(self._stub, self.address, self.credentials, timeout, self.hello.data_port)
@@ -226,6 +225,7 @@ class CheckpointClient:
         self._sender: ThreadPoolExecutor | None = None
         self.last_save_path = ""  # how the last remote save travelled: "data channel" or "grpc"
         self._marking = marked_captures_wanted()
+        self._hashing = trainer_hashing_wanted()  # a bad MEMSTORE_TRAINER_HASHING is refused here, not at the first save
         self._reader = ShardReader(self._call, self._control, self._stub, self._ring, self._remote, self.shared_memory, self.hello.host_id,
                                    rank, self.agreement)  # fmt: skip
 
@@ -422,7 +422,7 @@ class CheckpointClient:
         )  # fmt: skip
         # Otherwise, with MEMSTORE_TRAINER_HASHING=on, a state copied by this process alone is hashed chunk by chunk as
         # it is copied, with the store's chunk size: the store never reads it back to hash it (CommitRequest.chunk_checksums).
-        hashing = trainer_hashing_wanted() and not blobs and not marking and self.hello.max_chunk_bytes > 0
+        hashing = self._hashing and not blobs and not marking and self.hello.max_chunk_bytes > 0
         sums = serialization.ChunkSums(self.hello.max_chunk_bytes) if hashing else None
 
         def mark(captured: int) -> None:

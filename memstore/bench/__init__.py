@@ -214,9 +214,12 @@ def run_config(config: dict[str, Any], command: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``memstore bench`` with flags parsed by a parser that :func:`add_arguments` filled; the exit code."""
+    from trainer_client.client import marked_captures_wanted, trainer_hashing_wanted
+
     try:
         config = config_of(args)
-    except ValueError as exc:
+        marked_captures_wanted(), trainer_hashing_wanted()  # the trainer's switches: a bad one refused before anything runs
+    except ValueError as exc:  # InvalidArgumentError is one
         print(f"memstore bench: error: {exc}", file=sys.stderr)
         return 2
     return run_config(config, shlex.join([sys.executable, *sys.argv]))

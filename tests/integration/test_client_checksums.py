@@ -95,7 +95,7 @@ def test_by_default_the_trainer_copies_and_the_store_hashes(make_inprocess_clust
     assert list(owner_manifest(cluster, 1).manifest.checksums) == compute_checksums(memoryview(expected), len(expected), 4 << 20)
 
 
-def test_trainer_hashing_follows_the_setting_and_refuses_a_bad_one(monkeypatch) -> None:
+def test_trainer_hashing_follows_the_setting_and_refuses_a_bad_one(make_inprocess_cluster, monkeypatch) -> None:
     from trainer_client.errors import InvalidArgumentError
 
     assert client.trainer_hashing_wanted()
@@ -106,3 +106,6 @@ def test_trainer_hashing_follows_the_setting_and_refuses_a_bad_one(monkeypatch) 
     monkeypatch.setenv("MEMSTORE_TRAINER_HASHING", "auto")
     with pytest.raises(InvalidArgumentError, match="MEMSTORE_TRAINER_HASHING='auto' is invalid: expected on or off"):
         client.trainer_hashing_wanted()
+    cluster: InProcessCluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB")
+    with pytest.raises(InvalidArgumentError, match="MEMSTORE_TRAINER_HASHING"):  # a client refuses it when it starts
+        CheckpointClient(JOB, 0, 1, connection=Connection(cluster.address("h0")))

@@ -210,6 +210,14 @@ def test_flags_quick_and_defaults() -> None:
             _config(bad)
 
 
+def test_a_bad_trainer_switch_is_refused_by_name_before_anything_runs(monkeypatch, capsys) -> None:
+    from memstore.bench import main
+
+    monkeypatch.setenv("MEMSTORE_TRAINER_HASHING", "maybe")
+    assert main(["--quick"]) == 2
+    assert "memstore bench: error: MEMSTORE_TRAINER_HASHING='maybe' is invalid: expected on or off" in capsys.readouterr().err
+
+
 def test_docs_show_the_targets_the_bench_holds_ratios_to() -> None:
     """docs/benchmarks.md's table of targets is markdown_table()'s output, verbatim: one source of truth."""
     assert markdown_table() in DOCS.read_text(), "regenerate the table in docs/benchmarks.md from memstore.bench.targets.markdown_table()"

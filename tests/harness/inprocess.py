@@ -121,7 +121,8 @@ class InProcessCluster(LocalCluster):
             if running.stopped.is_set():
                 raise RuntimeError(f"store {host_id} stopped")
             h = self.health(host_id)
-            return h is not None and h.serving
+            # Serving starts inside server.start(), before _serve records the server: until then ``servers`` lacks it.
+            return h is not None and h.serving and running.server is not None
 
         wait_for(ready, timeout, what=f"store {host_id} to serve")
 

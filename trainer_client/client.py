@@ -61,6 +61,7 @@ from trainer_client.reading import VERIFY_THREADS, ShardReader
 from trainer_client.replica_check import verify_replicas
 from trainer_client.replicas import resolve_replica_group
 from trainer_client.run_ids import PROCESS_RUN_ID, broadcast_run_id, run_id_given
+from trainer_client.save_switches import marked_captures_wanted, trainer_hashing_wanted
 from trainer_client.stripes import is_stripe, split_state, stripe_members, stripe_state, whole_state
 from trainer_client.transport.local_control import LocalStub, RpcFailure
 from trainer_client.transport.remote import RemotePath, byte_view, empty_buffer
@@ -70,28 +71,6 @@ T = TypeVar("T")
 
 _MAX_BACKGROUND_SENDS = 2  # remote_save="background": staged saves in flight; the next waits for the oldest
 MARKED_FROM = 64 << 20  # a CPU state this large is pushed by the store while it is copied (CommitRequest.captured_bytes)
-MARK_MIN_CPUS = 8  # below this many cores the push takes the copy's cores: the stall doubled on 2 (docs/benchmarks.md)
-
-
-def marked_captures_wanted() -> bool:
-    """Whether large saves are pushed while they are copied: ``MEMSTORE_MARKED_CAPTURES`` on / off / auto (default:
-    on with at least MARK_MIN_CPUS cores)."""
-    choice = os.environ.get("MEMSTORE_MARKED_CAPTURES", "auto").strip().lower()
-    if choice not in ("auto", "on", "off"):
-        raise InvalidArgumentError(f"MEMSTORE_MARKED_CAPTURES={choice!r} is invalid: expected on, off or auto")
-    return choice == "on" or (choice == "auto" and (os.cpu_count() or 1) >= MARK_MIN_CPUS)
-
-
-def trainer_hashing_wanted() -> bool:
-    """Whether a save copied into shared memory is hashed by the trainer as it copies (``CommitRequest.chunk_checksums``):
-    ``MEMSTORE_TRAINER_HASHING`` on / off (default off). On, the store never reads the shard back to hash it, which
-    on a machine whose few cores the trainer, the owner and the replica share takes 0.05 s per GiB off save ->
-    committed; but the hashing makes the stall itself 0.04 s per GiB longer (a real model's 0.6 GB state: 104 ms
-    against 79 ms on the 2-core VM), and the stall is what training waits for."""
-    choice = os.environ.get("MEMSTORE_TRAINER_HASHING", "off").strip().lower()
-    if choice not in ("on", "off"):
-        raise InvalidArgumentError(f"MEMSTORE_TRAINER_HASHING={choice!r} is invalid: expected on or off")
-    return choice == "on"
 
 
 class CheckpointClient:

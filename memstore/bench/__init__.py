@@ -118,13 +118,13 @@ def machine(shm_dir: str = "/dev/shm") -> dict[str, Any]:
     import torch
 
     from memstore.server.shm_pages import shm_pages
-    from trainer_client.client import marked_captures_wanted, trainer_hashing_wanted
+    from trainer_client.save_switches import save_switches
 
     pages = shm_pages(shm_dir)
     return {
         "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform(),
         "shm_dir": shm_dir, "shm_huge_pages": pages.huge, "shm_pages": pages.describe(),
-        "trainer_hashing": trainer_hashing_wanted(), "marked_captures": marked_captures_wanted(),  # the trainer's switches
+        **save_switches(),  # the trainer's: trainer_hashing, marked_captures
     }  # fmt: skip
 
 
@@ -214,11 +214,11 @@ def run_config(config: dict[str, Any], command: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``memstore bench`` with flags parsed by a parser that :func:`add_arguments` filled; the exit code."""
-    from trainer_client.client import marked_captures_wanted, trainer_hashing_wanted
+    from trainer_client.save_switches import save_switches
 
     try:
         config = config_of(args)
-        marked_captures_wanted(), trainer_hashing_wanted()  # the trainer's switches: a bad one refused before anything runs
+        save_switches()  # a bad one is refused before anything runs
     except ValueError as exc:  # InvalidArgumentError is one
         print(f"memstore bench: error: {exc}", file=sys.stderr)
         return 2

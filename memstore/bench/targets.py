@@ -108,21 +108,22 @@ def dp_over_no_dedup(section: dict[str, Any] | None, degree: int, key: str) -> f
     return ratio(dedup[key], today[key]) if dedup and today else None
 
 
-def _cpu_bound(doc: dict[str, Any], key: str, tcp_seconds: float | None) -> float | None:
-    """The least over the saves of ``cores_busy`` (``key``) or of the TCP of its bytes (paired, else the run's floor,
-    ``tcp_seconds``) over the save's CPU floor (the machine's busy seconds / cores: the shortest the save could take on
-    these cores); None where no save measured its CPU."""
+def _least_cores_busy(doc: dict[str, Any]) -> float | None:
+    """The least ``cores_busy`` over the saves; None where no save measured its CPU."""
+    busy = [c for c in ((s.get("cpu") or {}).get("cores_busy") for s in doc["saves"]) if c is not None]
+    return min(busy, default=None)
+
+
+def _tcp_over_cpu_floor(doc: dict[str, Any], tcp_seconds: float | None) -> float | None:
+    """The least over the saves of the TCP of its bytes (paired, else the run's floor, ``tcp_seconds``) over its CPU floor:
+    the machine's busy seconds / cores, the shortest the save could take on these cores; None where none measured it."""
     cpus = doc.get("machine", {}).get("cpus") or 1
     values = []
     for save in doc["saves"]:
-        cpu = save.get("cpu") or {}
-        tcp = save.get("tcp_seconds") or tcp_seconds
-        if key == "cores_busy":
-            values.append(cpu.get("cores_busy"))
-        elif cpu.get("machine") and tcp:
-            values.append(tcp / (cpu["machine"] / cpus))
-    measured = [v for v in values if v is not None]
-    return min(measured) if measured else None
+        machine, tcp = (save.get("cpu") or {}).get("machine"), save.get("tcp_seconds") or tcp_seconds
+        if machine and tcp:
+            values.append(tcp / (machine / cpus))
+    return min(values, default=None)
 
 
 def _restore_over_tcp(peer: dict[str, Any] | None, key: str, shard_bytes: int, tcp_rate: float | None) -> float | None:
@@ -169,8 +170,8 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "replication_over_tcp": ratio(replication, tcp),
         "committed_over_tcp_min": min(_committed_over_tcp(s, tcp, state_bytes) for s in _saves(doc)),
         "committed_over_tcp_first": _committed_over_tcp(doc["saves"][0], tcp, state_bytes),
-        "save_cores_busy_min": _cpu_bound(doc, "cores_busy", None),
-        "tcp_over_cpu_floor_min": _cpu_bound(doc, "tcp_over_floor", ratio(state_bytes, tcp)),
+        "save_cores_busy_min": _least_cores_busy(doc),
+        "tcp_over_cpu_floor_min": _tcp_over_cpu_floor(doc, ratio(state_bytes, tcp)),
         "torch_load_over_restore_local": ratio(floors["disk"]["load_warm_p50"], restores["local"]["p50"]),
         "restore_peer_over_tcp": _restore_over_tcp(peer, "load_seconds", shard_bytes, tcp),
         "restore_peer_from_accept_over_tcp": _restore_over_tcp(peer, "seconds", shard_bytes, tcp),

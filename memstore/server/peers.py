@@ -135,11 +135,11 @@ class Peer:
     def list(self, job_id: str, timeout: float, retrying: bool = True) -> list[ShardInfo]:
         """The peer's shards of ``job_id`` (every job: ""). ``retrying=False``: asked once, and a failure does not mark
         the peer suspect (a starting store probing peers that may not serve yet)."""
+        def ask() -> pb.ListResponse:
+            return self.stub.List(pb.ListRequest(job_id=job_id), timeout=timeout)
+
         try:
-            if retrying:
-                resp = self._call(lambda: self.stub.List(pb.ListRequest(job_id=job_id), timeout=timeout))
-            else:
-                resp = self.stub.List(pb.ListRequest(job_id=job_id), timeout=timeout)
+            resp = self._call(ask) if retrying else ask()
         except grpc.RpcError as err:
             raise _peer_error(self.host_id, "List", err) from None
         if resp.host_id != self.host_id:

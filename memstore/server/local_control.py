@@ -2,8 +2,10 @@
 
 Each request is handed to the gRPC servicer's own method with a small context that carries the token and
 turns ``abort`` into a status frame, so validation, errors, authentication and the RPC metrics are the
-gRPC path's. One thread per connection (a trainer keeps one open); connections beyond
-``MAX_CONNECTIONS`` are closed at once, and the client falls back to gRPC.
+gRPC path's. One thread per connection, so calls never wait on each other here: a trainer keeps a few open, one per
+call it has in flight (``trainer_client.transport.local_control.LocalStub``), and a ``WaitCommitted`` blocked in the
+store (on the catalog's condition, which it releases while it waits) delays no other call, of that trainer or of another
+rank. Connections beyond ``MAX_CONNECTIONS`` are closed at once (a client sees UNAVAILABLE on them).
 
 The socket lives next to the store's segment directory (``<shm_dir>/<host_id>-<port>.sock``), with the
 directory's permissions: whoever may map the store's segments may also call it here.
@@ -25,7 +27,7 @@ from memstore.v1.security import AUTH_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
-MAX_CONNECTIONS = 256
+MAX_CONNECTIONS = 256  # e.g. 8 ranks x LocalStub's 8 calls in flight, with room to spare
 
 
 class _Aborted(Exception):

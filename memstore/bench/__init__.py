@@ -10,6 +10,8 @@ One run, one state size (default 1 GiB of float32 state on one rank), on freshly
   RAM after a host loss;
 * data parallelism (:mod:`~memstore.bench.data_parallel`, ``--dp-size``): D = 1, 2, 4 ranks of one state on 4 other
   stores, each saving its whole state (today) or a 1/D stripe (a replica group): stall, bytes captured, RAM, restores;
+* several ranks per host (:mod:`~memstore.bench.ranks`, ``--ranks-per-host N``, N >= 2): N rank processes on one store
+  save ``--size``/N bytes each at once, repeatedly: each save's stall over its own rank's memcpy, the RAM multiple;
 * one table (:mod:`~memstore.bench.targets`): ratio, measured, target, PASS/MISS.
 
 Every raw number goes to ``--json``; ``benchmarks/plot_bench.py`` draws it. This module imports only the standard
@@ -52,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dp-size", default=None, help="state bytes on each of D=1,2,4 data-parallel ranks (default 256MiB; --quick 16MiB; 0: skip)"
     )
+    p.add_argument(
+        "--ranks-per-host", type=int, default=1, metavar="N",
+        help="also run N rank processes on one store, each saving --size/N bytes at once, repeatedly (default 1: not run)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="64MiB, 2 steady saves, 1 restore, 5 small saves, 16MiB DP (smoke test)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write every raw number, ratio and target here")
     p.add_argument("--disk-dir", default=None, help="directory on local disk for the torch.save and DCP floors (default: the temp dir)")
@@ -96,6 +102,9 @@ def config_of(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"need 1 <= --replicas ({args.replicas}) <= --hosts ({args.hosts}) <= 8")
     if pick["saves"] < 1 or pick["restores"] < 1 or pick["small_saves"] < 0 or args.keep < 1:
         raise ValueError("--saves, --restores and --keep must be >= 1, --small-saves >= 0")
+    from memstore.bench.ranks import check_ranks
+
+    check_ranks(args.ranks_per_host, parse_size(str(pick["size"])))
     env = dict(item.split("=", 1) for item in args.store_env if "=" in item)
     if args.prefault is not None:
         env["MEMSTORE_PREFAULT"] = args.prefault
@@ -104,7 +113,7 @@ def config_of(args: argparse.Namespace) -> dict[str, Any]:
         "saves": pick["saves"], "restores": pick["restores"], "small_saves": pick["small_saves"], "quick": args.quick,
         "dp_size": parse_size(str(pick["dp_size"])),
         "seed": args.seed, "disk_dir": args.disk_dir, "data_plane": args.data_plane, "store_env": env, "json": args.json_path,
-        "shm_dir": args.shm_dir,
+        "shm_dir": args.shm_dir, "ranks_per_host": args.ranks_per_host,
     }  # fmt: skip
 
 
@@ -173,6 +182,12 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
         doc["data_parallel"] = measure_data_parallel(
             dp_state, config["replicas"], reps, config["data_plane"], config["store_env"], config["shm_dir"]
         )
+    if config["ranks_per_host"] > 1:
+        from memstore.bench import ranks
+
+        n = config["ranks_per_host"]
+        say(f"{n} rank processes on one store, {config['size'] // n} bytes each, saving at once")
+        doc["ranks_per_host"] = ranks.measure(config)
     return doc
 
 
@@ -188,6 +203,10 @@ def finish(doc: dict[str, Any]) -> dict[str, Any]:
         from memstore.bench.data_parallel import ok
 
         doc["ok"] = doc["ok"] and ok(doc["data_parallel"])
+    if "ranks_per_host" in doc:
+        from memstore.bench import ranks
+
+        doc["ok"] = doc["ok"] and ranks.ok(doc["ranks_per_host"])
     return doc
 
 
@@ -202,6 +221,10 @@ def run_config(config: dict[str, Any], command: str) -> int:
         from memstore.bench import data_parallel
 
         print("\n" + data_parallel.text_table(doc["data_parallel"]))
+    if "ranks_per_host" in doc:
+        from memstore.bench import ranks
+
+        print("\n" + ranks.summary_line(doc["ranks_per_host"]))
     if not doc["ok"]:
         print("memstore bench: a save did not reach R copies or a restore (or torch.load) did not verify (see the JSON)", file=sys.stderr)
     if config["json"]:

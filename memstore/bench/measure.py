@@ -54,8 +54,6 @@ def one_save(series: Series, index: int, tensors: list[Any]) -> dict[str, Any]:
     call -> committed; ``nbytes``: the bytes the rank captured (its shard's size as the store reports it); ``cpu``: the
     CPU seconds the save took in the trainer, each store and the machine (``memstore.bench.cpu``), ``tcp_cpu`` those
     of its paired TCP transfer."""
-    from trainer_client.errors import ReplicationError
-
     cpus = os.cpu_count() or 1
     tcp = tcp_cpu = None
     if series.tcp is not None:
@@ -68,29 +66,38 @@ def one_save(series: Series, index: int, tensors: list[Any]) -> dict[str, Any]:
         copy_all(series.paired, tensors)
         memcpy = time.perf_counter() - t
     with CpuMeter(series.stores) as meter:
-        t0 = time.perf_counter()
-        handle = series.client.save(index + 1, series.state)
-        t1 = time.perf_counter()
-        copies, nbytes, error = 0, 0, ""
-        try:
-            result = handle.wait(timeout=commit_timeout(nbytes_of(tensors)))
-            copies, nbytes = int(result.copies), int(result.nbytes)
-        except (ReplicationError, TimeoutError) as exc:  # a real outcome (a peer timing out): recorded, the run goes on
-            error = str(exc)
-        t2 = time.perf_counter()
+        saved = timed_save(series.client, index + 1, series.state, nbytes_of(tensors))
     return {
         "step": index + 1,
         "phase": phase_of(index, series.keep),
-        "stall_seconds": t1 - t0,
-        "committed_seconds": t2 - t0,
+        "stall_seconds": saved["stall_seconds"],
+        "committed_seconds": saved["committed_seconds"],
         "memcpy_seconds": memcpy,
         "tcp_seconds": tcp,
         "cpu": meter.report(cpus),
         "tcp_cpu": tcp_cpu,
-        "copies": copies,
-        "nbytes": nbytes,
-        "error": error,
+        "copies": saved["copies"],
+        "nbytes": saved["nbytes"],
+        "error": saved["error"],
     }
+
+
+def timed_save(client: CheckpointClient, step: int, state: Any, state_bytes: int) -> dict[str, Any]:
+    """``client.save(step, state)`` timed from the call: stall (call -> return) and call -> committed; its copies, the
+    bytes the rank captured and the error it ended with ("" if none)."""
+    from trainer_client.errors import ReplicationError
+
+    t0 = time.perf_counter()
+    handle = client.save(step, state)
+    t1 = time.perf_counter()
+    copies, nbytes, error = 0, 0, ""
+    try:
+        result = handle.wait(timeout=commit_timeout(state_bytes))
+        copies, nbytes = int(result.copies), int(result.nbytes)
+    except (ReplicationError, TimeoutError) as exc:  # a real outcome (a peer timing out): recorded, the run goes on
+        error = str(exc)
+    t2 = time.perf_counter()
+    return {"stall_seconds": t1 - t0, "committed_seconds": t2 - t0, "copies": copies, "nbytes": nbytes, "error": error}
 
 
 def save_series(series: Series) -> list[dict[str, Any]]:

@@ -143,11 +143,13 @@ def wait_caught_up(cluster: LocalCluster, host: str, job: str, keep: int, timeou
 
 
 class RestoreProcess:
-    """A restarted trainer (this module as a child process) that the bench tells when to restore, over JSON lines."""
+    """A restarted trainer (this module as a child process) that the bench tells when to restore, over JSON lines;
+    ``module``: another bench module run so (``memstore.bench.ranks``: a saving rank), ``name`` what errors call it."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: str = __name__, name: str = "the restore process") -> None:
+        self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=module_env()
+            [sys.executable, "-m", module], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=module_env()
         )
         self.buf = b""
 
@@ -158,12 +160,12 @@ class RestoreProcess:
         while b"\n" not in self.buf:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"the restore process did not answer within {timeout:.0f} s")
+                raise TimeoutError(f"{self.name} did not answer within {timeout:.0f} s")
             if select.select([fd], [], [], min(remaining, 1.0))[0]:
                 data = os.read(fd, 1 << 16)
                 if not data:
                     err = self.proc.communicate(timeout=10)[1].decode(errors="replace")
-                    raise RuntimeError(f"the restore process exited with {self.proc.returncode}: {err[-3000:]}")
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {err[-3000:]}")
                 self.buf += data
         line, _, self.buf = self.buf.partition(b"\n")
         answer: dict[str, Any] = json.loads(line)

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from memstore.bench import main
+from memstore.bench import main, ranks
 from memstore.bench.floors_dcp import CLOSED_STAGER_HINT
 from memstore.bench.targets import RATIOS
 from tests.harness.torch_versions import TORCH_MINOR
 
 pytestmark = pytest.mark.integration
 
-ARGV = ["--size", "4MiB", "--saves", "1", "--restores", "1", "--small-saves", "2", "--dp-size", "2MiB"]
+ARGV = ["--size", "4MiB", "--saves", "1", "--restores", "1", "--small-saves", "2", "--dp-size", "2MiB", "--ranks-per-host", "2"]
 
 
 @pytest.mark.timeout(240)
@@ -82,3 +82,38 @@ def test_a_tiny_run_writes_the_table_and_every_ratio(
         assert c["copies_min"] == 2 and not c["errors"], c
         assert [len(r) for r in c["restores"]] == [d] and c["verified_equal"] is True, c  # --restores 1: one round of D
         assert all(r["verified_equal"] for r in c["restores"][0]), c
+    assert data["ranks_per_host"]["ranks"] == 2 and data["ranks_per_host"]["state_bytes"] == pytest.approx(4 << 20, rel=0.01)
+    assert "2 ranks on one store, 4 MiB in all: stall over each rank's own memcpy" in printed
+
+
+@pytest.mark.timeout(120)
+def test_ranks_per_host_reports_every_rank_and_the_aggregate() -> None:
+    """--ranks-per-host's section alone, small: 2 rank processes, 4 MiB in all, keep 2 and one steady save (5 rounds)."""
+    section = ranks.measure_ranks(4 << 20, 2, hosts=2, replicas=2, keep=2, steady=1, seed=0, data_plane=None, env={}, shm_root="/dev/shm")
+    assert ranks.ok(section), section["errors"]
+    assert section["ranks"] == 2 and section["copies_min"] == 2
+    assert [[s["rank"] for s in r] for r in section["saves"]] == [[0, 1]] * 5  # every rank saved in every round
+    assert [r[0]["phase"] for r in section["saves"]] == ["first", "early", "early", "early", "steady"]
+    assert section["rank_state_bytes"] == [section["state_bytes"] // 2] * 2
+    for s in (s for r in section["saves"] for s in r):
+        assert s["stall_seconds"] > 0 and s["memcpy_seconds"] > 0 and s["committed_seconds"] >= s["stall_seconds"], s
+        assert s["stall_over_memcpy"] == pytest.approx(s["stall_seconds"] / s["memcpy_seconds"]), s
+        assert s["nbytes"] >= section["state_bytes"] // 2, s  # the rank's shard: its state and a header
+    for phase in ("first", "steady"):
+        figures = section[phase]
+        assert figures["saves"] == 2 and figures["stall_over_memcpy_max"] >= figures["stall_over_memcpy_p50"] > 0, figures
+        assert figures["committed_max"] >= figures["committed_p50"] > 0 and figures["committed_bytes_per_second"] > 0, figures
+    assert [r["rank"] for r in section["per_rank"]] == [0, 1]
+    assert all(r["first_stall_over_memcpy"] > 0 and r["steady_stall_over_memcpy_p50"] > 0 for r in section["per_rank"])
+    # R=2 copies of keep 2 steps, one save's segments and the rings' reserve: over R, within what a store may hold
+    assert section["ram_multiple_needed"] == 6
+    assert 2 <= section["ram_multiple_settled"] <= section["ram_multiple_peak"] <= 12, section
+    line = ranks.summary_line(section)
+    assert line.startswith("2 ranks on one store, 4 MiB in all") and "RAM multiple peak" in line
+
+
+@pytest.mark.parametrize(("flags", "problem"), [(["--ranks-per-host", "0"], "--ranks-per-host must be >= 1"),
+                                                (["--size", "4MiB", "--ranks-per-host", "8"], "less than 1 MiB per rank")])  # fmt: skip
+def test_a_bad_ranks_per_host_is_refused_before_anything_runs(flags: list[str], problem: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(flags) == 2
+    assert problem in capsys.readouterr().err

@@ -73,7 +73,7 @@ from memstore.v1.keys import job_id_problem, key_problem
 from trainer_client.agreement import AgreementStats
 from trainer_client.client import CheckpointClient
 from trainer_client.connection import Connection, connection_from_kwargs
-from trainer_client.dcp_metadata import MemStoreStorageInfo, decode_metadata, encode_metadata
+from trainer_client.dcp_metadata import MemStoreStorageInfo, decode_metadata, encode_metadata, item_key
 from trainer_client.dcp_plans import (
     MemStoreLoadPlanInfo,
     MemStoreSavePlanInfo,
@@ -91,6 +91,7 @@ from trainer_client.dcp_shard import (
     checked_shard,
     items_by_rank,
     new_shard,
+    planned_save,
     read_items,
     storage_data_of,
     write_items,
@@ -103,6 +104,7 @@ from trainer_client.errors import (
     NotFoundError,
 )
 from trainer_client.handles import RestorePoint
+from trainer_client.warmup import prepare_once
 
 __all__ = [
     "COORDINATOR_RANK",
@@ -118,6 +120,14 @@ __all__ = [
     "parse_checkpoint_id",
 ]
 
+
+def _rank_and_size(group: Any) -> tuple[int, int]:
+    """This process's rank in ``group`` (None: the default group) and its size; (0, 1) without torch.distributed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _done(value: Any) -> Future[Any]:
@@ -292,14 +302,46 @@ class MemStoreWriter(StorageWriter):
             raise InvalidArgumentError("MemStoreWriter.finish() called without write_data() on the coordinator")
         if len(results) != info.world_size:
             raise InvalidArgumentError(f"finish() got results of {len(results)} ranks, but the save has {info.world_size}")
-        metadata.storage_data = storage_data_of(results)
-        metadata.version = dcp_version()
-        metadata.storage_meta = self.storage_meta()
-        encoded = encode_metadata(metadata)
+        encoded = self._encoded_metadata(metadata, storage_data_of(results))
         staged, self._staged = self._staged, None
         self._save(staged, encoded)
 
+    # -- before the first save ------------------------------------------------------------------
+    def prepare(self, state_dict: dict[str, Any], *, group: Any = None) -> bool:
+        """Prepare this rank's next save now, at set-up: its shard planned as ``dcp.save`` will write it, and the memory
+        for it reserved, mapped and (CUDA tensors) registered (:func:`trainer_client.warmup.prepare_once`), so the first
+        save made with this writer is a memcpy instead of the store making memory. Reuse the writer for the saves after
+        it (``dcp.save(..., storage_writer=writer, checkpoint_id=step)``): a new writer is a new client.
+
+        ``state_dict``: what the next save will save, with its tensors already in place (an optimizer's state
+        exists once it has stepped or loaded one); ``group``: the process group ``dcp.save`` will save with (default:
+        the default group when there is one). A collective over that group: every rank calls it. Call it before the
+        training loop: right before a save it makes that save slower (:mod:`trainer_client.warmup`).
+
+        Returns whether it prepared now: False after the first time, or when planning or preparing failed (logged,
+        never raised: the first save then allocates its memory, as without it).
+        """
+        rank, world = _rank_and_size(group)
+        planned = planned_save(state_dict, rank, world, group)
+        if planned is None:
+            return False
+        planner, plans, metadata = planned
+        items, _ = write_items(plans[rank], planner, rank)
+        encoded = None
+        if rank == COORDINATOR_RANK:
+            where = {item.index: MemStoreStorageInfo(r, item_key(item.index)) for r, plan in enumerate(plans) for item in plan.items}
+            encoded = self._encoded_metadata(metadata, where)
+        info = MemStoreSavePlanInfo(self.job_id, self.step or 0, world, rank, new_timeline())
+        return prepare_once(self._client_for(rank, world), new_shard(info, items, encoded))
+
     # -- helpers --------------------------------------------------------------------------------
+    def _encoded_metadata(self, metadata: Metadata, storage_data: dict[MetadataIndex, MemStoreStorageInfo]) -> dict[str, Any]:
+        """The coordinator's metadata as its shard holds it: where each item is, DCP's version, this save's ids."""
+        metadata.storage_data = storage_data
+        metadata.version = dcp_version()
+        metadata.storage_meta = self.storage_meta()
+        return encode_metadata(metadata)
+
     def _take_plan_info(self, info: Any) -> MemStoreSavePlanInfo:
         """This rank's part of the save, from the plan the coordinator made; checked against what this writer knows."""
         info = checked_plan_info(info, self.job_id, self.step, self._explicit_world_size, self._explicit_rank, self._dcp_rank)
@@ -312,8 +354,9 @@ class MemStoreWriter(StorageWriter):
         step = cast(int, self.step)
         rank = self._dcp_rank if self._dcp_rank is not None else (self._explicit_rank or 0)
         world = max(rank + 1, self._explicit_world_size or 1)
+        client = self._client if self._client is not None else self._client_for(rank, world)  # any world: kept for the save
         try:
-            existing = self._client_for(rank, world).restore_point(step)
+            existing = client.restore_point(step)
         except (NotFoundError, NoCheckpointError):
             existing = None  # a job no store knows yet
         if existing is None:

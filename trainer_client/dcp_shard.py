@@ -10,12 +10,16 @@ The shard is a plain dict (see :mod:`trainer_client.dcp`)::
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Mapping
 from typing import Any, Final
 
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
 from trainer_client.capture.device_restore import HostToDevice
@@ -30,6 +34,7 @@ __all__ = [
     "checked_shard",
     "items_by_rank",
     "new_shard",
+    "planned_save",
     "read_items",
     "storage_data_of",
     "write_items",
@@ -39,6 +44,8 @@ SHARD_FORMAT: Final = "memstore-dcp"
 SHARD_VERSION: Final = 1
 COORDINATOR_RANK: Final = 0
 """DCP's coordinator is rank 0 of the saving group; its shard carries the metadata."""
+
+log = logging.getLogger(__name__)
 
 
 def new_shard(info: MemStoreSavePlanInfo, items: dict[str, Any], metadata: dict[str, Any] | None) -> dict[str, Any]:
@@ -55,6 +62,34 @@ def new_shard(info: MemStoreSavePlanInfo, items: dict[str, Any], metadata: dict[
     if metadata is not None:
         shard["metadata"] = metadata
     return shard
+
+
+def planned_save(state_dict: dict[str, Any], rank: int, world_size: int, group: Any) -> tuple[SavePlanner, list[SavePlan], Metadata] | None:
+    """What ``dcp.save(state_dict, process_group=group)`` with DCP's default planner will have each rank write, planned
+    now: a planner holding this rank's final plan (for :func:`write_items`), every rank's final plan (replicated
+    items written by one rank only) and the global metadata. None if a rank could not plan its state (each logs why).
+
+    A collective over ``group`` when ``world_size`` > 1 (the local plans are gathered as ``dcp.save`` gathers them):
+    every rank calls it. ``Stateful`` values are asked for their ``state_dict()``, as ``dcp.save`` asks them.
+    """
+    planner: SavePlanner = DefaultSavePlanner()
+    local: SavePlan | None
+    try:
+        flat = {key: value.state_dict() if isinstance(value, Stateful) else value for key, value in state_dict.items()}
+        planner.set_up_planner(flat, storage_meta=None, is_coordinator=rank == COORDINATOR_RANK)
+        local = planner.create_local_plan()
+    except Exception as exc:  # the save itself will say what is wrong with the state
+        log.warning("memstore: cannot plan this rank's DCP save ahead: %s", exc)
+        local = None
+    plans: list[Any] = [local]
+    if world_size > 1:
+        plans = [None] * world_size
+        dist.all_gather_object(plans, local, group=group)
+    if any(plan is None for plan in plans):
+        return None
+    final, metadata = planner.create_global_plan(plans)
+    planner.finish_plan(final[rank])
+    return planner, final, metadata
 
 
 def write_items(plan: SavePlan, planner: SavePlanner, rank: int) -> tuple[dict[str, torch.Tensor | bytes], list[WriteResult]]:

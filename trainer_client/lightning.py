@@ -14,6 +14,13 @@ The plugin maps one to the other explicitly:
   (``ModelCheckpoint`` retention, ``save_last``, ``ckpt_path="last"``, ``save_last="link"``) therefore works
   unchanged, and ``load_checkpoint(path)`` reads exactly the save the pointer names.
 
+**The first save of a resumed run is prepared**: the global-zero process's ``load_checkpoint`` (``fit(ckpt_path=...)``)
+holds the state the next save will be like, so it prepares the client with it (:func:`trainer_client.warmup.prepare_once`:
+the capture ring filled before training, so that first save is a memcpy instead of the store making memory). A
+``CheckpointIO`` gets no hook before the first save of a fresh run, and preparing right before that save would make
+it slower (:mod:`trainer_client.warmup`): that one save makes its memory, and the ring fills after it in the
+background. (A ``validate``/``test``/``predict`` with ``ckpt_path`` prepares too: the plugin cannot tell them apart.)
+
 ``remove_checkpoint`` removes the pointer; the store's RAM is reclaimed by its own retention (``--keep``: the
 newest K steps of the job), so a pointer older than the newest ``--keep`` saves names a step the stores dropped
 (unless it was spilled): loading it raises ``NotFoundError``. Only the global-zero process saves (Lightning calls
@@ -33,12 +40,14 @@ from typing import Any
 import fsspec
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from trainer_client import framework_state
 from trainer_client.client import CheckpointClient
 from trainer_client.connection import Connection
 from trainer_client.errors import InvalidArgumentError, SerializationError
 from trainer_client.handles import SaveHandle
+from trainer_client.warmup import prepare_once
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +181,9 @@ class MemStoreCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint the pointer at ``path`` names; its pickled entries loaded with ``weights_only``.
 
-        ``map_location``: None or ``"cpu"`` (CPU tensors), or a device / device string every tensor lands on.
+        ``map_location``: None or ``"cpu"`` (CPU tensors), or a device / device string every tensor lands on. In the
+        global-zero process (the one that saves), before this plugin's first save, it also prepares the next save's
+        memory for a state like the one loaded (never failing the load: a failure is logged).
         """
         if map_location is not None and not isinstance(map_location, str | torch.device):
             raise InvalidArgumentError(
@@ -185,6 +196,9 @@ class MemStoreCheckpointIO(CheckpointIO):
         finally:
             if client is not self._client:
                 client.close()
+        global_rank = getattr(rank_zero_only, "rank", 0)  # set by Lightning's strategy (an attribute of the function)
+        if global_rank == 0 and self._next_step is None:  # Lightning saves from global zero; this client saved nothing yet
+            prepare_once(self.client, stored)
         return framework_state.unpack(stored, weights_only=weights_only, map_location=map_location)
 
     def remove_checkpoint(self, path: Any) -> None:

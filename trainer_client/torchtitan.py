@@ -16,7 +16,15 @@ What maps to what:
   has no such step, torchtitan's own loading runs (``initial_load_path``, Hugging Face weights, a fresh start);
 * exports stay files: the last step's model-only save (``last_save_model_only``, in ``export_dtype``) and Hugging
   Face safetensors (``last_save_in_hf``) go to ``<folder>/step-N`` as torchtitan writes them;
-* retention is the stores' (``--keep``, and spill retention); ``keep_latest_k`` applies only to those exports.
+* retention is the stores' (``--keep``, and spill retention); ``keep_latest_k`` applies only to those exports;
+* one :class:`~trainer_client.dcp.MemStoreWriter` (so one store client per rank) makes every save of the manager;
+  when a load restored a step from memstore (a restart), each rank prepares its next save there
+  (:meth:`~trainer_client.dcp.MemStoreWriter.prepare`: its shard planned as the save will write it, its memory
+  reserved, mapped and, for CUDA tensors, registered), so the first save after the restart is a memcpy instead of
+  the store making memory. A fresh start is not prepared: its optimizer has no state before the first step
+  (planning it would take a zero-gradient step, which advances Adam's step count) and preparing right before the
+  first save makes it slower (:mod:`trainer_client.warmup`). Nor is ``async_with_pinned_mem``: DCP's checkpoint
+  process saves there, with clients of its own.
 """
 
 from __future__ import annotations
@@ -83,22 +91,23 @@ class MemStoreCheckpointManager(CheckpointManager):
         self.connection = Connection(config.store or None).resolved()
         self.wait_for_replication = config.wait_for_replication
         self._exporting = False
+        self.writer = MemStoreWriter(self.job_id, connection=self.connection, wait_for_replication=self.wait_for_replication)
 
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode, enable_garbage_collection: bool = False,
                  to_hf: bool = False) -> Future[Any] | AsyncSaveResponse | None:  # fmt: skip
         """Step ``step-N`` of ``checkpoint_id`` into memstore; an export (Hugging Face, last model-only) to its files."""
         if to_hf or self._exporting:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-        step = step_of(checkpoint_id)
-        writer = MemStoreWriter(self.job_id, step, connection=self.connection, wait_for_replication=self.wait_for_replication)
+        step = str(step_of(checkpoint_id))  # the writer's reset(step): one writer for every save (torchtitan waits for the last)
+        writer = self.writer
         ret: Future[Any] | AsyncSaveResponse | None = None
         if async_mode == AsyncMode.ASYNC:
-            ret = dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg)
+            ret = dcp.async_save(state_dict, checkpoint_id=step, storage_writer=writer, process_group=self.pg)
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
-            ret = dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg,
+            ret = dcp.async_save(state_dict, checkpoint_id=step, storage_writer=writer, process_group=self.pg,
                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)  # fmt: skip
         else:
-            dcp.save(state_dict, storage_writer=writer)
+            dcp.save(state_dict, checkpoint_id=step, storage_writer=writer)
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
@@ -134,4 +143,12 @@ class MemStoreCheckpointManager(CheckpointManager):
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(states)  # the model's entries are flattened into the top level
         GarbageCollection.collect("GC collection for checkpoint loading.")
+        if found > 0 and not self.load_only and self.async_mode != AsyncMode.ASYNC_WITH_PINNED_MEM:
+            self.writer.prepare(self._flattened_model_states_sd(), group=_group())  # a restart: its next save, like this one
         return True
+
+    def _close(self) -> None:
+        try:
+            super()._close()
+        finally:
+            self.writer.close()  # its store client

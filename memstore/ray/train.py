@@ -26,6 +26,12 @@ copies of *s-1* before it enters ``ray.train.report``, which is a barrier across
 pointer Ray Train registers names a step that is restorable on every rank. ``finish`` reports the last
 step. memstore's retention (``--keep``, spill retention) is independent of Ray Train's ``num_to_keep``:
 keep ``--keep`` >= 2 so the step a pointer names is still in RAM when the next one is reported.
+
+``restore`` also prepares the first save after a restart (:func:`trainer_client.warmup.prepare_once`): the state
+it loaded is what the next save will be like, so each rank's capture ring is filled before training resumes and
+that save is a memcpy instead of the store making memory. A fresh start has no state before its first save, and
+preparing right before that save would make it slower (:mod:`trainer_client.warmup`): that one save makes its
+memory, and the ring fills after it in the background.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from memstore.ray.stores import DEFAULT_NAMESPACE, local_store_connection
 from trainer_client import CheckpointClient, Connection, SaveHandle
 from trainer_client.connection import DEPRECATED_KWARGS, connection_from_kwargs
 from trainer_client.errors import NotFoundError
+from trainer_client.warmup import prepare_once
 
 POINTER_FILE = "memstore.json"
 POINTER_FORMAT = "memstore.ray.pointer/1"
@@ -146,7 +153,9 @@ class RayTrainCheckpoints:
         The step is the one Ray Train's newest pointer names, or a newer one memstore holds for every rank of
         this job: a failure can come before Ray Train registers the last reported pointers, and memstore's
         newest restorable step is never older than a committed save. Every rank gets rank 0's answer (a
-        broadcast over the process group TorchTrainer sets up)."""
+        broadcast over the process group TorchTrainer sets up).
+        Each rank then prepares its next save's memory for a state like the one loaded (a failure is logged, never
+        raised: that save then allocates its memory)."""
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is None:
             return None
@@ -169,6 +178,7 @@ class RayTrainCheckpoints:
                 f"Ray Train's checkpoint points at step {pointer.step} of job {pointer.job_id!r}, which memstore cannot restore: {exc}"
             ) from exc
         self.reported_step = step
+        prepare_once(self.client, state)
         return step, state
 
     def save(self, step: int, state: Any, metrics: Mapping[str, float] | None = None, *, report: bool = True) -> SaveHandle:

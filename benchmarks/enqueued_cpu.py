@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,11 +24,17 @@ from memstore.devtools.cluster import LocalCluster
 from trainer_client import CheckpointClient, Connection
 
 
-def timed_saves(client: CheckpointClient, state: Any, saves: int) -> tuple[list[float], list[float]]:
+def timed_saves(
+    client: CheckpointClient, state: Any, saves: int, between: Callable[[], None] | None = None
+) -> tuple[list[float], list[float]]:
     """Steps 1..``saves`` with ``capture="enqueued"``, each replicated before the next: the seconds until ``save()``
-    returned and until the capture was done (``wait_captured(block=True)``), per save."""
+    returned and until the capture was done (``wait_captured(block=True)``), per save. ``between``: called before each
+    save (a test waits there for the next save's memory, reserved once retention let the oldest step go, as it is at a
+    trainer's cadence; without it a save may come first and allocate its memory itself)."""
     returned, captured = [], []
     for step in range(1, saves + 1):
+        if between is not None:
+            between()
         t0 = time.perf_counter()
         handle = client.save(step, state, capture="enqueued")
         returned.append(time.perf_counter() - t0)

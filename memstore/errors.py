@@ -105,6 +105,14 @@ class QuotaExceeded(CapacityExceeded):
         return (*super().trailing_metadata(), ("memstore-job-id", self.job_id))
 
 
+class RingBusy(StoreError):
+    """Memory reserved ahead of a rank's next save found that rank's capture ring full, every segment holding a kept
+    step or a save in flight, and retention freed none in time. Nothing was allocated; the next save allocates
+    when it comes (and reuses the ring's oldest unprotected step, or grows it a little)."""
+
+    status = "FAILED_PRECONDITION"
+
+
 class TooManyStreams(StoreError):
     """A sender (a peer store, or one job's clients) has as many transfers open to this store as it may
     (``--max-streams-per-peer``); it retries once one has finished."""

@@ -11,9 +11,13 @@ faulting and keeps every reserved byte inside ``--capacity``.
 
 - ``prefault=None`` (``--prefault auto``, the default): nothing at start-up, unless the store replaces a host
   whose group holds shards for it (``expect``: the newest step of each, faulted in before it serves, up to two
-  units); once shards have been seen, keep two *units* ready, a unit being the largest shard this store saw
-  lately. The first shard of a fresh job pays for fresh memory; the saves, copies and repairs after it find the
-  reserve.
+  units). Then the reserve follows the *streams* placed here: a stream is one rank of one job, its saves on its
+  owner or its replicas on a peer. Each active stream cycles through ``keep + 1`` segments (the kept steps and the
+  one in flight), so the reserve faults in, off the save's path, what each active job still lacks of that:
+  ``sum((keep + 1) x shard) - what the job holds`` (shards, leases and pooled segments). Once a job holds its
+  cycle, the reserve is empty: recycled segments serve every later save, and no memory is held twice. A stream
+  with no shard for ``IDLE_CADENCES`` times its cadence (at least ``IDLE_MIN_SECONDS``) is *idle*: its job's
+  pooled spares go back to the kernel (``idle_jobs``), so a job that stopped saving holds only its kept steps.
 - ``prefault=N`` bytes: keep at least N bytes faulted in from start-up: the shards the store holds, its
   pooled segments and the reserve together. N/(keep+3) of it is faulted in before the store serves at all
   (``before_serving``), the rest in the background. Shards take their memory from the reserve; it is refilled
@@ -29,12 +33,19 @@ faulting and keeps every reserved byte inside ``--capacity``.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 AUTO_UNITS = 2  # units the automatic reserve keeps ready
 RECENT = 32  # shard sizes remembered to choose the unit
 HEADROOM = 128  # a reserve segment is 1/128 larger than its unit (room for the shard's header)
 MIN_UNIT = 1 << 20  # smaller shards are not worth a reserve of their own (they fault in fast)
+IDLE_MIN_SECONDS = 30.0  # a stream with no new shard for this long, and ...
+IDLE_CADENCES = 3  # ... this many times the longest of its recent gaps between shards, is idle
+GAPS = 4  # gaps between a stream's shards remembered (its cadence)
+
+Stream = tuple[str, int]  # (job, rank): the shards of one rank of one job placed on this store (saves or replicas)
 
 
 @dataclass(frozen=True)
@@ -55,11 +66,23 @@ class ReserveGoal:
         return self.unit > 0 and reserved + self.segment_bytes // 2 <= self.target  # whole segments, rounded to the nearest
 
 
+@dataclass
+class _StreamSeen:
+    """What the policy knows of one stream: its latest shard size, when it came, the gaps before it."""
+
+    nbytes: int
+    last: float
+    gaps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=GAPS))
+
+    def idle(self, now: float) -> bool:
+        return now - self.last > max(IDLE_MIN_SECONDS, IDLE_CADENCES * max(self.gaps, default=0.0))
+
+
 class ReservePolicy:
     """Learns shard sizes and says how much fresh memory to keep ready. Not thread-safe: the pool calls it
     under its lock."""
 
-    def __init__(self, prefault: int | None, unit: int = 0, keep: int = 2) -> None:
+    def __init__(self, prefault: int | None, unit: int = 0, keep: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
         if prefault is not None and prefault < 0:
             raise ValueError(f"prefault {prefault} is invalid: expected >= 0 bytes or None (auto)")
         if unit < 0:
@@ -71,17 +94,54 @@ class ReservePolicy:
         # one segment ``goal`` always keeps ready. Sized for fewer, the owner faults the last one in during its first
         # saves, beside their copies and pushes (measured: 0.3 s of a core per GiB, on saves 3-4 with keep 2).
         self.cycle = keep + 3
+        self.keep = keep
+        self._clock = clock
         self._recent: collections.deque[int] = collections.deque(maxlen=RECENT)
+        self._streams: dict[Stream, _StreamSeen] = {}  # the automatic reserve's: each stream's shards lately
         self._expected = 0  # bytes of the shards a replacement's first repair pass will pull (``expect``)
 
     @property
     def auto(self) -> bool:
         return self.prefault is None
 
-    def saw(self, nbytes: int) -> None:
-        """A shard of ``nbytes`` was placed on this store."""
-        if nbytes >= MIN_UNIT:
-            self._recent.append(nbytes)
+    def saw(self, nbytes: int, stream: Stream | None = None) -> None:
+        """A shard of ``nbytes`` was placed on this store, of ``stream`` when the caller knows it."""
+        if nbytes < MIN_UNIT:
+            return
+        self._recent.append(nbytes)
+        if stream is None:
+            return
+        now = self._clock()
+        seen = self._streams.get(stream)
+        if seen is None:
+            self._streams[stream] = _StreamSeen(nbytes, now)
+            return
+        seen.gaps.append(now - seen.last)
+        seen.nbytes, seen.last = nbytes, now
+
+    def idle_jobs(self) -> set[str]:
+        """Jobs seen here whose streams are all idle (no shard for a few of their cadences): their pooled spares may go."""
+        now = self._clock()
+        jobs: dict[str, bool] = {}
+        for (job, _), seen in self._streams.items():
+            jobs[job] = jobs.get(job, True) and seen.idle(now)
+        return {job for job, idle in jobs.items() if idle}
+
+    @property
+    def streams_active(self) -> bool:
+        """Whether any stream placed here is still active (not idle)."""
+        now = self._clock()
+        return any(not seen.idle(now) for seen in self._streams.values())
+
+    def cycle_shortfall(self, job_bytes: Callable[[str], int]) -> int:
+        """Bytes the active jobs lack of their cycle: per job, ``(keep + 1)`` shards of each active stream, less what
+        ``job_bytes(job)`` says the job holds here (in use and pooled)."""
+        now = self._clock()
+        cycles: dict[str, int] = collections.defaultdict(int)
+        for (job, _), seen in self._streams.items():
+            if not seen.idle(now):
+                cycles[job] += (self.keep + 1) * seen.nbytes
+        return sum(max(0, cycle - job_bytes(job)) for job, cycle in cycles.items())
 
     def expect(self, sizes: list[int]) -> None:
         """Shards about to be pulled here (a replacement's first repair pass: the newest step of what its group holds for
@@ -101,12 +161,15 @@ class ReservePolicy:
             return min(self._expected, self.goal().target)
         return self.prefault // self.cycle if self.prefault else 0
 
-    def goal(self, held: int = 0) -> ReserveGoal:
-        """The reserve to keep while the store holds ``held`` bytes outside it (shards and pooled segments)."""
+    def goal(self, held: int = 0, job_bytes: Callable[[str], int] | None = None) -> ReserveGoal:
+        """The reserve to keep while the store holds ``held`` bytes outside it (shards and pooled segments);
+        ``job_bytes(job)``: what one job holds (the automatic reserve counts per job; without it, only ``expect``)."""
         seen = max(self._recent, default=0)
         if self.prefault is None:
             unit = self.unit or seen
-            return ReserveGoal(unit, AUTO_UNITS * unit if seen else 0)
+            if self._streams and job_bytes is not None:
+                return ReserveGoal(unit, self.cycle_shortfall(job_bytes))
+            return ReserveGoal(unit, min(self._expected, AUTO_UNITS * unit) if self._expected else 0)
         if self.prefault == 0:
             return ReserveGoal(0, 0)
         unit = self.unit or seen or max(MIN_UNIT, self.prefault // self.cycle)

@@ -47,6 +47,7 @@ from memstore.server.entries import (
     bind_problem,
     ensure,
 )
+from memstore.server.rings import AHEAD_WAIT_SECONDS
 from memstore.server.segments import NO_RING, Segment, SegmentPool
 from memstore.v1.integrity import ChunkChecksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
@@ -234,11 +235,22 @@ class Catalog:
         all of them would not, refuse at once and drop nothing (``memstore.core.limits.room_by_dropping``).
         ``evict=False`` (memory reserved ahead of a save, which may never come): refuse rather than drop anything.
         """
+        if ring != NO_RING and evict:  # a save into its rank's capture ring: it reuses before it grows
+            with self.pool.saving_into(key.job_id, ring):
+                full = self.pool.ring_full(key.job_id, ring)
+                if full and not self._reuse_oldest(key, ring):
+                    self.pool.count_growth(key.job_id, ring, full)
+                return self._acquire_within_limits(key, nbytes, preferred, ring, evict, grow)
+        return self._acquire_within_limits(key, nbytes, preferred, ring, evict, grow)
+
+    def _acquire_within_limits(self, key: ShardKey, nbytes: int, preferred: str, ring: int, evict: bool, grow: bool) -> Segment:
+        wait = AHEAD_WAIT_SECONDS if ring != NO_RING and not evict and not grow else 0.0  # a reservation ahead: see rings.py
         while True:
             try:
                 return self.pool.acquire(
-                    nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred, ring=ring, grow=grow
-                )
+                    nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred, ring=ring, grow=grow,
+                    stream=(key.job_id, key.rank), wait=wait,
+                )  # fmt: skip
             except CapacityExceeded as exc:  # QuotaExceeded included: its numbers are the job's
                 if not evict:
                     raise
@@ -257,6 +269,28 @@ class Catalog:
                     for victim in (self._entries[k] for k in victims):
                         log.warning("pressure on %s: dropping %s (%s) to fit %s", what, victim.key, victim.state.value, key)
                         self._drop_locked(victim, reason=f"dropped under pressure on {what} for step {key.step}")
+
+    def _reuse_oldest(self, key: ShardKey, ring: int) -> bool:
+        """A save of rank ``ring`` found its capture ring full (it came before retention let the oldest kept step go, or
+        saves outran replication): drop the rank's oldest settled step that retention may let go under pressure (never
+        its newest settled one, a protected step, or one at or above the restorable floor), so the save reuses its
+        segment instead of growing the ring (newest wins). False if there is none: the ring grows."""
+        with self._lock:
+            job = [e for e in self._entries.values() if e.key.job_id == key.job_id]
+            held = [(e.key, e.state, e.created_unix) for e in job]
+            protected = [self._protected[key.job_id]] if key.job_id in self._protected else []
+            by_key = {e.key: e for e in job}
+            victims = pressure_victims(held, key, protected, self._floor.get(key.job_id))
+            # A save on a new timeline at or below another's steps (a restart from an older step) abandons those: they go first.
+            victims.sort(key=lambda k: not (k.timeline != key.timeline and k.step >= key.step))
+            for victim in victims:
+                entry = by_key[victim]
+                if victim.rank == ring and entry.state.settled and entry.segment.ring == ring:
+                    log.info("rank %d of job %s saves faster than retention frees its ring: %s gives way to %s", ring, key.job_id,
+                             victim, key)  # fmt: skip
+                    self._drop_locked(entry, reason=f"its capture ring's segment reused for step {key.step} (newest wins)")
+                    return True
+        return False
 
     def _drop_one_cached(self, key: ShardKey, quota: bool) -> bool:
         """Drop the oldest copy pulled ahead of a restore (of ``key``'s job only when its quota is the limit); False if none."""

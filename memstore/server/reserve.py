@@ -45,6 +45,14 @@ class Holdings(Protocol):
         """Bytes of the segments in use and in the jobs' pools: all the pool holds but the reserve (lock held)."""
         ...
 
+    def job_bytes(self, job: str) -> int:
+        """Bytes of the segments job ``job`` holds: in use (shards, leases) and pooled (lock held)."""
+        ...
+
+    def drop_pooled(self, jobs: set[str]) -> None:
+        """Give back to the kernel the pooled segments of ``jobs`` that belong to no capture ring (takes the lock)."""
+        ...
+
 
 class Reserve:
     """Fresh, pre-faulted segments, their background thread, and the bytes being faulted in (``warming``).
@@ -80,10 +88,11 @@ class Reserve:
         """The fresh segments ready (lock held)."""
         return list(self._fresh)
 
-    def saw(self, nbytes: int) -> None:
-        """A shard of ``nbytes`` is being placed: the policy learns its size, the thread looks again (lock held)."""
+    def saw(self, nbytes: int, stream: tuple[str, int] | None = None) -> None:
+        """A shard of ``nbytes`` (of ``stream``: job, rank) is being placed: the policy learns it, the thread looks
+        again (lock held)."""
         if self.policy is not None:
-            self.policy.saw(nbytes)  # under the lock: goal() iterates what saw() appends to
+            self.policy.saw(nbytes, stream)  # under the lock: goal() iterates what saw() appends to
             self._wake.set()
 
     def pick(self, nbytes: int, max_size: int | None = None, preferred: str = "") -> Segment | None:
@@ -163,7 +172,7 @@ class Reserve:
             if self.warming:
                 return True
             held = self._holdings.held_by_jobs()
-            goal = self.policy.goal(held=held)
+            goal = self.policy.goal(held=held, job_bytes=self._holdings.job_bytes)
             room = held + self.fresh_bytes + round_up(goal.segment_bytes) <= self._holdings.capacity
             return room and goal.wants_another(self.fresh_bytes)
 
@@ -181,6 +190,10 @@ class Reserve:
         self.thread = threading.Thread(target=self._loop, name="prefault", daemon=True)
         self._wake.set()
         self.thread.start()
+
+    def look_again(self) -> None:
+        """Have the thread look at the goal and the idle jobs now, not at its next periodic wake-up."""
+        self._wake.set()
 
     def fill_now(self) -> int:
         """Fault in, on the calling thread, what the policy wants ready before the store serves
@@ -202,6 +215,7 @@ class Reserve:
             self._wake.wait(timeout=5.0)
             self._wake.clear()
             self._apply_shrinks()
+            self._give_back_spares()
             while not self._closed:
                 self._yield_to_foreground()
                 if not self._add_one():
@@ -241,7 +255,27 @@ class Reserve:
     def _goal(self) -> ReserveGoal:
         assert self.policy is not None
         with self._lock:
-            return self.policy.goal(held=self._holdings.held_by_jobs())
+            return self.policy.goal(held=self._holdings.held_by_jobs(), job_bytes=self._holdings.job_bytes)
+
+    def _give_back_spares(self) -> None:
+        """The automatic reserve holds no more than the active jobs lack of their cycle: fresh segments beyond that
+        (the jobs got their cycle from elsewhere, or stopped saving) go back to the kernel, and so do the pooled
+        spares of jobs that stopped saving (``ReservePolicy.idle_jobs``): their kept steps stay, nothing else."""
+        if self.policy is None or not self.policy.auto:
+            return
+        goal = self._goal()
+        extra: list[Segment] = []
+        with self._lock:
+            idle = self.policy.idle_jobs()
+            for seg in sorted(self._fresh, key=lambda s: s.size, reverse=True):
+                if self.fresh_bytes - seg.size // 2 < goal.target:
+                    break
+                self.remove(seg)
+                extra.append(seg)
+        for seg in extra:
+            seg.destroy()
+        if idle:
+            self._holdings.drop_pooled(idle)
 
     def _drop_undersized(self, goal: ReserveGoal) -> None:
         """Fresh segments far too small for the shards seen now make way for ones that fit."""

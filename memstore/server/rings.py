@@ -3,8 +3,17 @@
 A trainer's client maps the segments its saves land in and registers them for DMA (``cudaHostRegister``), which
 costs about as much as faulting the memory in. So ``SegmentPool`` gives a segment a rank's save used back to
 that rank only (``Segment.ring``): replicas, pulls and other ranks never take it, and it is never resized. A
-ring grows over its first saves to :func:`ring_limit` segments, then only recycles; the client learns the
-ring's members with every allocation (``AllocateResponse.ring_paths``) and drops the mappings of the rest.
+ring grows over its first saves (or at ``prepare()``) to :func:`ring_limit` segments, then only recycles; the
+client learns the ring's members with every allocation (``AllocateResponse.ring_paths``) and drops the mappings
+of the rest.
+
+A ring is as small as the guarantee allows: the kept steps and the save in flight. The next save's segment,
+reserved ahead right after a commit, is the one retention frees once that save settles: the reservation waits for
+it (``SegmentPool.acquire(wait=...)``) instead of growing the ring. When saves outrun retention (a save comes while
+every segment of its ring still holds a kept step or a save in flight), the save reuses the segment of the rank's
+oldest unprotected step (newest wins, ``Catalog.acquire``); only with nothing to reuse does the ring grow, by at
+most ``RING_SLACK`` segments before it counts an overflow (``SegmentPool.ring_overflows``, in ``memstore status``),
+and it shrinks back to its limit as segments come back.
 """
 
 from __future__ import annotations
@@ -13,14 +22,15 @@ from collections.abc import Iterable
 
 from memstore.server.segment import Segment
 
+RING_SLACK = 1  # segments a ring may grow beyond its limit when saves outrun retention and nothing can be reused
+AHEAD_WAIT_SECONDS = 10.0  # how long a reservation ahead waits for retention to free a segment of its full ring
+
 
 def ring_limit(keep: int) -> int:
     """How many segments a client fills its rank's capture ring to (``prepare()``, or over its first saves): the
-    ``keep`` steps retention keeps, the save just committed (retention evicts the oldest once it settles), the one
-    reserved ahead, and two for retention running late. A ring that needs no more takes only its own segments
-    back, so its client registers nothing more; one that does (retention later still) grows, off the save's path,
-    and keeps up to twice this many."""
-    return keep + 4
+    ``keep`` steps retention keeps and the one save in flight. The one reserved ahead for the next save is the
+    oldest kept step's, once the newest save settles and retention lets it go."""
+    return keep + 1
 
 
 def ring_order(seg: Segment, ring: int) -> tuple[bool, int]:

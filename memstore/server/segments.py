@@ -33,24 +33,25 @@ Files of one store live in ``<shm_dir>/<host_id>-<port>/`` (``segment_dir``), lo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from memstore.core.limits import over_limit
 from memstore.core.reserve import ReservePolicy
 from memstore.core.sizes import format_size
 from memstore.core.status import Orphan
-from memstore.errors import CapacityExceeded, QuotaExceeded
+from memstore.errors import CapacityExceeded, QuotaExceeded, RingBusy
 from memstore.server.leftovers import Check, Leftovers, adopt_dead_dir, write_sidecar
 from memstore.server.pages import PAGE, round_up
 from memstore.server.reserve import CANCEL_WAIT_SECONDS, FRESH, Reserve
-from memstore.server.rings import ring_limit, ring_members, ring_order
+from memstore.server.rings import RING_SLACK, ring_limit, ring_members, ring_order
 from memstore.server.segment import NO_RING, Segment, SegmentMaker
 from memstore.server.shm_dirs import claim, orphaned_dirs, sidecar_path
 
@@ -87,7 +88,9 @@ class SegmentPool:
         self.keep_files_on_close = False
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # the reserve gave back or added bytes
-        self.ring_limit = ring_limit  # segments a client fills its capture ring to (``ring_limit()``); it keeps twice that
+        self.ring_limit = ring_limit  # segments a client fills its capture ring to (``ring_limit()``); at most RING_SLACK more
+        self.ring_overflows = 0  # saves that found their ring full with nothing to reuse, and grew it past its bound
+        self._saving: collections.Counter[tuple[str, int]] = collections.Counter()  # rings a save is allocating in
         self._free: list[Segment] = []  # the jobs' pooled segments (the reserve holds its fresh ones)
         self._in_use: set[Segment] = set()
         self._in_use_bytes = 0
@@ -273,6 +276,72 @@ class SegmentPool:
     def _owner_bytes(self, owner: str) -> int:
         return sum(s.size for s in self._in_use if s.owner == owner) + self._creating.get(owner, 0)
 
+    def job_bytes(self, job: str) -> int:
+        """Bytes of the segments job ``job`` holds: in use (shards, leases, being created) and pooled (lock held; the
+        reserve asks)."""
+        return self._owner_bytes(job) + sum(s.size for s in self._free if s.owner == job)
+
+    def jobs_memory(self) -> dict[str, tuple[int, int]]:
+        """Per job, the bytes of its segments (in use, pooled): what its shards, leases and spares hold here."""
+        out: dict[str, tuple[int, int]] = {}
+        with self._lock:
+            for seg in self._in_use:
+                used, pooled = out.get(seg.owner, (0, 0))
+                out[seg.owner] = (used + seg.size, pooled)
+            for seg in self._free:
+                used, pooled = out.get(seg.owner, (0, 0))
+                out[seg.owner] = (used, pooled + seg.size)
+        return out
+
+    def drop_pooled(self, jobs: set[str]) -> None:
+        """Give back to the kernel the pooled segments of ``jobs`` outside every capture ring (a ring's client maps its
+        segments: they stay); the reserve calls it for jobs that stopped saving."""
+        with self._lock:
+            victims = [seg for seg in self._free if seg.owner in jobs and seg.ring == NO_RING]
+            for seg in victims:
+                self._free.remove(seg)
+                self._pooled_bytes -= seg.size
+        for seg in victims:
+            log.info("job %s stopped saving here: its pooled %s segment goes back to the kernel", seg.owner, format_size(seg.size))
+            seg.destroy()
+
+    @contextlib.contextmanager
+    def saving_into(self, owner: str, ring: int) -> Iterator[None]:
+        """While a save allocates in ``owner``'s ring ``ring``: a reservation ahead waiting for that ring lets it go
+        first (the segment retention or the save frees is the save's)."""
+        with self._lock:
+            self._saving[(owner, ring)] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._saving[(owner, ring)] -= 1
+                if not self._saving[(owner, ring)]:
+                    del self._saving[(owner, ring)]
+                self._changed.notify_all()
+
+    def ring_full(self, owner: str, ring: int) -> int:
+        """How many segments rank ``ring`` of job ``owner`` has in its capture ring when it holds at least ``ring_limit``
+        and none of them is free (a save would grow it); 0 otherwise."""
+        with self._lock:
+            if any(s.owner == owner and s.ring == ring for s in self._free):
+                return 0
+            size = self._ring_size(owner, ring)
+            return size if size >= self.ring_limit else 0
+
+    def count_growth(self, owner: str, ring: int, size: int) -> None:
+        """A save of ``owner``'s rank ``ring`` grows its full ring of ``size`` segments: nothing could be reused. Beyond
+        ``RING_SLACK`` extra segments it is counted as an overflow (``memstore status``) and logged."""
+        if size < self.ring_limit + RING_SLACK:
+            return
+        with self._lock:
+            self.ring_overflows += 1
+        log.warning(
+            "the capture ring of job %s rank %d holds %d segments, all in use, and nothing retention may let go: it grows "
+            "(saves outrun replication and retention; a slower cadence or waiting for each save avoids it)",
+            owner, ring, size,
+        )  # fmt: skip
+
     def acquire(
         self,
         nbytes: int,
@@ -282,6 +351,8 @@ class SegmentPool:
         preferred: str = "",
         ring: int = NO_RING,
         grow: bool = False,
+        stream: tuple[str, int] | None = None,
+        wait: float = 0.0,
     ) -> Segment:
         """A segment of at least ``nbytes`` for job ``owner``: the pooled one at path ``preferred`` if it is free
         and would be handed to ``owner`` (see ``peek``), else the best pooled one, else a fresh one.
@@ -293,7 +364,10 @@ class SegmentPool:
         (replicas and pulls pass NO_RING). With none of the ring's own free, the ring grows: a new or untagged
         segment joins it (its client fills it to ``ring_limit`` ahead of need, see ``trainer_client.capture.ring``; beyond
         that it grows only when retention runs late, and keeps up to twice that many). ``grow``: a segment that
-        joins the ring, never one of its own (the client filling it). Raises CapacityExceeded
+        joins the ring, never one of its own (the client filling it). ``stream``: the (job, rank) the shard belongs to
+        (the automatic reserve sizes itself by streams). ``wait`` (seconds; a reservation ahead of a save): when the
+        ring already holds ``ring_limit`` segments and none is free, wait that long for retention to give one back
+        instead of growing the ring (``RingBusy`` if none comes). Raises CapacityExceeded
         with the byte counts if it can't fit, QuotaExceeded if the job's segments in use would exceed ``quota``
         bytes (0 = no quota).
         """
@@ -302,7 +376,7 @@ class SegmentPool:
         size = round_up(nbytes)
         victims: list[Segment] = []
         with self._lock:
-            self.reserve.saw(nbytes)
+            self._learn_and_wait(nbytes, owner, ring, stream, wait if not grow else 0.0)
             used = self._owner_bytes(owner) if quota else 0
             max_size = quota - used if quota else None
             if grow:
@@ -361,6 +435,29 @@ class SegmentPool:
             self._in_use.add(seg)
             self._done_creating(owner, size)
         return seg
+
+    def _learn_and_wait(self, nbytes: int, owner: str, ring: int, stream: tuple[str, int] | None, wait: float) -> None:
+        """The reserve learns the shard; a reservation ahead (``wait``) waits for its ring (lock held)."""
+        self.reserve.saw(nbytes, stream)
+        if wait > 0 and ring != NO_RING:
+            self._await_ring(owner, ring, wait)
+
+    def _await_ring(self, owner: str, ring: int, wait: float) -> None:
+        """Wait up to ``wait`` seconds while ``owner``'s ring ``ring`` holds ``ring_limit`` segments, none of them free
+        (lock held): retention frees the oldest once the newest save settles. Raises ``RingBusy`` if it does not."""
+
+        def free_or_small() -> bool:
+            if (owner, ring) in self._saving:
+                return False
+            if any(s.owner == owner and s.ring == ring for s in self._free):
+                return True
+            return self._ring_size(owner, ring) < self.ring_limit or self._closed
+
+        if not self._changed.wait_for(free_or_small, timeout=wait):
+            raise RingBusy(
+                f"the capture ring of job {owner!r} rank {ring} holds {self._ring_size(owner, ring)} segments, all in use, "
+                f"and retention freed none within {wait:.0f}s: the next save allocates when it comes"
+            )
 
     def _unpool_largest(self, more: Callable[[], bool]) -> list[Segment]:
         """Take pooled segments (the jobs' and the reserve's), largest first, out of the pool while ``more()``;
@@ -485,8 +582,8 @@ class SegmentPool:
                     os.unlink(sidecar_path(seg.path))
                 seg.described = False
             if not seg.exported and self.pooled_bytes + seg.size <= self.max_pooled_bytes:
-                if seg.ring != NO_RING and self._ring_size(seg.owner, seg.ring) >= 2 * self.ring_limit:  # (seg is out of it now)
-                    seg.ring = NO_RING  # the ring is larger than it ever needs: this one serves the job's other saves and replicas
+                if seg.ring != NO_RING and self._ring_size(seg.owner, seg.ring) >= self.ring_limit:  # (seg is out of it now)
+                    seg.ring = NO_RING  # the ring grew past its limit (saves outran retention): this one leaves it
                 self._free.append(seg)
                 self._pooled_bytes += seg.size
                 if seg.ring != NO_RING:

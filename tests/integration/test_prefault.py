@@ -107,20 +107,25 @@ def test_a_reserve_sized_as_documented_faults_nothing_in_after_start_up(make_inp
             assert segments(cluster, host) <= ready[host], f"{host} made segments beyond its reserve"
 
 
-def test_auto_reserve_fills_after_the_first_shard(make_inprocess_cluster) -> None:
-    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB")  # --prefault auto (the default)
+def test_auto_reserve_faults_in_the_rest_of_the_cycle_and_nothing_twice(make_inprocess_cluster) -> None:
+    """At the defaults the owner's ring and the peer's reserve together hold (keep + 1) shards each, never more: the
+    peer learns the shard size from the first replica and faults in the next ones off the save's path."""
+    keep = 2
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB", keep=keep)  # --prefault auto (the default)
     assert health(cluster, "h0").reserve_bytes == 0  # nothing faulted in before a job saves
-    c = CheckpointClient("auto", 0, 1, store=cluster.address("h0"))
-    try:
+    with CheckpointClient("auto", 0, 1, connection=Connection(cluster.address("h0"))) as c:
         c.save(1, state(1)).wait(timeout=30)
-        wait_for(lambda: settled(cluster, "h0") and health(cluster, "h0").reserve_bytes >= 8 * MiB, timeout=30, what="auto reserve")
-        wait_for(lambda: health(cluster, "h1").reserve_bytes >= 8 * MiB, timeout=30, what="the peer learned from the replica")
-        before = segments(cluster, "h0")
-        ahead = c._ring.ahead_path()
-        assert ahead in before  # the segment reserved for save 2 is one the reserve had faulted in
-        c.save(2, state(2)).wait(timeout=30)
-    finally:
-        c.close()
+        wait_for(lambda: health(cluster, "h1").reserve_bytes >= keep * 4 * MiB, timeout=30, what="the peer learned from the replica")
+        c._ring.wait_ahead()
+        before = segments(cluster, "h1")
+        for step in range(2, 2 * keep + 4):
+            c.save(step, state(step)).wait(timeout=30)
+            c._ring.wait_ahead()
+            assert segments(cluster, "h1") <= before, "the peer made a segment beyond its reserve"
+        for host in ("h0", "h1"):
+            wait_for(lambda host=host: settled(cluster, host), timeout=30, what=f"{host}'s reserve settled")
+            used = health(cluster, host).used_bytes
+            assert used <= (keep + 1) * (4 * MiB + 2 * 4096), f"{host} holds {used} bytes: more than its cycle"
 
 
 def test_prefault_off_keeps_nothing(make_inprocess_cluster) -> None:

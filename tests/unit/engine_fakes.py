@@ -6,6 +6,7 @@ stand in for the segment pool, the peers and the events, in memory and without t
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -54,6 +55,16 @@ class FakePool:
     @property
     def in_use_bytes(self) -> int:
         return self.used
+
+    @contextlib.contextmanager
+    def saving_into(self, owner: str, ring: int) -> Iterator[None]:
+        yield
+
+    def ring_full(self, owner: str, ring: int) -> int:
+        return 0  # rings never fill here: every acquire makes a segment
+
+    def count_growth(self, owner: str, ring: int, size: int) -> None:
+        raise AssertionError("the fake pool's rings never fill")
 
     def release(self, seg: Segment) -> None:
         assert seg not in self.released, "a segment released twice"

@@ -34,6 +34,12 @@ class FakeHoldings:
     def held_by_jobs(self) -> int:
         return self.held
 
+    def job_bytes(self, job: str) -> int:
+        return 0  # what ``held`` counts is other jobs'
+
+    def drop_pooled(self, jobs: set[str]) -> None:
+        pass
+
 
 def wait_until(predicate: Callable[[], bool]) -> None:
     wait_for(predicate, 20.0, interval=0.01)
@@ -136,11 +142,11 @@ def test_a_larger_segment_handed_out_is_trimmed_off_the_caller_s_path(tmp_path: 
 
 def test_it_never_fills_beyond_the_capacity_the_jobs_leave() -> None:
     holdings = FakeHoldings(8 * MiB, held=8 * MiB - UNIT - PAGE)  # room for one unit
-    reserve, lock = make(ReservePolicy(None, unit=MiB), holdings)  # auto: two units once a shard was seen
+    reserve, lock = make(ReservePolicy(None, unit=MiB), holdings)  # auto: what the job lacks of its cycle, once seen
     reserve.start()
     assert not reserve.filling and reserve.held_bytes == 0  # no shard seen yet
     with lock:
-        reserve.saw(3 * MiB)
+        reserve.saw(3 * MiB, ("j", 0))
     wait_until(lambda: reserve.fresh_bytes == UNIT)
     assert not reserve.filling  # short of its goal, but the capacity has no room
     with lock:

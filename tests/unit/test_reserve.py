@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from memstore.config import StoreConfig
-from memstore.core.reserve import HEADROOM, MIN_UNIT, ReserveGoal, ReservePolicy
+from memstore.core.reserve import HEADROOM, IDLE_MIN_SECONDS, MIN_UNIT, ReserveGoal, ReservePolicy
 from memstore.devtools.cluster import wait_for
 from memstore.errors import ConfigError
 from memstore.server.pages import PAGE
@@ -45,14 +45,58 @@ def check_accounting(pool: SegmentPool) -> None:
 
 
 # -- policy ------------------------------------------------------------------------------
-def test_auto_keeps_nothing_until_a_shard_is_seen_then_two_of_the_largest_recent() -> None:
-    policy = ReservePolicy(None)
-    assert policy.goal() == ReserveGoal(0, 0)
-    policy.saw(4 * MiB)
-    policy.saw(16 * MiB)
-    policy.saw(MIN_UNIT - 1)  # too small to count
-    assert policy.goal() == ReserveGoal(16 * MiB, 32 * MiB)
-    assert policy.goal(held=1 << 40).target == 32 * MiB  # auto does not look at what the store holds
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_auto_faults_in_what_each_active_job_lacks_of_its_cycle() -> None:
+    """(keep + 1) shards per active stream (the kept steps and the one in flight), less what the job holds."""
+    clock = Clock()
+    policy = ReservePolicy(None, keep=2, clock=clock)
+    held = {"a": 0, "b": 0}
+    assert policy.goal(job_bytes=held.__getitem__) == ReserveGoal(0, 0)  # nothing seen: nothing to fault in
+    policy.saw(16 * MiB, ("a", 0))
+    policy.saw(4 * MiB, ("a", 1))
+    policy.saw(MIN_UNIT - 1, ("b", 0))  # too small to count: it faults in fast
+    assert policy.goal(job_bytes=held.__getitem__) == ReserveGoal(16 * MiB, 3 * 20 * MiB)
+    held["a"] = 50 * MiB
+    assert policy.goal(job_bytes=held.__getitem__).target == 10 * MiB
+    held["a"] = 80 * MiB  # a job holding more than its cycle lends nothing to another
+    policy.saw(8 * MiB, ("b", 0))
+    assert policy.goal(job_bytes=held.__getitem__).target == 3 * 8 * MiB
+    assert policy.goal(held=1 << 40, job_bytes=held.__getitem__).target == 24 * MiB  # auto counts per job, not in total
+
+
+def test_auto_lets_a_job_that_stopped_saving_go_idle() -> None:
+    """Idle after IDLE_CADENCES of its gaps (at least IDLE_MIN_SECONDS) without a shard: no cycle, its spares may go."""
+    clock = Clock()
+    policy = ReservePolicy(None, keep=2, clock=clock)
+    for _ in range(3):
+        policy.saw(8 * MiB, ("a", 0))
+        policy.saw(8 * MiB, ("b", 0))
+        clock.now += 100.0  # a save every 100 s
+    assert policy.idle_jobs() == set() and policy.streams_active
+    clock.now += 150.0  # 250 s since the last: within three gaps
+    assert policy.idle_jobs() == set()
+    policy.saw(8 * MiB, ("b", 0))
+    clock.now += 100.0  # 350 s since a's last save: idle; b saved 100 s ago
+    assert policy.idle_jobs() == {"a"} and policy.streams_active
+    assert policy.goal(job_bytes=lambda job: 0).target == 3 * 8 * MiB  # b's cycle only
+    clock.now += 700.0  # b's longest recent gap was 250 s: idle after 750 s
+    assert policy.idle_jobs() == {"a", "b"} and not policy.streams_active
+    assert policy.goal(job_bytes=lambda job: 0).target == 0
+    policy.saw(8 * MiB, ("a", 0))  # saving again: active again
+    assert policy.idle_jobs() == {"b"}
+    quick = ReservePolicy(None, keep=2, clock=clock)
+    quick.saw(8 * MiB, ("c", 0))
+    clock.now += IDLE_MIN_SECONDS - 1  # one shard, no cadence known: idle after the minimum
+    assert quick.idle_jobs() == set()
+    clock.now += 2
+    assert quick.idle_jobs() == {"c"}
 
 
 def test_explicit_prefault_counts_what_the_store_holds_and_keeps_one_segment_ready() -> None:
@@ -176,10 +220,10 @@ def test_auto_reserve_learns_from_the_first_shard(directory: str | None) -> None
         pool.start_reserve()
         assert not pool.reserve_filling  # the goal is empty: nothing to fault in before a shard is seen
         assert pool.reserve_bytes == 0
-        first = pool.acquire(4 * MiB, "j")
+        first = pool.acquire(4 * MiB, "j", stream=("j", 0))
         wait_until(settled(pool))
-        assert fresh_sizes(pool) == [4 * MiB + 4 * MiB // HEADROOM] * 2
-        second = pool.acquire(4 * MiB, "j")
+        assert fresh_sizes(pool) == [4 * MiB + 4 * MiB // HEADROOM] * 2  # the rest of its cycle: keep + 1 = 3 shards
+        second = pool.acquire(4 * MiB, "j", stream=("j", 0))
         assert second.size == 4 * MiB  # taken from the reserve, trimmed to size
         assert first is not second
         check_accounting(pool)
@@ -294,3 +338,25 @@ def test_a_replacement_expects_its_groups_newest_shards_before_it_serves() -> No
     explicit.expect([10 * MiB])
     assert explicit.before_serving() == 16 * MiB and explicit.goal().unit == 10 * MiB  # shard-sized segments
     assert ReservePolicy(0).before_serving() == 0
+
+
+def test_the_pool_gives_back_the_spares_of_a_job_that_stopped_saving(tmp_path: Path) -> None:
+    """A replica's cycle: kept steps plus a pooled spare for the next one. Once its job goes idle, the spare (and any
+    fresh memory) goes back to the kernel; the kept steps stay."""
+    clock = Clock()
+    pool = SegmentPool(str(tmp_path / "h1-1"), 64 * MiB, reserve=ReservePolicy(None, keep=2, clock=clock))
+    try:
+        pool.start_reserve()
+        held = [pool.acquire(4 * MiB, "j", stream=("j", 0)) for _ in range(3)]  # keep + 1 replicas: the whole cycle
+        wait_until(settled(pool))
+        assert pool.reserve_bytes == 0  # the job holds its cycle: nothing more is faulted in
+        pool.release(held[0])  # retention let the oldest go: pooled, the next replica's
+        assert pool.pooled_bytes == 4 * MiB
+        clock.now += IDLE_MIN_SECONDS + 1  # no replica since: the job is idle
+        pool.reserve.look_again()
+        wait_until(lambda: pool.pooled_bytes == 0)
+        assert pool.used_bytes == 2 * 4 * MiB  # its kept steps
+        assert pool.jobs_memory() == {"j": (8 * MiB, 0)}
+        check_accounting(pool)
+    finally:
+        pool.close()

@@ -1,16 +1,20 @@
 """SegmentPool's capture rings: a rank's ring grows to ``ring_limit`` segments, then its saves get back only the segments
 its client keeps mapped and registered; replicas, pulls and other ranks never get
-them; released segments of a ring over its limit go back to the job's pool; a ring segment is never resized."""
+them; released segments of a ring over its limit go back to the job's pool; a ring segment is never resized; a
+reservation ahead waits for its full ring to free a segment instead of growing it."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from memstore.errors import RingBusy
+from memstore.server.rings import RING_SLACK
 from memstore.server.segments import NO_RING, PAGE, Segment, SegmentPool, ring_limit
 
 pytestmark = pytest.mark.unit
@@ -43,9 +47,9 @@ def paths(segs: list[Segment]) -> list[str]:
     return sorted(s.path for s in segs if s.path)
 
 
-def test_ring_limit_covers_what_retention_holds() -> None:
+def test_ring_limit_is_the_kept_steps_and_the_save_in_flight() -> None:
     for keep in (1, 2, 5):
-        assert ring_limit(keep) >= keep + 2  # the kept steps, the save just committed, the one reserved ahead
+        assert ring_limit(keep) == keep + 1  # the one reserved ahead is the oldest kept step's, once retention frees it
 
 
 # -- a full ring takes its own back ---------------------------------------------------------------
@@ -148,19 +152,52 @@ def test_a_ring_with_none_of_its_own_free_grows_at_once(limited: SegmentPool) ->
     assert limited.ring_paths(JOB, 0) == paths([*ring, grown])
 
 
-def test_a_ring_keeps_up_to_twice_its_limit_then_hands_released_segments_to_the_job(limited: SegmentPool) -> None:
-    segs = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(2 * LIMIT + 2)]  # a burst: retention fell far behind
+def test_released_segments_of_a_ring_over_its_limit_go_to_the_job(limited: SegmentPool) -> None:
+    segs = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT + 2)]  # a burst: retention fell behind
     assert limited.ring_paths(JOB, 0) == paths(segs)
     for seg in segs:
         limited.release(seg)
     untagged = [s for s in segs if s.ring == NO_RING]
     tagged = [s for s in segs if s.ring == 0]
-    assert segs[:2] == untagged  # those released while the rest of the ring held twice its limit
-    assert limited.ring_paths(JOB, 0) == paths(tagged) and len(tagged) == 2 * LIMIT
+    assert segs[:2] == untagged  # those released while the rest of the ring held its limit
+    assert limited.ring_paths(JOB, 0) == paths(tagged) and len(tagged) == LIMIT
     assert limited.segment_count == len(segs)  # still pooled, for the job's other saves and its replicas
     replica = limited.acquire(2 * PAGE, JOB)  # a replica may take an untagged one; the ring's saves get the ring's own
     assert replica in untagged and replica.ring == NO_RING
     assert limited.acquire(2 * PAGE, JOB, ring=0) in tagged
+
+
+def test_ring_full_at_its_limit_with_nothing_free_and_growth_past_the_slack_counted(limited: SegmentPool) -> None:
+    ring = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT - 1)]
+    assert limited.ring_full(JOB, 0) == 0  # short of its limit
+    ring.append(limited.acquire(2 * PAGE, JOB, ring=0))
+    assert limited.ring_full(JOB, 0) == LIMIT and limited.ring_full(JOB, 1) == 0
+    limited.release(ring[0])
+    assert limited.ring_full(JOB, 0) == 0  # one of its own is free again
+    limited.count_growth(JOB, 0, LIMIT)  # within the slack: not an overflow
+    assert limited.ring_overflows == 0
+    limited.count_growth(JOB, 0, LIMIT + RING_SLACK)
+    assert limited.ring_overflows == 1
+
+
+def test_a_reservation_ahead_waits_for_its_full_ring_to_free_a_segment(limited: SegmentPool) -> None:
+    """The peak stays at the kept steps plus the save in flight: the next save's segment is the one retention frees."""
+    ring = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT)]
+    freed = threading.Timer(0.2, limited.release, args=(ring[0],))
+    freed.start()
+    try:
+        ahead = limited.acquire(2 * PAGE, JOB, ring=0, wait=20.0)
+    finally:
+        freed.join()
+    assert ahead is ring[0] and limited.segment_count == LIMIT
+
+
+def test_a_reservation_ahead_that_waits_in_vain_is_refused_and_takes_nothing(limited: SegmentPool) -> None:
+    [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT)]
+    with pytest.raises(RingBusy, match="capture ring of job 'job' rank 0 holds 3 segments"):
+        limited.acquire(2 * PAGE, JOB, ring=0, wait=0.05)
+    assert limited.segment_count == LIMIT
+    assert limited.acquire(2 * PAGE, JOB, ring=1, wait=0.05).ring == 1  # another rank's ring is not full: no wait
 
 
 # -- sizes ------------------------------------------------------------------------------------------

@@ -110,6 +110,20 @@ def _full_tensors() -> dict[str, torch.Tensor]:
     }
 
 
+def _allocations_now(client: CheckpointClient) -> list[int]:
+    """The byte counts of the Allocate calls ``client``'s saves make on their own path from now on (none when a save
+    finds the memory reserved ahead for it big enough; the ring's own reservations are not counted)."""
+    calls: list[int] = []
+    allocate = client._ring._allocate
+
+    def counted(request: Any) -> Any:
+        calls.append(request.nbytes)
+        return allocate(request)
+
+    client._ring._allocate = counted
+    return calls
+
+
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
@@ -146,7 +160,12 @@ def _save_sharded_worker(rank: int, addr: str, job: str, step: int, port: int) -
             "extra": {"epoch": 7, "tag": "two-ranks"},
         }
         assert state["w"].to_local().shape == (5, 6)
-        dcp.save(state, storage_writer=MemStoreWriter(job, step, connection=Connection(addr)))  # world_size/rank from the process group
+        writer = MemStoreWriter(job, step, connection=Connection(addr))
+        assert writer.prepare(state) is True  # at set-up: every rank plans the save as DCP will (rep written by one rank)
+        assert writer._client is not None and (writer._client.rank, writer._client.world_size) == (rank, 2)
+        allocations = _allocations_now(writer._client)
+        dcp.save(state, storage_writer=writer)  # world_size/rank from the process group
+        assert allocations == [], allocations  # each rank's shard fit in the memory prepared for it
     finally:
         dist.destroy_process_group()
 
@@ -572,6 +591,26 @@ def test_only_a_complete_step_is_visible(make_inprocess_cluster) -> None:  # typ
         plain.save(9, {"w": torch.ones(2)}).wait(30)
     with pytest.raises(NotFoundError, match="not written by MemStoreWriter"):
         MemStoreReader("plain-job", connection=Connection(addr)).read_metadata()
+
+
+def test_a_writer_prepared_at_set_up_saves_into_the_memory_it_reserved(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_inprocess_cluster(hosts=1, replicas=1)
+    addr, job = cluster.address("h0"), "dcp-prepared"
+    state = _train_state(3)
+    writer = MemStoreWriter(job, connection=Connection(addr))
+    assert writer.prepare(state) is True
+    client = writer._client
+    assert client is not None and client._ring.ahead_path() in client._ring.mapped_paths  # reserved and mapped before any save
+    assert writer.prepare(state) is False  # once per client
+    allocations = _allocations_now(client)
+    for step in (1, 2):  # one writer for every save: its client, and the memory it prepared, are kept
+        dcp.save(state, storage_writer=writer, checkpoint_id=step)
+        assert writer._client is client
+    assert allocations == [], allocations  # the first save (the coordinator's, metadata included) fit in what was prepared
+    loaded = _blank_like(state)
+    dcp.load(loaded, storage_reader=MemStoreReader(job, connection=Connection(addr)))
+    assert_same(state, loaded)
+    writer.close()
 
 
 def test_async_save_thread_mode(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]

@@ -160,16 +160,37 @@ def test_fit_saves_into_memstore_with_top_k_retention_and_last(make_inprocess_cl
     assert best["hyper_parameters"]["lr"] == 0.05
 
 
-def test_ckpt_path_last_resumes_bit_exactly(make_inprocess_cluster, tmp_path: Path) -> None:
+class RingAtTrainStart(Callback):
+    """Records, when training starts (set-up done, no checkpoint saved yet), what the plugin's client has prepared."""
+
+    def __init__(self, plugin: MemStoreCheckpointIO) -> None:
+        self.plugin = plugin
+        self.ahead = ""
+        self.mapped: list[str] = []
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        client = self.plugin._client
+        if client is not None:
+            self.ahead, self.mapped = client._ring.ahead_path(), client._ring.mapped_paths
+
+
+def test_ckpt_path_last_resumes_bit_exactly_with_its_first_save_prepared(make_inprocess_cluster, tmp_path: Path) -> None:
     cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB", keep=4)
     conn = Connection(cluster.address("h0"))
     ckpt_dir = tmp_path / "ckpt"
     first_plugin = MemStoreCheckpointIO("lit-resume", connection=conn)
-    trainer(tmp_path, KILL_EPOCH, first_plugin, [ModelCheckpoint(dirpath=ckpt_dir, save_last=True)]).fit(model(0), *loaders())
+    fresh = RingAtTrainStart(first_plugin)
+    trainer(tmp_path, KILL_EPOCH, first_plugin, [ModelCheckpoint(dirpath=ckpt_dir, save_last=True), fresh]).fit(model(0), *loaders())
+    assert fresh.ahead == "" and fresh.mapped == []  # a fresh fit loads nothing: its first save allocates (trainer_client.warmup)
     # A new process would have a new plugin (and client): the resumed fit starts from other weights and restores all.
     resumed = model(1)
     plugin = MemStoreCheckpointIO("lit-resume", connection=conn)
-    trainer(tmp_path, EPOCHS, plugin, [ModelCheckpoint(dirpath=ckpt_dir, save_last=True)]).fit(resumed, *loaders(), ckpt_path="last")
+    at_start = RingAtTrainStart(plugin)
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, save_last=True), at_start]
+    trainer(tmp_path, EPOCHS, plugin, callbacks).fit(resumed, *loaders(), ckpt_path="last")
+    # load_checkpoint prepared the first save of the resumed fit: its segment reserved ahead and mapped (the store's ring
+    # for the job's rank 0 is already full from the first fit, so prepare adds no segment to it).
+    assert at_start.ahead and at_start.ahead in at_start.mapped
     assert_same_training_state(resumed, fit_reference(tmp_path / "ref"))
     # The resumed run counted its memstore steps on from the first run's.
     assert Pointer.read(str(ckpt_dir / "last.ckpt")).step == 2 * EPOCHS - 1

@@ -115,9 +115,12 @@ def uninterrupted(tmp_path: Path, store: str, steps: int = STEPS) -> Run:
     return run
 
 
-def test_a_crashed_run_resumes_bit_exactly_from_memstore(make_inprocess_cluster, process_group, tmp_path: Path) -> None:
+def test_a_crashed_run_resumes_bit_exactly_from_memstore_with_its_first_save_prepared(
+    make_inprocess_cluster, process_group, tmp_path: Path
+) -> None:
     cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB", keep=3)
     first = Run(tmp_path, cluster.address("h0"), seed=0, last_save_model_only=False)
+    assert first.checkpointer.load() is False and first.checkpointer.writer._client is None  # a fresh start prepares nothing
     assert first.train(CRASH_AT) is False  # memstore has nothing yet, no initial_load_path: a fresh start
     first.checkpointer.close()  # the process dies here; its saves of steps 2, 4 and 6 are in the stores
     with CheckpointClient("titan", 0, 1, connection=Connection(cluster.address("h1"))) as client:
@@ -125,7 +128,11 @@ def test_a_crashed_run_resumes_bit_exactly_from_memstore(make_inprocess_cluster,
     assert not (tmp_path / "checkpoint").exists()  # nothing in torchtitan's folder
 
     resumed = Run(tmp_path, cluster.address("h1"), seed=1, last_save_model_only=False)  # another host's store, other weights
+    assert resumed.checkpointer.load() is True  # as Run.train does first (it loads again, the same step)
+    client = resumed.checkpointer.writer._client  # load prepared the next save's memory: reserved ahead and mapped
+    assert client is not None and client._ring.ahead_path() in client._ring.mapped_paths
     assert resumed.train(STEPS) is True and resumed.train_state.step == STEPS
+    assert resumed.checkpointer.writer._client is client  # the prepared client made every save after it
     resumed.checkpointer.close()
     assert_same(resumed, uninterrupted(tmp_path, cluster.address("h0")))
 

@@ -1,10 +1,10 @@
 """``memstore status``: the cluster at a glance, asked through any one store.
 
-Hosts (slot, readiness, memory used against the budget, shards in flight), jobs (bytes in RAM, the job's state
-counted once per replica group and how many copies of it RAM holds, the newest committed, restorable and spilled
-step), and what needs attention (vacant slots, failing spills or
-discovery, orphaned shared memory). ``--json`` prints the same facts. Exit code 0 when every host answers
-and is ready, else 1.
+Hosts (slot, readiness, memory used against the budget, shards in flight), jobs (the shared memory each holds, its
+state, and their ratio: RAM per byte of state; the bytes of its copies, its state counted once per replica group and
+how many copies of it RAM holds; the newest committed, restorable and spilled step), and what needs attention
+(vacant slots, failing spills or discovery, capture rings grown past their bound, orphaned shared memory). ``--json``
+prints the same facts. Exit code 0 when every host answers and is ready, else 1.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ def run(args: argparse.Namespace) -> int:
     out.print(render.table("hosts", ["slot", "host", "address", "state", "memory", "shards", "replicating", "repairing"],
                            [_host_cells(h) for h in hosts]))  # fmt: skip
     if jobs:
-        columns = ["job", "in RAM (all copies)", "cached ahead", "logical (once)", "copies of state", "replica groups",
-                   "steps in RAM", "newest committed", "newest restorable", "newest spilled"]  # fmt: skip
-        rows = [[j["job"], render.size(j["ram_bytes"]), render.size(j["cached_bytes"]) if j["cached_bytes"] else "-",
+        columns = ["job", "RAM held", "state", "RAM / state", "copies", "cached ahead", "logical (once)", "copies of state",
+                   "replica groups", "steps in RAM", "newest committed", "newest restorable", "newest spilled"]  # fmt: skip
+        rows = [[j["job"], render.size(j["ram_bytes"]), render.size(j["state_bytes"]), _times(j["ram_multiple"]),
+                 render.size(j["copies_bytes"]), render.size(j["cached_bytes"]) if j["cached_bytes"] else "-",
                  render.size(j["logical_bytes"]), _times(j["copies_of_state"]),
                  j["replica_groups"] or "-", j["steps_in_ram"], render.step(j["newest_committed"]),
                  render.step(j["newest_restorable"]), render.step(j["newest_spilled"])] for j in jobs]  # fmt: skip
@@ -82,6 +83,31 @@ def _host_cells(h: dict[str, Any]) -> list[Any]:
     return [slot, h["host"], h["address"], state, memory, f"{h['shards']}{adopted}", h["replicating"], h["repairing"]]
 
 
+def _host_problems(h: dict[str, Any]) -> list[Any]:
+    """What needs attention on one host that answered."""
+    from memstore.cli import render
+
+    lines = []
+    if h["discovery"]["error"]:
+        lines.append(render.bad(f"{h['host']}: discovery FAILING ({h['discovery']['source']}), keeping the last good "
+                                f"membership: {h['discovery']['error']}"))  # fmt: skip
+    if h.get("ring_overflows"):
+        lines.append(render.warn(
+            f"{h['host']}: {h['ring_overflows']} saves grew a full capture ring past its bound of {h['ring_limit']} + 1 "
+            "segments (saves outran replication and retention, and no older step could be reused): RAM above the floor"
+        ))  # fmt: skip
+    capture = h.get("capture", {})
+    if capture.get("fallbacks"):
+        lines.append(render.bad(
+            f"{h['host']}: {capture['fallbacks']} captures copied through PAGEABLE memory (cudaHostRegister failed: "
+            f"{capture['fallback_cause'] or 'unknown cause'}): saves there are synchronous and slow"
+        ))  # fmt: skip
+    for j in h["spill"]:
+        if j["failures"]:
+            lines.append(render.bad(f"{h['host']}: spill of {j['job']} FAILING x{j['failures']}: {j['error']}"))
+    return lines
+
+
 def _problems(s: Any, hosts: list[dict[str, Any]]) -> list[Any]:
     from memstore.cli import render
 
@@ -91,20 +117,8 @@ def _problems(s: Any, hosts: list[dict[str, Any]]) -> list[Any]:
             last = x["former"][-1] if x["former"] else "-"
             lines.append(render.warn(f"slot {x['slot']} VACANT (last held by {last}): its group is short of a copy"))
     for h in hosts:
-        if "error" in h:
-            continue
-        if h["discovery"]["error"]:
-            lines.append(render.bad(f"{h['host']}: discovery FAILING ({h['discovery']['source']}), keeping the last good "
-                                    f"membership: {h['discovery']['error']}"))  # fmt: skip
-        capture = h.get("capture", {})
-        if capture.get("fallbacks"):
-            lines.append(render.bad(
-                f"{h['host']}: {capture['fallbacks']} captures copied through PAGEABLE memory (cudaHostRegister failed: "
-                f"{capture['fallback_cause'] or 'unknown cause'}): saves there are synchronous and slow"
-            ))  # fmt: skip
-        for j in h["spill"]:
-            if j["failures"]:
-                lines.append(render.bad(f"{h['host']}: spill of {j['job']} FAILING x{j['failures']}: {j['error']}"))
+        if "error" not in h:
+            lines += _host_problems(h)
     seen: set[tuple[str, str]] = set()
     for h in hosts:
         machine = h["address"].rpartition(":")[0]

@@ -99,6 +99,9 @@ def _ask(host: str, address: str, timeout: float, job: str) -> tuple[dict[str, A
         "used": h.used_bytes,
         "pooled": h.pooled_bytes,  # part of used: free segments kept faulted in
         "reserve": h.reserve_bytes,  # part of pooled: the --prefault reserve
+        "jobs_memory": {j.job_id: {"in_use": j.in_use_bytes, "pooled": j.pooled_bytes} for j in h.jobs_memory},
+        "ring_limit": h.ring_limit,  # segments a rank's capture ring holds once warm (--keep + 1)
+        "ring_overflows": h.ring_overflows,  # saves that grew a full capture ring past its bound
         "capacity": h.capacity_bytes,
         "shards": h.shards,
         "replicating": h.replications_in_flight,
@@ -238,14 +241,20 @@ def steps_of(s: Survey, job: str) -> list[dict[str, Any]]:
 
 
 def jobs_of(s: Survey) -> list[dict[str, Any]]:
-    """One row per job: bytes in RAM (all copies), the newest step every rank committed, the newest restorable
+    """One row per job: the shared memory it holds, the newest step every rank committed, the newest restorable
     step (the stores' own answer, durable tier included) and the newest spilled step.
 
-    And how many times the job's state is held: ``logical_bytes`` sums, over the steps in RAM, each version's
-    state counted once per replica group (``steps_of``); ``cached_bytes`` are copies a store pulled ahead of a restore
-    (other members' stripes, in spare room: not among the R); ``copies_of_state`` is ``(ram_bytes - cached_bytes) /
-    logical_bytes`` (about R for an ordinary job, and for a deduplicated one; None while nothing is settled);
-    ``replica_groups`` counts the groups of the newest step in RAM (0: no stripes there)."""
+    RAM: ``ram_bytes`` is every byte of the job's segments on every store (``HealthResponse.jobs_memory``): its
+    copies, the leases of saves being written or reserved ahead, and pooled spares; ``state_bytes`` is its newest
+    step in RAM counted once (each replica group's state once); ``ram_multiple`` is their ratio, what a host's RAM
+    pays per byte of state (at most about ``(keep + 1) x R`` while saving, ``keep x R + 1`` settled).
+
+    And how many times the job's state is held: ``copies_bytes`` are the bytes of its copies alone; ``logical_bytes``
+    sums, over the steps in RAM, each version's state counted once per replica group (``steps_of``); ``cached_bytes``
+    are copies a store pulled ahead of a restore (other members' stripes, in spare room: not among the R);
+    ``copies_of_state`` is ``(copies_bytes - cached_bytes) / logical_bytes`` (about R for an ordinary job, and for a
+    deduplicated one; None while nothing is settled); ``replica_groups`` counts the groups of the newest step in RAM
+    (0: no stripes there)."""
     out = []
     for job in s.jobs():
         steps = steps_of(s, job)
@@ -254,9 +263,14 @@ def jobs_of(s: Survey) -> list[dict[str, Any]]:
         cached = sum(r["bytes"] for rows in s.shards.values() for r in rows if r["job"] == job and r.get("cached"))
         spilled = [j["last_spilled_step"] for h in s.health.values() for j in h.get("spill", []) if j["job"] == job]
         logical = sum(r["logical_bytes"] for r in ram)
+        held = sum(m["in_use"] + m["pooled"] for h in s.health.values() for j, m in h.get("jobs_memory", {}).items() if j == job)
+        state = ram[0]["logical_bytes"] if ram else 0
         out.append({
             "job": job,
-            "ram_bytes": copies_bytes,
+            "ram_bytes": held,
+            "state_bytes": state,
+            "ram_multiple": round(held / state, 2) if state else None,
+            "copies_bytes": copies_bytes,
             "cached_bytes": cached,
             "logical_bytes": logical,
             "copies_of_state": round((copies_bytes - cached) / logical, 2) if logical else None,

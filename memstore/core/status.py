@@ -91,6 +91,18 @@ class HealthReport:
     reserve_filling: bool = False  # the reserve is being faulted in toward its goal
     capture: CaptureReport = CaptureReport()  # clients' captures into this store, summed over their commits
     saves_superseded: int = 0  # saves not replicated because a newer save of the same rank came first
+    jobs_memory: tuple[JobMemory, ...] = ()  # per job: the bytes of its segments here, in use and pooled
+    ring_overflows: int = 0  # saves that grew a full capture ring past its bound
+    ring_limit: int = 0  # segments a rank's capture ring holds once warm
+
+
+@dataclass(frozen=True)
+class JobMemory:
+    """The shared memory one job's segments hold on one store: in use (shards, replicas, leases) and pooled (spares)."""
+
+    job_id: str
+    in_use_bytes: int
+    pooled_bytes: int
 
 
 @dataclass(frozen=True)

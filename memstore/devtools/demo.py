@@ -243,14 +243,15 @@ def _footprint(store: str, resumed: Job, replicas: int, keep: int, replica_group
         time.sleep(0.5)
     if row is None or not row["steps_in_ram"]:
         raise DemoFailure("memstore status --json lists no step of the job in RAM")
-    multiple = (row["ram_bytes"] - row["cached_bytes"]) / row["steps_in_ram"] / state  # copies pulled ahead are spare room
+    multiple = (row["copies_bytes"] - row["cached_bytes"]) / row["steps_in_ram"] / state  # copies pulled ahead are spare room
     group = ranks if replica_group else 1
     expected = replicas * ranks / group
     shares = [statistics.median(r["saved_nbytes"]) / state for r in res]
     ok = not replica_group or (
         0.95 * expected <= multiple <= 1.15 * expected and all(0.8 / group <= f <= 1.2 / group for f in shares)  # stripe framing
     )
-    return {"ram_bytes": row["ram_bytes"], "cached_bytes": row["cached_bytes"], "steps_in_ram": row["steps_in_ram"],
+    return {"ram_bytes": row["ram_bytes"], "copies_bytes": row["copies_bytes"], "cached_bytes": row["cached_bytes"],
+            "steps_in_ram": row["steps_in_ram"], "held_multiple": row["ram_multiple"],
             "state_nbytes": state, "ram_multiple": multiple,
             "expected_ram_multiple": expected, "saved_share": shares, "expected_saved_share": 1 / group, "footprint_ok": ok}  # fmt: skip
 
@@ -305,7 +306,8 @@ def _print_summary(s: dict[str, Any], baseline: dict[str, float], recovery: floa
     _say(f"  saved per step and rank, share of a rank's state ({s['state_nbytes'] / 2**20:.2f} MiB): {shares} "
          f"(expected {s['expected_saved_share']:.3f})")  # fmt: skip
     _say(f"  stores hold the state {s['ram_multiple']:.2f} times (expected {s['expected_ram_multiple']:.0f}: "
-         f"{_copies_formula(s)}); memstore status: {s['ram_bytes'] / 2**20:.1f} MiB for {s['steps_in_ram']} steps in RAM"
+         f"{_copies_formula(s)}); memstore status: {s['copies_bytes'] / 2**20:.1f} MiB of copies for {s['steps_in_ram']} steps in "
+         f"RAM, {s['ram_bytes'] / 2**20:.1f} MiB held with the rings' spares ({s['held_multiple']}x the state)"
          + (f", of which {s['cached_bytes'] / 2**20:.1f} MiB cached ahead of restores" if s["cached_bytes"] else ""))  # fmt: skip
     _say(f"  time to committed ({s['replicas']} copies):  {s['commit'] * ms:8.2f} ms")
     _say(f"  resumed from step {s['resumed_from']}; recovery (kill -> job finished again) {recovery:.1f} s")

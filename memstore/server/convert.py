@@ -214,6 +214,9 @@ def health_to_pb(h: HealthReport) -> pb.HealthResponse:
             registrations=h.capture.registrations, fallbacks=h.capture.fallbacks, fallback_cause=h.capture.fallback_cause
         ),
         saves_superseded=h.saves_superseded,
+        jobs_memory=[pb.JobMemory(job_id=j.job_id, in_use_bytes=j.in_use_bytes, pooled_bytes=j.pooled_bytes) for j in h.jobs_memory],
+        ring_overflows=h.ring_overflows,
+        ring_limit=h.ring_limit,
         discovery=None
         if h.discovery is None
         else pb.DiscoveryStatus(

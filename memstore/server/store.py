@@ -36,7 +36,7 @@ from memstore.core.model import Manifest, ShardKey
 from memstore.core.reserve import ReservePolicy
 from memstore.core.sizes import format_size
 from memstore.core.spill_policy import spill_duty
-from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, SpillReport, job_census
+from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, JobMemory, SpillReport, job_census
 from memstore.server.assembler import Assembler
 from memstore.server.catalog import Catalog
 from memstore.server.datapath import DataPath
@@ -380,4 +380,7 @@ class Store:
             not_ready=self.readiness(),
             capture=self.capture,
             saves_superseded=self.saves_superseded,
+            jobs_memory=tuple(JobMemory(job, used, pooled) for job, (used, pooled) in sorted(self.pool.jobs_memory().items()) if job),
+            ring_overflows=self.pool.ring_overflows,
+            ring_limit=self.pool.ring_limit,
         )

@@ -112,10 +112,10 @@ def test_status_ls_and_inspect_count_the_state_once_per_replica_group(cluster: I
     jobs = {j["job"]: j for j in json.loads(cli(capsys, "status", "--store", store, "--json"))["jobs"]}
     dp, plain = jobs["dp"], jobs["plain"]
     # In RAM: R copies of each rank, and h0's cached copies of stripes 2 and 3, which are not among them.
-    assert (dp["ram_bytes"], dp["cached_bytes"], dp["logical_bytes"], dp["copies_of_state"], dp["replica_groups"]) == (
+    assert (dp["copies_bytes"], dp["cached_bytes"], dp["logical_bytes"], dp["copies_of_state"], dp["replica_groups"]) == (
         2 * 4 * SHARD + 2 * SHARD, 2 * SHARD, LOGICAL + 4 * OWN, 2.0, 1
     )  # fmt: skip
-    assert (plain["ram_bytes"], plain["logical_bytes"], plain["copies_of_state"], plain["replica_groups"]) == (
+    assert (plain["copies_bytes"], plain["logical_bytes"], plain["copies_of_state"], plain["replica_groups"]) == (
         2 * 2 * SHARD, 2 * SHARD, 2.0, 0
     )  # fmt: skip
     table = cli(capsys, "status", "--store", store)

@@ -11,11 +11,12 @@ faulting and keeps every reserved byte inside ``--capacity``.
 
 - ``prefault=None`` (``--prefault auto``, the default): nothing at start-up, unless the store replaces a host
   whose group holds shards for it (``expect``: the newest step of each, faulted in before it serves, up to two
-  units). Then the reserve follows the *streams* placed here: a stream is one rank of one job, its saves on its
-  owner or its replicas on a peer. Each active stream cycles through ``keep + 1`` segments (the kept steps and the
-  one in flight), so the reserve faults in, off the save's path, what each active job still lacks of that:
-  ``sum((keep + 1) x shard) - what the job holds`` (shards, leases and pooled segments). Once a job holds its
-  cycle, the reserve is empty: recycled segments serve every later save, and no memory is held twice. A stream
+  units). Then the reserve follows the *streams* placed here outside the capture rings (whose clients fill them
+  themselves): a stream is one rank of one job whose replicas (or pulled copies) land on this store. Each active
+  stream cycles through ``keep + 1`` segments (the kept steps and the one in flight), so the reserve faults in, off
+  the save's path, what each active job still lacks of that: ``sum((keep + 1) x shard) - what the job holds``
+  outside its rings (replicas and pooled segments). Once a job holds its cycle, the reserve is empty: recycled
+  segments serve every later replica, and no memory is held twice. A stream
   with no shard for ``IDLE_CADENCES`` times its cadence (at least ``IDLE_MIN_SECONDS``) is *idle*: its job's
   pooled spares go back to the kernel (``idle_jobs``), so a job that stopped saving holds only its kept steps.
 - ``prefault=N`` bytes: keep at least N bytes faulted in from start-up: the shards the store holds, its

@@ -226,30 +226,34 @@ class Catalog:
     # ---- memory
 
     def acquire(
-        self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING, evict: bool = True, grow: bool = False
-    ) -> Segment:
+        self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING, evict: bool = True, grow: bool = False,
+        sparse: bool = False,
+    ) -> Segment:  # fmt: skip
         """A segment for ``key``, within the store's capacity and the job's quota (``--job-quota``).
 
         Over either limit, drop the fewest of what ``pressure_victims`` offers (the job's own older copies,
         never its newest settled version nor its protected steps) that make room, and try again; when even
         all of them would not, refuse at once and drop nothing (``memstore.core.limits.room_by_dropping``).
         ``evict=False`` (memory reserved ahead of a save, which may never come): refuse rather than drop anything.
+        ``sparse``: a segment made for it leaves its pages to the client that writes it (``SegmentMaker.create``).
         """
         if ring != NO_RING and evict:  # a save into its rank's capture ring: it reuses before it grows
             with self.pool.saving_into(key.job_id, ring):
                 full = self.pool.ring_full(key.job_id, ring)
                 if full and not self._reuse_oldest(key, ring):
                     self.pool.count_growth(key.job_id, ring, full)
-                return self._acquire_within_limits(key, nbytes, preferred, ring, evict, grow)
-        return self._acquire_within_limits(key, nbytes, preferred, ring, evict, grow)
+                return self._acquire_within_limits(key, nbytes, preferred, ring, evict, grow, sparse)
+        return self._acquire_within_limits(key, nbytes, preferred, ring, evict, grow, sparse)
 
-    def _acquire_within_limits(self, key: ShardKey, nbytes: int, preferred: str, ring: int, evict: bool, grow: bool) -> Segment:
+    def _acquire_within_limits(
+        self, key: ShardKey, nbytes: int, preferred: str, ring: int, evict: bool, grow: bool, sparse: bool
+    ) -> Segment:
         wait = AHEAD_WAIT_SECONDS if ring != NO_RING and not evict and not grow else 0.0  # a reservation ahead: see rings.py
         while True:
             try:
                 return self.pool.acquire(
                     nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred, ring=ring, grow=grow,
-                    stream=(key.job_id, key.rank), wait=wait,
+                    stream=(key.job_id, key.rank), wait=wait, sparse=sparse,
                 )  # fmt: skip
             except CapacityExceeded as exc:  # QuotaExceeded included: its numbers are the job's
                 if not evict:
@@ -496,6 +500,7 @@ class Catalog:
             if checksums is not None:
                 ensure(checksums.problem(nbytes or entry.nbytes, self.config.chunk_bytes))
             del self._alloc_leases[lease_id]
+            entry.segment.sparse = False  # its client faulted every page in before it wrote the first byte
             if lease.ahead:
                 assert key is not None
                 entry.key = key

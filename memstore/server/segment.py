@@ -21,6 +21,7 @@ from memstore.core.sizes import format_size
 from memstore.errors import CapacityExceeded
 from memstore.server.pages import MAP_FLAGS, fault_in, give_back
 from memstore.server.shm_dirs import SEGMENT_PREFIX, sidecar_path
+from memstore.v1.pagefaults import populate_supported
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ NO_RING = -1  # Segment.ring of a segment in no rank's capture ring
 class Segment:
     """One mapped region. ``path`` is None for anonymous memory (no shm dir configured)."""
 
-    __slots__ = ("_closed", "described", "exported", "fresh", "mm", "owner", "path", "ring", "size")
+    __slots__ = ("_closed", "described", "exported", "fresh", "mm", "owner", "path", "ring", "size", "sparse")
 
     def __init__(self, path: str | None, size: int, mm: mmap.mmap) -> None:
         self.path = path
@@ -42,6 +43,9 @@ class Segment:
         self.exported = False
         self.described = False  # a sidecar exists next to it (SegmentPool.describe)
         self.fresh = False  # made for the shard that took it, never touched: its pages fault in as they are written
+        # Made without its pages (``SegmentMaker.create(sparse=True)``): its client faults them in before writing
+        # (``populate_writable``), so until a commit shows it did, nothing else may write into it (never pooled).
+        self.sparse = False
         self.size = size
         self.mm = mm
         self._closed = False
@@ -113,6 +117,18 @@ class Segment:
             self.described = False
 
 
+SPARSE_MARGIN = 64 << 20  # a sparse segment is made only with this much more room on the tmpfs than it needs
+
+
+def _room_on(directory: Path) -> int:
+    """Bytes the filesystem of ``directory`` has free for an unprivileged writer."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
 class SegmentMaker:
     """Makes segments: files ``seg-<pid>-<n>-<hex>`` in ``directory`` on the tmpfs (None: anonymous memory)."""
 
@@ -120,12 +136,22 @@ class SegmentMaker:
         self.directory = directory
         self._names = itertools.count()
 
-    def create(self, size: int, *, used: int, capacity: int) -> Segment:
+    def create(self, size: int, *, used: int, capacity: int, sparse: bool = False) -> Segment:
         """A fresh segment of ``size`` bytes, its file's blocks reserved and its pages mapped populated. Raises
-        CapacityExceeded (with ``used`` and ``capacity``, the pool's counts) if the tmpfs cannot hold it."""
+        CapacityExceeded (with ``used`` and ``capacity``, the pool's counts) if the tmpfs cannot hold it.
+
+        ``sparse`` (a segment a client maps and writes: a save's): only the file is made, at once; the client faults
+        its pages in on all its cores as it maps it (``memstore.v1.pagefaults.populate_writable``: a full tmpfs is an
+        error there, not a SIGBUS), instead of the store faulting them in on one thread and the client mapping them
+        again. Where the kernel cannot report a full tmpfs that way, or the tmpfs has not room for it now, it is made
+        as usual."""
         if self.directory is None:
             return Segment(None, size, mmap.mmap(-1, size, flags=MAP_FLAGS))
         directory = self.directory
+        if sparse and populate_supported() and _room_on(directory) >= size + SPARSE_MARGIN:
+            seg = self._new_file(size, lambda fd: mmap.mmap(fd, size, flags=mmap.MAP_SHARED))
+            seg.sparse = True
+            return seg
 
         def reserve_and_map(fd: int) -> mmap.mmap:
             try:

@@ -277,9 +277,10 @@ class SegmentPool:
         return sum(s.size for s in self._in_use if s.owner == owner) + self._creating.get(owner, 0)
 
     def job_bytes(self, job: str) -> int:
-        """Bytes of the segments job ``job`` holds: in use (shards, leases, being created) and pooled (lock held; the
-        reserve asks)."""
-        return self._owner_bytes(job) + sum(s.size for s in self._free if s.owner == job)
+        """Bytes of the segments job ``job`` holds outside its capture rings (which its clients fill themselves): in
+        use (replicas, pulls) and pooled (lock held; the reserve asks)."""
+        held = itertools.chain(self._in_use, self._free)
+        return sum(s.size for s in held if s.owner == job and s.ring == NO_RING) + self._creating.get(job, 0)
 
     def jobs_memory(self) -> dict[str, tuple[int, int]]:
         """Per job, the bytes of its segments (in use, pooled): what its shards, leases and spares hold here."""
@@ -353,6 +354,7 @@ class SegmentPool:
         grow: bool = False,
         stream: tuple[str, int] | None = None,
         wait: float = 0.0,
+        sparse: bool = False,
     ) -> Segment:
         """A segment of at least ``nbytes`` for job ``owner``: the pooled one at path ``preferred`` if it is free
         and would be handed to ``owner`` (see ``peek``), else the best pooled one, else a fresh one.
@@ -367,7 +369,8 @@ class SegmentPool:
         joins the ring, never one of its own (the client filling it). ``stream``: the (job, rank) the shard belongs to
         (the automatic reserve sizes itself by streams). ``wait`` (seconds; a reservation ahead of a save): when the
         ring already holds ``ring_limit`` segments and none is free, wait that long for retention to give one back
-        instead of growing the ring (``RingBusy`` if none comes). Raises CapacityExceeded
+        instead of growing the ring (``RingBusy`` if none comes). ``sparse``: a segment made for it is made without its
+        pages, which its client faults in (``SegmentMaker.create``). Raises CapacityExceeded
         with the byte counts if it can't fit, QuotaExceeded if the job's segments in use would exceed ``quota``
         bytes (0 = no quota).
         """
@@ -376,10 +379,12 @@ class SegmentPool:
         size = round_up(nbytes)
         victims: list[Segment] = []
         with self._lock:
-            self._learn_and_wait(nbytes, owner, ring, stream, wait if not grow else 0.0)
+            # A capture ring is filled by its client (prepare, or its ring's thread): the reserve covers the rest.
+            self._learn_and_wait(nbytes, owner, ring, stream if ring == NO_RING else None, wait if not grow else 0.0)
             used = self._owner_bytes(owner) if quota else 0
             max_size = quota - used if quota else None
             if grow:
+                self._refuse_growth_past_the_limit(owner, ring)
                 self._refuse_growth_without_headroom(size, owner, used, quota)
             seg = self._take_pooled(nbytes, owner, max_size=max_size, preferred=preferred, ring=ring, grow=grow)
             if seg is None and self.reserve.await_fitting(size):
@@ -422,7 +427,7 @@ class SegmentPool:
         for v in victims:
             v.destroy()
         try:
-            seg = self.maker.create(size, used=self._in_use_bytes, capacity=self.capacity)
+            seg = self.maker.create(size, used=self._in_use_bytes, capacity=self.capacity, sparse=sparse)
             seg.owner = owner
             seg.ring = ring
             seg.fresh = True  # not from the reserve nor a pool: a writer into it may fault its pages in ahead
@@ -486,6 +491,12 @@ class SegmentPool:
         """The pooled segment ``acquire(nbytes, owner, ring=ring)`` would hand out now, left in the pool (None: none would)."""
         with self._lock:
             return self._pick_pooled(nbytes, owner, ring=ring)
+
+    def _refuse_growth_past_the_limit(self, owner: str, ring: int) -> None:
+        """A client fills its ring (``grow``) only up to ``ring_limit``: its reservation ahead may have filled it first
+        (lock held)."""
+        if self._ring_size(owner, ring) >= self.ring_limit:
+            raise RingBusy(f"the capture ring of job {owner!r} rank {ring} already holds its {self.ring_limit} segments")
 
     def _refuse_growth_without_headroom(self, size: int, owner: str, used: int, quota: int) -> None:
         """A ring grows (``acquire(grow=True)``) only with room left for it and for a save beside it, so the segment it
@@ -566,7 +577,8 @@ class SegmentPool:
     def release(self, seg: Segment) -> None:
         """Return a segment to the pool (kept mapped and faulted for the next save) or free it.
 
-        Its sidecar goes first: a pooled segment is never adoptable. Releasing a segment that is not
+        Its sidecar goes first: a pooled segment is never adoptable. A sparse segment no commit showed written (its
+        client may never have faulted its pages in) is freed, never pooled. Releasing a segment that is not
         in use (twice, or after ``close``) is logged and ignored.
         """
         with self._lock:
@@ -581,7 +593,7 @@ class SegmentPool:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(sidecar_path(seg.path))
                 seg.described = False
-            if not seg.exported and self.pooled_bytes + seg.size <= self.max_pooled_bytes:
+            if not seg.exported and not seg.sparse and self.pooled_bytes + seg.size <= self.max_pooled_bytes:
                 if seg.ring != NO_RING and self._ring_size(seg.owner, seg.ring) >= self.ring_limit:  # (seg is out of it now)
                     seg.ring = NO_RING  # the ring grew past its limit (saves outran retention): this one leaves it
                 self._free.append(seg)

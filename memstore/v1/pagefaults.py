@@ -1,13 +1,17 @@
 """Faulting fresh memory in off the caller's thread: ``madvise`` through ctypes (it lets go of the GIL,
-where ``mmap.madvise`` holds it for the whole call), and ``FaultAhead``. Used by the data channel's
-receivers (stores and clients) and by the store's pre-faulted reserve (``memstore.server.pages``)."""
+where ``mmap.madvise`` holds it for the whole call), ``FaultAhead`` and ``populate_writable``. Used by the data
+channel's receivers (stores and clients), by the store's pre-faulted reserve (``memstore.server.pages``) and by a
+client mapping a segment it is about to write (``trainer_client.capture.ring``)."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
+import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
@@ -63,3 +67,43 @@ class FaultAhead:
         self._stopped.set()
         if self._thread is not None:
             self._thread.join()
+
+
+POPULATE_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+@functools.cache
+def populate_supported() -> bool:
+    """Whether this kernel has ``MADV_POPULATE_WRITE`` (Linux >= 5.14): then a page that cannot be allocated (a full
+    tmpfs) is an error of the call, never a SIGBUS at the first write. Tried once on a page of anonymous memory."""
+    if madvise is None:
+        return False
+    probe = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        return madvise(address_of(probe), mmap.PAGESIZE, MADV_POPULATE_WRITE) == 0
+    finally:
+        probe.close()
+
+
+def populate_writable(addr: int, length: int, threads: int = POPULATE_THREADS) -> bool:
+    """Fault ``[addr, addr + length)`` in for writing, its parts on ``threads`` threads at once: pages a store made
+    but never touched (a fresh segment) are allocated and zeroed in parallel, ones already in only get their page
+    tables. False if a page could not be allocated (a full tmpfs) or the kernel lacks the call: writing the range
+    then risks a SIGBUS, so the caller must not."""
+    if not populate_supported():
+        return False
+    assert madvise is not None
+    first = addr - addr % mmap.PAGESIZE
+    end = addr + length
+    parts = max(1, min(threads, (end - first) // (FaultAhead.STEP * 2)))
+    bounds = [first + (end - first) * i // parts // mmap.PAGESIZE * mmap.PAGESIZE for i in range(parts)] + [end]
+
+    def one(i: int) -> bool:
+        return madvise(bounds[i], bounds[i + 1] - bounds[i], MADV_POPULATE_WRITE) == 0
+
+    if parts == 1:
+        return one(0)
+    with ThreadPoolExecutor(max_workers=parts - 1, thread_name_prefix="populate") as pool:
+        others = [pool.submit(one, i) for i in range(1, parts)]  # the GIL is let go in each call: they run at once
+        mine = one(0)
+        return all([mine, *(f.result() for f in others)])

@@ -222,3 +222,12 @@ def test_a_ring_segment_is_never_resized(full: SegmentPool) -> None:
     assert seg.size == size and file_size(seg) == size
     assert full.ring_paths(JOB, 0) == paths([seg, bigger, tiny])
     assert full.peek(7 * PAGE, JOB, ring=0) is seg  # still pooled, for the next save of its size
+
+
+def test_filling_a_ring_stops_at_its_limit(limited: SegmentPool) -> None:
+    """The client's fill (``grow``) and its reservation ahead run on two threads: whichever comes second past the limit
+    is refused, so the ring never holds a segment more than it needs."""
+    [limited.acquire(2 * PAGE, JOB, ring=0, grow=True) for _ in range(LIMIT)]
+    with pytest.raises(RingBusy, match="already holds its 3 segments"):
+        limited.acquire(2 * PAGE, JOB, ring=0, grow=True)
+    assert limited.segment_count == LIMIT

@@ -252,10 +252,11 @@ class StoreConfig:
     )
     prefault: int | None = _opt(
         "Fresh shared memory kept faulted in ahead of need, so a save, a replica or a repair never waits for the kernel "
-        "to allocate and zero pages: 'auto' (keep two segments of the largest recent shard ready once shards arrive; "
-        "the store's first shard pays for fresh memory), a size (at least that many bytes stay faulted in from start-up, "
+        "to allocate and zero pages: 'auto' (fault in what each job whose replicas land here lacks of its cycle, keep+1 "
+        "shards per rank, and give a job's spares back once it stops saving; capture rings are filled by their "
+        "clients), a size (at least that many bytes stay faulted in from start-up, "
         "shards included: size it for what the store cycles through, (keep+3) x each shard saved or copied here), or 0 "
-        "(none). Counts against --capacity as pooled bytes; resident while idle.",
+        "(none). Counts against --capacity as pooled bytes.",
         _prefault,
         default=None,
     )

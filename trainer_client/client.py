@@ -370,7 +370,7 @@ class CheckpointClient:
             ring.give_back(slot)
 
         try:
-            target = torch.frombuffer(slot.mm, dtype=torch.uint8, count=layout.nbytes)
+            target = torch.frombuffer(ring.hold(slot).view, dtype=torch.uint8, count=layout.nbytes)  # held until committed or given back
             blobs, start_copies = self._captures.device_copies(layout, target, deferred=deferred)
         except BaseException:
             release()

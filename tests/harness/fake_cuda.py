@@ -12,19 +12,45 @@ does on real hardware (measured on an H200), checked against this process's real
   Real CUDA keeps the last error per thread; the fake keeps one for the process, which is stricter for a
   test asserting that it was cleared.
 
+It also stands in for the device copy engine, with the lifetimes a GPU has (a **delayed copy engine**):
+
+- CPU tensors marked with :meth:`FakeCudaRuntime.device` count as device tensors (:meth:`~FakeCudaRuntime.device_tensor`):
+  the client copies them through the device-copy path (side streams, events, ``copy_to_host``) as it would CUDA ones;
+- an asynchronous copy (``non_blocking``) records its destination range and a snapshot of its source's bytes, and
+  must land inside a live registration; its bytes are written into the destination only when its stream, or an event
+  recorded after it, is synchronized. Then the range must still be mapped (``/proc/self/maps``) and still inside the
+  very registration it was queued into: else the synchronize raises ``RuntimeError``;
+- a synchronous copy (into memory not registered) is written at once, into a mapped range only;
+- ``host_unregister`` of a registration with copies pending into it fails (1, ``cudaErrorInvalidValue``; the
+  registration stays);
+- every breach of these rules is also recorded in :attr:`FakeCudaRuntime.copy_errors`, for a test to assert on even
+  where the client swallowed the error. Streams order nothing else: the host's tensor work runs at once.
+
 Usage: ``with cuda.installed(FakeCudaRuntime()) as fake: ...``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import itertools
 import mmap
 import os
 import stat
 import threading
-from dataclasses import dataclass
+import weakref
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
-from trainer_client.capture.cuda import ERROR_HOST_MEMORY_ALREADY_REGISTERED, ERROR_HOST_MEMORY_NOT_REGISTERED, ERROR_INVALID_VALUE
+import torch
+
+from trainer_client.capture.cuda import (
+    ERROR_HOST_MEMORY_ALREADY_REGISTERED,
+    ERROR_HOST_MEMORY_NOT_REGISTERED,
+    ERROR_INVALID_VALUE,
+    inside,
+)
 
 _PAGE = mmap.PAGESIZE
 _DELETED = " (deleted)"
@@ -100,6 +126,34 @@ def range_mapped(addr: int, size: int, mappings: list[Mapping] | None = None) ->
     return False
 
 
+@dataclass(eq=False)
+class FakeStream:
+    """A stream of the fake: the asynchronous copies queued on it and not yet written."""
+
+    device: torch.device
+    pending: list[PendingCopy] = field(default_factory=list)
+    queued: int = 0  # copies ever queued on it
+    done: int = 0  # of which written (in order)
+
+
+@dataclass(frozen=True)
+class FakeEvent:
+    """Recorded on ``stream`` after its first ``upto`` copies: synchronizing it writes those."""
+
+    stream: FakeStream
+    upto: int
+
+
+@dataclass(frozen=True)
+class PendingCopy:
+    """An asynchronous copy queued and not written yet: ``data`` goes to ``[addr, addr + len(data))``, which lay inside
+    the registration ``registration`` (its serial number) when it was queued."""
+
+    addr: int
+    data: bytes
+    registration: int
+
+
 class FakeCudaRuntime:
     """Implements ``trainer_client.capture.cuda.CudaRuntime`` without CUDA, enforcing the rules above.
 
@@ -107,7 +161,13 @@ class FakeCudaRuntime:
     (successful registers), :attr:`failures` (``(addr, size, code)``; size 0 for an unregister), :attr:`live`
     (addr -> (size, flags)) and :attr:`last_error`. ``fail_next``: codes the next register calls return instead
     of checking (0: check as usual); they are recorded as failures like any other.
+
+    The copy engine's: :attr:`async_copies` and :attr:`sync_copies` (queued / written at once), :attr:`written`
+    (asynchronous copies written at a synchronize), :attr:`copy_errors` (each breach, described) and
+    :attr:`pending_copies`.
     """
+
+    host_device_tensors = True
 
     def __init__(self, pins_host_states: bool = True, fail_next: list[int] | None = None) -> None:
         self.pins_host_states = pins_host_states
@@ -117,7 +177,16 @@ class FakeCudaRuntime:
         self.failures: list[tuple[int, int, int]] = []
         self.live: dict[int, tuple[int, int]] = {}
         self.last_error = 0
-        self._lock = threading.Lock()
+        self.async_copies = 0
+        self.sync_copies = 0
+        self.written = 0
+        self.copy_errors: list[str] = []
+        self._serials: dict[int, int] = {}  # addr of a live registration -> its serial number
+        self._next_serial = itertools.count(1)
+        self._devices: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> the tensors marked as device tensors
+        self._current: dict[torch.device, FakeStream] = {}
+        self._streams: list[FakeStream] = []
+        self._lock = threading.RLock()
 
     def host_register(self, addr: int, size: int, flags: int) -> int:
         with self._lock:
@@ -128,6 +197,7 @@ class FakeCudaRuntime:
             if code != 0:
                 return self._fail(addr, size, code)
             self.live[addr] = (size, flags)
+            self._serials[addr] = next(self._next_serial)
             self.registrations += 1
             return 0
 
@@ -141,8 +211,14 @@ class FakeCudaRuntime:
     def host_unregister(self, addr: int) -> int:
         with self._lock:
             self.calls.append(("unregister", addr))
-            if self.live.pop(addr, None) is None:
+            if addr not in self.live:
                 return self._fail(addr, 0, ERROR_HOST_MEMORY_NOT_REGISTERED)
+            serial = self._serials[addr]
+            pending = sum(copy.registration == serial for stream in self._streams for copy in stream.pending)
+            if pending:
+                self.copy_errors.append(f"cudaHostUnregister({addr:#x}) with {pending} copies still pending into it")
+                return self._fail(addr, 0, ERROR_INVALID_VALUE)
+            del self.live[addr], self._serials[addr]
             return 0
 
     def _fail(self, addr: int, size: int, code: int) -> int:
@@ -158,3 +234,100 @@ class FakeCudaRuntime:
     def error_text(self, code: int) -> str:
         text = _ERROR_TEXTS.get(code)
         return f"{text} (CUDA error {code})" if text else f"CUDA error {code}"
+
+    # -- the delayed copy engine --------------------------------------------------------------------------------
+    def device(self, t: torch.Tensor) -> torch.Tensor:
+        """Mark the CPU tensor ``t`` as a device tensor (for as long as it lives); returns it."""
+        self._devices[id(t)] = weakref.ref(t)
+        return t
+
+    def device_tensor(self, t: torch.Tensor) -> bool:
+        ref = self._devices.get(id(t))
+        return ref is not None and ref() is t
+
+    def host_registered(self, addr: int, size: int) -> bool:
+        with self._lock:
+            return self._registration(addr, size) is not None
+
+    def _registration(self, addr: int, size: int) -> int | None:
+        """The serial number of the live registration holding ``[addr, addr + size)``; None: none does."""
+        for start, (length, _) in self.live.items():
+            if inside({start: length}, addr, size):
+                return self._serials[start]
+        return None
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        with self._lock:
+            stream = self._current.get(device)
+            if stream is None:
+                stream = self._current[device] = self.new_stream(device)
+            return stream
+
+    def new_stream(self, device: torch.device) -> FakeStream:
+        with self._lock:
+            stream = FakeStream(device)
+            self._streams.append(stream)
+            return stream
+
+    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def record_event(self, stream: FakeStream) -> FakeEvent:
+        with self._lock:
+            return FakeEvent(stream, stream.queued)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Nothing to order: the host's tensor work runs at once."""
+
+    def keep_for(self, t: torch.Tensor, stream: Any) -> None:
+        """Nothing to keep: a copy's source bytes are snapshotted when it is queued."""
+
+    def copy_to_host(self, stream: FakeStream, src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
+        addr, size = dst.data_ptr(), dst.numel() * dst.element_size()
+        if not dst.is_cpu or not dst.is_contiguous() or src.numel() * src.element_size() != size:
+            raise RuntimeError(f"fake CUDA: copy_to_host of {src.numel() * src.element_size()} bytes into a {size}-byte destination")
+        data = src.contiguous().view(torch.uint8).numpy().tobytes()
+        with self._lock:
+            if not non_blocking:
+                self.synchronize(stream)  # a synchronous copy runs after what the stream holds
+                self._write(addr, data, None)
+                self.sync_copies += 1
+                return
+            registration = self._registration(addr, size)
+            if registration is None:
+                self._breach(f"an asynchronous copy of {size} bytes into {addr:#x}, which no live registration holds")
+            stream.pending.append(PendingCopy(addr, data, registration))
+            stream.queued += 1
+            self.async_copies += 1
+
+    def synchronize(self, waitable: FakeStream | FakeEvent) -> None:
+        """Write the copies queued on a stream (all of them), or before an event; raises RuntimeError for a copy whose
+        destination is no longer mapped or no longer in the registration it was queued into."""
+        with self._lock:
+            stream, upto = (waitable.stream, waitable.upto) if isinstance(waitable, FakeEvent) else (waitable, waitable.queued)
+            count = upto - stream.done
+            if count <= 0:
+                return
+            batch, stream.pending = stream.pending[:count], stream.pending[count:]
+            stream.done += len(batch)
+            mappings = read_mappings()
+            for copy in batch:
+                self._write(copy.addr, copy.data, copy.registration, mappings)
+                self.written += 1
+
+    def _write(self, addr: int, data: bytes, registration: int | None, mappings: list[Mapping] | None = None) -> None:
+        size = len(data)
+        if registration is not None and self._registration(addr, size) != registration:
+            self._breach(f"a copy of {size} bytes into {addr:#x}: its registration was undone before the copy ran")
+        if not range_mapped(addr, size, mappings):
+            self._breach(f"a copy of {size} bytes into {addr:#x}: the range is no longer mapped")
+        ctypes.memmove(addr, data, size)
+
+    def _breach(self, what: str) -> None:
+        self.copy_errors.append(what)
+        raise RuntimeError(f"fake CUDA: {what}")
+
+    @property
+    def pending_copies(self) -> int:
+        with self._lock:
+            return sum(len(stream.pending) for stream in self._streams)

@@ -1,4 +1,4 @@
-"""The CUDA runtime calls the client makes (host-memory registration), behind one small seam.
+"""The CUDA runtime calls the client makes (host-memory registration, the device copies of a save), behind one small seam.
 
 Everything that pins host memory goes through :func:`register` / :func:`unregister`, which call the
 installed :class:`CudaRuntime`: :class:`TorchCudaRuntime` by default (torch's ``torch.cuda.cudart()``
@@ -16,6 +16,14 @@ mistakes real CUDA would refuse:
 - every failure also stays recorded as the thread's last CUDA error until ``cudaGetLastError`` reads it.
   torch checks the last error after each kernel launch, so one left behind would be reported as the
   failure of some unrelated kernel: :func:`register` and :func:`unregister` clear it.
+
+The device copies of a save (``trainer_client.capture.device_save``) go through the same runtime: which tensors are
+device tensors (:meth:`CudaRuntime.device_tensor`), side streams, events, and the device-to-host copy itself
+(:meth:`CudaRuntime.copy_to_host`), and whether a destination lies inside a live registration
+(:meth:`CudaRuntime.host_registered`: the copier copies asynchronously only into registered memory). The tests'
+stand-in counts CPU tensors it marked as device tensors and delays every asynchronous copy until its event or stream
+is synchronized, refusing one whose destination was unmapped or unregistered meanwhile: the CPU suite runs the
+device-copy path with the lifetimes a GPU has.
 """
 
 from __future__ import annotations
@@ -25,8 +33,12 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +71,58 @@ class CudaRuntime(Protocol):
         """A readable description of ``code`` for messages."""
         ...
 
+    # -- the device copy engine (trainer_client.capture.device_save) --------------------------------------------
+    host_device_tensors: bool
+    """Whether :meth:`device_tensor` may count CPU tensors as device tensors (only the tests' fake); if not, only CUDA
+    tensors are device tensors, and a shard's layout finds them without asking about every tensor."""
+
+    def device_tensor(self, t: torch.Tensor) -> bool:
+        """Whether the copier copies ``t`` from a device (the real runtime: ``t.is_cuda``)."""
+        ...
+
+    def host_registered(self, addr: int, size: int) -> bool:
+        """Whether ``[addr, addr + size)`` lies inside one live registration made through this runtime."""
+        ...
+
+    def current_stream(self, device: torch.device) -> Any:
+        """The stream the trainer enqueues on for ``device``."""
+        ...
+
+    def new_stream(self, device: torch.device) -> Any:
+        """A new side stream on ``device``."""
+        ...
+
+    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
+        """A block whose device work (packing small tensors, resolving views) is enqueued on ``stream``."""
+        ...
+
+    def record_event(self, stream: Any) -> Any:
+        """A new event recorded on ``stream`` (a host thread synchronizing it sleeps instead of spinning)."""
+        ...
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make ``stream``'s later work wait for ``event``, without blocking the host."""
+        ...
+
+    def synchronize(self, waitable: Any) -> None:
+        """Block the host until an event has passed or a stream has drained; a CUDA error raises RuntimeError."""
+        ...
+
+    def keep_for(self, t: torch.Tensor, stream: Any) -> None:
+        """Keep ``t``'s device memory from being handed out again before ``stream`` has read it (``record_stream``)."""
+        ...
+
+    def copy_to_host(self, stream: Any, src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
+        """Enqueue on ``stream`` the copy of ``src`` (a contiguous uint8 device tensor) into ``dst`` (a uint8 host tensor
+        of the same size: the range ``[dst.data_ptr(), + dst.numel())``). ``non_blocking``: asynchronous, only for a
+        destination inside a live registration (:meth:`host_registered`); else the host waits for the copy."""
+        ...
+
+
+def inside(live: Mapping[int, int], addr: int, size: int) -> bool:
+    """Whether ``[addr, addr + size)`` lies inside one of the ranges ``live`` (start -> size)."""
+    return any(start <= addr and addr + size <= start + length for start, length in live.items())
+
 
 class TorchCudaRuntime:
     """The real runtime: torch's libcudart bindings, and ``cudaGetLastError`` from the libcudart the process loaded
@@ -66,10 +130,12 @@ class TorchCudaRuntime:
     :meth:`get_last_error`."""
 
     pins_host_states = False
+    host_device_tensors = False
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._libcudart: Any = None  # the loaded libcudart; False: none found
+        self._live: dict[int, int] = {}  # addr -> size of the registrations made through this runtime
 
     @staticmethod
     def _cudart() -> Any:
@@ -78,10 +144,18 @@ class TorchCudaRuntime:
         return torch.cuda.cudart()
 
     def host_register(self, addr: int, size: int, flags: int) -> int:
-        return int(self._cudart().cudaHostRegister(addr, size, flags))
+        code = int(self._cudart().cudaHostRegister(addr, size, flags))
+        if code == 0:
+            with self._lock:
+                self._live[addr] = size
+        return code
 
     def host_unregister(self, addr: int) -> int:
-        return int(self._cudart().cudaHostUnregister(addr))
+        code = int(self._cudart().cudaHostUnregister(addr))
+        if code == 0:
+            with self._lock:
+                self._live.pop(addr, None)
+        return code
 
     def get_last_error(self) -> int:
         with self._lock:
@@ -97,6 +171,50 @@ class TorchCudaRuntime:
             return f"{cudart.cudaGetErrorString(cudart.cudaError(code))} (CUDA error {code})"
         except Exception:  # an unknown code, or no CUDA
             return f"CUDA error {code}"
+
+    def device_tensor(self, t: torch.Tensor) -> bool:
+        return bool(t.is_cuda)
+
+    def host_registered(self, addr: int, size: int) -> bool:
+        with self._lock:
+            return inside(self._live, addr, size)
+
+    def current_stream(self, device: torch.device) -> Any:
+        import torch
+
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        import torch
+
+        return torch.cuda.Stream(device=device)
+
+    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
+        import torch
+
+        return torch.cuda.stream(stream)  # switches to the stream's device too
+
+    def record_event(self, stream: Any) -> Any:
+        import torch
+
+        event = torch.cuda.Event(blocking=True)
+        event.record(stream)
+        return event
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def synchronize(self, waitable: Any) -> None:
+        waitable.synchronize()
+
+    def keep_for(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def copy_to_host(self, stream: Any, src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
+        import torch
+
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=non_blocking)
 
 
 def _find_libcudart() -> Any:

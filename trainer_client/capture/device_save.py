@@ -1,6 +1,7 @@
 """GPU capture: CUDA tensors straight into the store's memory (the save side; restores are :mod:`.device_restore`).
 
-``ShardLayout.device_tensors()`` finds the CUDA tensors of a planned shard. :class:`DeviceCopier` (one per client)
+:func:`device_blobs` finds the device tensors of a planned shard (the CUDA ones; those the CUDA seam's test stand-in
+marked). :class:`DeviceCopier` (one per client)
 enqueues their copies into the destination (a segment of the client's capture ring, registered once by
 ``trainer_client.capture.ring``, or a staging buffer without shared memory, registered once here by
 :class:`HostRegistrations`) on a side stream per device, ordered after the trainer's stream as it was when
@@ -10,6 +11,12 @@ marks the end (:class:`DeviceCopies`). ``write_into(skip=...)`` writes everythin
 meanwhile (:func:`host_writer`). :class:`Capture` runs one save: the copies, the host part, the wait, then the
 step that hands the bytes to the store (commit or send), inline (``capture="copied"``) or on the client's capture
 thread (``capture="enqueued"``).
+
+Every stream, event and copy goes through the CUDA seam (``trainer_client.capture.cuda``), so the CPU suite runs this
+path against a fake with a delayed copy engine. A copy is asynchronous only into a destination inside a live
+registration (``CudaRuntime.host_registered``), synchronous otherwise; with ``MEMSTORE_STRICT_PINNING=1`` the
+copies of a save whose destination is not registered are refused (CaptureError) before any is queued. The caller keeps
+the destination mapped and registered until :meth:`DeviceCopies.synchronize` (the capture ring's ``Hold``).
 
 Nothing here touches CUDA unless the state holds CUDA tensors.
 """
@@ -29,7 +36,7 @@ import torch
 
 from memstore.v1.pagefaults import FaultAhead
 from trainer_client.capture import cuda
-from trainer_client.capture.ring import CaptureStats
+from trainer_client.capture.ring import STRICT_ENV, CaptureStats, strict_pinning
 from trainer_client.errors import CapacityExceededError, CaptureError
 from trainer_client.serialization import ALIGNMENT, ChunkSums, ShardLayout
 from trainer_client.serialization.dtypes import raw_byte_view
@@ -129,18 +136,25 @@ def host_writer(
     return write
 
 
+def device_blobs(layout: ShardLayout) -> list[int]:
+    """The blobs of ``layout`` the device copier fills: its device tensors, as the installed CUDA runtime counts them."""
+    rt = cuda.runtime()
+    return layout.device_tensors(rt.device_tensor if rt.host_device_tensors else None)
+
+
 class DeviceCopies:
     """The device->host copies of one save: one event per device marks the end of that device's copies."""
 
-    def __init__(self) -> None:
-        self.events: dict[torch.device, torch.cuda.Event] = {}
+    def __init__(self, runtime: cuda.CudaRuntime | None = None) -> None:
+        self.runtime = runtime or cuda.runtime()
+        self.events: dict[torch.device, Any] = {}
         self.keep: list[torch.Tensor] = []  # the destination alias and temporaries, alive until the copies are done
 
     def synchronize(self) -> None:
         """Block until every copy is done (raises CaptureError for a CUDA error)."""
         try:
             for event in self.events.values():
-                event.synchronize()
+                self.runtime.synchronize(event)
         except RuntimeError as exc:
             raise CaptureError(f"copying CUDA tensors into host memory failed: {exc}") from exc
         finally:
@@ -148,8 +162,9 @@ class DeviceCopies:
 
     def gate(self) -> None:
         """Make each device's current stream wait for the copies, without blocking the host."""
+        rt = self.runtime
         for device, event in self.events.items():
-            torch.cuda.current_stream(device).wait_event(event)
+            rt.wait_event(rt.current_stream(device), event)
 
 
 @dataclass(frozen=True)
@@ -205,15 +220,15 @@ def raw_bytes(src: torch.Tensor) -> torch.Tensor:
     return raw if raw.is_contiguous() else raw.contiguous()
 
 
-def mark_streams(layout: ShardLayout, blobs: list[int]) -> dict[torch.device, torch.cuda.Event]:
+def mark_streams(layout: ShardLayout, blobs: list[int]) -> dict[torch.device, Any]:
     """An event on the current stream of every device holding one of ``blobs``: the copies start after it, so they
     see the state as the trainer had it when it called ``save()`` (and not what it enqueues later)."""
-    marks: dict[torch.device, torch.cuda.Event] = {}
+    rt = cuda.runtime()
+    marks: dict[torch.device, Any] = {}
     for index in blobs:
         device = layout.slot(index)[0].device
         if device not in marks:
-            event = marks[device] = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
+            marks[device] = rt.record_event(rt.current_stream(device))
     return marks
 
 
@@ -222,7 +237,7 @@ class DeviceCopier:
 
     def __init__(self) -> None:
         self.pins = HostRegistrations()
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams: dict[torch.device, Any] = {}  # made by the CUDA runtime installed at the first copy
 
     def pin_buffer(self, buf: torch.Tensor) -> bool:
         """Register a staging buffer's whole storage, if large enough and page-aligned (a huge-page mapping)."""
@@ -232,61 +247,67 @@ class DeviceCopier:
             return False  # a small malloc'ed buffer: its pages may hold other allocations, some registered elsewhere
         return self.pins.pin(buf, addr, size)
 
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+    def _stream(self, rt: cuda.CudaRuntime, device: torch.device) -> Any:
         stream = self._streams.get(device)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream = self._streams[device] = rt.new_stream(device)
         return stream
 
     def start(
-        self, layout: ShardLayout, blobs: list[int], target: torch.Tensor, after: dict[torch.device, torch.cuda.Event] | None = None
+        self, layout: ShardLayout, blobs: list[int], target: torch.Tensor, after: dict[torch.device, Any] | None = None
     ) -> DeviceCopies:
-        """Enqueue the copies of the CUDA blobs ``blobs`` into their slots of ``target`` (uint8, the shard's bytes).
+        """Enqueue the copies of the device blobs ``blobs`` into their slots of ``target`` (uint8, the shard's bytes).
 
         Each device's copies run on its side stream after ``after[device]`` (an event :func:`mark_streams` recorded
-        when the save was called), else after everything the trainer's current stream has enqueued so far;
-        non_blocking: asynchronous DMA when ``target`` is registered. Neighbouring small tensors go as one copy
-        (:func:`copy_runs`). The caller must keep ``target``'s memory until :meth:`DeviceCopies.synchronize`.
+        when the save was called), else after everything the trainer's current stream has enqueued so far.
+        Asynchronous only when ``target`` lies inside a live registration, synchronous otherwise; with
+        ``MEMSTORE_STRICT_PINNING=1`` an unregistered ``target`` raises CaptureError before anything is queued.
+        Neighbouring small tensors go as one copy (:func:`copy_runs`). The caller must keep ``target``'s memory
+        mapped and registered until :meth:`DeviceCopies.synchronize`.
         """
-        copies = DeviceCopies()
+        rt = cuda.runtime()
+        registered = rt.host_registered(target.data_ptr(), target.numel())
+        if not registered and strict_pinning():
+            raise CaptureError(
+                f"the save's device copies would go into {target.numel()} bytes at {target.data_ptr():#x}, which no live "
+                f"registration holds (pageable memory); refused because {STRICT_ENV} is set"
+            )
+        copies = DeviceCopies(rt)
         copies.keep.append(target)
         by_device: dict[torch.device, list[tuple[int, int, int]]] = collections.defaultdict(list)
         for index in blobs:
             src, offset, nbytes = layout.slot(index)  # raises if it changed since plan()
             if nbytes:
                 by_device[src.device].append((index, offset, nbytes))
-        used: list[torch.cuda.Stream] = []
+        used: list[Any] = []
         try:
             with torch.no_grad():
                 for device, slots in by_device.items():
-                    side = self._stream(device)
+                    side = self._stream(rt, device)
                     used.append(side)
-                    with torch.cuda.device(device):
-                        if after is not None and device in after:
-                            side.wait_event(after[device])
-                        else:
-                            side.wait_stream(torch.cuda.current_stream(device))
-                        with torch.cuda.stream(side):
-                            for run in copy_runs(slots):
-                                self._copy(copies, layout, run, target, side)
-                        event = torch.cuda.Event(blocking=True)  # a waiting thread sleeps instead of spinning on a core
-                        event.record(side)
-                    copies.events[device] = event
+                    mark = after.get(device) if after is not None else None
+                    rt.wait_event(side, mark if mark is not None else rt.record_event(rt.current_stream(device)))
+                    with rt.stream_context(side):
+                        for run in copy_runs(slots):
+                            self._copy(rt, copies, layout, run, target[run.start : run.end], side, registered)
+                    copies.events[device] = rt.record_event(side)
         except BaseException:
             for side in used:  # nothing may still write into the destination once the caller gives it back
-                side.synchronize()
+                rt.synchronize(side)
             raise
         return copies
 
     @staticmethod
-    def _copy(copies: DeviceCopies, layout: ShardLayout, run: CopyRun, target: torch.Tensor, side: torch.cuda.Stream) -> None:
+    def _copy(
+        rt: cuda.CudaRuntime, copies: DeviceCopies, layout: ShardLayout, run: CopyRun, dst: torch.Tensor, side: Any, registered: bool
+    ) -> None:
         sources = []
         for index, _, _ in run.blobs:
             src = layout.slot(index)[0]
-            src.record_stream(side)  # the allocator may not hand its memory out again before the side stream read it
+            rt.keep_for(src, side)  # the allocator may not hand its memory out again before the side stream read it
             sources.append(raw_bytes(src))
         data = sources[0].reshape(-1) if len(sources) == 1 else gather_run(run, sources)
-        target[run.start : run.end].copy_(data, non_blocking=True)
+        rt.copy_to_host(side, data, dst, non_blocking=registered)
         copies.keep.extend(sources)
         copies.keep.append(data)
 
@@ -420,7 +441,7 @@ class Captures:
     def wants_pinning(layout: ShardLayout) -> bool:
         """Whether the save's memory must be registered for DMA: the state holds CUDA tensors (or the installed
         CUDA runtime registers host states too: the CPU suite's fake)."""
-        return bool(layout.device_tensors()) or cuda.runtime().pins_host_states
+        return bool(device_blobs(layout)) or cuda.runtime().pins_host_states
 
     def device_copies(
         self, layout: ShardLayout, target: torch.Tensor, deferred: bool = False
@@ -430,7 +451,7 @@ class Captures:
 
         ``deferred``: the copies are enqueued later, on the capture thread: the current streams are marked now.
         """
-        blobs = layout.device_tensors()
+        blobs = device_blobs(layout)
         if not blobs:
             return blobs, None
         copier = self.copier

@@ -17,6 +17,13 @@ through pageable memory (synchronously) and the failure is counted (``CaptureSta
 commit: the store's metrics and ``memstore status`` show it) and logged with its cause.
 ``MEMSTORE_STRICT_PINNING=1`` turns such a fallback into a :class:`~trainer_client.errors.CaptureError`
 (the GPU tests run so).
+
+No device copy outlives its destination: a save holds its segment's mapping (:meth:`CaptureRing.hold`) from before
+its copies are queued until they are synchronized or the save is aborted. The hold counts as a capture in flight on
+the mapping and keeps a ``memoryview`` of it exported, from which the save's target tensor is built: closing the
+mapping under it raises ``BufferError`` instead of unmapping it. While a capture (or a restore, or a registration)
+uses a mapping, nothing unregisters, re-maps or unmaps it: pruning skips it, and a mapping replaced, or dropped by
+:meth:`CaptureRing.close`, is unregistered and unmapped when the last one is done.
 """
 
 from __future__ import annotations
@@ -29,12 +36,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 
 from memstore.v1 import store_pb2 as pb
-from memstore.v1.pagefaults import address_of
+from memstore.v1.pagefaults import address_of, populate_supported, populate_writable
 from trainer_client.capture import cuda
-from trainer_client.errors import CaptureError
+from trainer_client.errors import CapacityExceededError, CaptureError
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +77,7 @@ class Slot:
     ahead: bool  # allocated before its step was known: the commit names the shard
     expires: float  # time.monotonic() when the store lets the lease go
     pinned: bool = False
+    hold: Hold | None = None  # CaptureRing.hold(): the save's hold on the mapping, ended by committed() or give_back()
 
 
 @dataclass
@@ -77,26 +86,69 @@ class _Mapped:
     inode: int
     pinned: bool = False
     failed: str = ""  # registration failed twice: the cause (copies into it fall back)
-    busy: int = 0  # restores reading it, or a registration under way: not unmapped until they are done
+    busy: int = 0  # restores reading it, a registration or an adoption under way: not unmapped until they are done
+    captures: int = 0  # saves holding it (Hold): copies queued into it or about to be; never unmapped nor re-mapped meanwhile
+    retired: bool = False  # left the ring while in use: unregistered and unmapped when the last user is done
     pinning: threading.Lock = field(default_factory=threading.Lock)  # one registration at a time
+
+    @property
+    def in_use(self) -> bool:
+        return bool(self.busy or self.captures)
 
 
 def map_segment(path: str, size: int) -> mmap.mmap:
-    """Map a store segment read-write at exactly ``size`` bytes and fault its pages in."""
+    """Map a store segment read-write at exactly ``size`` bytes and fault its pages in, on all cores at once
+    (``populate_writable``): a fresh segment the store made sparse gets its pages allocated here, one it had faulted in
+    only its page tables. A page the tmpfs cannot hold raises CapacityExceededError now, never a SIGBUS mid-copy."""
+    # (without the call the store makes no sparse segment either: a populating mapping does it)
+    flags = mmap.MAP_SHARED if populate_supported() else mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     fd = os.open(path, os.O_RDWR)
     try:
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        mm = mmap.mmap(fd, size, flags=flags)
     finally:
         os.close(fd)
+    if populate_supported() and not populate_writable(address_of(mm), size):
+        mm.close()
+        raise CapacityExceededError(
+            f"the store's shared memory {path} could not be faulted in ({size} bytes): its tmpfs is full; enlarge it "
+            "(/dev/shm) or lower the store's --capacity"
+        )
+    return mm
 
 
 def _unmap(mapped: _Mapped) -> None:
-    """Unregister (if registered) and unmap: a registration must not outlive the pages it pinned."""
+    """Unregister (if registered) and unmap: a registration must not outlive the pages it pinned. Only for a mapping
+    nothing uses (``_Mapped.in_use``): see :meth:`CaptureRing._retire`."""
     if mapped.pinned:
         cuda.unregister(address_of(mapped.mm))
         mapped.pinned = False
-    with contextlib.suppress(BufferError):  # a view still exported: the pages go with it
-        mapped.mm.close()
+    _close(mapped.mm)
+
+
+def _close(mm: mmap.mmap) -> None:
+    """Unmap ``mm``; a view of it that nobody counted still exported is an error, logged (the pages stay until it goes)."""
+    try:
+        mm.close()
+    except BufferError:
+        log.error("a capture-ring mapping of %d bytes is unmapped while a view of it is exported: it stays until that view goes", len(mm))
+
+
+class Hold:
+    """A save's hold on its segment's mapping (:meth:`CaptureRing.hold`): ``view`` (a ``memoryview`` of the mapping,
+    exported until :meth:`release`) is what the save's target tensor is built from; the mapping stays mapped and
+    registered until :meth:`release`, which the save calls once its copies are synchronized or it is aborted."""
+
+    def __init__(self, ring: CaptureRing, mapped: _Mapped) -> None:
+        self._ring = ring
+        self._mapped: _Mapped | None = mapped
+        self.view = memoryview(mapped.mm)
+
+    def release(self) -> None:
+        """End the hold (again: no-op). The view must have no export left (torch.frombuffer takes none)."""
+        mapped, self._mapped = self._mapped, None
+        if mapped is not None:
+            self.view.release()
+            self._ring._put(mapped, capture=True)
 
 
 class CaptureRing:
@@ -122,6 +174,7 @@ class CaptureRing:
         self._lock = threading.RLock()
         self._maps: dict[str, _Mapped] = {}
         self._ahead: Future[Slot] | None = None
+        self._answered = threading.Event()  # the store answered the reservation under way (it is being mapped)
         self._thread: ThreadPoolExecutor | None = None  # reserves the next save's lease
         self._grower: ThreadPoolExecutor | None = None  # fills the ring during warm-up (never ahead of a reservation)
         self._growing: Future[None] | None = None
@@ -171,7 +224,8 @@ class CaptureRing:
     # -- slots ---------------------------------------------------------------------------
     def slot(self, key: pb.ShardKey, world_size: int, nbytes: int) -> Slot:
         """Where the save of ``key`` writes its ``nbytes``: the lease reserved ahead when it fits (no call), else a
-        fresh allocation of ``key`` now. Pinned when ``pinning`` (a fallback is counted, or raised when strict)."""
+        fresh allocation of ``key`` now. Pinned when ``pinning`` (a fallback is counted, or raised when strict). A save
+        then holds its mapping (:meth:`hold`)."""
         slot = self._take_ahead(nbytes)
         if slot is None:
             request = pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes)
@@ -186,10 +240,15 @@ class CaptureRing:
         return slot
 
     def _take_ahead(self, nbytes: int) -> Slot | None:
-        """The lease reserved ahead, if it fits (waiting for a reservation under way: one Allocate and, while the
-        ring is warming up, mapping a segment)."""
+        """The lease reserved ahead, if it fits (waiting for a reservation the store has answered: mapping a segment
+        while the ring is warming up). A reservation the store has not answered yet waits there for retention to free
+        a segment of the full ring (saves outran retention): the save does not wait for it but allocates now, and the
+        reservation stays for the next save."""
         with self._lock:
-            future, self._ahead = self._ahead, None
+            future = self._ahead
+            if future is not None and not future.done() and not self._answered.is_set():
+                return None
+            self._ahead = None
         if future is None:
             return None
         try:
@@ -212,6 +271,7 @@ class CaptureRing:
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-ring")
             ahead = pb.ShardKey(job_id=key.job_id, rank=key.rank)
+            self._answered.clear()
             self._ahead = self._thread.submit(self._reserve, ahead, world_size, nbytes)
             if grow and self._ring_size < self._limit and (self._growing is None or self._growing.done()):
                 if self._grower is None:
@@ -229,12 +289,14 @@ class CaptureRing:
             future.result()  # raises what the store said (capacity, quota, ...)
             self._grow(pb.ShardKey(job_id=key.job_id, rank=key.rank), world_size, nbytes)
 
-    def wait_ahead(self) -> None:
-        """Wait until the next save's lease is reserved (tests and benchmarks that want the steady state)."""
+    def wait_ahead(self, timeout: float | None = None) -> None:
+        """Wait until the next save's lease is reserved, at most ``timeout`` seconds (``SaveHandle.wait`` after a commit:
+        the reservation is answered once retention let the oldest kept step go; tests and benchmarks)."""
         with self._lock:
             future = self._ahead
         if future is not None:
-            future.exception()
+            with contextlib.suppress(FutureTimeoutError):
+                future.exception(timeout)
 
     def _grow(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
         """Add segments to the ring until it holds what it will once warm: each one reserved as a new member
@@ -259,6 +321,8 @@ class CaptureRing:
     def _reserve(self, key: pb.ShardKey, world_size: int, nbytes: int, grow: bool = False) -> Slot:
         seq = self._next_seq()
         response = self._allocate_ahead(pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes, ahead=True, grow=grow))
+        if not grow:
+            self._answered.set()  # the store answered: a save waits for the mapping rather than allocating anew
         slot = self._adopt(response, nbytes, ahead=True, seq=seq)
         if self.pinning:
             slot.pinned = self._pin(slot.path)  # a failure is counted when a save uses the slot
@@ -267,7 +331,10 @@ class CaptureRing:
         return slot
 
     def committed(self, slot: Slot) -> None:
-        """The store took ``slot``'s shard in: its segment may leave the ring (and be unmapped) from now on."""
+        """The store took ``slot``'s shard in: its segment may leave the ring (and be unmapped) from now on; a save's
+        hold on it ends."""
+        if slot.hold is not None:
+            slot.hold.release()
         with self._lock:
             self._leased.discard(slot.path)
 
@@ -309,30 +376,36 @@ class CaptureRing:
         path, size = response.segment_path, int(response.segment_bytes)
         expires = time.monotonic() + (response.lease_seconds or 600.0)
         try:
-            mapped = self._map(path, size)
-            with self._lock:
-                self._limit = int(response.ring_limit) or self._limit
-                self._ring_size = len(response.ring_paths)
-                self._leased.add(path)
-                gone: list[_Mapped] = []
-                if seq > self._pruned_at:
-                    self._pruned_at = seq
-                    keep = {*response.ring_paths, *self._leased}
-                    gone = [self._maps.pop(p) for p, m in list(self._maps.items()) if p not in keep and not m.busy]
+            mapped = self._map(path, size)  # busy: not pruned by another answer before it is leased below
+            try:
+                with self._lock:
+                    self._limit = int(response.ring_limit) or self._limit
+                    self._ring_size = len(response.ring_paths)
+                    self._leased.add(path)
+                    gone: list[_Mapped] = []
+                    if seq > self._pruned_at:
+                        self._pruned_at = seq
+                        keep = {*response.ring_paths, *self._leased}
+                        gone = [self._maps.pop(p) for p, m in list(self._maps.items()) if p not in keep and not m.in_use]
+                    slot = Slot(response.lease_id, path, size, nbytes, mapped.mm, ahead, expires, pinned=mapped.pinned)
+            finally:
+                self._put(mapped, capture=False)
             for old in gone:
-                _unmap(old)
-            return Slot(response.lease_id, path, size, nbytes, mapped.mm, ahead, expires, pinned=mapped.pinned)
+                self._retire(old)
+            return slot
         except BaseException:
             with contextlib.suppress(Exception):
                 self._release(response.lease_id)
             raise
 
     def _map(self, path: str, size: int) -> _Mapped:
-        """The mapping of ``path`` at exactly ``size`` bytes: the one kept if it is still that file at that size."""
+        """The mapping of ``path`` at exactly ``size`` bytes, marked busy (the caller ends that with ``_put``): the one
+        kept if it is still that file at that size. One it replaces goes once nothing uses it (``_retire``)."""
         inode = os.stat(path).st_ino
         with self._lock:
             mapped = self._maps.get(path)
             if mapped is not None and (len(mapped.mm), mapped.inode) == (size, inode) and not mapped.mm.closed:
+                mapped.busy += 1
                 return mapped
         fresh = _Mapped(map_segment(path, size), inode)
         old: _Mapped | None
@@ -343,9 +416,46 @@ class CaptureRing:
             else:
                 old, kept = mapped, fresh
                 self._maps[path] = fresh
+            kept.busy += 1
         if old is not None:
-            _unmap(old)
+            self._retire(old)
         return kept
+
+    def _retire(self, mapped: _Mapped) -> None:
+        """Unregister and unmap a mapping that left ``_maps``: now, or, while a capture, a restore or a registration
+        uses it, when the last of them is done (``_put``)."""
+        with self._lock:
+            mapped.retired = True
+            if mapped.in_use:
+                return
+        _unmap(mapped)
+
+    def _put(self, mapped: _Mapped, capture: bool) -> None:
+        """One user of ``mapped`` is done (a capture's hold, or a ``busy`` one); the last one unmaps it if it retired."""
+        with self._lock:
+            if capture:
+                mapped.captures -= 1
+            else:
+                mapped.busy -= 1
+            last = mapped.retired and not mapped.in_use
+        if last:
+            _unmap(mapped)
+
+    def hold(self, slot: Slot) -> Hold:
+        """Hold ``slot``'s mapping for the save writing into it (``slot.hold``): mapped and registered, never re-mapped,
+        until :meth:`committed` or :meth:`give_back` of the slot, which the save calls only once its copies are
+        synchronized or it is aborted. Build the save's target from ``Hold.view``."""
+        with self._lock:
+            mapped = self._maps.get(slot.path)
+            if slot.hold is not None or mapped is None or mapped.mm is not slot.mm or mapped.mm.closed:
+                raise CaptureError(f"the mapping of {slot.path} cannot be held for a save: held already, or it left the capture ring")
+            mapped.captures += 1
+            try:
+                slot.hold = Hold(self, mapped)
+            except BaseException:
+                mapped.captures -= 1
+                raise
+            return slot.hold
 
     def _pin(self, path: str) -> bool:
         """Register ``path``'s mapping for DMA unless done; retried once after re-mapping. Whether it is registered."""
@@ -360,8 +470,7 @@ class CaptureRing:
                     return mapped.pinned
                 return self._register(path, mapped)
         finally:
-            with self._lock:
-                mapped.busy -= 1
+            self._put(mapped, capture=False)
 
     def _register(self, path: str, mapped: _Mapped) -> bool:
         size = len(mapped.mm)
@@ -381,9 +490,14 @@ class CaptureRing:
             if attempt == 0:  # map it afresh (same object: its users see the new mapping) and try once more
                 fresh = map_segment(path, size)
                 with self._lock:
-                    stale, mapped.mm, mapped.inode = mapped.mm, fresh, os.stat(path).st_ino
-                with contextlib.suppress(BufferError):
-                    stale.close()
+                    held = mapped.captures > 0  # a save writes into the mapping: it must stay where it is
+                    if not held:
+                        stale, mapped.mm, mapped.inode = mapped.mm, fresh, os.stat(path).st_ino
+                if held:
+                    fresh.close()
+                    cause += " (not re-mapped: a save was writing into it)"
+                    break
+                _close(stale)
         mapped.failed = cause
         return False
 
@@ -409,11 +523,11 @@ class CaptureRing:
         try:
             yield mapped.mm
         finally:
-            with self._lock:
-                mapped.busy -= 1
+            self._put(mapped, capture=False)
 
     def close(self) -> None:
-        """Give back the lease reserved ahead, unregister and unmap everything."""
+        """Give back the lease reserved ahead, unregister and unmap everything (a mapping a save or a restore still uses
+        once it is done with it)."""
         self._closing.set()
         with self._lock:
             future, self._ahead = self._ahead, None
@@ -427,4 +541,4 @@ class CaptureRing:
         with self._lock:
             maps, self._maps = list(self._maps.values()), {}
         for mapped in maps:
-            _unmap(mapped)
+            self._retire(mapped)

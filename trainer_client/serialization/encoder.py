@@ -94,11 +94,16 @@ class ShardLayout:
             f"header_bytes={len(self._header)})"
         )
 
-    def device_tensors(self) -> list[int]:
-        """Indices of the blobs that are CUDA tensors: the slots a device copy fills instead (``write_into(skip=...)``).
-        Found without looking at every tensor: small CPU tensors take the memmove path, CUDA tensors never do."""
+    def device_tensors(self, is_device: Callable[[torch.Tensor], bool] | None = None) -> list[int]:
+        """Indices of the blobs that are device tensors: the slots a device copy fills instead (``write_into(skip=...)``).
+
+        ``is_device`` None: the CUDA tensors, found without looking at every tensor (small CPU tensors take the memmove
+        path, CUDA tensors never do). Else every tensor blob is asked: the CUDA seam's test stand-in counts CPU
+        tensors it marked as device tensors (``trainer_client.capture.cuda.CudaRuntime.device_tensor``)."""
         srcs, kinds = self._srcs, self._kinds
-        return [i for i in self._others if kinds[i].kind == BLOB_TENSOR and srcs[i].is_cuda]
+        if is_device is None:
+            return [i for i in self._others if kinds[i].kind == BLOB_TENSOR and srcs[i].is_cuda]
+        return [i for i in range(len(srcs)) if kinds[i].kind == BLOB_TENSOR and is_device(srcs[i])]
 
     def slot(self, index: int) -> tuple[Any, int, int]:
         """Blob ``index``'s source, its slot's offset in the shard and its length; raises SerializationError if a

@@ -544,7 +544,8 @@ class CheckpointClient:
         return result, resp.done
 
     def _handle(self, step: int, timeline: str, **kwargs: Any) -> SaveHandle:
-        return SaveHandle(step, timeline, self.rank, functools.partial(self.save_status, step, timeline), **kwargs)
+        ready = self._ring.wait_ahead if self.shared_memory else None  # wait() returns with the next save's memory reserved
+        return SaveHandle(step, timeline, self.rank, functools.partial(self.save_status, step, timeline), ready=ready, **kwargs)
 
     # -- restore ------------------------------------------------------------------------
     def latest_step(self, group: Any = None) -> int | None:

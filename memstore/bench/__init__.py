@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ranks-per-host", type=int, default=1, metavar="N",
         help="also run N rank processes on one store, each saving --size/N bytes at once, repeatedly (default 1: not run)",
     )  # fmt: skip
+    p.add_argument(
+        "--idle-wait", type=float, default=60.0, metavar="SECONDS",
+        help="after the saves, wait up to this long for the stores to give the job's spares back (it goes idle after ~30 s) "
+        "and report the RAM then (default 60; 0: not measured)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="64MiB, 2 steady saves, 1 restore, 5 small saves, 16MiB DP (smoke test)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write every raw number, ratio and target here")
     p.add_argument("--disk-dir", default=None, help="directory on local disk for the torch.save and DCP floors (default: the temp dir)")
@@ -113,7 +118,7 @@ def config_of(args: argparse.Namespace) -> dict[str, Any]:
         "saves": pick["saves"], "restores": pick["restores"], "small_saves": pick["small_saves"], "quick": args.quick,
         "dp_size": parse_size(str(pick["dp_size"])),
         "seed": args.seed, "disk_dir": args.disk_dir, "data_plane": args.data_plane, "store_env": env, "json": args.json_path,
-        "shm_dir": args.shm_dir, "ranks_per_host": args.ranks_per_host,
+        "shm_dir": args.shm_dir, "ranks_per_host": args.ranks_per_host, "idle_wait": args.idle_wait,
     }  # fmt: skip
 
 
@@ -143,7 +148,7 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
     from memstore.bench.floors_dcp import floor_dcp
     from memstore.bench.measure import measure_restores, measure_saves, measure_small_saves
     from memstore.bench.state import LAYOUT, make_state, nbytes_of, tensors_of
-    from memstore.bench.stores import running, start_cluster
+    from memstore.bench.stores import RamSampler, idle_ram, ram_fields, running, start_cluster
 
     size, reps = config["size"], config["restores"]
     say(f"generating {size} bytes of state")
@@ -163,7 +168,17 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
     )
     with running(cluster):
         say("saves from the first")
-        doc["saves"] = measure_saves(cluster, JOB, state, config["keep"], config["saves"])
+        ram = RamSampler(cluster)
+        try:
+            with ram.sampling():
+                doc["saves"] = measure_saves(cluster, JOB, state, config["keep"], config["saves"])
+            settled = ram.used()
+            if config["idle_wait"] > 0:
+                say("the stores' RAM once the job stops saving (its spares go back after ~30 s)")
+            idle = idle_ram(ram, config["idle_wait"]) if config["idle_wait"] > 0 else None
+            doc["ram"] = ram_fields(ram.peak, settled, idle, doc["state"]["bytes"])
+        finally:
+            ram.close()
         if config["small_saves"]:
             say("small saves")
             doc["small_saves"] = measure_small_saves(cluster, f"{JOB}-small", config["small_saves"], config["seed"], config["keep"])

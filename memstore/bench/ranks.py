@@ -15,7 +15,8 @@ the main series (save 1, the early saves, the steady state). Each round:
 
 Meanwhile the stores' shared memory is sampled (the sum over stores of Health's ``used_bytes``, what ``memstore
 status --json`` shows as each host's ``used``), every :data:`SAMPLE_SECONDS`: the RAM multiple is it over the total
-logical state, at its peak across the saves and after they settled. (keep+1) x R is what the guarantee needs.
+logical state, at its peak across the saves, right after them, and once the job went idle (its spares given
+back). (keep+1) x R is what the guarantee needs.
 
 Each rank runs torch on one thread unless ``OMP_NUM_THREADS`` says otherwise, as ``torchrun`` sets it for several
 processes per host (its memcpy and its save's copies alike).
@@ -26,21 +27,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from memstore.bench.measure import FIRST, STEADY, phase_of, timed_save
 from memstore.bench.state import MiB, copy_all, make_state, nbytes_of, p50, prefaulted, ratio, tensors_of
-from memstore.bench.stores import RestoreProcess, running, start_cluster, wait_idle, wait_settled
+from memstore.bench.stores import RamSampler, RestoreProcess, idle_ram, ram_fields, running, start_cluster, wait_idle, wait_settled
 
 if TYPE_CHECKING:
     from memstore.devtools.cluster import LocalCluster
 
 JOB = "bench-ranks"
-SAMPLE_SECONDS = 0.05
 ANSWER_SECONDS = 600.0  # the longest a rank may take to answer one command
 
 
@@ -56,57 +53,8 @@ def measure(config: dict[str, Any]) -> dict[str, Any]:
     """The section for the run's ``config`` (``memstore.bench.config_of``)."""
     return measure_ranks(
         config["size"], config["ranks_per_host"], config["hosts"], config["replicas"], config["keep"], config["saves"], config["seed"],
-        config["data_plane"], config["store_env"], config["shm_dir"],
+        config["data_plane"], config["store_env"], config["shm_dir"], config.get("idle_wait", 0.0),
     )  # fmt: skip
-
-
-class RamSampler:
-    """The sum of the stores' ``used_bytes``, sampled on a thread every :data:`SAMPLE_SECONDS` while ``sampling()``;
-    ``peak``: the largest sum seen."""
-
-    def __init__(self, cluster: LocalCluster) -> None:
-        from memstore.v1.channel import store_stub
-
-        self._stubs = [store_stub(cluster.address(h)) for h in cluster.stores]
-        self.peak = 0
-        self._stop = threading.Event()
-
-    def used(self) -> int | None:
-        """The stores' used bytes now (None: one did not answer)."""
-        import grpc
-
-        from memstore.v1 import store_pb2 as pb
-
-        total = 0
-        for _, stub in self._stubs:
-            try:
-                total += int(stub.Health(pb.HealthRequest(), timeout=5.0).used_bytes)
-            except grpc.RpcError:
-                return None
-        return total
-
-    def _sample(self) -> None:
-        while True:
-            used = self.used()
-            if used is not None:
-                self.peak = max(self.peak, used)
-            if self._stop.wait(SAMPLE_SECONDS):
-                return
-
-    @contextmanager
-    def sampling(self) -> Iterator[RamSampler]:
-        self._stop.clear()
-        thread = threading.Thread(target=self._sample, name="bench-ram", daemon=True)
-        thread.start()
-        try:
-            yield self
-        finally:
-            self._stop.set()
-            thread.join(timeout=10)
-
-    def close(self) -> None:
-        for channel, _ in self._stubs:
-            channel.close()
 
 
 class Rank:
@@ -152,10 +100,10 @@ def save_rounds(cluster: LocalCluster, ranks: list[Rank], keep: int, count: int,
 
 def measure_ranks(
     size: int, ranks: int, hosts: int, replicas: int, keep: int, steady: int, seed: int, data_plane: str | None, env: dict[str, str],
-    shm_root: str,
+    shm_root: str, idle_wait: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
     """The section's document: ``ranks`` rank processes on store h0 of a fresh cluster, each saving ``size``/``ranks``
-    bytes, 1 + keep + 1 + ``steady`` rounds."""
+    bytes, 1 + keep + 1 + ``steady`` rounds; then up to ``idle_wait`` seconds for the stores to give the spares back."""
     per_rank = size // ranks
     procs = [Rank(r) for r in range(ranks)]
     try:
@@ -168,17 +116,19 @@ def measure_ranks(
             try:
                 rounds = save_rounds(cluster, procs, keep, 1 + keep + 1 + steady, ram)
                 settled = ram.used()
+                idle = idle_ram(ram, idle_wait) if idle_wait > 0 else None
             finally:
                 ram.close()
             everyone(procs, {"op": "close"})
     finally:
         for r in procs:
             r.child.close()
-    return summary(rounds, state_bytes, hosts, replicas, keep, ram.peak, settled)
+    section = summary(rounds, state_bytes, hosts, replicas, keep)
+    return {**section, **ram_fields(ram.peak, settled, idle, sum(state_bytes))}
 
 
 def summary(
-    rounds: list[list[dict[str, Any]]], state_bytes: list[int], hosts: int, replicas: int, keep: int, peak: int, settled: int | None
+    rounds: list[list[dict[str, Any]]], state_bytes: list[int], hosts: int, replicas: int, keep: int
 ) -> dict[str, Any]:
     """Every save, and per phase the worst and median rank's stall over its own memcpy and call -> committed; the RAM."""
     total = sum(state_bytes)
@@ -199,8 +149,6 @@ def summary(
         "rank_state_bytes": state_bytes, "first": phase(FIRST), "steady": phase(STEADY),
         "per_rank": [per_rank(saves, r) for r in range(len(state_bytes))],
         "copies_min": min(s["copies"] for s in saves), "errors": [s["error"] for s in saves if s["error"]],
-        "ram_peak_bytes": peak, "ram_settled_bytes": settled,
-        "ram_multiple_peak": peak / total, "ram_multiple_settled": None if settled is None else settled / total,
         "ram_multiple_needed": (keep + 1) * replicas,
         "saves": rounds,
     }  # fmt: skip
@@ -230,13 +178,12 @@ def summary_line(section: dict[str, Any]) -> str:
         return "n/a" if value is None else f"{value:.2f}x"
 
     first, steady = section["first"], section["steady"]
-    settled = section["ram_multiple_settled"]
     return (
         f"{section['ranks']} ranks on one store, {section['state_bytes'] / MiB:.0f} MiB in all: stall over each rank's own memcpy "
         f"save 1 max {x(first['stall_over_memcpy_max'])}, steady max {x(steady['stall_over_memcpy_max'])} "
         f"(p50 {x(steady['stall_over_memcpy_p50'])}); committed steady p50 {(steady['committed_p50'] or 0) * 1000:.0f} ms; "
-        f"RAM multiple peak {section['ram_multiple_peak']:.2f}, settled {'n/a' if settled is None else f'{settled:.2f}'} "
-        f"(needs {section['ram_multiple_needed']})"
+        f"RAM / state peak {x(section['ram_multiple_peak'])}, settled {x(section['ram_multiple_settled'])}, "
+        f"idle {x(section['ram_multiple_idle'])} (the guarantee needs {section['ram_multiple_needed']}x)"
     )
 
 

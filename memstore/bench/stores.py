@@ -12,6 +12,7 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -247,3 +248,88 @@ def restore_worker() -> None:
 
 if __name__ == "__main__":
     restore_worker()
+
+
+SAMPLE_SECONDS = 0.05  # how often RamSampler asks the stores
+IDLE_WAIT_SECONDS = 60.0  # how long idle_ram waits for a job that stopped saving to give its spares back
+
+
+class RamSampler:
+    """The sum of the stores' ``used_bytes``, sampled on a thread every :data:`SAMPLE_SECONDS` while ``sampling()``;
+    ``peak``: the largest sum seen."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        from memstore.v1.channel import store_stub
+
+        self._stubs = [store_stub(cluster.address(h)) for h in cluster.stores]
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def used(self) -> int | None:
+        """The stores' used bytes now (None: one did not answer)."""
+        return self._sum("used_bytes")
+
+    def pooled(self) -> int | None:
+        """The part of it in free segments kept faulted in (the jobs' spares and the reserve)."""
+        return self._sum("pooled_bytes")
+
+    def _sum(self, field: str) -> int | None:
+        import grpc
+
+        from memstore.v1 import store_pb2 as pb
+
+        total = 0
+        for _, stub in self._stubs:
+            try:
+                total += int(getattr(stub.Health(pb.HealthRequest(), timeout=5.0), field))
+            except grpc.RpcError:
+                return None
+        return total
+
+    def _sample(self) -> None:
+        while True:
+            used = self.used()
+            if used is not None:
+                self.peak = max(self.peak, used)
+            if self._stop.wait(SAMPLE_SECONDS):
+                return
+
+    @contextmanager
+    def sampling(self) -> Iterator[RamSampler]:
+        self._stop.clear()
+        thread = threading.Thread(target=self._sample, name="bench-ram", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            thread.join(timeout=10)
+
+    def close(self) -> None:
+        for channel, _ in self._stubs:
+            channel.close()
+
+
+def idle_ram(sampler: RamSampler, timeout: float = IDLE_WAIT_SECONDS) -> int | None:
+    """The stores' used bytes once their pooled spares went back to the kernel (a job that stopped saving goes idle
+    after three of its cadences, at least 30 s: ``memstore.core.reserve``), or after ``timeout``; None: a store did
+    not answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pooled = sampler.pooled()
+        if pooled == 0 or pooled is None or time.monotonic() > deadline:
+            return sampler.used()
+        time.sleep(1.0)
+
+
+def ram_fields(peak: int, settled: int | None, idle: int | None, state_bytes: int) -> dict[str, Any]:
+    """The stores' shared memory over the state saved: at its peak across the saves, right after them (``settled``: the
+    next saves' memory reserved, the replicas' spares pooled) and once the job went idle (spares given back)."""
+
+    def over(held: int | None) -> float | None:
+        return None if held is None else held / state_bytes
+
+    return {
+        "ram_peak_bytes": peak, "ram_settled_bytes": settled, "ram_idle_bytes": idle,
+        "ram_multiple_peak": over(peak), "ram_multiple_settled": over(settled), "ram_multiple_idle": over(idle),
+    }  # fmt: skip

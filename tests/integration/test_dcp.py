@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from memstore.devtools.cluster import free_ports
+from tests.harness.allocations import allocations_now
 from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_preloading, run_ranks
 from tests.harness.torch_versions import LOAD_KEEPS_READER_MESSAGE
 from tests.states import assert_same
@@ -110,18 +111,6 @@ def _full_tensors() -> dict[str, torch.Tensor]:
     }
 
 
-def _allocations_now(client: CheckpointClient) -> list[int]:
-    """The byte counts of the Allocate calls ``client``'s saves make on their own path from now on (none when a save
-    finds the memory reserved ahead for it big enough; the ring's own reservations are not counted)."""
-    calls: list[int] = []
-    allocate = client._ring._allocate
-
-    def counted(request: Any) -> Any:
-        calls.append(request.nbytes)
-        return allocate(request)
-
-    client._ring._allocate = counted
-    return calls
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -163,7 +152,7 @@ def _save_sharded_worker(rank: int, addr: str, job: str, step: int, port: int) -
         writer = MemStoreWriter(job, step, connection=Connection(addr))
         assert writer.prepare(state) is True  # at set-up: every rank plans the save as DCP will (rep written by one rank)
         assert writer._client is not None and (writer._client.rank, writer._client.world_size) == (rank, 2)
-        allocations = _allocations_now(writer._client)
+        allocations = allocations_now(writer._client)
         dcp.save(state, storage_writer=writer)  # world_size/rank from the process group
         assert allocations == [], allocations  # each rank's shard fit in the memory prepared for it
     finally:
@@ -602,7 +591,7 @@ def test_a_writer_prepared_at_set_up_saves_into_the_memory_it_reserved(make_inpr
     client = writer._client
     assert client is not None and client._ring.ahead_path() in client._ring.mapped_paths  # reserved and mapped before any save
     assert writer.prepare(state) is False  # once per client
-    allocations = _allocations_now(client)
+    allocations = allocations_now(client)
     for step in (1, 2):  # one writer for every save: its client, and the memory it prepared, are kept
         dcp.save(state, storage_writer=writer, checkpoint_id=step)
         assert writer._client is client

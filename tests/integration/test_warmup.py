@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.harness.allocations import allocations_now
 from trainer_client import CheckpointClient, Connection, Credentials
 from trainer_client.warmup import prepare_once
 
@@ -17,18 +18,6 @@ pytestmark = pytest.mark.integration
 MiB = 1 << 20
 
 
-def _allocations_now(client: CheckpointClient) -> list[int]:
-    """The Allocate calls ``client``'s saves make on their own path from now on (none when the save finds its memory
-    reserved ahead, big enough)."""
-    calls: list[int] = []
-    allocate = client._ring._allocate
-
-    def counted(request: Any) -> Any:
-        calls.append(request.nbytes)
-        return allocate(request)
-
-    client._ring._allocate = counted
-    return calls
 
 
 def test_prepare_once_prepares_a_client_once_and_logs_a_failure_instead_of_raising(
@@ -105,7 +94,7 @@ def test_ray_train_restore_prepares_the_first_save_after_a_restart(make_inproces
     assert step == 0 and torch.equal(restored["model"]["w"], state["model"]["w"])
     ring = resumed.client._ring
     assert ring.ahead_path() in ring.mapped_paths  # restore prepared the next save: reserved ahead and mapped
-    allocations = _allocations_now(resumed.client)
+    allocations = allocations_now(resumed.client)
     state["optim"]["lr"] = 0.009765625  # the next save differs a little (its small entries): the headroom holds it
     resumed.save(1, state)
     resumed.finish()

@@ -26,7 +26,7 @@ from tests.harness.fake_cuda import FakeCudaRuntime, FakeEvent, FakeStream
 from tests.states import assert_same
 from trainer_client import CheckpointClient
 from trainer_client.capture import cuda
-from trainer_client.capture.device_save import device_blobs
+from trainer_client.capture.device_save import DeviceCopier, device_blobs
 from trainer_client.capture.ring import STRICT_ENV
 from trainer_client.errors import CaptureError, MemstoreClientError
 from trainer_client.serialization import plan
@@ -101,7 +101,7 @@ def test_the_mixed_state_goes_through_the_device_copies(engine: FakeCudaRuntime)
 
 
 def save_and_check(client: CheckpointClient, step: int, state: dict[str, Any], expected: dict[str, Any], capture: str) -> None:
-    client.save(step, state, capture=capture).wait(60)
+    client.save(step, state, capture=capture).wait_captured(60, block=True)  # committed (R=1): the next save need not wait
     assert_same(client.load(step), expected)
 
 
@@ -197,3 +197,18 @@ def test_a_close_racing_a_save_leaves_its_segment_until_the_copies_land(
     assert not isinstance(outcome[0], CaptureError), outcome  # the copies landed; the commit may find the client closed
     assert engine.copy_errors == [] and engine.pending_copies == 0 and engine.written > 0
     assert engine.live == {}  # unregistered and unmapped once the copies landed
+
+
+def test_strict_mode_refuses_copies_into_unregistered_memory_before_queueing_any(
+    engine: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state, _ = mixed_state(engine, 3)
+    layout = plan(state)
+    target = torch.zeros(layout.nbytes, dtype=torch.uint8)  # not registered
+    copier = DeviceCopier()
+    with pytest.raises(CaptureError, match=STRICT_ENV):
+        copier.start(layout, device_blobs(layout), target)
+    assert engine.async_copies == engine.sync_copies == 0
+    monkeypatch.delenv(STRICT_ENV)
+    copier.start(layout, device_blobs(layout), target).synchronize()  # synchronous copies, never non_blocking
+    assert engine.sync_copies > 0 and engine.async_copies == 0 and engine.copy_errors == []

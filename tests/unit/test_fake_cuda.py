@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from memstore.v1.pagefaults import address_of
 from tests.harness.fake_cuda import FakeCudaRuntime
@@ -234,3 +235,69 @@ def test_torch_runtime_without_cuda() -> None:
     rt = cuda.TorchCudaRuntime()  # touches nothing
     assert rt.pins_host_states is False
     assert isinstance(cuda.runtime(), (cuda.TorchCudaRuntime, FakeCudaRuntime))
+
+
+# -- the delayed copy engine ------------------------------------------------------------------------------------------
+
+
+def _dst(m: mmap.mmap, n: int) -> tuple[memoryview, torch.Tensor]:
+    view = memoryview(m)
+    return view, torch.frombuffer(view, dtype=torch.uint8, count=n)
+
+
+def test_an_async_copy_lands_only_at_its_events_synchronize(fake_cuda: FakeCudaRuntime) -> None:
+    with mmap.mmap(-1, PAGE) as m:
+        view, dst = _dst(m, 16)
+        assert fake_cuda.host_register(address_of(m), PAGE, 0) == 0
+        stream = fake_cuda.new_stream(torch.device("cpu"))
+        fake_cuda.copy_to_host(stream, torch.arange(16, dtype=torch.uint8), dst, non_blocking=True)
+        event = fake_cuda.record_event(stream)
+        fake_cuda.copy_to_host(stream, torch.full((16,), 9, dtype=torch.uint8), dst, non_blocking=True)  # after the event
+        assert bytes(m[:16]) == bytes(16) and fake_cuda.pending_copies == 2
+        fake_cuda.synchronize(event)
+        assert bytes(m[:16]) == bytes(range(16)) and fake_cuda.pending_copies == 1
+        assert fake_cuda.host_unregister(address_of(m)) == cuda.ERROR_INVALID_VALUE  # a copy is still pending into it
+        fake_cuda.synchronize(stream)
+        assert bytes(m[:16]) == bytes([9] * 16) and fake_cuda.written == 2
+        assert fake_cuda.host_unregister(address_of(m)) == 0
+        del dst
+        view.release()
+    assert len(fake_cuda.copy_errors) == 1 and "pending" in fake_cuda.copy_errors[0]
+
+
+def test_a_copy_whose_destination_was_unregistered_or_unmapped_raises(fake_cuda: FakeCudaRuntime) -> None:
+    m = mmap.mmap(-1, PAGE)
+    addr = address_of(m)
+    assert fake_cuda.host_register(addr, PAGE, 0) == 0
+    stream = fake_cuda.new_stream(torch.device("cpu"))
+    view, dst = _dst(m, 8)
+    fake_cuda.copy_to_host(stream, torch.ones(8, dtype=torch.uint8), dst, non_blocking=True)
+    fake_cuda.live.clear()  # the registration undone behind the engine's back
+    with pytest.raises(RuntimeError, match="registration was undone"):
+        fake_cuda.synchronize(stream)
+    assert fake_cuda.host_register(addr, PAGE, 0) == 0
+    fake_cuda.copy_to_host(stream, torch.ones(8, dtype=torch.uint8), dst, non_blocking=True)
+    del dst
+    view.release()
+    m.close()  # unmapped under the queued copy
+    with pytest.raises(RuntimeError, match="no longer mapped"):
+        fake_cuda.synchronize(stream)
+    assert len(fake_cuda.copy_errors) == 2
+
+
+def test_an_async_copy_into_unregistered_memory_is_refused_and_a_sync_one_lands_at_once(fake_cuda: FakeCudaRuntime) -> None:
+    with mmap.mmap(-1, PAGE) as m:
+        view, dst = _dst(m, 4)
+        stream = fake_cuda.current_stream(torch.device("cpu"))
+        with pytest.raises(RuntimeError, match="no live registration"):
+            fake_cuda.copy_to_host(stream, torch.ones(4, dtype=torch.uint8), dst, non_blocking=True)
+        fake_cuda.copy_to_host(stream, torch.full((4,), 7, dtype=torch.uint8), dst, non_blocking=False)
+        assert bytes(m[:4]) == bytes([7] * 4) and fake_cuda.sync_copies == 1 and fake_cuda.async_copies == 0
+        del dst
+        view.release()
+
+
+def test_device_marks_are_per_tensor_object(fake_cuda: FakeCudaRuntime) -> None:
+    t = fake_cuda.device(torch.ones(3))
+    assert fake_cuda.device_tensor(t) and not fake_cuda.device_tensor(t.view(3)) and not fake_cuda.device_tensor(torch.ones(3))
+    assert fake_cuda.host_device_tensors and not cuda.TorchCudaRuntime.host_device_tensors

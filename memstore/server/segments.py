@@ -60,6 +60,14 @@ log = logging.getLogger(__name__)
 _REUSE_SLACK = 1.25  # reuse a pooled segment up to 25% larger than needed rather than allocating anew
 
 
+def _allocated(seg: Segment) -> bool:
+    """Whether every page of ``seg``'s file is allocated (its blocks cover its size)."""
+    try:
+        return seg.path is not None and os.stat(seg.path).st_blocks * 512 >= seg.size
+    except OSError:
+        return False
+
+
 class SegmentPool:
     """Allocates, recycles and accounts segments under a byte budget.
 
@@ -577,8 +585,8 @@ class SegmentPool:
     def release(self, seg: Segment) -> None:
         """Return a segment to the pool (kept mapped and faulted for the next save) or free it.
 
-        Its sidecar goes first: a pooled segment is never adoptable. A sparse segment no commit showed written (its
-        client may never have faulted its pages in) is freed, never pooled. Releasing a segment that is not
+        Its sidecar goes first: a pooled segment is never adoptable. A sparse segment whose pages are not all
+        allocated (its client died before faulting them in, or could not) is freed, never pooled. Releasing a segment that is not
         in use (twice, or after ``close``) is logged and ignored.
         """
         with self._lock:
@@ -593,6 +601,8 @@ class SegmentPool:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(sidecar_path(seg.path))
                 seg.described = False
+            if seg.sparse and _allocated(seg):
+                seg.sparse = False  # its client faulted every page in (a ring's fill, a reservation given back)
             if not seg.exported and not seg.sparse and self.pooled_bytes + seg.size <= self.max_pooled_bytes:
                 if seg.ring != NO_RING and self._ring_size(seg.owner, seg.ring) >= self.ring_limit:  # (seg is out of it now)
                     seg.ring = NO_RING  # the ring grew past its limit (saves outran retention): this one leaves it

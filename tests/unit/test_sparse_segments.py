@@ -46,7 +46,7 @@ def test_a_save_s_fresh_segment_is_made_without_its_pages_and_its_client_faults_
     assert not replica.sparse and replica.path is not None and blocks(replica.path) >= replica.size
 
 
-def test_a_sparse_segment_no_commit_vouched_for_is_freed_not_pooled(pool: SegmentPool) -> None:
+def test_a_sparse_segment_is_pooled_only_with_every_page_allocated(pool: SegmentPool) -> None:
     lost = pool.acquire(4 * MiB, "job", ring=0, sparse=True)  # its client died before mapping it
     pool.release(lost)
     assert pool.pooled_bytes == 0 and lost.path is not None and not os.path.exists(lost.path)
@@ -54,6 +54,11 @@ def test_a_sparse_segment_no_commit_vouched_for_is_freed_not_pooled(pool: Segmen
     kept.sparse = False  # what a commit does (Catalog.commit_lease): its client faulted every page in
     pool.release(kept)
     assert pool.pooled_bytes == kept.size
+    filled = pool.acquire(4 * MiB, "job", ring=1, sparse=True)  # a ring's fill: mapped, then given back unused
+    assert filled.path is not None
+    map_segment(filled.path, filled.size).close()
+    pool.release(filled)
+    assert pool.pooled_bytes == kept.size + filled.size and not filled.sparse
 
 
 def test_populate_writable_reports_a_page_it_cannot_allocate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

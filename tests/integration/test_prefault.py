@@ -122,6 +122,8 @@ def test_auto_reserve_faults_in_the_rest_of_the_cycle_and_nothing_twice(make_inp
             c.save(step, state(step)).wait(timeout=30)
             c._ring.wait_ahead()
             assert segments(cluster, "h1") <= before, "the peer made a segment beyond its reserve"
+            # the peer's retention lets the oldest replica go on its own time: the next replica lands in that segment
+            wait_for(lambda: len(steps_held(cluster, "h1", "auto")) <= keep, timeout=30, what="the peer's retention")
         for host in ("h0", "h1"):
             wait_for(lambda host=host: settled(cluster, host), timeout=30, what=f"{host}'s reserve settled")
             used = health(cluster, host).used_bytes

@@ -14,6 +14,10 @@ import pytest
 import torch
 
 from memstore.cli import main as memstore_main
+from memstore.devtools.cluster import wait_for
+from memstore.v1 import store_pb2 as pb
+from memstore.v1 import store_pb2_grpc as pb_grpc
+from memstore.v1.channel import insecure_channel
 from tests.harness.inprocess import InProcessCluster
 from trainer_client import CheckpointClient, Connection
 
@@ -54,8 +58,15 @@ def peak_of(read: Callable[[], int]) -> Iterator[list[int]]:
         thread.join(10)
 
 
+def held(cluster: InProcessCluster, host: str, job: str) -> int:
+    """How many copies of ``job``'s shards the store ``host`` holds (its own and replicas)."""
+    with insecure_channel(cluster.address(host)) as channel:
+        return len(pb_grpc.StoreStub(channel).List(pb.ListRequest(job_id=job), timeout=10).shards)
+
+
 def saves(cluster: InProcessCluster, job: str, ranks: int, nbytes: int, steps: int) -> None:
-    """``ranks`` clients of one host (threads), each prepared, saving ``steps`` steps at once, each waited for."""
+    """``ranks`` clients of one host (threads), each prepared, saving ``steps`` steps at once, each waited for, the next
+    once every store's retention let the oldest step go (a training step later, at a trainer's cadence)."""
     errors: list[BaseException] = []
     start = threading.Barrier(ranks)
 
@@ -67,6 +78,8 @@ def saves(cluster: InProcessCluster, job: str, ranks: int, nbytes: int, steps: i
                     start.wait(60)
                     client.save(step, state(step, r, nbytes)).wait(60)
                     client._ring.wait_ahead()  # a trainer's cadence: the next save's memory is reserved before it comes
+                    if r == 0:
+                        wait_for(lambda: all(held(cluster, h, job) <= KEEP * ranks for h in cluster.stores), 30, what="retention")
         except BaseException as exc:  # reported by the test
             errors.append(exc)
             start.abort()

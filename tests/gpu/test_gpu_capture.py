@@ -112,6 +112,11 @@ class RecordingRuntime:
     def error_text(self, code: int) -> str:
         return self.real.error_text(code)
 
+    def __getattr__(self, name: str) -> Any:
+        """Streams, events, device copies and the registrations' lookup: the real runtime's (it sees every
+        registration made through this one)."""
+        return getattr(self.real, name)
+
 
 @pytest.fixture(autouse=True)
 def strict(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from memstore.devtools.cluster import wait_for
 from tests.harness.listing import own_steps
-from tests.states import assert_same
+from tests.states import assert_same, mixed_expected, mixed_tensors
 from trainer_client import CheckpointClient
 from trainer_client.capture import cuda, device_restore
 from trainer_client.capture.ring import STRICT_ENV, CaptureStats
@@ -32,21 +32,9 @@ def devices() -> list[torch.device]:
 
 def gpu_state(seed: int, scale: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
     """A state with CUDA tensors (on two devices when there are two) and its expected CPU copy."""
-    g = torch.Generator().manual_seed(seed)
     devs = devices()
     other = devs[-1]
-    cpu: dict[str, Any] = {
-        "w": torch.randn(256 * scale, 128, generator=g),
-        "bf16": torch.randn(1024 * scale, generator=g).to(torch.bfloat16),
-        "int_t": torch.randint(-1000, 1000, (64, 32), generator=g),
-        "empty": torch.zeros(0, 3),
-        "scalar": torch.tensor(3.5),
-        "mask": torch.rand(10, generator=g) > 0.5,
-        "fp8": torch.randn(64, generator=g).to(torch.float8_e4m3fn),
-        "complex": torch.randn(8, dtype=torch.complex64, generator=g),
-        "big": torch.randn(4 << 20, generator=g),  # 16 MiB
-        "on_cpu": torch.randn(100, generator=g),
-    }
+    cpu = mixed_tensors(seed, scale)  # "big": 16 MiB
     state: dict[str, Any] = {
         "w": cpu["w"].to(devs[0]),
         "bf16": cpu["bf16"].to(other),
@@ -62,21 +50,7 @@ def gpu_state(seed: int, scale: int = 1) -> tuple[dict[str, Any], dict[str, Any]
         "on_cpu": cpu["on_cpu"],
         "step": 7,
     }
-    expected = {
-        "w": cpu["w"],
-        "bf16": cpu["bf16"],
-        "int_t": cpu["int_t"].t().contiguous().t(),
-        "empty": cpu["empty"],
-        "scalar": cpu["scalar"],
-        "mask": cpu["mask"],
-        "fp8": cpu["fp8"],
-        "conj": cpu["complex"].conj().resolve_conj(),
-        "neg": cpu["complex"].conj().imag.resolve_neg(),
-        "big": cpu["big"],
-        "param": torch.nn.Parameter(cpu["w"][:4].clone()),
-        "on_cpu": cpu["on_cpu"],
-        "step": 7,
-    }
+    expected = mixed_expected(cpu, 7)
     return state, expected
 
 

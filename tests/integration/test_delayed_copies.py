@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.harness.fake_cuda import FakeCudaRuntime, FakeEvent, FakeStream
-from tests.states import assert_same
+from tests.states import assert_same, mixed_expected, mixed_tensors
 from trainer_client import CheckpointClient
 from trainer_client.capture import cuda
 from trainer_client.capture.device_save import DeviceCopier, device_blobs
@@ -47,19 +47,7 @@ def engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCudaRuntime]:
 def mixed_state(fake: FakeCudaRuntime, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """``gpu_state`` of tests/gpu/test_gpu_capture.py on the CPU: the tensors ``fake`` counts as device tensors, and the
     expected state, built apart."""
-    g = torch.Generator().manual_seed(seed)
-    cpu: dict[str, Any] = {
-        "w": torch.randn(256, 128, generator=g),  # 128 KiB: copied alone
-        "bf16": torch.randn(1024, generator=g).to(torch.bfloat16),
-        "int_t": torch.randint(-1000, 1000, (64, 32), generator=g),
-        "empty": torch.zeros(0, 3),
-        "scalar": torch.tensor(3.5 + seed),
-        "mask": torch.rand(10, generator=g) > 0.5,
-        "fp8": torch.randn(64, generator=g).to(torch.float8_e4m3fn),
-        "complex": torch.randn(8, dtype=torch.complex64, generator=g),
-        "big": torch.randn(1 << 18, generator=g),  # 1 MiB: past the batching threshold
-        "on_cpu": torch.randn(100, generator=g),
-    }
+    cpu = mixed_tensors(seed, big=1 << 18, scalar=3.5 + seed)  # "big": 1 MiB, past the batching threshold
     dev = fake.device
     state: dict[str, Any] = {
         "w": dev(cpu["w"].clone()),
@@ -76,21 +64,7 @@ def mixed_state(fake: FakeCudaRuntime, seed: int) -> tuple[dict[str, Any], dict[
         "on_cpu": cpu["on_cpu"].clone(),  # not a device tensor: the host writer copies it
         "step": seed,
     }
-    expected = {
-        "w": cpu["w"],
-        "bf16": cpu["bf16"],
-        "int_t": cpu["int_t"].t().contiguous().t(),
-        "empty": cpu["empty"],
-        "scalar": cpu["scalar"],
-        "mask": cpu["mask"],
-        "fp8": cpu["fp8"],
-        "conj": cpu["complex"].conj().resolve_conj(),
-        "neg": cpu["complex"].conj().imag.resolve_neg(),
-        "big": cpu["big"],
-        "param": torch.nn.Parameter(cpu["w"][:4].clone()),
-        "on_cpu": cpu["on_cpu"],
-        "step": seed,
-    }
+    expected = mixed_expected(cpu, seed)
     return state, expected
 
 

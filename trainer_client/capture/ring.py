@@ -290,13 +290,22 @@ class CaptureRing:
             self._grow(pb.ShardKey(job_id=key.job_id, rank=key.rank), world_size, nbytes)
 
     def wait_ahead(self, timeout: float | None = None) -> None:
-        """Wait until the next save's lease is reserved, at most ``timeout`` seconds (``SaveHandle.wait`` after a commit:
-        the reservation is answered once retention let the oldest kept step go; tests and benchmarks)."""
+        """Wait until the next save's lease is reserved and mapped, at most ``timeout`` seconds (tests and benchmarks
+        that want the steady state)."""
         with self._lock:
             future = self._ahead
         if future is not None:
             with contextlib.suppress(FutureTimeoutError):
                 future.exception(timeout)
+
+    def wait_answered(self, timeout: float) -> None:
+        """Wait until the store answered the reservation for the next save, at most ``timeout`` seconds
+        (``SaveHandle.wait`` after a commit: the store answers once retention let the oldest kept step go, and a save
+        that comes before that allocates on its own thread). Its mapping may still be under way: a save waits for that."""
+        with self._lock:
+            future = self._ahead
+        if future is not None and not future.done():
+            self._answered.wait(timeout)
 
     def _grow(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
         """Add segments to the ring until it holds what it will once warm: each one reserved as a new member

@@ -18,7 +18,8 @@ from tests.harness.torch_versions import TORCH_MINOR
 
 pytestmark = pytest.mark.integration
 
-ARGV = ["--size", "4MiB", "--saves", "1", "--restores", "1", "--small-saves", "2", "--dp-size", "2MiB", "--ranks-per-host", "2", "--idle-wait", "0"]
+ARGV = ["--size", "4MiB", "--saves", "1", "--restores", "1", "--small-saves", "2", "--dp-size", "2MiB", "--ranks-per-host", "2",
+        "--idle-wait", "0"]  # fmt: skip
 
 
 @pytest.mark.timeout(240)

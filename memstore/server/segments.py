@@ -521,7 +521,9 @@ class SegmentPool:
             )
 
     def _ring_size(self, owner: str, ring: int) -> int:
-        return len(ring_members(itertools.chain(self._in_use, self._free), owner, ring))
+        """Segments of the ring that will serve its saves again: an exported one (a reader mapped it) is freed, not
+        recycled, once its step goes, so it no longer counts against the ring's limit (lock held)."""
+        return sum(1 for s in ring_members(itertools.chain(self._in_use, self._free), owner, ring) if not s.exported)
 
     def ring_paths(self, owner: str, ring: int) -> list[str]:
         """The paths of the segments of ``owner``'s rank ``ring``'s capture ring, in use and pooled."""

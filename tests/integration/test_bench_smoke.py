@@ -18,8 +18,7 @@ from tests.harness.torch_versions import TORCH_MINOR
 
 pytestmark = pytest.mark.integration
 
-ARGV = ["--size", "4MiB", "--saves", "1", "--restores", "1", "--small-saves", "2", "--dp-size", "2MiB", "--ranks-per-host", "2",
-        "--idle-wait", "0"]  # fmt: skip
+ARGV = ["--size", "4MiB", "--saves", "1", "--restores", "1", "--small-saves", "2", "--dp-size", "2MiB", "--idle-wait", "0"]
 
 
 @pytest.mark.timeout(240)
@@ -87,8 +86,7 @@ def test_a_tiny_run_writes_the_table_and_every_ratio(
         assert [len(r) for r in c["restores"]] == [d] and c["verified_equal"] is True, c  # --restores 1: one round of D
         assert all(r["verified_equal"] for r in c["restores"][0]), c
     assert data["ram"]["ram_multiple_peak"] <= 6.5 and data["ram"]["ram_multiple_idle"] is None, data["ram"]
-    assert data["ranks_per_host"]["ranks"] == 2 and data["ranks_per_host"]["state_bytes"] == pytest.approx(4 << 20, rel=0.01)
-    assert "2 ranks on one store, 4 MiB in all: stall over each rank's own memcpy" in printed
+    assert "ranks_per_host" not in data  # --ranks-per-host 1 (the default): the section alone is tested below
 
 
 @pytest.mark.timeout(120)

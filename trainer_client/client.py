@@ -544,8 +544,7 @@ class CheckpointClient:
         return result, resp.done
 
     def _handle(self, step: int, timeline: str, **kwargs: Any) -> SaveHandle:
-        ready = self._ring.wait_answered if self.shared_memory else None  # wait() returns with the next save's memory reserved
-        return SaveHandle(step, timeline, self.rank, functools.partial(self.save_status, step, timeline), ready=ready, **kwargs)
+        return SaveHandle(step, timeline, self.rank, functools.partial(self.save_status, step, timeline), **kwargs)
 
     # -- restore ------------------------------------------------------------------------
     def latest_step(self, group: Any = None) -> int | None:

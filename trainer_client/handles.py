@@ -19,7 +19,6 @@ from trainer_client.errors import ReplicationError
 StatusQuery = Callable[[float], "tuple[SaveResult, bool]"]
 
 _STATE_PREFIX = "SHARD_STATE_"
-READY_WAIT_SECONDS = 2.0  # how long wait() waits, after the commit, for the next save's memory to be reserved ahead
 
 
 @dataclass(frozen=True, repr=False)
@@ -107,10 +106,9 @@ class SaveHandle:
 
     def __init__(
         self, step: int, timeline: str, rank: int, status: StatusQuery, *, skipped_reason: str = "",
-        sending: Future[None] | None = None, capture: Capture | None = None, ready: Callable[[float], None] | None = None,
+        sending: Future[None] | None = None, capture: Capture | None = None,
     ) -> None:  # fmt: skip
         self._status = status
-        self._ready = ready  # after a commit: waits (at most the seconds given) for the next save's memory, reserved ahead
         self.rank = rank
         self._sending = sending  # a background send (remote_save="background") still to finish
         self._capture = capture  # capture="enqueued": the copies, then the commit or send, in the background
@@ -177,9 +175,6 @@ class SaveHandle:
             self.last_status = info
             if done:
                 if info.committed or info.superseded:
-                    if self._ready is not None:  # retention frees the oldest step for the next save within moments
-                        left = READY_WAIT_SECONDS if deadline is None else deadline - time.monotonic()
-                        self._ready(max(0.0, min(READY_WAIT_SECONDS, left)))
                     return info
                 raise ReplicationError(f"step {self.step} of rank {self.rank} did not reach R copies: {info.error or info.state}")
             if deadline is not None and time.monotonic() >= deadline:

@@ -298,22 +298,15 @@ class CaptureRing:
             with contextlib.suppress(FutureTimeoutError):
                 future.exception(timeout)
 
-    def wait_answered(self, timeout: float) -> None:
-        """Wait until the store answered the reservation for the next save, at most ``timeout`` seconds
-        (``SaveHandle.wait`` after a commit: the store answers once retention let the oldest kept step go, and a save
-        that comes before that allocates on its own thread). Its mapping may still be under way: a save waits for that."""
-        with self._lock:
-            future = self._ahead
-        if future is not None and not future.done():
-            self._answered.wait(timeout)
-
     def _grow(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
         """Add segments to the ring until it holds what it will once warm: each one reserved as a new member
         (``AllocateRequest.grow``), mapped, registered and given back at once.
 
         Run on a thread of its own after a reservation, so neither a save nor the next reservation waits for a new
-        segment to be made."""
+        segment to be made; it starts once that reservation is mapped, so the next save's segment never shares the
+        cores with the ring's later ones (in a job's first saves both are fresh memory)."""
         try:
+            self.wait_ahead()
             size = self._ring_size
             for _ in range(self._limit):
                 if size >= self._limit or self._closing.is_set():

@@ -83,6 +83,7 @@ class Catalog:
         self._streams: dict[str, int] = {}  # sender -> inbound transfers open, at most --max-streams-per-peer
         self._pulls: dict[ShardKey, threading.Event] = {}  # in-flight pulls, shared by fetch and repair
         self._protected: dict[str, int] = {}  # job -> newest restorable step, protected from eviction
+        self._retained: dict[str, list[int]] = {}  # job -> the steps its last retention pass kept on purpose (spilling, ...)
         self._floor: dict[str, tuple[int, str]] = {}  # job -> its restorable floor: nothing at or above it is evicted
         self._deleted: dict[tuple[str, int, int], float] = {}  # (job, step, rank) deleted (-1: every) -> when
         self._in_flight = 0  # shards being checksummed or replicated
@@ -283,6 +284,7 @@ class Catalog:
             job = [e for e in self._entries.values() if e.key.job_id == key.job_id]
             held = [(e.key, e.state, e.created_unix) for e in job]
             protected = [self._protected[key.job_id]] if key.job_id in self._protected else []
+            protected += self._retained.get(key.job_id, [])
             by_key = {e.key: e for e in job}
             victims = pressure_victims(held, key, protected, self._floor.get(key.job_id))
             # A save on a new timeline at or below another's steps (a restart from an older step) abandons those: they go first.
@@ -787,6 +789,7 @@ class Catalog:
         with self._lock:
             if latest is not None:
                 self._protected[job_id] = latest
+            self._retained[job_id] = list(protected)  # steps retention keeps (due for spilling...): a ring's reuse spares them too
             if floor is not None:
                 self._floor[job_id] = floor
             for dead_entry in [e for e in self._entries.values() if e.key.job_id == job_id and e.key.version in dead and e.state.settled]:

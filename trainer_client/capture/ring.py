@@ -47,6 +47,7 @@ from trainer_client.errors import CapacityExceededError, CaptureError
 log = logging.getLogger(__name__)
 
 STRICT_ENV = "MEMSTORE_STRICT_PINNING"  # "1": a capture that would fall back to pageable memory raises instead
+ANSWER_WAIT_SECONDS = 0.02  # a save waits this long for the store's answer to the reservation under way (a call in flight)
 _RENEW_MARGIN = 60.0  # an ahead lease this close to its expiry is given back and the save allocates anew
 
 
@@ -241,12 +242,15 @@ class CaptureRing:
 
     def _take_ahead(self, nbytes: int) -> Slot | None:
         """The lease reserved ahead, if it fits (waiting for a reservation the store has answered: mapping a segment
-        while the ring is warming up). A reservation the store has not answered yet waits there for retention to free
-        a segment of the full ring (saves outran retention): the save does not wait for it but allocates now, and the
-        reservation stays for the next save."""
+        while the ring is warming up). A reservation the store has not answered within ``ANSWER_WAIT_SECONDS`` (a call
+        in flight takes a few ms) waits there for retention to free a segment of the full ring (saves outran retention):
+        the save does not wait for it but allocates now, and the reservation stays for the next save."""
         with self._lock:
             future = self._ahead
-            if future is not None and not future.done() and not self._answered.is_set():
+        if future is not None and not future.done() and not self._answered.wait(ANSWER_WAIT_SECONDS):
+            return None
+        with self._lock:
+            if self._ahead is not future:  # (one save at a time per client: nothing else takes it)
                 return None
             self._ahead = None
         if future is None:

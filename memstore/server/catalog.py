@@ -22,7 +22,7 @@ from memstore.config import StoreConfig
 from memstore.core.floors import floor_problem
 from memstore.core.limits import admits, room_by_dropping
 from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState, Stripe
-from memstore.core.retention import pressure_victims, retention_victims
+from memstore.core.retention import pressure_victims, retention_victims, ring_reuse_victim
 from memstore.core.status import CaptureReport
 from memstore.errors import (
     AlreadySaved,
@@ -277,26 +277,18 @@ class Catalog:
 
     def _reuse_oldest(self, key: ShardKey, ring: int) -> bool:
         """A save of rank ``ring`` found its capture ring full (it came before retention let the oldest kept step go, or
-        saves outran replication): drop the rank's oldest settled step that retention may let go under pressure (never
-        its newest settled one, a protected step, or one at or above the restorable floor), so the save reuses its
-        segment instead of growing the ring (newest wins). False if there is none: the ring grows."""
+        saves outran replication): drop the step ``ring_reuse_victim`` names, so the save reuses its segment instead of
+        growing the ring (newest wins). False if there is none: the ring grows."""
         with self._lock:
-            job = [e for e in self._entries.values() if e.key.job_id == key.job_id]
-            held = [(e.key, e.state, e.created_unix) for e in job]
-            protected = [self._protected[key.job_id]] if key.job_id in self._protected else []
-            protected += self._retained.get(key.job_id, [])
-            by_key = {e.key: e for e in job}
-            victims = pressure_victims(held, key, protected, self._floor.get(key.job_id))
-            # A save on a new timeline at or below another's steps (a restart from an older step) abandons those: they go first.
-            victims.sort(key=lambda k: not (k.timeline != key.timeline and k.step >= key.step))
-            for victim in victims:
-                entry = by_key[victim]
-                if victim.rank == ring and entry.state.settled and entry.segment.ring == ring:
-                    log.info("rank %d of job %s saves faster than retention frees its ring: %s gives way to %s", ring, key.job_id,
-                             victim, key)  # fmt: skip
-                    self._drop_locked(entry, reason=f"its capture ring's segment reused for step {key.step} (newest wins)")
-                    return True
-        return False
+            mine = {e.key: e for e in self._entries.values() if e.key.job_id == key.job_id and e.segment.ring == ring == e.key.rank}
+            protected = [*self._retained.get(key.job_id, []), *([self._protected[key.job_id]] if key.job_id in self._protected else [])]
+            held = [(e.key, e.state, e.created_unix) for e in mine.values()]
+            victim = ring_reuse_victim(held, key, protected, self._floor.get(key.job_id))
+            if victim is None:
+                return False
+            log.info("rank %d of job %s saves faster than retention frees its ring: %s gives way to %s", ring, key.job_id, victim, key)
+            self._drop_locked(mine[victim], reason=f"its capture ring's segment reused for step {key.step} (newest wins)")
+            return True
 
     def _drop_one_cached(self, key: ShardKey, quota: bool) -> bool:
         """Drop the oldest copy pulled ahead of a restore (of ``key``'s job only when its quota is the limit); False if none."""

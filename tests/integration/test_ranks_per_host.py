@@ -60,10 +60,15 @@ def _rank(rank: int, address: str, barrier: Any) -> None:
     with CheckpointClient("ranks", rank, RANKS, connection=Connection(address, timeout=30.0)) as client:
         waits: list[threading.Thread] = []
         errors: list[BaseException] = []
+        superseded: set[int] = set()
 
         def wait(handle: Any) -> None:
             try:
-                assert handle.wait(timeout=60).copies == 1
+                result = handle.wait(timeout=60)
+                if result.superseded:  # the store was still hashing it when the next save came: newest wins
+                    superseded.add(handle.step)
+                else:
+                    assert result.copies == 1, result
             except BaseException as exc:  # reported by the main thread
                 errors.append(exc)
 
@@ -77,8 +82,10 @@ def _rank(rank: int, address: str, barrier: Any) -> None:
             assert not thread.is_alive(), f"rank {rank}: a wait() did not return"
         assert not errors, f"rank {rank}: {errors}"
         barrier.wait(timeout=60)  # every rank's saves committed
+        assert ROUNDS not in superseded  # the newest save always commits
         for step in range(1, ROUNDS + 1):
-            _assert_same(client.load(step), _state(rank, step))
+            if step not in superseded:
+                _assert_same(client.load(step), _state(rank, step))
         assert client.latest_step() == ROUNDS
 
 

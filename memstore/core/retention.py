@@ -144,16 +144,3 @@ def pressure_victims(
     rest = [key for v in settled[:-1] if v not in spared for key, _, _ in sorted(by_version[v])]
     return first + [k for k in rest if k not in first]
 
-
-def ring_reuse_victim(
-    held: Iterable[Held], newer: ShardKey, protected_steps: Iterable[int] = (), floor: tuple[int, str] | None = None
-) -> ShardKey | None:
-    """The copy whose segment a save of ``newer`` takes when its rank's capture ring is full (``held``: the copies in
-    that ring): the oldest settled one that pressure may drop (never the newest settled, a protected step, or one at or
-    above the ``floor``), a step a restart from an older one abandoned (another timeline, at or above ``newer``'s step)
-    first; None if there is none."""
-    held = list(held)
-    settled = {key for key, state, _ in held if state.settled}
-    victims = [k for k in pressure_victims(held, newer, protected_steps, floor) if k in settled]
-    victims.sort(key=lambda k: not (k.timeline != newer.timeline and k.step >= newer.step))
-    return victims[0] if victims else None

@@ -22,7 +22,7 @@ from memstore.config import StoreConfig
 from memstore.core.floors import floor_problem
 from memstore.core.limits import admits, room_by_dropping
 from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState, Stripe
-from memstore.core.retention import pressure_victims, retention_victims, ring_reuse_victim
+from memstore.core.retention import pressure_victims, retention_victims
 from memstore.core.status import CaptureReport
 from memstore.errors import (
     AlreadySaved,
@@ -83,7 +83,6 @@ class Catalog:
         self._streams: dict[str, int] = {}  # sender -> inbound transfers open, at most --max-streams-per-peer
         self._pulls: dict[ShardKey, threading.Event] = {}  # in-flight pulls, shared by fetch and repair
         self._protected: dict[str, int] = {}  # job -> newest restorable step, protected from eviction
-        self._retained: dict[str, list[int]] = {}  # job -> the steps its last retention pass kept on purpose (spilling, ...)
         self._floor: dict[str, tuple[int, str]] = {}  # job -> its restorable floor: nothing at or above it is evicted
         self._deleted: dict[tuple[str, int, int], float] = {}  # (job, step, rank) deleted (-1: every) -> when
         self._in_flight = 0  # shards being checksummed or replicated
@@ -238,10 +237,10 @@ class Catalog:
         ``evict=False`` (memory reserved ahead of a save, which may never come): refuse rather than drop anything.
         ``sparse``: a segment made for it leaves its pages to the client that writes it (``SegmentMaker.create``).
         """
-        if ring != NO_RING and evict:  # a save into its rank's capture ring: it reuses before it grows
+        if ring != NO_RING and evict:  # a save into its rank's full capture ring grows it (counted past the slack)
             with self.pool.saving_into(key.job_id, ring):
                 full = self.pool.ring_full(key.job_id, ring)
-                if full and not self._reuse_oldest(key, ring):
+                if full:
                     self.pool.count_growth(key.job_id, ring, full)
                 return self._acquire_within_limits(key, nbytes, preferred, ring, evict, grow, sparse)
         return self._acquire_within_limits(key, nbytes, preferred, ring, evict, grow, sparse)
@@ -274,21 +273,6 @@ class Catalog:
                     for victim in (self._entries[k] for k in victims):
                         log.warning("pressure on %s: dropping %s (%s) to fit %s", what, victim.key, victim.state.value, key)
                         self._drop_locked(victim, reason=f"dropped under pressure on {what} for step {key.step}")
-
-    def _reuse_oldest(self, key: ShardKey, ring: int) -> bool:
-        """A save of rank ``ring`` found its capture ring full (it came before retention let the oldest kept step go, or
-        saves outran replication): drop the step ``ring_reuse_victim`` names, so the save reuses its segment instead of
-        growing the ring (newest wins). False if there is none: the ring grows."""
-        with self._lock:
-            mine = {e.key: e for e in self._entries.values() if e.key.job_id == key.job_id and e.segment.ring == ring == e.key.rank}
-            protected = [*self._retained.get(key.job_id, []), *([self._protected[key.job_id]] if key.job_id in self._protected else [])]
-            held = [(e.key, e.state, e.created_unix) for e in mine.values()]
-            victim = ring_reuse_victim(held, key, protected, self._floor.get(key.job_id))
-            if victim is None:
-                return False
-            log.info("rank %d of job %s saves faster than retention frees its ring: %s gives way to %s", ring, key.job_id, victim, key)
-            self._drop_locked(mine[victim], reason=f"its capture ring's segment reused for step {key.step} (newest wins)")
-            return True
 
     def _drop_one_cached(self, key: ShardKey, quota: bool) -> bool:
         """Drop the oldest copy pulled ahead of a restore (of ``key``'s job only when its quota is the limit); False if none."""
@@ -781,7 +765,6 @@ class Catalog:
         with self._lock:
             if latest is not None:
                 self._protected[job_id] = latest
-            self._retained[job_id] = list(protected)  # steps retention keeps (due for spilling...): a ring's reuse spares them too
             if floor is not None:
                 self._floor[job_id] = floor
             for dead_entry in [e for e in self._entries.values() if e.key.job_id == job_id and e.key.version in dead and e.state.settled]:

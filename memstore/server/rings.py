@@ -10,10 +10,10 @@ of the rest.
 A ring is as small as the guarantee allows: the kept steps and the save in flight. The next save's segment,
 reserved ahead right after a commit, is the one retention frees once that save settles: the reservation waits for
 it (``SegmentPool.acquire(wait=...)``) instead of growing the ring. When saves outrun retention (a save comes while
-every segment of its ring still holds a kept step or a save in flight), the save reuses the segment of the rank's
-oldest unprotected step (newest wins, ``Catalog.acquire``); only with nothing to reuse does the ring grow, by at
-most ``RING_SLACK`` segments before it counts an overflow (``SegmentPool.ring_overflows``, in ``memstore status``),
-and it shrinks back to its limit as segments come back.
+every segment of its ring still holds a kept step or a save in flight), the ring grows for it (no kept step is
+dropped early: retention alone knows which step is the newest restorable across the cluster), by ``RING_SLACK``
+segments before it counts an overflow (``SegmentPool.ring_overflows``, in ``memstore status``), and it shrinks back
+to its limit as segments come back.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from memstore.server.segment import Segment
 
-RING_SLACK = 1  # segments a ring may grow beyond its limit when saves outrun retention and nothing can be reused
+RING_SLACK = 1  # segments a ring may grow beyond its limit when saves outrun retention before it counts an overflow
 AHEAD_WAIT_SECONDS = 10.0  # how long a reservation ahead waits for retention to free a segment of its full ring
 
 

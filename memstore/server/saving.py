@@ -77,7 +77,8 @@ class Saver:
         Reserving ahead never drops a held step to make room: over the capacity or the job's quota it is refused,
         and the save allocates (and makes room) when it comes. ``grow`` (with ``ahead``): a segment that joins the
         ring, never one of the ring's own (the client fills its ring so during warm-up). A segment made for it is
-        sparse: the client faults its pages in on all its cores as it maps it (``SegmentMaker.create``).
+        faulted in here, not made sparse (``SegmentMaker.create``): pages a trainer faults in are charged to the
+        trainer's memory cgroup (its pod's limit), not the store's.
         """
         if ahead:
             key = ShardKey(key.job_id, 0, key.rank)
@@ -97,7 +98,7 @@ class Saver:
             self.catalog.refuse_resave(key)
         if grow and not ahead:
             raise InvalidArgument("grow needs ahead: only a reservation for a later save may add a segment to the ring")
-        segment = self.catalog.acquire(key, nbytes, preferred, ring=key.rank, evict=not ahead, grow=grow, sparse=True)
+        segment = self.catalog.acquire(key, nbytes, preferred, ring=key.rank, evict=not ahead, grow=grow)
         entry = Entry(key, world_size, nbytes, segment, self.host_id, ShardState.CAPTURED)
         return self.catalog.lease_allocation(entry, ahead), segment
 

@@ -234,21 +234,3 @@ class TestRetentionAcrossTimelines:
         waves = repair_waves(todo, ranked)
         assert waves == [[ShardKey("j", 6, 1, "A.0"), ShardKey("k", 2, 0, "C.0")], [ShardKey("j", 5, 0, "A.0"), ShardKey("k", 1, 0, "C.0")]]
 
-
-def test_a_full_ring_reuses_its_oldest_settled_unprotected_step() -> None:
-    """``ring_reuse_victim``: the rank's oldest settled step (never its newest settled, a protected one, or one in flight);
-    a step a restart from an older one abandoned goes first."""
-    from memstore.core.model import ShardKey, ShardState
-    from memstore.core.retention import ring_reuse_victim
-
-    c, r = ShardState.COMMITTED, ShardState.REPLICATING
-
-    def k(step: int, timeline: str = "A.0") -> ShardKey:
-        return ShardKey("job", step, 0, timeline)
-
-    held = [(k(1), c, 1.0), (k(2), c, 2.0), (k(3), r, 3.0)]
-    assert ring_reuse_victim(held, k(4)) == k(1)
-    assert ring_reuse_victim(held, k(4), protected_steps=[1]) is None  # step 2 is the newest settled: never offered
-    assert ring_reuse_victim([(k(1), c, 1.0), (k(2), r, 2.0)], k(3)) is None  # only one settled step
-    rollback = [(k(1), c, 1.0), (k(2), c, 2.0), (k(3), c, 3.0)]
-    assert ring_reuse_victim(rollback, k(2, "B.0")) == k(2)  # abandoned by the restart from step 1: before step 1

@@ -187,12 +187,3 @@ def test_readiness_reasons(tmp_path) -> None:  # type: ignore[no-untyped-def]
     finally:
         s.close()
 
-
-def test_saves_faster_than_retention_reuse_the_oldest_step_and_never_grow_the_ring(store: Store) -> None:
-    """The ring holds the kept steps and the save in flight (keep + 1): a save that comes before retention let the
-    oldest step go takes that step's segment (newest wins) instead of a new one."""
-    for step in range(1, 9):
-        save(store, step)  # committed at once (R=1), and the next save comes before the janitor runs, or after
-        assert len(store.pool.ring_paths("job", 0)) <= store.config.keep + 1
-    assert store.pool.ring_overflows == 0
-    assert steps_held(store)[-2:] == [7, 8]

@@ -317,7 +317,7 @@ class SegmentPool:
     @contextlib.contextmanager
     def saving_into(self, owner: str, ring: int) -> Iterator[None]:
         """While a save allocates in ``owner``'s ring ``ring``: a reservation ahead waiting for that ring lets it go
-        first (the segment retention or the save frees is the save's)."""
+        first (a segment retention frees meanwhile is the save's, so the save does not grow the ring)."""
         with self._lock:
             self._saving[(owner, ring)] += 1
         try:

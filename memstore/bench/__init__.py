@@ -105,6 +105,8 @@ def config_of(args: argparse.Namespace) -> dict[str, Any]:
     pick = {k: preset[k] if getattr(args, k) is None else getattr(args, k) for k in DEFAULTS}
     if not 1 <= args.replicas <= args.hosts <= 8:
         raise ValueError(f"need 1 <= --replicas ({args.replicas}) <= --hosts ({args.hosts}) <= 8")
+    if args.idle_wait < 0:
+        raise ValueError(f"--idle-wait must be >= 0 seconds (0: not measured), got {args.idle_wait}")
     if pick["saves"] < 1 or pick["restores"] < 1 or pick["small_saves"] < 0 or args.keep < 1:
         raise ValueError("--saves, --restores and --keep must be >= 1, --small-saves >= 0")
     from memstore.bench.ranks import check_ranks

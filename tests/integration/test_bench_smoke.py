@@ -117,7 +117,8 @@ def test_ranks_per_host_reports_every_rank_and_the_aggregate() -> None:
 
 
 @pytest.mark.parametrize(("flags", "problem"), [(["--ranks-per-host", "0"], "--ranks-per-host must be >= 1"),
-                                                (["--size", "4MiB", "--ranks-per-host", "8"], "less than 1 MiB per rank")])  # fmt: skip
+                                                (["--size", "4MiB", "--ranks-per-host", "8"], "less than 1 MiB per rank"),
+                                                (["--idle-wait", "-1"], "--idle-wait must be >= 0 seconds")])  # fmt: skip
 def test_a_bad_ranks_per_host_is_refused_before_anything_runs(flags: list[str], problem: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(flags) == 2
     assert problem in capsys.readouterr().err

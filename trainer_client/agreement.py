@@ -16,6 +16,7 @@ collective the others left.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,12 @@ from trainer_client.errors import InvalidArgumentError, StoreUnavailableError
 
 log = logging.getLogger(__name__)
 _FAILED = b"!"  # rank 0 shares this instead of candidates when its own question failed
+#: How long the ranks ask again, together, when the answer is older than a step some rank has seen and a store could
+#: not list a peer (its view was incomplete): a live peer that was slow or restarting must not cost committed steps.
+INCOMPLETE_RETRY_SECONDS = 5.0
+INCOMPLETE_RETRY_PAUSE = 0.5
+LocalAnswer = tuple[list[Seen], bool]  # this rank's versions, and whether its store listed every peer it asked
+ClusterAnswer = tuple[Seen | None, bool]  # the cluster-wide answer, and whether every store answered
 
 
 @dataclass
@@ -36,6 +43,7 @@ class AgreementStats:
     rpcs: int = 0
     collectives: int = 0
     fallback: bool = False
+    retries: int = 0  # rounds asked again because a view was incomplete (INCOMPLETE_RETRY_SECONDS)
 
 
 @dataclass
@@ -105,44 +113,93 @@ def agree(
     rank: int,
     world_size: int,
     step: int | None,
-    ask_local: Callable[[], list[Seen]],
-    ask_cluster: Callable[[], Seen | None],
+    ask_local: Callable[[], LocalAnswer],
+    ask_cluster: Callable[[], ClusterAnswer],
     stats: AgreementStats,
+    retry_seconds: float = INCOMPLETE_RETRY_SECONDS,
 ) -> Seen | None:
     """The version every rank restores (the same on all of them), or None if nothing is restorable.
 
     ``ask_local``: this rank's scoped question to its store; ``ask_cluster``: the cluster-wide one (rank 0
     asks it only when the scoped views cannot decide). A failure of either raises on every rank.
+
+    Each answer says whether its store heard from every peer it asked. When the agreed version is older than a step
+    some rank has seen and an answer was incomplete, the ranks ask again together for up to ``retry_seconds`` (a peer
+    that was restarting or slow answers by then); after that the older version stands, with a warning (the peer is
+    really gone: what it held is lost or on the durable tier).
     """
+    deadline = time.monotonic() + retry_seconds
+    while True:
+        found, stale = _agree_once(group, rank, world_size, step, ask_local, ask_cluster, stats, time.monotonic() < deadline)
+        if not stale:
+            return found
+        stats.retries += 1
+        time.sleep(INCOMPLETE_RETRY_PAUSE)
+
+
+def _agree_once(
+    group: Any,
+    rank: int,
+    world_size: int,
+    step: int | None,
+    ask_local: Callable[[], LocalAnswer],
+    ask_cluster: Callable[[], ClusterAnswer],
+    stats: AgreementStats,
+    may_retry: bool,
+) -> tuple[Seen | None, bool]:
+    """One round of :func:`agree`: its answer, and whether every rank asks again (decided together)."""
     me, problem = group_problem(group, rank, world_size)  # a wrong group still takes part: its members raise together
     error: Exception | None = problem
     root = me == 0
     comm = _Collectives(group, stats)
     mine: list[Seen] = []
+    complete = True
     if error is None:
         try:
-            mine = ask_local()
+            mine, complete = ask_local()
         except Exception as exc:  # raised on every rank below, after the collectives
             error = exc
     shared = comm.share((_FAILED if error else encode_candidates(mine)) if root else None)
     if shared == _FAILED:
         _raise(error, "rank 0's store could not say which versions it holds")
     candidates = decode_candidates(shared)
-    reduced = comm.minimum([*rank_vector(candidates, mine, rank), 0 if error else 1])
+    reduced = comm.minimum([*rank_vector(candidates, mine, rank), 1 if complete else 0, 0 if error else 1])
     if reduced[-1] == 0:
         _raise(error, "at least one rank could not ask its store (or passed a group that is not the job's)")
-    decision = decide(candidates, reduced[:-1], world_size, step)
+    decision = decide(candidates, reduced[:-2], world_size, step)
+    complete = reduced[-2] == 1  # every rank's store listed its whole group
     scoped: Seen | None = None  # the version every rank's own store vouched for, if any
     if decision.version is not None:
         chosen = next(c for c in candidates if (c.step, c.timeline) == (decision.version.step, decision.version.timeline))
         scoped = Seen(chosen.step, chosen.timeline, world_size, decision.version.created_unix, (), chosen.durable)
     if not decision.fallback:
-        return scoped
+        return scoped, False
     stats.fallback = True
+    result, cluster_complete = _fallback(comm, root, ask_cluster, scoped)
+    if step is not None or (result is not None and result.step >= decision.newest_seen):
+        return result, False
+    # Older than a step some rank has seen: was every view whole? Decided together (rank 0's cluster-wide answer, and
+    # every rank's deadline), so all ranks ask again or none does.
+    flags = comm.minimum([1 if complete and cluster_complete else 0, 1 if may_retry else 0])
+    if flags[0] == 1:
+        return result, False
+    if flags[1] == 1:
+        return result, True
+    log.warning("latest_step(group=...): restoring %s although a rank has seen step %d: a store could not list a peer "
+                "for %.0f s (a lost host: its newer copies are gone or on the durable tier)",
+                "nothing" if result is None else f"step {result.step}", decision.newest_seen, INCOMPLETE_RETRY_SECONDS)  # fmt: skip
+    return result, False
+
+
+def _fallback(comm: _Collectives, root: bool, ask_cluster: Callable[[], ClusterAnswer], scoped: Seen | None) -> ClusterAnswer:
+    """Rank 0 asks the cluster-wide question and shares the answer: the version every rank restores, and whether every
+    store answered rank 0's store (only rank 0 knows; the caller reduces it)."""
+    error: Exception | None = None
     answer: list[Seen] = []
+    complete = True
     if root:
         try:
-            found = ask_cluster()
+            found, complete = ask_cluster()
             answer = [] if found is None else [found]
         except Exception as exc:
             error = exc
@@ -156,8 +213,8 @@ def agree(
         # rank decides this alike (the same decision, the same shared answer).
         log.warning("latest_step(group=...): the cluster-wide listing found no restorable step, yet every rank's store holds "
                     "step %d (%s): restoring that", scoped.step, scoped.timeline)  # fmt: skip
-        return scoped
-    return agreed[0] if agreed else None
+        return scoped, complete
+    return (agreed[0] if agreed else None), complete
 
 
 def _raise(error: Exception | None, what: str) -> None:

@@ -41,7 +41,7 @@ from memstore.v1.channel import boot_id, store_stub
 from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums
 from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
 from trainer_client import serialization
-from trainer_client.agreement import Agreements, AgreementStats, agree
+from trainer_client.agreement import Agreements, AgreementStats, ClusterAnswer, LocalAnswer, agree
 from trainer_client.capture import cuda as _cuda
 from trainer_client.capture.device_restore import parse_map_location
 from trainer_client.capture.device_save import CAPTURE_MODES, Capture, Captures, host_writer
@@ -580,16 +580,17 @@ class CheckpointClient:
     def _agreed_point(self, step: int | None, group: Any) -> RestorePoint | None:
         self.agreement.stats = stats = AgreementStats()
 
-        def ask_local() -> list[Seen]:
+        def ask_local() -> LocalAnswer:
             request = pb.LatestStepRequest(job_id=self.job_id, ranks=[self.rank], include_durable=self.rank == 0)
             stats.rpcs += 1
             resp = self._call(lambda t: self._stub.LatestStep(request, timeout=t), "latest_step", retries=3)
-            return [Seen(v.step, v.timeline, v.world_size, v.created_unix, tuple(v.ranks), v.durable) for v in resp.versions]
+            seen = [Seen(v.step, v.timeline, v.world_size, v.created_unix, tuple(v.ranks), v.durable) for v in resp.versions]
+            return seen, not resp.unreachable_hosts
 
-        def ask_cluster() -> Seen | None:
+        def ask_cluster() -> ClusterAnswer:
             stats.rpcs += 1
-            point = self._cluster_point(step)
-            return None if point is None else Seen(point.step, point.timeline, point.world_size, 0.0)
+            point, unreachable = self._cluster_answer(step)
+            return (None if point is None else Seen(point.step, point.timeline, point.world_size, 0.0)), not unreachable
 
         agreed = agree(group, self.rank, self.world_size, step, ask_local, ask_cluster, stats)
         if agreed is None:
@@ -601,19 +602,24 @@ class CheckpointClient:
         return RestorePoint(agreed.step, agreed.world_size, agreed.timeline)
 
     def _cluster_point(self, step: int | None) -> RestorePoint | None:
+        return self._cluster_answer(step)[0]
+
+    def _cluster_answer(self, step: int | None) -> tuple[RestorePoint | None, list[str]]:
+        """The cluster-wide LatestStep: its version, and the stores that did not answer it."""
         request = pb.LatestStepRequest(job_id=self.job_id, step=step)
         try:
             resp = self._call(lambda t: self._stub.LatestStep(request, timeout=t), "latest_step", retries=3)
         except NotFoundError as exc:  # the job is unknown to every store
             self.last_restore_note = str(exc)
-            return None
+            return None, []
+        unreachable = list(resp.unreachable_hosts)
         if not resp.found:
             if resp.note:
                 log.warning("job %s has no restorable step: %s", self.job_id, resp.note)
             self.last_restore_note = resp.note
-            return None
+            return None, unreachable
         self.last_restore_note = ""
-        return RestorePoint(int(resp.step), int(resp.world_size), resp.timeline)
+        return RestorePoint(int(resp.step), int(resp.world_size), resp.timeline), unreachable
 
     def load(
         self, step: int | None = None, *, rank: int | None = None, zero_copy: bool = True, timeline: str | None = None,

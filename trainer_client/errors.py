@@ -58,6 +58,12 @@ class ReplicationError(MemstoreClientError):
     """A shard did not reach its replication factor; the message says which peer failed and why."""
 
 
+class RingBusyError(MemstoreClientError):
+    """The memory reserved ahead of a rank's next save: the store found that rank's capture ring full (every segment
+    holding a kept step or a save in flight) until the client stopped asking. Nothing was reserved; the next save
+    allocates when it comes. Internal to the capture ring: ``save()`` never raises it."""
+
+
 class CaptureError(MemstoreClientError):
     """Copying the state's CUDA tensors into host memory failed (a CUDA error on the copy or its event).
 

@@ -47,7 +47,7 @@ from memstore.server.entries import (
     bind_problem,
     ensure,
 )
-from memstore.server.rings import AHEAD_WAIT_SECONDS
+from memstore.server.rings import AHEAD_POLL_SECONDS
 from memstore.server.segments import NO_RING, Segment, SegmentPool
 from memstore.v1.integrity import ChunkChecksums, first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
@@ -248,7 +248,7 @@ class Catalog:
     def _acquire_within_limits(
         self, key: ShardKey, nbytes: int, preferred: str, ring: int, evict: bool, grow: bool, sparse: bool
     ) -> Segment:
-        wait = AHEAD_WAIT_SECONDS if ring != NO_RING and not evict and not grow else 0.0  # a reservation ahead: see rings.py
+        wait = AHEAD_POLL_SECONDS if ring != NO_RING and not evict and not grow else 0.0  # a reservation ahead: see rings.py
         while True:
             try:
                 return self.pool.acquire(

@@ -9,7 +9,9 @@ of the rest.
 
 A ring is as small as the guarantee allows: the kept steps and the save in flight. The next save's segment,
 reserved ahead right after a commit, is the one retention frees once that save settles: the reservation waits for
-it (``SegmentPool.acquire(wait=...)``) instead of growing the ring. When saves outrun retention (a save comes while
+it (``SegmentPool.acquire(wait=...)``) instead of growing the ring: for ``AHEAD_POLL_SECONDS`` per call, then the store
+answers ``AllocateResponse.ring_busy`` and the client asks again, until its own deadline or until it closes (a
+client closing never waits on a reservation the store holds). When saves outrun retention (a save comes while
 every segment of its ring still holds a kept step or a save in flight), the ring grows for it (no kept step is
 dropped early: retention alone knows which step is the newest restorable across the cluster), by ``RING_SLACK``
 segments before it counts an overflow (``SegmentPool.ring_overflows``, in ``memstore status``), and it shrinks back
@@ -23,7 +25,7 @@ from collections.abc import Iterable
 from memstore.server.segment import Segment
 
 RING_SLACK = 1  # segments a ring may grow beyond its limit when saves outrun retention before it counts an overflow
-AHEAD_WAIT_SECONDS = 10.0  # how long a reservation ahead waits for retention to free a segment of its full ring
+AHEAD_POLL_SECONDS = 0.25  # how long one reservation ahead waits in the store for retention to free a segment of its full ring
 
 
 def ring_limit(keep: int) -> int:

@@ -469,7 +469,7 @@ class SegmentPool:
         if not self._changed.wait_for(free_or_small, timeout=wait):
             raise RingBusy(
                 f"the capture ring of job {owner!r} rank {ring} holds {self._ring_size(owner, ring)} segments, all in use, "
-                f"and retention freed none within {wait:.0f}s: the next save allocates when it comes"
+                f"and retention freed none within {wait:g} s: the next save allocates when it comes"
             )
 
     def _unpool_largest(self, more: Callable[[], bool]) -> list[Segment]:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from memstore.core.model import PutOrigin, TransferHeader
-from memstore.errors import InvalidArgument, StoreError
+from memstore.errors import InvalidArgument, RingBusy, StoreError
 from memstore.server.auth import Authenticator, Need, Principal
 from memstore.server.convert import (
     capture_from_pb,
@@ -124,9 +124,16 @@ class StoreServicer(pb_grpc.StoreServicer):
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         self._allow(context, Need.JOB, request.key.job_id)
         key = key_from_pb(request.key)
-        lease_id, segment = self.store.allocate(
-            key, request.world_size, request.nbytes, request.preferred_segment, request.ahead, grow=request.grow
-        )
+        try:
+            lease_id, segment = self.store.allocate(
+                key, request.world_size, request.nbytes, request.preferred_segment, request.ahead, grow=request.grow
+            )
+        except RingBusy:
+            if not request.ahead or request.grow:
+                raise
+            # A reservation ahead found the ring full for now: an answer, not an error (the client asks again).
+            return pb.AllocateResponse(ring_busy=True, ring_paths=self.store.ring_paths(key.job_id, key.rank),
+                                       ring_limit=self.store.pool.ring_limit)  # fmt: skip
         return pb.AllocateResponse(
             lease_id=lease_id,
             segment_path=segment.path or "",

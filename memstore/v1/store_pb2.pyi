@@ -309,7 +309,7 @@ class AllocateRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., ahead: _Optional[bool] = ..., grow: _Optional[bool] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("lease_id", "segment_path", "segment_bytes", "next_segment_path", "ring_paths", "lease_seconds", "ring_limit")
+    __slots__ = ("lease_id", "segment_path", "segment_bytes", "next_segment_path", "ring_paths", "lease_seconds", "ring_limit", "ring_busy")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +317,7 @@ class AllocateResponse(_message.Message):
     RING_PATHS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RING_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    RING_BUSY_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     segment_path: str
     segment_bytes: int
@@ -324,7 +325,8 @@ class AllocateResponse(_message.Message):
     ring_paths: _containers.RepeatedScalarFieldContainer[str]
     lease_seconds: float
     ring_limit: int
-    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ..., ring_paths: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., ring_limit: _Optional[int] = ...) -> None: ...
+    ring_busy: bool
+    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ..., ring_paths: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., ring_limit: _Optional[int] = ..., ring_busy: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds", "stripe", "restorable_floor", "captured_bytes", "chunk_size", "chunk_checksums", "checksum_algo")

@@ -13,7 +13,7 @@ import pytest
 
 from memstore.v1 import store_pb2 as pb
 from tests.harness.fake_cuda import FakeCudaRuntime
-from trainer_client.capture.ring import CaptureRing
+from trainer_client.capture.ring import AHEAD_WAIT_SECONDS, CaptureRing
 
 pytestmark = pytest.mark.unit
 PAGE = 4096
@@ -147,3 +147,39 @@ def test_the_fill_stops_when_the_store_keeps_no_more(store: FakeStore, fake_cuda
     ring.prepare(KEY, 1, PAGE)
     assert len(store.requests) <= 3 and all(r.ahead for r in store.requests)
     ring.close()
+
+
+def test_a_reservation_ahead_asks_again_while_the_ring_is_busy_and_close_stops_it(store: FakeStore) -> None:
+    # The store answers ring_busy (its ring full until the newest save settles) twice, then a lease: the reservation
+    # asks again and the next save takes it without a call.
+    busy = {"left": 2}
+    allocate = store.allocate
+
+    def ahead(request: pb.AllocateRequest) -> pb.AllocateResponse:
+        if busy["left"] > 0:
+            busy["left"] -= 1
+            time.sleep(0.01)  # the store's short wait
+            return pb.AllocateResponse(ring_busy=True, ring_paths=store.paths, ring_limit=3)
+        return allocate(request)
+
+    ring = make_ring(store, ahead)
+    ring.reserve_ahead(KEY, 1, PAGE, grow=False)
+    ring.wait_ahead(timeout=10)
+    calls = len(store.requests)
+    assert ring.slot(KEY, 1, PAGE).ahead and len(store.requests) == calls == 1 and busy["left"] == 0
+    ring.close()
+
+    # A ring that stays busy: close() stops the reservation at once (it never waits out the client's deadline).
+    asked = threading.Event()
+
+    def always_busy(request: pb.AllocateRequest) -> pb.AllocateResponse:
+        asked.set()
+        time.sleep(0.01)
+        return pb.AllocateResponse(ring_busy=True, ring_limit=3)
+
+    ring = make_ring(store, always_busy)
+    ring.reserve_ahead(KEY, 1, PAGE, grow=False)
+    assert asked.wait(10)
+    t0 = time.monotonic()
+    ring.close()
+    assert time.monotonic() - t0 < AHEAD_WAIT_SECONDS / 4

@@ -42,12 +42,15 @@ from dataclasses import dataclass, field
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.pagefaults import address_of, populate_supported, populate_writable
 from trainer_client.capture import cuda
-from trainer_client.errors import CapacityExceededError, CaptureError
+from trainer_client.errors import CapacityExceededError, CaptureError, RingBusyError
 
 log = logging.getLogger(__name__)
 
 STRICT_ENV = "MEMSTORE_STRICT_PINNING"  # "1": a capture that would fall back to pageable memory raises instead
 ANSWER_WAIT_SECONDS = 0.02  # a save waits this long for the store's answer to the reservation under way (a call in flight)
+# How long a reservation ahead asks again while the store answers that the rank's ring is full (``ring_busy``: the
+# newest save has not settled yet, so retention has not freed the oldest kept step's segment); ``close()`` stops it.
+AHEAD_WAIT_SECONDS = 10.0
 _RENEW_MARGIN = 60.0  # an ahead lease this close to its expiry is given back and the save allocates anew
 
 
@@ -325,8 +328,18 @@ class CaptureRing:
             log.info("growing the capture ring stopped: %s", exc)
 
     def _reserve(self, key: pb.ShardKey, world_size: int, nbytes: int, grow: bool = False) -> Slot:
-        seq = self._next_seq()
-        response = self._allocate_ahead(pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes, ahead=True, grow=grow))
+        request = pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes, ahead=True, grow=grow)
+        deadline = time.monotonic() + AHEAD_WAIT_SECONDS
+        while True:
+            seq = self._next_seq()
+            response = self._allocate_ahead(request)
+            if not response.ring_busy:
+                break
+            if self._closing.is_set() or time.monotonic() >= deadline:
+                raise RingBusyError(
+                    f"rank {key.rank}'s capture ring stayed full ({len(response.ring_paths)} segments, each holding a kept step "
+                    "or a save in flight): nothing reserved ahead; the next save allocates when it comes"
+                )
         if not grow:
             self._answered.set()  # the store answered: a save waits for the mapping rather than allocating anew
         slot = self._adopt(response, nbytes, ahead=True, seq=seq)

@@ -19,6 +19,10 @@ faulting and keeps every reserved byte inside ``--capacity``.
   segments serve every later replica, and no memory is held twice. A stream
   with no shard for ``IDLE_CADENCES`` times its cadence (at least ``IDLE_MIN_SECONDS``) is *idle*: its job's
   pooled spares go back to the kernel (``idle_jobs``), so a job that stopped saving holds only its kept steps.
+  A stream's owner announces it before its first replica comes (``announce``: the peer ``Expect`` call, sent when
+  the rank's first memory is allocated, at ``prepare`` or its first save), so a peer faults in the first replicas'
+  memory too, not only the later ones'; an announced stream whose first shard has not come is idle only after
+  ``ANNOUNCED_IDLE_SECONDS``.
 - ``prefault=N`` bytes: keep at least N bytes faulted in from start-up: the shards the store holds, its
   pooled segments and the reserve together. N/(keep+3) of it is faulted in before the store serves at all
   (``before_serving``), the rest in the background. Shards take their memory from the reserve; it is refilled
@@ -45,6 +49,7 @@ MIN_UNIT = 1 << 20  # smaller shards are not worth a reserve of their own (they 
 IDLE_MIN_SECONDS = 30.0  # a stream with no new shard for this long, and ...
 IDLE_CADENCES = 3  # ... this many times the longest of its recent gaps between shards, is idle
 GAPS = 4  # gaps between a stream's shards remembered (its cadence)
+ANNOUNCED_IDLE_SECONDS = 1800.0  # a stream announced (``Expect``) whose first shard has not come for this long is idle
 
 Stream = tuple[str, int]  # (job, rank): the shards of one rank of one job placed on this store (saves or replicas)
 
@@ -74,8 +79,11 @@ class _StreamSeen:
     nbytes: int
     last: float
     gaps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=GAPS))
+    announced: bool = False  # announced by its owner (``Expect``), no shard of it placed yet
 
     def idle(self, now: float) -> bool:
+        if self.announced:  # set-up (a prepare) may come long before the first save
+            return now - self.last > ANNOUNCED_IDLE_SECONDS
         return now - self.last > max(IDLE_MIN_SECONDS, IDLE_CADENCES * max(self.gaps, default=0.0))
 
 
@@ -114,7 +122,7 @@ class ReservePolicy:
             return
         now = self._clock()
         seen = self._streams.get(stream)
-        if seen is None:
+        if seen is None or seen.announced:  # its first shard: the time since an announcement is no cadence
             self._streams[stream] = _StreamSeen(nbytes, now)
             return
         seen.gaps.append(now - seen.last)
@@ -143,6 +151,15 @@ class ReservePolicy:
             if not seen.idle(now):
                 cycles[job] += (self.keep + 1) * seen.nbytes
         return sum(max(0, cycle - job_bytes(job)) for job, cycle in cycles.items())
+
+    def announce(self, nbytes: int, stream: Stream) -> None:
+        """``stream``'s shards, ``nbytes`` each, will be placed here (its owner said so before the first one: ``Expect``):
+        a stream not seen yet is learned as if its first shard had come now, so the automatic reserve faults in its
+        cycle ahead of it. A stream seen already is left as it is (its cadence stays its own)."""
+        if nbytes < MIN_UNIT or stream in self._streams:
+            return
+        self._recent.append(nbytes)
+        self._streams[stream] = _StreamSeen(nbytes, self._clock(), announced=True)
 
     def expect(self, sizes: list[int]) -> None:
         """Shards about to be pulled here (a replacement's first repair pass: the newest step of what its group holds for

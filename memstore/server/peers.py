@@ -149,6 +149,13 @@ class Peer:
             )
         return [info_from_pb(i) for i in resp.shards]
 
+    def expect(self, job_id: str, rank: int, nbytes: int, timeout: float) -> None:
+        """Tell the peer that replicas of ``job_id``'s rank ``rank``, ``nbytes`` each, will land on it (asked once)."""
+        try:
+            self.stub.Expect(pb.ExpectRequest(job_id=job_id, rank=rank, nbytes=nbytes), timeout=timeout)
+        except grpc.RpcError as err:
+            raise _peer_error(self.host_id, "Expect", err) from None
+
     def push(self, header: TransferHeader, view: memoryview, timeout: float) -> None:
         """Stream a shard to the peer over gRPC: a fresh stream per attempt (Put is idempotent)."""
         wire = transfer_to_pb(header)
@@ -335,6 +342,21 @@ class PeerDirectory:
                 return exc
 
         return dict(zip(targets, self._pool.map(one, targets), strict=True))
+
+    def announce(self, hosts: Iterable[str], job_id: str, rank: int, nbytes: int, timeout: float) -> None:
+        """``Peer.expect`` on each of ``hosts``, in the background: a peer that does not answer only faults its
+        replicas' memory in later (when they arrive), so failures are logged, never raised."""
+        peers = self._peers
+
+        def one(h: str) -> None:
+            try:
+                peers[h].expect(job_id, rank, nbytes, timeout)
+            except StoreError as exc:
+                log.info("telling peer %s to expect replicas of job %s rank %d failed: %s", h, job_id, rank, exc)
+
+        for h in hosts:
+            if h in peers:
+                self._pool.submit(one, h)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -12,6 +12,7 @@ from dataclasses import replace
 from memstore.config import StoreConfig
 from memstore.core.floors import Floors
 from memstore.core.model import Manifest, PutOrigin, ShardState, TransferHeader
+from memstore.core.reserve import MIN_UNIT
 from memstore.errors import (
     CaptureAbandoned,
     DataChannelUnsupported,
@@ -91,6 +92,22 @@ class Replicator:
         self.retention_due = retention_due  # set when a shard settles: the janitor looks at retention again
         self._replication = ThreadPoolExecutor(max_workers=REPLICATION_WORKERS, thread_name_prefix="replicate")
         self._push = ThreadPoolExecutor(max_workers=max(2, 2 * (config.replicas - 1)), thread_name_prefix="push")
+        self._announced: dict[tuple[str, int], int] = {}  # (job, rank) -> the shard size its peers were told (announce)
+        self._announced_lock = threading.Lock()
+
+    def announce(self, job_id: str, rank: int, nbytes: int) -> None:
+        """Tell the group peers, in the background, that replicas of ``job_id``'s rank ``rank``, ``nbytes`` each, will
+        come (``Expect``): once per stream, and again when its shards grow. Their automatic reserves fault that memory
+        in before the first replica arrives, instead of under it (the first commit of a job otherwise waits for every
+        peer to fault in fresh pages)."""
+        if nbytes < MIN_UNIT:
+            return
+        with self._announced_lock:
+            if self._announced.get((job_id, rank), 0) >= nbytes:
+                return
+            self._announced[(job_id, rank)] = nbytes
+        targets = self.membership.view.replication_targets()
+        self.peers.announce(targets, job_id, rank, nbytes, self.config.peer_timeout)
 
     def submit(self, entry: Entry) -> None:
         """Replicate ``entry`` (just registered: a client's save taken in) in the background."""

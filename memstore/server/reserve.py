@@ -95,6 +95,13 @@ class Reserve:
             self.policy.saw(nbytes, stream)  # under the lock: goal() iterates what saw() appends to
             self._wake.set()
 
+    def announce(self, nbytes: int, stream: tuple[str, int]) -> None:
+        """``stream``'s shards, ``nbytes`` each, will come (``ReservePolicy.announce``); the thread looks again (lock
+        held)."""
+        if self.policy is not None:
+            self.policy.announce(nbytes, stream)
+            self._wake.set()
+
     def pick(self, nbytes: int, max_size: int | None = None, preferred: str = "") -> Segment | None:
         """The smallest fresh segment that fits ``nbytes`` after resizing (and ``max_size``), ``preferred`` (a
         path) first when it is one of them; left in the reserve (lock held)."""

@@ -266,6 +266,12 @@ class SegmentPool:
             if self.reserve.policy is not None:
                 self.reserve.policy.expect(sizes)
 
+    def announce(self, nbytes: int, stream: tuple[str, int]) -> None:
+        """Replicas of ``stream`` (job, rank), ``nbytes`` each, will land here (a peer's ``Expect``): the reserve
+        learns the stream before its first shard arrives (``ReservePolicy.announce``)."""
+        with self._lock:
+            self.reserve.announce(nbytes, stream)
+
     def prefault_now(self) -> int:
         """Fault in the part of the reserve wanted before the store serves (``Reserve.fill_now``); the bytes ready."""
         return self.reserve.fill_now()

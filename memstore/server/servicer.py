@@ -248,6 +248,12 @@ class StoreServicer(pb_grpc.StoreServicer):
         return pb.PrepareSendResponse(manifest=manifest_to_pb(manifest), ticket=ticket, data_port=self.store.data_port)
 
     @rpc
+    def Expect(self, request: pb.ExpectRequest, context: grpc.ServicerContext) -> pb.ExpectResponse:
+        self._allow(context, Need.CLUSTER)  # only a peer announces the replicas it will push here
+        self.store.expect_stream(request.job_id, request.rank, request.nbytes)
+        return pb.ExpectResponse()
+
+    @rpc
     def LatestStep(self, request: pb.LatestStepRequest, context: grpc.ServicerContext) -> pb.LatestStepResponse:
         self._allow(context, Need.JOB, request.job_id)
         if request.ranks:  # scoped: this rank's view, for agreement over the job's process group

@@ -37,10 +37,12 @@ from memstore.core.reserve import ReservePolicy
 from memstore.core.sizes import format_size
 from memstore.core.spill_policy import spill_duty
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, JobMemory, SpillReport, job_census
+from memstore.errors import InvalidArgument
 from memstore.server.assembler import Assembler
 from memstore.server.catalog import Catalog
 from memstore.server.datapath import DataPath
 from memstore.server.drain import Drainer
+from memstore.server.entries import ensure
 from memstore.server.events import StoreEvents
 from memstore.server.janitor import Janitor
 from memstore.server.membership import ClusterView, Membership
@@ -56,6 +58,7 @@ from memstore.server.shm_pages import shm_pages
 from memstore.server.shm_sweep import ShmSweeper
 from memstore.spill.port import DurableTier
 from memstore.v1.channel import boot_id
+from memstore.v1.keys import job_id_problem
 from memstore.v1.security import Credentials
 
 log = logging.getLogger(__name__)
@@ -321,6 +324,14 @@ class Store:
         if repaired is None or view.table.layout != repaired.layout:
             return f"repairing: copies for slot {view.my_slot.index} are not all here yet"
         return ""
+
+    def expect_stream(self, job_id: str, rank: int, nbytes: int) -> None:
+        """A peer says replicas of ``job_id``'s rank ``rank``, ``nbytes`` each, will land here (``Expect``): the
+        automatic reserve learns the stream now and faults in its cycle off the save's path."""
+        ensure(job_id_problem(job_id))
+        if not 0 < nbytes <= self.config.capacity:
+            raise InvalidArgument(f"nbytes {nbytes} is invalid: expected > 0 and at most --capacity ({self.config.capacity} bytes)")
+        self.pool.announce(nbytes, (job_id, rank))
 
     def alive(self, timeout: float) -> bool:
         """Liveness: the engine's lock can be taken within ``timeout`` seconds (a deadlocked store says False)."""

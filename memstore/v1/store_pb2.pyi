@@ -519,6 +519,20 @@ class ListResponse(_message.Message):
     draining: bool
     def __init__(self, host_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
+class ExpectRequest(_message.Message):
+    __slots__ = ("job_id", "rank", "nbytes")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    nbytes: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ExpectResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

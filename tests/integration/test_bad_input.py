@@ -238,9 +238,12 @@ def test_traversal_names_are_refused_at_every_rpc(stub: pb_grpc.StoreStub) -> No
                 lambda job=job: stub.List(pb.ListRequest(job_id=job), timeout=5),
                 lambda job=job: stub.Delete(pb.DeleteRequest(job_id=job, step=-1, rank=-1), timeout=5),
                 lambda job=job: stub.LatestStep(pb.LatestStepRequest(job_id=job), timeout=5),
+                lambda job=job: stub.Expect(pb.ExpectRequest(job_id=job, rank=0, nbytes=1 << 20), timeout=5),
             ]
         for call in calls:
             assert code_of(call) == invalid
+    for nbytes in (0, 1 << 50):  # a peer's Expect names a shard size the store could hold
+        assert code_of(lambda n=nbytes: stub.Expect(pb.ExpectRequest(job_id=JOB, rank=0, nbytes=n), timeout=5)) == invalid
     # The owner and sender a copy between stores names are host ids.
     k = key(step=12)
     for owner, sender in (("../h1", "h1"), ("h1", "../h1"), ("", "h1")):

@@ -130,6 +130,21 @@ def test_auto_reserve_faults_in_the_rest_of_the_cycle_and_nothing_twice(make_inp
             assert used <= (keep + 1) * (4 * MiB + 2 * 4096), f"{host} holds {used} bytes: more than its cycle"
 
 
+def test_a_prepared_rank_has_its_peer_fault_in_its_first_replica_before_it_comes(make_inprocess_cluster) -> None:
+    """``prepare`` (or a rank's first allocation) tells the group peers to expect the rank's replicas (``Expect``): the
+    peer faults their memory in before the first save, which lands there instead of in fresh pages."""
+    keep = 2
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB", keep=keep)  # --prefault auto (the default)
+    with CheckpointClient("expect", 0, 1, connection=Connection(cluster.address("h0"))) as c:
+        c.prepare(state(1))
+        wait_for(lambda: health(cluster, "h1").reserve_bytes >= (keep + 1) * 4 * MiB, timeout=30, what="the peer to fault in the cycle")
+        wait_for(lambda: settled(cluster, "h1"), timeout=30, what="h1's reserve settled")
+        before = segments(cluster, "h1")
+        c.save(1, state(1)).wait(timeout=30)
+        assert segments(cluster, "h1") <= before, "the first replica landed in a segment made for it"
+        assert steps_held(cluster, "h1", "expect") == {1}
+
+
 def test_prefault_off_keeps_nothing(make_inprocess_cluster) -> None:
     cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB", extra_args=["--prefault", "0"])
     c = CheckpointClient("off", 0, 1, store=cluster.address("h0"))

@@ -22,6 +22,7 @@ from trainer_client import CheckpointClient
 from trainer_client.errors import AccessDeniedError, AuthenticationError, StoreUnavailableError
 from trainer_client.transport.local_control import LocalStub
 
+MiB = 1 << 20
 pytestmark = pytest.mark.integration
 
 CLUSTER, ADMIN = "cluster-token-0123456789abcdef", "admin-token-0123456789abcdef"
@@ -86,6 +87,7 @@ def operations(job: str) -> dict[str, Callable[[Any], Any]]:
 def test_unauthenticated_and_wrong_tokens_are_refused_everywhere(secured: LocalCluster) -> None:
     ops = {**operations(JOB_A), "list every job": lambda s: s.List(pb.ListRequest(job_id=""), timeout=5),
            "drain": lambda s: s.Drain(pb.DrainRequest(), timeout=5), "hello": lambda s: s.Hello(pb.HelloRequest(), timeout=5),
+           "expect": lambda s: s.Expect(pb.ExpectRequest(job_id=JOB_A, rank=0, nbytes=MiB), timeout=5),
            "health": lambda s: s.Health(pb.HealthRequest(), timeout=5)}  # fmt: skip
     for token in (None, "not-a-token-0123456789", CLUSTER[:-1] + "X"):
         refused = {name: call(secured, token, fn) for name, fn in ops.items()}
@@ -96,7 +98,8 @@ def test_a_job_token_reaches_its_job_only(secured: LocalCluster) -> None:
     denied = {name: call(secured, TOKENS[JOB_B], fn) for name, fn in operations(JOB_A).items()}
     assert set(denied.values()) == {grpc.StatusCode.PERMISSION_DENIED}, denied
     for name, fn in {"list every job": lambda s: s.List(pb.ListRequest(job_id=""), timeout=5),
-                     "drain": lambda s: s.Drain(pb.DrainRequest(), timeout=5)}.items():  # fmt: skip
+                     "drain": lambda s: s.Drain(pb.DrainRequest(), timeout=5),
+                     "expect": lambda s: s.Expect(pb.ExpectRequest(job_id=JOB_A, rank=0, nbytes=MiB), timeout=5)}.items():  # fmt: skip
         assert call(secured, TOKENS[JOB_A], fn) == grpc.StatusCode.PERMISSION_DENIED, name
     # Its own job: every read works with its token.
     own = operations(JOB_A)

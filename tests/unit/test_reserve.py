@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from memstore.config import StoreConfig
-from memstore.core.reserve import HEADROOM, IDLE_MIN_SECONDS, MIN_UNIT, ReserveGoal, ReservePolicy
+from memstore.core.reserve import ANNOUNCED_IDLE_SECONDS, HEADROOM, IDLE_MIN_SECONDS, MIN_UNIT, ReserveGoal, ReservePolicy
 from memstore.devtools.cluster import wait_for
 from memstore.errors import ConfigError
 from memstore.server.pages import PAGE
@@ -360,3 +360,25 @@ def test_the_pool_gives_back_the_spares_of_a_job_that_stopped_saving(tmp_path: P
         check_accounting(pool)
     finally:
         pool.close()
+
+
+def test_an_announced_stream_is_faulted_in_before_its_first_shard_and_waits_for_it() -> None:
+    """A peer's ``Expect``: the stream's cycle is the goal before any replica came; it is not idle until
+    ANNOUNCED_IDLE_SECONDS (set-up may come long before the first save), and its first shard starts its cadence."""
+    clock = Clock()
+    policy = ReservePolicy(None, keep=2, clock=clock)
+    policy.announce(MIN_UNIT - 1, ("tiny", 0))  # too small to count
+    assert policy.goal(job_bytes=lambda job: 0) == ReserveGoal(0, 0)
+    policy.announce(16 * MiB, ("a", 0))
+    assert policy.goal(job_bytes=lambda job: 0) == ReserveGoal(16 * MiB, 3 * 16 * MiB)
+    clock.now += IDLE_MIN_SECONDS * 10
+    assert policy.idle_jobs() == set()  # announced: waits for its first shard
+    policy.announce(32 * MiB, ("a", 0))  # a stream known already stays as it is
+    assert policy.goal(job_bytes=lambda job: 0).target == 3 * 16 * MiB
+    policy.saw(16 * MiB, ("a", 0))  # the first replica: the wait since the announcement is no gap
+    clock.now += IDLE_MIN_SECONDS + 1
+    assert policy.idle_jobs() == {"a"}
+    late = ReservePolicy(None, keep=2, clock=clock)
+    late.announce(8 * MiB, ("b", 0))
+    clock.now += ANNOUNCED_IDLE_SECONDS + 1  # announced, and no save ever came
+    assert late.idle_jobs() == {"b"}

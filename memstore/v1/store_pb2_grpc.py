@@ -109,6 +109,11 @@ class StoreStub:
                 request_serializer=memstore_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
                 response_deserializer=memstore_dot_v1_dot_store__pb2.PrepareSendResponse.FromString,
                 _registered_method=True)
+        self.Expect = channel.unary_unary(
+                '/memstore.v1.Store/Expect',
+                request_serializer=memstore_dot_v1_dot_store__pb2.ExpectRequest.SerializeToString,
+                response_deserializer=memstore_dot_v1_dot_store__pb2.ExpectResponse.FromString,
+                _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/memstore.v1.Store/Drain',
                 request_serializer=memstore_dot_v1_dot_store__pb2.DrainRequest.SerializeToString,
@@ -209,6 +214,12 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Expect(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drain(self, request, context):
         """Leave on purpose (as on SIGTERM): give every shard only this store holds another copy, then exit.
         """
@@ -293,6 +304,11 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.PrepareSend,
                     request_deserializer=memstore_dot_v1_dot_store__pb2.GetRequest.FromString,
                     response_serializer=memstore_dot_v1_dot_store__pb2.PrepareSendResponse.SerializeToString,
+            ),
+            'Expect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Expect,
+                    request_deserializer=memstore_dot_v1_dot_store__pb2.ExpectRequest.FromString,
+                    response_serializer=memstore_dot_v1_dot_store__pb2.ExpectResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
@@ -705,6 +721,33 @@ class Store:
             '/memstore.v1.Store/PrepareSend',
             memstore_dot_v1_dot_store__pb2.GetRequest.SerializeToString,
             memstore_dot_v1_dot_store__pb2.PrepareSendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Expect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/memstore.v1.Store/Expect',
+            memstore_dot_v1_dot_store__pb2.ExpectRequest.SerializeToString,
+            memstore_dot_v1_dot_store__pb2.ExpectResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -86,7 +86,7 @@ class Drainer:
 
         def takes_copies(h: str) -> bool:
             try:
-                return not self.peers[h].hello(timeout).draining
+                return not self.peers[h].hello(timeout, fresh=True).draining  # a replacement that just started counts
             except StoreError as exc:
                 log.info("drain: %s cannot take copies: %s", h, exc)
                 return False

@@ -118,15 +118,25 @@ class Peer:
         for channel in [*self._retired, self._channel]:
             channel.close()
 
-    def hello(self, timeout: float, known: SlotTable | None = None, asker: str = "") -> HelloReport:
+    def hello(self, timeout: float, known: SlotTable | None = None, asker: str = "", fresh: bool = False) -> HelloReport:
         """The peer's handshake, asked once: no retries, so a peer that is down costs one refused call. With ``known``
         (gossip: our table, and ``asker`` our host id) the peer leaves its slot table and member list out unless its
-        table is newer (the report then holds an empty table, which nobody adopts)."""
+        table is newer (the report then holds an empty table, which nobody adopts).
+
+        ``fresh``: an UNAVAILABLE answer is asked once more on a fresh channel. A channel to a peer that was down
+        backs off its reconnects and fails calls at once meanwhile, even after the peer's replacement serves: a drain
+        deciding whether a peer can take its copies must not mistake that for the peer being gone."""
         request = pb.HelloRequest()
         if known is not None:
             request = pb.HelloRequest(known_slots_version=known.version, known_slots_digest=known.digest, asker_host_id=asker)
         try:
-            return hello_from_pb(self.stub.Hello(request, timeout=timeout))
+            try:
+                return hello_from_pb(self.stub.Hello(request, timeout=timeout))
+            except grpc.RpcError as err:
+                if not fresh or err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                self._fresh_channel()
+                return hello_from_pb(self.stub.Hello(request, timeout=timeout))
         except grpc.RpcError as err:
             raise _peer_error(self.host_id, "Hello", err) from None
         except SlotTableError as exc:

@@ -14,7 +14,7 @@ import pytest
 from memstore.devtools.cluster import LocalCluster, free_ports, wait_for
 from memstore.v1 import store_pb2 as pb
 from tests.states import assert_same, rank_state
-from trainer_client import CheckpointClient
+from trainer_client import CheckpointClient, Connection
 
 pytestmark = pytest.mark.integration
 
@@ -200,6 +200,25 @@ def test_serve_refuses_to_start_from_a_bad_peers_file(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 2
     assert str(bad) in proc.stderr and "bad id!" in proc.stderr, proc.stderr
+
+
+def test_a_drain_gives_its_lone_shards_to_a_peer_replaced_a_moment_ago(make_inprocess_cluster) -> None:
+    """A rolling replacement: h1 was lost and its replacement just started when h0 drains. h0's channel to h1 still
+    backs off its reconnects (its pushes to the lost h1 failed) and fails calls at once; the drain asks on a fresh
+    channel, so it does not take the replacement for gone and leave its lone shards behind (the recovery matrix's
+    rolling-replacement row lost every step that way)."""
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB")
+    with CheckpointClient(JOB, 0, 1, connection=Connection(cluster.address("h0"), timeout=10)) as c:
+        c.save(1, rank_state(0, 1)).wait(timeout=30)
+        cluster.kill("h1")  # lost with its RAM
+        try:
+            c.save(2, rank_state(0, 2)).wait(timeout=30)  # its push to h1 fails: h0's channel to h1 backs off
+        except Exception:
+            pass  # under-replicated: step 2 is alone on h0
+    cluster.restart("h1")
+    failures = cluster.servers["h0"].store.drain(30.0)
+    assert failures == [], failures
+    assert (2, 0) in held(cluster, "h1")
 
 
 def test_memstore_drain_pushes_lone_shards_to_peers(make_cluster) -> None:

@@ -148,7 +148,7 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
     """The whole run: the floors, then the saves, small saves and restores on fresh stores; the run's document."""
     from memstore.bench.floors import floor_disk, floor_memcpy, floor_tcp
     from memstore.bench.floors_dcp import floor_dcp
-    from memstore.bench.measure import measure_restores, measure_saves, measure_small_saves
+    from memstore.bench.measure import measure_prepared_first_save, measure_restores, measure_saves, measure_small_saves
     from memstore.bench.state import LAYOUT, make_state, nbytes_of, tensors_of
     from memstore.bench.stores import RamSampler, idle_ram, ram_fields, running, start_cluster
 
@@ -186,6 +186,12 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
             doc["small_saves"] = measure_small_saves(cluster, f"{JOB}-small", config["small_saves"], config["seed"], config["keep"])
         say("restores in a new process: from local RAM, from peer RAM after a host loss")
         doc["restores"] = measure_restores(cluster, JOB, state, config["replicas"], reps, config["keep"])
+    say("save 1 of a fresh job on fresh stores after prepare() at set-up")
+    cluster = start_cluster(
+        config["hosts"], config["replicas"], config["keep"], shard_bytes, config["data_plane"], config["store_env"], config["shm_dir"]
+    )
+    with running(cluster):
+        doc["prepared"] = measure_prepared_first_save(cluster, f"{JOB}-prepared", state, config["keep"])
     from memstore.bench.streams import measure_streams
 
     say("one shard pushed store to store on 1, 2 and 4 parallel streams")

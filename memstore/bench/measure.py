@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -110,10 +112,11 @@ def save_series(series: Series) -> list[dict[str, Any]]:
     return samples
 
 
-def measure_saves(cluster: LocalCluster, job: str, state: Any, keep: int, steady: int) -> list[dict[str, Any]]:
-    """Save 1 of a fresh job on the fresh stores (once they are idle), saves 2..keep+2, then ``steady`` ones, each
-    after a raw TCP transfer and a memcpy of the same bytes (``tcp_seconds``, ``memcpy_seconds``). The memcpy buffer
-    and the TCP pair are made first, so the first memcpy, like save 1, runs right after the client connected."""
+@contextmanager
+def fresh_series(cluster: LocalCluster, job: str, state: Any, keep: int, count: int) -> Iterator[Series]:
+    """A series of ``count`` saves of ``state`` by a new client of job ``job`` on ``cluster``, its paired memcpy buffer
+    and TCP pair made first and the stores idle, so its first memcpy, like its save 1, runs right after the client
+    connected."""
     from trainer_client import CheckpointClient, Connection
 
     nbytes = nbytes_of(tensors_of(state))
@@ -123,9 +126,28 @@ def measure_saves(cluster: LocalCluster, job: str, state: Any, keep: int, steady
         client = CheckpointClient(job, 0, 1, connection=Connection(cluster.address("h0")))
         try:
             stores = {host: store.proc.pid for host, store in cluster.stores.items() if store.proc is not None}
-            return save_series(Series(cluster, client, state, keep, 1 + keep + 1 + steady, paired, tcp, stores))
+            yield Series(cluster, client, state, keep, count, paired, tcp, stores)
         finally:
             client.close()
+
+
+def measure_saves(cluster: LocalCluster, job: str, state: Any, keep: int, steady: int) -> list[dict[str, Any]]:
+    """Save 1 of a fresh job on the fresh stores (once they are idle), saves 2..keep+2, then ``steady`` ones, each
+    after a raw TCP transfer and a memcpy of the same bytes (``tcp_seconds``, ``memcpy_seconds``)."""
+    with fresh_series(cluster, job, state, keep, 1 + keep + 1 + steady) as series:
+        return save_series(series)
+
+
+def measure_prepared_first_save(cluster: LocalCluster, job: str, state: Any, keep: int) -> dict[str, Any]:
+    """Save 1 of a fresh job on fresh stores after ``client.prepare(state)`` at set-up, as the integrations call it
+    on a resume: the stores settle after the prepare (the client's ring filled, the peers' reserves faulted in, as
+    during a trainer's first steps), then one save, timed like the series' (``one_save``), with ``prepare_seconds``."""
+    with fresh_series(cluster, job, state, keep, 1) as series:
+        t = time.perf_counter()
+        series.client.prepare(state)
+        prepare_seconds = time.perf_counter() - t
+        wait_idle(cluster)
+        return {"prepare_seconds": prepare_seconds, "save": one_save(series, 0, tensors_of(state))}
 
 
 def measure_small_saves(cluster: LocalCluster, job: str, count: int, seed: int, keep: int) -> dict[str, Any]:

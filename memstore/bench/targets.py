@@ -39,6 +39,10 @@ RATIOS: tuple[Ratio, ...] = (
     Ratio(
         "first_save_stall_over_memcpy", "save 1 of a fresh job on fresh stores, without prepare(): stall over its paired memcpy", "<=", 5.0
     ),
+    Ratio(
+        "first_save_prepared_stall_over_memcpy",
+        "save 1 of a fresh job on fresh stores after prepare() at set-up: stall over its paired memcpy", "<=", 3.0,
+    ),
     Ratio("later_saves_stall_over_memcpy_max", "every later save: stall over its paired memcpy (the worst save)", "<=", 1.5),
     Ratio("stall_over_memcpy", "steady saves: stall p50 over the paired memcpy p50", "<=", 1.5),
     Ratio("ram_peak_over_state", "the stores' shared memory at its peak across the saves over the state ((keep+1) x R + 0.5)", "<=", 6.5),
@@ -54,6 +58,7 @@ RATIOS: tuple[Ratio, ...] = (
         "every save: state bytes / (call -> committed) over raw TCP of the shard right before it (the worst save)", ">=", 0.7,
     ),
     Ratio("committed_over_tcp_first", "save 1 of a fresh job alone: the same"),
+    Ratio("committed_over_tcp_first_prepared", "save 1 of a fresh job after prepare() at set-up: the same", ">=", 0.5),
     Ratio("save_cores_busy_min", "every save: the machine's busy CPU seconds over (call -> committed) x its cores (1: CPU-bound)"),
     Ratio("tcp_over_cpu_floor_min", "every save: its paired TCP over its CPU seconds / cores, the committed_over_tcp those allow"),
     Ratio("torch_load_over_restore_local", "torch.load (page cache warm) over a restore from local RAM in a new process", ">=", 10.0),
@@ -170,8 +175,10 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
     later = [r for r in (_over_memcpy(s) for s in _saves(doc)[1:]) if r is not None]
     dp = doc.get("data_parallel")
     dp4 = dp_case(dp, 4, "dedup")
+    prepared = doc.get("prepared")  # None: a document from before the bench measured it
     values: dict[str, float | None] = {
         "first_save_stall_over_memcpy": _over_memcpy(doc["saves"][0]),
+        "first_save_prepared_stall_over_memcpy": _over_memcpy(prepared["save"]) if prepared else None,
         "later_saves_stall_over_memcpy_max": max(later, default=None),
         "stall_over_memcpy": ratio(stall, p50([s["memcpy_seconds"] for s in steady])),
         **_ram_ratios(doc.get("ram")),
@@ -182,6 +189,7 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "replication_over_tcp": ratio(replication, tcp),
         "committed_over_tcp_min": min(_committed_over_tcp(s, tcp, state_bytes) for s in _saves(doc)),
         "committed_over_tcp_first": _committed_over_tcp(doc["saves"][0], tcp, state_bytes),
+        "committed_over_tcp_first_prepared": _committed_over_tcp(prepared["save"], tcp, state_bytes) if prepared else None,
         "save_cores_busy_min": _least_cores_busy(doc),
         "tcp_over_cpu_floor_min": _tcp_over_cpu_floor(doc, ratio(state_bytes, tcp)),
         "torch_load_over_restore_local": ratio(floors["disk"]["load_warm_p50"], restores["local"]["p50"]),
@@ -199,6 +207,8 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
     }
     why = {
         "small_save_stall_ms": "not measured (--small-saves 0)",
+        "first_save_prepared_stall_over_memcpy": "",
+        "committed_over_tcp_first_prepared": "",
         "ram_idle_over_state": "not measured (--idle-wait 0)" if doc.get("ram") else "",
         "stall_over_dcp_blocking": dcp["default"]["unavailable"] or "",
         "stall_over_dcp_blocking_reused_stager": dcp["reused_stager"]["unavailable"] or "",

@@ -50,6 +50,7 @@ def document() -> dict[str, Any]:
             "dcp": {"default": dcp_mode, "reused_stager": {**dcp_mode, "blocking_p50": 0.25}},
         },
         "saves": saves,
+        "prepared": {"prepare_seconds": 2.0, "save": save(1, FIRST, 0.2, 0.1, 0.8)},
         "ram": {"ram_multiple_peak": 6.02, "ram_multiple_settled": 6.0, "ram_multiple_idle": 5.0},
         "small_saves": {"stall_p50": 0.0008},
         "restores": {"local": {"p50": 0.05}, "peer": {"p50": 0.8, "load_p50": 0.5}},
@@ -65,6 +66,7 @@ def test_every_ratio_from_its_parts() -> None:
     values, why = compute_ratios(document())
     assert values == pytest.approx({
         "first_save_stall_over_memcpy": 3.0,
+        "first_save_prepared_stall_over_memcpy": 2.0,
         "later_saves_stall_over_memcpy_max": 1.25,
         "stall_over_memcpy": 1.25,
         "ram_peak_over_state": 6.02,
@@ -77,6 +79,7 @@ def test_every_ratio_from_its_parts() -> None:
         "replication_over_tcp": 0.8,  # 1 GiB in 0.625 - 0.125 s against 0.4 s
         "committed_over_tcp_min": 0.4,  # save 1: 1 GiB in 1.0 s (no paired TCP here: against the floor)
         "committed_over_tcp_first": 0.4,
+        "committed_over_tcp_first_prepared": 0.5,  # 1 GiB in 0.8 s after prepare()
         "save_cores_busy_min": 0.8,  # save 1 kept 80% of the cores busy, the others 90%
         "tcp_over_cpu_floor_min": 0.5,  # save 1 took 1.6 CPU seconds: 0.8 s on 2 cores, against 0.4 s of TCP
         "torch_load_over_restore_local": 10.0,
@@ -102,6 +105,7 @@ def test_pass_miss_and_the_table() -> None:
     verdicts = {r["ratio"]: r["pass"] for r in rows}
     assert verdicts == {
         "first_save_stall_over_memcpy": True,  # 3.0 <= 5 (without prepare)
+        "first_save_prepared_stall_over_memcpy": True,  # 2.0 <= 3
         "later_saves_stall_over_memcpy_max": True,
         "stall_over_memcpy": True,
         "ram_peak_over_state": True,  # 6.02 <= (keep + 1) x R + 0.5
@@ -114,6 +118,7 @@ def test_pass_miss_and_the_table() -> None:
         "replication_over_tcp": True,
         "committed_over_tcp_min": False,
         "committed_over_tcp_first": None,  # reported, no target of its own (the min holds save 1 to 0.7)
+        "committed_over_tcp_first_prepared": True,  # 0.5 >= 0.5
         "save_cores_busy_min": None,  # reported, no target
         "tcp_over_cpu_floor_min": None,
         "torch_load_over_restore_local": True,

@@ -89,6 +89,7 @@ def test_a_tiny_run_writes_the_table_and_every_ratio(
     assert "ranks_per_host" not in data  # --ranks-per-host 1 (the default): the section alone is tested below
 
 
+@pytest.mark.slow  # ~8 s; the default suite keeps tests/integration/test_ranks_per_host.py (8 ranks on one store)
 @pytest.mark.timeout(120)
 def test_ranks_per_host_reports_every_rank_and_the_aggregate() -> None:
     """--ranks-per-host's section alone, small: 2 rank processes, 4 MiB in all, keep 2 and one steady save (5 rounds)."""

@@ -95,6 +95,7 @@ class FakePeer:
     pushes: list[ShardKey] = field(default_factory=list)
     data_channel: bool = False
     cached: set[ShardKey] = field(default_factory=set)  # held copies it lists as cached (pulled ahead of a restore)
+    expected: list[tuple[str, int, int]] = field(default_factory=list)  # (job, rank, nbytes) announced to it (Expect)
 
     def push(self, header: TransferHeader, view: memoryview, timeout: float) -> None:
         if self.refuse or self.refuse_push:
@@ -134,7 +135,7 @@ class FakePeer:
         chunks = [data[i : i + manifest.chunk_size] for i in range(0, len(data), manifest.chunk_size)]
         return manifest, iter(chunks), _Call()
 
-    def hello(self, timeout: float) -> SimpleNamespace:
+    def hello(self, timeout: float, fresh: bool = False) -> SimpleNamespace:
         if self.refuse:
             raise PeerUnavailable(self.refuse)
         return SimpleNamespace(host_id=self.host_id, draining=self.draining)
@@ -158,6 +159,11 @@ class FakePeers:
 
     def __getitem__(self, host_id: str) -> FakePeer:
         return self.peers[host_id]
+
+    def announce(self, hosts: Iterable[str], job_id: str, rank: int, nbytes: int, timeout: float) -> None:
+        for h in hosts:
+            if h in self.peers:
+                self.peers[h].expected.append((job_id, rank, nbytes))
 
     def list_all(
         self, job_id: str, timeout: float, hosts: Iterable[str] | None = None, retrying: bool = True

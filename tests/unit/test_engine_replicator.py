@@ -131,3 +131,16 @@ def test_a_capture_its_client_hashed_is_pushed_with_those_checksums_and_never_re
     (info,) = catalog.list_shards("job")
     assert info.state is ShardState.COMMITTED and info.manifest.checksums == (11, 22)
     assert peer.held[key][0].checksums == (11, 22) and peer.held[key][1] == DATA
+
+
+def test_a_rank_is_announced_to_its_group_peers_once_per_shard_size() -> None:
+    peer = FakePeer("h1")
+    rep, *_ = replicator(peer)
+    MiB = 1 << 20
+    rep.announce("job", 0, MiB - 1)  # too small for a reserve of its own: not worth a call
+    rep.announce("job", 0, 8 * MiB)
+    rep.announce("job", 0, 8 * MiB)  # known: no call
+    rep.announce("job", 0, 4 * MiB)  # smaller than told: the peer's reserve already covers it
+    rep.announce("job", 0, 16 * MiB)  # its shards grew: told again
+    rep.announce("job", 1, 8 * MiB)
+    assert peer.expected == [("job", 0, 8 * MiB), ("job", 0, 16 * MiB), ("job", 1, 8 * MiB)]

@@ -19,13 +19,17 @@ DATA = bytes(range(256)) * 32  # 8 KiB
 
 
 class RecordingReplicator:
-    """What the Saver uses of the Replicator (``submit``), recorded instead of run."""
+    """What the Saver uses of the Replicator (``submit``, ``announce``), recorded instead of run."""
 
     def __init__(self) -> None:
         self.submitted: list[Entry] = []
+        self.announced: list[tuple[str, int, int]] = []  # (job, rank, nbytes) the peers were told to expect
 
     def submit(self, entry: Entry) -> None:
         self.submitted.append(entry)
+
+    def announce(self, job_id: str, rank: int, nbytes: int) -> None:
+        self.announced.append((job_id, rank, nbytes))
 
 
 def saver(**flags: str):  # type: ignore[no-untyped-def]
@@ -113,3 +117,13 @@ def test_the_final_commit_of_a_marked_capture_carries_no_checksums() -> None:
         s.commit(lease, {}, 1, checksums=sums)
     (entry,) = submitted
     assert entry.client_checksums is None and entry.progress is not None and not entry.progress.finished
+
+
+def test_every_allocation_has_the_replicator_announce_its_rank_to_the_peers() -> None:
+    cfg = config()
+    catalog, pool, _ = make_catalog(cfg)
+    rep = RecordingReplicator()
+    s = Saver(catalog, rep, cfg, pool, RecordingEvents(), threading.Event(), threading.Event(), Floors())  # type: ignore[arg-type]
+    s.allocate(ShardKey("job", 1, 1), 2, len(DATA))
+    s.allocate(ShardKey("job", 0, 1), 2, len(DATA), ahead=True)
+    assert rep.announced == [("job", 1, len(DATA))] * 2  # once per stream and size is the Replicator's business

@@ -19,10 +19,10 @@ faulting and keeps every reserved byte inside ``--capacity``.
   segments serve every later replica, and no memory is held twice. A stream
   with no shard for ``IDLE_CADENCES`` times its cadence (at least ``IDLE_MIN_SECONDS``) is *idle*: its job's
   pooled spares go back to the kernel (``idle_jobs``), so a job that stopped saving holds only its kept steps.
-  A stream's owner announces it before its first replica comes (``announce``: the peer ``Expect`` call, sent when
-  the rank's first memory is allocated, at ``prepare`` or its first save), so a peer faults in the first replicas'
-  memory too, not only the later ones'; an announced stream whose first shard has not come is idle only after
-  ``ANNOUNCED_IDLE_SECONDS``.
+  A stream's owner announces it before its first replica comes when its client prepares (``announce``: the peer
+  ``Expect`` call, sent for a reservation ahead made before the rank's first save), so a peer faults in the first
+  replicas' memory too, not only the later ones'; an announced stream whose first shard has not come is idle only
+  after ``ANNOUNCED_IDLE_SECONDS``.
 - ``prefault=N`` bytes: keep at least N bytes faulted in from start-up: the shards the store holds, its
   pooled segments and the reserve together. N/(keep+3) of it is faulted in before the store serves at all
   (``before_serving``), the rest in the background. Shards take their memory from the reserve; it is refilled

@@ -94,16 +94,19 @@ class Replicator:
         self._push = ThreadPoolExecutor(max_workers=max(2, 2 * (config.replicas - 1)), thread_name_prefix="push")
         self._announced: dict[tuple[str, int], int] = {}  # (job, rank) -> the shard size its peers were told (announce)
         self._announced_lock = threading.Lock()
+        self._taken_in: set[tuple[str, int]] = set()  # (job, rank) with a save taken in here: its peers learn from replicas
 
     def announce(self, job_id: str, rank: int, nbytes: int) -> None:
         """Tell the group peers, in the background, that replicas of ``job_id``'s rank ``rank``, ``nbytes`` each, will
-        come (``Expect``): once per stream, and again when its shards grow. Their automatic reserves fault that memory
-        in before the first replica arrives, instead of under it (the first commit of a job otherwise waits for every
-        peer to fault in fresh pages)."""
+        come (``Expect``), before the rank's first save is taken in: once per stream, and again when its shards grow.
+        Their automatic reserves fault that memory in before the first replica arrives, instead of under it (after a
+        ``prepare()`` at set-up, the first commit no longer waits for every peer to fault in fresh pages). Once a save
+        of the rank was taken in, the peers learn from its replicas: faulting in the whole cycle there during a job's
+        first saves only competes with them (measured: save 2 of 1 GiB stalled 2.7-3.0 s instead of 1.8 s on 2 cores)."""
         if nbytes < MIN_UNIT:
             return
         with self._announced_lock:
-            if self._announced.get((job_id, rank), 0) >= nbytes:
+            if (job_id, rank) in self._taken_in or self._announced.get((job_id, rank), 0) >= nbytes:
                 return
             self._announced[(job_id, rank)] = nbytes
         targets = self.membership.view.replication_targets()
@@ -111,6 +114,8 @@ class Replicator:
 
     def submit(self, entry: Entry) -> None:
         """Replicate ``entry`` (just registered: a client's save taken in) in the background."""
+        with self._announced_lock:
+            self._taken_in.add((entry.key.job_id, entry.key.rank))
         self.catalog.add_in_flight(1)
         self._replication.submit(self.capture_and_replicate, entry)
 

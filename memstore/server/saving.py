@@ -99,7 +99,8 @@ class Saver:
         if grow and not ahead:
             raise InvalidArgument("grow needs ahead: only a reservation for a later save may add a segment to the ring")
         segment = self.catalog.acquire(key, nbytes, preferred, ring=key.rank, evict=not ahead, grow=grow)
-        self.replicator.announce(key.job_id, key.rank, nbytes)  # the peers fault in what this rank's replicas need
+        if ahead:  # a reservation before the rank's first save (prepare): its peers fault in what its replicas need
+            self.replicator.announce(key.job_id, key.rank, nbytes)
         entry = Entry(key, world_size, nbytes, segment, self.host_id, ShardState.CAPTURED)
         return self.catalog.lease_allocation(entry, ahead), segment
 

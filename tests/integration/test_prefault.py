@@ -131,7 +131,7 @@ def test_auto_reserve_faults_in_the_rest_of_the_cycle_and_nothing_twice(make_inp
 
 
 def test_a_prepared_rank_has_its_peer_fault_in_its_first_replica_before_it_comes(make_inprocess_cluster) -> None:
-    """``prepare`` (or a rank's first allocation) tells the group peers to expect the rank's replicas (``Expect``): the
+    """``prepare`` (a reservation ahead before the rank's first save) tells the group peers to expect its replicas (``Expect``): the
     peer faults their memory in before the first save, which lands there instead of in fresh pages."""
     keep = 2
     cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB", keep=keep)  # --prefault auto (the default)

@@ -144,3 +144,7 @@ def test_a_rank_is_announced_to_its_group_peers_once_per_shard_size() -> None:
     rep.announce("job", 0, 16 * MiB)  # its shards grew: told again
     rep.announce("job", 1, 8 * MiB)
     assert peer.expected == [("job", 0, 8 * MiB), ("job", 0, 16 * MiB), ("job", 1, 8 * MiB)]
+    replicate_submitted = commit(rep.catalog, ShardKey("job", 1, 2), DATA)
+    rep.submit(replicate_submitted)  # rank 2's first save taken in: its replicas teach the peer from now on
+    rep.announce("job", 2, 8 * MiB)
+    assert peer.expected[-1] == ("job", 1, 8 * MiB)

@@ -119,11 +119,12 @@ def test_the_final_commit_of_a_marked_capture_carries_no_checksums() -> None:
     assert entry.client_checksums is None and entry.progress is not None and not entry.progress.finished
 
 
-def test_every_allocation_has_the_replicator_announce_its_rank_to_the_peers() -> None:
+def test_a_reservation_ahead_has_the_replicator_announce_its_rank_to_the_peers() -> None:
     cfg = config()
     catalog, pool, _ = make_catalog(cfg)
     rep = RecordingReplicator()
     s = Saver(catalog, rep, cfg, pool, RecordingEvents(), threading.Event(), threading.Event(), Floors())  # type: ignore[arg-type]
-    s.allocate(ShardKey("job", 1, 1), 2, len(DATA))
-    s.allocate(ShardKey("job", 0, 1), 2, len(DATA), ahead=True)
-    assert rep.announced == [("job", 1, len(DATA))] * 2  # once per stream and size is the Replicator's business
+    s.allocate(ShardKey("job", 1, 1), 2, len(DATA))  # a save's own allocation: its replicas teach the peers
+    assert rep.announced == []
+    s.allocate(ShardKey("job", 0, 1), 2, len(DATA), ahead=True)  # prepare(), or the ring reserving ahead
+    assert rep.announced == [("job", 1, len(DATA))]  # whether the rank saved already is the Replicator's business

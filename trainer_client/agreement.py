@@ -128,67 +128,64 @@ def agree(
     that was restarting or slow answers by then); after that the older version stands, with a warning (the peer is
     really gone: what it held is lost or on the durable tier).
     """
+
+    def one_round(may_retry: bool) -> tuple[Seen | None, bool]:
+        """One round of :func:`agree`: its answer, and whether every rank asks again (decided together)."""
+        me, problem = group_problem(group, rank, world_size)  # a wrong group still takes part: its members raise together
+        error: Exception | None = problem
+        root = me == 0
+        comm = _Collectives(group, stats)
+        mine: list[Seen] = []
+        complete = True
+        if error is None:
+            try:
+                mine, complete = ask_local()
+            except Exception as exc:  # raised on every rank below, after the collectives
+                error = exc
+        shared = comm.share((_FAILED if error else encode_candidates(mine)) if root else None)
+        if shared == _FAILED:
+            _raise(error, "rank 0's store could not say which versions it holds")
+        candidates = decode_candidates(shared)
+        reduced = comm.minimum([*rank_vector(candidates, mine, rank), 1 if complete else 0, 0 if error else 1])
+        if reduced[-1] == 0:
+            _raise(error, "at least one rank could not ask its store (or passed a group that is not the job's)")
+        decision = decide(candidates, reduced[:-2], world_size, step)
+        complete = reduced[-2] == 1  # every rank's store listed its whole group
+        scoped: Seen | None = None  # the version every rank's own store vouched for, if any
+        if decision.version is not None:
+            chosen = next(c for c in candidates if (c.step, c.timeline) == (decision.version.step, decision.version.timeline))
+            scoped = Seen(chosen.step, chosen.timeline, world_size, decision.version.created_unix, (), chosen.durable)
+        if not decision.fallback:
+            return scoped, False
+        stats.fallback = True
+        result, cluster_complete = _fallback(comm, root, ask_cluster, scoped)
+        if step is not None or (result is not None and result.step >= decision.newest_seen):
+            return result, False
+        # Older than a step some rank has seen: was every view whole? Decided together (rank 0's cluster-wide answer, and
+        # every rank's deadline), so all ranks ask again or none does.
+        return result, _ask_again(comm, complete and cluster_complete, may_retry, result, decision.newest_seen)
+
     deadline = time.monotonic() + retry_seconds
     while True:
-        found, stale = _agree_once(group, rank, world_size, step, ask_local, ask_cluster, stats, time.monotonic() < deadline)
+        found, stale = one_round(time.monotonic() < deadline)
         if not stale:
             return found
         stats.retries += 1
         time.sleep(INCOMPLETE_RETRY_PAUSE)
 
 
-def _agree_once(
-    group: Any,
-    rank: int,
-    world_size: int,
-    step: int | None,
-    ask_local: Callable[[], LocalAnswer],
-    ask_cluster: Callable[[], ClusterAnswer],
-    stats: AgreementStats,
-    may_retry: bool,
-) -> tuple[Seen | None, bool]:
-    """One round of :func:`agree`: its answer, and whether every rank asks again (decided together)."""
-    me, problem = group_problem(group, rank, world_size)  # a wrong group still takes part: its members raise together
-    error: Exception | None = problem
-    root = me == 0
-    comm = _Collectives(group, stats)
-    mine: list[Seen] = []
-    complete = True
-    if error is None:
-        try:
-            mine, complete = ask_local()
-        except Exception as exc:  # raised on every rank below, after the collectives
-            error = exc
-    shared = comm.share((_FAILED if error else encode_candidates(mine)) if root else None)
-    if shared == _FAILED:
-        _raise(error, "rank 0's store could not say which versions it holds")
-    candidates = decode_candidates(shared)
-    reduced = comm.minimum([*rank_vector(candidates, mine, rank), 1 if complete else 0, 0 if error else 1])
-    if reduced[-1] == 0:
-        _raise(error, "at least one rank could not ask its store (or passed a group that is not the job's)")
-    decision = decide(candidates, reduced[:-2], world_size, step)
-    complete = reduced[-2] == 1  # every rank's store listed its whole group
-    scoped: Seen | None = None  # the version every rank's own store vouched for, if any
-    if decision.version is not None:
-        chosen = next(c for c in candidates if (c.step, c.timeline) == (decision.version.step, decision.version.timeline))
-        scoped = Seen(chosen.step, chosen.timeline, world_size, decision.version.created_unix, (), chosen.durable)
-    if not decision.fallback:
-        return scoped, False
-    stats.fallback = True
-    result, cluster_complete = _fallback(comm, root, ask_cluster, scoped)
-    if step is not None or (result is not None and result.step >= decision.newest_seen):
-        return result, False
-    # Older than a step some rank has seen: was every view whole? Decided together (rank 0's cluster-wide answer, and
-    # every rank's deadline), so all ranks ask again or none does.
-    flags = comm.minimum([1 if complete and cluster_complete else 0, 1 if may_retry else 0])
+def _ask_again(comm: _Collectives, complete: bool, may_retry: bool, result: Seen | None, newest_seen: int) -> bool:
+    """Whether every rank asks again: some view was incomplete and no rank is past its deadline (decided together).
+    Past it, ``result`` (older than ``newest_seen``) stands, with a warning."""
+    flags = comm.minimum([1 if complete else 0, 1 if may_retry else 0])
     if flags[0] == 1:
-        return result, False
+        return False
     if flags[1] == 1:
-        return result, True
+        return True
     log.warning("latest_step(group=...): restoring %s although a rank has seen step %d: a store could not list a peer "
                 "for %.0f s (a lost host: its newer copies are gone or on the durable tier)",
-                "nothing" if result is None else f"step {result.step}", decision.newest_seen, INCOMPLETE_RETRY_SECONDS)  # fmt: skip
-    return result, False
+                "nothing" if result is None else f"step {result.step}", newest_seen, INCOMPLETE_RETRY_SECONDS)  # fmt: skip
+    return False
 
 
 def _fallback(comm: _Collectives, root: bool, ask_cluster: Callable[[], ClusterAnswer], scoped: Seen | None) -> ClusterAnswer:

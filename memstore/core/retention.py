@@ -143,4 +143,3 @@ def pressure_victims(
     spared = [v for v in settled[:-1] if v[0] in protected or (at_floor is not None and order[v] >= at_floor)]
     rest = [key for v in settled[:-1] if v not in spared for key, _, _ in sorted(by_version[v])]
     return first + [k for k in rest if k not in first]
-

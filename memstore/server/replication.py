@@ -92,9 +92,9 @@ class Replicator:
         self.retention_due = retention_due  # set when a shard settles: the janitor looks at retention again
         self._replication = ThreadPoolExecutor(max_workers=REPLICATION_WORKERS, thread_name_prefix="replicate")
         self._push = ThreadPoolExecutor(max_workers=max(2, 2 * (config.replicas - 1)), thread_name_prefix="push")
-        self._announced: dict[tuple[str, int], int] = {}  # (job, rank) -> the shard size its peers were told (announce)
+        # (job, rank) -> the shard size its peers were told (announce), until the rank's first save is taken in
+        self._announced: dict[tuple[str, int], int] = {}
         self._announced_lock = threading.Lock()
-        self._taken_in: set[tuple[str, int]] = set()  # (job, rank) with a save taken in here: its peers learn from replicas
 
     def announce(self, job_id: str, rank: int, nbytes: int) -> None:
         """Tell the group peers, in the background, that replicas of ``job_id``'s rank ``rank``, ``nbytes`` each, will
@@ -103,10 +103,10 @@ class Replicator:
         ``prepare()`` at set-up, the first commit no longer waits for every peer to fault in fresh pages). Once a save
         of the rank was taken in, the peers learn from its replicas: faulting in the whole cycle there during a job's
         first saves only competes with them (measured: save 2 of 1 GiB stalled 2.7-3.0 s instead of 1.8 s on 2 cores)."""
-        if nbytes < MIN_UNIT:
-            return
+        if nbytes < MIN_UNIT or any(key.rank == rank for key, _, _ in self.catalog.held(job_id)):
+            return  # a save of the rank is held here: its replicas taught the peers
         with self._announced_lock:
-            if (job_id, rank) in self._taken_in or self._announced.get((job_id, rank), 0) >= nbytes:
+            if self._announced.get((job_id, rank), 0) >= nbytes:
                 return
             self._announced[(job_id, rank)] = nbytes
         targets = self.membership.view.replication_targets()
@@ -115,7 +115,7 @@ class Replicator:
     def submit(self, entry: Entry) -> None:
         """Replicate ``entry`` (just registered: a client's save taken in) in the background."""
         with self._announced_lock:
-            self._taken_in.add((entry.key.job_id, entry.key.rank))
+            self._announced.pop((entry.key.job_id, entry.key.rank), None)  # from now on the catalog holds the rank
         self.catalog.add_in_flight(1)
         self._replication.submit(self.capture_and_replicate, entry)
 

@@ -233,4 +233,3 @@ class TestRetentionAcrossTimelines:
         todo = [ShardKey("j", 5, 0, "A.0"), ShardKey("k", 1, 0, "C.0"), ShardKey("j", 6, 1, "A.0"), ShardKey("k", 2, 0, "C.0")]
         waves = repair_waves(todo, ranked)
         assert waves == [[ShardKey("j", 6, 1, "A.0"), ShardKey("k", 2, 0, "C.0")], [ShardKey("j", 5, 0, "A.0"), ShardKey("k", 1, 0, "C.0")]]
-

@@ -158,7 +158,6 @@ def test_a_reservation_ahead_asks_again_while_the_ring_is_busy_and_close_stops_i
     def ahead(request: pb.AllocateRequest) -> pb.AllocateResponse:
         if busy["left"] > 0:
             busy["left"] -= 1
-            time.sleep(0.01)  # the store's short wait
             return pb.AllocateResponse(ring_busy=True, ring_paths=store.paths, ring_limit=3)
         return allocate(request)
 
@@ -174,8 +173,7 @@ def test_a_reservation_ahead_asks_again_while_the_ring_is_busy_and_close_stops_i
 
     def always_busy(request: pb.AllocateRequest) -> pb.AllocateResponse:
         asked.set()
-        time.sleep(0.01)
-        return pb.AllocateResponse(ring_busy=True, ring_limit=3)
+        return pb.AllocateResponse(ring_busy=True, ring_limit=3)  # (a real store waits AHEAD_POLL_SECONDS first)
 
     ring = make_ring(store, always_busy)
     ring.reserve_ahead(KEY, 1, PAGE, grow=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,18 +33,48 @@ if TYPE_CHECKING:
     from memstore.devtools.dns_server import DnsServer
 
 
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LISTEN_PORTS_BELOW = 32768  # where the kernel's range for outgoing connections starts when it cannot be read
+LISTEN_PORTS_SPAN = 16384  # how many ports below that range the picks come from
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """Ports the kernel hands out for port 0, held open together so they are distinct."""
-    socks = []
+    """``n`` distinct ports that are free now, for a child process to bind a moment later.
+
+    They lie below the kernel's range for outgoing connections (``ip_local_port_range``), which is also where port 0
+    binds come from: a cluster of many stores opens hundreds of connections while it starts, and one of them taking a
+    port picked from that range made a store exit with "Address already in use" (32 stores: 3 starts in a row). Below
+    it, only another process picking the same port in the same moment can take it."""
+    top = _ephemeral_low()
+    bottom = max(1024, top - LISTEN_PORTS_SPAN)
+    picked: list[int] = []
+    rng = random.SystemRandom()
+    for _ in range(50 * n):
+        if len(picked) == n:
+            break
+        port = rng.randrange(bottom, top)
+        if port not in picked and _bindable(host, port):
+            picked.append(port)
+    if len(picked) < n:
+        raise RuntimeError(f"no {n} free ports on {host} in [{bottom}, {top})")
+    return picked
+
+
+def _ephemeral_low() -> int:
     try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        low = int(Path(EPHEMERAL_RANGE_FILE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return LISTEN_PORTS_BELOW
+    return low if low > 1024 + 1024 else LISTEN_PORTS_BELOW
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):  # type: ignore[no-untyped-def]
@@ -214,9 +245,9 @@ class LocalCluster:
     def start(self, timeout: float = 30.0) -> LocalCluster:
         """Start every store and wait until each serves.
 
-        The ports come from the kernel (port 0) but are bound again by the stores a moment later; in between, another
-        process (an outgoing connection takes its port from the same range) may take one: the store then exits with
-        "Address already in use". Every store is then stopped and the whole cluster starts again on fresh ports."""
+        The ports are picked free (``free_ports``) but bound by the stores a moment later; in between, another process
+        may take one: the store then exits with "Address already in use". Every store is then stopped and the whole
+        cluster starts again on fresh ports."""
         for attempt in range(self.PORT_CLASH_RETRIES + 1):
             for h in self.stores:
                 self._spawn(h)

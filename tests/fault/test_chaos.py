@@ -34,10 +34,11 @@ def test_short_chaos_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.mark.slow
 @pytest.mark.timeout(1000)
-@pytest.mark.parametrize("seed", [2, 3, 4])
-def test_long_chaos_runs(tmp_path, seed: int) -> None:  # type: ignore[no-untyped-def]
-    data = chaos(tmp_path, seed=seed, steps=40, faults=6)
-    assert len(data["faults"]) >= 3
+def test_a_long_chaos_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # One long run (~2 min on 2 cores) rather than three of 40 steps: the slow stage must fit CI's 40 minutes, and
+    # `memstore chaos --seed N` runs any other schedule by hand.
+    data = chaos(tmp_path, seed=2, steps=48, faults=8)
+    assert len(data["faults"]) >= 4
 
 
 def test_chaos_schedule_is_reproducible() -> None:

@@ -4,8 +4,10 @@
 
 For each host count, starts that many stores on 127.0.0.1 (R=2, --keep 2, 64 MiB each) twice and runs the scenario
 of ``memstore.devtools.save_scale``: one rank per host saves --keep steps, then --measured more, each beyond
---keep; once with ``CheckpointClient(group=...)`` (the ranks' restorable floor) and once without (each store lists
-every store before it evicts). Calls are counted on the stores (their Prometheus counters).
+--keep; ranks are processes of one gloo job (as ``torchrun`` starts them). Once with the clients built as the quick
+start shows (no ``group=``: they agree over the job's default group, the ranks' restorable floor) and once with
+``group=False`` (each store lists every store before it evicts). Calls are counted on the stores (their Prometheus
+counters).
 """
 
 from __future__ import annotations
@@ -29,14 +31,14 @@ def main() -> None:
     for r in results:
         for name in ("floor", "listing"):
             x = r[name]
-            what = "group= (the floor)" if name == "floor" else "no group (listing)"
+            what = "default (the floor)" if name == "floor" else "group=False (listing)"
             print(f"{x['hosts']:>5} {what:<22} {x['retention_calls_per_store_per_save_max']:>42.2f} "
                   f"{x['retention_calls_per_save_total']:>17.1f} {x['listings_per_store_per_save_max']:>15.2f}")  # fmt: skip
     a, b = results[0]["listing"], results[-1]["listing"]
     if a is not b and a["retention_calls_per_save_total"]:
         k = math.log(b["hosts"] / a["hosts"])
         growth = math.log(b["retention_calls_per_save_total"] / a["retention_calls_per_save_total"]) / k
-        print(f"without a group, calls per saved step grow as hosts^{growth:.2f}")
+        print(f"with group=False, calls per saved step grow as hosts^{growth:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

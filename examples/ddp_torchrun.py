@@ -2,9 +2,10 @@
 
     torchrun --nproc-per-node 2 examples/ddp_torchrun.py --store 127.0.0.1:PORT --steps 20
 
-Each rank talks to the store on its own host (here all ranks share one machine, so one address);
-``latest_step(group=...)`` is the newest step every rank can restore, agreed over the job's process group
-(each rank asks only its own store), so all ranks resume from the same step.
+Each rank talks to the store on its own host (here all ranks share one machine, so one address). The client finds
+the job's process group by itself (torchrun's default group: ``group=`` need not be passed): ``latest_step()`` is the
+newest step every rank can restore, agreed over it (each rank asks only its own store), so all ranks resume from the
+same step, and each save's small async all-reduce tells the stores which step every rank saved (retention asks nobody).
 """
 
 from __future__ import annotations
@@ -37,12 +38,11 @@ def main() -> None:
     loader = ResumableDataLoader(data, batch_size=16, shuffle=True, seed=0, rank=rank, world_size=world)  # type: ignore[arg-type]
     ts = TrainingState(model=model, optimizer=opt, loader=loader)
 
-    # group=: each save's small async all-reduce tells the stores which step every rank saved (retention asks nobody).
-    with CheckpointClient(args.job, rank=rank, world_size=world, connection=connection, group=dist.group.WORLD) as client:
+    with CheckpointClient(args.job, rank=rank, world_size=world, connection=connection) as client:  # agrees over the default group
         step = 0
-        latest = client.latest_step(group=dist.group.WORLD)  # a collective: each rank asks only its own store
+        latest = client.latest_step()  # a collective: every rank calls it; each asks only its own store
         if latest is not None:
-            step = ts.restore(client.load(latest, group=dist.group.WORLD))["step"]
+            step = ts.restore(client.load(latest))["step"]
             print(f"rank {rank}: resumed from step {step}", flush=True)
         pending = None
         while step < args.steps:

@@ -57,6 +57,7 @@ from trainer_client.errors import (
 )
 from trainer_client.floor import FloorAgreement
 from trainer_client.handles import RestorePoint, SaveHandle, SaveResult
+from trainer_client.job_group import default_job_group, resolve_group
 from trainer_client.reading import VERIFY_THREADS, ShardReader
 from trainer_client.replica_check import verify_replicas
 from trainer_client.replicas import resolve_replica_group
@@ -110,13 +111,21 @@ class CheckpointClient:
             agree on a deterministic sample (one all-reduce; ``ReplicaMismatchError`` names the ranks that differ).
         group: the job's process group (rank i of it is the client of rank i). Each save then starts one asynchronous
             all-reduce by which the ranks agree on the newest step all of them saved, and tells the store with the
-            commit: retention needs no listing of the cluster (``trainer_client.floor``). Every rank must then call
-            ``save()`` for every step. Default: none (each store's retention lists every store when it evicts).
+            commit: retention needs no listing of the cluster (``trainer_client.floor``); ``latest_step()`` and
+            ``load()`` agree over it too (``trainer_client.agreement``). Every rank must then call ``save()`` for every
+            step, and ``latest_step()`` / ``load()`` at the same point. Default (None): ``torch.distributed``'s default
+            group when it is the job's (initialized, ``world_size`` ranks, this process its rank ``rank``), found at the
+            first save or restore; else none (``trainer_client.job_group``). ``False``: none (each store's retention
+            then lists every store when it evicts, and ``latest_step()`` asks every store: O(hosts) calls).
 
     Deprecated (for one release, each with a ``DeprecationWarning``): ``store`` (also the fourth positional
     argument), ``timeout``, ``use_shared_memory``, ``auth_token``, ``tls_ca``, ``tls_cert``, ``tls_key``; put them in
     ``connection=`` instead (passing both is a ``TypeError``).
     """
+
+    _floor: FloorAgreement | None = None  # the restorable floor's agreement, with a group (``group``)
+    _job_group: Any = None
+    _group_found = False
 
     def __init__(
         self,
@@ -150,12 +159,11 @@ class CheckpointClient:
         self.remote_save = remote_save
         if on_capacity not in ("raise", "skip"):
             raise InvalidArgumentError(f"on_capacity {on_capacity!r} is invalid: expected 'raise' or 'skip'")
-        self.job_id = job_id
-        self.rank = rank
-        self.world_size = world_size
+        self.job_id, self.rank, self.world_size = job_id, rank, world_size
         self.replica_group = resolve_replica_group(replica_group, rank, world_size, verify_replicas)
         self.verify_replicas = verify_replicas
-        self._floor = FloorAgreement(group, rank, world_size, self._status) if group is not None else None
+        if group is not None:  # else the default group is looked for at the first save or restore
+            self._use_group(resolve_group(group, rank, world_size))
         self.connection = connection = requested.resolved()  # address and credentials filled in from the environment
         assert connection.address is not None and connection.credentials is not None
         self.address, self.credentials, self.timeout = connection.address, connection.credentials, connection.timeout
@@ -296,7 +304,7 @@ class CheckpointClient:
         self._key(step)  # validate before a run id is drawn
         epoch = self._epoch_for(step) if timeline is None else self._epoch
         key = self._key(step, timeline=f"{self.run_id}.{epoch}" if timeline is None else timeline)
-        if self._floor is not None and timeline is None:
+        if self.group is not None and self._floor is not None and timeline is None:
             self._floor.start(step, key.timeline)  # the ranks agree on the newest step all of them saved: read at the commit
         clean_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
         t0 = time.perf_counter()
@@ -450,6 +458,25 @@ class CheckpointClient:
         self._ring.prepare(self._key(0), self.world_size, nbytes)
 
     @property
+    def group(self) -> Any:
+        """The process group this client agrees over (None: none); see ``group=`` in the class doc."""
+        if not self._group_found:
+            self._use_group(default_job_group(self.rank, self.world_size))
+        return self._job_group
+
+    def _use_group(self, group: Any) -> None:
+        self._group_found, self._job_group = True, group
+        if group is not None:
+            self._floor = FloorAgreement(group, self.rank, self.world_size, self._status)
+
+    def _group_for(self, group: Any, rank: int | None = None) -> Any:
+        """The group a restore agrees over, for its ``group=``: None -> the client's (unless it reads another rank's
+        shard: that is no collective), False -> none, a group -> that one."""
+        if group is None:
+            return self.group if rank is None or rank == self.rank else None
+        return resolve_group(group, self.rank, self.world_size)
+
+    @property
     def capture_stats(self) -> CaptureStats:
         """What this client's captures cost: registrations made (none after warm-up), fallbacks to pageable memory."""
         return self._captures.stats(self._ring.stats)
@@ -550,13 +577,15 @@ class CheckpointClient:
     def latest_step(self, group: Any = None) -> int | None:
         """Newest step restorable for every rank of the job, or None if there is none.
 
-        ``group``: the job's ``torch.distributed`` process group (rank i of it is the client of rank i). Then
-        this is a collective (every rank calls it at the same point) that costs each rank one call to its own
+        ``group``: the job's ``torch.distributed`` process group (rank i of it is the client of rank i); default: the
+        client's (``group=`` in the class doc: the job's default group when there is one); ``False``: none. With a
+        group this is a collective (every rank calls it at the same point) that costs each rank one call to its own
         store, which asks only its placement group, plus a few small all-reduces: O(replicas) calls per rank
         instead of O(hosts) (``memstore.core.agreement``). Without a group every call asks every store.
         """
-        point = self.restore_point(group=group)
-        self.agreement.point = point if group is not None else None
+        agreed_over = self._group_for(group)
+        point = self.restore_point(group=agreed_over if agreed_over is not None else False)
+        self.agreement.point = point if agreed_over is not None else None
         if point is not None and point.world_size != self.world_size:
             raise InvalidArgumentError(
                 f"step {point.step} of job {self.job_id} was saved by {point.world_size} ranks but this client has world_size "
@@ -573,8 +602,9 @@ class CheckpointClient:
         problem = job_id_problem(self.job_id) or (None if step is None else key_problem(self.job_id, step, 0))
         if problem:
             raise InvalidArgumentError(problem)
-        if group is not None:
-            return self._agreed_point(step, group)
+        agreed_over = self._group_for(group)
+        if agreed_over is not None:
+            return self._agreed_point(step, agreed_over)
         return self._cluster_point(step)
 
     def _agreed_point(self, step: int | None, group: Any) -> RestorePoint | None:
@@ -639,13 +669,16 @@ class CheckpointClient:
         registered bounce ring (nothing is registered per load); numpy arrays are copies then (``zero_copy`` is
         ignored), so the segment stays in the ring.
 
-        ``group``: the job's process group; the version is then agreed over it (a collective, see ``latest_step``),
-        and a ``load(step, group=...)`` right after ``latest_step(group=...)`` returned ``step`` reuses that answer.
+        ``group``: the job's process group (default: the client's, see ``latest_step``; ``False``: none; no default when
+        ``rank`` is another rank's); without ``timeline`` the version is then agreed over it (a collective), and a
+        ``load(step)`` right after ``latest_step()`` returned ``step`` reuses that answer.
         """
         device = parse_map_location(map_location)
         if timeline is None or step is None:
+            agreed_over = self._group_for(group, rank)
             agreed, self.agreement.point = self.agreement.point, None
-            point = agreed if group is not None and agreed is not None and agreed.step == step else self.restore_point(step, group)
+            reuse = agreed_over is not None and agreed is not None and agreed.step == step
+            point = agreed if reuse else self.restore_point(step, agreed_over if agreed_over is not None else False)
             if point is None:
                 note = f": {self.last_restore_note}" if self.last_restore_note else ""
                 if step is None:

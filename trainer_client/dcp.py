@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -356,7 +357,7 @@ class MemStoreWriter(StorageWriter):
         world = max(rank + 1, self._explicit_world_size or 1)
         client = self._client if self._client is not None else self._client_for(rank, world)  # any world: kept for the save
         try:
-            existing = client.restore_point(step)
+            existing = client.restore_point(step, group=False)  # not every rank checks: no collective
         except (NotFoundError, NoCheckpointError):
             existing = None  # a job no store knows yet
         if existing is None:
@@ -373,9 +374,13 @@ class MemStoreWriter(StorageWriter):
         )
 
     def _client_for(self, rank: int, world_size: int) -> CheckpointClient:
+        """The client saving as ``rank`` of ``world_size``. Its saves agree over the job's default group when that is
+        the saving job (``trainer_client.job_group``) and DCP writes on the main thread (``dcp.save``); not from
+        ``dcp.async_save``'s thread, whose collectives would race the trainer's on that group."""
         if self._client is None or (self._client.rank, self._client.world_size) != (rank, world_size):
             self.close()
-            self._client = CheckpointClient(self.job_id, rank, world_size, connection=self.connection)
+            group = None if threading.current_thread() is threading.main_thread() else False
+            self._client = CheckpointClient(self.job_id, rank, world_size, connection=self.connection, group=group)
         return self._client
 
     def _save(self, items: dict[str, Any], metadata: dict[str, Any] | None) -> None:
@@ -412,7 +417,9 @@ class MemStoreReader(StorageReader):
             Resolving the version to read (``read_metadata``, ``latest_step``) then is a collective, as
             ``CheckpointClient.latest_step(group=...)``: each rank asks only its own store about its own shard, and rank 0
             alone asks the whole cluster, once, when the ranks' views cannot decide (a load by another world size than
-            the save's, a save that did not complete). Without it every rank asks the whole cluster.
+            the save's, a save that did not complete). Without it every rank asks the whole cluster. It has no default:
+            DCP hands its reader no process group, and ``dcp.load`` may load on a subgroup or on one rank alone (``no_dist``),
+            where a collective over the default group would wait forever (the torchtitan integration passes it).
             ``agreement_stats`` says what the last resolution cost this rank.
 
     Deprecated (one release, with a ``DeprecationWarning``): ``store`` (also the third positional argument),
@@ -562,7 +569,8 @@ class MemStoreReader(StorageReader):
         """
         if self._client is None or (world_size is not None and self._client.world_size != world_size):
             self.close()
-            self._client = CheckpointClient(self.job_id, 0, world_size or 1, connection=self.connection)
+            # Rank 0 of the saved world, in every loading process: never the job's group (each reads on its own).
+            self._client = CheckpointClient(self.job_id, 0, world_size or 1, connection=self.connection, group=False)
         return self._client
 
     def _restore_point(self, step: int | None) -> tuple[int, int, str] | None:
@@ -587,7 +595,7 @@ class MemStoreReader(StorageReader):
         if self._agreeing is None or (self._agreeing.rank, self._agreeing.world_size) != (rank, size):
             if self._agreeing is not None:
                 self._agreeing.close()
-            self._agreeing = CheckpointClient(self.job_id, rank, size, connection=self.connection)
+            self._agreeing = CheckpointClient(self.job_id, rank, size, connection=self.connection, group=False)
         point = self._agreeing.restore_point(step, group=self.group)
         self.agreement_stats = self._agreeing.agreement.stats
         return point

@@ -2,14 +2,15 @@
 
 One scenario, used by ``tests/integration/test_save_scale.py`` and ``benchmarks/save_scale.py``:
 
-1. ``hosts`` store processes on 127.0.0.1 (R replicas, ``--keep`` K), one rank per host. Ranks are threads of
-   this process (``memstore.devtools.ranks``), each with its own ``CheckpointClient`` to its own host's store and
-   its own member of one gloo process group: the real all-reduce, without one torch process per rank.
+1. ``hosts`` store processes on 127.0.0.1 (R replicas, ``--keep`` K), one rank per host. Ranks are processes (forked
+   from a server that imported torch once), each started as ``torchrun`` starts one: ``init_process_group("gloo")``,
+   then a ``CheckpointClient`` to its own host's store.
 2. Every rank saves steps 1..K (warm-up: nothing is evicted yet), then ``measured`` more steps, each beyond
    ``--keep``, so every store's retention evicts at each one. After the last, the scenario waits until every
    store holds at most K + 1 steps (retention ran), then reads the calls the stores served.
-3. Twice, each a fresh cluster: with ``CheckpointClient(group=...)`` (the ranks' restorable floor rides on the
-   commits; ``floor``) and without (each store lists every store before evicting; ``listing``).
+3. Twice, each a fresh cluster: the client built as the quick start shows, no ``group=`` (it agrees over the job's
+   default process group: the ranks' restorable floor rides on the commits; ``floor``), and with ``group=False``
+   (each store lists every store before evicting; ``listing``).
 
 Calls are counted on the stores' side from their Prometheus counters (``memstore_rpcs_total`` by method), per
 store; ``List`` and ``LatestStep`` are the ones retention could cost. Repair passes run every 10 minutes here so
@@ -18,6 +19,7 @@ that they do not blur the counts.
 
 from __future__ import annotations
 
+import multiprocessing
 import re
 import time
 import urllib.request
@@ -26,14 +28,14 @@ from typing import Any
 
 import torch
 
-from memstore.devtools.cluster import LocalCluster, wait_for
-from memstore.devtools.ranks import on_every_rank
+from memstore.devtools.cluster import LocalCluster, free_ports, wait_for
 
 _SAMPLE = re.compile(
     r'^memstore_(rpcs_total\{method="([A-Za-z]+)"\}|retention_listings_total|steps\{job_id="([^"]+)",tier="ram"\}) ([0-9.e+]+)$', re.M
 )
 RETENTION_CALLS = ("List", "LatestStep")
 JOB = "save-scale"
+RANK_TIMEOUT = 300.0  # each phase of the ranks' saves
 
 
 @dataclass
@@ -60,47 +62,35 @@ def store_counts(cluster: LocalCluster, host: str) -> StoreCounts:
 
 
 def run_once(hosts: int, grouped: bool, replicas: int = 2, keep: int = 2, measured: int = 3, state_kib: int = 64) -> dict[str, Any]:
-    """One cluster, one way of saving; the retention calls per store per measured save."""
-    import threading
-
-    from trainer_client import CheckpointClient, Connection
-
+    """One cluster, one way of building the clients; the retention calls per store per measured save."""
     cluster = LocalCluster(hosts=hosts, replicas=replicas, capacity="64MiB", keep=keep, metrics=True,
                            extra_args=["--repair-interval", "600"])  # fmt: skip
     names = [f"h{i}" for i in range(hosts)]
-    marks: dict[str, Any] = {}
-
-    def mark(name: str) -> None:
-        marks[name] = time.perf_counter()
-        if name == "measured":  # every rank is done with the warm-up: what the stores served so far
-            marks["before"] = {h: store_counts(cluster, h) for h in names}
-
-    warm, done = threading.Barrier(hosts, lambda: mark("measured")), threading.Barrier(hosts, lambda: mark("done"))
-
-    def rank(r: int, g: Any) -> None:
-        client = CheckpointClient(JOB, r, hosts, connection=Connection(cluster.address(f"h{r}"), timeout=60), run_id="save-scale",
-                                  group=g if grouped else None)  # fmt: skip
-        try:
-            for step in range(1, keep + measured + 1):
-                if step == keep + 1:
-                    warm.wait(timeout=300)  # steps 1..keep evict nothing: from here every save is beyond --keep
-                w = torch.randn(state_kib * 256, generator=torch.Generator().manual_seed(r * 1000 + step))
-                client.save(step, {"w": w, "step": step}).wait(timeout=120)
-            done.wait(timeout=300)
-        finally:
-            client.close()
-
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "trainer_client"])  # each rank forks in well under a second
+    warm, go = ctx.Event(), ctx.Event()
+    ranks: list[Any] = []
     try:
         cluster.start(timeout=60 + 2 * hosts)
-        results, _ = on_every_rank(hosts, rank, timeout=600)
-        failed = next((r for r in results if isinstance(r, BaseException)), None)
-        if failed is not None:
-            raise failed
+        (master_port,) = free_ports(1)
+        addresses = [cluster.address(h) for h in names]
+        ranks = [ctx.Process(target=_rank, args=(r, hosts, addresses, master_port, grouped, keep, measured, state_kib, warm, go),
+                             name=f"save-scale-rank-{r}", daemon=True) for r in range(hosts)]  # fmt: skip
+        for p in ranks:
+            p.start()
+        _wait(lambda: warm.is_set(), ranks, RANK_TIMEOUT, "every rank's warm-up saves")
+        started, before = time.perf_counter(), {h: store_counts(cluster, h) for h in names}  # what the stores served so far
+        go.set()
+        _wait(lambda: all(p.exitcode is not None for p in ranks), ranks, RANK_TIMEOUT, "every rank's measured saves")
+        seconds = time.perf_counter() - started
         wait_for(lambda: all(store_counts(cluster, h).steps.get(JOB, 0) <= keep + 2 for h in names), 120, what="retention on every store")
         after = {h: store_counts(cluster, h) for h in names}
     finally:
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
         cluster.stop()
-    before: dict[str, StoreCounts] = marks["before"]
     per_store = {
         h: {m: (after[h].calls.get(m, 0) - before[h].calls.get(m, 0)) / measured for m in RETENTION_CALLS} for h in names
     }  # fmt: skip
@@ -110,8 +100,46 @@ def run_once(hosts: int, grouped: bool, replicas: int = 2, keep: int = 2, measur
         "retention_calls_per_save_total": sum(sum(v.values()) for v in per_store.values()),
         "listings_per_store_per_save_max": max(after[h].listings - before[h].listings for h in names) / measured,
         "steps_held_max": max(after[h].steps.get(JOB, 0) for h in names),
-        "seconds_measured_saves": round(marks["done"] - marks["measured"], 3),
+        "seconds_measured_saves": round(seconds, 3),
     }  # fmt: skip
+
+
+def _wait(done: Any, ranks: list[Any], timeout: float, what: str) -> None:
+    """Wait for ``done()``; a rank that exited with an error, or the deadline, raises (naming it)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        failed = [p for p in ranks if p.exitcode not in (None, 0)]
+        if failed:
+            raise RuntimeError(f"{failed[0].name} exited with {failed[0].exitcode} before {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not finish within {timeout}s")
+        time.sleep(0.05)
+
+
+def _rank(r: int, hosts: int, addresses: list[str], master_port: int, grouped: bool, keep: int, measured: int, state_kib: int,
+          warm: Any, go: Any) -> None:  # fmt: skip
+    """One rank as ``torchrun`` starts one: the default process group (gloo), the client built as the quick start shows
+    (``grouped``), or with ``group=False`` (the listing it replaces)."""
+    import torch.distributed as dist
+
+    from trainer_client import CheckpointClient, Connection
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=r, world_size=hosts)
+    client = CheckpointClient(JOB, r, hosts, connection=Connection(addresses[r], timeout=60), group=None if grouped else False)
+    try:
+        for step in range(1, keep + measured + 1):
+            if step == keep + 1:  # steps 1..keep evict nothing: from here every save is beyond --keep
+                dist.barrier()
+                if r == 0:
+                    warm.set()
+                if not go.wait(RANK_TIMEOUT):
+                    raise TimeoutError("the measured saves were never started")
+            w = torch.randn(state_kib * 256, generator=torch.Generator().manual_seed(r * 1000 + step))
+            client.save(step, {"w": w, "step": step}).wait(timeout=120)
+        dist.barrier()
+    finally:
+        client.close()
+        dist.destroy_process_group()
 
 
 def run(hosts: int = 32, replicas: int = 2, keep: int = 2, measured: int = 3, state_kib: int = 64, compare: bool = True) -> dict[str, Any]:

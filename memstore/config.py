@@ -275,6 +275,15 @@ class StoreConfig:
     repair_interval: float = _opt(
         "Seconds between anti-entropy passes that restore missing replicas.", _positive_float("--repair-interval"), default=2.0
     )
+    scrub_rate: int = _opt(
+        "Bytes per second the background scrub re-verifies held copies at (0 = off): a copy whose checksum fails is "
+        "dropped, and repair pulls one that verifies. Counted in `memstore status`.",
+        _size("--scrub-rate"),
+        default=32 << 20,
+    )
+    scrub_interval: float = _opt(
+        "Seconds of rest between two scrub passes over every held copy.", _positive_float("--scrub-interval"), default=60.0
+    )
     peer_timeout: float = _opt("Deadline in seconds of control RPCs to peers.", _positive_float("--peer-timeout"), default=5.0)
     transfer_min_rate: int = _opt(
         "Slowest acceptable replication rate (bytes/s); a transfer's deadline is 10 s plus its size at this rate.",

@@ -146,7 +146,7 @@ def machine(shm_dir: str = "/dev/shm") -> dict[str, Any]:
 
 def measure_all(config: dict[str, Any]) -> dict[str, Any]:
     """The whole run: the floors, then the saves, small saves and restores on fresh stores; the run's document."""
-    from memstore.bench.floors import floor_disk, floor_memcpy, floor_tcp
+    from memstore.bench.floors import floor_disk, floor_hash, floor_memcpy, floor_tcp
     from memstore.bench.floors_dcp import floor_dcp
     from memstore.bench.measure import measure_prepared_first_save, measure_restores, measure_saves, measure_small_saves
     from memstore.bench.state import LAYOUT, make_state, nbytes_of, tensors_of
@@ -159,9 +159,9 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
     shard_bytes = nbytes_of(tensors)  # the shard's header adds a few KiB: negligible next to the floors' noise
     doc: dict[str, Any] = {"config": config, "machine": machine(config["shm_dir"])}
     doc["state"] = {"bytes": nbytes_of(tensors), "shard_bytes": shard_bytes, "tensors": len(tensors), "layout": LAYOUT}
-    say("floors: memcpy, raw TCP, torch.save + fsync / torch.load, DCP async_save")
+    say("floors: memcpy, raw TCP, the store's verification, torch.save + fsync / torch.load, DCP async_save")
     doc["floors"] = {
-        "memcpy": floor_memcpy(tensors), "tcp": floor_tcp(shard_bytes),
+        "memcpy": floor_memcpy(tensors), "tcp": floor_tcp(shard_bytes), "hash": floor_hash(shard_bytes),
         "disk": floor_disk(state, config["disk_dir"], reps), "dcp": floor_dcp(state, config["disk_dir"], reps),
     }  # fmt: skip
     say(f"starting {config['hosts']} stores, R={config['replicas']}")

@@ -43,6 +43,27 @@ def floor_memcpy(tensors: list[torch.Tensor], reps: int = MEMCPY_REPS) -> dict[s
     return {"bytes": nbytes_of(tensors), "torch_threads": torch.get_num_threads(), "seconds": times, "p50": p50(times)}
 
 
+def floor_hash(nbytes: int, reps: int = MEMCPY_REPS) -> dict[str, Any]:
+    """The store's verification of ``nbytes`` held in RAM: every chunk's checksum (xxh3, the shards' chunk size) on as
+    many threads as a store verifies a shard a trainer opens with, ``reps`` times. A restore from local RAM verifies
+    every byte before the trainer gets it, so this is its floor."""
+    from memstore.server.reading import VERIFY_WORKERS
+    from memstore.v1.integrity import DEFAULT_CHUNK_BYTES, compute_checksums
+
+    buf = prefaulted(nbytes)
+    buf.view(-1)[:: 4096 // buf.element_size()] = 1  # bytes of its own (xxh3's speed does not depend on them)
+    view = memoryview(buf.numpy().data).cast("B")
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        compute_checksums(view, nbytes, DEFAULT_CHUNK_BYTES, workers=VERIFY_WORKERS)
+        times.append(time.perf_counter() - t0)
+    view.release()
+    del buf
+    gc.collect()
+    return {"bytes": nbytes, "workers": VERIFY_WORKERS, "chunk_bytes": DEFAULT_CHUNK_BYTES, "seconds": times, "p50": p50(times)}
+
+
 def floor_tcp(nbytes: int, reps: int = TCP_REPS) -> dict[str, Any]:
     """Raw TCP of ``nbytes``, ``reps`` transfers on one connection (``PairedTcp``: a child Python process sends 4 MiB
     memoryview slices with blocking ``sendall``, this one receives with ``recv_into`` a pre-faulted buffer); each is

@@ -63,6 +63,11 @@ RATIOS: tuple[Ratio, ...] = (
     Ratio("tcp_over_cpu_floor_min", "every save: its paired TCP over its CPU seconds / cores, the committed_over_tcp those allow"),
     Ratio("torch_load_over_restore_local", "torch.load (page cache warm) over a restore from local RAM in a new process", ">=", 10.0),
     Ratio(
+        "restore_local_over_hash_floor",
+        "restore from local RAM in a new process, from load(): its speed over the store's verification of the same bytes (p50)",
+        ">=", 0.8,
+    ),
+    Ratio(
         "restore_peer_over_tcp",
         "restore from peer RAM after a host loss, new process, from load(): over raw TCP of the shard right before it (p50)", ">=", 0.7,
     ),
@@ -193,6 +198,7 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "save_cores_busy_min": _least_cores_busy(doc),
         "tcp_over_cpu_floor_min": _tcp_over_cpu_floor(doc, ratio(state_bytes, tcp)),
         "torch_load_over_restore_local": ratio(floors["disk"]["load_warm_p50"], restores["local"]["p50"]),
+        "restore_local_over_hash_floor": ratio(floors["hash"]["p50"], restores["local"]["load_p50"]) if "hash" in floors else None,
         "restore_peer_over_tcp": _restore_over_tcp(peer, "load_seconds", shard_bytes, tcp),
         "restore_peer_from_accept_over_tcp": _restore_over_tcp(peer, "seconds", shard_bytes, tcp),
         "torch_load_over_restore_peer": ratio(floors["disk"]["load_warm_p50"], peer.get("load_p50", peer["p50"])) if peer else None,
@@ -218,6 +224,7 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "torch_load_over_restore_peer": "R=1 keeps no peer copy" if not peer else "",
         **{name: "not measured (--dp-size 0)" for name in DP_RATIOS if not dp},
         **{f"stream_p{p}_over_tcp": "not measured" for p in (1, 2, 4)},
+        "restore_local_over_hash_floor": "",  # a document from before the bench measured the verification floor
         "save_cores_busy_min": "",  # no /proc (not Linux), or a document from before the bench measured CPU
         "tcp_over_cpu_floor_min": "",
     }

@@ -96,6 +96,11 @@ def _host_problems(h: dict[str, Any]) -> list[Any]:
             f"{h['host']}: {h['ring_overflows']} saves grew a full capture ring past its bound of {h['ring_limit']} + 1 "
             "segments (saves outran replication and retention, and no older step could be reused): RAM above the floor"
         ))  # fmt: skip
+    if h.get("scrub_corrupt"):
+        lines.append(render.bad(
+            f"{h['host']}: the background scrub found {h['scrub_corrupt']} corrupt copies in RAM (each dropped, and pulled "
+            "again from a copy that verifies by repair): check this host's memory"
+        ))  # fmt: skip
     capture = h.get("capture", {})
     if capture.get("fallbacks"):
         lines.append(render.bad(

@@ -117,6 +117,8 @@ def _ask(host: str, address: str, timeout: float, job: str) -> tuple[dict[str, A
             "fallback_cause": h.capture.fallback_cause,
         },
         "saves_superseded": h.saves_superseded,
+        "scrubbed_bytes": h.scrubbed_bytes,  # re-verified by the background scrub since the store started
+        "scrub_corrupt": h.scrub_corrupt,  # copies it found corrupt (dropped; repair pulls them again)
         "discovery": {"source": h.discovery.source, "members": h.discovery.members, "error": h.discovery.error},
     }
     return health, [shard_row(x) for x in listing.shards]

@@ -94,6 +94,8 @@ class HealthReport:
     jobs_memory: tuple[JobMemory, ...] = ()  # per job: the bytes of its segments here, in use and pooled
     ring_overflows: int = 0  # saves that grew a full capture ring past its bound
     ring_limit: int = 0  # segments a rank's capture ring holds once warm
+    scrubbed_bytes: int = 0  # bytes the background scrub re-verified since the store started
+    scrub_corrupt: int = 0  # copies the scrub found corrupt (each dropped, and pulled again by repair)
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,12 @@ class Catalog:
         with self._lock:
             return [(k, e.nbytes, e.state) for k, e in self._entries.items() if not e.dropped]
 
+    def scrub_candidates(self) -> list[Entry]:
+        """The settled, verified copies held now, oldest first (what the background scrub re-verifies)."""
+        with self._lock:
+            held = [e for e in self._entries.values() if not e.dropped and e.verified and e.state.settled]
+        return sorted(held, key=lambda e: e.created_unix)
+
     def shard_count(self) -> int:
         with self._lock:
             return sum(1 for e in self._entries.values() if not e.dropped)

@@ -217,6 +217,8 @@ def health_to_pb(h: HealthReport) -> pb.HealthResponse:
         jobs_memory=[pb.JobMemory(job_id=j.job_id, in_use_bytes=j.in_use_bytes, pooled_bytes=j.pooled_bytes) for j in h.jobs_memory],
         ring_overflows=h.ring_overflows,
         ring_limit=h.ring_limit,
+        scrubbed_bytes=h.scrubbed_bytes,
+        scrub_corrupt=h.scrub_corrupt,
         discovery=None
         if h.discovery is None
         else pb.DiscoveryStatus(

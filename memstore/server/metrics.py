@@ -143,6 +143,12 @@ def state_families(s: Snapshot) -> list[Metric]:
             "Saves dropped before replication because a newer save of the same rank came first (newest wins).",
             value=h.saves_superseded,
         ),
+        CounterMetricFamily(PREFIX + "scrubbed_bytes", "Bytes of held copies the background scrub re-verified.", value=h.scrubbed_bytes),
+        CounterMetricFamily(
+            PREFIX + "scrub_corrupt",
+            "Copies the background scrub found corrupt (each dropped, and pulled again from a copy that verifies).",
+            value=h.scrub_corrupt,
+        ),
     ]
     job_bytes = _gauge("job_bytes", "Shard bytes of a job held in this store's RAM (its own shards, replicas, saves in flight).",
                        labels=["job_id"])  # fmt: skip

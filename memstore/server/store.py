@@ -52,6 +52,7 @@ from memstore.server.recovery import Recovery
 from memstore.server.replication import Replicator
 from memstore.server.rings import ring_limit
 from memstore.server.saving import Saver
+from memstore.server.scrub import Scrubber
 from memstore.server.segments import SegmentPool
 from memstore.server.shm_dirs import segment_dir
 from memstore.server.shm_pages import shm_pages
@@ -114,6 +115,7 @@ class Store:
         self.janitor = Janitor(self.catalog, config, self.recovery.cluster_holdings, self._stop, self._retention_due, self.floors)
         self.drainer = Drainer(self.catalog, config, self.membership, self.peers, self.draining)
         self.assembler = Assembler(self.catalog, self.pool, self.recovery.pull_ahead, self._stop, self.draining)
+        self.scrubber = Scrubber(self.catalog, config.scrub_rate, config.scrub_interval, self._stop)
 
         # What the servicer calls (memstore.server.servicer), by the part that answers it.
         self.allocate = self.saver.allocate
@@ -140,6 +142,7 @@ class Store:
             threading.Thread(target=self.recovery.repair_loop, name="repair", daemon=True),
             threading.Thread(target=self.janitor.loop, name="janitor", daemon=True),
             threading.Thread(target=self.assembler.loop, name="assembler", daemon=True),
+            threading.Thread(target=self.scrubber.loop, name="scrub", daemon=True),
         ]
         # Dead stores' segment dirs on this machine: a predecessor's adopted, the rest reclaimed after a grace period.
         self.sweeper: ShmSweeper | None = None
@@ -394,4 +397,6 @@ class Store:
             jobs_memory=tuple(JobMemory(job, used, pooled) for job, (used, pooled) in sorted(self.pool.jobs_memory().items()) if job),
             ring_overflows=self.pool.ring_overflows,
             ring_limit=self.pool.ring_limit,
+            scrubbed_bytes=self.scrubber.scrubbed_bytes,
+            scrub_corrupt=self.scrubber.corrupt,
         )

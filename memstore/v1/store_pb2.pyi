@@ -201,7 +201,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "host_id", "used_bytes", "capacity_bytes", "shards", "replications_in_flight", "repairs_in_flight", "uptime_seconds", "spill_url", "spill", "orphans", "adopted_shards", "draining", "drain_progress", "slots", "discovery", "not_ready", "pooled_bytes", "reserve_bytes", "reserve_filling", "capture", "saves_superseded", "jobs_memory", "ring_overflows", "ring_limit")
+    __slots__ = ("serving", "host_id", "used_bytes", "capacity_bytes", "shards", "replications_in_flight", "repairs_in_flight", "uptime_seconds", "spill_url", "spill", "orphans", "adopted_shards", "draining", "drain_progress", "slots", "discovery", "not_ready", "pooled_bytes", "reserve_bytes", "reserve_filling", "capture", "saves_superseded", "jobs_memory", "ring_overflows", "ring_limit", "scrubbed_bytes", "scrub_corrupt")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,8 @@ class HealthResponse(_message.Message):
     JOBS_MEMORY_FIELD_NUMBER: _ClassVar[int]
     RING_OVERFLOWS_FIELD_NUMBER: _ClassVar[int]
     RING_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    SCRUBBED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCRUB_CORRUPT_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     host_id: str
     used_bytes: int
@@ -252,7 +254,9 @@ class HealthResponse(_message.Message):
     jobs_memory: _containers.RepeatedCompositeFieldContainer[JobMemory]
     ring_overflows: int
     ring_limit: int
-    def __init__(self, serving: _Optional[bool] = ..., host_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., replications_in_flight: _Optional[int] = ..., repairs_in_flight: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., spill_url: _Optional[str] = ..., spill: _Optional[_Iterable[_Union[SpillStatus, _Mapping]]] = ..., orphans: _Optional[_Iterable[_Union[OrphanedSegments, _Mapping]]] = ..., adopted_shards: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_progress: _Optional[str] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., discovery: _Optional[_Union[DiscoveryStatus, _Mapping]] = ..., not_ready: _Optional[str] = ..., pooled_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., reserve_filling: _Optional[bool] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., saves_superseded: _Optional[int] = ..., jobs_memory: _Optional[_Iterable[_Union[JobMemory, _Mapping]]] = ..., ring_overflows: _Optional[int] = ..., ring_limit: _Optional[int] = ...) -> None: ...
+    scrubbed_bytes: int
+    scrub_corrupt: int
+    def __init__(self, serving: _Optional[bool] = ..., host_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shards: _Optional[int] = ..., replications_in_flight: _Optional[int] = ..., repairs_in_flight: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., spill_url: _Optional[str] = ..., spill: _Optional[_Iterable[_Union[SpillStatus, _Mapping]]] = ..., orphans: _Optional[_Iterable[_Union[OrphanedSegments, _Mapping]]] = ..., adopted_shards: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_progress: _Optional[str] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., discovery: _Optional[_Union[DiscoveryStatus, _Mapping]] = ..., not_ready: _Optional[str] = ..., pooled_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., reserve_filling: _Optional[bool] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., saves_superseded: _Optional[int] = ..., jobs_memory: _Optional[_Iterable[_Union[JobMemory, _Mapping]]] = ..., ring_overflows: _Optional[int] = ..., ring_limit: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., scrub_corrupt: _Optional[int] = ...) -> None: ...
 
 class JobMemory(_message.Message):
     __slots__ = ("job_id", "in_use_bytes", "pooled_bytes")

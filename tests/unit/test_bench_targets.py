@@ -46,6 +46,7 @@ def document() -> dict[str, Any]:
         "floors": {
             "memcpy": {"p50": 0.1},
             "tcp": {"p50": B / 0.4},
+            "hash": {"p50": 0.045},
             "disk": {"save_fsync_seconds": 4.0, "load_warm_p50": 0.5},
             "dcp": {"default": dcp_mode, "reused_stager": {**dcp_mode, "blocking_p50": 0.25}},
         },
@@ -53,7 +54,7 @@ def document() -> dict[str, Any]:
         "prepared": {"prepare_seconds": 2.0, "save": save(1, FIRST, 0.2, 0.1, 0.8)},
         "ram": {"ram_multiple_peak": 6.02, "ram_multiple_settled": 6.0, "ram_multiple_idle": 5.0},
         "small_saves": {"stall_p50": 0.0008},
-        "restores": {"local": {"p50": 0.05}, "peer": {"p50": 0.8, "load_p50": 0.5}},
+        "restores": {"local": {"p50": 0.05, "load_p50": 0.05}, "peer": {"p50": 0.8, "load_p50": 0.5}},
         "streams": {"bytes": B, "p1": {"p50": 0.5}, "p2": {"p50": 0.4}, "p4": {"p50": 0.32}},
         "data_parallel": {"replicas": 2, "state_bytes": B, "cases": [
             dp(2, "no_dedup", 0.2, B, 4, 0.1, 0.3), dp(2, "dedup", 0.1, B // 2, 2, 0.12, 0.3),
@@ -83,6 +84,7 @@ def test_every_ratio_from_its_parts() -> None:
         "save_cores_busy_min": 0.8,  # save 1 kept 80% of the cores busy, the others 90%
         "tcp_over_cpu_floor_min": 0.5,  # save 1 took 1.6 CPU seconds: 0.8 s on 2 cores, against 0.4 s of TCP
         "torch_load_over_restore_local": 10.0,
+        "restore_local_over_hash_floor": 0.9,  # from load(): 0.05 s against 0.045 s of verification
         "restore_peer_over_tcp": 0.8,  # from load(): 1 GiB in 0.5 s against 0.4 s
         "restore_peer_from_accept_over_tcp": 0.5,  # from the replacement's port accepting: 0.8 s
         "torch_load_over_restore_peer": 1.0,
@@ -122,6 +124,7 @@ def test_pass_miss_and_the_table() -> None:
         "save_cores_busy_min": None,  # reported, no target
         "tcp_over_cpu_floor_min": None,
         "torch_load_over_restore_local": True,
+        "restore_local_over_hash_floor": True,  # 0.9 >= 0.8
         "restore_peer_over_tcp": True,
         "restore_peer_from_accept_over_tcp": None,  # reported, no target
         "torch_load_over_restore_peer": False,

@@ -43,7 +43,7 @@ from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
 from trainer_client import serialization
 from trainer_client.agreement import Agreements, AgreementStats, ClusterAnswer, LocalAnswer, agree
 from trainer_client.capture import cuda as _cuda
-from trainer_client.capture.device_restore import parse_map_location
+from trainer_client.capture.device_restore import parse_map_location, prepare_bounce_ring
 from trainer_client.capture.device_save import CAPTURE_MODES, Capture, Captures, host_writer
 from trainer_client.capture.ring import CaptureRing, CaptureStats
 from trainer_client.connection import Connection, connection_from_kwargs
@@ -215,6 +215,7 @@ class CheckpointClient:
         self._hashing = trainer_hashing_wanted()  # a bad MEMSTORE_TRAINER_HASHING is refused here, not at the first save
         self._reader = ShardReader(self._call, self._control, self._stub, self._ring, self._remote, self.shared_memory, self.hello.host_id,
                                    rank, self.agreement)  # fmt: skip
+        prepare_bounce_ring(only_if_cuda_in_use=True)  # a trainer on a GPU: its first restore onto it registers nothing
 
     @functools.cached_property
     def _captures(self) -> Captures:
@@ -674,6 +675,8 @@ class CheckpointClient:
         ``load(step)`` right after ``latest_step()`` returned ``step`` reuses that answer.
         """
         device = parse_map_location(map_location)
+        if device is not None and device.type == "cuda":
+            prepare_bounce_ring()  # registered while the version is agreed and the store opens the shard (once per process)
         if timeline is None or step is None:
             agreed_over = self._group_for(group, rank)
             agreed, self.agreement.point = self.agreement.point, None

@@ -15,14 +15,17 @@ from typing import Any
 
 import torch
 
+from memstore.core.model import Manifest
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import first_mismatch
 from memstore.v1.manifests import manifest_from_pb
+from memstore.v1.pagefaults import address_of
 from memstore.v1.streams import manifest_problem
 from trainer_client import serialization
 from trainer_client.agreement import Agreements
-from trainer_client.capture.device_restore import decode_onto, decode_registered, populate_for_reading
+from trainer_client.capture.device_restore import HostToDevice, decode_onto, decode_registered, populate_for_reading
 from trainer_client.capture.ring import CaptureRing
+from trainer_client.chunk_check import ChunkCheck
 from trainer_client.errors import CorruptShardError, NotFoundError
 from trainer_client.transport.remote import RemotePath, byte_view
 
@@ -101,18 +104,20 @@ class ShardReader:
         raise AssertionError("unreachable")
 
     def read_shared(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
-        # Onto a device the bytes are copied out before Release, so the segment stays recyclable (in its ring).
-        request = pb.OpenRequest(key=key, transient=device is not None)
+        # Onto a device the bytes are copied out before Release, so the segment stays recyclable (in its ring), and they
+        # are verified here beside the copies (chunk_check), not by the store before them.
+        onto = device is not None
+        request = pb.OpenRequest(key=key, transient=onto, reader_verifies=onto)
         opened = self._control("Open", request, f"open step {key.step}", retries=3)
         try:
             m = manifest_from_pb(opened.manifest)
             problem = manifest_problem(m)
             if problem:
                 raise CorruptShardError(f"store sent a bad manifest for step {key.step}: {problem}")
-            if device is not None and opened.verified:
+            if device is not None:
                 with self._ring.registered_view(opened.segment_path, m.nbytes) as ring_mm:
                     if ring_mm is not None:  # a segment of this rank's ring (a same-process restore): DMA straight out of it
-                        return decode_registered(ring_mm, m.nbytes, device)
+                        return self._onto_device(ring_mm, m, key, device, opened.verified, registered=True)
             fd = os.open(opened.segment_path, os.O_RDONLY)
             try:
                 # A private (copy-on-write) mapping: the trainer may modify restored tensors freely and
@@ -120,6 +125,12 @@ class ShardReader:
                 mm = mmap.mmap(fd, max(1, m.nbytes), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
+            if device is not None:
+                try:  # nothing may keep the mapping: the lease was transient
+                    return self._onto_device(mm, m, key, device, opened.verified, registered=False)
+                finally:
+                    with contextlib.suppress(BufferError):  # numpy arrays still viewing it (zero_copy) keep it mapped
+                        mm.close()
             if not opened.verified:  # an older store: verify here (the store verifies for this Open otherwise)
                 populate_for_reading(mm)
                 view = memoryview(mm)[: m.nbytes]
@@ -130,12 +141,6 @@ class ShardReader:
                 if bad is not None:
                     mm.close()
                     raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
-            if device is not None:
-                try:
-                    return decode_onto(mm, device, zero_copy=False)  # nothing may keep the mapping: the lease was transient
-                finally:
-                    with contextlib.suppress(BufferError):  # numpy arrays still viewing it (zero_copy) keep it mapped
-                        mm.close()
             if zero_copy:
                 return serialization.decode(mm, zero_copy=True)  # tensors keep the mapping alive
             try:
@@ -144,6 +149,27 @@ class ShardReader:
                 mm.close()
         finally:
             self._control("Release", pb.ReleaseRequest(lease_id=opened.lease_id), f"release step {key.step}")
+
+    @staticmethod
+    def _onto_device(mm: mmap.mmap, m: Manifest, key: pb.ShardKey, device: torch.device, verified: bool, registered: bool) -> Any:
+        """The shard in ``mm`` decoded onto ``device``; unless the store ``verified`` it, every chunk hashed beside the
+        copies (``ChunkCheck``): nothing is returned before every byte verified."""
+        check = None
+        if not verified:
+            view = memoryview(mm)[: m.nbytes]
+            check = ChunkCheck(view, address_of(mm), m.chunk_size, m.checksums, f"step {key.step} rank {key.rank}")
+        try:
+            gate = check.gate if check is not None else None
+            if registered:
+                state = decode_registered(mm, m.nbytes, device, gate=gate)
+            else:
+                state = decode_onto(mm, device, zero_copy=False, copies=HostToDevice(gate=gate))
+            if check is not None:
+                check.finish()
+            return state
+        finally:
+            if check is not None:
+                check.close()
 
     def read_remote(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
         """Without shared memory: the shard over the store's data channel (gRPC streams if it has none), every

@@ -30,7 +30,7 @@ class Reader:
         self.catalog = catalog
         self.host_id = catalog.host_id
 
-    def open(self, key: ShardKey, transient: bool = False) -> tuple[str, Entry]:
+    def open(self, key: ShardKey, transient: bool = False, reader_verifies: bool = False) -> tuple[str, Entry]:
         """Lend the verified local copy of ``key`` to a reader on this machine, checked chunk by chunk now.
 
         ``transient``: the reader copies the bytes out and unmaps before it releases the lease (a restore onto a
@@ -42,6 +42,8 @@ class Reader:
         that fails is dropped and DATA_LOSS tells the reader to ask again (the store then pulls another).
         A copy pulled in for a restore had every chunk verified as it landed: its first reader within
         ``ARRIVAL_CHECK_SECONDS`` gets it without a second pass over the same bytes; every later one hashes it.
+        ``reader_verifies``: the reader hashes every chunk beside its copy (a restore onto a device, whose copies then
+        need not wait for a pass over the whole shard first): the store lends the copy as it is.
         """
         entry = self.catalog.readable(key)
         if entry.segment.path is None:
@@ -50,8 +52,9 @@ class Reader:
             raise ShardNotFound(f"shard {key} was evicted while opening it")
         m = entry.manifest
         assert m is not None
-        just_checked = time.monotonic() - entry.arrived_verified < ARRIVAL_CHECK_SECONDS
-        entry.arrived_verified = 0.0  # once
+        just_checked = reader_verifies or time.monotonic() - entry.arrived_verified < ARRIVAL_CHECK_SECONDS
+        if not reader_verifies:
+            entry.arrived_verified = 0.0  # once
         bad = None if just_checked else first_mismatch(entry.segment.view(entry.nbytes), entry.nbytes, m.chunk_size, m.checksums,
                                                        workers=VERIFY_WORKERS)  # fmt: skip
         if bad is not None:

@@ -8,9 +8,9 @@ checksums made at save time, and drops a copy whose chunk differs (the way ``Rea
 pass pulls it back from a copy that verifies. ``memstore status`` and the metrics count what it checked and found.
 
 The rate bounds its cost: chunk by chunk, it sleeps so that no more than ``rate`` bytes a second are hashed (one
-chunk at a time, on one thread), and it waits while the store's foreground is busy (saves, replication, restores,
-repairs: ``Catalog.foreground_busy``), as the spill tier does. A pass over every copy is followed by ``interval``
-seconds of rest.
+chunk at a time, on one thread). It skips copies younger than ``interval`` (verified when they landed) and waits
+while the store's foreground is busy (saves, replication, restores, repairs: ``Catalog.foreground_busy``), as the
+spill tier does. A pass over every copy is followed by ``interval`` seconds of rest.
 """
 
 from __future__ import annotations
@@ -42,13 +42,15 @@ class Scrubber:
     """
 
     def __init__(
-        self, catalog: Catalog, rate: int, interval: float, stop: threading.Event, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+        self, catalog: Catalog, rate: int, interval: float, stop: threading.Event, clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:  # fmt: skip
         self.catalog = catalog
         self.rate = rate
         self.interval = interval
         self._stop = stop
         self._clock = clock
+        self._wall = wall
         self.scrubbed_bytes = 0  # bytes re-verified so far
         self.corrupt = 0  # copies found corrupt (and dropped) so far
         self.passes = 0  # passes completed
@@ -64,11 +66,15 @@ class Scrubber:
             self._stop.wait(self.interval)
 
     def pass_once(self) -> int:
-        """Re-verify every copy held now (oldest first); the copies found corrupt."""
+        """Re-verify every copy held now (oldest first) and older than ``interval`` (a younger one was verified when it
+        landed, and most of a save cadence's steps are evicted soon after); the copies found corrupt."""
         found = 0
+        settled_before = self._wall() - self.interval
         for entry in self.catalog.scrub_candidates():
             if self._stop.is_set():
                 return found
+            if entry.created_unix > settled_before:
+                continue
             found += self.check(entry)
         self.passes += 1
         return found

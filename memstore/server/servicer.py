@@ -189,11 +189,12 @@ class StoreServicer(pb_grpc.StoreServicer):
     @rpc
     def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
         self._allow(context, Need.JOB, request.key.job_id)
-        lease_id, entry = self.store.open(key_from_pb(request.key), transient=request.transient)
+        lease_id, entry = self.store.open(key_from_pb(request.key), transient=request.transient, reader_verifies=request.reader_verifies)
         assert entry.manifest is not None
         return pb.OpenResponse(
-            lease_id=lease_id, segment_path=entry.segment.path or "", manifest=manifest_to_pb(entry.manifest), verified=True
-        )
+            lease_id=lease_id, segment_path=entry.segment.path or "", manifest=manifest_to_pb(entry.manifest),
+            verified=not request.reader_verifies,
+        )  # fmt: skip
 
     @rpc
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:

@@ -440,12 +440,14 @@ class WaitCommittedResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ShardInfo, _Mapping]] = ..., done: _Optional[bool] = ..., next_segment_path: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("key", "transient")
+    __slots__ = ("key", "transient", "reader_verifies")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TRANSIENT_FIELD_NUMBER: _ClassVar[int]
+    READER_VERIFIES_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     transient: bool
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., transient: _Optional[bool] = ...) -> None: ...
+    reader_verifies: bool
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., transient: _Optional[bool] = ..., reader_verifies: _Optional[bool] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("lease_id", "segment_path", "manifest", "verified")

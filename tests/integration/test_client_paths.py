@@ -49,7 +49,10 @@ def test_trainer_killed_right_after_save_loses_nothing(make_inprocess_cluster) -
         c.close()
 
 
-def test_corrupt_local_copy_is_discarded_and_peer_copy_used(make_inprocess_cluster) -> None:
+@pytest.mark.parametrize("onto", [None, "meta"])
+def test_corrupt_local_copy_is_discarded_and_peer_copy_used(make_inprocess_cluster, onto: str | None) -> None:  # type: ignore[no-untyped-def]
+    """Onto a device (``meta`` here: the same path, no bytes land) the client hashes the chunks beside its copies
+    (``trainer_client.chunk_check``); the failed chunk makes it ask again, and the store drops its copy."""
     cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB")
     c = CheckpointClient("corrupt", 0, 1, connection=Connection(cluster.address("h0")))
     try:
@@ -61,7 +64,11 @@ def test_corrupt_local_copy_is_discarded_and_peer_copy_used(make_inprocess_clust
             with open(seg, "r+b") as fh:
                 fh.seek(4096)
                 fh.write(b"\xde\xad\xbe\xef" * 16)
-        assert_same(c.load(1), rank_state(0, 1, scale=16))
+        if onto is None:
+            assert_same(c.load(1), rank_state(0, 1, scale=16))
+        else:
+            out = c.load(1, map_location=onto)
+            assert all(t.is_meta for t in out.values() if isinstance(t, torch.Tensor))
         assert c.last_load_source == "h1"  # the verified copy came from the peer
     finally:
         c.close()

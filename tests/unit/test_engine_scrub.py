@@ -33,7 +33,7 @@ def test_a_pass_drops_the_corrupt_copy_and_keeps_the_sound_ones() -> None:
 
 def test_the_rate_bounds_the_bytes_hashed_per_second() -> None:
     catalog, _, stop = make_catalog()
-    settled(catalog, ShardKey("job", 1, 0), DATA)
+    settled(catalog, ShardKey("job", 1, 0), DATA, created=1.0)
     waits: list[float] = []
 
     class Recording(threading.Event):
@@ -49,7 +49,7 @@ def test_the_rate_bounds_the_bytes_hashed_per_second() -> None:
 
 def test_a_copy_evicted_while_it_is_hashed_is_not_counted_corrupt() -> None:
     catalog, _, stop = make_catalog()
-    entry = settled(catalog, ShardKey("job", 1, 0), DATA)
+    entry = settled(catalog, ShardKey("job", 1, 0), DATA, created=1.0)
     entry.segment.view()[0] ^= 0x01
 
     def evicted_meanwhile() -> float:
@@ -63,7 +63,7 @@ def test_a_copy_evicted_while_it_is_hashed_is_not_counted_corrupt() -> None:
 
 def test_rate_zero_is_off() -> None:
     catalog, _, stop = make_catalog()
-    rotten = settled(catalog, ShardKey("job", 1, 0), DATA)
+    rotten = settled(catalog, ShardKey("job", 1, 0), DATA, created=1.0)
     rotten.segment.view()[0] ^= 0x01
     Scrubber(catalog, rate=0, interval=0.01, stop=stop).loop()  # returns at once
     assert catalog.get(rotten.key) is rotten
@@ -71,7 +71,7 @@ def test_rate_zero_is_off() -> None:
 
 def test_it_waits_while_the_foreground_is_busy() -> None:
     catalog, _, _ = make_catalog()
-    settled(catalog, ShardKey("job", 1, 0), DATA[:4096])  # one chunk
+    settled(catalog, ShardKey("job", 1, 0), DATA[:4096], created=1.0)  # one chunk
     busy = iter([True, True, False])
     catalog.foreground_busy = lambda: next(busy)  # type: ignore[method-assign]
     waits: list[float] = []
@@ -83,3 +83,13 @@ def test_it_waits_while_the_foreground_is_busy() -> None:
 
     Scrubber(catalog, rate=1 << 40, interval=60.0, stop=Recording()).pass_once()
     assert waits[:2] == [BUSY_WAIT_SECONDS, BUSY_WAIT_SECONDS]  # a save was being copied in: it hashed nothing then
+
+
+def test_a_copy_younger_than_the_interval_waits_for_a_later_pass() -> None:
+    catalog, _, stop = make_catalog()
+    rotten = settled(catalog, ShardKey("job", 1, 0), DATA, created=1000.0)
+    rotten.segment.view()[0] ^= 0x01
+    scrub = Scrubber(catalog, rate=1 << 40, interval=60.0, stop=stop, wall=lambda: 1030.0)
+    assert scrub.pass_once() == 0 and scrub.scrubbed_bytes == 0  # verified when it landed, 30 s ago
+    scrub = Scrubber(catalog, rate=1 << 40, interval=60.0, stop=stop, wall=lambda: 1061.0)
+    assert scrub.pass_once() == 1

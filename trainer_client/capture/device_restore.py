@@ -124,6 +124,12 @@ class BounceRing:
             target[offset : offset + n].copy_(staged, non_blocking=True)
             self._events[i] = _record(target)
 
+    def prepare(self) -> None:
+        """Make and register every buffer now (on a thread, off a restore's path: ``prepare_bounce_ring``); a restore
+        running meanwhile has them made already, as it goes."""
+        with self.lock:
+            self._buffer(len(self._events) - 1)
+
     def drain(self) -> None:
         """Wait until every device copy out of the buffers is done."""
         for i, event in enumerate(self._events):
@@ -153,6 +159,24 @@ def bounce_ring() -> BounceRing:
         return _bounce
 
 
+def prepare_bounce_ring(only_if_cuda_in_use: bool = False) -> threading.Thread | None:
+    """Register the process's bounce buffers on a thread now, so that the first restore onto a device does not (the
+    client starts it when it connects in a process that uses CUDA already, and at a ``load(map_location=cuda)``).
+    ``only_if_cuda_in_use``: nothing (None) unless this process has initialized CUDA."""
+    if only_if_cuda_in_use and not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    thread = threading.Thread(target=_prepare_quietly, name="memstore-bounce", daemon=True)
+    thread.start()
+    return thread
+
+
+def _prepare_quietly() -> None:
+    try:
+        bounce_ring().prepare()
+    except Exception as exc:  # the restore makes them itself then, and says why it could not
+        log.debug("bounce buffers not prepared: %s", exc)
+
+
 class HostToDevice:
     """Host->device copies out of one shard's memory, finished by :meth:`finish`.
 
@@ -163,9 +187,15 @@ class HostToDevice:
     target's device.
     """
 
-    def __init__(self, registered: Callable[[int, int], bool] | None = None, staged: Callable[[torch.Tensor], bool] | None = None) -> None:
+    def __init__(
+        self, registered: Callable[[int, int], bool] | None = None, staged: Callable[[torch.Tensor], bool] | None = None,
+        gate: Callable[[int, int], None] | None = None,
+    ) -> None:  # fmt: skip
+        """``gate(addr, nbytes)``: called before the bytes of a host source are copied (a ``ChunkCheck``'s: it waits for
+        their chunks to verify, and raises if one failed)."""
         self._registered = registered or (lambda addr, nbytes: False)
         self._staged = staged or (lambda target: target.is_cuda)  # which targets the bounce ring serves (tests: CPU ones too)
+        self._gate = gate
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._bounce: BounceRing | None = None
         self.direct = 0  # copies straight out of registered memory
@@ -173,6 +203,8 @@ class HostToDevice:
 
     def copy_into(self, target: torch.Tensor, source: torch.Tensor) -> None:
         """``target.copy_(source)``; asynchronous when ``target`` is on a CUDA device and ``source`` in host memory."""
+        if self._gate is not None and source.is_cpu:
+            self._gate(source.data_ptr(), source.numel() * source.element_size())
         if not (self._staged(target) and source.is_cpu) or target.dtype != source.dtype:
             target.copy_(source)
             return
@@ -288,10 +320,10 @@ def onto_device(state: Any, device: torch.device, zero_copy: bool = False, copie
         del state
 
 
-def decode_registered(mm: mmap.mmap, nbytes: int, device: torch.device) -> Any:
+def decode_registered(mm: mmap.mmap, nbytes: int, device: torch.device, gate: Callable[[int, int], None] | None = None) -> Any:
     """Decode a shard held in a registered mapping of the client's capture ring onto ``device``: the copies read it in
     place (no copy-on-write mapping, no registration, no bounce). Numpy arrays are copied out of it: the segment goes
-    back to the ring."""
+    back to the ring. ``gate``: as ``HostToDevice``'s."""
     start = address_of(mm)
 
     def registered(addr: int, n: int) -> bool:
@@ -299,7 +331,7 @@ def decode_registered(mm: mmap.mmap, nbytes: int, device: torch.device) -> Any:
 
     view = memoryview(mm)[:nbytes]
     try:
-        return decode_onto(view, device, zero_copy=False, copies=HostToDevice(registered=registered))
+        return decode_onto(view, device, zero_copy=False, copies=HostToDevice(registered=registered, gate=gate))
     finally:
         view.release()
 

@@ -160,9 +160,11 @@ class Peer:
         return [info_from_pb(i) for i in resp.shards]
 
     def expect(self, job_id: str, rank: int, nbytes: int, timeout: float) -> None:
-        """Tell the peer that replicas of ``job_id``'s rank ``rank``, ``nbytes`` each, will land on it (asked once)."""
+        """Tell the peer that replicas of ``job_id``'s rank ``rank``, ``nbytes`` each, will land on it (with the peer's
+        retry policy: a channel still backing off from a peer that was not listening yet fails at once otherwise)."""
+        request = pb.ExpectRequest(job_id=job_id, rank=rank, nbytes=nbytes)
         try:
-            self.stub.Expect(pb.ExpectRequest(job_id=job_id, rank=rank, nbytes=nbytes), timeout=timeout)
+            self._call(lambda: self.stub.Expect(request, timeout=timeout))
         except grpc.RpcError as err:
             raise _peer_error(self.host_id, "Expect", err) from None
 

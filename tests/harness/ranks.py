@@ -47,3 +47,17 @@ def forkserver_preloading(module: str) -> Iterator[None]:
         if ours and server is not None and hasattr(server, "_stop"):
             server._stop()
             multiprocessing.set_forkserver_preload([])
+
+
+def forkserver_fixture(module: str) -> Any:
+    """A module-scoped pytest fixture for a test module whose ranks run its own functions (``forkserver =
+    forkserver_fixture(__name__)``, then ``@pytest.mark.usefixtures("forkserver")``): they fork from a server that
+    imported ``module`` once (:func:`forkserver_preloading`)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def forkserver() -> Iterator[None]:
+        with forkserver_preloading(module):
+            yield
+
+    return forkserver

@@ -13,7 +13,6 @@ import json
 import os
 import pickle
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,7 +34,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from memstore.devtools.cluster import free_ports
 from tests.harness.allocations import allocations_now
-from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_preloading, run_ranks
+from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_fixture, run_ranks
 from tests.harness.torch_versions import LOAD_KEEPS_READER_MESSAGE
 from tests.states import assert_same
 from trainer_client import CheckpointClient, Connection
@@ -122,10 +121,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def forkserver() -> Iterator[None]:
-    with forkserver_preloading(__name__):
-        yield
+forkserver = forkserver_fixture(__name__)
 
 
 def _init_group(rank: int, world: int, port: int) -> None:

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from memstore.devtools.cluster import LocalCluster, free_ports
 from tests.harness.inprocess import InProcessCluster
-from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_preloading, run_ranks
+from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_fixture, run_ranks
 from tests.harness.torch_versions import LOAD_SAYS_METADATA_IS_NONE, LOAD_WRAPS_READER_ERROR
 from trainer_client.dcp import MemStoreReader, MemStoreWriter
 from trainer_client.errors import NotFoundError
@@ -118,10 +118,7 @@ def backend(request, tmp_path) -> Backend:  # type: ignore[no-untyped-def]
     return Backend("memstore", prefix, (c.address("h0"), c.address("h1")))
 
 
-@pytest.fixture(scope="module")
-def forkserver() -> Iterator[None]:
-    with forkserver_preloading(__name__):
-        yield
+forkserver = forkserver_fixture(__name__)
 
 
 # ---------------------------------------------------------------------------------------------

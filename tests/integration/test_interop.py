@@ -13,7 +13,6 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,7 +22,7 @@ import torch
 
 from memstore import cli
 from memstore.devtools.cluster import LocalCluster, free_ports, wait_for
-from tests.harness.ranks import forkserver_preloading, run_ranks
+from tests.harness.ranks import forkserver_fixture, run_ranks
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
 
@@ -86,10 +85,7 @@ def _save_worker(rank: int, addrs: list[str], job: str, steps: list[int], port: 
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def forkserver() -> Iterator[None]:
-    with forkserver_preloading(__name__):
-        yield
+forkserver = forkserver_fixture(__name__)
 
 
 PLAIN_DCP_LOAD = """

@@ -5,24 +5,20 @@ asks only its own store), and ``group=False`` opts out. Ranks are forked from a 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from memstore.devtools.cluster import free_ports
-from tests.harness.ranks import forkserver_preloading, run_ranks
+from tests.harness.ranks import forkserver_fixture, run_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 WORLD = 2
 
 
-@pytest.fixture(scope="module")
-def forkserver() -> Iterator[None]:
-    with forkserver_preloading(__name__):
-        yield
+forkserver = forkserver_fixture(__name__)
 
 
 def _worker(rank: int, port: int, addresses: list[str]) -> None:

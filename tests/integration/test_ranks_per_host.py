@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 
 from memstore.v1 import store_pb2 as pb
 from tests.harness.inprocess import InProcessCluster
-from tests.harness.ranks import forkserver_preloading, run_ranks
+from tests.harness.ranks import forkserver_fixture, run_ranks
 from trainer_client import CheckpointClient, Connection
 
 pytestmark = pytest.mark.integration
@@ -30,10 +29,7 @@ LONG_WAIT = 10.0  # what a serialized call would sit behind
 QUICK = 2.0  # a call that is not held up returns well within this, even on a loaded 2-core machine
 
 
-@pytest.fixture(scope="module")
-def forkserver() -> Iterator[None]:
-    with forkserver_preloading(__name__):
-        yield
+forkserver = forkserver_fixture(__name__)
 
 
 def _state(rank: int, step: int) -> dict[str, Any]:

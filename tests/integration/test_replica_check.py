@@ -5,7 +5,6 @@ Ranks are forked from a preloaded forkserver and reaped with a deadline (tests/h
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from memstore.devtools.cluster import free_ports
-from tests.harness.ranks import forkserver_preloading, run_ranks
+from tests.harness.ranks import forkserver_fixture, run_ranks
 from trainer_client.errors import ReplicaMismatchError
 from trainer_client.replica_check import verify_replicas
 
@@ -22,10 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.
 WORLD = 4
 
 
-@pytest.fixture(scope="module")
-def forkserver() -> Iterator[None]:
-    with forkserver_preloading(__name__):
-        yield
+forkserver = forkserver_fixture(__name__)
 
 
 def _state(liar: bool) -> dict[str, Any]:

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -374,13 +373,12 @@ class MemStoreWriter(StorageWriter):
         )
 
     def _client_for(self, rank: int, world_size: int) -> CheckpointClient:
-        """The client saving as ``rank`` of ``world_size``. Its saves agree over the job's default group when that is
-        the saving job (``trainer_client.job_group``) and DCP writes on the main thread (``dcp.save``); not from
-        ``dcp.async_save``'s thread, whose collectives would race the trainer's on that group."""
+        """The client saving as ``rank`` of ``world_size``, with no process group (``group=False``): a DCP save names
+        its own timeline, which the restorable floor does not follow, and ``dcp.async_save`` writes on a thread where a
+        collective over the job's group would race the trainer's."""
         if self._client is None or (self._client.rank, self._client.world_size) != (rank, world_size):
             self.close()
-            group = None if threading.current_thread() is threading.main_thread() else False
-            self._client = CheckpointClient(self.job_id, rank, world_size, connection=self.connection, group=group)
+            self._client = CheckpointClient(self.job_id, rank, world_size, connection=self.connection, group=False)
         return self._client
 
     def _save(self, items: dict[str, Any], metadata: dict[str, Any] | None) -> None:

@@ -348,3 +348,11 @@ def test_decode_onto_meta_moves_every_tensor() -> None:
     for key in ("w", "b", "t"):
         assert out[key].is_meta and out[key].shape == state[key].shape and out[key].dtype == state[key].dtype
     assert out["n"] == 3
+
+
+def test_the_bounce_ring_is_prepared_before_any_restore(fake_cuda: FakeCudaRuntime) -> None:
+    ring = device_restore.BounceRing(buffers=2, chunk=1 << 20)
+    assert not ring.prepared
+    ring.prepare()
+    assert ring.prepared and ring.registered == 2  # both buffers made and registered, before any restore
+    ring.close()

@@ -124,6 +124,11 @@ class BounceRing:
             target[offset : offset + n].copy_(staged, non_blocking=True)
             self._events[i] = _record(target)
 
+    @property
+    def prepared(self) -> bool:
+        """Whether every buffer is made (and registered, where registration worked)."""
+        return len(self._tensors) == len(self._events)
+
     def prepare(self) -> None:
         """Make and register every buffer now (on a thread, off a restore's path: ``prepare_bounce_ring``); a restore
         running meanwhile has them made already, as it goes."""
@@ -165,6 +170,8 @@ def prepare_bounce_ring(only_if_cuda_in_use: bool = False) -> threading.Thread |
     ``only_if_cuda_in_use``: nothing (None) unless this process has initialized CUDA."""
     if only_if_cuda_in_use and not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
+    if bounce_ring().prepared:
+        return None  # a later load: nothing to make
     thread = threading.Thread(target=_prepare_quietly, name="memstore-bounce", daemon=True)
     thread.start()
     return thread

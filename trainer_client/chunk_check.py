@@ -44,7 +44,6 @@ class ChunkCheck:
         self._chunks: list[Future[bool]] = [
             self._pool.submit(self._check, index, offset, length) for index, (offset, length) in enumerate(chunk_spans(nbytes, chunk_size))
         ]
-        self.waited = 0  # gates that found a chunk not hashed yet (the copy waited for it)
 
     def _check(self, index: int, offset: int, length: int) -> bool:
         return checksum(self._view[offset : offset + length]) == self._checksums[index]
@@ -73,8 +72,5 @@ class ChunkCheck:
         self._view.release()
 
     def _wait(self, index: int) -> None:
-        chunk = self._chunks[index]
-        if not chunk.done():
-            self.waited += 1
-        if not chunk.result():
+        if not self._chunks[index].result():
             raise CorruptShardError(f"chunk {index} of {self.what} failed its checksum")

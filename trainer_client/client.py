@@ -585,7 +585,7 @@ class CheckpointClient:
         instead of O(hosts) (``memstore.core.agreement``). Without a group every call asks every store.
         """
         agreed_over = self._group_for(group)
-        point = self.restore_point(group=agreed_over if agreed_over is not None else False)
+        point = self._restore_point(step=None, agreed_over=agreed_over)
         self.agreement.point = point if agreed_over is not None else None
         if point is not None and point.world_size != self.world_size:
             raise InvalidArgumentError(
@@ -600,10 +600,13 @@ class CheckpointClient:
         Every rank's shard of the returned (step, timeline) is verified somewhere; shards of other saves
         of that step are never part of it. ``group``: agree over the job's process group (see ``latest_step``).
         """
+        return self._restore_point(step, self._group_for(group))
+
+    def _restore_point(self, step: int | None, agreed_over: Any) -> RestorePoint | None:
+        """``restore_point`` with its group resolved (``_group_for``): agreed over it, or the cluster-wide answer (None)."""
         problem = job_id_problem(self.job_id) or (None if step is None else key_problem(self.job_id, step, 0))
         if problem:
             raise InvalidArgumentError(problem)
-        agreed_over = self._group_for(group)
         if agreed_over is not None:
             return self._agreed_point(step, agreed_over)
         return self._cluster_point(step)
@@ -681,7 +684,7 @@ class CheckpointClient:
             agreed_over = self._group_for(group, rank)
             agreed, self.agreement.point = self.agreement.point, None
             reuse = agreed_over is not None and agreed is not None and agreed.step == step
-            point = agreed if reuse else self.restore_point(step, agreed_over if agreed_over is not None else False)
+            point = agreed if reuse else self._restore_point(step, agreed_over)
             if point is None:
                 note = f": {self.last_restore_note}" if self.last_restore_note else ""
                 if step is None:

@@ -356,7 +356,7 @@ class MemStoreWriter(StorageWriter):
         world = max(rank + 1, self._explicit_world_size or 1)
         client = self._client if self._client is not None else self._client_for(rank, world)  # any world: kept for the save
         try:
-            existing = client.restore_point(step, group=False)  # not every rank checks: no collective
+            existing = client.restore_point(step)  # the writer's client has no group: no collective (not every rank checks)
         except (NotFoundError, NoCheckpointError):
             existing = None  # a job no store knows yet
         if existing is None:

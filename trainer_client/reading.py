@@ -106,8 +106,7 @@ class ShardReader:
     def read_shared(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
         # Onto a device the bytes are copied out before Release, so the segment stays recyclable (in its ring), and they
         # are verified here beside the copies (chunk_check), not by the store before them.
-        onto = device is not None
-        request = pb.OpenRequest(key=key, transient=onto, reader_verifies=onto)
+        request = pb.OpenRequest(key=key, transient=device is not None, reader_verifies=device is not None)
         opened = self._control("Open", request, f"open step {key.step}", retries=3)
         try:
             m = manifest_from_pb(opened.manifest)

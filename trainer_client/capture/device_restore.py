@@ -164,17 +164,14 @@ def bounce_ring() -> BounceRing:
         return _bounce
 
 
-def prepare_bounce_ring(only_if_cuda_in_use: bool = False) -> threading.Thread | None:
+def prepare_bounce_ring(only_if_cuda_in_use: bool = False) -> None:
     """Register the process's bounce buffers on a thread now, so that the first restore onto a device does not (the
     client starts it when it connects in a process that uses CUDA already, and at a ``load(map_location=cuda)``).
-    ``only_if_cuda_in_use``: nothing (None) unless this process has initialized CUDA."""
+    ``only_if_cuda_in_use``: nothing unless this process has initialized CUDA."""
     if only_if_cuda_in_use and not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return None
-    if bounce_ring().prepared:
-        return None  # a later load: nothing to make
-    thread = threading.Thread(target=_prepare_quietly, name="memstore-bounce", daemon=True)
-    thread.start()
-    return thread
+        return
+    if not bounce_ring().prepared:  # a later load: nothing to make
+        threading.Thread(target=_prepare_quietly, name="memstore-bounce", daemon=True).start()
 
 
 def _prepare_quietly() -> None:

@@ -23,7 +23,9 @@ def test_agreement_costs_each_rank_a_constant_number_of_calls_at_32_hosts() -> N
     # A full restore after a replacement: the replaced host's ranks pull from its group peer either way.
     assert {*result["restore"]["replaced_host_sources"], *result["restore_group"]["replaced_host_sources"]} <= {"h0", "h1"}
     assert result["restore_group"]["calls"].get("List", 0) <= HOSTS * (R - 1) + 2 * (R - 1)  # + the replacement's own asks
-    assert result["restore"]["calls"]["List"] >= HOSTS * (HOSTS - 1)
+    # Without a group every store lists every other; the replacement's own store may list fewer (its member table can
+    # still be filling by gossip when its ranks ask), so only the other hosts' ranks are counted whole.
+    assert result["restore"]["calls"]["List"] >= (HOSTS - 1) * (HOSTS - 1)
     assert result["restore_group"]["calls_per_rank"] * 4 < result["restore"]["calls_per_rank"]
 
 

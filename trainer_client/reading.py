@@ -74,12 +74,17 @@ class ShardReader:
 
     def fetch_and_read(
         self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None, on_stripe: Callable[[list[int]], None] | None = None,
-        on_source: Callable[[str], None] | None = None,
+        on_source: Callable[[str], None] | None = None, stripes: dict[int, Any] | None = None,
     ) -> Any:  # fmt: skip
         """One rank's shard of one version, made local by its store (pulled from a peer if need be) and decoded; a copy
         that fails verification is discarded and fetched once more. A stripe is decoded in host memory. ``on_source``: told
         where it came from (the client's ``last_load_source``); None for another member's stripe, which a store pulls as
-        a cached copy."""
+        a cached copy.
+
+        A stripe through shared memory, with ``stripes`` given: its group's other stripes that the store holds (it
+        assembles them ahead) are opened in the same call (:meth:`read_stripes`) and put in ``stripes`` by rank;
+        ``on_stripe`` is not called. Otherwise ``on_stripe`` is told the group before this stripe is read, so the
+        caller can fetch the others meanwhile."""
         step = key.step
         for attempt in range(2):
             durable_known = (key.step, key.timeline) in self.agreement.durable  # agreed from the durable tier's one listing
@@ -91,11 +96,16 @@ class ShardReader:
             )
             if on_source is not None:
                 on_source(fetched.source_host or self.host_id)
-            if fetched.manifest.HasField("stripe"):  # read as it is: its slices are views until assembled
+            group = list(fetched.manifest.stripe.group) if fetched.manifest.HasField("stripe") else None
+            if group is not None:  # read as it is: its slices are views until assembled
                 zero_copy, device = True, None
-                if on_stripe is not None:
-                    on_stripe(list(fetched.manifest.stripe.group))
+                if on_stripe is not None and not (self.shared_memory and stripes is not None):
+                    on_stripe(group)
             try:
+                if group is not None and self.shared_memory and stripes is not None:
+                    own, found = self.read_stripes(key, [_with_rank(key, r) for r in group if r != key.rank])
+                    stripes.update(found)
+                    return own
                 return self.read_shared(key, zero_copy, device) if self.shared_memory else self.read_remote(key, zero_copy, device)
             except CorruptShardError as exc:
                 log.warning("rank %d: copy of step %d failed verification (%s); asking the store for another", self.rank, step, exc)
@@ -103,51 +113,67 @@ class ShardReader:
                     raise
         raise AssertionError("unreachable")
 
+    def read_stripes(self, key: pb.ShardKey, others: list[pb.ShardKey]) -> tuple[Any, dict[int, Any]]:
+        """This rank's stripe and, opened in the same call (``OpenRequest.also``) and released in one, those of
+        ``others`` this store holds; all decoded as views of their segments. The others by rank: one the store does
+        not hold, or whose copy fails its check here, is left out (the caller fetches it)."""
+        opened = self._control("Open", pb.OpenRequest(key=key, also=others), f"open step {key.step}", retries=3)
+        found: dict[int, Any] = {}
+        try:
+            own = self._decode_on_host(opened, key, zero_copy=True)
+            for other, answer in zip(others, opened.also, strict=False):  # an older store answers none of them
+                if answer.lease_id:
+                    try:
+                        found[other.rank] = self._decode_on_host(answer, other, zero_copy=True)
+                    except CorruptShardError as exc:
+                        log.warning("rank %d: the stripe of rank %d failed verification (%s); fetching it", self.rank, other.rank, exc)
+            return own, found
+        finally:
+            leases = [a.lease_id for a in opened.also if a.lease_id]
+            self._control("Release", pb.ReleaseRequest(lease_id=opened.lease_id, also=leases), f"release step {key.step}")
+
     def read_shared(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
         # Onto a device the bytes are copied out before Release, so the segment stays recyclable (in its ring), and they
         # are verified here beside the copies (chunk_check), not by the store before them.
         request = pb.OpenRequest(key=key, transient=device is not None, reader_verifies=device is not None)
         opened = self._control("Open", request, f"open step {key.step}", retries=3)
         try:
-            m = manifest_from_pb(opened.manifest)
-            problem = manifest_problem(m)
-            if problem:
-                raise CorruptShardError(f"store sent a bad manifest for step {key.step}: {problem}")
-            if device is not None:
-                with self._ring.registered_view(opened.segment_path, m.nbytes) as ring_mm:
-                    if ring_mm is not None:  # a segment of this rank's ring (a same-process restore): DMA straight out of it
-                        return self._onto_device(ring_mm, m, key, device, opened.verified, registered=True)
-            fd = os.open(opened.segment_path, os.O_RDONLY)
-            try:
-                # A private (copy-on-write) mapping: the trainer may modify restored tensors freely and
-                # the store's copy never changes; the store never reuses a segment it let a reader map.
-                mm = mmap.mmap(fd, max(1, m.nbytes), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if device is None:
+                return self._decode_on_host(opened, key, zero_copy)
+            m = _manifest(opened, key)
+            with self._ring.registered_view(opened.segment_path, m.nbytes) as ring_mm:
+                if ring_mm is not None:  # a segment of this rank's ring (a same-process restore): DMA straight out of it
+                    return self._onto_device(ring_mm, m, key, device, opened.verified, registered=True)
+            mm = _map_private(opened.segment_path, m.nbytes)
+            try:  # nothing may keep the mapping: the lease was transient
+                return self._onto_device(mm, m, key, device, opened.verified, registered=False)
             finally:
-                os.close(fd)
-            if device is not None:
-                try:  # nothing may keep the mapping: the lease was transient
-                    return self._onto_device(mm, m, key, device, opened.verified, registered=False)
-                finally:
-                    with contextlib.suppress(BufferError):  # numpy arrays still viewing it (zero_copy) keep it mapped
-                        mm.close()
-            if not opened.verified:  # an older store: verify here (the store verifies for this Open otherwise)
-                populate_for_reading(mm)
-                view = memoryview(mm)[: m.nbytes]
-                try:
-                    bad = first_mismatch(view, m.nbytes, m.chunk_size, m.checksums, workers=VERIFY_THREADS)
-                finally:
-                    view.release()
-                if bad is not None:
+                with contextlib.suppress(BufferError):  # numpy arrays still viewing it (zero_copy) keep it mapped
                     mm.close()
-                    raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
-            if zero_copy:
-                return serialization.decode(mm, zero_copy=True)  # tensors keep the mapping alive
-            try:
-                return serialization.decode(mm)
-            finally:
-                mm.close()
         finally:
             self._control("Release", pb.ReleaseRequest(lease_id=opened.lease_id), f"release step {key.step}")
+
+    @staticmethod
+    def _decode_on_host(opened: pb.OpenResponse, key: pb.ShardKey, zero_copy: bool) -> Any:
+        """The shard an ``Open`` lent, decoded in host memory from a private mapping of its segment (its lease held)."""
+        m = _manifest(opened, key)
+        mm = _map_private(opened.segment_path, m.nbytes)
+        if not opened.verified:  # an older store: verify here (the store verifies for this Open otherwise)
+            populate_for_reading(mm)
+            view = memoryview(mm)[: m.nbytes]
+            try:
+                bad = first_mismatch(view, m.nbytes, m.chunk_size, m.checksums, workers=VERIFY_THREADS)
+            finally:
+                view.release()
+            if bad is not None:
+                mm.close()
+                raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
+        if zero_copy:
+            return serialization.decode(mm, zero_copy=True)  # tensors keep the mapping alive
+        try:
+            return serialization.decode(mm)
+        finally:
+            mm.close()
 
     @staticmethod
     def _onto_device(mm: mmap.mmap, m: Manifest, key: pb.ShardKey, device: torch.device, verified: bool, registered: bool) -> Any:
@@ -177,3 +203,28 @@ class ShardReader:
         if device is not None:
             return decode_onto(byte_view(buf, m.nbytes), device, zero_copy)
         return serialization.decode(byte_view(buf, m.nbytes), zero_copy=zero_copy)
+
+
+def _manifest(opened: pb.OpenResponse, key: pb.ShardKey) -> Manifest:
+    m = manifest_from_pb(opened.manifest)
+    problem = manifest_problem(m)
+    if problem:
+        raise CorruptShardError(f"store sent a bad manifest for step {key.step} rank {key.rank}: {problem}")
+    return m
+
+
+def _map_private(path: str, nbytes: int) -> mmap.mmap:
+    """A private (copy-on-write) mapping of a segment: the trainer may modify restored tensors freely and the store's
+    copy never changes; the store never reuses a segment it let a reader map."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, max(1, nbytes), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def _with_rank(key: pb.ShardKey, rank: int) -> pb.ShardKey:
+    other = pb.ShardKey()
+    other.CopyFrom(key)
+    other.rank = rank
+    return other

@@ -66,6 +66,23 @@ class Reader:
             entry.segment.exported = True
         return self.catalog.lease_reader(entry), entry
 
+    def open_many(
+        self, key: ShardKey, also: list[ShardKey], transient: bool = False, reader_verifies: bool = False
+    ) -> list[tuple[str, Entry] | None]:
+        """``open`` of ``key`` (raising as it does) and, in the same call, of more shards of its job (a replica group's
+        other stripes): the leases in that order, None for one of ``also`` this store does not hold or whose copy failed
+        its check (the reader fetches that one instead)."""
+        wrong = next((k for k in also if k.job_id != key.job_id), None)
+        if wrong is not None:
+            raise InvalidArgument(f"Open also= names a shard of job {wrong.job_id!r}: only shards of {key.job_id!r} opened with {key}")
+        opened: list[tuple[str, Entry] | None] = [self.open(key, transient, reader_verifies)]
+        for k in also:
+            try:
+                opened.append(self.open(k, transient, reader_verifies))
+            except (ShardNotFound, ChecksumMismatch):
+                opened.append(None)
+        return opened
+
     def release(self, lease_id: str) -> None:
         """End a read lease, or give back an allocation that was never committed."""
         self.catalog.release_lease(lease_id)

@@ -21,7 +21,7 @@ from memstore.core.sizes import format_size
 from memstore.errors import CapacityExceeded
 from memstore.server.pages import MAP_FLAGS, fault_in, give_back
 from memstore.server.shm_dirs import SEGMENT_PREFIX, sidecar_path
-from memstore.v1.pagefaults import populate_supported
+from memstore.v1.pagefaults import address_of, populate_supported, populate_writable
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +137,9 @@ class SegmentMaker:
         self._names = itertools.count()
 
     def create(self, size: int, *, used: int, capacity: int, sparse: bool = False) -> Segment:
-        """A fresh segment of ``size`` bytes, its file's blocks reserved and its pages mapped populated. Raises
-        CapacityExceeded (with ``used`` and ``capacity``, the pool's counts) if the tmpfs cannot hold it.
+        """A fresh segment of ``size`` bytes, its pages allocated and mapped (on all cores, ``populate_writable``,
+        where the kernel has it). Raises CapacityExceeded (with ``used`` and ``capacity``, the pool's counts) if the
+        tmpfs cannot hold it.
 
         ``sparse`` (a segment a client maps and writes: a save's): only the file is made, at once; the client faults
         its pages in on all its cores as it maps it (``memstore.v1.pagefaults.populate_writable``: a full tmpfs is an
@@ -153,17 +154,28 @@ class SegmentMaker:
             seg.sparse = True
             return seg
 
+        def full(why: str) -> CapacityExceeded:
+            return CapacityExceeded(
+                f"shared memory {directory} cannot hold {format_size(size)} more: {why}; "
+                "enlarge the tmpfs (/dev/shm) or lower --capacity",
+                needed=size,
+                used=used,
+                capacity=capacity,
+            )
+
         def reserve_and_map(fd: int) -> mmap.mmap:
+            if populate_supported():
+                # Allocated, zeroed and mapped in one pass on several cores: a fallocate (one core, under the
+                # file's lock) and then a populating map cost about twice as long. A full tmpfs fails the call.
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+                if populate_writable(address_of(mm), size):
+                    return mm
+                mm.close()
+                raise full("its pages could not be faulted in")
             try:
                 os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS later, if tmpfs is full
             except OSError as exc:
-                raise CapacityExceeded(
-                    f"shared memory {directory} cannot hold {format_size(size)} more: {exc.strerror}; "
-                    "enlarge the tmpfs (/dev/shm) or lower --capacity",
-                    needed=size,
-                    used=used,
-                    capacity=capacity,
-                ) from None
+                raise full(exc.strerror or str(exc)) from None
             return mmap.mmap(fd, size, flags=MAP_FLAGS)
 
         return self._new_file(size, reserve_and_map)

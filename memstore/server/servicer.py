@@ -34,7 +34,7 @@ from memstore.server.convert import (
     stripe_from_pb,
     transfer_from_pb,
 )
-from memstore.server.entries import ALLOCATE_LEASE_SECONDS
+from memstore.server.entries import ALLOCATE_LEASE_SECONDS, Entry
 from memstore.server.events import StoreEvents
 from memstore.server.store import Store
 from memstore.v1 import store_pb2 as pb
@@ -189,17 +189,28 @@ class StoreServicer(pb_grpc.StoreServicer):
     @rpc
     def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
         self._allow(context, Need.JOB, request.key.job_id)
-        lease_id, entry = self.store.open(key_from_pb(request.key), transient=request.transient, reader_verifies=request.reader_verifies)
-        assert entry.manifest is not None
-        return pb.OpenResponse(
-            lease_id=lease_id, segment_path=entry.segment.path or "", manifest=manifest_to_pb(entry.manifest),
-            verified=not request.reader_verifies,
-        )  # fmt: skip
+        also = [key_from_pb(k) for k in request.also]
+        opened = self.store.open_many(key_from_pb(request.key), also, transient=request.transient, reader_verifies=request.reader_verifies)
+
+        def answer(lease: tuple[str, Entry] | None) -> pb.OpenResponse:
+            if lease is None:
+                return pb.OpenResponse()
+            lease_id, entry = lease
+            assert entry.manifest is not None
+            return pb.OpenResponse(
+                lease_id=lease_id, segment_path=entry.segment.path or "", manifest=manifest_to_pb(entry.manifest),
+                verified=not request.reader_verifies,
+            )  # fmt: skip
+
+        response = answer(opened[0])
+        response.also.extend(answer(lease) for lease in opened[1:])
+        return response
 
     @rpc
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         self._allow(context, Need.ANY)  # the lease id is the capability
-        self.store.release(request.lease_id)
+        for lease_id in (request.lease_id, *request.also):
+            self.store.release(lease_id)
         return pb.ReleaseResponse()
 
     @stream_rpc

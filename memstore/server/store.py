@@ -127,6 +127,7 @@ class Store:
         self.prepare_send = self.datapath.prepare_send
         self.serve_ticket = self.datapath.serve_ticket  # the data channel's connections (memstore.server.dataserver)
         self.open = self.reader.open
+        self.open_many = self.reader.open_many
         self.release = self.reader.release
         self.read = self.reader.read
         self.latest_step = self.recovery.latest_step

@@ -440,32 +440,38 @@ class WaitCommittedResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ShardInfo, _Mapping]] = ..., done: _Optional[bool] = ..., next_segment_path: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("key", "transient", "reader_verifies")
+    __slots__ = ("key", "transient", "reader_verifies", "also")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TRANSIENT_FIELD_NUMBER: _ClassVar[int]
     READER_VERIFIES_FIELD_NUMBER: _ClassVar[int]
+    ALSO_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     transient: bool
     reader_verifies: bool
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., transient: _Optional[bool] = ..., reader_verifies: _Optional[bool] = ...) -> None: ...
+    also: _containers.RepeatedCompositeFieldContainer[ShardKey]
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., transient: _Optional[bool] = ..., reader_verifies: _Optional[bool] = ..., also: _Optional[_Iterable[_Union[ShardKey, _Mapping]]] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
-    __slots__ = ("lease_id", "segment_path", "manifest", "verified")
+    __slots__ = ("lease_id", "segment_path", "manifest", "verified", "also")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    ALSO_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     segment_path: str
     manifest: Manifest
     verified: bool
-    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., verified: _Optional[bool] = ...) -> None: ...
+    also: _containers.RepeatedCompositeFieldContainer[OpenResponse]
+    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., verified: _Optional[bool] = ..., also: _Optional[_Iterable[_Union[OpenResponse, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "also")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ALSO_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    also: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_id: _Optional[str] = ..., also: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

@@ -220,12 +220,17 @@ def test_each_store_assembles_its_members_group_ahead_and_gives_the_cache_up_fir
             assert encoded(c.load(1)) == encoded(state)
         ranks = {host: {s.manifest.key.rank for s in listing(cluster, host, "ahead") if not s.cached} for host in cluster.members}
         assert all(len(held) == 2 for held in ranks.values())  # each store: its member's stripe and one replica (R=2)
-        # A restart in place: every member's restore reads its 4 stripes from its own store, none from a peer.
+        # A restart in place: every member's restore reads its 4 stripes from its own store, none from a peer, and opens
+        # them in one call (OpenRequest.also) and releases them in one.
         copies = sum(len(listing(cluster, h, "ahead")) for h in cluster.members)
         restarted = make_clients(cluster, "ahead", 4, lambda r: [0, 1, 2, 3])
         try:
             for c in restarted:
+                calls: list[str] = []
+                control = c._reader._control
+                c._reader._control = lambda name, *a, control=control, **k: (calls.append(name), control(name, *a, **k))[1]
                 assert encoded(c.load(1)) == encoded(state) and c.last_load_source == c.hello.host_id
+                assert calls == ["Open", "Release"]
         finally:
             close_all(restarted)
         assert sum(len(listing(cluster, h, "ahead")) for h in cluster.members) == copies  # nothing was pulled to restore

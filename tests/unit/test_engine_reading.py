@@ -10,7 +10,7 @@ import pytest
 
 from memstore.core.floors import Floors
 from memstore.core.model import PutOrigin, ShardKey, TransferHeader
-from memstore.errors import ChecksumMismatch, ShardNotFound
+from memstore.errors import ChecksumMismatch, InvalidArgument, ShardNotFound
 from memstore.server.datapath import DataPath
 from memstore.server.reading import Reader
 from memstore.server.replication import Replicator
@@ -59,6 +59,27 @@ def test_a_copy_pulled_in_verified_is_lent_once_without_hashing_again_then_hashe
     stale.arrived_verified = time.monotonic() - 60  # pulled a minute ago: hashed again
     with pytest.raises(ChecksumMismatch):
         reader.open(ShardKey("job", 2, 0))
+
+
+def test_open_many_lends_the_others_it_holds_and_skips_missing_or_corrupt_ones() -> None:
+    catalog, _, _ = make_catalog()
+    own, held, corrupt = (settled(catalog, ShardKey("job", 1, r), DATA) for r in (0, 1, 3))
+    corrupt.segment.view()[5] ^= 0xFF
+    reader = Reader(catalog)
+    also = [ShardKey("job", 1, r) for r in (1, 2, 3)]  # rank 2's stripe is not held here
+    opened = reader.open_many(KEY, also)
+    assert [o[1] if o else None for o in opened] == [own, held, None, None]
+    assert own.pins == held.pins == 1 and catalog.get(ShardKey("job", 1, 3)) is None  # the corrupt copy was dropped
+    for o in opened:
+        if o:
+            reader.release(o[0])
+    assert own.pins == held.pins == 0
+    with pytest.raises(InvalidArgument, match="job 'other'"):
+        reader.open_many(KEY, [ShardKey("other", 1, 1)])
+    assert own.pins == 0  # refused before anything was opened
+    with pytest.raises(ShardNotFound):
+        reader.open_many(ShardKey("job", 1, 2), [KEY])  # the first key raises as open does
+    assert own.pins == 0
 
 
 def test_a_mapping_reader_marks_the_segment_never_to_be_reused_and_read_streams_pinned_bytes() -> None:

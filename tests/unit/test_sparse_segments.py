@@ -81,3 +81,25 @@ def test_populate_writable_reports_a_page_it_cannot_allocate(tmp_path: Path, mon
     monkeypatch.setattr(ring, "populate_writable", lambda addr, size: False)  # the tmpfs filled up meanwhile
     with pytest.raises(CapacityExceededError, match="could not be faulted in"):
         map_segment(str(path), 4 * PAGE)
+
+
+def test_a_fresh_segment_is_faulted_in_on_all_cores_and_a_full_tmpfs_raises_leaving_no_file(
+    pool: SegmentPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from memstore.errors import CapacityExceeded
+    from memstore.server import segment
+
+    calls: list[int] = []
+
+    def populate(addr: int, length: int) -> bool:
+        calls.append(length)
+        return populate_writable(addr, length)
+
+    monkeypatch.setattr(segment, "populate_writable", populate)
+    seg = pool.acquire(32 * MiB, "job")  # the store writes it itself: allocated in one multi-threaded pass
+    assert calls == [seg.size] and seg.path is not None and blocks(seg.path) >= seg.size
+    monkeypatch.setattr(segment, "populate_writable", lambda addr, length: False)  # what a full tmpfs answers
+    before = set(os.listdir(pool.directory))
+    with pytest.raises(CapacityExceeded, match="could not be faulted in"):
+        pool.acquire(16 * MiB, "job")
+    assert set(os.listdir(pool.directory)) == before  # the half-made file is gone

@@ -104,6 +104,9 @@ class SegmentPool:
         self._in_use_bytes = 0
         self._pooled_bytes = 0  # bytes of _free
         self._creating: dict[str, int] = {}  # owner -> bytes of segments being created (not in _in_use yet)
+        # (owner, ring) -> segments being created for that capture ring: they count as its members (``_ring_size``), so a
+        # reservation ahead arriving while the ring's fill makes one waits for it instead of making another
+        self._creating_rings: collections.Counter[tuple[str, int]] = collections.Counter()
         self._lock_fd: int | None = None
         self._closed = False
         self.directory: Path | None = Path(directory) if directory else None
@@ -436,8 +439,7 @@ class SegmentPool:
                     used=self._in_use_bytes,
                     capacity=self.capacity,
                 )
-            self._in_use_bytes += size
-            self._creating[owner] = self._creating.get(owner, 0) + size  # counts against the quota while being created
+            self._start_creating(size, owner, ring)
         for v in victims:
             v.destroy()
         try:
@@ -448,11 +450,11 @@ class SegmentPool:
         except BaseException:
             with self._lock:
                 self._in_use_bytes -= size
-                self._done_creating(owner, size)
+                self._done_creating(owner, size, ring)
             raise
         with self._lock:
             self._in_use.add(seg)
-            self._done_creating(owner, size)
+            self._done_creating(owner, size, ring)
         return seg
 
     def _learn_and_wait(self, nbytes: int, owner: str, ring: int, stream: tuple[str, int] | None, wait: float) -> None:
@@ -496,10 +498,23 @@ class SegmentPool:
             out.append(seg)
         return out
 
-    def _done_creating(self, owner: str, size: int) -> None:
+    def _start_creating(self, size: int, owner: str, ring: int) -> None:
+        """A segment of ``size`` bytes is being made for ``owner`` (its ``ring``): it counts against the capacity, the
+        job's quota and the ring's limit meanwhile (lock held)."""
+        self._in_use_bytes += size
+        self._creating[owner] = self._creating.get(owner, 0) + size
+        if ring != NO_RING:
+            self._creating_rings[(owner, ring)] += 1
+
+    def _done_creating(self, owner: str, size: int, ring: int) -> None:
         left = self._creating.pop(owner, 0) - size
         if left > 0:
             self._creating[owner] = left
+        if ring != NO_RING:
+            self._creating_rings[(owner, ring)] -= 1
+            if self._creating_rings[(owner, ring)] <= 0:
+                del self._creating_rings[(owner, ring)]
+            self._changed.notify_all()  # a reservation ahead waiting for its ring sees it smaller if this one failed
 
     def peek(self, nbytes: int, owner: str, ring: int = NO_RING) -> Segment | None:
         """The pooled segment ``acquire(nbytes, owner, ring=ring)`` would hand out now, left in the pool (None: none would)."""
@@ -527,9 +542,11 @@ class SegmentPool:
             )
 
     def _ring_size(self, owner: str, ring: int) -> int:
-        """Segments of the ring that will serve its saves again: an exported one (a reader mapped it) is freed, not
-        recycled, once its step goes, so it no longer counts against the ring's limit (lock held)."""
-        return sum(1 for s in ring_members(itertools.chain(self._in_use, self._free), owner, ring) if not s.exported)
+        """Segments of the ring that will serve its saves again, those being created for it included: an exported one
+        (a reader mapped it) is freed, not recycled, once its step goes, so it no longer counts against the ring's limit
+        (lock held)."""
+        held = sum(1 for s in ring_members(itertools.chain(self._in_use, self._free), owner, ring) if not s.exported)
+        return held + self._creating_rings.get((owner, ring), 0)
 
     def ring_paths(self, owner: str, ring: int) -> list[str]:
         """The paths of the segments of ``owner``'s rank ``ring``'s capture ring, in use and pooled."""

@@ -228,7 +228,7 @@ def test_each_store_assembles_its_members_group_ahead_and_gives_the_cache_up_fir
             for c in restarted:
                 calls: list[str] = []
                 control = c._reader._control
-                c._reader._control = lambda name, *a, control=control, **k: (calls.append(name), control(name, *a, **k))[1]
+                c._reader._control = lambda name, *a, control=control, calls=calls, **k: (calls.append(name), control(name, *a, **k))[1]
                 assert encoded(c.load(1)) == encoded(state) and c.last_load_source == c.hello.host_id
                 assert calls == ["Open", "Release"]
         finally:

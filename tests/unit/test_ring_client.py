@@ -181,3 +181,32 @@ def test_a_reservation_ahead_asks_again_while_the_ring_is_busy_and_close_stops_i
     t0 = time.monotonic()
     ring.close()
     assert time.monotonic() - t0 < AHEAD_WAIT_SECONDS / 4
+
+
+def test_a_save_waits_for_the_reservation_under_way_only_while_the_ring_warms_up(store: FakeStore) -> None:
+    """Warming up (fewer segments than the ring's limit), the store never waits for retention: a reservation it has not
+    answered yet is making this save's segment, and a save that made its own beside it would hold twice the memory and
+    wait for both. Once warm, an unanswered reservation waits for retention, and the save allocates at once."""
+    answer = threading.Event()
+
+    def ahead(request: pb.AllocateRequest) -> pb.AllocateResponse:
+        assert answer.wait(10)
+        return store.allocate(request)
+
+    ring = make_ring(store, ahead)
+    ring.committed(ring.slot(KEY, 1, PAGE))  # the first save: the ring holds 1 of its 3 segments
+    ring.reserve_ahead(KEY, 1, PAGE, grow=False)
+    threading.Timer(0.3, answer.set).start()
+    slot = ring.slot(KEY, 1, PAGE)
+    assert slot.ahead and len(store.requests) == 2  # the first save's and the reservation's: none of its own
+    ring.committed(slot)
+
+    store.ring = [*store.paths, "other"]  # the store lists 3 segments from now on: the ring is warm
+    ring.committed(ring.slot(KEY, 1, PAGE))
+    answer.clear()
+    ring.reserve_ahead(KEY, 1, PAGE, grow=False)
+    started = time.monotonic()
+    slot = ring.slot(KEY, 1, PAGE)
+    assert not slot.ahead and time.monotonic() - started < 1.0  # allocated at once; the reservation stays for the next
+    answer.set()
+    ring.close()

@@ -192,6 +192,32 @@ def test_a_reservation_ahead_waits_for_its_full_ring_to_free_a_segment(limited: 
     assert ahead is ring[0] and limited.segment_count == LIMIT
 
 
+def test_a_segment_being_made_for_a_ring_counts_as_its_member(limited: SegmentPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reservation ahead that comes while the ring's fill makes its last segment waits for that one: it makes no
+    other beside it (two fresh segments made at once take twice the memory, each at half the speed)."""
+    ring = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT - 1)]  # the kept steps, in use
+    create, started, go = limited.maker.create, threading.Event(), threading.Event()
+
+    def slow_create(*args: object, **kw: object) -> Segment:
+        started.set()
+        assert go.wait(10)
+        return create(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(limited.maker, "create", slow_create)
+    made: list[Segment] = []
+    fill = threading.Thread(target=lambda: made.append(limited.acquire(2 * PAGE, JOB, ring=0, grow=True)))
+    fill.start()
+    assert started.wait(10)
+    monkeypatch.setattr(limited.maker, "create", create)
+    with pytest.raises(RingBusy):  # the ring is at its limit with the one being made: the fill may add no other
+        limited.acquire(2 * PAGE, JOB, ring=0, grow=True)
+    go.set()
+    fill.join()
+    threading.Timer(0.1, limited.release, args=(made[0],)).start()  # the fill's client maps it and gives it back
+    ahead = limited.acquire(2 * PAGE, JOB, ring=0, wait=10.0)
+    assert ahead is made[0] and limited.segment_count == LIMIT and ring[0] is not ahead
+
+
 def test_a_reservation_ahead_that_waits_in_vain_is_refused_and_takes_nothing(limited: SegmentPool) -> None:
     [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT)]
     with pytest.raises(RingBusy, match="capture ring of job 'job' rank 0 holds 3 segments"):

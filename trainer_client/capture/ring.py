@@ -247,11 +247,17 @@ class CaptureRing:
         """The lease reserved ahead, if it fits (waiting for a reservation the store has answered: mapping a segment
         while the ring is warming up). A reservation the store has not answered within ``ANSWER_WAIT_SECONDS`` (a call
         in flight takes a few ms) waits there for retention to free a segment of the full ring (saves outran retention):
-        the save does not wait for it but allocates now, and the reservation stays for the next save."""
+        the save does not wait for it but allocates now, and the reservation stays for the next save. While the ring is
+        still warming up (fewer segments than it holds once warm) the store never waits for retention: a reservation
+        under way is making this save's segment (or waiting for the one the ring's fill is making), and the save waits
+        for it rather than make another beside it (twice the memory, and each made at half the speed)."""
         with self._lock:
             future = self._ahead
+            warming = self._ring_size < self._limit
         if future is not None and not future.done() and not self._answered.wait(ANSWER_WAIT_SECONDS):
-            return None
+            if not warming:
+                return None
+            future.exception()  # bounded: the reservation asks for at most AHEAD_WAIT_SECONDS
         with self._lock:
             if self._ahead is not future:  # (one save at a time per client: nothing else takes it)
                 return None

@@ -13,13 +13,16 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memstore.core.sizes import parse_size
 from memstore.errors import ConfigError
 from memstore.v1.datachannel import MAX_STREAMS
 from memstore.v1.integrity import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 from memstore.v1.keys import HOST_ID_PATTERN, ip_host_id
+
+if TYPE_CHECKING:
+    from memstore.spill.options import SpillOptions
 
 #: a Kubernetes label key: an optional DNS-subdomain prefix and '/', then a name of up to 63 characters
 NODE_LABEL = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
@@ -526,6 +529,26 @@ class StoreConfig:
             if "://" not in self.spill and not self.spill.startswith("/"):
                 raise ConfigError(f"--spill {self.spill!r} is invalid: expected a URL like file:///data/ckpt or s3://bucket/prefix")
         return replace(self, peers=peers, failure_domains=domains)
+
+    def spill_settings(self) -> SpillOptions | None:
+        """What the durable tier is told (``memstore.spill.build_spiller``); None without ``--spill``."""
+        from memstore.spill.options import SpillOptions
+
+        if not self.spill:
+            return None
+        return SpillOptions(
+            url=self.spill,
+            storage_options=self.spill_options,
+            every_steps=self.spill_every_steps,
+            every_seconds=self.spill_every_seconds,
+            keep_last=self.spill_keep_last,
+            keep_best=self.spill_keep_best,
+            metric=self.spill_metric,
+            metric_max=self.spill_metric_mode == "max",
+            compression=self.spill_compression,
+            max_rate=self.spill_max_rate,
+            orphan_seconds=self.spill_orphan_seconds,
+        )
 
     @property
     def host_ids(self) -> tuple[str, ...]:

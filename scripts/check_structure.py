@@ -10,6 +10,7 @@
 - no multiple inheritance and no mixins in ``memstore.server``: the engine's parts collaborate through their
   constructors, so no class there has two bases or inherits from another class of the package (errors, Protocol,
   Enum, NamedTuple, TypedDict, the generated gRPC servicers and the event hooks ``ENGINE_HOOKS`` excepted);
+- nothing but the command line's own modules and ``memstore.__main__`` imports ``memstore.cli`` (:func:`cli_imports`);
 - no cross-module private imports (:func:`private_imports`);
 - the trainer side imports only the store's contract from ``memstore`` (:func:`trainer_imports`).
 
@@ -77,6 +78,21 @@ def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
         if mod == prefix or mod.startswith(prefix + ".")
         for dep in sorted(deps)
         if any(dep == b or dep.startswith(b + ".") for b in banned)
+    ]
+
+
+CLI = "memstore.cli"
+CLI_USERS = ("memstore.__main__",)  # besides the CLI's own modules: the entry point
+
+
+def cli_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Nothing below the command line imports it: the CLI is the top floor (``memstore.__main__`` excepted)."""
+    return [
+        f"{mod} imports {dep}: only the command line's own modules and memstore.__main__ may (it is the top floor)"
+        for mod, deps in sorted(graph.items())
+        if not (mod == CLI or mod.startswith(CLI + ".") or mod in CLI_USERS)
+        for dep in sorted(deps)
+        if dep == CLI or dep.startswith(CLI + ".")
     ]
 
 
@@ -275,7 +291,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def main() -> int:
     files = source_files()
     graph = graph_of(files)
-    problems = ["import cycle: " + " <-> ".join(comp) for comp in cycles(graph)] + forbidden_imports(graph)
+    problems = ["import cycle: " + " <-> ".join(comp) for comp in cycles(graph)] + forbidden_imports(graph) + cli_imports(graph)
     problems += misplaced_imports(files) + oversized(files)
     problems += inheritance(files)
     problems += private_imports(private_import_files()) + trainer_imports(files)

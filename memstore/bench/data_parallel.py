@@ -60,7 +60,7 @@ def together(calls: list[Callable[[], T]], timeout: float = 600.0) -> list[T]:
 def ram_bytes(cluster: LocalCluster, job: str, step: int) -> int:
     """Bytes of the R copies of ``job``'s ``step`` that the stores list (the survey ``memstore status`` shows): copies
     a store pulled ahead of a restore (``cached``, spare room given up first) are not counted."""
-    from memstore.cli.survey import take
+    from memstore.survey import take
 
     s = take(cluster.address(next(iter(cluster.stores))), 10.0, job)
     return sum(r["bytes"] for rows in s.shards.values() for r in rows if r["job"] == job and r["step"] == step and not r["cached"])
@@ -104,7 +104,7 @@ def restore_round(cluster: LocalCluster, job: str, degree: int, dedup: bool, exp
 def assembled_after(cluster: LocalCluster, job: str, degree: int, step: int, timeout: float = 30.0) -> float | None:
     """Seconds until the store of each of the ``degree`` ranks holds every stripe of ``step`` (its assembler pulled the
     others ahead of a restore); None if that did not happen within ``timeout``."""
-    from memstore.cli.survey import take
+    from memstore.survey import take
 
     hosts = list(cluster.stores)
     start = time.monotonic()

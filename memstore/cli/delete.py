@@ -21,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from memstore.cli import render, survey
+    from memstore import survey
+    from memstore.cli import render
     from memstore.v1 import store_pb2 as pb
     from memstore.v1.channel import store_stub
 

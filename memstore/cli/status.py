@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from memstore.cli import render, survey
+    from memstore import survey
+    from memstore.cli import render
 
     try:
         s = survey.take(args.store, args.timeout)

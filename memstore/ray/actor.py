@@ -23,9 +23,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from memstore.cli.common import configure_logging
 from memstore.config import StoreConfig
 from memstore.errors import DiscoveryError, RayStoreError
+from memstore.logs import configure as configure_logging
 from memstore.membership.members import Members
 from memstore.ray import gcs
 from memstore.ray.model import StoreRecord, host_id_for, members_of

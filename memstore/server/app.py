@@ -104,7 +104,9 @@ class StoreServer:
         self.health = HealthServer(config.health_listen, self.store) if config.health_listen else None
         # The two tiers meet at memstore.spill.port; listeners (the DCP export) ride on the spill tier, and the
         # store's events (its metrics) hear of every shard written.
-        self.store.durable = build_spiller(config, source=self.store, listeners=spill_listeners, observer=self.store.events)
+        self.store.durable = build_spiller(
+            config.spill_settings(), source=self.store, listeners=spill_listeners, observer=self.store.events
+        )
         self.data_server = DataServer(host, self.store, tls=credentials.server_ssl_context(), port=config.data_port)
         self.store.data_port = self.data_server.port
         self.follower = ClusterFollower(self.store, config, discovery)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memstore.config import StoreConfig
 from memstore.core.spill_policy import RetentionPolicy
 from memstore.errors import ConfigError, SpillStorageError
+from memstore.spill.options import SpillOptions
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -18,31 +18,34 @@ if TYPE_CHECKING:
     from memstore.spill.port import ShardSource, SpillListener, SpillObserver
     from memstore.spill.spiller import Spiller
 
+__all__ = ["SpillOptions", "build_spiller"]
+
 
 def build_spiller(
-    config: StoreConfig, source: ShardSource, listeners: Sequence[SpillListener] = (), observer: SpillObserver | None = None
+    options: SpillOptions | None, source: ShardSource, listeners: Sequence[SpillListener] = (), observer: SpillObserver | None = None
 ) -> Spiller | None:
-    """The spiller of a store configured with ``--spill`` (None without), reading from ``source``, telling ``listeners``
-    of each published rank and ``observer`` (the store's metrics) of each shard written."""
+    """The spiller of a store with a durable tier (None without: ``options`` None, see
+    ``memstore.config.StoreConfig.spill_settings``), reading from ``source``, telling ``listeners`` of each published
+    rank and ``observer`` (the store's metrics) of each shard written."""
     from memstore.spill.spiller import Spiller
     from memstore.spill.storage import Durable, parse_options
 
-    if not config.spill:
+    if options is None:
         return None
     try:
-        durable = Durable(config.spill, parse_options(config.spill_options))
-        retention = RetentionPolicy(config.spill_keep_last, config.spill_keep_best, config.spill_metric, config.spill_metric_mode == "max")
+        durable = Durable(options.url, parse_options(options.storage_options))
+        retention = RetentionPolicy(options.keep_last, options.keep_best, options.metric, options.metric_max)
     except (SpillStorageError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     return Spiller(
         source,
         durable,
-        every_steps=config.spill_every_steps,
-        every_seconds=config.spill_every_seconds,
+        every_steps=options.every_steps,
+        every_seconds=options.every_seconds,
         retention=retention,
-        codec=config.spill_compression,
-        orphan_seconds=config.spill_orphan_seconds,
-        max_rate=config.spill_max_rate,
+        codec=options.compression,
+        orphan_seconds=options.orphan_seconds,
+        max_rate=options.max_rate,
         listeners=listeners,
         observer=observer,
     )

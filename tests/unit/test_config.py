@@ -92,3 +92,17 @@ def test_kubernetes_flags_parse() -> None:
     cli = {"host_id": "h0", "replicas": "1", "data_port": "7071", "health_listen": "127.0.0.1:7072", "failure_domain_node_labels": labels}
     c = StoreConfig.load(cli, env={})
     assert (c.data_port, c.health_listen, c.failure_domain_node_labels) == (7071, "127.0.0.1:7072", labels)
+
+
+def test_the_durable_tier_is_told_its_options_not_the_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from memstore.spill import SpillOptions, build_spiller
+
+    base = {"host_id": "h0", "replicas": "1"}
+    assert StoreConfig.load(base, env={}).spill_settings() is None
+    assert build_spiller(None, source=None) is None  # type: ignore[arg-type]
+    cli = {**base, "spill": f"file://{tmp_path}", "spill_keep_best": "1", "spill_metric": "loss", "spill_metric_mode": "max",
+           "spill_every_steps": "5", "spill_compression": "zstd", "spill_max_rate": "1MiB"}  # fmt: skip
+    options = StoreConfig.load(cli, env={}).spill_settings()
+    assert options == SpillOptions(
+        url=f"file://{tmp_path}", every_steps=5, keep_best=1, metric="loss", metric_max=True, compression="zstd", max_rate=1 << 20
+    )

@@ -8,7 +8,8 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from memstore.cli import render, survey
+from memstore import survey
+from memstore.cli import render
 from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState, Stripe
 from memstore.errors import InvalidArgument, LayoutError, ManifestTooLarge
 from memstore.server.convert import manifest_from_pb, manifest_to_pb, sidecar_bytes, sidecar_info

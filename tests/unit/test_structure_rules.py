@@ -129,3 +129,15 @@ def test_inheritance_between_engine_classes_and_mixins_are_named(tmp_path: Path,
         f"memstore.server.mix.LeaseMixin is a mixin: {ENGINE_BASES}",
         f"memstore.server.saving.Saving inherits from Catalog, a class of memstore/server: {ENGINE_BASES}",
     ]
+
+
+def test_nothing_below_the_command_line_imports_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(check, "ROOT", tmp_path)
+    files = _write_tree(tmp_path, {
+        "memstore/__init__.py": "", "memstore/__main__.py": "from memstore.cli import main\n",
+        "memstore/cli/__init__.py": "from memstore.cli import common\n", "memstore/cli/common.py": "",
+        "memstore/survey.py": "", "memstore/cli/status.py": "from memstore import survey\n",
+        "memstore/bench/run.py": "def f():\n    from memstore.cli.common import x\n",
+    })  # fmt: skip
+    (problem,) = check.cli_imports(check.graph_of(files))
+    assert problem.startswith("memstore.bench.run imports memstore.cli.common: only the command line's own modules")

@@ -10,7 +10,8 @@
 - no multiple inheritance and no mixins in ``memstore.server``: the engine's parts collaborate through their
   constructors, so no class there has two bases or inherits from another class of the package (errors, Protocol,
   Enum, NamedTuple, TypedDict, the generated gRPC servicers and the event hooks ``ENGINE_HOOKS`` excepted);
-- nothing but the command line's own modules and ``memstore.__main__`` imports ``memstore.cli`` (:func:`cli_imports`);
+- nothing but the command line's own modules and ``memstore.__main__`` imports ``memstore.cli`` (:func:`cli_imports`),
+  and no two pieces under a root import each other, even through different modules (:func:`package_cycles`);
 - no cross-module private imports (:func:`private_imports`);
 - the trainer side imports only the store's contract from ``memstore`` (:func:`trainer_imports`).
 
@@ -94,6 +95,29 @@ def cli_imports(graph: dict[str, set[str]]) -> list[str]:
         for dep in sorted(deps)
         if dep == CLI or dep.startswith(CLI + ".")
     ]
+
+
+def package_of(mod: str) -> str:
+    """The top-level piece of ours a module belongs to: ``memstore.server`` for ``memstore.server.store``, the module
+    itself for one directly under a root (``memstore.config``), and the root for the root's ``__init__``."""
+    return ".".join(mod.split(".")[:2])
+
+
+def package_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Cycles between the pieces under each root (``memstore.spill`` importing ``memstore.config`` while the config
+    imports ``memstore.spill``): every import runs one way, down the floors. A root's ``__init__`` (the public surface
+    that re-exports its pieces) is left out."""
+    roots = set(PACKAGES)
+    collapsed: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        here = package_of(mod)
+        if here in roots:
+            continue
+        collapsed.setdefault(here, set()).update(d for d in map(package_of, deps) if d != here and d not in roots)
+    for deps in collapsed.values():
+        for d in deps:
+            collapsed.setdefault(d, set())
+    return ["imports run both ways between " + " and ".join(comp) + ": one of them must not import the other" for comp in cycles(collapsed)]
 
 
 def third_party_imports(path: Path) -> set[str]:
@@ -292,6 +316,7 @@ def main() -> int:
     files = source_files()
     graph = graph_of(files)
     problems = ["import cycle: " + " <-> ".join(comp) for comp in cycles(graph)] + forbidden_imports(graph) + cli_imports(graph)
+    problems += package_cycles(graph)
     problems += misplaced_imports(files) + oversized(files)
     problems += inheritance(files)
     problems += private_imports(private_import_files()) + trainer_imports(files)

@@ -141,3 +141,19 @@ def test_nothing_below_the_command_line_imports_it(tmp_path: Path, monkeypatch: 
     })  # fmt: skip
     (problem,) = check.cli_imports(check.graph_of(files))
     assert problem.startswith("memstore.bench.run imports memstore.cli.common: only the command line's own modules")
+
+
+def test_two_pieces_that_import_each_other_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No module cycle, yet the spill tier and the config import each other: what issue 41 found."""
+    monkeypatch.setattr(check, "ROOT", tmp_path)
+    files = _write_tree(tmp_path, {
+        "memstore/__init__.py": "from memstore import config\n",
+        "memstore/config.py": "def f():\n    from memstore.spill.storage import parse\n",
+        "memstore/spill/__init__.py": "from memstore.config import StoreConfig\n", "memstore/spill/storage.py": "",
+        "memstore/server/app.py": "from memstore import config, spill\n",
+    })  # fmt: skip
+    graph = check.graph_of(files)
+    assert check.cycles(graph) == []
+    assert check.package_cycles(graph) == [
+        "imports run both ways between memstore.config and memstore.spill: one of them must not import the other"
+    ]

@@ -39,10 +39,7 @@ def optimizer_state(count: int) -> dict[str, Any]:
     """``count`` tensors in all: per parameter exp_avg, exp_avg_sq (1024 floats each) and a 0-d step."""
     params = count // 3
     return {
-        "state": {
-            i: {"exp_avg": torch.randn(1024), "exp_avg_sq": torch.randn(1024), "step": torch.tensor(1.0)}
-            for i in range(params)
-        },
+        "state": {i: {"exp_avg": torch.randn(1024), "exp_avg_sq": torch.randn(1024), "step": torch.tensor(1.0)} for i in range(params)},
         "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(params))}],
     }
 
@@ -122,10 +119,7 @@ def main() -> int:
         for op in ("save", "decode", "decode_zc"):
             label = {"save": "plan+write_into", "decode": "decode", "decode_zc": "decode zero_copy"}[op]
             per = (many[op] - one[op]) / n * 1e6
-            print(
-                f"{name:<34} {n:>8} {nbytes / 1e6:>7.1f} {label:>16}"
-                f" {many[op] * 1e3:>9.2f} {one[op] * 1e3:>8.2f} {per:>10.2f}"
-            )
+            print(f"{name:<34} {n:>8} {nbytes / 1e6:>7.1f} {label:>16} {many[op] * 1e3:>9.2f} {one[op] * 1e3:>8.2f} {per:>10.2f}")
     return 0
 
 

@@ -352,15 +352,11 @@ class StoreConfig:
         str,
         default="",
     )
-    job_tokens_file: str = _opt(
-        'JSON file {"<job id>": "<token>", ...}: a job token reads and writes that one job only.', str, default=""
-    )
+    job_tokens_file: str = _opt('JSON file {"<job id>": "<token>", ...}: a job token reads and writes that one job only.', str, default="")
     admin_token_file: str = _opt("File holding the admin token: every operation, incl. delete, listing every job, drain.", str, default="")
     tls_cert: str = _opt("PEM certificate chain of this store (gRPC and the data channel serve TLS when set).", str, default="")
     tls_key: str = _opt("PEM private key of --tls-cert.", str, default="")
-    tls_ca: str = _opt(
-        "PEM CA bundle: verifies peers' certificates, and clients must present one it signed (mutual TLS).", str, default=""
-    )
+    tls_ca: str = _opt("PEM CA bundle: verifies peers' certificates, and clients must present one it signed (mutual TLS).", str, default="")
     tls_server_name: str = _opt(
         "The name (a DNS SAN) every store's certificate carries: peers' certificates are checked for it instead of the "
         "address dialed (Kubernetes: stores are dialed by pod IPs, which change; one certificate for "
@@ -503,9 +499,7 @@ class StoreConfig:
         if self.tls_server_name and not self.tls_cert:
             raise ConfigError("--tls-server-name needs TLS (--tls-cert, --tls-key and --tls-ca)")
         if bool(self.tls_ca) != bool(self.tls_cert):
-            raise ConfigError(
-                "--tls-ca and --tls-cert/--tls-key go together: stores verify each other's certificates with --tls-ca"
-            )
+            raise ConfigError("--tls-ca and --tls-cert/--tls-key go together: stores verify each other's certificates with --tls-ca")
         self._check_ports_and_labels()
         if not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ConfigError(f"--chunk-bytes {self.chunk_bytes} is invalid: expected 1..{MAX_CHUNK_BYTES}")

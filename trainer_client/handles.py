@@ -179,6 +179,5 @@ class SaveHandle:
                 raise ReplicationError(f"step {self.step} of rank {self.rank} did not reach R copies: {info.error or info.state}")
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"step {self.step} of rank {self.rank} not committed after {timeout}s "
-                    f"(state {info.state}, {info.copies} copies)"
+                    f"step {self.step} of rank {self.rank} not committed after {timeout}s (state {info.state}, {info.copies} copies)"
                 )

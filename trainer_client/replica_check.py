@@ -161,8 +161,7 @@ def state_fingerprint(state: Any, samples_per_tensor: int = 32) -> int:
     """
     if type(samples_per_tensor) is not int or not 2 <= samples_per_tensor <= len(_ARANGE):
         raise InvalidArgumentError(
-            f"samples_per_tensor must be an int from 2 (the first and last element) to {len(_ARANGE)}, "
-            f"got {samples_per_tensor!r}"
+            f"samples_per_tensor must be an int from 2 (the first and last element) to {len(_ARANGE)}, got {samples_per_tensor!r}"
         )
     with GcPaused(), torch.no_grad():
         planner = Planner()
@@ -202,21 +201,28 @@ def _position(group: Any, members: Sequence[int], rank: int) -> tuple[int, int, 
         size, me = int(group.size()), int(group.rank())
     except (AttributeError, TypeError, RuntimeError) as exc:
         raise InvalidArgumentError(
-            f"replica group {group!r:.80} is not an initialized torch.distributed process group that this process "
-            f"is a member of: {exc}"
+            f"replica group {group!r:.80} is not an initialized torch.distributed process group that this process is a member of: {exc}"
         ) from None
     if not 0 <= me < size:
         raise InvalidArgumentError(f"this process is not a member of the replica group (its rank there is {me} of {size})")
     listed = list(members)
     if len(listed) != size or len(set(listed)) != size or not all(type(m) is int for m in listed):
-        return size, me, InvalidArgumentError(
-            f"members {listed!r:.200} must be the {size} distinct job ranks of the replica group's {size} processes, "
-            "in group-rank order"
+        return (
+            size,
+            me,
+            InvalidArgumentError(
+                f"members {listed!r:.200} must be the {size} distinct job ranks of the replica group's {size} processes, "
+                "in group-rank order"
+            ),
         )
     if listed[me] != rank:
-        return size, me, InvalidArgumentError(
-            f"this process is rank {me} of the replica group, so members[{me}] must be its job rank {rank}, "
-            f"but members is {listed!r:.200}"
+        return (
+            size,
+            me,
+            InvalidArgumentError(
+                f"this process is rank {me} of the replica group, so members[{me}] must be its job rank {rank}, "
+                f"but members is {listed!r:.200}"
+            ),
         )
     return size, me, None
 

@@ -127,9 +127,7 @@ def measure_ranks(
     return {**section, **ram_fields(ram.peak, settled, idle, sum(state_bytes))}
 
 
-def summary(
-    rounds: list[list[dict[str, Any]]], state_bytes: list[int], hosts: int, replicas: int, keep: int
-) -> dict[str, Any]:
+def summary(rounds: list[list[dict[str, Any]]], state_bytes: list[int], hosts: int, replicas: int, keep: int) -> dict[str, Any]:
     """Every save, and per phase the worst and median rank's stall over its own memcpy and call -> committed; the RAM."""
     total = sum(state_bytes)
     saves = [s for r in rounds for s in r]

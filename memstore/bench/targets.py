@@ -41,7 +41,9 @@ RATIOS: tuple[Ratio, ...] = (
     ),
     Ratio(
         "first_save_prepared_stall_over_memcpy",
-        "save 1 of a fresh job on fresh stores after prepare() at set-up: stall over its paired memcpy", "<=", 3.0,
+        "save 1 of a fresh job on fresh stores after prepare() at set-up: stall over its paired memcpy",
+        "<=",
+        3.0,
     ),
     Ratio("later_saves_stall_over_memcpy_max", "every later save: stall over its paired memcpy (the worst save)", "<=", 1.5),
     Ratio("stall_over_memcpy", "steady saves: stall p50 over the paired memcpy p50", "<=", 1.5),
@@ -55,7 +57,9 @@ RATIOS: tuple[Ratio, ...] = (
     Ratio("replication_over_tcp", "replication throughput p50 (save return -> R copies) over raw TCP on loopback", ">=", 0.7),
     Ratio(
         "committed_over_tcp_min",
-        "every save: state bytes / (call -> committed) over raw TCP of the shard right before it (the worst save)", ">=", 0.7,
+        "every save: state bytes / (call -> committed) over raw TCP of the shard right before it (the worst save)",
+        ">=",
+        0.7,
     ),
     Ratio("committed_over_tcp_first", "save 1 of a fresh job alone: the same"),
     Ratio("committed_over_tcp_first_prepared", "save 1 of a fresh job after prepare() at set-up: the same", ">=", 0.5),
@@ -65,11 +69,14 @@ RATIOS: tuple[Ratio, ...] = (
     Ratio(
         "restore_local_over_hash_floor",
         "restore from local RAM in a new process, from load(): its speed over the store's verification of the same bytes (p50)",
-        ">=", 0.8,
+        ">=",
+        0.8,
     ),
     Ratio(
         "restore_peer_over_tcp",
-        "restore from peer RAM after a host loss, new process, from load(): over raw TCP of the shard right before it (p50)", ">=", 0.7,
+        "restore from peer RAM after a host loss, new process, from load(): over raw TCP of the shard right before it (p50)",
+        ">=",
+        0.7,
     ),
     Ratio("restore_peer_from_accept_over_tcp", "the same from the moment the replacement's port accepts (its start-up included)"),
     Ratio("stream_p1_over_tcp", "one shard pushed store to store on 1 data-channel stream: throughput over raw TCP"),

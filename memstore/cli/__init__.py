@@ -11,8 +11,8 @@ Every command module ``memstore/cli/<module>.py`` (:data:`COMMANDS`) provides
 an :class:`argparse.ArgumentError` (flags that parse but do not fit together) is reported by the subcommand's
 parser: its usage, ``memstore <command>: error: ...``, exit code 2.
 
-The package also holds :data:`HELPERS`, which are not commands: ``common`` (flags and logging set-up), ``survey``
-(one look at a cluster, for the read commands) and ``render`` (their tables and JSON).
+The package also holds :data:`HELPERS`, which are not commands: ``common`` (flags and logging set-up) and ``render``
+(the read commands' tables and JSON, over a ``memstore.survey``).
 
 Building the parser imports every command module, so they import only the standard library and light memstore
 modules at the top (no torch, no grpc); what a command needs beyond that is imported when it runs.
@@ -47,7 +47,7 @@ COMMANDS: dict[str, str] = {
 }
 
 #: modules of this package that are not commands: what the commands share
-HELPERS = ("common", "render", "survey")
+HELPERS = ("common", "render")
 
 DESCRIPTION = "In-memory replicated checkpoint store for PyTorch training."
 
@@ -83,7 +83,6 @@ def _usage_error(parser: argparse.ArgumentParser, message: str) -> int:
         parser.error(message)
     except SystemExit as exc:
         return _exit_code(exc)
-
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -141,8 +141,14 @@ class SlotTable:
         return {
             "version": self.version,
             "slots": [
-                {"index": s.index, "host_id": s.host_id, "address": s.address, "domain": s.domain, "former": list(s.former),
-                 "former_until": list(s.former_until)}
+                {
+                    "index": s.index,
+                    "host_id": s.host_id,
+                    "address": s.address,
+                    "domain": s.domain,
+                    "former": list(s.former),
+                    "former_until": list(s.former_until),
+                }
                 for s in self.slots
             ],
         }

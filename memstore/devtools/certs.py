@@ -32,9 +32,7 @@ def _write(path: Path, cert, key) -> None:  # type: ignore[no-untyped-def]
 
     path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path = path.with_suffix(".key")
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
     key_path.chmod(0o600)
 
 

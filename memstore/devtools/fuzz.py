@@ -679,4 +679,3 @@ def run_fuzz(
         fuzzer.close()
         fuzzer.report.elapsed_s = time.monotonic() - start
     return fuzzer.report
-

@@ -53,8 +53,7 @@ def node_failure_domain(
         token = (account_dir / "token").read_text().strip()
     except OSError as exc:
         raise ConfigError(
-            f"{FLAG}: cannot read the service account token {account_dir / 'token'} ({exc.strerror}); "
-            "is automountServiceAccountToken off?"
+            f"{FLAG}: cannot read the service account token {account_dir / 'token'} ({exc.strerror}); is automountServiceAccountToken off?"
         ) from None
     ca = account_dir / "ca.crt"
     context = ssl.create_default_context(cafile=str(ca) if ca.exists() else None)

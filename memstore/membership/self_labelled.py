@@ -74,4 +74,3 @@ class SelfLabelled:
                 "(their stores do not answer)"
             )
         return out
-

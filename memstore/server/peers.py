@@ -145,6 +145,7 @@ class Peer:
     def list(self, job_id: str, timeout: float, retrying: bool = True) -> list[ShardInfo]:
         """The peer's shards of ``job_id`` (every job: ""). ``retrying=False``: asked once, and a failure does not mark
         the peer suspect (a starting store probing peers that may not serve yet)."""
+
         def ask() -> pb.ListResponse:
             return self.stub.List(pb.ListRequest(job_id=job_id), timeout=timeout)
 

@@ -156,8 +156,7 @@ class SegmentMaker:
 
         def full(why: str) -> CapacityExceeded:
             return CapacityExceeded(
-                f"shared memory {directory} cannot hold {format_size(size)} more: {why}; "
-                "enlarge the tmpfs (/dev/shm) or lower --capacity",
+                f"shared memory {directory} cannot hold {format_size(size)} more: {why}; enlarge the tmpfs (/dev/shm) or lower --capacity",
                 needed=size,
                 used=used,
                 capacity=capacity,

@@ -184,9 +184,7 @@ class Spiller:
         for step, ms in self._published(job_id, listing).items():
             first = ms[0]
             ranks = {m.rank for m in ms}  # each rank < its world_size (checked when decoded): all of them iff as many
-            if len(ranks) == first.world_size and {(m.timeline, m.world_size) for m in ms} == {
-                (first.timeline, first.world_size)
-            }:
+            if len(ranks) == first.world_size and {(m.timeline, m.world_size) for m in ms} == {(first.timeline, first.world_size)}:
                 complete[step] = dict(first.metrics)
         return complete
 

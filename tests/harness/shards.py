@@ -164,7 +164,6 @@ def sample_state() -> dict[str, Any]:
     }
 
 
-
 @functools.cache
 def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """One small model after one AdamW step, shared by tests that only read it."""

@@ -110,8 +110,6 @@ def _full_tensors() -> dict[str, torch.Tensor]:
     }
 
 
-
-
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 

@@ -317,8 +317,9 @@ def test_legacy_sharded_tensor_properties_metadata(backend: Backend) -> None:
 
     value = torch.arange(16, dtype=torch.float32).reshape(4, 4)
     # planner_helpers binds the name at import: patch it there, or the legacy class never reaches the metadata
-    with patch("torch.distributed.checkpoint.metadata.TensorProperties", LegacyTensorProperties), patch.object(
-        planner_helpers, "TensorProperties", LegacyTensorProperties
+    with (
+        patch("torch.distributed.checkpoint.metadata.TensorProperties", LegacyTensorProperties),
+        patch.object(planner_helpers, "TensorProperties", LegacyTensorProperties),
     ):
         dcp.save({"a": value}, storage_writer=backend.writer("legacy", 1))
     md = backend.reader("legacy", 1).read_metadata()

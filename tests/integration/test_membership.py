@@ -128,9 +128,7 @@ def test_a_fifth_host_joins_while_saving(make_inprocess_cluster) -> None:
 
 def test_drain_with_one_replica_and_a_spill_target_keeps_every_step(make_cluster, tmp_path: Path) -> None:
     spill = tmp_path / "spill"
-    cluster = make_cluster(
-        hosts=HOSTS, replicas=1, capacity="256MiB", keep=3, discovery="file", extra_args=["--spill", f"file://{spill}"]
-    )
+    cluster = make_cluster(hosts=HOSTS, replicas=1, capacity="256MiB", keep=3, discovery="file", extra_args=["--spill", f"file://{spill}"])
     save_steps(cluster, range(1, 4), copies=1)
     sp = cluster.stores["h1"]
     assert sp.proc is not None

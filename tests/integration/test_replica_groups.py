@@ -154,8 +154,9 @@ def test_bad_replica_groups_are_refused_before_anything_is_saved(make_inprocess_
         CheckpointClient("bad", 0, 4, connection=address, replica_group=object())
     with CheckpointClient("bad", 0, 4, connection=address) as c, pytest.raises(InvalidArgumentError, match="no replica_group given"):
         c.save(1, {"a": torch.ones(1)}, replicated=["a"])
-    with CheckpointClient("bad", 0, 2, connection=address, replica_group=[0, 1]) as c, pytest.raises(
-        InvalidArgumentError, match=r"lacks: \['b'\]"
+    with (
+        CheckpointClient("bad", 0, 2, connection=address, replica_group=[0, 1]) as c,
+        pytest.raises(InvalidArgumentError, match=r"lacks: \['b'\]"),
     ):
         c.save(1, {"a": torch.ones(1)}, replicated=["b"])
     assert ram_bytes(cluster, "bad") == 0

@@ -18,8 +18,6 @@ pytestmark = pytest.mark.integration
 MiB = 1 << 20
 
 
-
-
 def test_prepare_once_prepares_a_client_once_and_logs_a_failure_instead_of_raising(
     make_inprocess_cluster, caplog: pytest.LogCaptureFixture
 ) -> None:  # type: ignore[no-untyped-def]

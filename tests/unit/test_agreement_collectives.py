@@ -79,4 +79,3 @@ def test_an_incomplete_view_stops_asking_at_its_deadline_and_restores_what_it_ca
     results, _ = on_every_rank(2, run, timeout=60)
     assert [r[0] for r in results] == [(4, "t.0"), (4, "t.0")]
     assert results[0][1] == results[1][1] >= 1
-

@@ -236,4 +236,3 @@ def test_a_bad_trainer_switch_is_refused_by_name_before_anything_runs(monkeypatc
 def test_docs_show_the_targets_the_bench_holds_ratios_to() -> None:
     """docs/benchmarks.md's table of targets is markdown_table()'s output, verbatim: one source of truth."""
     assert markdown_table() in DOCS.read_text(), "regenerate the table in docs/benchmarks.md from memstore.bench.targets.markdown_table()"
-

@@ -89,4 +89,3 @@ def test_checksums_that_do_not_fit_the_shard_are_refused() -> None:
     _, mm, nbytes = _shard()
     with pytest.raises(CorruptShardError, match="do not fit"):
         ChunkCheck(memoryview(mm)[:nbytes], address_of(mm), CHUNK, [1, 2], "step 1 rank 0")
-

@@ -17,8 +17,21 @@ import memstore.cli
 from memstore.cli import COMMANDS, HELPERS, build_parser, command_module, main
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPECTED = {"serve", "local-cluster", "demo", "status", "ls", "inspect", "delete", "bench", "simulate", "chaos", "export", "reclaim-shm",
-            "drain"}
+EXPECTED = {
+    "serve",
+    "local-cluster",
+    "demo",
+    "status",
+    "ls",
+    "inspect",
+    "delete",
+    "bench",
+    "simulate",
+    "chaos",
+    "export",
+    "reclaim-shm",
+    "drain",
+}
 
 
 def test_every_command_is_registered() -> None:

@@ -524,17 +524,41 @@ _DCP_TAGS = ["Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "Chunk
              "ShardedTensorProperties", "StorageMeta", "MetadataIndex", "MemStoreStorageInfo", "tuple", "dict", "Size",
              "dtype", "layout", "memory_format", "os.system", ""]  # fmt: skip
 _dcp_garbage = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.floats(), st.text(max_size=8), st.just(_BIGINT),
-              st.just(torch.float32)),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(1 << 70), 1 << 70),
+        st.floats(),
+        st.text(max_size=8),
+        st.just(_BIGINT),
+        st.just(torch.float32),
+    ),
     lambda c: st.one_of(
         st.lists(c, max_size=4),
         st.dictionaries(st.text(max_size=6), c, max_size=4),
-        st.fixed_dictionaries({"__dcp__": st.sampled_from(_DCP_TAGS)}, optional={
-            "items": st.lists(st.lists(c, min_size=2, max_size=2) | c, max_size=3), "dims": c,
-            "name": c | st.sampled_from(["float32", "strided", "eval"]), "fqn": c, "offset": c, "index": c, "rank": c, "key": c,
-            "state_dict_metadata": c, "planner_data": c, "storage_data": c, "storage_meta": c, "version": c, "offsets": c,
-            "sizes": c, "chunks": c, "size": c, "properties": c,
-        }),
+        st.fixed_dictionaries(
+            {"__dcp__": st.sampled_from(_DCP_TAGS)},
+            optional={
+                "items": st.lists(st.lists(c, min_size=2, max_size=2) | c, max_size=3),
+                "dims": c,
+                "name": c | st.sampled_from(["float32", "strided", "eval"]),
+                "fqn": c,
+                "offset": c,
+                "index": c,
+                "rank": c,
+                "key": c,
+                "state_dict_metadata": c,
+                "planner_data": c,
+                "storage_data": c,
+                "storage_meta": c,
+                "version": c,
+                "offsets": c,
+                "sizes": c,
+                "chunks": c,
+                "size": c,
+                "properties": c,
+            },
+        ),
     ),
     max_leaves=12,
 )
@@ -767,4 +791,3 @@ def test_np_dtype_from_a_descr_never_builds_an_object_array() -> None:
     shard = bytes(serialization.encode({"x": arr}))
     evil = shard.replace(b'"<i4"', b'"|O"')
     assert _decode_typed(evil) is CorruptShardError
-

@@ -291,8 +291,9 @@ def test_equal_members_pass_with_one_all_reduce(monkeypatch: pytest.MonkeyPatch)
         ([None, OTHER, OTHER, ALSO], (10, 13), False),  # a plurality: 2 of 4, the others alone
     ],
 )
-def test_a_mismatch_names_the_ranks_unlike_the_majority(monkeypatch: pytest.MonkeyPatch, others: list[int | None],
-                                                       ranks: tuple[int, ...], tie: bool) -> None:
+def test_a_mismatch_names_the_ranks_unlike_the_majority(
+    monkeypatch: pytest.MonkeyPatch, others: list[int | None], ranks: tuple[int, ...], tie: bool
+) -> None:
     members = [10 + i for i in range(len(others))]
     with pytest.raises(ReplicaMismatchError) as info:
         _run(monkeypatch, others, members, 10)
@@ -321,8 +322,9 @@ def test_a_member_that_failed_is_named_and_one_whose_state_fails_raises_its_own_
         (4, [0, 5, 2, 3], r"members\[1\] must be its job rank 1"),
     ],
 )
-def test_members_that_do_not_fit_the_group_fail_after_taking_part(monkeypatch: pytest.MonkeyPatch, size: int,
-                                                                  members: list[int], match: str) -> None:
+def test_members_that_do_not_fit_the_group_fail_after_taking_part(
+    monkeypatch: pytest.MonkeyPatch, size: int, members: list[int], match: str
+) -> None:
     reduce = FakeReduce([SAME, None] + [SAME] * (size - 2))
     monkeypatch.setattr(dist, "all_reduce", reduce)
     with pytest.raises(InvalidArgumentError, match=match):

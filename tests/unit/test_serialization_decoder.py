@@ -109,4 +109,3 @@ def test_zero_copy_decode_views_the_buffer() -> None:
     assert again["w"][0].item() == 42.0 and again["a"][1] == 7 and again["small"][0].item() == 1.0
     with pytest.raises(TypeError, match="writable"):
         ser.decode(bytes(data), zero_copy=True)
-

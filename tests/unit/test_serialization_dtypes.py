@@ -163,4 +163,3 @@ def test_decoded_data_does_not_alias_the_buffer() -> None:
     out["small"].add_(1)  # and they are writable, owned storage
     out["arr"][0] = 5
     assert out["arr"].flags.writeable and out["arr"].flags.owndata
-

@@ -121,4 +121,3 @@ def test_memoryview_and_numpy_buffers_are_accepted() -> None:
     assert_same(sample_state(), decode(np.frombuffer(bytes(buf), dtype=np.uint8)))
     padded = bytes(buf) + b"\xff" * 1000  # a shard inside a bigger slab
     assert_same(sample_state(), decode(padded))
-

@@ -286,4 +286,3 @@ def test_too_deep_for_the_stack_is_a_serialization_error() -> None:
         deep = [deep]
     with pytest.raises(SerializationError):
         plan(deep)
-

@@ -186,4 +186,3 @@ def test_readiness_reasons(tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert s.readiness() == "draining"
     finally:
         s.close()
-

@@ -61,14 +61,17 @@ def _write_tree(root: Path, tree: dict[str, str]) -> list[Path]:
 
 def test_cross_module_private_imports_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(check, "ROOT", tmp_path)
-    files = _write_tree(tmp_path, {
-        "trainer_client/_ring.py": "from trainer_client import _cuda\n_local = 1\n",
-        "trainer_client/client.py": "import trainer_client._ring\nfrom trainer_client.format import MAGIC, __all__\n",
-        "trainer_client/format/__init__.py": "from .spec import _PRELUDE\n",
-        "memstore/devtools/chaos.py": "def f():\n    from memstore.devtools.demo import _Job\n",
-        "examples/train.py": "from torch.distributed.checkpoint.filesystem import _StorageInfo\nfrom ray._private import state\n",
-        "benchmarks/ok.py": "from trainer_client.serialization.spec import PRELUDE\n",
-    })
+    files = _write_tree(
+        tmp_path,
+        {
+            "trainer_client/_ring.py": "from trainer_client import _cuda\n_local = 1\n",
+            "trainer_client/client.py": "import trainer_client._ring\nfrom trainer_client.format import MAGIC, __all__\n",
+            "trainer_client/format/__init__.py": "from .spec import _PRELUDE\n",
+            "memstore/devtools/chaos.py": "def f():\n    from memstore.devtools.demo import _Job\n",
+            "examples/train.py": "from torch.distributed.checkpoint.filesystem import _StorageInfo\nfrom ray._private import state\n",
+            "benchmarks/ok.py": "from trainer_client.serialization.spec import PRELUDE\n",
+        },
+    )
     assert check.private_imports(files) == [
         f"{path}: imports {name} ({private} is private: give it a public name in a module whose job it is)"
         for path, name, private in [
@@ -82,15 +85,18 @@ def test_cross_module_private_imports_are_named(tmp_path: Path, monkeypatch: pyt
 
 def test_the_trainer_side_imports_only_the_stores_contract(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(check, "ROOT", tmp_path)
-    files = _write_tree(tmp_path, {
-        "trainer_client/client.py": (
-            "from memstore.v1 import store_pb2\nfrom memstore.core.model import Manifest\nfrom memstore.errors import ConfigError\n"
-            "from memstore.config import StoreConfig\n"
-        ),
-        "trainer_client/dcp.py": "def f():\n    import memstore.server.store\n    from memstore import faults, v1\n",
-        "trainer_client/ok.py": "import memstore_like\nfrom . import errors\n",
-        "memstore/cli/main.py": "from memstore.server import store\n",  # not trainer-side
-    })
+    files = _write_tree(
+        tmp_path,
+        {
+            "trainer_client/client.py": (
+                "from memstore.v1 import store_pb2\nfrom memstore.core.model import Manifest\nfrom memstore.errors import ConfigError\n"
+                "from memstore.config import StoreConfig\n"
+            ),
+            "trainer_client/dcp.py": "def f():\n    import memstore.server.store\n    from memstore import faults, v1\n",
+            "trainer_client/ok.py": "import memstore_like\nfrom . import errors\n",
+            "memstore/cli/main.py": "from memstore.server import store\n",  # not trainer-side
+        },
+    )
     rule = "trainer_client may import only memstore.v1, memstore.core, memstore.errors from memstore"
     assert check.trainer_imports(files) == [
         f"trainer_client/client.py:4: imports memstore.config (StoreConfig): {rule}",

@@ -20,6 +20,7 @@ the destination mapped and registered until :meth:`DeviceCopies.synchronize` (th
 
 Nothing here touches CUDA unless the state holds CUDA tensors.
 """
+
 from __future__ import annotations
 
 import collections

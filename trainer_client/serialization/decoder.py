@@ -46,9 +46,7 @@ Views = Callable[[int, int], "torch.Tensor | None"]  # see decode()
 class _Decoder:
     """Rebuilds the state tree, copying each referenced blob out of the shard once."""
 
-    def __init__(
-        self, mv: memoryview, offsets: list[int], specs: list[BlobSpec], share: object = None, views: Views | None = None
-    ) -> None:
+    def __init__(self, mv: memoryview, offsets: list[int], specs: list[BlobSpec], share: object = None, views: Views | None = None) -> None:
         self.mv = mv
         self.views = views  # zero-copy decode: where a large tensor's bytes lie outside ``mv`` (stripes), else None
         self.offsets = offsets
@@ -261,8 +259,10 @@ class _Decoder:
         made = iter(tensors)
         share, materialize, share_or_copy = self.share, self.materialize, self.share_or_copy
         self.objects = [
-            next(made) if template is not None
-            else materialize(offset, spec) if share is None or spec.nbytes <= SMALL_COPY
+            next(made)
+            if template is not None
+            else materialize(offset, spec)
+            if share is None or spec.nbytes <= SMALL_COPY
             else share_or_copy(offset, spec)
             for template, offset, spec in zip(templates, offsets, specs, strict=False)  # offsets: one more
         ]
@@ -366,8 +366,7 @@ def decode(buf: Buffer, *, zero_copy: bool = False, views: Views | None = None) 
                 decoder = _Decoder(mv, offsets, specs, share=buf if zero_copy else None, views=views if zero_copy else None)
                 decoder.materialize_all()
                 return decoder.dec(header["root"], 0)
-        except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError,
-                RuntimeError, struct.error) as exc:
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, RuntimeError, struct.error) as exc:
             # Validation above should catch every inconsistency explicitly; this keeps the
             # promise that corrupt input only ever raises CorruptShardError.
             raise CorruptShardError(f"malformed shard: {type(exc).__name__}: {exc}") from None
@@ -389,13 +388,10 @@ def peek_header(buf: Buffer) -> dict[str, Any]:
         try:
             with GcPaused():
                 header, offsets, _ = read_header(mv)
-        except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError,
-                struct.error) as exc:
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, struct.error) as exc:
             raise CorruptShardError(f"malformed shard header: {type(exc).__name__}: {exc}") from None
         if header["version"] >= 2 and "kinds" in header:
             header = expand_blob_table(header, offsets)
         return header
     finally:
         mv.release()
-
-

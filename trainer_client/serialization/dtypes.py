@@ -48,9 +48,7 @@ TORCH_DTYPES, TORCH_DTYPE_NAMES = _torch_dtype_tables()
 
 # Dtypes whose tensors can be stored. Quantized dtypes carry scale/zero-point outside the
 # bytes, so raw bytes would not round-trip them.
-TENSOR_DTYPES: Final = {
-    name: dt for name, dt in TORCH_DTYPES.items() if name not in _QUANTIZED_DTYPE_NAMES
-}
+TENSOR_DTYPES: Final = {name: dt for name, dt in TORCH_DTYPES.items() if name not in _QUANTIZED_DTYPE_NAMES}
 TENSOR_DTYPE_NAMES: Final = {dt: name for name, dt in TENSOR_DTYPES.items()}
 
 _raw_copy_cache: dict[torch.dtype, bool] = {}

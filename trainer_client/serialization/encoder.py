@@ -89,10 +89,7 @@ class ShardLayout:
         self._padding = _padding(kinds, offsets)
 
     def __repr__(self) -> str:
-        return (
-            f"ShardLayout(nbytes={self.nbytes}, num_tensors={self.num_tensors}, "
-            f"header_bytes={len(self._header)})"
-        )
+        return f"ShardLayout(nbytes={self.nbytes}, num_tensors={self.num_tensors}, header_bytes={len(self._header)})"
 
     def device_tensors(self, is_device: Callable[[torch.Tensor], bool] | None = None) -> list[int]:
         """Indices of the blobs that are device tensors: the slots a device copy fills instead (``write_into(skip=...)``).
@@ -158,9 +155,7 @@ class ShardLayout:
             if mv.readonly:
                 raise InvalidArgumentError("write_into needs a writable buffer; got a read-only one")
             if len(mv) < self.nbytes:
-                raise InvalidArgumentError(
-                    f"buffer holds {len(mv)} bytes but the shard needs {self.nbytes}"
-                )
+                raise InvalidArgumentError(f"buffer holds {len(mv)} bytes but the shard needs {self.nbytes}")
             header = self._header
             header_end = PRELUDE_SIZE + len(header)
             data_offset = self.data_offset
@@ -286,9 +281,7 @@ def plan(state: object) -> ShardLayout:
             planner.finish_tensors()
             root_json = encode_tree(root)
         except RecursionError:
-            raise SerializationError(
-                "state nests too deeply for Python's recursion limit", "state"
-            ) from None
+            raise SerializationError("state nests too deeply for Python's recursion limit", "state") from None
         kinds = planner.kinds
         offsets = list(accumulate(map(_K_SLOT, kinds), initial=0))  # blob i's slot starts at offsets[i]
         data_len = offsets[-2] + kinds[-1].nbytes if kinds else 0  # no padding after the last blob

@@ -124,8 +124,6 @@ class BlobSpec:
         self.template: torch.Tensor | None = None
 
 
-
-
 def corrupt(message: str) -> NoReturn:
     raise CorruptShardError(message)
 
@@ -288,9 +286,7 @@ def _read_prelude(mv: memoryview, size: int) -> tuple[int, int]:
     if version not in READABLE_VERSIONS:
         corrupt(f"shard format version {version}, this reader understands versions {list(READABLE_VERSIONS)}")
     if header_len > size - PRELUDE_SIZE:
-        corrupt(
-            f"header length {header_len} runs past the end of the {size}-byte buffer (truncated?)"
-        )
+        corrupt(f"header length {header_len} runs past the end of the {size}-byte buffer (truncated?)")
     return version, header_len
 
 
@@ -315,8 +311,7 @@ def _check_header_fields(header: dict[str, Any], version: int, header_len: int, 
         corrupt(f"header version {header['version']!r:.40} disagrees with prelude version {version}")
     if header["byteorder"] != BYTEORDER:
         corrupt(
-            f"shard was written on a {header['byteorder']!r:.20}-endian host; this host is "
-            f"{BYTEORDER}-endian and cannot decode its tensors"
+            f"shard was written on a {header['byteorder']!r:.20}-endian host; this host is {BYTEORDER}-endian and cannot decode its tensors"
         )
     total = header["nbytes"]
     data_offset = header["data_offset"]
@@ -359,10 +354,7 @@ def _check_tensor_record(record: dict[str, Any], spec: BlobSpec, where: str) -> 
         corrupt(f"{where}: unknown tensor dtype {name!r:.40}")
     shape, numel = _check_shape(record.get("shape"), where)
     if numel * dtype.itemsize != nbytes:
-        corrupt(
-            f"{where}: {nbytes} bytes do not match shape {list(shape)} of {name} "
-            f"({numel * dtype.itemsize} bytes)"
-        )
+        corrupt(f"{where}: {nbytes} bytes do not match shape {list(shape)} of {name} ({numel * dtype.itemsize} bytes)")
     requires_grad = record.get("requires_grad", False)
     parameter = record.get("parameter", False)
     if type(requires_grad) is not bool or type(parameter) is not bool:
@@ -387,12 +379,8 @@ def _check_ndarray_record(record: dict[str, Any], spec: BlobSpec, where: str) ->
     np_dtype = np_dtype_from_desc(record.get("dtype"))
     shape, numel = _check_shape(record.get("shape"), where)
     if numel * np_dtype.itemsize != nbytes:
-        corrupt(
-            f"{where}: {nbytes} bytes do not match shape {list(shape)} of {np_dtype} "
-            f"({numel * np_dtype.itemsize} bytes)"
-        )
+        corrupt(f"{where}: {nbytes} bytes do not match shape {list(shape)} of {np_dtype} ({numel * np_dtype.itemsize} bytes)")
     spec.dtype, spec.shape = np_dtype, shape
-
 
 
 def expand_blob_table(header: dict[str, Any], offsets: list[int]) -> dict[str, Any]:

@@ -156,4 +156,3 @@ ALIGN_MASK: Final = ALIGNMENT - 1
 
 def align(n: int) -> int:
     return (n + ALIGN_MASK) & ~ALIGN_MASK
-

@@ -123,8 +123,7 @@ class Kind:
 
     __slots__ = ("dtype", "gap", "is_complex", "kind", "memmove", "nbytes", "record", "shape", "slot", "slow")
 
-    def __init__(self, kind: str, nbytes: int, dtype: Any, shape: tuple[int, ...], record: dict[str, Any],
-                 memmove: bool = False) -> None:
+    def __init__(self, kind: str, nbytes: int, dtype: Any, shape: tuple[int, ...], record: dict[str, Any], memmove: bool = False) -> None:
         self.kind = kind
         self.nbytes = nbytes
         self.dtype = dtype
@@ -137,8 +136,6 @@ class Kind:
         self.slow = self
         if memmove:
             self.slow = Kind(kind, nbytes, dtype, shape, record)
-
-
 
 
 class Planner:
@@ -419,9 +416,7 @@ class Planner:
         if True in negs:
             kinds = [kind.slow if neg else kind for kind, neg in zip(kinds, negs, strict=True)]
         if any(kind.is_complex for kind in known.values()):
-            kinds = [
-                kind.slow if kind.is_complex and t.is_conj() else kind for kind, t in zip(kinds, tensors, strict=True)
-            ]
+            kinds = [kind.slow if kind.is_complex and t.is_conj() else kind for kind, t in zip(kinds, tensors, strict=True)]
         return kinds
 
     def reject_tensor(self, v: torch.Tensor, path: WalkPath) -> NoReturn:

@@ -227,6 +227,14 @@ def test_hyperparameter_objects_are_pickled_and_loaded_with_lightnings_weights_o
     assert again.trainer.global_step == 2 * m.trainer.global_step
 
 
+def test_an_option_the_client_would_refuse_fails_when_the_plugin_is_made() -> None:
+    with pytest.raises(TypeError, match=r"MemStoreCheckpointIO\(store=\) is not accepted: pass connection= \(Connection\(address=...\)\)"):
+        MemStoreCheckpointIO("job", store="127.0.0.1:7070")
+    with pytest.raises(TypeError, match="unexpected options replica_group, retries: it takes job_id, connection="):
+        MemStoreCheckpointIO("job", retries=3, replica_group=[0, 1])
+    assert MemStoreCheckpointIO("job", remote_save="background", run_id="r").client_options == {"remote_save": "background", "run_id": "r"}
+
+
 def test_a_file_that_is_no_pointer_is_refused(tmp_path: Path) -> None:
     plugin = MemStoreCheckpointIO("lit-none", connection=Connection("127.0.0.1:1"))
     torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")

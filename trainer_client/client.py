@@ -698,23 +698,22 @@ class CheckpointClient:
             step, timeline = point.step, point.timeline
         key = self._key(step, rank, timeline)
         others: dict[int, Future[Any]] = {}
-        pools: list[ThreadPoolExecutor] = []  # made only for a stripe: an ordinary load starts no thread
+        pools: list[ThreadPoolExecutor] = []  # made only for a stripe to fetch: an ordinary load starts no thread
 
         opened: dict[int, Any] = {}  # other stripes the store opened with this rank's (shared memory: one call)
 
         def fetch_others(group: list[int]) -> None:  # a stripe: its group's other stripes are fetched meanwhile
-            if not pools:
-                pools.append(ThreadPoolExecutor(max_workers=8, thread_name_prefix="memstore-stripes"))
             for r in group:
                 if r != key.rank and r not in others and r not in opened:
+                    if not pools:
+                        pools.append(ThreadPoolExecutor(max_workers=8, thread_name_prefix="memstore-stripes"))
                     others[r] = pools[0].submit(self._reader.read_stripe, self._key(key.step, r, key.timeline))
 
         try:
             state = self._reader.fetch_and_read(key, zero_copy, device, fetch_others, on_source=self._loaded_from, stripes=opened)
             if not is_stripe(state):
                 return state
-            if set(stripe_members(state)) - {key.rank} - opened.keys():
-                fetch_others(stripe_members(state))  # not held here, or a store that did not name the group in the manifest
+            fetch_others(stripe_members(state))  # not held here, or a store that did not name the group in the manifest
             stripes = {**opened, **{r: f.result() for r, f in others.items()}}
         finally:
             for pool in pools:

@@ -97,12 +97,14 @@ class ShardReader:
             if on_source is not None:
                 on_source(fetched.source_host or self.host_id)
             group = list(fetched.manifest.stripe.group) if fetched.manifest.HasField("stripe") else None
+            batched = group is not None and self.shared_memory and stripes is not None  # the others opened with it
             if group is not None:  # read as it is: its slices are views until assembled
                 zero_copy, device = True, None
-                if on_stripe is not None and not (self.shared_memory and stripes is not None):
+                if on_stripe is not None and not batched:
                     on_stripe(group)
             try:
-                if group is not None and self.shared_memory and stripes is not None:
+                if batched:
+                    assert group is not None and stripes is not None
                     own, found = self.read_stripes(key, [_with_rank(key, r) for r in group if r != key.rank])
                     stripes.update(found)
                     return own

@@ -76,11 +76,17 @@ class Reader:
         if wrong is not None:
             raise InvalidArgument(f"Open also= names a shard of job {wrong.job_id!r}: only shards of {key.job_id!r} opened with {key}")
         opened: list[tuple[str, Entry] | None] = [self.open(key, transient, reader_verifies)]
-        for k in also:
-            try:
-                opened.append(self.open(k, transient, reader_verifies))
-            except (ShardNotFound, ChecksumMismatch):
-                opened.append(None)
+        try:
+            for k in also:
+                try:
+                    opened.append(self.open(k, transient, reader_verifies))
+                except (ShardNotFound, ChecksumMismatch):
+                    opened.append(None)
+        except BaseException:
+            for lease in opened:  # nothing answered: no lease outlives the call
+                if lease is not None:
+                    self.release(lease[0])
+            raise
         return opened
 
     def release(self, lease_id: str) -> None:

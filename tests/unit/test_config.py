@@ -104,5 +104,6 @@ def test_the_durable_tier_is_told_its_options_not_the_config(tmp_path) -> None: 
            "spill_every_steps": "5", "spill_compression": "zstd", "spill_max_rate": "1MiB"}  # fmt: skip
     options = StoreConfig.load(cli, env={}).spill_settings()
     assert options == SpillOptions(
-        url=f"file://{tmp_path}", every_steps=5, keep_best=1, metric="loss", metric_max=True, compression="zstd", max_rate=1 << 20
-    )
+        url=f"file://{tmp_path}", storage_options="", every_steps=5, every_seconds=0.0, keep_last=2, keep_best=1, metric="loss",
+        metric_max=True, compression="zstd", max_rate=1 << 20, orphan_seconds=300.0,
+    )  # fmt: skip

@@ -140,3 +140,20 @@ def test_a_receive_ticket_registers_a_verified_replica_and_gives_its_slot_back()
     theirs.close()
     entry = catalog.get(KEY)
     assert entry is not None and entry.verified and entry.owner_host == "h1" and catalog.open_streams() == {} and due.is_set()
+
+
+def test_open_many_that_fails_past_the_first_lets_no_lease_outlive_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    catalog, _, _ = make_catalog()
+    own = settled(catalog, KEY, DATA)
+    reader = Reader(catalog)
+    open_one = reader.open
+
+    def failing(key: ShardKey, *args: object) -> object:
+        if key.rank == 1:
+            raise InvalidArgument("no shared-memory dir")
+        return open_one(key, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reader, "open", failing)
+    with pytest.raises(InvalidArgument):
+        reader.open_many(KEY, [ShardKey("job", 1, 1)])
+    assert own.pins == 0

@@ -229,6 +229,8 @@ def _copy_into(target: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]) -> 
 
 def _byte_tensor(piece: Any, index: int) -> torch.Tensor:
     """A decoded slice as a contiguous 1-D uint8 CPU tensor."""
+    if type(piece) is torch.Tensor and piece.dtype is torch.uint8 and piece.dim() == 1 and piece.is_cpu and piece.is_contiguous():
+        return piece  # what a stripe decoded from shared memory holds: checked in one line, restores make hundreds
     if isinstance(piece, (bytes, bytearray)):
         return torch.frombuffer(bytearray(piece), dtype=torch.uint8) if piece else torch.empty(0, dtype=torch.uint8)
     if isinstance(piece, np.ndarray) and piece.dtype == np.uint8 and piece.ndim == 1:

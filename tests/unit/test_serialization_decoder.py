@@ -96,6 +96,30 @@ def test_gc_state_is_restored_after_success_and_failure() -> None:
         gc.enable()
 
 
+def test_zero_copy_views_keep_every_dtype_and_shape() -> None:
+    # The view path takes shortcuts (a byte string's slice is the tensor; a 1-D tensor is not reshaped): every
+    # combination must still come back with its own dtype, shape and flags, aliasing the buffer.
+    n = 70_000  # over SMALL_COPY: views, not copies
+    state = {
+        "bytes1d": torch.arange(n * 4, dtype=torch.int64).to(torch.uint8),
+        "bytes2d": torch.arange(n * 4, dtype=torch.int64).to(torch.uint8).reshape(4, n),
+        "f32": torch.randn(n),
+        "bf16": torch.randn(2, 5, n // 2).to(torch.bfloat16),
+        "param": torch.nn.Parameter(torch.randn(n)),
+        "grad": torch.randn(4, n).requires_grad_(True),
+    }
+    data = ser.encode(state)
+    mm = mmap.mmap(-1, len(data))
+    mm[:] = bytes(data)
+    out = ser.decode(mm, zero_copy=True)
+    base = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+    for name, want in state.items():
+        got = out[name]
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got.detach(), want.detach()), name
+        assert base <= got.data_ptr() < base + len(data), f"{name} is a copy, not a view"
+        assert got.requires_grad == want.requires_grad and isinstance(got, torch.nn.Parameter) == (name == "param"), name
+
+
 def test_zero_copy_decode_views_the_buffer() -> None:
     state = {"w": torch.arange(100_000, dtype=torch.float32), "a": np.arange(50_000, dtype=np.int64), "small": torch.ones(3)}
     data = ser.encode(state)

@@ -298,7 +298,11 @@ class _Decoder:
             if self.share_base is None:
                 self.share_base = torch.frombuffer(self.share, dtype=torch.uint8)  # type: ignore[call-overload]
             raw = self.share_base[start:end]
-        tensor = raw.view(spec.dtype).view(spec.shape)
+        # One view per step a tensor needs (each costs microseconds, and a restore makes hundreds): a byte string's
+        # slice is already the tensor, and a 1-D tensor needs no reshape.
+        tensor = raw if spec.dtype is torch.uint8 else raw.view(spec.dtype)
+        if len(spec.shape) != 1:
+            tensor = tensor.view(spec.shape)
         if spec.parameter:
             return torch.nn.Parameter(tensor, requires_grad=spec.requires_grad)
         if spec.requires_grad:

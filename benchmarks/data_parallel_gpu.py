@@ -138,7 +138,7 @@ def run_group(cluster: LocalCluster, state: Any, d: int, saves: int, device: tor
                 loads[r].append(time.perf_counter() - t0)
                 assert same(out, state), f"D={d} rank {r}: restored state differs"
                 del out
-        stats = [c.capture_stats for c in clients]
+        stats = [c.stats().capture for c in clients]
         fresh = fresh_restore(cluster, job, d, saves, device)
     finally:
         for c in clients:

@@ -29,7 +29,7 @@ def main() -> None:
     with LocalCluster(hosts=2, replicas=2, capacity="1GiB") as cluster:
         cluster.start()
         with CheckpointClient("fixed-cost", 0, 1, connection=Connection(cluster.address("h0"))) as client:
-            path = "Unix socket" if client._local is not None else "gRPC"  # which control path ran
+            path = "Unix socket" if client._link.local is not None else "gRPC"  # which control path ran
             stalls = []
             for step in range(args.saves):
                 started = time.perf_counter()

@@ -14,7 +14,7 @@ It measures, in one run (medians of 5 for the floors): the D2H floor (``copy_`` 
 buffer, then a synchronize) and the H2D floor (the reverse); ``capture="copied"``: the first save of a fresh client,
 the first save after ``client.prepare(state)`` on another (``prepare`` timed apart) and the steady stall (median of
 ``--saves`` after ``--warmup``); ``capture="enqueued"``: until ``save()`` returns (median, max) and until
-``wait_captured(block=True)`` returns; ``client.capture_stats`` (registrations after the warm-up, fallbacks to
+``wait_captured(block=True)`` returns; ``client.stats().capture`` (registrations after the warm-up, fallbacks to
 pageable memory with the last reason); ``handle.superseded``; ``load(map_location=device)`` in this process against
 a load to CPU then ``.to(device)``, checked bit for bit; and the same load in a fresh process (after a crash).
 
@@ -342,18 +342,18 @@ def measure_capture(args: argparse.Namespace, state: Any, device: torch.device, 
         for _ in range(args.warmup):
             _, handle = copied_save(client, steps.next(), state, device)
             outcomes.wait(handle)
-        before = client.capture_stats.registrations
+        before = client.stats().capture.registrations
         stalls = []
         for _ in range(args.saves):
             stall, handle = copied_save(client, steps.next(), state, device)
             stalls.append(stall)
             outcomes.wait(handle)
-        registrations_copied = client.capture_stats.registrations - before
+        registrations_copied = client.stats().capture.registrations - before
 
         returned, captured = [], []
         for i in range(args.warmup + args.saves):
             if i == args.warmup:
-                before = client.capture_stats.registrations
+                before = client.stats().capture.registrations
             sync(device)
             started = time.perf_counter()
             handle = client.save(steps.next(), state, capture="enqueued")
@@ -364,8 +364,8 @@ def measure_capture(args: argparse.Namespace, state: Any, device: torch.device, 
             if i >= args.warmup:
                 returned.append(ret)
                 captured.append(cap)
-        registrations_enqueued = client.capture_stats.registrations - before
-        stats = client.capture_stats
+        registrations_enqueued = client.stats().capture.registrations - before
+        stats = client.stats().capture
         fallbacks += stats.fallbacks
         out.update(registrations=stats.registrations, last_fallback=stats.last_fallback)
 
@@ -391,7 +391,7 @@ def measure_capture(args: argparse.Namespace, state: Any, device: torch.device, 
         step = steps.next()
         prepared, handle = copied_save(client, step, state, device)
         outcomes.wait(handle)
-        stats = client.capture_stats
+        stats = client.stats().capture
         fallbacks += stats.fallbacks
         out["last_fallback"] = stats.last_fallback or out["last_fallback"]
         out.update(
@@ -465,7 +465,7 @@ def restore_only(args: argparse.Namespace) -> None:
         load = time.perf_counter() - started
         result = {"load_seconds": load, "connect_seconds": connect, "cuda_init_seconds": cuda_init, "step": args.step,
                   "tensors": sum(1 for _ in tensors_of(restored)), "bytes": nbytes_of(restored),
-                  "source": client.last_load_source}  # fmt: skip
+                  "source": client.stats().last_load_source}  # fmt: skip
     print(RESULT_TAG + json.dumps(result), flush=True)
 
 
@@ -511,14 +511,14 @@ def measure_loop(args: argparse.Namespace, trainer: Trainer, address: str, steps
         baseline = timed_steps(trainer, args.steps, 0, None, steps)
         loop["baseline"] = baseline
         client.prepare(trainer.state())
-        before = client.capture_stats.registrations
+        before = client.stats().capture.registrations
         loop["runs"] = []
         for k in args.every:
             run = timed_steps(trainer, args.steps, k, client, steps)
             run.update(ratio_median=run["median_step_seconds"] / baseline["median_step_seconds"],
                        ratio_mean=run["mean_step_seconds"] / baseline["mean_step_seconds"])  # fmt: skip
             loop["runs"].append(run)
-        loop["registrations_during_runs"] = client.capture_stats.registrations - before  # after prepare(): target 0
+        loop["registrations_during_runs"] = client.stats().capture.registrations - before  # after prepare(): target 0
 
         # The final state: saved enqueued, two more gated steps, then the save must equal the copy taken before it.
         expected = tree_map(lambda t: t.detach().clone(), trainer.state())
@@ -532,7 +532,7 @@ def measure_loop(args: argparse.Namespace, trainer: Trainer, address: str, steps
         loop.update(final_step=step, final_bit_exact=not bad, final_mismatches=bad[:10],
                     final_tensors_compared=sum(1 for _ in tensors_of(expected)))  # fmt: skip
         del restored, expected
-        stats = client.capture_stats
+        stats = client.stats().capture
         loop.update(registrations=stats.registrations, fallbacks=stats.fallbacks)
         out["fallbacks"] += stats.fallbacks
         out["last_fallback"] = stats.last_fallback or out["last_fallback"]

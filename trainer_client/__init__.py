@@ -33,7 +33,7 @@ if TYPE_CHECKING:
         SerializationError,
         StoreUnavailableError,
     )
-    from trainer_client.handles import RestorePoint, SaveHandle, SaveResult
+    from trainer_client.handles import ClientStats, RestorePoint, SaveHandle, SaveResult
     from trainer_client.training_state import ResumableDataLoader, TrainingState
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "CaptureError",
     "CheckpointClient",
     "CheckpointExistsError",
+    "ClientStats",
     "Connection",
     "CorruptShardError",
     "Credentials",
@@ -72,6 +73,7 @@ _HOMES = {
     "SaveHandle": "trainer_client.handles",
     "SaveResult": "trainer_client.handles",
     "RestorePoint": "trainer_client.handles",
+    "ClientStats": "trainer_client.handles",
     "MemStoreWriter": "trainer_client.dcp",
     "MemStoreReader": "trainer_client.dcp",
     "TrainingState": "trainer_client.training_state",

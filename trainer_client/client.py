@@ -1,16 +1,19 @@
-"""``CheckpointClient``: save a rank's state into the host's store and restore it.
+"""``CheckpointClient``: save a rank's state into the host's store and restore it; a facade over its collaborators.
 
-Save path on the same machine as the store (the common case): the store hands out a shared-memory
-segment it owns (pre-faulted, and mapped here ahead of time when the store could name it), the client
-copies the state straight into it, and ``commit`` transfers ownership; these calls go over the
-store's Unix socket (``trainer_client.transport.local_control``). ``save()`` returns then: the only stall is
-that copy, and a trainer crash afterwards loses nothing. Checksums and replication happen in the store,
-in the background. Without shared memory (a store on another machine) the client stages the shard,
-checksums it and sends it over the store's data channel (``trainer_client.transport.remote``).
+A client is wired from a few objects, each in its own module:
 
-Load path: the local store first makes sure it holds a verified copy (pulling from a peer if not) and
-verifies it again when the client opens it; the client maps it copy-on-write and decodes. Bytes are
-never unpickled.
+- its **connection** (``transport.link``): made once by the connect step, the only I/O of the constructor: the gRPC
+  channel, the store's ``Hello``, its Unix control socket;
+- its **save path** (``transport.save_path.SavePath``), picked by that step: ``SharedMemoryPath`` when the store shares
+  this machine's memory (the state is copied straight into a segment of the store's, then committed: the only stall is
+  that copy, and a trainer crash afterwards loses nothing), else ``RemotePath`` (staged here, hashed, sent over the
+  store's data channel). Checksums and replication happen in the store, in the background;
+- its **restorer** (``trainer_client.restoring``): which version to read (agreed over the job's group, or asked of the
+  cluster), then the read itself (``trainer_client.reading``: verified, mapped copy-on-write or received; never
+  unpickled);
+- the restorable floor's agreement (``trainer_client.floor``) and the replica group's stripes (``trainer_client.stripes``).
+
+``save()`` reads: validate, plan (the shard's layout; a replica group's stripe), ``path.capture(shard)``, the handle.
 
 Timelines: every shard is saved under the timeline of the save that produced it, and a step restores
 only from shards of one timeline, so a restore never mixes two saves of a step. A client's timeline is
@@ -22,56 +25,43 @@ rollback), which every rank of an SPMD job does at the same point.
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import functools
 import logging
-import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-import grpc
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from memstore.core.agreement import Seen
 from memstore.v1 import store_pb2 as pb
-from memstore.v1.channel import boot_id, store_stub
-from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, SPILL_CODECS, compute_checksums
-from memstore.v1.keys import job_id_problem, key_problem, timeline_problem
-from trainer_client import serialization
-from trainer_client.agreement import Agreements, AgreementStats, ClusterAnswer, LocalAnswer, agree
+from memstore.v1.integrity import SPILL_CODECS
+from memstore.v1.keys import timeline_problem
+from trainer_client import knobs, serialization
+from trainer_client.agreement import Agreements
 from trainer_client.capture import cuda as _cuda
-from trainer_client.capture.device_restore import parse_map_location, prepare_bounce_ring
-from trainer_client.capture.device_save import CAPTURE_MODES, Capture, Captures, host_writer
+from trainer_client.capture.device_restore import prepare_bounce_ring
+from trainer_client.capture.device_save import CAPTURE_MODES, Captures
 from trainer_client.capture.ring import CaptureRing, CaptureStats
 from trainer_client.connection import Connection, connection_from_kwargs
-from trainer_client.errors import (
-    CapacityExceededError,
-    InvalidArgumentError,
-    NoCheckpointError,
-    NotFoundError,
-    StoreUnavailableError,
-    raise_for_rpc,
-)
+from trainer_client.errors import CapacityExceededError, InvalidArgumentError
 from trainer_client.floor import FloorAgreement
-from trainer_client.handles import RestorePoint, SaveHandle, SaveResult
+from trainer_client.handles import ClientStats, RestorePoint, SaveHandle, SaveResult
 from trainer_client.job_group import default_job_group, resolve_group
-from trainer_client.reading import VERIFY_THREADS, ShardReader
+from trainer_client.reading import ShardReader
 from trainer_client.replica_check import verify_replicas
 from trainer_client.replicas import resolve_replica_group
-from trainer_client.run_ids import PROCESS_RUN_ID, broadcast_run_id, run_id_given
-from trainer_client.save_switches import marked_captures_wanted, trainer_hashing_wanted
-from trainer_client.stripes import is_stripe, split_state, stripe_members, stripe_state, whole_state
-from trainer_client.transport.local_control import LocalStub, RpcFailure
-from trainer_client.transport.remote import RemotePath, byte_view, empty_buffer
+from trainer_client.restoring import Restorer
+from trainer_client.run_ids import PROCESS_RUN_ID, broadcast_run_id
+from trainer_client.stripes import split_state, stripe_state
+from trainer_client.transport import messages
+from trainer_client.transport.link import connect
+from trainer_client.transport.remote_path import RemotePath
+from trainer_client.transport.save_path import PlannedShard, SavePath
+from trainer_client.transport.shared_memory_path import SharedMemoryPath
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-_MAX_BACKGROUND_SENDS = 2  # remote_save="background": staged saves in flight; the next waits for the oldest
-MARKED_FROM = 64 << 20  # a CPU state this large is pushed by the store while it is copied (CommitRequest.captured_bytes)
 
 
 class CheckpointClient:
@@ -121,6 +111,10 @@ class CheckpointClient:
     Deprecated (for one release, each with a ``DeprecationWarning``): ``store`` (also the fourth positional
     argument), ``timeout``, ``use_shared_memory``, ``auth_token``, ``tls_ca``, ``tls_cert``, ``tls_key``; put them in
     ``connection=`` instead (passing both is a ``TypeError``).
+
+    The constructor checks every option, then connects (the one step that does I/O): the store must be reachable.
+    ``connection`` is then the connection as resolved; :meth:`stats` says which path the client took and what its
+    last calls did.
     """
 
     _floor: FloorAgreement | None = None  # the restorable floor's agreement, with a group (``group``)
@@ -145,10 +139,8 @@ class CheckpointClient:
         **deprecated: Any,
     ) -> None:
         requested = connection_from_kwargs("CheckpointClient", connection, {"store": store, **deprecated})
-        problem = key_problem(job_id, 0, rank, world_size)
-        if problem:
-            raise InvalidArgumentError(problem)
-        self.run_id = run_id_given(run_id)
+        messages.shard_key(job_id, 0, rank, world_size)  # a bad job id, rank or world size is refused here
+        self.run_id = knobs.run_id(run_id)
         self._epoch = 0
         self._last_saved_step: int | None = None
         if spill_compression is not None and spill_compression not in SPILL_CODECS:
@@ -159,104 +151,36 @@ class CheckpointClient:
         self.remote_save = remote_save
         if on_capacity not in ("raise", "skip"):
             raise InvalidArgumentError(f"on_capacity {on_capacity!r} is invalid: expected 'raise' or 'skip'")
+        self.on_capacity = on_capacity
         self.job_id, self.rank, self.world_size = job_id, rank, world_size
         self.replica_group = resolve_replica_group(replica_group, rank, world_size, verify_replicas)
         self.verify_replicas = verify_replicas
         if group is not None:  # else the default group is looked for at the first save or restore
             self._use_group(resolve_group(group, rank, world_size))
-        self.connection = connection = requested.resolved()  # address and credentials filled in from the environment
-        assert connection.address is not None and connection.credentials is not None
-        self.address, self.credentials, self.timeout = connection.address, connection.credentials, connection.timeout
-        timeout = self.timeout
-        self.on_capacity = on_capacity
-        self._channel, self._stub = store_stub(self.address, self.credentials)
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            self._channel.close()
-            tls = (
-                " (TLS: check that the credentials' CA signed the store's certificate and the store accepts this client's certificate)"
-                if self.credentials.tls
-                else ""
-            )
-            where = f"{self.address}{requested.address_source}"
-            hint = f"is `memstore serve` running there?{tls}"
-            raise StoreUnavailableError(f"store at {where} not reachable within {timeout}s; {hint}") from None
-        self.hello = self._call(lambda t: self._stub.Hello(pb.HelloRequest(), timeout=t), "connect to store")
-        same_machine = bool(self.hello.shm_dir) and self.hello.boot_id == boot_id() and os.path.isdir(self.hello.shm_dir)
-        use_shared_memory = connection.shared_memory
-        if use_shared_memory and not same_machine:
-            raise InvalidArgumentError(f"store at {self.address} shares no memory with this process (different machine or no --shm-dir)")
-        self.shared_memory = same_machine if use_shared_memory is None else use_shared_memory
-        # The save path's calls go over the store's Unix socket when this process shares its machine.
-        self._local: LocalStub | None = None
-        if self.shared_memory and self.hello.control_socket and os.path.exists(self.hello.control_socket):
-            local = LocalStub(self.hello.control_socket, self.credentials.token)
-            try:
-                local.connect(timeout)
-                self._local = local
-            except OSError as exc:
-                log.info("store control socket %s not usable (%s); the save path uses gRPC", self.hello.control_socket, exc)
-        # The segments this rank's saves land in, mapped (and registered for DMA) once; the next save's reserved ahead.
-        self._ring = CaptureRing(
-            lambda request: self._control("Allocate", request, f"allocate memory for rank {rank}'s save"),
-            lambda lease_id: self._control("Release", pb.ReleaseRequest(lease_id=lease_id), "release an unused capture lease"),
-            lambda request: self._call(lambda t: self._stub.Allocate(request, timeout=t), f"reserve memory for rank {rank}'s next save"),
-        )
-        self.last_load_source = self.last_restore_note = ""
-        self.agreement = Agreements()  # latest_step(group=...): its last cost, its answer, versions found durable
-        # Without shared memory: shards travel over the store's data channel, staged in buffers kept here.
-        self._remote = RemotePath(self._stub, self.address, self.credentials, timeout, self.hello.data_port)
-        self._free_staging: list[torch.Tensor] = []
-        self._sends: collections.deque[Future[None]] = collections.deque()
-        self._sender: ThreadPoolExecutor | None = None
-        self.last_save_path = ""  # how the last remote save travelled: "data channel" or "grpc"
-        self._marking = marked_captures_wanted()
-        self._hashing = trainer_hashing_wanted()  # a bad MEMSTORE_TRAINER_HASHING is refused here, not at the first save
-        self._reader = ShardReader(self._call, self._control, self._stub, self._ring, self._remote, self.shared_memory, self.hello.host_id,
-                                   rank, self.agreement)  # fmt: skip
+        self._marking, self._hashing = knobs.marked_captures(), knobs.trainer_hashing()  # a bad value is refused here
+        self._captures = Captures()  # CUDA copies (pinned destinations, side streams), the capture="enqueued" save in flight
+        self.connection = requested
+        self._connect(requested)
+
+    def _connect(self, requested: Connection) -> None:
+        """The constructor's one step with I/O: dial the store, ask its Hello, open its control socket
+        (``transport.link.connect``); then the save path the store allows and the restorer."""
+        self._link = link = connect(requested)
+        self.connection = link.connection  # address and credentials filled in from the environment
+        self._path: SavePath
+        self._ring: CaptureRing | None = None
+        if link.shared_memory:
+            path = SharedMemoryPath(link, self._captures, self.rank, self.world_size, self.spill_compression, self._marking, self._hashing)
+            self._path, self._ring = path, path.ring
+        else:
+            self._path = RemotePath(link, self._captures, self.world_size, self.spill_compression, self.remote_save == "background")
+        self._agreement = Agreements()  # latest_step(group=...): its last cost, its answer, versions found durable
+        reader = ShardReader(link, self._ring, self.rank, self._agreement)
+        self._restorer = Restorer(self.job_id, self.rank, self.world_size, link, reader, self._agreement)
         prepare_bounce_ring(only_if_cuda_in_use=True)  # a trainer on a GPU: its first restore onto it registers nothing
 
-    @functools.cached_property
-    def _captures(self) -> Captures:
-        return Captures()  # CUDA copies (pinned destinations, side streams), the capture="enqueued" save in flight
-
-    # -- plumbing -----------------------------------------------------------------------
-    def _call(self, fn: Callable[[float], T], what: str, retries: int = 0) -> T:
-        attempt = 0
-        while True:
-            try:
-                return fn(self.timeout)
-            except grpc.RpcError as err:
-                if attempt < retries and err.code() == grpc.StatusCode.UNAVAILABLE:
-                    attempt += 1
-                    time.sleep(min(1.0, 0.1 * 2**attempt))
-                    continue
-                raise_for_rpc(err, what)
-
-    def _control(self, name: str, request: Any, what: str, retries: int = 0, wait: float = 0.0) -> Any:
-        """A save-path call (``Allocate``, ``Commit``, ``Release``, ``WaitCommitted``, ``Open``): over the store's
-        Unix socket when there is one, else (or once it is gone) over gRPC; ``wait``: seconds the call may block
-        in the store beyond the usual deadline."""
-        local = self._local
-        if local is not None:
-            try:
-                return local.call(name, request, timeout=self.timeout + wait)
-            except RpcFailure as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or err.sent:
-                    raise_for_rpc(err, what)
-                log.warning("store control socket gone (%s); the save path uses gRPC from now on", err.details())
-                self._local = None
-                local.close()
-        method = getattr(self._stub, name)
-        return self._call(lambda t: method(request, timeout=t + wait), what, retries)
-
     def _key(self, step: int, rank: int | None = None, timeline: str = "") -> pb.ShardKey:
-        rank = self.rank if rank is None else rank
-        problem = key_problem(self.job_id, step, rank, self.world_size, timeline)
-        if problem:
-            raise InvalidArgumentError(problem)
-        return pb.ShardKey(job_id=self.job_id, step=step, rank=rank, timeline=timeline)
+        return messages.shard_key(self.job_id, step, self.rank if rank is None else rank, self.world_size, timeline)
 
     @property
     def timeline(self) -> str:
@@ -278,6 +202,25 @@ class CheckpointClient:
         self._epoch, self._last_saved_step = epoch, step
         if self._floor is not None:
             self._floor.saved(step, self.timeline)
+
+    @property
+    def group(self) -> Any:
+        """The process group this client agrees over (None: none); see ``group=`` in the class doc."""
+        if not self._group_found:
+            self._use_group(default_job_group(self.rank, self.world_size))
+        return self._job_group
+
+    def _use_group(self, group: Any) -> None:
+        self._group_found, self._job_group = True, group
+        if group is not None:
+            self._floor = FloorAgreement(group, self.rank, self.world_size, self._status)
+
+    def _group_for(self, group: Any, rank: int | None = None) -> Any:
+        """The group a restore agrees over, for its ``group=``: None -> the client's (unless it reads another rank's
+        shard: that is no collective), False -> none, a group -> that one."""
+        if group is None:
+            return self.group if rank is None or rank == self.rank else None
+        return resolve_group(group, self.rank, self.world_size)
 
     # -- save ---------------------------------------------------------------------------
     def save(
@@ -307,29 +250,25 @@ class CheckpointClient:
         key = self._key(step, timeline=f"{self.run_id}.{epoch}" if timeline is None else timeline)
         if self.group is not None and self._floor is not None and timeline is None:
             self._floor.start(step, key.timeline)  # the ranks agree on the newest step all of them saved: read at the commit
-        clean_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
         t0 = time.perf_counter()
         layout, stripe = self._plan(state, replicated)
+        floor = self._floor
+        shard = PlannedShard(
+            key, layout, {str(k): float(v) for k, v in (metrics or {}).items()}, stripe, enqueued=capture == "enqueued", started=t0,
+            floor=lambda: floor.floor(key.timeline, key.step) if floor is not None else None,
+            on_success=None if timeline is not None else functools.partial(self._saved, step, epoch),
+            skip_capacity=self.on_capacity == "skip",
+        )  # fmt: skip
         try:
-            if self.shared_memory:
-                job = self._save_shared(key, layout, clean_metrics, deferred=capture == "enqueued", started=t0, stripe=stripe)
-            else:
-                job = self._save_remote(key, layout, clean_metrics, capture, stripe)
-            if capture == "copied":
-                job.run()
+            job = self._path.capture(shard)
         except CapacityExceededError as exc:
             if self.on_capacity == "skip":
                 log.warning("skipping checkpoint of step %d (rank %d): %s", step, self.rank, exc)
                 return self._handle(step, key.timeline, skipped_reason=str(exc))
             raise
-        if capture == "enqueued":
-            job.skip_capacity = self.on_capacity == "skip"
-            job.on_success = None if timeline is not None else lambda: self._saved(step, epoch)
-            self._captures.start(job)
+        if shard.enqueued:
             handle = self._handle(step, key.timeline, capture=job)
         else:
-            if timeline is None:
-                self._saved(step, epoch)
             handle = self._handle(step, key.timeline, sending=job.handed_off)
         handle.stall_seconds = time.perf_counter() - t0
         return handle
@@ -350,8 +289,7 @@ class CheckpointClient:
         if group.size == 1 or (replicated is not None and not replicated):
             return serialization.plan(state), None  # nothing to share
         plan = stripe_state(shared, own, order, group.members, group.index)
-        stripe = pb.Stripe(group=group.members, index=group.index, logical_nbytes=plan.logical_nbytes, stripe_nbytes=plan.stripe_nbytes)
-        return serialization.plan(plan.state), stripe
+        return serialization.plan(plan.state), messages.stripe(group.members, group.index, plan.logical_nbytes, plan.stripe_nbytes)
 
     def gate(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
         """Hold each ``optimizer.step()`` until the latest ``capture="enqueued"`` save no longer needs the state.
@@ -360,77 +298,6 @@ class CheckpointClient:
         stream, the host goes on; a failed capture raises its error there, once). Returns the hook's handle.
         """
         return optimizer.register_step_pre_hook(self._captures.gate_hook())
-
-    def _save_shared(
-        self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float], deferred: bool, started: float,
-        stripe: pb.Stripe | None = None,
-    ) -> Capture:  # fmt: skip
-        """Into a segment of this rank's capture ring: the one reserved ahead (no call) or one allocated now.
-
-        ``deferred`` (``capture="enqueued"``): the device copies are enqueued on the capture thread, after events
-        recorded now on the trainer's streams. After the commit the ring reserves the next save's segment ahead.
-        """
-        ring = self._ring
-        if not ring.pinning and self._captures.wants_pinning(layout):
-            ring.pinning = True  # from now on every ring segment is registered once (this slot below, the rest as used)
-        slot = ring.slot(key, self.world_size, layout.nbytes)
-
-        def release() -> None:
-            ring.give_back(slot)
-
-        try:
-            target = torch.frombuffer(ring.hold(slot).view, dtype=torch.uint8, count=layout.nbytes)  # held until committed or given back
-            blobs, start_copies = self._captures.device_copies(layout, target, deferred=deferred)
-        except BaseException:
-            release()
-            raise
-
-        def request(captured: int | None = None) -> pb.CommitRequest:
-            r = pb.CommitRequest(
-                lease_id=slot.lease_id, metrics=metrics, format_version=serialization.FORMAT_VERSION, spill_codec=self.spill_compression,
-                stripe=stripe, restorable_floor=self._floor.floor(key.timeline, key.step) if self._floor else None,
-                captured_bytes=captured,
-            )  # fmt: skip
-            if captured is None:
-                r.capture.CopyFrom(ring.report())
-                r.capture_seconds = time.perf_counter() - started
-                if sums is not None and sums.values is not None:
-                    r.chunk_size, r.checksum_algo = sums.chunk_size, CHECKSUM_ALGO
-                    r.chunk_checksums.extend(sums.values)
-            if slot.ahead:
-                r.key.CopyFrom(key)
-                r.nbytes = layout.nbytes
-            return r
-
-        # A large CPU state on a store that replicates: the store pushes the bytes as they become final (marks).
-        marked: list[int] = []
-        marking = (
-            not blobs and not deferred and layout.nbytes >= MARKED_FROM and self.hello.marked_captures and self.hello.replicas > 1
-            and self._marking
-        )  # fmt: skip
-        # Otherwise, with MEMSTORE_TRAINER_HASHING=on, a state copied by this process alone is hashed chunk by chunk as
-        # it is copied, with the store's chunk size: the store never reads it back to hash it (CommitRequest.chunk_checksums).
-        hashing = self._hashing and not blobs and not marking and self.hello.max_chunk_bytes > 0
-        sums = serialization.ChunkSums(self.hello.max_chunk_bytes) if hashing else None
-
-        def mark(captured: int) -> None:
-            self._control("Commit", request(captured), f"commit step {key.step} (its first {captured} bytes)")
-            marked.append(captured)  # the store holds the lease's shard from the first mark on
-
-        def commit() -> None:
-            try:
-                self._control("Commit", request(), f"commit step {key.step}")
-            finally:
-                ring.committed(slot)  # taken in, or refused (the lease then expires in the store)
-            ring.reserve_ahead(key, self.world_size, layout.nbytes)
-
-        def abort() -> None:
-            if marked:  # the store took the shard in at the first mark: it drops it once no more marks come
-                ring.committed(slot)
-            else:
-                release()
-
-        return Capture(start_copies, host_writer(layout, blobs, slot.mm, mark=mark if marking else None, sums=sums), commit, abort)
 
     def prepare(self, state_or_nbytes: Any, *, replicated: Sequence[str] | None = None) -> None:
         """Make the next save fast from the first one: reserve its memory in the store now, map it, and (for a state
@@ -447,113 +314,7 @@ class CheckpointClient:
         else:
             layout, _ = self._plan(state_or_nbytes, replicated, verify=False)
             nbytes, pin = layout.nbytes, self._captures.wants_pinning(layout)
-        if not self.shared_memory:
-            buf, _ = self._staging_buffer(nbytes)
-            if pin:
-                self._captures.copier.pin_buffer(buf)
-            self._free_staging.append(buf)
-            return
-        if pin:
-            self._ring.pinning = True
-            self._ring.pin_all()
-        self._ring.prepare(self._key(0), self.world_size, nbytes)
-
-    @property
-    def group(self) -> Any:
-        """The process group this client agrees over (None: none); see ``group=`` in the class doc."""
-        if not self._group_found:
-            self._use_group(default_job_group(self.rank, self.world_size))
-        return self._job_group
-
-    def _use_group(self, group: Any) -> None:
-        self._group_found, self._job_group = True, group
-        if group is not None:
-            self._floor = FloorAgreement(group, self.rank, self.world_size, self._status)
-
-    def _group_for(self, group: Any, rank: int | None = None) -> Any:
-        """The group a restore agrees over, for its ``group=``: None -> the client's (unless it reads another rank's
-        shard: that is no collective), False -> none, a group -> that one."""
-        if group is None:
-            return self.group if rank is None or rank == self.rank else None
-        return resolve_group(group, self.rank, self.world_size)
-
-    @property
-    def capture_stats(self) -> CaptureStats:
-        """What this client's captures cost: registrations made (none after warm-up), fallbacks to pageable memory."""
-        return self._captures.stats(self._ring.stats)
-
-    def _save_remote(
-        self, key: pb.ShardKey, layout: serialization.ShardLayout, metrics: dict[str, float], capture: str, stripe: pb.Stripe | None = None
-    ) -> Capture:
-        """Without shared memory: stage the shard in this process, then send it over the store's data channel.
-
-        ``remote_save="sync"``: returns once the store holds verified bytes (crash-safe, the stall includes
-        the transfer). ``"background"``: returns after the staging copy; the send runs on a thread and the
-        save's handle reports it (a crash of this process before it finished loses the save). With
-        ``capture="enqueued"`` the capture thread sends once the copies are done. The staging buffer is
-        registered for CUDA copies like a segment (it is kept between saves too).
-        """
-        buf, fresh = self._staging_buffer(layout.nbytes)
-        view = byte_view(buf, layout.nbytes)
-        if self._captures.wants_pinning(layout):
-            self._captures.copier.pin_buffer(buf)
-        blobs, start_copies = self._captures.device_copies(layout, buf, deferred=capture == "enqueued")
-        chunk = min(DEFAULT_CHUNK_BYTES, self.hello.max_chunk_bytes or DEFAULT_CHUNK_BYTES)
-        # A send that follows the copy on the same thread (finish() below) has the copy hash each chunk from cache
-        # instead of reading the shard back first; a background send keeps the stall a copy and hashes on its thread.
-        inline = self.remote_save == "sync" or capture == "enqueued"
-        sums = serialization.ChunkSums(chunk) if inline else None
-        created = time.time()
-
-        def send() -> None:
-            done = sums.values if sums is not None else None
-            checksums = done if done is not None else compute_checksums(view, layout.nbytes, chunk, workers=VERIFY_THREADS)
-            manifest = pb.Manifest(
-                key=key,
-                world_size=self.world_size,
-                nbytes=layout.nbytes,
-                chunk_size=chunk,
-                chunk_checksums=checksums,
-                checksum_algo=CHECKSUM_ALGO,
-                format_version=serialization.FORMAT_VERSION,
-                metrics=metrics,
-                created_unix=created,
-                spill_codec=self.spill_compression,
-                stripe=stripe,
-            )
-            header = pb.PutHeader(
-                manifest=manifest, origin=pb.PUT_ORIGIN_CLIENT, sender_host=f"client-rank-{self.rank}",
-                restorable_floor=self._floor.floor(key.timeline, key.step) if self._floor else None,
-            )  # fmt: skip
-            try:
-                self.last_save_path = self._remote.put(header, view, f"put step {key.step}")
-            finally:
-                self._free_staging.append(buf)
-
-        def finish() -> Future[None] | None:
-            if inline:
-                send()
-                return None
-            if self._sender is None:
-                self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-send")
-            future = self._sender.submit(send)
-            self._sends.append(future)
-            return future
-
-        writer = host_writer(layout, blobs, view, fault_ahead=fresh, sums=sums)
-        return Capture(start_copies, writer, finish, lambda: self._free_staging.append(buf))
-
-    def _staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]:
-        """A free staging buffer of at least ``nbytes`` (kept between saves: its pages are faulted in once), and
-        whether it is new. With background sends, at most two are in flight; a third save waits for the oldest."""
-        while self._sends and (self._sends[0].done() or len(self._sends) >= _MAX_BACKGROUND_SENDS):
-            self._sends.popleft().exception()  # waits; its handle reports the outcome
-        for i, buf in enumerate(self._free_staging):
-            if buf.numel() >= nbytes:
-                return self._free_staging.pop(i), False
-        self._captures.unpin(*self._free_staging)
-        self._free_staging.clear()  # too small for this state: let them go
-        return empty_buffer(nbytes), True
+        self._path.prepare(self._key(0), nbytes, pin)
 
     def save_status(self, step: int, timeline: str, wait: float = 0.0) -> tuple[SaveResult, bool]:
         """How this rank's save of ``step`` in ``timeline`` stands in its store: (its status, whether it settled), after
@@ -565,7 +326,7 @@ class CheckpointClient:
         """``save_status``, telling the store the job's restorable ``floor`` too (the floor agreement's watcher)."""
         key = self._key(step, timeline=timeline)
         request = pb.WaitCommittedRequest(key=key, timeout_seconds=wait, restorable_floor=floor)
-        resp = self._control("WaitCommitted", request, f"status of step {step}", retries=3, wait=wait)
+        resp = self._link.control("WaitCommitted", request, f"status of step {step}", retries=3, wait=wait)
         result = SaveResult.from_wire(resp.info, step, self.rank, timeline)
         if self._floor is not None and resp.done:
             self._floor.observed(step, timeline, result)  # the next save's agreement knows it at once
@@ -574,7 +335,19 @@ class CheckpointClient:
     def _handle(self, step: int, timeline: str, **kwargs: Any) -> SaveHandle:
         return SaveHandle(step, timeline, self.rank, functools.partial(self.save_status, step, timeline), **kwargs)
 
-    # -- restore ------------------------------------------------------------------------
+    def stats(self) -> ClientStats:
+        """A snapshot of which path this client took and what its last calls did: its store's host id, shared memory or
+        not, the control socket, capture registrations and fallbacks, the last save's route, the last load's source,
+        why the last lookup found nothing, the last agreement's cost (:class:`~trainer_client.handles.ClientStats`)."""
+        link, restorer = self._link, self._restorer
+        return ClientStats(
+            store_host=link.hello.host_id, shared_memory=link.shared_memory, control_socket=link.local is not None,
+            capture=self._captures.stats(self._ring.stats if self._ring is not None else CaptureStats()),
+            last_save_route=self._path.last_route, last_load_source=restorer.last_load_source,
+            last_restore_note=restorer.last_restore_note, agreement=dataclasses.replace(self._agreement.stats),
+        )  # fmt: skip
+
+    # -- restore (trainer_client.restoring) ---------------------------------------------
     def latest_step(self, group: Any = None) -> int | None:
         """Newest step restorable for every rank of the job, or None if there is none.
 
@@ -584,15 +357,7 @@ class CheckpointClient:
         store, which asks only its placement group, plus a few small all-reduces: O(replicas) calls per rank
         instead of O(hosts) (``memstore.core.agreement``). Without a group every call asks every store.
         """
-        agreed_over = self._group_for(group)
-        point = self._restore_point(step=None, agreed_over=agreed_over)
-        self.agreement.point = point if agreed_over is not None else None
-        if point is not None and point.world_size != self.world_size:
-            raise InvalidArgumentError(
-                f"step {point.step} of job {self.job_id} was saved by {point.world_size} ranks but this client has world_size "
-                f"{self.world_size}; resharding needs trainer_client.dcp"
-            )
-        return None if point is None else point.step
+        return self._restorer.latest_step(self._group_for(group))
 
     def restore_point(self, step: int | None = None, group: Any = None) -> RestorePoint | None:
         """The version to restore: of the newest restorable step, or of exactly ``step``; None if there is none.
@@ -600,60 +365,7 @@ class CheckpointClient:
         Every rank's shard of the returned (step, timeline) is verified somewhere; shards of other saves
         of that step are never part of it. ``group``: agree over the job's process group (see ``latest_step``).
         """
-        return self._restore_point(step, self._group_for(group))
-
-    def _restore_point(self, step: int | None, agreed_over: Any) -> RestorePoint | None:
-        """``restore_point`` with its group resolved (``_group_for``): agreed over it, or the cluster-wide answer (None)."""
-        problem = job_id_problem(self.job_id) or (None if step is None else key_problem(self.job_id, step, 0))
-        if problem:
-            raise InvalidArgumentError(problem)
-        if agreed_over is not None:
-            return self._agreed_point(step, agreed_over)
-        return self._cluster_point(step)
-
-    def _agreed_point(self, step: int | None, group: Any) -> RestorePoint | None:
-        self.agreement.stats = stats = AgreementStats()
-
-        def ask_local() -> LocalAnswer:
-            request = pb.LatestStepRequest(job_id=self.job_id, ranks=[self.rank], include_durable=self.rank == 0)
-            stats.rpcs += 1
-            resp = self._call(lambda t: self._stub.LatestStep(request, timeout=t), "latest_step", retries=3)
-            seen = [Seen(v.step, v.timeline, v.world_size, v.created_unix, tuple(v.ranks), v.durable) for v in resp.versions]
-            return seen, not resp.unreachable_hosts
-
-        def ask_cluster() -> ClusterAnswer:
-            stats.rpcs += 1
-            point, unreachable = self._cluster_answer(step)
-            return (None if point is None else Seen(point.step, point.timeline, point.world_size, 0.0)), not unreachable
-
-        agreed = agree(group, self.rank, self.world_size, step, ask_local, ask_cluster, stats)
-        if agreed is None:
-            self.last_restore_note = self.last_restore_note if stats.fallback else ""
-            return None
-        self.last_restore_note = ""
-        if agreed.durable:
-            self.agreement.durable.add((agreed.step, agreed.timeline))
-        return RestorePoint(agreed.step, agreed.world_size, agreed.timeline)
-
-    def _cluster_point(self, step: int | None) -> RestorePoint | None:
-        return self._cluster_answer(step)[0]
-
-    def _cluster_answer(self, step: int | None) -> tuple[RestorePoint | None, list[str]]:
-        """The cluster-wide LatestStep: its version, and the stores that did not answer it."""
-        request = pb.LatestStepRequest(job_id=self.job_id, step=step)
-        try:
-            resp = self._call(lambda t: self._stub.LatestStep(request, timeout=t), "latest_step", retries=3)
-        except NotFoundError as exc:  # the job is unknown to every store
-            self.last_restore_note = str(exc)
-            return None, []
-        unreachable = list(resp.unreachable_hosts)
-        if not resp.found:
-            if resp.note:
-                log.warning("job %s has no restorable step: %s", self.job_id, resp.note)
-            self.last_restore_note = resp.note
-            return None, unreachable
-        self.last_restore_note = ""
-        return RestorePoint(int(resp.step), int(resp.world_size), resp.timeline), unreachable
+        return self._restorer.restore_point(step, self._group_for(group))
 
     def load(
         self, step: int | None = None, *, rank: int | None = None, zero_copy: bool = True, timeline: str | None = None,
@@ -675,66 +387,17 @@ class CheckpointClient:
 
         ``group``: the job's process group (default: the client's, see ``latest_step``; ``False``: none; no default when
         ``rank`` is another rank's); without ``timeline`` the version is then agreed over it (a collective), and a
-        ``load(step)`` right after ``latest_step()`` returned ``step`` reuses that answer.
+        ``load(step)`` right after ``latest_step()`` returned ``step`` reuses that answer. ``stats().last_load_source``
+        then names the host the copy came from.
         """
-        device = parse_map_location(map_location)
-        if device is not None and device.type == "cuda":
-            prepare_bounce_ring()  # registered while the version is agreed and the store opens the shard (once per process)
-        if timeline is None or step is None:
-            agreed_over = self._group_for(group, rank)
-            agreed, self.agreement.point = self.agreement.point, None
-            reuse = agreed_over is not None and agreed is not None and agreed.step == step
-            point = agreed if reuse else self._restore_point(step, agreed_over)
-            if point is None:
-                note = f": {self.last_restore_note}" if self.last_restore_note else ""
-                if step is None:
-                    raise NoCheckpointError(
-                        f"job {self.job_id!r} has no restorable step: no step has a verified copy of one save for all "
-                        f"{self.world_size} ranks{note}"
-                    )
-                raise NotFoundError(
-                    f"step {step} of job {self.job_id!r} is not restorable: no save of it has a verified copy of every rank{note}"
-                )
-            step, timeline = point.step, point.timeline
-        key = self._key(step, rank, timeline)
-        others: dict[int, Future[Any]] = {}
-        pools: list[ThreadPoolExecutor] = []  # made only for a stripe to fetch: an ordinary load starts no thread
-
-        opened: dict[int, Any] = {}  # other stripes the store opened with this rank's (shared memory: one call)
-
-        def fetch_others(group: list[int]) -> None:  # a stripe: its group's other stripes are fetched meanwhile
-            for r in group:
-                if r != key.rank and r not in others and r not in opened:
-                    if not pools:
-                        pools.append(ThreadPoolExecutor(max_workers=8, thread_name_prefix="memstore-stripes"))
-                    others[r] = pools[0].submit(self._reader.read_stripe, self._key(key.step, r, key.timeline))
-
-        try:
-            state = self._reader.fetch_and_read(key, zero_copy, device, fetch_others, on_source=self._loaded_from, stripes=opened)
-            if not is_stripe(state):
-                return state
-            fetch_others(stripe_members(state))  # not held here, or a store that did not name the group in the manifest
-            stripes = {**opened, **{r: f.result() for r, f in others.items()}}
-        finally:
-            for pool in pools:
-                pool.shutdown(wait=True)
-        return whole_state(key.rank, key.step, state, stripes, device, zero_copy)
-
-    def _loaded_from(self, source: str) -> None:
-        self.last_load_source = source
+        return self._restorer.load(step, rank, zero_copy, timeline, map_location, lambda: self._group_for(group, rank))
 
     def close(self) -> None:
         if self._floor is not None:
             self._floor.close()
         self._captures.close()  # an enqueued capture in flight is finished, then every registration undone
-        self._ring.close()  # the lease reserved ahead is given back; ring segments unregistered and unmapped
-        if self._sender is not None:
-            self._sender.shutdown(wait=True)  # a background save in flight is finished, not dropped
-            self._sender = None
-        if self._local is not None:
-            self._local.close()
-            self._local = None
-        self._channel.close()
+        self._path.close()  # the lease reserved ahead given back, the ring unmapped; a background send finished
+        self._link.close()
 
     def __enter__(self) -> CheckpointClient:
         return self

@@ -8,7 +8,8 @@
     client = CheckpointClient("run-1", rank, world, connection=Connection.from_env())  # read and checked now
 
 What a connection leaves out (``address``, ``credentials`` as None) comes from the environment when a client
-connects, exactly as :meth:`Connection.from_env` reads it:
+connects, exactly as :meth:`Connection.from_env` reads it (:func:`trainer_client.knobs.store_address` and
+:func:`~trainer_client.knobs.credentials`, where every switch of the trainer side is read):
 
 - ``MEMSTORE_STORE``: the store's ``HOST:PORT`` (on Kubernetes the pod sets it to ``$(HOST_IP):7070``),
   else ``127.0.0.1:7070``;
@@ -25,17 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from memstore.errors import ConfigError
-from memstore.v1.security import Credentials, read_token_file, token_problem
+from memstore.v1.security import Credentials
+from trainer_client import knobs
 from trainer_client.errors import InvalidArgumentError
+from trainer_client.knobs import address_problem
 
-STORE_ENV = "MEMSTORE_STORE"
 DEFAULT_STORE = "127.0.0.1:7070"
 DEFAULT_TIMEOUT = 60.0
 
@@ -49,18 +50,6 @@ DEPRECATED_KWARGS: Mapping[str, str] = {
     "tls_cert": "Connection(credentials=Credentials(cert=...))",
     "tls_key": "Connection(credentials=Credentials(key=...))",
 }
-
-
-def address_problem(address: object) -> str | None:
-    """Why ``address`` is not a store address (``HOST:PORT``, IPv6 as ``[::1]:PORT``); None when it is one."""
-    if not isinstance(address, str):
-        return f"expected HOST:PORT, got a {type(address).__name__}"
-    host, sep, port = address.rpartition(":")
-    if not sep or not host.strip("[]") or any(c.isspace() for c in address):
-        return "expected HOST:PORT, e.g. 127.0.0.1:7070"
-    if not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):
-        return f"port {port!r} is not a number in 1-65535"
-    return None
 
 
 @dataclass(frozen=True)
@@ -107,18 +96,16 @@ class Connection:
         ``MEMSTORE_TLS_*``), read and checked now: a bad value raises ``InvalidArgumentError`` naming the
         variable (and its value, except a token's). ``address`` stays None when ``MEMSTORE_STORE`` is unset
         (the default store; ``memstore.ray`` then picks the node's own)."""
-        env = os.environ if env is None else env
-        return cls(address=_env_address(env), timeout=timeout, credentials=env_credentials(env), shared_memory=shared_memory)
+        return cls(address=knobs.store_address(env), timeout=timeout, credentials=knobs.credentials(env), shared_memory=shared_memory)
 
     def resolved(self, env: Mapping[str, str] | None = None) -> Connection:
         """This connection with the address and credentials it leaves out read from the environment."""
         if self.address is not None and self.credentials is not None:
             return self
-        env = os.environ if env is None else env
         return dataclasses.replace(
             self,
-            address=self.address if self.address is not None else _env_address(env) or DEFAULT_STORE,
-            credentials=self.credentials if self.credentials is not None else env_credentials(env),
+            address=self.address if self.address is not None else knobs.store_address(env) or DEFAULT_STORE,
+            credentials=self.credentials if self.credentials is not None else knobs.credentials(env),
         )
 
     @property
@@ -126,39 +113,7 @@ class Connection:
         """Where an unset address comes from, for error messages: ``" (from MEMSTORE_STORE)"`` or ``" (the default)"``."""
         if self.address is not None:
             return ""
-        return f" (from {STORE_ENV})" if os.environ.get(STORE_ENV) else " (the default)"
-
-
-def _env_address(env: Mapping[str, str]) -> str | None:
-    address = env.get(STORE_ENV) or None
-    if address is not None and address_problem(address):
-        raise InvalidArgumentError(f"{STORE_ENV}={address!r} is invalid: {address_problem(address)}")
-    return address
-
-
-def env_credentials(env: Mapping[str, str] | None = None) -> Credentials:
-    """``Credentials`` from the environment (what a connection that leaves them out presents); a bad value
-    raises ``InvalidArgumentError`` naming its variable (never a token's value)."""
-    env = os.environ if env is None else env
-    token = env.get("MEMSTORE_AUTH_TOKEN") or ""
-    if token and token_problem(token):
-        raise InvalidArgumentError(f"MEMSTORE_AUTH_TOKEN is invalid: {token_problem(token)}")
-    try:
-        if not token and env.get("MEMSTORE_AUTH_TOKEN_FILE"):
-            token = read_token_file(env["MEMSTORE_AUTH_TOKEN_FILE"], "MEMSTORE_AUTH_TOKEN_FILE")
-    except ConfigError as exc:
-        raise InvalidArgumentError(str(exc)) from None
-    for name in ("MEMSTORE_TLS_CA", "MEMSTORE_TLS_CERT", "MEMSTORE_TLS_KEY"):
-        path = env.get(name, "")
-        if path and not os.path.isfile(path):
-            raise InvalidArgumentError(f"{name}={path!r} is invalid: no such file")
-    if bool(env.get("MEMSTORE_TLS_CERT")) != bool(env.get("MEMSTORE_TLS_KEY")):
-        given, missing = ("MEMSTORE_TLS_CERT", "MEMSTORE_TLS_KEY")[:: 1 if env.get("MEMSTORE_TLS_CERT") else -1]
-        raise InvalidArgumentError(f"{given} is set but {missing} is not: a client certificate needs its key and a key its certificate")
-    try:
-        return Credentials.from_env(env, token=token)
-    except ConfigError as exc:  # pragma: no cover - every case is checked above
-        raise InvalidArgumentError(str(exc)) from None
+        return f" (from {knobs.STORE_ENV})" if knobs.store_address() else " (the default)"
 
 
 def connection_from_kwargs(owner: str, connection: Connection | None, old: Mapping[str, Any]) -> Connection:

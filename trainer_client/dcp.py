@@ -595,7 +595,7 @@ class MemStoreReader(StorageReader):
                 self._agreeing.close()
             self._agreeing = CheckpointClient(self.job_id, rank, size, connection=self.connection, group=False)
         point = self._agreeing.restore_point(step, group=self.group)
-        self.agreement_stats = self._agreeing.agreement.stats
+        self.agreement_stats = self._agreeing.stats().agreement
         return point
 
     def _resolve(self) -> tuple[int, int, str]:

@@ -1,5 +1,5 @@
 """What a client's calls hand back: :class:`SaveHandle` (one save in progress), the :class:`SaveResult` its ``wait()``
-returns, and :class:`RestorePoint`."""
+returns, :class:`RestorePoint`, and :class:`ClientStats` (``client.stats()``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 
 from memstore.v1 import store_pb2 as pb
+from trainer_client.agreement import AgreementStats
 from trainer_client.capture.device_save import Capture
+from trainer_client.capture.ring import CaptureStats
 from trainer_client.errors import ReplicationError
 
 #: What a handle asks of the client that made it: how the save stands in the store, waiting up to that many seconds
@@ -99,6 +101,31 @@ class RestorePoint:
     step: int
     world_size: int
     timeline: str
+
+
+@dataclass(frozen=True)
+class ClientStats:
+    """What ``client.stats()`` returns: the path a client took and what its last calls did, as one snapshot.
+
+    Attributes:
+        store_host: the host id of the client's store.
+        shared_memory: whether saves go into the store's shared memory (else they are staged here and sent).
+        control_socket: whether the save path's calls use the store's Unix socket (else gRPC).
+        capture: registrations for DMA made so far (none after warm-up), fallbacks to pageable memory, the last cause.
+        last_save_route: how the last save's bytes travelled: ``"shared memory"``, ``"data channel"`` or ``"grpc"``.
+        last_load_source: the host the last ``load``'s copy came from (``"durable"``: the durable tier).
+        last_restore_note: why the last lookup of a restorable step found none, when a store said ("" otherwise).
+        agreement: what the last ``latest_step``/``restore_point``/``load`` agreed over a group cost.
+    """
+
+    store_host: str
+    shared_memory: bool
+    control_socket: bool
+    capture: CaptureStats
+    last_save_route: str = ""
+    last_load_source: str = ""
+    last_restore_note: str = ""
+    agreement: AgreementStats = field(default_factory=AgreementStats)
 
 
 class SaveHandle:

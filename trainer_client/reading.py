@@ -27,41 +27,28 @@ from trainer_client.capture.device_restore import HostToDevice, decode_onto, dec
 from trainer_client.capture.ring import CaptureRing
 from trainer_client.chunk_check import ChunkCheck
 from trainer_client.errors import CorruptShardError, NotFoundError
-from trainer_client.transport.remote import RemotePath, byte_view
+from trainer_client.transport.link import StoreLink
+from trainer_client.transport.remote import VERIFY_THREADS, byte_view
 
 log = logging.getLogger(__name__)
 
-VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
-
-Call = Callable[..., Any]  # CheckpointClient._call / _control: an RPC with the client's deadline, retries and errors
-
 
 class ShardReader:
-    """Reads shards for one client (its collaborators: its RPC helpers, capture ring, remote path and agreements).
+    """Reads shards for one client (its collaborators: its store link, capture ring and agreements).
 
     Args:
-        call: ``CheckpointClient._call`` (gRPC, with retries and typed errors).
-        control: ``CheckpointClient._control`` (the save path's calls: the store's Unix socket where there is one).
-        stub: the store's gRPC stub (``Fetch``).
-        ring: the client's capture ring (a restore onto a device DMAs straight out of a segment of it).
-        remote: the data-channel path, used without shared memory.
-        shared_memory: whether this process maps the store's segments.
-        host_id: the store's host id (the source of a copy it held already).
+        link: the client's connection to its store (``call``, ``control``, the data channel, ``shared_memory``).
+        ring: the client's capture ring with shared memory (a restore onto a device DMAs straight out of a segment of
+            it); None without.
         rank: the client's rank (for the log).
         agreement: the client's agreements: versions known durable are fetched without listing.
     """
 
-    def __init__(
-        self, call: Call, control: Call, stub: Any, ring: CaptureRing, remote: RemotePath, shared_memory: bool, host_id: str, rank: int,
-        agreement: Agreements,
-    ) -> None:  # fmt: skip
-        self._call = call
-        self._control = control
-        self._stub = stub
+    def __init__(self, link: StoreLink, ring: CaptureRing | None, rank: int, agreement: Agreements) -> None:
+        self._link = link
         self._ring = ring
-        self._remote = remote
-        self.shared_memory = shared_memory
-        self.host_id = host_id
+        self.shared_memory = link.shared_memory
+        self.host_id = link.hello.host_id
         self.rank = rank
         self.agreement = agreement
 
@@ -89,8 +76,8 @@ class ShardReader:
         for attempt in range(2):
             durable_known = (key.step, key.timeline) in self.agreement.durable  # agreed from the durable tier's one listing
             request = pb.FetchRequest(key=key, discard_local=attempt > 0, durable_known=durable_known, cached=on_source is None)
-            fetched = self._call(
-                lambda t, request=request: self._stub.Fetch(request, timeout=t + 600),  # type: ignore[misc]
+            fetched = self._link.call(
+                lambda t, request=request: self._link.stub.Fetch(request, timeout=t + 600),  # type: ignore[misc]
                 f"load step {step}",
                 retries=3,
             )
@@ -119,7 +106,7 @@ class ShardReader:
         """This rank's stripe and, opened in the same call (``OpenRequest.also``) and released in one, those of
         ``others`` this store holds; all decoded as views of their segments. The others by rank: one the store does
         not hold, or whose copy fails its check here, is left out (the caller fetches it)."""
-        opened = self._control("Open", pb.OpenRequest(key=key, also=others), f"open step {key.step}", retries=3)
+        opened = self._link.control("Open", pb.OpenRequest(key=key, also=others), f"open step {key.step}", retries=3)
         found: dict[int, Any] = {}
         try:
             own = self._decode_on_host(opened, key, zero_copy=True)
@@ -132,17 +119,18 @@ class ShardReader:
             return own, found
         finally:
             leases = [a.lease_id for a in opened.also if a.lease_id]
-            self._control("Release", pb.ReleaseRequest(lease_id=opened.lease_id, also=leases), f"release step {key.step}")
+            self._link.control("Release", pb.ReleaseRequest(lease_id=opened.lease_id, also=leases), f"release step {key.step}")
 
     def read_shared(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
         # Onto a device the bytes are copied out before Release, so the segment stays recyclable (in its ring), and they
         # are verified here beside the copies (chunk_check), not by the store before them.
         request = pb.OpenRequest(key=key, transient=device is not None, reader_verifies=device is not None)
-        opened = self._control("Open", request, f"open step {key.step}", retries=3)
+        opened = self._link.control("Open", request, f"open step {key.step}", retries=3)
         try:
             if device is None:
                 return self._decode_on_host(opened, key, zero_copy)
             m = _manifest(opened, key)
+            assert self._ring is not None  # shared memory: the client has its ring
             with self._ring.registered_view(opened.segment_path, m.nbytes) as ring_mm:
                 if ring_mm is not None:  # a segment of this rank's ring (a same-process restore): DMA straight out of it
                     return self._onto_device(ring_mm, m, key, device, opened.verified, registered=True)
@@ -153,7 +141,7 @@ class ShardReader:
                 with contextlib.suppress(BufferError):  # numpy arrays still viewing it (zero_copy) keep it mapped
                     mm.close()
         finally:
-            self._control("Release", pb.ReleaseRequest(lease_id=opened.lease_id), f"release step {key.step}")
+            self._link.control("Release", pb.ReleaseRequest(lease_id=opened.lease_id), f"release step {key.step}")
 
     @staticmethod
     def _decode_on_host(opened: pb.OpenResponse, key: pb.ShardKey, zero_copy: bool) -> Any:
@@ -201,7 +189,7 @@ class ShardReader:
     def read_remote(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
         """Without shared memory: the shard over the store's data channel (gRPC streams if it has none), every
         chunk verified as it lands; with ``zero_copy`` large tensors are views of the received buffer."""
-        m, buf = self._remote.get(key, f"read step {key.step}")
+        m, buf = self._link.data.get(key, f"read step {key.step}")
         if device is not None:
             return decode_onto(byte_view(buf, m.nbytes), device, zero_copy)
         return serialization.decode(byte_view(buf, m.nbytes), zero_copy=zero_copy)

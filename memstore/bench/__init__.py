@@ -134,7 +134,7 @@ def machine(shm_dir: str = "/dev/shm") -> dict[str, Any]:
     import torch
 
     from memstore.server.shm_pages import shm_pages
-    from trainer_client.save_switches import save_switches
+    from trainer_client.knobs import save_switches
 
     pages = shm_pages(shm_dir)
     return {
@@ -260,7 +260,7 @@ def run_config(config: dict[str, Any], command: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``memstore bench`` with flags parsed by a parser that :func:`add_arguments` filled; the exit code."""
-    from trainer_client.save_switches import save_switches
+    from trainer_client.knobs import save_switches
 
     try:
         config = config_of(args)

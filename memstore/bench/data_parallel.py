@@ -88,7 +88,7 @@ def restore(client: Any, expected: str) -> dict[str, Any]:
     t1 = time.perf_counter()
     same = fingerprint(state) == expected
     t2 = time.perf_counter()
-    return {"seconds": t1 - t0, "read_seconds": t2 - t0, "source_host": client.last_load_source or "", "verified_equal": same}
+    return {"seconds": t1 - t0, "read_seconds": t2 - t0, "source_host": client.stats().last_load_source or "", "verified_equal": same}
 
 
 def restore_round(cluster: LocalCluster, job: str, degree: int, dedup: bool, expected: str) -> list[dict[str, Any]]:

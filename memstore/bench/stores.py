@@ -240,7 +240,7 @@ def restore_worker() -> None:
     t_connected = time.perf_counter()
     state = client.load(zero_copy=True)
     t_loaded = time.perf_counter()
-    source = client.last_load_source or ""
+    source = client.stats().last_load_source or ""
     client.close()
     report = {"seconds": t_loaded - t_accept, "connect_seconds": t_connected - t_accept, "load_seconds": t_loaded - t_connected}
     out.write(json.dumps({**report, "source_host": source, "fingerprint": fingerprint(state)}) + "\n")

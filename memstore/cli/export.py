@@ -121,7 +121,7 @@ def read_from_store(address: str, job_id: str, step: int | None, timeout: float)
             point = probe.restore_point(step)
             if point is None:
                 what = f"job {job_id!r} has no complete step" if step is None else f"step {step} of job {job_id!r} is not complete"
-                note = f": {probe.last_restore_note}" if probe.last_restore_note else ""
+                note = f": {probe.stats().last_restore_note}" if probe.stats().last_restore_note else ""
                 raise ExportFailed(f"{what} on {where}{note}")
         shards: list[Any] = []
         with (

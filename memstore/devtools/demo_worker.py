@@ -230,7 +230,7 @@ def _restore(client: Any, training: _Training, rank: int) -> dict[str, Any]:
         print(f"rank {rank}: nothing restorable (lost before any step was spilled); starting from step 0", file=sys.stderr)
         return {"step": 0, "seconds": time.perf_counter() - t0, "source": ""}
     info = training.state.restore(client.load(latest, group=dist.group.WORLD))  # reuses the agreed version
-    return {"step": info["step"], "seconds": time.perf_counter() - t0, "source": client.last_load_source}
+    return {"step": info["step"], "seconds": time.perf_counter() - t0, "source": client.stats().last_load_source}
 
 
 def _log(progress: Any, record: dict[str, Any]) -> None:

@@ -135,7 +135,7 @@ def run(hosts: int = 32, ranks_per_host: int = 1, replicas: int = 2, state_kib: 
                     return bool(torch.equal(loaded["w"], state(r, steps)["w"]))
 
                 assert all(phase(name, restore))
-                out[name]["replaced_host_sources"] = sorted({cs[r].last_load_source for r in range(world) if host(r) == "h1"})
+                out[name]["replaced_host_sources"] = sorted({cs[r].stats().last_load_source for r in range(world) if host(r) == "h1"})
             finally:
                 for c in cs:
                     c.close()

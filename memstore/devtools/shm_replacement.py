@@ -71,7 +71,7 @@ def replace_once(cluster: LocalCluster, old: str, new: str, steps: int, mib: flo
     with CheckpointClient(JOB, 0, 1, connection=Connection(address=cluster.address(new))) as c:
         for step in range(1, steps + 1):
             exact &= bool(torch.equal(c.load(step)["w"], state(step, mib)["w"]))
-            local &= c.last_load_source == new
+            local &= c.stats().last_load_source == new
     health = cluster.health(new)  # after the loads: a repair that made the store ready has been counted by now
     assert health is not None
     return {

@@ -26,7 +26,8 @@ from memstore.ray import gcs
 from memstore.ray.actor import CLUSTER_TOKEN_FILE, StoreActor, store_config, uses_cluster_token
 from memstore.ray.model import actor_name, domain_of, host_id_for
 from memstore.v1.security import Credentials
-from trainer_client.connection import Connection, env_credentials
+from trainer_client import knobs
+from trainer_client.connection import Connection
 
 DEFAULT_NAMESPACE = "memstore"
 _RemoteStore = ray.remote(StoreActor)
@@ -174,7 +175,7 @@ def store_credentials(namespace: str = DEFAULT_NAMESPACE) -> Credentials:
 
     Runs anywhere connected to the Ray cluster (the driver, a task, an actor). The token is a secret: do not log it.
     """
-    credentials = env_credentials()
+    credentials = knobs.credentials()
     if credentials.token:
         return credentials
     token = gcs.Registry(namespace).cluster_token()

@@ -20,7 +20,8 @@ from tests.harness.listing import own_steps
 from tests.states import assert_same, mixed_expected, mixed_tensors
 from trainer_client import CheckpointClient
 from trainer_client.capture import cuda, device_restore
-from trainer_client.capture.ring import STRICT_ENV, CaptureStats
+from trainer_client.capture.ring import CaptureStats
+from trainer_client.knobs import STRICT_PINNING_ENV as STRICT_ENV
 from trainer_client.dcp import MemStoreReader, MemStoreWriter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
@@ -124,7 +125,7 @@ def test_the_capture_ring_is_registered_once_and_never_again(make_cluster, cudar
     state, expected = gpu_state(2, scale=8)
     client = CheckpointClient("gpu-pin", 0, 1, store=cluster.address("h0"))
     try:
-        assert client.shared_memory
+        assert client.stats().shared_memory
         client.prepare(state)  # fills the ring: every segment mapped and registered now
         warm = len(cudart.registered)
         for step in range(1, 21):
@@ -134,7 +135,7 @@ def test_the_capture_ring_is_registered_once_and_never_again(make_cluster, cudar
         assert cudart.failed == []  # nothing past a file's end (1), nothing registered twice (712)
         assert len(cudart.registered) == warm, "after prepare() no save registers anything"
         assert all(flags == cuda.HOST_REGISTER_PORTABLE for _, _, flags in cudart.registered)
-        assert client.capture_stats == CaptureStats(warm, 0, "")
+        assert client.stats().capture == CaptureStats(warm, 0, "")
         assert_same(client.load(20), expected)
     finally:
         client.close()

@@ -54,13 +54,13 @@ def test_agreed_answer_matches_the_cluster_wide_one_at_one_call_per_rank(make_in
         assert all(c.latest_step() == 3 for c in clients)  # the unscoped answer, for comparison
         answers = on_every_rank(clients, lambda c, g: c.latest_step(group=g))
         assert answers == [3] * WORLD
-        assert all(c.agreement.stats.rpcs == 1 and not c.agreement.stats.fallback for c in clients)
-        assert all(c.agreement.stats.collectives == 3 for c in clients)
+        assert all(c.stats().agreement.rpcs == 1 and not c.stats().agreement.fallback for c in clients)
+        assert all(c.stats().agreement.collectives == 3 for c in clients)
         # load(group=...) right after reuses the agreed point: no second query, the right bytes.
         loaded = on_every_rank(clients, lambda c, g: c.load(3, group=g))
         for c, state in zip(clients, loaded, strict=True):
             assert_same(state, rank_state(c.rank, 3))
-        assert all(c.agreement.stats.rpcs == 1 for c in clients)
+        assert all(c.stats().agreement.rpcs == 1 for c in clients)
     finally:
         for c in clients:
             c.close()
@@ -74,8 +74,8 @@ def test_an_incomplete_newest_step_falls_back_once_and_every_rank_agrees(make_in
         save(clients[:5], range(3, 4))  # ranks 5..7 crashed before saving step 3
         answers = on_every_rank(clients, lambda c, g: c.latest_step(group=g))
         assert answers == [2] * WORLD
-        assert clients[0].agreement.stats.fallback and clients[0].agreement.stats.rpcs == 2  # rank 0 asked the cluster once
-        assert all(c.agreement.stats.fallback and c.agreement.stats.rpcs == 1 for c in clients[1:])
+        assert clients[0].stats().agreement.fallback and clients[0].stats().agreement.rpcs == 2  # rank 0 asked the cluster once
+        assert all(c.stats().agreement.fallback and c.stats().agreement.rpcs == 1 for c in clients[1:])
     finally:
         for c in clients:
             c.close()
@@ -91,7 +91,7 @@ def test_a_replaced_host_restores_its_ranks_from_its_group(make_inprocess_cluste
     cluster.restart("h1")  # empty memory: its ranks' shards live on h0, its group peer
     clients = connect(cluster, range(WORLD), run_id="run-c2")
     try:
-        loaded = on_every_rank(clients, lambda c, g: (c.latest_step(group=g), c.load(group=g), c.last_load_source))
+        loaded = on_every_rank(clients, lambda c, g: (c.latest_step(group=g), c.load(group=g), c.stats().last_load_source))
         for c, got in zip(clients, loaded, strict=True):
             assert not isinstance(got, BaseException), got
             step, state, source = got
@@ -121,14 +121,14 @@ def test_a_restart_from_durable_storage_lists_it_once_for_the_job(make_inprocess
         cluster.restart(host)  # every copy in memory is gone: only durable storage has the job
     clients = connect(cluster, range(4), world=4, hosts=2, run_id="run-d2")
     try:
-        loaded = on_every_rank(clients, lambda c, g: (c.latest_step(group=g), c.load(group=g), c.last_load_source))
+        loaded = on_every_rank(clients, lambda c, g: (c.latest_step(group=g), c.load(group=g), c.stats().last_load_source))
         for c, got in zip(clients, loaded, strict=True):
             assert not isinstance(got, BaseException), got
             step, state, source = got
             assert (step, source) in ((2, "durable"), (2, "h0"), (2, "h1"))  # a group peer may have pulled it first
             assert_same(state, rank_state(c.rank, 2))
         assert any(got[2] == "durable" for got in loaded if not isinstance(got, BaseException))
-        assert all(c.agreement.durable == {(2, "run-d.0")} for c in clients)
+        assert all(c._agreement.durable == {(2, "run-d.0")} for c in clients)
     finally:
         for c in clients:
             c.close()

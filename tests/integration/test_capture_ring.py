@@ -23,7 +23,7 @@ from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from tests.harness.fake_cuda import FakeCudaRuntime
 from tests.harness.listing import own_steps
-from trainer_client import CheckpointClient
+from trainer_client import CheckpointClient, knobs
 from trainer_client.capture import cuda, ring
 from trainer_client.errors import CaptureError, ReplicationError
 
@@ -55,12 +55,12 @@ def test_after_prepare_fifty_saves_register_nothing_while_a_peer_replicates(
     cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="512MiB")
     with CheckpointClient("ring-steady", 0, 1, store=cluster.address("h0")) as client:
         client.prepare(tensors(0, 2 * MiB))
-        warm = client.capture_stats.registrations
+        warm = client.stats().capture.registrations
         assert warm >= 3  # the ring: --keep 2 + 1 segments
         for step in range(1, 51):
             client.save(step, tensors(step, 2 * MiB), capture="enqueued" if step % 2 else "copied").wait(60)
             wait_for(lambda: own_steps(cluster, "h0", "ring-steady", 0) <= 2, timeout=30, what="retention")
-        assert client.capture_stats == ring.CaptureStats(warm, 0, "")
+        assert client.stats().capture == ring.CaptureStats(warm, 0, "")
         assert same(client.load(50), tensors(50, 2 * MiB))
     assert fake_cuda.failures == [] and fake_cuda.last_error == 0 and fake_cuda.live == {}
 
@@ -88,7 +88,7 @@ def test_saves_on_four_hosts_never_fall_back_while_peers_replicate_and_a_replace
                     handle = client.save(step, tensors(step * 10 + rank, 2 * MiB), capture="enqueued" if step % 2 else "copied")
                     with contextlib.suppress(ReplicationError):  # while h3 is gone its group has one copy: repair follows
                         handle.wait(60)
-                assert client.capture_stats.fallbacks == 0, client.capture_stats
+                assert client.stats().capture.fallbacks == 0, client.stats().capture
                 assert same(client.load(saves, timeline=client.timeline), tensors(saves * 10 + rank, 2 * MiB))
         except BaseException as exc:
             errors.append(exc)
@@ -133,7 +133,7 @@ def test_an_enqueued_save_makes_no_call_and_registers_nothing_on_the_callers_thr
     monkeypatch.setattr(ring, "map_segment", mapping)
     monkeypatch.setattr(fake_cuda, "host_register", registering)
     with CheckpointClient("ring-enq", 0, 1, store=cluster.address("h0")) as client:
-        real_control = client._control
+        real_control = client._link.control
 
         def control(name: str, *args: Any, **kwargs: Any) -> Any:
             if threading.current_thread() is caller and name == "Allocate":
@@ -148,7 +148,7 @@ def test_an_enqueued_save_makes_no_call_and_registers_nothing_on_the_callers_thr
         # The stall is a small part of the capture itself (the copy runs on the capture thread): the absolute figures
         # (about a millisecond against hundreds for the copy) are in docs/benchmarks.md.
         assert statistics.median(stalls) < 0.1 * statistics.median(captures) and max(stalls) < 0.5 * min(captures), (stalls, captures)
-        assert client.capture_stats.fallbacks == 0
+        assert client.stats().capture.fallbacks == 0
         assert same(client.load(8), state)
 
 
@@ -158,7 +158,7 @@ def test_a_registration_that_fails_once_is_retried_after_remapping(make_inproces
     with CheckpointClient("ring-retry", 0, 1, store=cluster.address("h0")) as client:
         client.save(1, tensors(1, 4 * MiB)).wait(30)
         assert len(fake_cuda.failures) == 1 and fake_cuda.last_error == 0
-        assert client.capture_stats.fallbacks == 0 and client.capture_stats.registrations >= 1
+        assert client.stats().capture.fallbacks == 0 and client.stats().capture.registrations >= 1
 
 
 def test_a_fallback_is_counted_reported_and_refused_in_strict_mode(
@@ -169,7 +169,7 @@ def test_a_fallback_is_counted_reported_and_refused_in_strict_mode(
     with CheckpointClient("ring-fallback", 0, 1, store=cluster.address("h0")) as client:
         state = tensors(1, 4 * MiB)
         client.save(1, state).wait(30)  # lands, through pageable memory
-        stats = client.capture_stats
+        stats = client.stats().capture
         assert stats.fallbacks == 1 and "invalid argument" in stats.last_fallback
         assert same(client.load(1), state)
         h = health(cluster, "h0")
@@ -179,12 +179,12 @@ def test_a_fallback_is_counted_reported_and_refused_in_strict_mode(
         )
         assert "PAGEABLE" in status.stdout and "invalid argument" in status.stdout, status.stdout
 
-    monkeypatch.setenv(ring.STRICT_ENV, "1")
+    monkeypatch.setenv(knobs.STRICT_PINNING_ENV, "1")
     fake_cuda.fail_next = [cuda.ERROR_INVALID_VALUE] * 2
     with CheckpointClient("ring-strict", 0, 1, store=cluster.address("h0")) as client:
-        with pytest.raises(CaptureError, match=ring.STRICT_ENV):
+        with pytest.raises(CaptureError, match=knobs.STRICT_PINNING_ENV):
             client.save(1, tensors(2, 4 * MiB))
-        assert client.capture_stats.fallbacks == 1
+        assert client.stats().capture.fallbacks == 1
     wait_for(lambda: health(cluster, "h0").used_bytes <= 256 * MiB, timeout=10, what="store alive")
 
 
@@ -199,7 +199,7 @@ def test_reserve_segments_trimmed_in_the_background_are_never_registered_past_th
     with CheckpointClient("ring-trim", 0, 1, store=cluster.address("h0")) as client:
         for step, size in enumerate((20, 24, 20, 26, 20, 24, 20, 22), start=1):
             client.save(step, tensors(step, size * MiB)).wait(30)
-        assert fake_cuda.failures == [] and client.capture_stats.fallbacks == 0
+        assert fake_cuda.failures == [] and client.stats().capture.fallbacks == 0
 
 
 def test_saves_faster_than_replication_supersede_older_ones_and_never_pile_up(make_cluster: Any) -> None:
@@ -238,11 +238,11 @@ def test_a_restore_reads_the_ring_in_place_and_leaves_the_segment_in_the_ring(
             with client._ring.registered_view(opened.segment_path, opened.manifest.nbytes) as mm:
                 assert mm is not None  # the shard sits in a registered segment of this client's ring
             stub.Release(pb.ReleaseRequest(lease_id=opened.lease_id), timeout=10)
-            before = client.capture_stats.registrations
+            before = client.stats().capture.registrations
             for step in range(8, 16):
                 client.save(step, tensors(step, 4 * MiB)).wait(30)
                 wait_for(lambda: own_steps(cluster, "h0", "ring-read", 0) <= 2, timeout=30, what="retention")
             assert opened.segment_path in client._ring.mapped_paths
-            assert client.capture_stats.registrations == before
+            assert client.stats().capture.registrations == before
         finally:
             channel.close()

@@ -14,7 +14,7 @@ from memstore.server import replication
 from memstore.v1.integrity import compute_checksums
 from tests.harness.inprocess import InProcessCluster
 from tests.harness.shards import assert_same
-from trainer_client import CheckpointClient, Connection, client, serialization
+from trainer_client import CheckpointClient, Connection, knobs, serialization
 from trainer_client.errors import ReplicationError
 from trainer_client.serialization import memory
 
@@ -46,7 +46,7 @@ def test_a_save_hashed_as_it_is_copied_is_replicated_without_the_owner_hashing_i
     monkeypatch.setattr(replication, "compute_checksums", no_hashing)
     saved = state()
     with CheckpointClient(JOB, 0, 1, connection=Connection(cluster.address("h0"))) as c:
-        assert c.shared_memory
+        assert c.stats().shared_memory
         assert c.save(1, saved).wait(timeout=30).copies == 2
     expected = serialization.encode(saved)
     info = owner_manifest(cluster, 1)
@@ -54,7 +54,7 @@ def test_a_save_hashed_as_it_is_copied_is_replicated_without_the_owner_hashing_i
     assert list(info.manifest.checksums) == compute_checksums(memoryview(expected), len(expected), 256 << 10)
     with CheckpointClient(JOB, 0, 1, connection=Connection(cluster.address("h1"))) as c:
         assert_same(c.load(1), saved)  # the replica, verified chunk by chunk against the client's checksums
-        assert c.last_load_source == "h1"
+        assert c.stats().last_load_source == "h1"
 
 
 def test_a_wrong_client_checksum_fails_the_push_and_no_peer_keeps_a_copy(make_inprocess_cluster, monkeypatch) -> None:
@@ -98,14 +98,14 @@ def test_by_default_the_trainer_copies_and_the_store_hashes(make_inprocess_clust
 def test_trainer_hashing_follows_the_setting_and_refuses_a_bad_one(make_inprocess_cluster, monkeypatch) -> None:
     from trainer_client.errors import InvalidArgumentError
 
-    assert client.trainer_hashing_wanted()
+    assert knobs.trainer_hashing()
     monkeypatch.setenv("MEMSTORE_TRAINER_HASHING", "off")
-    assert not client.trainer_hashing_wanted()
+    assert not knobs.trainer_hashing()
     monkeypatch.delenv("MEMSTORE_TRAINER_HASHING")
-    assert not client.trainer_hashing_wanted()  # the default: the stall stays a copy
+    assert not knobs.trainer_hashing()  # the default: the stall stays a copy
     monkeypatch.setenv("MEMSTORE_TRAINER_HASHING", "auto")
     with pytest.raises(InvalidArgumentError, match="MEMSTORE_TRAINER_HASHING='auto' is invalid: expected on or off"):
-        client.trainer_hashing_wanted()
+        knobs.trainer_hashing()
     cluster: InProcessCluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB")
     with pytest.raises(InvalidArgumentError, match="MEMSTORE_TRAINER_HASHING"):  # a client refuses it when it starts
         CheckpointClient(JOB, 0, 1, connection=Connection(cluster.address("h0")))

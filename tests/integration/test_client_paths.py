@@ -69,7 +69,7 @@ def test_corrupt_local_copy_is_discarded_and_peer_copy_used(make_inprocess_clust
         else:
             out = c.load(1, map_location=onto)
             assert all(t.is_meta for t in out.values() if isinstance(t, torch.Tensor))
-        assert c.last_load_source == "h1"  # the verified copy came from the peer
+        assert c.stats().last_load_source == "h1"  # the verified copy came from the peer
     finally:
         c.close()
 
@@ -78,17 +78,17 @@ def test_path_without_shared_memory_uses_the_data_channel(make_inprocess_cluster
     cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB")
     c = CheckpointClient("remote", 0, 1, connection=Connection(cluster.address("h0"), shared_memory=False))
     try:
-        assert not c.shared_memory
+        assert not c.stats().shared_memory
         info = c.save(3, rank_state(0, 3, scale=8)).wait(timeout=30)
         assert isinstance(info, SaveResult) and info.committed  # a small dataclass, not protobuf
         assert info.copies == 2 and info.host == "h0" and (info.step, info.rank) == (3, 0)
-        assert c.last_save_path == "data channel"
+        assert c.stats().last_save_route == "data channel"
         assert_same(c.load(), rank_state(0, 3, scale=8))
         assert_same(c.load(zero_copy=False), rank_state(0, 3, scale=8))
         # A store without a data channel: the same save and load over gRPC streams.
-        c._remote.data_port = 0
+        c._link.data.data_port = 0
         c.save(4, rank_state(0, 4, scale=8)).wait(timeout=30)
-        assert c.last_save_path == "grpc"
+        assert c.stats().last_save_route == "grpc"
         assert_same(c.load(4), rank_state(0, 4, scale=8))
     finally:
         c.close()
@@ -143,9 +143,9 @@ def test_replacement_adopts_verified_segments_and_discards_corrupt_ones(make_clu
     assert health is not None and health.adopted_shards == 1  # step 2 verified and adopted; step 1 discarded
     with CheckpointClient("adopt", 0, 1, connection=Connection(cluster.address("h0"))) as c2:
         assert_same(c2.load(2), rank_state(0, 2, scale=16))
-        assert c2.last_load_source == "h0"  # its own RAM, no network
+        assert c2.stats().last_load_source == "h0"  # its own RAM, no network
         assert_same(c2.load(1), rank_state(0, 1, scale=16))
-        assert c2.last_load_source == "h1"  # the discarded copy came back from the peer, verified
+        assert c2.stats().last_load_source == "h1"  # the discarded copy came back from the peer, verified
 
 
 def test_zero_copy_restore_is_private_and_stable(make_inprocess_cluster) -> None:

@@ -27,7 +27,7 @@ from tests.states import assert_same, mixed_expected, mixed_tensors
 from trainer_client import CheckpointClient
 from trainer_client.capture import cuda
 from trainer_client.capture.device_save import DeviceCopier, device_blobs
-from trainer_client.capture.ring import STRICT_ENV
+from trainer_client.knobs import STRICT_PINNING_ENV as STRICT_ENV
 from trainer_client.errors import CaptureError, MemstoreClientError
 from trainer_client.serialization import plan
 
@@ -113,7 +113,7 @@ def test_saves_alternating_capture_modes_under_ring_churn_restore_bit_exact(
                 retried += save_until_it_lands(client, step, state, expected, capture)
             else:
                 save_and_check(client, step, state, expected, capture)
-        assert client.capture_stats.fallbacks == 0
+        assert client.stats().capture.fallbacks == 0
     assert retried >= 1  # the lease reserved before the restart was gone
     assert engine.copy_errors == [] and engine.pending_copies == 0
     assert engine.async_copies >= 2 * saves and engine.written == engine.async_copies and engine.sync_copies == 0

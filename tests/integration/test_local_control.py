@@ -32,15 +32,15 @@ def test_a_client_on_the_machine_saves_and_loads_over_the_socket(make_inprocess_
     path = hello(cluster, "h0").control_socket
     assert path.endswith(".sock") and Path(path).is_socket()
     with CheckpointClient("lc", 0, 1, store=cluster.address("h0")) as c:
-        assert c._local is not None
+        assert c._link.local is not None
         calls: list[str] = []
-        real = c._local.call
+        real = c._link.local.call
 
         def counted(name, request, timeout=None):  # type: ignore[no-untyped-def]
             calls.append(name)
             return real(name, request, timeout)
 
-        c._local.call = counted  # type: ignore[method-assign]
+        c._link.local.call = counted  # type: ignore[method-assign]
         state = {"w": torch.arange(1000, dtype=torch.float32)}
         assert c.save(3, state).wait(timeout=30).copies == 2
         assert torch.equal(c.load(3)["w"], state["w"])
@@ -88,7 +88,7 @@ def test_without_the_socket_the_save_path_uses_grpc(make_inprocess_cluster) -> N
     cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB", extra_args=["--no-local-control"])
     assert hello(cluster, "h0").control_socket == ""
     with CheckpointClient("grpc", 0, 1, store=cluster.address("h0")) as c:
-        assert c._local is None and c.shared_memory
+        assert c._link.local is None and c.stats().shared_memory
         c.save(1, {"x": torch.ones(3)}).wait(timeout=30)
         assert torch.equal(c.load(1)["x"], torch.ones(3))
 
@@ -96,10 +96,10 @@ def test_without_the_socket_the_save_path_uses_grpc(make_inprocess_cluster) -> N
 def test_a_client_falls_back_to_grpc_when_the_socket_goes_away(make_inprocess_cluster) -> None:
     cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB")
     with CheckpointClient("gone", 0, 1, store=cluster.address("h0")) as c:
-        local = c._local
+        local = c._link.local
         assert local is not None
         local.close()
         local.path = "/nonexistent/memstore.sock"  # the next connect fails before anything is sent
         c.save(1, {"x": torch.ones(3)}).wait(timeout=30)
-        assert c._local is None
+        assert c._link.local is None
         wait_for(lambda: c.latest_step() == 1, timeout=10, what="step 1 restorable")

@@ -16,9 +16,10 @@ from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from tests.harness.inprocess import InProcessCluster
 from tests.harness.shards import assert_same
-from trainer_client import CheckpointClient, Connection, client
+from trainer_client import CheckpointClient, Connection, knobs
 from trainer_client.errors import InvalidArgumentError
 from trainer_client.serialization import encoder
+from trainer_client.transport import shared_memory_path
 
 pytestmark = pytest.mark.integration
 MiB = 1 << 20
@@ -44,7 +45,7 @@ def record_marks(cluster: InProcessCluster, host: str) -> list[int | None]:
 
 def test_a_marked_save_is_pushed_as_it_is_copied_and_the_replica_is_exact(make_inprocess_cluster, monkeypatch) -> None:
     monkeypatch.setenv("MEMSTORE_MARKED_CAPTURES", "on")  # whatever this machine's cores
-    monkeypatch.setattr(client, "MARKED_FROM", 1 * MiB)  # a small state takes the large-state path
+    monkeypatch.setattr(shared_memory_path, "MARKED_FROM", 1 * MiB)  # a small state takes the large-state path
     monkeypatch.setattr(encoder, "MARK_BYTES", 1 * MiB)
     cluster: InProcessCluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="256MiB")
     marks = record_marks(cluster, "h0")
@@ -55,7 +56,7 @@ def test_a_marked_save_is_pushed_as_it_is_copied_and_the_replica_is_exact(make_i
     assert marks[:-1] == sorted(marks[:-1]) and marks[0] > 0  # type: ignore[type-var]
     with CheckpointClient("marked", 0, 1, connection=Connection(cluster.address("h1"))) as c:
         assert_same(c.load(1), saved)  # the replica the push made while the client copied
-        assert c.last_load_source == "h1"
+        assert c.stats().last_load_source == "h1"
 
 
 def test_a_capture_whose_client_stops_is_dropped_and_no_peer_keeps_a_copy(make_inprocess_cluster, monkeypatch) -> None:
@@ -83,13 +84,13 @@ def test_a_capture_whose_client_stops_is_dropped_and_no_peer_keeps_a_copy(make_i
 
 
 def test_marked_captures_follow_the_setting_and_refuse_a_bad_one(monkeypatch) -> None:
-    monkeypatch.setattr(client.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(knobs.os, "cpu_count", lambda: 2)
     monkeypatch.delenv("MEMSTORE_MARKED_CAPTURES", raising=False)
-    assert not client.marked_captures_wanted()  # auto on 2 cores: the push would take the copy's cores
-    monkeypatch.setattr(client.os, "cpu_count", lambda: 16)
-    assert client.marked_captures_wanted()
+    assert not knobs.marked_captures()  # auto on 2 cores: the push would take the copy's cores
+    monkeypatch.setattr(knobs.os, "cpu_count", lambda: 16)
+    assert knobs.marked_captures()
     monkeypatch.setenv("MEMSTORE_MARKED_CAPTURES", "off")
-    assert not client.marked_captures_wanted()
+    assert not knobs.marked_captures()
     monkeypatch.setenv("MEMSTORE_MARKED_CAPTURES", "sometimes")
     with pytest.raises(InvalidArgumentError, match="MEMSTORE_MARKED_CAPTURES"):
-        client.marked_captures_wanted()
+        knobs.marked_captures()

@@ -108,7 +108,7 @@ def test_a_long_wait_does_not_hold_up_the_same_clients_next_calls(make_inprocess
 
     store.wait_committed = entered  # type: ignore[method-assign]
     with CheckpointClient("fast", 0, 1, connection=Connection(cluster.address("h0"))) as client:
-        stub = client._local
+        stub = client._link.local
         assert stub is not None
         slow = pb.ShardKey(job_id="slow", step=1, rank=0)
         lease = stub.Allocate(pb.AllocateRequest(key=slow, world_size=1, nbytes=MiB), timeout=10)

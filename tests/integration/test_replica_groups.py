@@ -135,7 +135,7 @@ def test_stripes_travel_without_shared_memory_too(make_inprocess_cluster) -> Non
     try:
         save_all(clients, 1, [state] * 2)
         for c in clients:
-            assert not c.shared_memory
+            assert not c.stats().shared_memory
             assert encoded(c.load(1)) == encoded(state)
     finally:
         close_all(clients)
@@ -194,7 +194,7 @@ def test_spilled_stripes_restore_after_every_store_restarted(make_inprocess_clus
         for c in restarted:
             assert c.latest_step() == 3
             assert encoded(c.load()) == encoded(states[3])
-            assert c.last_load_source in ("durable", "h0", "h1")
+            assert c.stats().last_load_source in ("durable", "h0", "h1")
     finally:
         close_all(restarted)
 
@@ -228,9 +228,9 @@ def test_each_store_assembles_its_members_group_ahead_and_gives_the_cache_up_fir
         try:
             for c in restarted:
                 calls: list[str] = []
-                control = c._reader._control
-                c._reader._control = lambda name, *a, control=control, calls=calls, **k: (calls.append(name), control(name, *a, **k))[1]
-                assert encoded(c.load(1)) == encoded(state) and c.last_load_source == c.hello.host_id
+                control = c._link.control
+                c._link.control = lambda name, *a, control=control, calls=calls, **k: (calls.append(name), control(name, *a, **k))[1]
+                assert encoded(c.load(1)) == encoded(state) and c.stats().last_load_source == c.stats().store_host
                 assert calls == ["Open", "Release"]
         finally:
             close_all(restarted)

@@ -85,9 +85,9 @@ def test_a_floor_newer_than_the_save_or_a_group_of_another_size_is_refused(make_
 
     cluster = make_inprocess_cluster(hosts=1, replicas=1, capacity="64MiB", keep=KEEP)
     with CheckpointClient("bad-floor", 0, 1, connection=Connection(cluster.address("h0"), timeout=20)) as c:
-        lease = c._stub.Allocate(pb.AllocateRequest(key=c._key(3, timeline="t.0"), world_size=1, nbytes=4096), timeout=10)
+        lease = c._link.stub.Allocate(pb.AllocateRequest(key=c._key(3, timeline="t.0"), world_size=1, nbytes=4096), timeout=10)
         with pytest.raises(Exception, match="restorable_floor 4 is invalid: expected a step from 0 to the saved step 3"):
-            c._stub.Commit(pb.CommitRequest(lease_id=lease.lease_id, restorable_floor=4), timeout=10)
+            c._link.stub.Commit(pb.CommitRequest(lease_id=lease.lease_id, restorable_floor=4), timeout=10)
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
     with pytest.raises(InvalidArgumentError, match=r"group has 1 ranks .* rank 0 of 2"):
         CheckpointClient("bad-floor", 0, 2, connection=Connection(cluster.address("h0"), timeout=20), group=group)

@@ -33,4 +33,4 @@ def test_a_rotten_copy_is_found_dropped_and_repaired_before_anyone_reads_it(make
              what="repair to pull the copy again")  # fmt: skip
     with CheckpointClient("scrubbed", 0, 1, connection=Connection(cluster.address("h0")), run_id="r2") as client:
         assert torch.equal(client.load(1)["w"], state["w"])
-        assert client.last_load_source == "h1"  # h0's local copy, as repair pulled it from h1's replica
+        assert client.stats().last_load_source == "h1"  # h0's local copy, as repair pulled it from h1's replica

@@ -297,7 +297,7 @@ def test_the_same_host_control_socket_checks_tokens_like_grpc(secured: LocalClus
     assert set(codes(TOKENS[JOB_A]).values()) == {grpc.StatusCode.OK}
     # The client library takes that path by itself, and with the wrong job's token a save is refused there too.
     with CheckpointClient(JOB_A, 0, 2, store=secured.address("h0"), auth_token=TOKENS[JOB_B], run_id="r2", timeout=10) as c:
-        assert c._local is not None
+        assert c._link.local is not None
         with pytest.raises(AccessDeniedError):
             c.save(5, rank_state(0, 5))
 

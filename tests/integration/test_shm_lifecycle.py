@@ -112,7 +112,7 @@ def test_sigkilled_store_adopts_its_segments(make_cluster) -> None:
     with CheckpointClient("adopt", 0, 1, store=cluster.address("h0")) as c:
         for step in (2, 1):
             assert_same(c.load(step), rank_state(0, step, scale=32))
-            assert c.last_load_source == "h0"  # served from its own (adopted) RAM, not pulled from h1
+            assert c.stats().last_load_source == "h0"  # served from its own (adopted) RAM, not pulled from h1
     health = cluster.health("h1")
     assert health is not None and not health.orphans
 
@@ -128,7 +128,7 @@ def test_a_replacement_under_a_new_host_id_adopts_its_predecessors_shards_and_pu
     with CheckpointClient("swap", 0, 1, store=cluster.address("h2")) as c:
         for step in (2, 1):
             assert_same(c.load(step), rank_state(0, step, scale=32))
-            assert c.last_load_source == "h2"  # from the RAM it adopted
+            assert c.stats().last_load_source == "h2"  # from the RAM it adopted
 
 
 @pytest.mark.slow

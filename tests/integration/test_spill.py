@@ -58,7 +58,7 @@ def restart_everything_and_check(cluster: LocalCluster, job: str, step: int) -> 
         with CheckpointClient(job, r, WORLD, store=cluster.address(host_of(r))) as c:
             assert c.latest_step() == step
             assert_same(c.load(), rank_state(r, step))
-            assert c.last_load_source in ("durable", "h0", "h1")  # RAM empty: durable, or a peer that pulled it first
+            assert c.stats().last_load_source in ("durable", "h0", "h1")  # RAM empty: durable, or a peer that pulled it first
 
 
 def test_full_cluster_restart_from_file_spill(make_inprocess_cluster, tmp_path) -> None:
@@ -179,7 +179,7 @@ def test_two_failures_in_one_group_fall_back_to_durable(make_cluster, tmp_path) 
     with CheckpointClient("grp", 0, world, store=cluster.address("h2")) as c:
         assert c.latest_step() == 2  # step 3 lost its RAM copies of ranks 0-1 and was never spilled
         assert_same(c.load(2), rank_state(0, 2))
-        assert c.last_load_source == "durable"
+        assert c.stats().last_load_source == "durable"
 
 
 def test_compression_is_chosen_per_job(make_inprocess_cluster, tmp_path) -> None:
@@ -201,7 +201,7 @@ def test_compression_is_chosen_per_job(make_inprocess_cluster, tmp_path) -> None
         cluster.restart(h)
     with CheckpointClient("zjob", 0, 1, store=cluster.address("h1")) as c:
         assert_same(c.load(1), rank_state(0, 1, scale=32))
-        assert c.last_load_source == "durable" or c.last_load_source.startswith("h")
+        assert c.stats().last_load_source == "durable" or c.stats().last_load_source.startswith("h")
     with pytest.raises(InvalidArgumentError, match="spill_compression"):
         CheckpointClient("zjob", 0, 1, store=cluster.address("h0"), spill_compression="lz4")
 
@@ -228,7 +228,7 @@ def restores_from_durable(cluster: LocalCluster, job: str, step: int, via: str) 
     for r in range(WORLD):
         with CheckpointClient(job, r, WORLD, store=cluster.address(via)) as c:
             assert_same(c.load(step), rank_state(r, step))
-            assert c.last_load_source == "durable"
+            assert c.stats().last_load_source == "durable"
 
 
 def test_a_lost_owners_shards_are_spilled_by_its_group_peer(make_inprocess_cluster, tmp_path) -> None:

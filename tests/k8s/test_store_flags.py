@@ -34,8 +34,7 @@ from tests.k8s.manifests import (
     workloads,
 )
 from tests.k8s.render import containers
-from trainer_client.connection import STORE_ENV
-from trainer_client.run_ids import RUN_ID_ENV
+from trainer_client.knobs import RUN_ID_ENV, STORE_ENV
 
 pytestmark = pytest.mark.k8s
 

@@ -153,8 +153,8 @@ def test_rendered_store_runs_serves_a_trainer_and_drains(pods: list[Pod], monkey
     from trainer_client import CheckpointClient
 
     with CheckpointClient("ddp-example", rank=0, world_size=1) as client:
-        assert client.address == f"{pods[0].ip}:7070"
-        assert client.shared_memory, "same machine, same uid, the segment directory at the same path: the fast path"
+        assert client.connection.address == f"{pods[0].ip}:7070"
+        assert client.stats().shared_memory, "same machine, same uid, the segment directory at the same path: the fast path"
         info = client.save(1, {"w": torch.arange(1024, dtype=torch.float32)}).wait(timeout=60)
         assert info.copies >= 2, "committed on both stores (R=2) over the data channel"
         assert client.latest_step() == 1

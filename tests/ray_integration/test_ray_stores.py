@@ -60,14 +60,14 @@ def save_rank(rank: int, world: int, steps: list[int]) -> str:
     with CheckpointClient(JOB, rank, world, connection=connection, run_id="run1") as client:
         for step in steps:
             assert client.save(step, rank_state(rank, step)).wait(timeout=30).copies == 2
-        return str(client.hello.host_id)
+        return str(client.stats().store_host)
 
 
 @ray.remote(num_cpus=0)
 def load_rank(rank: int, world: int, step: int) -> str:
     with CheckpointClient(JOB, rank, world, connection=mray.local_store_connection(Connection(timeout=20)), run_id="reader") as client:
         assert_same(client.load(step, zero_copy=False), rank_state(rank, step))
-        return client.last_load_source
+        return client.stats().last_load_source
 
 
 def health(address: str, credentials: Credentials | None = None) -> pb.HealthResponse | None:

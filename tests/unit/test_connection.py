@@ -214,7 +214,7 @@ def test_every_public_name_comes_from_trainer_client() -> None:
 
     expected = {
         "CheckpointClient", "Connection", "Credentials", "MemStoreWriter", "MemStoreReader", "SaveHandle", "SaveResult",
-        "RestorePoint", "TrainingState", "ResumableDataLoader", "MemstoreClientError", "InvalidArgumentError",
+        "RestorePoint", "ClientStats", "TrainingState", "ResumableDataLoader", "MemstoreClientError", "InvalidArgumentError",
         "SerializationError", "CapacityExceededError", "ReplicationError", "StoreUnavailableError", "NotFoundError",
         "NoCheckpointError", "CorruptShardError", "AlreadySavedError", "CheckpointExistsError", "CaptureError",
         "AuthenticationError", "AccessDeniedError", "ReplicaMismatchError",

@@ -36,8 +36,9 @@ from typing import Any
 import torch
 
 from memstore.v1.pagefaults import FaultAhead
+from trainer_client import knobs
 from trainer_client.capture import cuda
-from trainer_client.capture.ring import STRICT_ENV, CaptureStats, strict_pinning
+from trainer_client.capture.ring import CaptureStats
 from trainer_client.errors import CapacityExceededError, CaptureError
 from trainer_client.serialization import ALIGNMENT, ChunkSums, ShardLayout
 from trainer_client.serialization.dtypes import raw_byte_view
@@ -268,10 +269,10 @@ class DeviceCopier:
         """
         rt = cuda.runtime()
         registered = rt.host_registered(target.data_ptr(), target.numel())
-        if not registered and strict_pinning():
+        if not registered and knobs.strict_pinning():
             raise CaptureError(
                 f"the save's device copies would go into {target.numel()} bytes at {target.data_ptr():#x}, which no live "
-                f"registration holds (pageable memory); refused because {STRICT_ENV} is set"
+                f"registration holds (pageable memory); refused because {knobs.STRICT_PINNING_ENV} is set"
             )
         copies = DeviceCopies(rt)
         copies.keep.append(target)
@@ -481,6 +482,17 @@ class Captures:
         if self._copier is not None:
             for owner in owners:
                 self._copier.pins.release(owner)
+
+    def launch(self, job: Capture, enqueued: bool, on_success: Callable[[], None] | None, skip_capacity: bool) -> Capture:
+        """Run ``job`` now (``capture="copied"``) or start it on the capture thread (``enqueued``; ``skip_capacity``: a full
+        store then skips the save instead of failing it); ``on_success`` is called once the store took the bytes."""
+        job.on_success = on_success
+        if not enqueued:
+            job.run()
+            return job
+        job.skip_capacity = skip_capacity
+        self.start(job)
+        return job
 
     def start(self, job: Capture) -> None:
         if self._thread is None:

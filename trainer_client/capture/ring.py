@@ -15,8 +15,8 @@ same before the first save.
 A registration that fails is retried once after re-mapping the segment; if it fails again the save copies
 through pageable memory (synchronously) and the failure is counted (``CaptureStats``, sent with the next
 commit: the store's metrics and ``memstore status`` show it) and logged with its cause.
-``MEMSTORE_STRICT_PINNING=1`` turns such a fallback into a :class:`~trainer_client.errors.CaptureError`
-(the GPU tests run so).
+``MEMSTORE_STRICT_PINNING=1`` (:func:`trainer_client.knobs.strict_pinning`) turns such a fallback into a
+:class:`~trainer_client.errors.CaptureError` (the GPU tests run so).
 
 No device copy outlives its destination: a save holds its segment's mapping (:meth:`CaptureRing.hold`) from before
 its copies are queued until they are synchronized or the save is aborted. The hold counts as a capture in flight on
@@ -41,21 +41,17 @@ from dataclasses import dataclass, field
 
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.pagefaults import address_of, populate_supported, populate_writable
+from trainer_client import knobs
 from trainer_client.capture import cuda
 from trainer_client.errors import CapacityExceededError, CaptureError, RingBusyError
 
 log = logging.getLogger(__name__)
 
-STRICT_ENV = "MEMSTORE_STRICT_PINNING"  # "1": a capture that would fall back to pageable memory raises instead
 ANSWER_WAIT_SECONDS = 0.02  # a save waits this long for the store's answer to the reservation under way (a call in flight)
 # How long a reservation ahead asks again while the store answers that the rank's ring is full (``ring_busy``: the
 # newest save has not settled yet, so retention has not freed the oldest kept step's segment); ``close()`` stops it.
 AHEAD_WAIT_SECONDS = 10.0
 _RENEW_MARGIN = 60.0  # an ahead lease this close to its expiry is given back and the save allocates anew
-
-
-def strict_pinning() -> bool:
-    return os.environ.get(STRICT_ENV, "") not in ("", "0")
 
 
 @dataclass(frozen=True)
@@ -380,9 +376,9 @@ class CaptureRing:
             f"the save's memory ({slot.path}, {slot.size} bytes) could not be registered for DMA ({cause}): CUDA tensors are "
             "copied through pageable memory, synchronously"
         )
-        if strict_pinning():
+        if knobs.strict_pinning():
             self.give_back(slot)
-            raise CaptureError(f"{message}; refused because {STRICT_ENV} is set")
+            raise CaptureError(f"{message}; refused because {knobs.STRICT_PINNING_ENV} is set")
         log.warning("%s", message)
 
     # -- mappings ------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The path without shared memory: shard bytes over the store's bulk data channel.
+"""Shard bytes over the store's bulk data channel: what the path without shared memory moves, both ways.
 
 A trainer in another pod or on another machine (or a store run with ``--shm-dir ''``) cannot copy into
 the store's memory. It stages the shard in its own memory, checksums it, and sends it over the same raw
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import time
 from typing import Any
 
@@ -29,6 +30,7 @@ from memstore.v1.streams import manifest_problem, put_requests, receive_chunks
 from trainer_client.errors import CorruptShardError, StoreUnavailableError, raise_for_rpc
 from trainer_client.transport.local_control import RpcFailure
 
+VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))  # threads hashing a shard this process holds (a staged save, a mapped restore)
 HUGE_MIN = 2 << 20  # buffers from this size on are huge-page backed anonymous mappings
 MIN_RATE = 50 << 20
 _REACH = (
@@ -54,8 +56,9 @@ def byte_view(buf: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview(array).cast("B")[:nbytes]
 
 
-class RemotePath:
-    """Put and get whole shards to/from the store at ``address`` without shared memory."""
+class RemoteTransfer:
+    """Put and get whole shards to/from the store at ``address`` without shared memory (the save side is
+    :class:`~trainer_client.transport.remote_path.RemotePath`'s; restores read through :meth:`get`)."""
 
     def __init__(self, stub: Any, address: str, credentials: Credentials, timeout: float, data_port: int) -> None:
         self._stub = stub

@@ -231,7 +231,7 @@ class Scenario:
                     outcome = (0, None, "")
                 else:
                     diff = difference(client.load(step, group=group), make_state(rank, step, self.kib))
-                    outcome = (step, diff, str(client.last_load_source))
+                    outcome = (step, diff, str(client.stats().last_load_source))
             except Exception as exc:
                 error = error if isinstance(exc, ConnectionError) and error else f"{type(exc).__name__}: {exc}"
             finally:

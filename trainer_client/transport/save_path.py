@@ -1,0 +1,84 @@
+"""``SavePath``: how one planned shard gets into the store; two implementations, chosen once per client.
+
+``CheckpointClient.save`` validates, plans (the shard's layout: what goes where in its bytes), then hands the
+:class:`PlannedShard` to its path's :meth:`SavePath.capture` and wraps what comes back in a ``SaveHandle``:
+
+- :class:`~trainer_client.transport.shared_memory_path.SharedMemoryPath` (the store shares this machine's memory): the
+  shard is written into a segment of the rank's capture ring, then committed over the store's Unix socket;
+- :class:`~trainer_client.transport.remote_path.RemotePath` (another machine, or ``--shm-dir ''``): the shard is staged
+  in this process, hashed, and sent over the store's data channel.
+
+The client's connect step (``trainer_client.transport.link.connect``) picks the path from the store's ``Hello``.
+
+Call order (on the rank's own thread; one save at a time per client):
+
+1. ``prepare(key, nbytes, pin)``, optional, any number of times before a save: make the memory of a save of ``nbytes``
+   ready (reserved, mapped, faulted in; registered for DMA with ``pin``), so the next save makes no call.
+2. ``capture(shard)`` for every save: take the save's memory, enqueue the device copies, write the host part, wait for
+   the copies, hand the bytes to the store (commit, or send) and return the save's
+   :class:`~trainer_client.capture.device_save.Capture`. With ``shard.enqueued`` everything after taking the memory runs
+   on the client's capture thread and ``capture`` returns at once; the ``Capture`` reports how it went. A failure
+   before the hand-over gives the memory back (nothing is committed); ``CapacityExceededError`` is raised when the store
+   has no room (or, enqueued with ``skip_capacity``, recorded in ``Capture.skipped_reason``).
+3. ``close()`` once, after the last save's capture finished: what the path holds goes back (the lease reserved ahead,
+   the mappings; a background send in flight is finished first).
+
+``last_route`` says how the last save's bytes travelled (``"shared memory"``, ``"data channel"`` or ``"grpc"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from memstore.v1 import store_pb2 as pb
+from trainer_client.serialization import ShardLayout
+
+if TYPE_CHECKING:
+    from trainer_client.capture.device_save import Capture
+
+
+@dataclass(frozen=True)
+class PlannedShard:
+    """One rank's save, planned: everything a :class:`SavePath` needs to capture it.
+
+    Attributes:
+        key: the shard's key (job, step, rank, timeline).
+        layout: where every tensor and the header go in the shard's bytes (``serialization.plan``).
+        metrics: the save's metrics, as the store records them.
+        stripe: with a replica group, this member's stripe (None: a whole shard).
+        enqueued: ``capture="enqueued"``: the copies and the hand-over run on the client's capture thread.
+        started: ``time.perf_counter()`` when ``save()`` was called (the capture's seconds, reported with the commit).
+        floor: the job's restorable floor, read when the shard is handed over (None: no agreement).
+        on_success: called once the store took the shard (the client's timeline moves on).
+        skip_capacity: enqueued, a full store skips the save (``on_capacity="skip"``) instead of failing it.
+    """
+
+    key: pb.ShardKey
+    layout: ShardLayout
+    metrics: dict[str, float]
+    stripe: pb.Stripe | None
+    enqueued: bool
+    started: float
+    floor: Callable[[], int | None]
+    on_success: Callable[[], None] | None = None
+    skip_capacity: bool = False
+
+
+class SavePath(Protocol):
+    """How a client's saves reach its store (the call order is in the module doc)."""
+
+    last_route: str
+
+    def prepare(self, key: pb.ShardKey, nbytes: int, pin: bool) -> None:
+        """Make a save of ``nbytes`` fast from the first one (``key``: the rank's, any step); ``pin``: register for DMA."""
+        ...
+
+    def capture(self, shard: PlannedShard) -> Capture:
+        """Capture ``shard`` into the store; its ``Capture`` (done unless ``shard.enqueued``)."""
+        ...
+
+    def close(self) -> None:
+        """Give back what the path holds (after the last capture finished)."""
+        ...

@@ -1,0 +1,139 @@
+"""``SharedMemoryPath``: saves straight into the store's shared memory (the store on this machine).
+
+Each save takes a segment of the rank's capture ring (``trainer_client.capture.ring``): the one reserved ahead after
+the previous commit (no call), else one allocated now. The save holds the segment's mapping while the device copies are
+queued into it and the host part is written (``trainer_client.capture.device_save``), then commits the lease over the
+store's Unix socket: the store owns the bytes from then on, and ``save()`` returns. Checksums and replication happen in
+the store, in the background. After the commit the ring reserves the next save's segment ahead, on its own thread.
+
+Two variants of the copy, each chosen per save:
+
+- **marks**: a large CPU state (``MARKED_FROM`` bytes or more) on a store that replicates, with
+  ``MEMSTORE_MARKED_CAPTURES`` on: the copy tells the store how many bytes are final as it goes (a ``Commit`` with
+  ``captured_bytes``), and the store pushes them to the replicas meanwhile. The store holds the shard from the first
+  mark on, so an abort after it leaves the lease to the store (it drops the shard once no more marks come).
+- **trainer hashing**: with ``MEMSTORE_TRAINER_HASHING=on``, a state this process copies alone is hashed chunk by chunk
+  as it is copied, with the store's chunk size; the commit carries the checksums and the store never reads it back.
+
+A failure before the commit gives the lease back (the segment stays in the ring); a commit the store refuses lets the
+lease expire there. Nothing is committed in either case.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from memstore.v1 import store_pb2 as pb
+from trainer_client.capture.device_save import Capture, Captures, host_writer
+from trainer_client.capture.ring import CaptureRing, Slot
+from trainer_client.serialization import ChunkSums
+from trainer_client.transport import messages
+from trainer_client.transport.link import StoreLink
+from trainer_client.transport.save_path import PlannedShard
+
+MARKED_FROM = 64 << 20  # a CPU state this large is pushed by the store while it is copied (CommitRequest.captured_bytes)
+
+
+class SharedMemoryPath:
+    """The :class:`~trainer_client.transport.save_path.SavePath` into the store's memory, through the rank's capture ring.
+
+    Args:
+        link: the client's connection (``shared_memory`` True).
+        captures: the client's capture machinery (device copier, capture thread).
+        rank, world_size: the client's.
+        spill_codec: the job's codec on the durable tier ("" = the store's).
+        marking: ``MEMSTORE_MARKED_CAPTURES`` allows marks (``trainer_client.knobs.marked_captures``).
+        hashing: ``MEMSTORE_TRAINER_HASHING`` is on (``trainer_client.knobs.trainer_hashing``).
+    """
+
+    last_route = "shared memory"
+
+    def __init__(
+        self, link: StoreLink, captures: Captures, rank: int, world_size: int, spill_codec: str, marking: bool, hashing: bool
+    ) -> None:
+        hello = link.hello
+        self._link = link
+        self._captures = captures
+        self._world_size = world_size
+        self._spill_codec = spill_codec
+        self._marking = marking and hello.marked_captures and hello.replicas > 1
+        self._chunk = hello.max_chunk_bytes if hashing else 0  # 0: the trainer does not hash
+        # The segments this rank's saves land in, mapped (and registered for DMA) once; the next save's reserved ahead.
+        # The reservation ahead goes over gRPC from the ring's thread: it never queues behind a save's call, nor it behind it.
+        self.ring = CaptureRing(
+            lambda request: link.control("Allocate", request, f"allocate memory for rank {rank}'s save"),
+            lambda lease_id: link.control("Release", pb.ReleaseRequest(lease_id=lease_id), "release an unused capture lease"),
+            lambda request: link.call(lambda t: link.stub.Allocate(request, timeout=t), f"reserve memory for rank {rank}'s next save"),
+        )
+
+    def prepare(self, key: pb.ShardKey, nbytes: int, pin: bool) -> None:
+        """Fill the ring now (``CaptureRing.prepare``), every segment registered with ``pin``."""
+        if pin:
+            self.ring.pinning = True
+            self.ring.pin_all()
+        self.ring.prepare(key, self._world_size, nbytes)
+
+    def capture(self, shard: PlannedShard) -> Capture:
+        """Into a segment of the ring: the one reserved ahead (no call) or one allocated now. With ``shard.enqueued`` the
+        device copies are enqueued on the capture thread, after events recorded now on the trainer's streams."""
+        layout, ring = shard.layout, self.ring
+        if not ring.pinning and self._captures.wants_pinning(layout):
+            ring.pinning = True  # from now on every ring segment is registered once (this slot below, the rest as used)
+        slot = ring.slot(shard.key, self._world_size, layout.nbytes)
+        try:
+            target = torch.frombuffer(ring.hold(slot).view, dtype=torch.uint8, count=layout.nbytes)  # held until committed or given back
+            blobs, start_copies = self._captures.device_copies(layout, target, deferred=shard.enqueued)
+        except BaseException:
+            ring.give_back(slot)
+            raise
+        marking = self._marking and not blobs and not shard.enqueued and layout.nbytes >= MARKED_FROM
+        hashing = self._chunk > 0 and not blobs and not marking  # CUDA bytes land after the host's copy: the store hashes
+        save = _SegmentSave(self, shard, slot, ChunkSums(self._chunk) if hashing else None)
+        writer = host_writer(layout, blobs, slot.mm, mark=save.mark if marking else None, sums=save.sums)
+        job = Capture(start_copies, writer, save.commit, save.abort)
+        return self._captures.launch(job, shard.enqueued, shard.on_success, shard.skip_capacity)
+
+    def close(self) -> None:
+        self.ring.close()  # the lease reserved ahead is given back; ring segments unregistered and unmapped
+
+
+class _SegmentSave:
+    """One save into a ring segment: the slot it holds, its marks, its commit or abort (``Capture``'s last steps)."""
+
+    def __init__(self, path: SharedMemoryPath, shard: PlannedShard, slot: Slot, sums: ChunkSums | None) -> None:
+        self._path = path
+        self._shard = shard
+        self._slot = slot
+        self.sums = sums
+        self._marked = False  # the store took the shard in at the first mark
+
+    def _request(self, captured: int | None = None) -> pb.CommitRequest:
+        path, shard = self._path, self._shard
+        return messages.commit_request(
+            shard, self._slot.lease_id, path._spill_codec, name_key=self._slot.ahead, captured=captured,
+            capture=None if captured is not None else path.ring.report(), capture_seconds=time.perf_counter() - shard.started,
+            sums=self.sums,
+        )  # fmt: skip
+
+    def mark(self, captured: int) -> None:
+        """The first ``captured`` bytes are final: the store starts pushing them."""
+        self._path._link.control("Commit", self._request(captured), f"commit step {self._shard.key.step} (its first {captured} bytes)")
+        self._marked = True  # the store holds the lease's shard from the first mark on
+
+    def commit(self) -> None:
+        """Hand the segment to the store; then reserve the next save's ahead."""
+        ring, key, nbytes = self._path.ring, self._shard.key, self._shard.layout.nbytes
+        try:
+            self._path._link.control("Commit", self._request(), f"commit step {key.step}")
+        finally:
+            ring.committed(self._slot)  # taken in, or refused (the lease then expires in the store)
+        ring.reserve_ahead(key, self._path._world_size, nbytes)
+
+    def abort(self) -> None:
+        """A step before the commit failed: give the lease back (after a mark the store drops the shard by itself)."""
+        if self._marked:
+            self._path.ring.committed(self._slot)
+        else:
+            self._path.ring.give_back(self._slot)

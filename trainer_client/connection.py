@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +114,23 @@ class Connection:
         if self.address is not None:
             return ""
         return f" (from {knobs.STORE_ENV})" if knobs.store_address() else " (the default)"
+
+
+#: ``CheckpointClient``'s keyword options besides its connection: what an integration may pass on to the client it makes
+CLIENT_OPTIONS = ("on_capacity", "spill_compression", "run_id", "remote_save", "replica_group", "verify_replicas", "group")
+
+
+def check_options(owner: str, options: Mapping[str, Any], accepted: Sequence[str], takes: str) -> None:
+    """Refuse, when ``owner`` (an integration) is made, not at its first save, an option its client would refuse:
+    a connection keyword (``store=``, ``timeout=``, ...; ``TypeError`` naming its place in ``connection=``) or a name
+    not in ``accepted`` (naming what ``owner`` takes: ``takes``, then ``accepted``)."""
+    deprecated = [name for name in options if name in DEPRECATED_KWARGS]
+    if deprecated:
+        replacements = "; ".join(DEPRECATED_KWARGS[name] for name in deprecated)
+        raise TypeError(f"{owner}({', '.join(f'{n}=' for n in deprecated)}) is not accepted: pass connection= ({replacements})")
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise TypeError(f"{owner}() got unexpected options {', '.join(unknown)}: it takes {takes}{', '.join(f'{o}=' for o in accepted)}")
 
 
 def connection_from_kwargs(owner: str, connection: Connection | None, old: Mapping[str, Any]) -> Connection:

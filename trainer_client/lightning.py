@@ -44,7 +44,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from trainer_client import framework_state
 from trainer_client.client import CheckpointClient
-from trainer_client.connection import DEPRECATED_KWARGS, Connection
+from trainer_client.connection import Connection, check_options
 from trainer_client.errors import InvalidArgumentError, SerializationError
 from trainer_client.handles import SaveHandle
 from trainer_client.warmup import prepare_once
@@ -114,22 +114,6 @@ CLIENT_OPTIONS = ("on_capacity", "spill_compression", "run_id", "remote_save")
 no replica group, no process group)."""
 
 
-def _check_client_options(options: dict[str, Any]) -> None:
-    """Refuse, when the plugin is made (not at the first save, inside ``fit``), an option its client would refuse."""
-    deprecated = [name for name in options if name in DEPRECATED_KWARGS]
-    if deprecated:
-        replacements = "; ".join(DEPRECATED_KWARGS[name] for name in deprecated)
-        raise TypeError(
-            f"MemStoreCheckpointIO({', '.join(f'{n}=' for n in deprecated)}) is not accepted: pass connection= ({replacements})"
-        )
-    unknown = sorted(set(options) - set(CLIENT_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"MemStoreCheckpointIO() got unexpected options {', '.join(unknown)}: it takes job_id, connection=, "
-            f"wait_for_replication=, zero_copy= and the client's {', '.join(f'{o}=' for o in CLIENT_OPTIONS)}"
-        )
-
-
 class MemStoreCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves each checkpoint into memstore and writes a pointer at its path.
 
@@ -150,7 +134,8 @@ class MemStoreCheckpointIO(CheckpointIO):
     def __init__(self, job_id: str, *, connection: Connection | None = None, wait_for_replication: bool = False,
                  zero_copy: bool = True, **client_options: Any) -> None:  # fmt: skip
         super().__init__()
-        _check_client_options(client_options)
+        takes = "job_id, connection=, wait_for_replication=, zero_copy= and the client's "
+        check_options("MemStoreCheckpointIO", client_options, CLIENT_OPTIONS, takes)  # when the plugin is made, not inside fit
         self.job_id = job_id
         self.connection = (connection or Connection()).resolved()
         self.wait_for_replication = wait_for_replication

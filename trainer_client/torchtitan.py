@@ -32,18 +32,19 @@ from __future__ import annotations
 import re
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import tyro
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools.utils import GarbageCollection
 
 from memstore.v1.keys import job_id_problem
 from trainer_client.client import CheckpointClient
-from trainer_client.connection import Connection
+from trainer_client.connection import DEPRECATED_KWARGS, Connection
 from trainer_client.dcp import MemStoreReader, MemStoreWriter
 from trainer_client.errors import InvalidArgumentError
 
@@ -71,14 +72,27 @@ class MemStoreCheckpointManager(CheckpointManager):
         job_id: str = ""
         """The memstore job of this training run: the same across restarts, [A-Za-z0-9._-]{1,128}."""
 
+        connection: Annotated[Connection | None, tyro.conf.Suppress] = None
+        """How to reach this host's store (:class:`~trainer_client.Connection`, as the client takes it); None:
+        ``Connection()``, i.e. MEMSTORE_STORE, else 127.0.0.1:7070, credentials from the environment. Not a
+        command-line option: set MEMSTORE_STORE there."""
+
         store: str = ""
-        """This host's store, HOST:PORT; empty: MEMSTORE_STORE, else 127.0.0.1:7070."""
+        """Refused when the config is made (a ``TypeError`` naming the replacement): ``connection=Connection(address=...)``,
+        or MEMSTORE_STORE."""
 
         wait_for_replication: bool = True
         """A save returns (or its async future completes) once every rank's shard has R verified copies."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
+            if self.store:
+                raise TypeError(
+                    f"MemStoreCheckpointManager.Config(store=) is not accepted: pass connection= ({DEPRECATED_KWARGS['store']}), "
+                    "or set MEMSTORE_STORE"
+                )
+            if self.connection is not None and not isinstance(self.connection, Connection):
+                raise TypeError(f"checkpoint.connection expects a trainer_client.Connection, got a {type(self.connection).__name__}")
             problem = job_id_problem(self.job_id) if self.enable else None
             if problem:
                 raise ValueError(f"checkpoint.job_id: {problem}")
@@ -88,7 +102,7 @@ class MemStoreCheckpointManager(CheckpointManager):
         if not self.enable:
             return
         self.job_id = config.job_id
-        self.connection = Connection(config.store or None).resolved()
+        self.connection = (config.connection or Connection()).resolved()
         self.wait_for_replication = config.wait_for_replication
         self._exporting = False
         self.writer = MemStoreWriter(self.job_id, connection=self.connection, wait_for_replication=self.wait_for_replication)

@@ -50,7 +50,7 @@ import ray.train
 from memstore.errors import RayTrainError
 from memstore.ray.stores import DEFAULT_NAMESPACE, local_store_connection
 from trainer_client import CheckpointClient, Connection, SaveHandle
-from trainer_client.connection import DEPRECATED_KWARGS, connection_from_kwargs
+from trainer_client.connection import CLIENT_OPTIONS, DEPRECATED_KWARGS, check_options, connection_from_kwargs
 from trainer_client.errors import NotFoundError
 from trainer_client.warmup import prepare_once
 
@@ -127,13 +127,15 @@ class RayTrainCheckpoints:
             address defaults to the store of this worker's node, its credentials to the environment's or else the
             cluster token ``ensure_stores`` created (``local_store_connection``).
         client_options: the other options of :class:`trainer_client.CheckpointClient` (``on_capacity``,
-            ``run_id``, ...). Its connection options (``timeout=``, ``auth_token=``, ...) still work for one
-            release, with a ``DeprecationWarning``: put them in ``connection``.
+            ``run_id``, ...); another name is a ``TypeError`` when the object is made. Its connection options
+            (``timeout=``, ``auth_token=``, ...) still work for one release, with a ``DeprecationWarning``: put them
+            in ``connection``.
     """
 
     def __init__(self, job_id: str | None = None, *, namespace: str = DEFAULT_NAMESPACE, connection: Connection | None = None,
                  **client_options: Any) -> None:  # fmt: skip
         old = {name: client_options.pop(name) for name in DEPRECATED_KWARGS if name in client_options}
+        check_options("RayTrainCheckpoints", client_options, CLIENT_OPTIONS, "job_id, namespace=, connection= and the client's ")
         connection = connection_from_kwargs("RayTrainCheckpoints", connection, old)
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()

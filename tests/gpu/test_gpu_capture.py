@@ -21,8 +21,8 @@ from tests.states import assert_same, mixed_expected, mixed_tensors
 from trainer_client import CheckpointClient
 from trainer_client.capture import cuda, device_restore
 from trainer_client.capture.ring import CaptureStats
-from trainer_client.knobs import STRICT_PINNING_ENV as STRICT_ENV
 from trainer_client.dcp import MemStoreReader, MemStoreWriter
+from trainer_client.knobs import STRICT_PINNING_ENV as STRICT_ENV
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 

@@ -140,7 +140,7 @@ def test_an_enqueued_save_makes_no_call_and_registers_nothing_on_the_callers_thr
                 on_caller.append("Allocate")
             return real_control(name, *args, **kwargs)
 
-        monkeypatch.setattr(client, "_control", control)
+        monkeypatch.setattr(client._link, "control", control)
         client.prepare(state)
         on_caller.clear()  # prepare() itself may work on the caller's thread: that is what it is for
         stalls, captures = timed_saves(client, state, 8, client._ring.wait_ahead)  # what benchmarks/enqueued_cpu.py measures

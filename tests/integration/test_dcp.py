@@ -353,6 +353,17 @@ def test_save_load_round_trip_bit_exact(make_inprocess_cluster) -> None:  # type
     assert opt.param_groups[0]["lr"] == 1e-3
 
 
+@pytest.mark.parametrize("cls", [MemStoreWriter, MemStoreReader])
+def test_an_option_the_client_would_refuse_fails_when_the_writer_or_reader_is_made(cls: type) -> None:
+    """Checked at construction (no store is dialled until the first save or read), naming the option or its replacement."""
+    with pytest.raises(TypeError, match=rf"{cls.__name__}\(\) got an unexpected keyword argument 'stroe'"):
+        cls("job", 1, stroe="127.0.0.1:7070")
+    with pytest.raises(TypeError, match=rf"{cls.__name__}\(\) got both connection= and the deprecated store=: pass only connection="):
+        cls("job", 1, "127.0.0.1:7070", connection=Connection("127.0.0.1:7070"))
+    with pytest.raises(TypeError, match=rf"{cls.__name__}\(connection=...\) expects a trainer_client.Connection, got a str"):
+        cls("job", 1, connection="127.0.0.1:7070")
+
+
 def test_metadata_safe_encoding_round_trip_and_rejection() -> None:
     idx = MetadataIndex("model.w", [4, 0], index=1)
     md = Metadata(

@@ -27,8 +27,8 @@ from tests.states import assert_same, mixed_expected, mixed_tensors
 from trainer_client import CheckpointClient
 from trainer_client.capture import cuda
 from trainer_client.capture.device_save import DeviceCopier, device_blobs
-from trainer_client.knobs import STRICT_PINNING_ENV as STRICT_ENV
 from trainer_client.errors import CaptureError, MemstoreClientError
+from trainer_client.knobs import STRICT_PINNING_ENV as STRICT_ENV
 from trainer_client.serialization import plan
 
 pytestmark = pytest.mark.integration

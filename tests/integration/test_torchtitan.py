@@ -68,7 +68,7 @@ class Run:
         self.optimizers = default_adamw(lr=1e-2).build(model_parts=[self.model])
         self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers, training_steps=STEPS)
         self.train_state, self.data = TrainState(), Batches()
-        config = MemStoreCheckpointManager.Config(enable=True, job_id=job, store=store, interval=2, **checkpoint)
+        config = MemStoreCheckpointManager.Config(enable=True, job_id=job, connection=Connection(store), interval=2, **checkpoint)
         self.checkpointer = config.build(
             dataloader=self.data, model_parts=[self.model], optimizers=self.optimizers, lr_schedulers=self.lr_schedulers,
             states={"train_state": self.train_state}, sd_adapter=None, base_folder=str(tmp_path),
@@ -151,3 +151,17 @@ def test_load_step_async_save_and_the_last_step_export(make_inprocess_cluster, p
     earlier = Run(tmp_path, store, seed=1)
     assert earlier.train(4, load_step=4) is True  # checkpoint.load_step=4: that step, from memstore
     assert_same(earlier, uninterrupted(tmp_path, store, 4))
+
+
+def test_the_config_takes_a_connection_and_refuses_the_old_store_option() -> None:
+    """Options are checked when the config is made (not at the first save): ``store=`` names its replacement."""
+    config = MemStoreCheckpointManager.Config(enable=True, job_id="titan", connection=Connection("10.0.0.5:7070", timeout=5))
+    assert config.connection == Connection("10.0.0.5:7070", timeout=5)
+    with pytest.raises(
+        TypeError, match=r"Config\(store=\) is not accepted: pass connection= \(Connection\(address=...\)\), or set MEMSTORE_STORE"
+    ):
+        MemStoreCheckpointManager.Config(enable=True, job_id="titan", store="10.0.0.5:7070")
+    with pytest.raises(TypeError, match=r"checkpoint\.connection expects a trainer_client\.Connection, got a str"):
+        MemStoreCheckpointManager.Config(enable=True, job_id="titan", connection="10.0.0.5:7070")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'stroe'"):
+        MemStoreCheckpointManager.Config(enable=True, job_id="titan", stroe="10.0.0.5:7070")  # type: ignore[call-arg]

@@ -313,6 +313,16 @@ def test_ray_train_workers_still_take_the_old_arguments_with_a_warning(ray_worke
         RayTrainCheckpoints(connection=Connection(), timeout=30)
 
 
+def test_ray_train_workers_refuse_an_unknown_option_before_they_connect(ray_worker: list[dict]) -> None:
+    from memstore.ray.train import RayTrainCheckpoints
+
+    with pytest.raises(
+        TypeError, match=r"RayTrainCheckpoints\(\) got unexpected options retries: it takes job_id, namespace=, connection="
+    ):
+        RayTrainCheckpoints(retries=3, on_capacity="skip")
+    assert ray_worker == []  # no client was made
+
+
 def test_the_examples_use_no_deprecated_argument() -> None:
     import ast
 

@@ -1,26 +1,21 @@
 """``CheckpointClient``: save a rank's state into the host's store and restore it; a facade over its collaborators.
 
-A client is wired from a few objects, each in its own module:
-
-- its **connection** (``transport.link``): made once by the connect step, the only I/O of the constructor: the gRPC
-  channel, the store's ``Hello``, its Unix control socket;
+- its **connection** (``transport.link``), made by the constructor's one step with I/O: the gRPC channel, the store's
+  ``Hello``, its Unix control socket;
 - its **save path** (``transport.save_path.SavePath``), picked by that step: ``SharedMemoryPath`` when the store shares
-  this machine's memory (the state is copied straight into a segment of the store's, then committed: the only stall is
-  that copy, and a trainer crash afterwards loses nothing), else ``RemotePath`` (staged here, hashed, sent over the
-  store's data channel). Checksums and replication happen in the store, in the background;
-- its **restorer** (``trainer_client.restoring``): which version to read (agreed over the job's group, or asked of the
-  cluster), then the read itself (``trainer_client.reading``: verified, mapped copy-on-write or received; never
-  unpickled);
+  this machine's memory (the state is copied straight into the store's segment and committed: the stall is that copy,
+  and a trainer crash afterwards loses nothing), else ``RemotePath`` (staged here, hashed, sent over the data channel);
+  checksums and replication happen in the store, in the background;
+- its **restorer** (``trainer_client.restoring``): which version to read, then the verified read (never unpickled);
 - the restorable floor's agreement (``trainer_client.floor``) and the replica group's stripes (``trainer_client.stripes``).
 
 ``save()`` reads: validate, plan (the shard's layout; a replica group's stripe), ``path.capture(shard)``, the handle.
 
-Timelines: every shard is saved under the timeline of the save that produced it, and a step restores
-only from shards of one timeline, so a restore never mixes two saves of a step. A client's timeline is
-``<run id>.<epoch>``: the run id is the same on every rank of one start of the job (``run_id=``,
-``MEMSTORE_RUN_ID``, or drawn by rank 0 and broadcast over the default process group at the first
-save), and the epoch goes up whenever the client saves a step at or below one it saved before (a
-rollback), which every rank of an SPMD job does at the same point.
+Timelines: every shard is saved under the timeline of the save that produced it, and a step restores only from shards
+of one timeline, so a restore never mixes two saves of a step. A client's timeline is ``<run id>.<epoch>``: the run id
+is the same on every rank of one start of the job (``run_id=``, ``MEMSTORE_RUN_ID``, or drawn by rank 0 and broadcast
+over the default process group at the first save), and the epoch goes up whenever the client saves a step at or below
+one it saved before (a rollback), which every rank of an SPMD job does at the same point.
 """
 
 from __future__ import annotations
@@ -53,7 +48,7 @@ from trainer_client.reading import ShardReader
 from trainer_client.replica_check import verify_replicas
 from trainer_client.replicas import resolve_replica_group
 from trainer_client.restoring import Restorer
-from trainer_client.run_ids import PROCESS_RUN_ID, broadcast_run_id
+from trainer_client.run_ids import Timeline
 from trainer_client.stripes import split_state, stripe_state
 from trainer_client.transport import messages
 from trainer_client.transport.link import connect
@@ -140,9 +135,7 @@ class CheckpointClient:
     ) -> None:
         requested = connection_from_kwargs("CheckpointClient", connection, {"store": store, **deprecated})
         messages.shard_key(job_id, 0, rank, world_size)  # a bad job id, rank or world size is refused here
-        self.run_id = knobs.run_id(run_id)
-        self._epoch = 0
-        self._last_saved_step: int | None = None
+        self._timeline = Timeline(knobs.run_id(run_id), world_size, rank)
         if spill_compression is not None and spill_compression not in SPILL_CODECS:
             raise InvalidArgumentError(f"spill_compression {spill_compression!r} is invalid: expected one of {', '.join(SPILL_CODECS)}")
         self.spill_compression = spill_compression or ""
@@ -183,25 +176,14 @@ class CheckpointClient:
         return messages.shard_key(self.job_id, step, self.rank if rank is None else rank, self.world_size, timeline)
 
     @property
+    def run_id(self) -> str | None:
+        """This start of the job's run id (``run_id=``, ``MEMSTORE_RUN_ID``, else drawn at the first save)."""
+        return self._timeline.run_id
+
+    @property
     def timeline(self) -> str:
         """The timeline the next save of a newer step goes to (``<run id>.<epoch>``); "" before the first save."""
-        return f"{self.run_id}.{self._epoch}" if self.run_id else ""
-
-    def _epoch_for(self, step: int) -> int:
-        """This save's epoch: a step at or below one saved before starts a new one (a rollback).
-
-        Only saves that succeeded count (``_saved``): a rank whose save failed and is retried must stay on
-        the timeline of the ranks whose save went through.
-        """
-        if self.run_id is None:
-            self.run_id = broadcast_run_id(self.world_size, self.rank) or PROCESS_RUN_ID
-        rollback = self._last_saved_step is not None and step <= self._last_saved_step
-        return self._epoch + 1 if rollback else self._epoch
-
-    def _saved(self, step: int, epoch: int) -> None:
-        self._epoch, self._last_saved_step = epoch, step
-        if self._floor is not None:
-            self._floor.saved(step, self.timeline)
+        return self._timeline.name
 
     @property
     def group(self) -> Any:
@@ -214,6 +196,7 @@ class CheckpointClient:
         self._group_found, self._job_group = True, group
         if group is not None:
             self._floor = FloorAgreement(group, self.rank, self.world_size, self._status)
+            self._timeline.listener = self._floor.saved
 
     def _group_for(self, group: Any, rank: int | None = None) -> Any:
         """The group a restore agrees over, for its ``group=``: None -> the client's (unless it reads another rank's
@@ -246,17 +229,16 @@ class CheckpointClient:
         if timeline is not None and (not timeline or timeline_problem(timeline)):
             raise InvalidArgumentError(timeline_problem(timeline) or "timeline '' is invalid: expected 1-128 characters of [A-Za-z0-9._-]")
         self._key(step)  # validate before a run id is drawn
-        epoch = self._epoch_for(step) if timeline is None else self._epoch
-        key = self._key(step, timeline=f"{self.run_id}.{epoch}" if timeline is None else timeline)
+        epoch = self._timeline.epoch_for(step) if timeline is None else self._timeline.epoch
+        key = self._key(step, timeline=f"{self._timeline.run_id}.{epoch}" if timeline is None else timeline)
         if self.group is not None and self._floor is not None and timeline is None:
             self._floor.start(step, key.timeline)  # the ranks agree on the newest step all of them saved: read at the commit
         t0 = time.perf_counter()
         layout, stripe = self._plan(state, replicated)
-        floor = self._floor
         shard = PlannedShard(
             key, layout, {str(k): float(v) for k, v in (metrics or {}).items()}, stripe, enqueued=capture == "enqueued", started=t0,
-            floor=lambda: floor.floor(key.timeline, key.step) if floor is not None else None,
-            on_success=None if timeline is not None else functools.partial(self._saved, step, epoch),
+            floor=None if self._floor is None else functools.partial(self._floor.floor, key.timeline, key.step),
+            on_success=None if timeline is not None else functools.partial(self._timeline.saved, step, epoch),
             skip_capacity=self.on_capacity == "skip",
         )  # fmt: skip
         try:

@@ -78,7 +78,7 @@ class Restorer:
         def ask_local() -> LocalAnswer:
             request = pb.LatestStepRequest(job_id=self.job_id, ranks=[self.rank], include_durable=self.rank == 0)
             stats.rpcs += 1
-            resp = link.call(lambda t: link.stub.LatestStep(request, timeout=t), "latest_step", retries=3)
+            resp = link.unary("LatestStep", request, "latest_step", retries=3)
             seen = [Seen(v.step, v.timeline, v.world_size, v.created_unix, tuple(v.ranks), v.durable) for v in resp.versions]
             return seen, not resp.unreachable_hosts
 
@@ -100,7 +100,7 @@ class Restorer:
         """The cluster-wide LatestStep: its version, and the stores that did not answer it."""
         request = pb.LatestStepRequest(job_id=self.job_id, step=step)
         try:
-            resp = self._link.call(lambda t: self._link.stub.LatestStep(request, timeout=t), "latest_step", retries=3)
+            resp = self._link.unary("LatestStep", request, "latest_step", retries=3)
         except NotFoundError as exc:  # the job is unknown to every store
             self.last_restore_note = str(exc)
             return None, []

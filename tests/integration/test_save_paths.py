@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch
 from tests.harness.inprocess import InProcessCluster
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient, Connection, serialization
+from trainer_client.capture import device_save
 from trainer_client.capture.device_save import Captures
 from trainer_client.errors import CapacityExceededError, MemstoreClientError, NotFoundError, StoreUnavailableError
 from trainer_client.handles import SaveHandle
@@ -65,6 +65,9 @@ class Under:
         reserved ahead (shared memory), staging buffers not given back (remote)."""
         if isinstance(self.path, SharedMemoryPath):
             ring = self.path.ring
+            ring.wait_ahead()
+            if ring._growing is not None:  # the ring's fill leases each new segment for a moment: let it finish
+                ring._growing.result(timeout=60)
             return len(ring._leased) - (1 if ring.ahead_path() else 0)
         assert isinstance(self.path, RemotePath)
         return len(self.staged) - len(self.path._free)
@@ -172,8 +175,7 @@ def test_a_capture_lands_reads_back_bit_exact_and_its_handle_reports_it_committe
 def test_a_failure_before_the_hand_over_commits_nothing_and_gives_the_memory_back(
     under: Under, reader: CheckpointClient, job: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    module = sys.modules[type(under.path).__module__]
-    real_writer = module.host_writer
+    real_writer = device_save.host_writer
 
     def failing_writer(*args: Any, **kwargs: Any) -> Callable[[], None]:
         def write() -> None:
@@ -181,13 +183,13 @@ def test_a_failure_before_the_hand_over_commits_nothing_and_gives_the_memory_bac
 
         return write
 
-    monkeypatch.setattr(module, "host_writer", failing_writer)
+    monkeypatch.setattr(device_save, "host_writer", failing_writer)
     shard = planned(job, 1, rank_state(0, 1, scale=8))
     with pytest.raises(RuntimeError, match="the host copy failed"):
         under.path.capture(shard)
     assert under.held() == 0
     assert_nothing_committed(reader, shard)
-    monkeypatch.setattr(module, "host_writer", real_writer)  # the path goes on: the next save lands
+    monkeypatch.setattr(device_save, "host_writer", real_writer)  # the path goes on: the next save lands
     state = rank_state(0, 2, scale=8)
     again = planned(job, 2, state)
     assert handle_of(reader, again, under.path.capture(again)).wait(30).committed

@@ -10,7 +10,8 @@ early; neighbouring small tensors go as one copy (:func:`copy_runs`, :func:`gath
 marks the end (:class:`DeviceCopies`). ``write_into(skip=...)`` writes everything else (header, CPU tensors)
 meanwhile (:func:`host_writer`). :class:`Capture` runs one save: the copies, the host part, the wait, then the
 step that hands the bytes to the store (commit or send), inline (``capture="copied"``) or on the client's capture
-thread (``capture="enqueued"``).
+thread (``capture="enqueued"``). A save path makes one call here per save, :meth:`Captures.capture`, with its
+per-save :class:`Destination` (where the bytes go, how they leave).
 
 Every stream, event and copy goes through the CUDA seam (``trainer_client.capture.cuda``), so the CPU suite runs this
 path against a fake with a delayed copy engine. A copy is asynchronous only into a destination inside a live
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -431,6 +432,38 @@ class Capture:
             self.copies.gate()
 
 
+@dataclass(frozen=True)
+class HostPart:
+    """How a save's host part is written (:func:`host_writer`'s options): ``mark`` told how many bytes are final as the
+    copy goes, the chunks hashed into ``sums`` as they are copied, fresh pages faulted in ahead (``fault_ahead``)."""
+
+    mark: Callable[[int], None] | None = None
+    sums: ChunkSums | None = None
+    fault_ahead: bool = False
+
+
+class Destination(Protocol):
+    """Where one save's bytes go and how they leave: a save path's per-save object (``trainer_client.transport``).
+
+    ``target`` (uint8) is what the device copies fill and ``memory`` what the host part writes: the same bytes (a ring
+    segment's mapping, a staging buffer). :meth:`Captures.capture` asks :meth:`host_part` once it knows whether the state
+    holds device tensors; the capture then calls :meth:`finish` once every byte is written (commit, send; may return a
+    future of a step it left running) or :meth:`abort` when a step before it failed (give the memory back).
+    """
+
+    @property
+    def target(self) -> torch.Tensor: ...
+
+    @property
+    def memory(self) -> mmap.mmap | memoryview: ...
+
+    def host_part(self, device_blobs: bool) -> HostPart: ...
+
+    def finish(self) -> Future[None] | None: ...
+
+    def abort(self) -> None: ...
+
+
 class Captures:
     """One client's capture machinery, made on first use: its device copier, its capture thread, its save in flight."""
 
@@ -483,9 +516,21 @@ class Captures:
             for owner in owners:
                 self._copier.pins.release(owner)
 
-    def launch(self, job: Capture, enqueued: bool, on_success: Callable[[], None] | None, skip_capacity: bool) -> Capture:
-        """Run ``job`` now (``capture="copied"``) or start it on the capture thread (``enqueued``; ``skip_capacity``: a full
-        store then skips the save instead of failing it); ``on_success`` is called once the store took the bytes."""
+    def capture(
+        self, layout: ShardLayout, into: Destination, enqueued: bool, on_success: Callable[[], None] | None, skip_capacity: bool
+    ) -> Capture:
+        """One save of ``layout`` into ``into``: the one call a save path makes. Its device copies are prepared (with
+        ``enqueued``, the trainer's streams marked now) and the capture is run now (``capture="copied"``) or started on
+        the capture thread (``enqueued``; ``skip_capacity``: a full store then skips the save instead of failing it);
+        ``on_success`` is called once the store took the bytes. A failure before the capture starts aborts ``into``."""
+        try:
+            blobs, start_copies = self.device_copies(layout, into.target, deferred=enqueued)
+            host = into.host_part(device_blobs=bool(blobs))
+        except BaseException:
+            into.abort()
+            raise
+        write = host_writer(layout, blobs, into.memory, fault_ahead=host.fault_ahead, mark=host.mark, sums=host.sums)
+        job = Capture(start_copies, write, into.finish, into.abort)
         job.on_success = on_success
         if not enqueued:
             job.run()

@@ -81,6 +81,11 @@ class StoreLink:
                     continue
                 raise_for_rpc(err, what)
 
+    def unary(self, name: str, request: Any, what: str, retries: int = 0) -> Any:
+        """The gRPC call ``name`` with ``request`` (``call``'s deadline, retries and errors)."""
+        method = getattr(self.stub, name)
+        return self.call(lambda t: method(request, timeout=t), what, retries)
+
     def control(self, name: str, request: Any, what: str, retries: int = 0, wait: float = 0.0) -> Any:
         """A save-path call (``Allocate``, ``Commit``, ``Release``, ``WaitCommitted``, ``Open``): over the store's
         Unix socket when there is one, else (or once it is gone) over gRPC; ``wait``: seconds the call may block

@@ -43,7 +43,7 @@ def commit_request(
     """
     request = pb.CommitRequest(
         lease_id=lease_id, metrics=shard.metrics, format_version=serialization.FORMAT_VERSION, spill_codec=spill_codec,
-        stripe=shard.stripe, restorable_floor=shard.floor(), captured_bytes=captured,
+        stripe=shard.stripe, restorable_floor=_floor(shard), captured_bytes=captured,
     )  # fmt: skip
     if captured is None:
         if capture is not None:
@@ -70,5 +70,9 @@ def put_header(
         spill_codec=spill_codec, stripe=shard.stripe,
     )  # fmt: skip
     return pb.PutHeader(
-        manifest=manifest, origin=pb.PUT_ORIGIN_CLIENT, sender_host=f"client-rank-{key.rank}", restorable_floor=shard.floor()
+        manifest=manifest, origin=pb.PUT_ORIGIN_CLIENT, sender_host=f"client-rank-{key.rank}", restorable_floor=_floor(shard)
     )
+
+
+def _floor(shard: PlannedShard) -> int | None:
+    return shard.floor() if shard.floor is not None else None

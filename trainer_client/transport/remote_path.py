@@ -27,7 +27,7 @@ import torch
 
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import DEFAULT_CHUNK_BYTES, compute_checksums
-from trainer_client.capture.device_save import Capture, Captures, host_writer
+from trainer_client.capture.device_save import Capture, Captures, HostPart
 from trainer_client.serialization import ChunkSums
 from trainer_client.transport import messages
 from trainer_client.transport.link import StoreLink
@@ -74,18 +74,13 @@ class RemotePath:
         layout = shard.layout
         buf, fresh = self._staging_buffer(layout.nbytes)
         try:
-            view = byte_view(buf, layout.nbytes)
             if self._captures.wants_pinning(layout):
                 self._captures.copier.pin_buffer(buf)
-            blobs, start_copies = self._captures.device_copies(layout, buf, deferred=shard.enqueued)
+            save = _StagedSave(self, shard, buf, fresh)
         except BaseException:
             self._free.append(buf)
             raise
-        inline = not self._background or shard.enqueued
-        save = _StagedSave(self, shard, buf, view, ChunkSums(self._chunk) if inline else None, inline)
-        writer = host_writer(layout, blobs, view, fault_ahead=fresh, sums=save.sums)
-        job = Capture(start_copies, writer, save.finish, save.give_back)
-        return self._captures.launch(job, shard.enqueued, shard.on_success, shard.skip_capacity)
+        return self._captures.capture(layout, save, shard.enqueued, shard.on_success, shard.skip_capacity)
 
     def _staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]:
         """A free staging buffer of at least ``nbytes`` (kept between saves: its pages are faulted in once), and
@@ -113,29 +108,32 @@ class RemotePath:
 
 
 class _StagedSave:
-    """One staged save: its buffer, its checksums, its send (``Capture``'s last steps)."""
+    """One staged save (a :class:`~trainer_client.capture.device_save.Destination`): its buffer, its checksums, its send."""
 
-    def __init__(self, path: RemotePath, shard: PlannedShard, buf: torch.Tensor, view: memoryview, sums: ChunkSums | None,
-                 inline: bool) -> None:  # fmt: skip
+    def __init__(self, path: RemotePath, shard: PlannedShard, buf: torch.Tensor, fresh: bool) -> None:
         self._path = path
         self._shard = shard
-        self._buf = buf
-        self._view = view
-        self.sums = sums  # hashed as it is copied (an inline send waits for the checksums anyway)
-        self._inline = inline
+        self._fresh = fresh  # a new buffer: its pages are faulted in beside the copy
+        self._inline = not path._background or shard.enqueued  # the send follows the copy on the same thread
+        self.target = buf
+        self.memory = byte_view(buf, shard.layout.nbytes)
+        self.sums = ChunkSums(path._chunk) if self._inline else None  # an inline send waits for the checksums anyway
         self._created = time.time()
+
+    def host_part(self, device_blobs: bool) -> HostPart:
+        return HostPart(sums=self.sums, fault_ahead=self._fresh)
 
     def send(self) -> None:
         """Hash (unless the copy did), send, and give the buffer back for the next save."""
         path, shard = self._path, self._shard
         nbytes, chunk = shard.layout.nbytes, path._chunk
         done = self.sums.values if self.sums is not None else None
-        checksums = done if done is not None else compute_checksums(self._view, nbytes, chunk, workers=VERIFY_THREADS)
+        checksums = done if done is not None else compute_checksums(self.memory, nbytes, chunk, workers=VERIFY_THREADS)
         header = messages.put_header(shard, path._world_size, chunk, checksums, self._created, path._spill_codec)
         try:
-            path.last_route = path._transfer.put(header, self._view, f"put step {shard.key.step}")
+            path.last_route = path._transfer.put(header, self.memory, f"put step {shard.key.step}")
         finally:
-            self.give_back()
+            self.abort()  # the buffer is free again, sent or not
 
     def finish(self) -> Future[None] | None:
         """Send now (inline) or on the sending thread: its future, which the save's handle waits for."""
@@ -144,5 +142,6 @@ class _StagedSave:
             return None
         return self._path._send_later(self)
 
-    def give_back(self) -> None:
-        self._path._free.append(self._buf)
+    def abort(self) -> None:
+        """Give the staging buffer back for the next save."""
+        self._path._free.append(self.target)

@@ -21,12 +21,13 @@ lease expire there. Nothing is committed in either case.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
 from memstore.v1 import store_pb2 as pb
-from trainer_client.capture.device_save import Capture, Captures, host_writer
+from trainer_client.capture.device_save import Capture, Captures, HostPart
 from trainer_client.capture.ring import CaptureRing, Slot
 from trainer_client.serialization import ChunkSums
 from trainer_client.transport import messages
@@ -63,9 +64,9 @@ class SharedMemoryPath:
         # The segments this rank's saves land in, mapped (and registered for DMA) once; the next save's reserved ahead.
         # The reservation ahead goes over gRPC from the ring's thread: it never queues behind a save's call, nor it behind it.
         self.ring = CaptureRing(
-            lambda request: link.control("Allocate", request, f"allocate memory for rank {rank}'s save"),
+            functools.partial(link.control, "Allocate", what=f"allocate memory for rank {rank}'s save"),
             lambda lease_id: link.control("Release", pb.ReleaseRequest(lease_id=lease_id), "release an unused capture lease"),
-            lambda request: link.call(lambda t: link.stub.Allocate(request, timeout=t), f"reserve memory for rank {rank}'s next save"),
+            functools.partial(link.unary, "Allocate", what=f"reserve memory for rank {rank}'s next save"),
         )
 
     def prepare(self, key: pb.ShardKey, nbytes: int, pin: bool) -> None:
@@ -83,31 +84,38 @@ class SharedMemoryPath:
             ring.pinning = True  # from now on every ring segment is registered once (this slot below, the rest as used)
         slot = ring.slot(shard.key, self._world_size, layout.nbytes)
         try:
-            target = torch.frombuffer(ring.hold(slot).view, dtype=torch.uint8, count=layout.nbytes)  # held until committed or given back
-            blobs, start_copies = self._captures.device_copies(layout, target, deferred=shard.enqueued)
+            save = _SegmentSave(self, shard, slot)
         except BaseException:
             ring.give_back(slot)
             raise
-        marking = self._marking and not blobs and not shard.enqueued and layout.nbytes >= MARKED_FROM
-        hashing = self._chunk > 0 and not blobs and not marking  # CUDA bytes land after the host's copy: the store hashes
-        save = _SegmentSave(self, shard, slot, ChunkSums(self._chunk) if hashing else None)
-        writer = host_writer(layout, blobs, slot.mm, mark=save.mark if marking else None, sums=save.sums)
-        job = Capture(start_copies, writer, save.commit, save.abort)
-        return self._captures.launch(job, shard.enqueued, shard.on_success, shard.skip_capacity)
+        return self._captures.capture(layout, save, shard.enqueued, shard.on_success, shard.skip_capacity)
 
     def close(self) -> None:
         self.ring.close()  # the lease reserved ahead is given back; ring segments unregistered and unmapped
 
 
 class _SegmentSave:
-    """One save into a ring segment: the slot it holds, its marks, its commit or abort (``Capture``'s last steps)."""
+    """One save into a ring segment (a :class:`~trainer_client.capture.device_save.Destination`): the slot it holds, its
+    marks, its commit or abort."""
 
-    def __init__(self, path: SharedMemoryPath, shard: PlannedShard, slot: Slot, sums: ChunkSums | None) -> None:
+    def __init__(self, path: SharedMemoryPath, shard: PlannedShard, slot: Slot) -> None:
         self._path = path
         self._shard = shard
         self._slot = slot
-        self.sums = sums
+        # The save holds the segment's mapping until committed or given back: the device copies land in it meanwhile.
+        self.target = torch.frombuffer(path.ring.hold(slot).view, dtype=torch.uint8, count=shard.layout.nbytes)
+        self.memory = slot.mm
+        self.sums: ChunkSums | None = None
         self._marked = False  # the store took the shard in at the first mark
+
+    def host_part(self, device_blobs: bool) -> HostPart:
+        """Marks for a large CPU state on a store that replicates; else, with trainer hashing, checksums as it copies
+        (CUDA bytes land after the host's copy: then the store hashes)."""
+        path, shard = self._path, self._shard
+        marking = path._marking and not device_blobs and not shard.enqueued and shard.layout.nbytes >= MARKED_FROM
+        if path._chunk > 0 and not device_blobs and not marking:
+            self.sums = ChunkSums(path._chunk)
+        return HostPart(mark=self.mark if marking else None, sums=self.sums)
 
     def _request(self, captured: int | None = None) -> pb.CommitRequest:
         path, shard = self._path, self._shard
@@ -122,8 +130,8 @@ class _SegmentSave:
         self._path._link.control("Commit", self._request(captured), f"commit step {self._shard.key.step} (its first {captured} bytes)")
         self._marked = True  # the store holds the lease's shard from the first mark on
 
-    def commit(self) -> None:
-        """Hand the segment to the store; then reserve the next save's ahead."""
+    def finish(self) -> None:
+        """Commit: hand the segment to the store; then reserve the next save's segment ahead."""
         ring, key, nbytes = self._path.ring, self._shard.key, self._shard.layout.nbytes
         try:
             self._path._link.control("Commit", self._request(), f"commit step {key.step}")

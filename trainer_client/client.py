@@ -225,10 +225,12 @@ class CheckpointClient:
         """
         if capture not in CAPTURE_MODES:
             raise InvalidArgumentError(f"capture {capture!r} is invalid: expected 'copied' or 'enqueued'")
-        self._captures.settle()
+        if self._captures.in_flight is not None:
+            self._captures.settle()  # the enqueued save before: its outcome decides this one's epoch
         if timeline is not None and (not timeline or timeline_problem(timeline)):
             raise InvalidArgumentError(timeline_problem(timeline) or "timeline '' is invalid: expected 1-128 characters of [A-Za-z0-9._-]")
-        self._key(step)  # validate before a run id is drawn
+        if timeline is None and self._timeline.run_id is None:
+            self._key(step)  # validated before a run id is drawn (a collective); the key below checks it otherwise
         epoch = self._timeline.epoch_for(step) if timeline is None else self._timeline.epoch
         key = self._key(step, timeline=f"{self._timeline.run_id}.{epoch}" if timeline is None else timeline)
         if self.group is not None and self._floor is not None and timeline is None:

@@ -139,9 +139,9 @@ def host_writer(
     return write
 
 
-def device_blobs(layout: ShardLayout) -> list[int]:
+def device_blobs(layout: ShardLayout, rt: cuda.CudaRuntime | None = None) -> list[int]:
     """The blobs of ``layout`` the device copier fills: its device tensors, as the installed CUDA runtime counts them."""
-    rt = cuda.runtime()
+    rt = rt or cuda.runtime()
     return layout.device_tensors(rt.device_tensor if rt.host_device_tensors else None)
 
 
@@ -433,6 +433,16 @@ class Capture:
 
 
 @dataclass(frozen=True)
+class DevicePart:
+    """A save's device tensors (the blobs DMA fills, :func:`device_blobs`) and whether the memory it lands in must be
+    registered for DMA (it holds CUDA tensors, or the installed CUDA runtime registers host states too: the CPU suite's
+    fake)."""
+
+    blobs: list[int]
+    pin: bool
+
+
+@dataclass(frozen=True)
 class HostPart:
     """How a save's host part is written (:func:`host_writer`'s options): ``mark`` told how many bytes are final as the
     copy goes, the chunks hashed into ``sums`` as they are copied, fresh pages faulted in ahead (``fault_ahead``)."""
@@ -445,10 +455,10 @@ class HostPart:
 class Destination(Protocol):
     """Where one save's bytes go and how they leave: a save path's per-save object (``trainer_client.transport``).
 
-    ``target`` (uint8) is what the device copies fill and ``memory`` what the host part writes: the same bytes (a ring
-    segment's mapping, a staging buffer). :meth:`Captures.capture` asks :meth:`host_part` once it knows whether the state
-    holds device tensors; the capture then calls :meth:`finish` once every byte is written (commit, send; may return a
-    future of a step it left running) or :meth:`abort` when a step before it failed (give the memory back).
+    ``target`` (uint8) is what the device copies fill and ``memory`` what the host part writes (``host``): the same bytes
+    (a ring segment's mapping, a staging buffer). The capture calls :meth:`finish` once every byte is written (commit,
+    send; may return a future of a step it left running) or :meth:`abort` when a step before it failed (give the memory
+    back).
     """
 
     @property
@@ -457,7 +467,8 @@ class Destination(Protocol):
     @property
     def memory(self) -> mmap.mmap | memoryview: ...
 
-    def host_part(self, device_blobs: bool) -> HostPart: ...
+    @property
+    def host(self) -> HostPart: ...
 
     def finish(self) -> Future[None] | None: ...
 
@@ -473,20 +484,27 @@ class Captures:
         self.in_flight: Capture | None = None  # the latest capture="enqueued" save's
 
     @staticmethod
+    def device_part(layout: ShardLayout) -> DevicePart:
+        """The device tensors of a save of ``layout`` and whether its memory must be registered for DMA."""
+        rt = cuda.runtime()
+        blobs = device_blobs(layout, rt)
+        return DevicePart(blobs, bool(blobs) or rt.pins_host_states)
+
+    @staticmethod
     def wants_pinning(layout: ShardLayout) -> bool:
-        """Whether the save's memory must be registered for DMA: the state holds CUDA tensors (or the installed
-        CUDA runtime registers host states too: the CPU suite's fake)."""
-        return bool(device_blobs(layout)) or cuda.runtime().pins_host_states
+        """Whether the save's memory must be registered for DMA (:meth:`device_part`)."""
+        return Captures.device_part(layout).pin
 
     def device_copies(
-        self, layout: ShardLayout, target: torch.Tensor, deferred: bool = False
+        self, layout: ShardLayout, target: torch.Tensor, deferred: bool = False, blobs: list[int] | None = None
     ) -> tuple[list[int], Callable[[], DeviceCopies] | None]:
-        """The CUDA blobs of ``layout`` and what enqueues their copies into ``target`` (uint8: the segment mapping, or
-        a staging buffer, registered by the caller); ``([], None)`` for a state without CUDA tensors.
+        """The CUDA blobs of ``layout`` (``blobs`` when the caller found them already) and what enqueues their copies
+        into ``target`` (uint8: the segment mapping, or a staging buffer, registered by the caller); ``([], None)`` for a
+        state without CUDA tensors.
 
         ``deferred``: the copies are enqueued later, on the capture thread: the current streams are marked now.
         """
-        blobs = device_blobs(layout)
+        blobs = device_blobs(layout) if blobs is None else blobs
         if not blobs:
             return blobs, None
         copier = self.copier
@@ -517,18 +535,23 @@ class Captures:
                 self._copier.pins.release(owner)
 
     def capture(
-        self, layout: ShardLayout, into: Destination, enqueued: bool, on_success: Callable[[], None] | None, skip_capacity: bool
-    ) -> Capture:
-        """One save of ``layout`` into ``into``: the one call a save path makes. Its device copies are prepared (with
-        ``enqueued``, the trainer's streams marked now) and the capture is run now (``capture="copied"``) or started on
-        the capture thread (``enqueued``; ``skip_capacity``: a full store then skips the save instead of failing it);
-        ``on_success`` is called once the store took the bytes. A failure before the capture starts aborts ``into``."""
+        self, layout: ShardLayout, destination: Callable[[DevicePart], Destination], enqueued: bool,
+        on_success: Callable[[], None] | None, skip_capacity: bool,
+    ) -> Capture:  # fmt: skip
+        """One save of ``layout``: the one call a save path makes per save. ``destination`` is told the state's device part
+        (its CUDA tensors, whether the memory must be registered) and takes the save's memory: the :class:`Destination`.
+        The device copies are prepared (with ``enqueued``, the trainer's streams marked now) and the capture is run now
+        (``capture="copied"``) or started on the capture thread (``enqueued``; ``skip_capacity``: a full store then skips
+        the save instead of failing it); ``on_success`` is called once the store took the bytes. A failure before the
+        capture starts aborts the destination."""
+        device = self.device_part(layout)
+        into = destination(device)
         try:
-            blobs, start_copies = self.device_copies(layout, into.target, deferred=enqueued)
-            host = into.host_part(device_blobs=bool(blobs))
+            blobs, start_copies = self.device_copies(layout, into.target, deferred=enqueued, blobs=device.blobs)
         except BaseException:
             into.abort()
             raise
+        host = into.host
         write = host_writer(layout, blobs, into.memory, fault_ahead=host.fault_ahead, mark=host.mark, sums=host.sums)
         job = Capture(start_copies, write, into.finish, into.abort)
         job.on_success = on_success

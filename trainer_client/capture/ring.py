@@ -239,6 +239,17 @@ class CaptureRing:
                 self._fell_back(slot)
         return slot
 
+    def take(self, key: pb.ShardKey, world_size: int, nbytes: int) -> Slot:
+        """:meth:`slot`, then :meth:`hold` of it (``slot.hold.view``: the save's target): where a save writes, held for it
+        until :meth:`committed` or :meth:`give_back`."""
+        slot = self.slot(key, world_size, nbytes)
+        try:
+            self.hold(slot)
+        except BaseException:
+            self.give_back(slot)
+            raise
+        return slot
+
     def _take_ahead(self, nbytes: int) -> Slot | None:
         """The lease reserved ahead, if it fits (waiting for a reservation the store has answered: mapping a segment
         while the ring is warming up). A reservation the store has not answered within ``ANSWER_WAIT_SECONDS`` (a call

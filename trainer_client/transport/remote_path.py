@@ -20,16 +20,17 @@ checksum does not match) commits nothing.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from memstore.v1 import store_pb2 as pb
-from memstore.v1.integrity import DEFAULT_CHUNK_BYTES, compute_checksums
-from trainer_client.capture.device_save import Capture, Captures, HostPart
+from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, compute_checksums
+from trainer_client import serialization
+from trainer_client.capture.device_save import Capture, Captures, DevicePart, HostPart
 from trainer_client.serialization import ChunkSums
-from trainer_client.transport import messages
 from trainer_client.transport.link import StoreLink
 from trainer_client.transport.remote import VERIFY_THREADS, byte_view, empty_buffer
 from trainer_client.transport.save_path import PlannedShard
@@ -71,16 +72,19 @@ class RemotePath:
         """Stage the shard (device copies and host part into a staging buffer), then send it: inline, or on the sending
         thread (``background``). A send that follows the copy on the same thread has the copy hash each chunk from cache
         instead of reading the shard back first; a background send keeps the stall a copy and hashes on its thread."""
-        layout = shard.layout
-        buf, fresh = self._staging_buffer(layout.nbytes)
+        destination = functools.partial(self._staged, shard)
+        return self._captures.capture(shard.layout, destination, shard.enqueued, shard.on_success, shard.skip_capacity)
+
+    def _staged(self, shard: PlannedShard, device: DevicePart) -> _StagedSave:
+        """The save's staging buffer (registered for CUDA copies when ``device.pin``)."""
+        buf, fresh = self._staging_buffer(shard.layout.nbytes)
         try:
-            if self._captures.wants_pinning(layout):
+            if device.pin:
                 self._captures.copier.pin_buffer(buf)
-            save = _StagedSave(self, shard, buf, fresh)
+            return _StagedSave(self, shard, buf, fresh)
         except BaseException:
             self._free.append(buf)
             raise
-        return self._captures.capture(layout, save, shard.enqueued, shard.on_success, shard.skip_capacity)
 
     def _staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]:
         """A free staging buffer of at least ``nbytes`` (kept between saves: its pages are faulted in once), and
@@ -113,15 +117,12 @@ class _StagedSave:
     def __init__(self, path: RemotePath, shard: PlannedShard, buf: torch.Tensor, fresh: bool) -> None:
         self._path = path
         self._shard = shard
-        self._fresh = fresh  # a new buffer: its pages are faulted in beside the copy
         self._inline = not path._background or shard.enqueued  # the send follows the copy on the same thread
         self.target = buf
         self.memory = byte_view(buf, shard.layout.nbytes)
         self.sums = ChunkSums(path._chunk) if self._inline else None  # an inline send waits for the checksums anyway
+        self.host = HostPart(sums=self.sums, fault_ahead=fresh)  # a new buffer: its pages are faulted in beside the copy
         self._created = time.time()
-
-    def host_part(self, device_blobs: bool) -> HostPart:
-        return HostPart(sums=self.sums, fault_ahead=self._fresh)
 
     def send(self) -> None:
         """Hash (unless the copy did), send, and give the buffer back for the next save."""
@@ -129,7 +130,7 @@ class _StagedSave:
         nbytes, chunk = shard.layout.nbytes, path._chunk
         done = self.sums.values if self.sums is not None else None
         checksums = done if done is not None else compute_checksums(self.memory, nbytes, chunk, workers=VERIFY_THREADS)
-        header = messages.put_header(shard, path._world_size, chunk, checksums, self._created, path._spill_codec)
+        header = _put_header(shard, path._world_size, chunk, checksums, self._created, path._spill_codec)
         try:
             path.last_route = path._transfer.put(header, self.memory, f"put step {shard.key.step}")
         finally:
@@ -145,3 +146,22 @@ class _StagedSave:
     def abort(self) -> None:
         """Give the staging buffer back for the next save."""
         self._path._free.append(self.target)
+
+
+def _put_header(
+    shard: PlannedShard, world_size: int, chunk_size: int, checksums: list[int], created: float, spill_codec: str
+) -> pb.PutHeader:
+    """What precedes ``shard``'s bytes sent to the store: its manifest (``chunk_size``-byte chunks with ``checksums``,
+    made at ``created``) and who sends it."""
+    key = shard.key
+    manifest = pb.Manifest(
+        key=key, world_size=world_size, nbytes=shard.layout.nbytes, chunk_size=chunk_size, chunk_checksums=checksums,
+        checksum_algo=CHECKSUM_ALGO, format_version=serialization.FORMAT_VERSION, metrics=shard.metrics, created_unix=created,
+        spill_codec=spill_codec, stripe=shard.stripe,
+    )  # fmt: skip
+    return pb.PutHeader(
+        manifest=manifest,
+        origin=pb.PUT_ORIGIN_CLIENT,
+        sender_host=f"client-rank-{key.rank}",
+        restorable_floor=shard.restorable_floor(),
+    )

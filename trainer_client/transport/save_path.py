@@ -16,10 +16,13 @@ Call order (on the rank's own thread; one save at a time per client):
    ready (reserved, mapped, faulted in; registered for DMA with ``pin``), so the next save makes no call.
 2. ``capture(shard)`` for every save: take the save's memory, enqueue the device copies, write the host part, wait for
    the copies, hand the bytes to the store (commit, or send) and return the save's
-   :class:`~trainer_client.capture.device_save.Capture`. With ``shard.enqueued`` everything after taking the memory runs
-   on the client's capture thread and ``capture`` returns at once; the ``Capture`` reports how it went. A failure
-   before the hand-over gives the memory back (nothing is committed); ``CapacityExceededError`` is raised when the store
-   has no room (or, enqueued with ``skip_capacity``, recorded in ``Capture.skipped_reason``).
+   :class:`~trainer_client.capture.device_save.Capture`. Both paths do it with one call,
+   :meth:`~trainer_client.capture.device_save.Captures.capture`, given a factory of their per-save
+   :class:`~trainer_client.capture.device_save.Destination` (the memory, then ``finish`` or ``abort``). With
+   ``shard.enqueued`` everything after taking the memory runs on the client's capture thread and ``capture`` returns at
+   once; the ``Capture`` reports how it went. A failure before the hand-over gives the memory back (nothing is
+   committed); ``CapacityExceededError`` is raised when the store has no room (or, enqueued with ``skip_capacity``,
+   recorded in ``Capture.skipped_reason``).
 3. ``close()`` once, after the last save's capture finished: what the path holds goes back (the lease reserved ahead,
    the mappings; a background send in flight is finished first).
 
@@ -64,6 +67,10 @@ class PlannedShard:
     floor: Callable[[], int | None] | None = None
     on_success: Callable[[], None] | None = None
     skip_capacity: bool = False
+
+    def restorable_floor(self) -> int | None:
+        """The job's restorable floor now, as the hand-over tells the store (None without an agreement)."""
+        return self.floor() if self.floor is not None else None
 
 
 class SavePath(Protocol):

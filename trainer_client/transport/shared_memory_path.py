@@ -27,10 +27,11 @@ import time
 import torch
 
 from memstore.v1 import store_pb2 as pb
-from trainer_client.capture.device_save import Capture, Captures, HostPart
+from memstore.v1.integrity import CHECKSUM_ALGO
+from trainer_client import serialization
+from trainer_client.capture.device_save import Capture, Captures, DevicePart, HostPart
 from trainer_client.capture.ring import CaptureRing, Slot
 from trainer_client.serialization import ChunkSums
-from trainer_client.transport import messages
 from trainer_client.transport.link import StoreLink
 from trainer_client.transport.save_path import PlannedShard
 
@@ -79,16 +80,20 @@ class SharedMemoryPath:
     def capture(self, shard: PlannedShard) -> Capture:
         """Into a segment of the ring: the one reserved ahead (no call) or one allocated now. With ``shard.enqueued`` the
         device copies are enqueued on the capture thread, after events recorded now on the trainer's streams."""
-        layout, ring = shard.layout, self.ring
-        if not ring.pinning and self._captures.wants_pinning(layout):
+        destination = functools.partial(self._segment, shard)
+        return self._captures.capture(shard.layout, destination, shard.enqueued, shard.on_success, shard.skip_capacity)
+
+    def _segment(self, shard: PlannedShard, device: DevicePart) -> _SegmentSave:
+        """The save's segment, taken and held (registered for DMA when ``device.pin``)."""
+        ring = self.ring
+        if device.pin and not ring.pinning:
             ring.pinning = True  # from now on every ring segment is registered once (this slot below, the rest as used)
-        slot = ring.slot(shard.key, self._world_size, layout.nbytes)
+        slot = ring.take(shard.key, self._world_size, shard.layout.nbytes)
         try:
-            save = _SegmentSave(self, shard, slot)
+            return _SegmentSave(self, shard, slot, bool(device.blobs))
         except BaseException:
             ring.give_back(slot)
             raise
-        return self._captures.capture(layout, save, shard.enqueued, shard.on_success, shard.skip_capacity)
 
     def close(self) -> None:
         self.ring.close()  # the lease reserved ahead is given back; ring segments unregistered and unmapped
@@ -98,28 +103,23 @@ class _SegmentSave:
     """One save into a ring segment (a :class:`~trainer_client.capture.device_save.Destination`): the slot it holds, its
     marks, its commit or abort."""
 
-    def __init__(self, path: SharedMemoryPath, shard: PlannedShard, slot: Slot) -> None:
+    def __init__(self, path: SharedMemoryPath, shard: PlannedShard, slot: Slot, device_blobs: bool) -> None:
+        assert slot.hold is not None  # CaptureRing.take: held until committed or given back
         self._path = path
         self._shard = shard
         self._slot = slot
-        # The save holds the segment's mapping until committed or given back: the device copies land in it meanwhile.
-        self.target = torch.frombuffer(path.ring.hold(slot).view, dtype=torch.uint8, count=shard.layout.nbytes)
+        self.target = torch.frombuffer(slot.hold.view, dtype=torch.uint8, count=shard.layout.nbytes)  # the device copies land here
         self.memory = slot.mm
-        self.sums: ChunkSums | None = None
-        self._marked = False  # the store took the shard in at the first mark
-
-    def host_part(self, device_blobs: bool) -> HostPart:
-        """Marks for a large CPU state on a store that replicates; else, with trainer hashing, checksums as it copies
-        (CUDA bytes land after the host's copy: then the store hashes)."""
-        path, shard = self._path, self._shard
+        # Marks for a large CPU state on a store that replicates; else, with trainer hashing, checksums as it copies (CUDA
+        # bytes land after the host's copy: then the store hashes).
         marking = path._marking and not device_blobs and not shard.enqueued and shard.layout.nbytes >= MARKED_FROM
-        if path._chunk > 0 and not device_blobs and not marking:
-            self.sums = ChunkSums(path._chunk)
-        return HostPart(mark=self.mark if marking else None, sums=self.sums)
+        self.sums = ChunkSums(path._chunk) if path._chunk > 0 and not device_blobs and not marking else None
+        self.host = HostPart(mark=self.mark if marking else None, sums=self.sums)
+        self._marked = False  # the store took the shard in at the first mark
 
     def _request(self, captured: int | None = None) -> pb.CommitRequest:
         path, shard = self._path, self._shard
-        return messages.commit_request(
+        return _commit_request(
             shard, self._slot.lease_id, path._spill_codec, name_key=self._slot.ahead, captured=captured,
             capture=None if captured is not None else path.ring.report(), capture_seconds=time.perf_counter() - shard.started,
             sums=self.sums,
@@ -145,3 +145,30 @@ class _SegmentSave:
             self._path.ring.committed(self._slot)
         else:
             self._path.ring.give_back(self._slot)
+
+
+def _commit_request(
+    shard: PlannedShard, lease_id: str, spill_codec: str, *, name_key: bool, captured: int | None = None,
+    capture: pb.CaptureStats | None = None, capture_seconds: float = 0.0, sums: ChunkSums | None = None,
+) -> pb.CommitRequest:  # fmt: skip
+    """The ``Commit`` of ``shard`` written into the segment of ``lease_id``.
+
+    ``name_key``: the lease was reserved ahead, before its step was known: the commit names the shard. ``captured``: a
+    mark (the first ``captured`` bytes are final; the store starts pushing them) instead of the final commit, which
+    carries the ring's ``capture`` report, the capture's seconds and, when the trainer hashed the copy, its ``sums``.
+    """
+    request = pb.CommitRequest(
+        lease_id=lease_id, metrics=shard.metrics, format_version=serialization.FORMAT_VERSION, spill_codec=spill_codec,
+        stripe=shard.stripe, restorable_floor=shard.restorable_floor(), captured_bytes=captured,
+    )  # fmt: skip
+    if captured is None:
+        if capture is not None:
+            request.capture.CopyFrom(capture)
+        request.capture_seconds = capture_seconds
+        if sums is not None and sums.values is not None:
+            request.chunk_size, request.checksum_algo = sums.chunk_size, CHECKSUM_ALGO
+            request.chunk_checksums.extend(sums.values)
+    if name_key:
+        request.key.CopyFrom(shard.key)
+        request.nbytes = shard.layout.nbytes
+    return request

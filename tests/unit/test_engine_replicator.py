@@ -67,7 +67,7 @@ def test_a_push_skipped_for_a_newer_capture_of_the_rank_reports_the_save_superse
     newer = commit(catalog, ShardKey("job", 2, 0), DATA)
     newer.created_unix = old.created_unix + 1
     rep.capture_and_replicate(old)  # ... but pushing it is pointless now
-    info = catalog.info(old)
+    info = old.info()
     assert peer.pushes == [] and info.superseded and catalog.saves_superseded == 1 and "superseded by step 2" in info.error
 
 

@@ -28,8 +28,7 @@ from memstore.core.floors import floor_problem
 from memstore.core.limits import room_by_dropping
 from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState, Stripe
 from memstore.core.retention import pressure_victims, retention_victims
-from memstore.core.status import CaptureReport
-from memstore.errors import AlreadySaved, CapacityExceeded, InvalidArgument, LeaseError, QuotaExceeded, ShardNotFound, UnknownJob
+from memstore.errors import AlreadySaved, CapacityExceeded, LeaseError, QuotaExceeded, ShardNotFound, UnknownJob
 from memstore.server.entries import (
     ALLOCATE_LEASE_SECONDS,
     GONE_REMEMBERED,
@@ -80,7 +79,6 @@ class Catalog:
         self._repairs_in_flight = 0
         self._fetching = 0  # restores pulling a shard now (repair waits for them: memstore.server.recovery)
         self._saves_superseded = 0  # saves dropped before replication because a newer save of the same rank came
-        self._capture = CaptureReport()  # what clients reported of their captures (summed over commits)
 
     # ---- counters and snapshots (read-only views for the store's reports)
 
@@ -96,10 +94,6 @@ class Catalog:
     def saves_superseded(self) -> int:
         return self._saves_superseded
 
-    @property
-    def capture(self) -> CaptureReport:
-        return self._capture
-
     def get(self, key: ShardKey) -> Entry | None:
         with self._lock:
             return self._entries.get(key)
@@ -107,16 +101,6 @@ class Catalog:
     def census_copies(self) -> list[tuple[ShardKey, int, ShardState]]:
         with self._lock:
             return [(k, e.nbytes, e.state) for k, e in self._entries.items() if not e.dropped]
-
-    def scrub_candidates(self) -> list[Entry]:
-        """The settled, verified copies held now, oldest first (what the background scrub re-verifies)."""
-        with self._lock:
-            held = [e for e in self._entries.values() if not e.dropped and e.verified and e.state.settled]
-        return sorted(held, key=lambda e: e.created_unix)
-
-    def shard_count(self) -> int:
-        with self._lock:
-            return sum(1 for e in self._entries.values() if not e.dropped)
 
     def alive(self, timeout: float) -> bool:
         """The lock can be taken within ``timeout`` seconds (a deadlocked store says False)."""
@@ -316,11 +300,8 @@ class Catalog:
             return [e.info() for k, e in sorted(self._entries.items()) if not job_id or k.job_id == job_id]
 
     def delete(self, job_id: str, step: int, rank: int) -> int:
-        """Drop the copies of ``job_id`` at ``step`` and ``rank`` (-1: every step, every rank); returns how many."""
-        ensure(job_id_problem(job_id))
-        for name, value in (("step", step), ("rank", rank)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-                raise InvalidArgument(f"{name} {value!r} is invalid: expected an int >= 0, or -1 for every {name}")
+        """Drop the copies of ``job_id`` at ``step`` and ``rank`` (-1: every step, every rank; checked by ``Store.delete``);
+        returns how many."""
         with self._lock:
             victims = [e for k, e in self._entries.items() if k.job_id == job_id and step in (-1, k.step) and rank in (-1, k.rank)]
             if not victims and not any(k.job_id == job_id for k in self._entries):
@@ -348,8 +329,7 @@ class Catalog:
 
     def commit_lease(
         self, lease_id: str, key: ShardKey | None, nbytes: int, metrics: dict[str, float], format_version: int, spill_codec: str,
-        capture: CaptureReport | None, stripe: Stripe | None = None, floor: int | None = None,
-        checksums: ChunkChecksums | None = None,
+        stripe: Stripe | None = None, floor: int | None = None, checksums: ChunkChecksums | None = None,
     ) -> Entry:  # fmt: skip
         """Register the shard of allocation lease ``lease_id`` (see ``Saver.commit``); older captures of its rank that
         replication has not taken up yet are superseded (newest wins). Returns its entry.
@@ -387,8 +367,6 @@ class Catalog:
             entry.taken_at = time.monotonic()
             self._register_locked(entry)
             self._supersede_older_locked(entry)
-            if capture is not None and (capture.registrations or capture.fallbacks):
-                self._capture = self._capture.plus(capture.registrations, capture.fallbacks, capture.fallback_cause)
         return entry
 
     def _supersede_older_locked(self, entry: Entry) -> None:
@@ -474,21 +452,6 @@ class Catalog:
             entry.manifest = manifest
             entry.state = ShardState.REPLICATING
             self._lock.notify_all()
-
-    def newer_capture(self, entry: Entry) -> int | None:
-        """A newer step of the same rank captured after ``entry``: then pushing ``entry`` is pointless.
-
-        Capture time matters, not the step number alone: after a job restarts from an older step, the
-        stale newer steps of the killed run are still in RAM, and the re-saved steps must replicate.
-        """
-        key = entry.key
-        with self._lock:
-            newer = [
-                k.step
-                for k, e in self._entries.items()
-                if k.job_id == key.job_id and k.rank == key.rank and k.step > key.step and e.created_unix > entry.created_unix
-            ]
-        return max(newer) if newer else None
 
     def mark_superseded(self, entry: Entry) -> None:
         """Every push of ``entry`` was skipped for a newer capture (newest wins): the client's wait() says so."""

@@ -71,7 +71,12 @@ class Saver:
         self.draining = draining  # set: no new shards are taken in
         self.retention_due = retention_due  # set when a replica arrives: the janitor looks at retention again
         self._capturing: dict[str, Entry] = {}  # lease id -> a capture pushed while its client writes it
-        self._capturing_lock = threading.Lock()
+        self._capturing_lock = threading.Lock()  # guards both
+        self._capture = CaptureReport()  # what clients reported of their captures (summed over the commits taken in)
+
+    @property
+    def capture(self) -> CaptureReport:
+        return self._capture
 
     def allocate(
         self, key: ShardKey, world_size: int, nbytes: int, preferred: str = "", ahead: bool = False, grow: bool = False
@@ -157,8 +162,11 @@ class Saver:
         entry = self._capturing_entry(lease_id, captured_bytes)
         if entry is None:
             entry = self.catalog.commit_lease(
-                lease_id, key, nbytes, metrics, format_version, spill_codec, capture, stripe, restorable_floor, checksums
+                lease_id, key, nbytes, metrics, format_version, spill_codec, stripe, restorable_floor, checksums
             )  # fmt: skip
+            if capture is not None and (capture.registrations or capture.fallbacks):
+                with self._capturing_lock:
+                    self._capture = self._capture.plus(capture.registrations, capture.fallbacks, capture.fallback_cause)
             self._note_floor(entry.key, restorable_floor)
             if captured_bytes is not None:  # the client goes on writing: push what is final meanwhile
                 entry.progress = CaptureProgress(entry.nbytes)

@@ -72,7 +72,7 @@ class Scrubber:
         landed, and most of a save cadence's steps are evicted soon after); the copies found corrupt."""
         found = 0
         settled_before = self._wall() - self.interval
-        for entry in self.catalog.scrub_candidates():
+        for entry in sorted(self.catalog.settled_copies(), key=lambda e: e.created_unix):
             if self._stop.is_set():
                 return found
             if entry.created_unix > settled_before:

@@ -230,7 +230,7 @@ class Store:
 
     @property
     def capture(self) -> CaptureReport:
-        return self.catalog.capture
+        return self.saver.capture
 
     @property
     def saves_superseded(self) -> int:
@@ -365,8 +365,12 @@ class Store:
         return self.recovery.fetch(key, discard_local, durable_known, cached)
 
     def delete(self, job_id: str, step: int, rank: int) -> int:
-        """Drop copies (``Catalog.delete``); a whole job deleted forgets its restorable floor too: a later run under the
-        same id starts without one."""
+        """Drop copies (``Catalog.delete``; -1: every step, every rank); a whole job deleted forgets its restorable floor
+        too: a later run under the same id starts without one."""
+        ensure(job_id_problem(job_id))
+        for name, value in (("step", step), ("rank", rank)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+                raise InvalidArgument(f"{name} {value!r} is invalid: expected an int >= 0, or -1 for every {name}")
         deleted = self.catalog.delete(job_id, step, rank)
         if step == -1 and rank == -1:
             self.floors.forget(job_id)
@@ -379,7 +383,7 @@ class Store:
         return job_census(copies, floors)
 
     def health(self) -> HealthReport:
-        shards = self.catalog.shard_count()
+        shards = len(self.catalog.census_copies())
         return HealthReport(
             serving=not self._stop.is_set() and not self.draining.is_set(),  # readiness: a draining store takes no saves
             host_id=self.host_id,

@@ -257,7 +257,7 @@ def captured(catalog: Catalog, key: ShardKey, data: bytes, owner: str = "h0") ->
 def commit(catalog: Catalog, key: ShardKey, data: bytes) -> Entry:
     """Allocate, fill and commit ``key`` in the catalog (what the Saver does, without replication)."""
     lease = catalog.lease_allocation(captured(catalog, key, data), ahead=False)
-    return catalog.commit_lease(lease, None, 0, {}, 1, "", None)
+    return catalog.commit_lease(lease, None, 0, {}, 1, "")
 
 
 def settled(catalog: Catalog, key: ShardKey, data: bytes, created: float = 0.0) -> Entry:

@@ -44,24 +44,24 @@ def test_a_capture_replication_took_up_is_never_superseded() -> None:
 def test_leases_bind_to_their_shard_at_commit() -> None:
     catalog, pool, _ = make_catalog()
     with pytest.raises(LeaseError):
-        catalog.commit_lease("nope", None, 0, {}, 1, "", None)
+        catalog.commit_lease("nope", None, 0, {}, 1, "")
     lease = catalog.lease_allocation(captured(catalog, key(0, rank=3), DATA), ahead=True)
     with pytest.raises(InvalidArgument, match="needs the shard's key"):
-        catalog.commit_lease(lease, None, 0, {}, 1, "", None)
+        catalog.commit_lease(lease, None, 0, {}, 1, "")
     with pytest.raises(InvalidArgument, match="ahead lease is rank 3"):
-        catalog.commit_lease(lease, key(5, rank=4), len(DATA), {}, 1, "", None)
+        catalog.commit_lease(lease, key(5, rank=4), len(DATA), {}, 1, "")
     with pytest.raises(InvalidArgument, match="segment holds"):
-        catalog.commit_lease(lease, key(5, rank=3), len(DATA) + 1, {}, 1, "", None)
-    entry = catalog.commit_lease(lease, key(5, rank=3), 100, {"loss": 1.0}, 1, "", None)  # names its step now, and a smaller size
+        catalog.commit_lease(lease, key(5, rank=3), len(DATA) + 1, {}, 1, "")
+    entry = catalog.commit_lease(lease, key(5, rank=3), 100, {"loss": 1.0}, 1, "")  # names its step now, and a smaller size
     assert entry.key == key(5, rank=3) and entry.nbytes == 100 and catalog.get(key(5, rank=3)) is entry
     plain = catalog.lease_allocation(captured(catalog, key(6), DATA), ahead=False)
     with pytest.raises(InvalidArgument, match="lease holds"):
-        catalog.commit_lease(plain, key(7), 0, {}, 1, "", None)
+        catalog.commit_lease(plain, key(7), 0, {}, 1, "")
     twin = catalog.lease_allocation(captured(catalog, key(6), DATA), ahead=False)
-    catalog.commit_lease(plain, None, 0, {}, 1, "", None)
+    catalog.commit_lease(plain, None, 0, {}, 1, "")
     used = pool.used
     with pytest.raises(AlreadySaved):  # two captures of one shard: the second commit loses and frees its memory
-        catalog.commit_lease(twin, None, 0, {}, 1, "", None)
+        catalog.commit_lease(twin, None, 0, {}, 1, "")
     assert pool.used == used - len(DATA)
 
 

@@ -148,3 +148,12 @@ def test_a_restore_below_the_floor_lowers_it_so_the_restored_copy_stays() -> Non
     floors.note("job", Floor(5, "r.0"))  # the ranks saved on: the floor moves up again, and 2 may go
     jan.apply_retention()
     assert sorted(k.step for k, _, _ in catalog.held("job")) == [4, 5]
+
+
+def test_a_pass_expires_the_data_channels_tickets_too() -> None:
+    cfg = config()
+    catalog, _, stop = make_catalog(cfg)
+    asked: list[float] = []
+    before = time.monotonic()
+    Janitor(catalog, cfg, lambda job: ([], []), asked.append, stop, threading.Event(), Floors()).pass_once()
+    assert len(asked) == 1 and asked[0] >= before  # DataPath.expire_tickets, with the pass's clock

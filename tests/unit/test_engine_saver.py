@@ -8,6 +8,7 @@ import pytest
 
 from memstore.core.floors import Floors
 from memstore.core.model import PutOrigin, ShardKey, ShardState, TransferHeader
+from memstore.core.status import CaptureReport
 from memstore.errors import AlreadySaved, CapacityExceeded, Draining, InvalidArgument, LeaseError
 from memstore.server.entries import Entry
 from memstore.server.saving import Saver
@@ -150,3 +151,14 @@ def test_a_reservation_ahead_has_the_replicator_announce_its_rank_to_the_peers()
     assert rep.announced == []
     s.allocate(ShardKey("job", 0, 1), 2, len(DATA), ahead=True)  # prepare(), or the ring reserving ahead
     assert rep.announced == [("job", 1, len(DATA))]  # whether the rank saved already is the Replicator's business
+
+
+def test_the_capture_report_sums_the_commits_taken_in_and_not_a_refused_one() -> None:
+    s, _, _, _, _, _ = saver()
+    key = ShardKey("job", 1, 0)
+    first, _ = s.allocate(key, 1, len(DATA))
+    second, _ = s.allocate(key, 1, len(DATA))  # a reused run id: two captures of one shard
+    s.commit(first, {}, 1, capture=CaptureReport(3, 1, "invalid argument"))
+    with pytest.raises(AlreadySaved):
+        s.commit(second, {}, 1, capture=CaptureReport(5, 0, ""))
+    assert (s.capture.registrations, s.capture.fallbacks, s.capture.fallback_cause) == (3, 1, "invalid argument")

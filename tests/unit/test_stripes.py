@@ -68,9 +68,9 @@ def test_a_commit_keeps_its_stripe_and_a_bad_one_is_refused_keeping_the_lease() 
     entry.world_size = 4
     lease = catalog.lease_allocation(entry, ahead=False)
     with pytest.raises(InvalidArgument, match=r"stripe.group\[2\] \(stripe.index\) is rank 3, but the shard is rank 2"):
-        catalog.commit_lease(lease, None, 0, {}, 1, "", None, Stripe((0, 1, 3, 2), 2, 10, 1))
+        catalog.commit_lease(lease, None, 0, {}, 1, "", Stripe((0, 1, 3, 2), 2, 10, 1))
     assert catalog.get(key) is None  # nothing registered
-    committed = catalog.commit_lease(lease, None, 0, {}, 1, "", None, GOOD)  # the same lease, still held
+    committed = catalog.commit_lease(lease, None, 0, {}, 1, "", GOOD)  # the same lease, still held
     assert committed.info().manifest.stripe == GOOD  # known before its checksums are
 
 
@@ -79,7 +79,7 @@ def test_adoption_after_a_restart_keeps_the_stripe() -> None:
     key = ShardKey("job", 1, 2)
     entry = captured(catalog, key, DATA)
     entry.world_size = 4
-    committed = catalog.commit_lease(catalog.lease_allocation(entry, ahead=False), None, 0, {}, 1, "", None, GOOD)
+    committed = catalog.commit_lease(catalog.lease_allocation(entry, ahead=False), None, 0, {}, 1, "", GOOD)
     catalog.take_up(committed)
     catalog.checksummed(committed, replace(manifest_of(key, DATA, world_size=4), stripe=GOOD))
     catalog.settle(committed, copies=1, errors=[])

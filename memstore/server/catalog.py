@@ -1,41 +1,34 @@
-"""The catalog of the store engine: the one object that owns the shards held, their leases, tickets and pins.
+"""The catalog of the store engine: the shards held, their leases, and the engine's one condition.
 
-Every other part of the engine (``memstore.server.store`` builds them) gets the catalog in its constructor and
-changes what it holds only through the catalog's methods, each of which takes the engine's one lock (a
-``threading.Condition``) itself. It serves the durable tier's reads (``memstore.spill.port.ShardSource``, through
-the ``Store``). A settled copy's sidecar holds its ShardInfo, encoded and decoded by ``memstore.server.convert``.
+``Catalog`` owns the entries (and how this store's own shards that were dropped lately ended), the allocation and
+read leases, the pins, the keys arriving or being pulled, the restore/repair/replication counters, and the one
+``threading.Condition`` that guards them and that saves, reads, restores and repairs wait on. Every other part of
+the engine (``memstore.server.store`` builds them) gets the catalog in its constructor and changes what it holds only
+through its methods, each of which takes the lock itself. It speaks the core's plain types; the segment pool is its
+port: a dropped entry's segment goes back there once nobody reads it. It serves the durable tier's reads
+(``memstore.spill.port.ShardSource``, through the ``Store``).
+
+What lives elsewhere, each with its own lock or none: the data channel's one-time tickets (``tickets.Tickets``,
+owned by ``DataPath``), per-sender admission of inbound transfers (``admission.Admission``), crash adoption and the
+sidecars' encoding (``leftovers.Adoption``, ``leftovers.Sidecars``, which the catalog calls to describe a settled
+copy), and finding room for a shard under pressure (``room.Room``, which asks the catalog to drop what it may).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import secrets
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 from memstore.config import StoreConfig
 from memstore.core.floors import floor_problem
-from memstore.core.limits import admits, room_by_dropping
+from memstore.core.limits import room_by_dropping
 from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState, Stripe
 from memstore.core.retention import pressure_victims, retention_victims
-from memstore.core.status import CaptureReport
-from memstore.errors import (
-    AlreadySaved,
-    CapacityExceeded,
-    DataChannelError,
-    InvalidArgument,
-    LeaseError,
-    QuotaExceeded,
-    ShardNotFound,
-    TooManyStreams,
-    UnknownJob,
-)
-from memstore.server.convert import sidecar_bytes, sidecar_info
+from memstore.errors import AlreadySaved, CapacityExceeded, LeaseError, QuotaExceeded, ShardNotFound, UnknownJob
 from memstore.server.entries import (
     ALLOCATE_LEASE_SECONDS,
     GONE_REMEMBERED,
@@ -43,44 +36,40 @@ from memstore.server.entries import (
     Entry,
     Inbound,
     Lease,
-    Ticket,
     bind_problem,
     ensure,
 )
-from memstore.server.rings import AHEAD_POLL_SECONDS
-from memstore.server.segments import NO_RING, Segment, SegmentPool
-from memstore.v1.integrity import ChunkChecksums, first_mismatch
+from memstore.server.leftovers import Sidecars
+from memstore.server.segments import SegmentPool
+from memstore.v1.integrity import ChunkChecksums
 from memstore.v1.keys import job_id_problem, key_problem
-from memstore.v1.streams import manifest_problem, stripe_problem
+from memstore.v1.streams import stripe_problem
 
 log = logging.getLogger(__name__)
 DELETED_SECONDS = 60.0  # how long repair leaves a deleted shard alone (see Catalog.recently_deleted)
 
 
 class Catalog:
-    """The shards this store holds, and everything that refers to them, under the engine's one lock.
+    """The shards this store holds and their leases, under the engine's one lock.
 
-    It owns the entries (and the outcome of this store's own shards dropped lately), the allocation and read
-    leases, the data-channel tickets, the pins, the inbound transfers and pulls in flight, and the counters the
-    engine's parts share. Every change goes through one of its methods, each of which takes the lock itself;
-    methods ending in ``_locked`` expect the caller (this class) to hold it. The segment pool is its port:
-    a dropped entry's segment goes back there once nobody reads it.
+    Every change goes through one of its methods, each of which takes the lock itself; methods ending in ``_locked``
+    expect the caller (this class) to hold it. ``sidecars`` describes a settled copy next to its segment, under the
+    lock (so never after the entry was dropped): the lock order is this lock, then the pool's.
     """
 
-    def __init__(self, host_id: str, config: StoreConfig, pool: SegmentPool, stop: threading.Event) -> None:
+    def __init__(self, host_id: str, config: StoreConfig, pool: SegmentPool, stop: threading.Event, sidecars: Sidecars) -> None:
         """``stop``: set when the store closes; waits on the lock give up then (``wake`` wakes them)."""
         self.host_id = host_id
         self.config = config
         self.pool = pool
+        self._sidecars = sidecars
         self._stop = stop
         self._lock = threading.Condition()
         self._entries: dict[ShardKey, Entry] = {}
         self._gone: dict[ShardKey, ShardInfo] = {}  # this store's own shards dropped lately, as they ended (WaitCommitted)
         self._alloc_leases: dict[str, Lease] = {}
         self._read_leases: dict[str, Lease] = {}
-        self._tickets: dict[bytes, Ticket] = {}
-        self._receiving: set[ShardKey] = set()
-        self._streams: dict[str, int] = {}  # sender -> inbound transfers open, at most --max-streams-per-peer
+        self._receiving: set[ShardKey] = set()  # memory reserved, bytes arriving (Saver.begin_receive)
         self._pulls: dict[ShardKey, threading.Event] = {}  # in-flight pulls, shared by fetch and repair
         self._protected: dict[str, int] = {}  # job -> newest restorable step, protected from eviction
         self._floor: dict[str, tuple[int, str]] = {}  # job -> its restorable floor: nothing at or above it is evicted
@@ -90,7 +79,6 @@ class Catalog:
         self._repairs_in_flight = 0
         self._fetching = 0  # restores pulling a shard now (repair waits for them: memstore.server.recovery)
         self._saves_superseded = 0  # saves dropped before replication because a newer save of the same rank came
-        self._capture = CaptureReport()  # what clients reported of their captures (summed over commits)
 
     # ---- counters and snapshots (read-only views for the store's reports)
 
@@ -106,32 +94,13 @@ class Catalog:
     def saves_superseded(self) -> int:
         return self._saves_superseded
 
-    @property
-    def capture(self) -> CaptureReport:
-        return self._capture
-
     def get(self, key: ShardKey) -> Entry | None:
         with self._lock:
             return self._entries.get(key)
 
-    def open_streams(self) -> dict[str, int]:
-        """Sender -> inbound transfers open (a copy)."""
-        with self._lock:
-            return dict(self._streams)
-
     def census_copies(self) -> list[tuple[ShardKey, int, ShardState]]:
         with self._lock:
             return [(k, e.nbytes, e.state) for k, e in self._entries.items() if not e.dropped]
-
-    def scrub_candidates(self) -> list[Entry]:
-        """The settled, verified copies held now, oldest first (what the background scrub re-verifies)."""
-        with self._lock:
-            held = [e for e in self._entries.values() if not e.dropped and e.verified and e.state.settled]
-        return sorted(held, key=lambda e: e.created_unix)
-
-    def shard_count(self) -> int:
-        with self._lock:
-            return sum(1 for e in self._entries.values() if not e.dropped)
 
     def alive(self, timeout: float) -> bool:
         """The lock can be taken within ``timeout`` seconds (a deadlocked store says False)."""
@@ -145,142 +114,20 @@ class Catalog:
         with self._lock:
             self._lock.notify_all()
 
-    # ---- adoption after a crash, sidecars
-
-    def adopt_segments(self, predecessor: Path | None = None) -> int:
-        """Take over the verified shards a previous incarnation of this host left in shared memory, or (with
-        ``predecessor``) those a dead predecessor under another host id left in its segment directory
-        (``SegmentPool.adopt_from``): registered like copies pulled by repair, so repair finds them held.
-
-        Each settled copy has a sidecar (its ShardInfo) next to its segment; a segment is adopted only if
-        the sidecar is well-formed and every chunk still matches its checksum, so a store that crashed
-        serves its RAM again without a network repair (GEMINI's software-failure path). The rest is deleted.
-        A shard this store holds already is not adopted twice.
-        """
-
-        def check(seg: Segment, meta: bytes) -> bool:
-            info = sidecar_info(meta)
-            m = info.manifest
-            problem = manifest_problem(m) or key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size, m.key.timeline)
-            if not problem and m.stripe is not None:
-                problem = stripe_problem(m.stripe, m.key.rank, m.world_size, m.nbytes)
-            if problem or info.state is None or not info.state.settled or m.nbytes > seg.size or self.get(m.key) is not None:
-                return False
-            return first_mismatch(seg.view(), m.nbytes, m.chunk_size, m.checksums) is None
-
-        adopted = self.pool.adopt(check) if predecessor is None else self.pool.adopt_from(predecessor, check) or []
-        twice: list[Segment] = []
-        with self._lock:
-            for seg, meta in adopted:
-                info = sidecar_info(meta)
-                m = info.manifest
-                if m.key in self._entries:
-                    twice.append(seg)  # pulled or saved meanwhile
-                    continue
-                seg.owner = m.key.job_id  # never pooled for another job
-                state = info.state or ShardState.REPLICA
-                if predecessor is not None and m.owner_host != self.host_id:
-                    state = ShardState.REPLICA  # a predecessor's copy: held like one repair pulled
-                self._entries[m.key] = Entry(
-                    m.key, m.world_size, m.nbytes, seg, m.owner_host, state, manifest=m, metrics=dict(m.metrics),
-                    format_version=m.format_version, copies=info.copies, created_unix=m.created_unix or time.time(),
-                    spill_codec=m.spill_codec, stripe=m.stripe,
-                )  # fmt: skip
-            held = sum(e.nbytes for e in self._entries.values())
-        for seg in twice:
-            self.pool.release(seg)
-        count = len(adopted) - len(twice)
-        if count:
-            log.info(
-                "adopted %d shards (%d bytes held) left in shared memory by %s; verified every chunk",
-                count, held, "this host's previous incarnation" if predecessor is None else predecessor,
-            )  # fmt: skip
-        return count
-
-    def _describe_locked(self, entry: Entry) -> None:
-        """Record a settled copy next to its segment so a restart can adopt it."""
-        if entry.verified and entry.state.settled and not entry.dropped:
-            self.pool.describe(entry.segment, sidecar_bytes(self.info(entry)))
-
-    # ---- the durable tier's reads (memstore.spill.port.ShardSource)
-
-    @contextlib.contextmanager
-    def pinned_bytes(self, key: ShardKey) -> Iterator[memoryview | None]:
-        entry = self.get(key)
-        if entry is None or not self.pin(entry):
-            yield None
-            return
-        view = entry.segment.view(entry.nbytes)
-        try:
-            yield view
-        finally:
-            view.release()
-            self.unpin(entry)
-
-    def foreground_busy(self) -> bool:
-        """A trainer is copying a save in (an open allocation), a shard is being checksummed or replicated, received
-        from a peer (an inbound transfer open), or pulled for a restore or a repair: what background work (the spill
-        tier, the reserve's faulting) yields to."""
+    def busy(self) -> bool:
+        """A trainer is copying a save in (an open allocation), a shard is being checksummed or replicated, or pulled for
+        a restore or a repair: the catalog's part of what background work yields to (``Store.foreground_busy``). Takes
+        no lock: the pool's reserve asks it while it may hold its own."""
         return (
             any(not lease.ahead for lease in list(self._alloc_leases.values()))
             or self._in_flight > 0
             or self._repairs_in_flight > 0
             or self._fetching > 0
-            or any(self._streams.values())
         )
 
-    # ---- memory
+    # ---- memory pressure (memstore.server.room asks)
 
-    def acquire(
-        self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING, evict: bool = True, grow: bool = False,
-        sparse: bool = False,
-    ) -> Segment:  # fmt: skip
-        """A segment for ``key``, within the store's capacity and the job's quota (``--job-quota``).
-
-        Over either limit, drop the fewest of what ``pressure_victims`` offers (the job's own older copies,
-        never its newest settled version nor its protected steps) that make room, and try again; when even
-        all of them would not, refuse at once and drop nothing (``memstore.core.limits.room_by_dropping``).
-        ``evict=False`` (memory reserved ahead of a save, which may never come): refuse rather than drop anything.
-        ``sparse``: a segment made for it leaves its pages to the client that writes it (``SegmentMaker.create``).
-        """
-        if ring != NO_RING and evict:  # a save into its rank's full capture ring grows it (counted past the slack)
-            with self.pool.saving_into(key.job_id, ring):
-                full = self.pool.ring_full(key.job_id, ring)
-                if full:
-                    self.pool.count_growth(key.job_id, ring, full)
-                return self._acquire_within_limits(key, nbytes, preferred, ring, evict, grow, sparse)
-        return self._acquire_within_limits(key, nbytes, preferred, ring, evict, grow, sparse)
-
-    def _acquire_within_limits(
-        self, key: ShardKey, nbytes: int, preferred: str, ring: int, evict: bool, grow: bool, sparse: bool
-    ) -> Segment:
-        wait = AHEAD_POLL_SECONDS if ring != NO_RING and not evict and not grow else 0.0  # a reservation ahead: see rings.py
-        while True:
-            try:
-                return self.pool.acquire(
-                    nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred, ring=ring, grow=grow,
-                    stream=(key.job_id, key.rank), wait=wait, sparse=sparse,
-                )  # fmt: skip
-            except CapacityExceeded as exc:  # QuotaExceeded included: its numbers are the job's
-                if not evict:
-                    raise
-                if self._drop_one_cached(key, quota=isinstance(exc, QuotaExceeded)):
-                    continue  # copies pulled ahead of a restore go first
-                with self._lock:
-                    job = [e for e in self._entries.values() if e.key.job_id == key.job_id]
-                    held = [(e.key, e.state, e.created_unix) for e in job]
-                    protected = [self._protected[key.job_id]] if key.job_id in self._protected else []
-                    sizes = {e.key: e.segment.size for e in job}
-                    candidates = [(k, sizes[k]) for k in pressure_victims(held, key, protected, self._floor.get(key.job_id))]
-                    victims = room_by_dropping(candidates, exc.used, exc.needed, exc.capacity)
-                    if not victims:
-                        raise
-                    what = "the job's quota" if isinstance(exc, QuotaExceeded) else "memory"
-                    for victim in (self._entries[k] for k in victims):
-                        log.warning("pressure on %s: dropping %s (%s) to fit %s", what, victim.key, victim.state.value, key)
-                        self._drop_locked(victim, reason=f"dropped under pressure on {what} for step {key.step}")
-
-    def _drop_one_cached(self, key: ShardKey, quota: bool) -> bool:
+    def drop_cached(self, key: ShardKey, quota: bool) -> bool:
         """Drop the oldest copy pulled ahead of a restore (of ``key``'s job only when its quota is the limit); False if none."""
         with self._lock:
             cached = [e for e in self._entries.values() if e.cached and (not quota or e.key.job_id == key.job_id)]
@@ -290,6 +137,23 @@ class Catalog:
             log.info("dropping %s, pulled ahead of a restore, to fit %s", victim.key, key)
             self._drop_locked(victim, reason=f"cached copy dropped to fit step {key.step}")
             return True
+
+    def make_room(self, key: ShardKey, short: CapacityExceeded) -> bool:
+        """Drop the fewest of what ``pressure_victims`` offers (``key``'s job's own older copies, never its newest settled
+        version nor its protected steps) that make the room ``short`` lacks; False, nothing dropped, when even all of
+        them would not (``memstore.core.limits.room_by_dropping``). ``QuotaExceeded``: its numbers are the job's."""
+        with self._lock:
+            job = [e for e in self._entries.values() if e.key.job_id == key.job_id]
+            held = [(e.key, e.state, e.created_unix) for e in job]
+            protected = [self._protected[key.job_id]] if key.job_id in self._protected else []
+            sizes = {e.key: e.segment.size for e in job}
+            candidates = [(k, sizes[k]) for k in pressure_victims(held, key, protected, self._floor.get(key.job_id))]
+            victims = room_by_dropping(candidates, short.used, short.needed, short.capacity)
+            what = "the job's quota" if isinstance(short, QuotaExceeded) else "memory"
+            for victim in (self._entries[k] for k in victims):
+                log.warning("pressure on %s: dropping %s (%s) to fit %s", what, victim.key, victim.state.value, key)
+                self._drop_locked(victim, reason=f"dropped under pressure on {what} for step {key.step}")
+            return bool(victims)
 
     def stripes_wanted(self) -> list[tuple[ShardKey, int]]:
         """The other stripes of the newest save of every replica-group member that saves here, which this store neither
@@ -310,10 +174,6 @@ class Catalog:
                     if rank != e.key.rank and k not in self._entries and k not in self._pulls and k not in self._receiving:
                         wanted.append((k, e.nbytes))
             return sorted(wanted)
-
-    def release_segment(self, segment: Segment) -> None:
-        """Give back a segment from ``acquire`` that never joined the catalog (a pull that failed)."""
-        self.pool.release(segment)
 
     # ---- entries: registration, drop, pins
 
@@ -348,6 +208,23 @@ class Catalog:
         self._describe_locked(entry)
         self._lock.notify_all()
 
+    def _describe_locked(self, entry: Entry) -> None:
+        """Record a settled copy next to its segment so a restart can adopt it (``leftovers.Sidecars``)."""
+        if entry.verified and entry.state.settled and not entry.dropped:
+            self._sidecars.describe(entry.segment, entry.info())
+
+    def register_adopted(self, entries: list[Entry]) -> tuple[list[Entry], int]:
+        """Register copies adopted from shared memory (``leftovers.Adoption``; described already), but for those whose
+        shard is held already (pulled or saved meanwhile, or twice among ``entries``): returns them, and the bytes held."""
+        with self._lock:
+            twice = []
+            for entry in entries:
+                if entry.key in self._entries:
+                    twice.append(entry)
+                else:
+                    self._entries[entry.key] = entry
+            return twice, sum(e.nbytes for e in self._entries.values())
+
     def drop(self, entry: Entry, reason: str) -> None:
         """Remove from the catalog; free the segment once nobody reads it."""
         with self._lock:
@@ -357,7 +234,7 @@ class Catalog:
         if self._entries.get(entry.key) is entry:
             del self._entries[entry.key]
             if entry.owner_host == self.host_id and entry.state is not ShardState.REPLICA:
-                self._gone[entry.key] = self.info(entry)  # a client's wait() on it still learns how it ended
+                self._gone[entry.key] = entry.info()  # a client's wait() on it still learns how it ended
                 while len(self._gone) > GONE_REMEMBERED:
                     del self._gone[next(iter(self._gone))]
         if not entry.error and not entry.state.settled:
@@ -409,33 +286,22 @@ class Catalog:
                 if entry is None:
                     raise ShardNotFound(f"shard {key} is not held by store {self.host_id}")
                 if entry.state.settled:
-                    return self.info(entry), True
+                    return entry.info(), True
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stop.is_set():
-                    return self.info(entry), False
+                    return entry.info(), False
                 self._lock.wait(remaining)
-
-    def info(self, entry: Entry) -> ShardInfo:
-        m = entry.manifest
-        if m is None:  # not checksummed yet: what is known of it
-            m = Manifest(
-                entry.key, entry.world_size, entry.nbytes, chunk_size=0, checksums=(), owner_host=entry.owner_host, stripe=entry.stripe
-            )
-        return ShardInfo(m, entry.state, entry.verified, entry.error, entry.copies, entry.superseded, entry.cached)
 
     def list_shards(self, job_id: str) -> list[ShardInfo]:
         """Every copy this store holds (of ``job_id``, or of every job when it is ""), in key order."""
         if job_id:
             ensure(job_id_problem(job_id))
         with self._lock:
-            return [self.info(e) for k, e in sorted(self._entries.items()) if not job_id or k.job_id == job_id]
+            return [e.info() for k, e in sorted(self._entries.items()) if not job_id or k.job_id == job_id]
 
     def delete(self, job_id: str, step: int, rank: int) -> int:
-        """Drop the copies of ``job_id`` at ``step`` and ``rank`` (-1: every step, every rank); returns how many."""
-        ensure(job_id_problem(job_id))
-        for name, value in (("step", step), ("rank", rank)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-                raise InvalidArgument(f"{name} {value!r} is invalid: expected an int >= 0, or -1 for every {name}")
+        """Drop the copies of ``job_id`` at ``step`` and ``rank`` (-1: every step, every rank; checked by ``Store.delete``);
+        returns how many."""
         with self._lock:
             victims = [e for k, e in self._entries.items() if k.job_id == job_id and step in (-1, k.step) and rank in (-1, k.rank)]
             if not victims and not any(k.job_id == job_id for k in self._entries):
@@ -463,8 +329,7 @@ class Catalog:
 
     def commit_lease(
         self, lease_id: str, key: ShardKey | None, nbytes: int, metrics: dict[str, float], format_version: int, spill_codec: str,
-        capture: CaptureReport | None, stripe: Stripe | None = None, floor: int | None = None,
-        checksums: ChunkChecksums | None = None,
+        stripe: Stripe | None = None, floor: int | None = None, checksums: ChunkChecksums | None = None,
     ) -> Entry:  # fmt: skip
         """Register the shard of allocation lease ``lease_id`` (see ``Saver.commit``); older captures of its rank that
         replication has not taken up yet are superseded (newest wins). Returns its entry.
@@ -502,8 +367,6 @@ class Catalog:
             entry.taken_at = time.monotonic()
             self._register_locked(entry)
             self._supersede_older_locked(entry)
-            if capture is not None and (capture.registrations or capture.fallbacks):
-                self._capture = self._capture.plus(capture.registrations, capture.fallbacks, capture.fallback_cause)
         return entry
 
     def _supersede_older_locked(self, entry: Entry) -> None:
@@ -553,39 +416,7 @@ class Catalog:
             stale_read = [k for k, lease in self._read_leases.items() if lease.expires < now]
         return stale_alloc + stale_read
 
-    # ---- inbound transfers (Put streams, data-channel receives) and tickets
-
-    def admit_inbound(self, key: ShardKey, sender: str, client: bool) -> None:
-        """Count one more open inbound transfer of ``sender``, refused beyond --max-streams-per-peer (and, for a client's
-        save, refused when the shard is held already). ``cancel_inbound`` or ``abort_inbound``/``register_inbound`` end it."""
-        with self._lock:
-            if client:
-                self._refuse_resave_locked(key)
-            active = self._streams.get(sender, 0)
-            limit = self.config.max_streams_per_peer
-            if not admits(active, limit):
-                kind, _, who = sender.partition(":")
-                whom = f"the clients of job {who!r}" if kind == "job" else f"peer {who!r}"
-                raise TooManyStreams(
-                    f"{whom} already have {active} transfers open to store {self.host_id}, the most allowed "
-                    f"(--max-streams-per-peer {limit}); retry once one has finished, or raise --max-streams-per-peer",
-                    sender=sender,
-                    active=active,
-                    max_streams=limit,
-                )
-            self._streams[sender] = active + 1
-
-    def cancel_inbound(self, sender: str) -> None:
-        """An admitted transfer got no memory: it ends before it started."""
-        with self._lock:
-            self._end_stream_locked(sender)
-
-    def _end_stream_locked(self, sender: str) -> None:
-        left = self._streams.get(sender, 0) - 1
-        if left > 0:
-            self._streams[sender] = left
-        else:
-            self._streams.pop(sender, None)
+    # ---- inbound transfers (Saver.begin_receive: admitted, memory reserved)
 
     def mark_receiving(self, key: ShardKey) -> None:
         """Memory is reserved for ``key`` and its bytes are arriving (repair does not pull it meanwhile)."""
@@ -593,39 +424,16 @@ class Catalog:
             self._receiving.add(key)
 
     def abort_inbound(self, inbound: Inbound) -> None:
+        """A transfer failed: its memory goes back and ``inbound.key`` is no longer arriving."""
         self.pool.release(inbound.segment)
         with self._lock:
             self._receiving.discard(inbound.key)
-            self._end_stream_locked(inbound.sender)
 
     def register_inbound(self, inbound: Inbound, entry: Entry) -> None:
-        """A fully received and verified shard: ``entry`` joins the catalog and the transfer ends."""
+        """A fully received and verified shard: ``entry`` joins the catalog in the same step as it stops arriving."""
         with self._lock:
             self._receiving.discard(inbound.key)
-            self._end_stream_locked(inbound.sender)
             self._register_locked(entry)
-
-    def add_ticket(self, ticket: bytes, issued: Ticket) -> None:
-        with self._lock:
-            self._tickets[ticket] = issued
-
-    def take_ticket(self, ticket: bytes) -> Ticket | None:
-        """The transfer a ticket was issued for (once: the ticket is gone after)."""
-        with self._lock:
-            return self._tickets.pop(ticket, None)
-
-    def expire_tickets(self, now: float) -> None:
-        """Tickets nobody used before their deadline: their memory goes back, their copies are unpinned."""
-        with self._lock:
-            stale = [k for k, t in self._tickets.items() if t.deadline < now]
-            expired = [self._tickets.pop(k) for k in stale]
-        for t in expired:
-            if t.parts is not None:  # one of an inbound shard's streams: the last to stop frees the memory
-                t.parts.end(DataChannelError("a stream's ticket expired unused"))
-            elif t.inbound is not None:
-                self.abort_inbound(t.inbound)
-            if t.outbound is not None:
-                self.unpin(t.outbound)
 
     # ---- replication's steps
 
@@ -644,21 +452,6 @@ class Catalog:
             entry.manifest = manifest
             entry.state = ShardState.REPLICATING
             self._lock.notify_all()
-
-    def newer_capture(self, entry: Entry) -> int | None:
-        """A newer step of the same rank captured after ``entry``: then pushing ``entry`` is pointless.
-
-        Capture time matters, not the step number alone: after a job restarts from an older step, the
-        stale newer steps of the killed run are still in RAM, and the re-saved steps must replicate.
-        """
-        key = entry.key
-        with self._lock:
-            newer = [
-                k.step
-                for k, e in self._entries.items()
-                if k.job_id == key.job_id and k.rank == key.rank and k.step > key.step and e.created_unix > entry.created_unix
-            ]
-        return max(newer) if newer else None
 
     def mark_superseded(self, entry: Entry) -> None:
         """Every push of ``entry`` was skipped for a newer capture (newest wins): the client's wait() says so."""

@@ -1,4 +1,4 @@
-"""The bulk data channel: one-time tickets issued over gRPC, and the transfers they admit."""
+"""The bulk data channel: one-time tickets issued over gRPC, and the transfers they admit (``memstore.server.tickets``)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ from dataclasses import replace
 
 from memstore.config import StoreConfig
 from memstore.core.model import Manifest, ShardKey, TransferHeader
-from memstore.errors import (
-    ShardNotFound,
-)
+from memstore.errors import DataChannelError, ShardNotFound
 from memstore.faults import fault
 from memstore.server.catalog import Catalog
-from memstore.server.entries import Ticket, sender_error
+from memstore.server.entries import sender_error
 from memstore.server.saving import Saver
+from memstore.server.tickets import Ticket, Tickets
 from memstore.v1.datachannel import (
     TICKET_BYTES,
     Parts,
@@ -39,13 +38,15 @@ class DataPath:
 
     A receive is the saver's (``Saver.begin_receive`` / ``finish_receive``) with the bytes arriving on one or
     more data connections (parallel streams, one ticket each, sharing a ``Parts``); a send pins a verified copy
-    once per stream until that connection has read its part. The catalog holds the tickets.
+    once per stream until that connection has read its part. It owns the tickets (``Tickets``): whoever takes one
+    out (a data connection, expiry, a send given up) releases what it holds.
     """
 
     def __init__(self, catalog: Catalog, saver: Saver, config: StoreConfig) -> None:
         self.catalog = catalog
         self.saver = saver
         self.config = config
+        self.tickets = Tickets()
 
     def _deadline(self, nbytes: int) -> float:
         return time.monotonic() + 10.0 + nbytes / self.config.transfer_min_rate
@@ -64,12 +65,12 @@ class DataPath:
                 inbound.manifest = replace(m, checksums=tuple(parts.checksums))
             self.saver.finish_receive(inbound)
 
-        parts = Parts(len(spans), finish, lambda: self.catalog.abort_inbound(inbound))
+        parts = Parts(len(spans), finish, lambda: self.saver.abort_receive(inbound))
         if checksums_follow:
             parts.checksums = [0] * len(m.checksums)
         tickets = [secrets.token_bytes(TICKET_BYTES) for _ in spans]
         for ticket, chunks in zip(tickets, spans, strict=True):
-            self.catalog.add_ticket(ticket, Ticket(deadline, inbound=inbound, chunks=chunks, parts=parts))
+            self.tickets.add(ticket, Ticket(deadline, inbound=inbound, chunks=chunks, parts=parts))
         return b"".join(tickets)
 
     def prepare_send(self, key: ShardKey, streams: int = 1) -> tuple[Manifest, bytes]:
@@ -84,16 +85,26 @@ class DataPath:
         for chunks in spans:
             if not self.catalog.pin(entry):
                 for ticket in tickets:  # never served: unpin what they held
-                    if self.catalog.take_ticket(ticket) is not None:
+                    if self.tickets.take(ticket) is not None:
                         self.catalog.unpin(entry)
                 raise ShardNotFound(f"shard {key} was evicted while preparing to send it")
             tickets.append(secrets.token_bytes(TICKET_BYTES))
-            self.catalog.add_ticket(tickets[-1], Ticket(deadline, outbound=entry, chunks=chunks))
+            self.tickets.add(tickets[-1], Ticket(deadline, outbound=entry, chunks=chunks))
         return entry.manifest, b"".join(tickets)
+
+    def expire_tickets(self, now: float) -> None:
+        """Tickets nobody used before their deadline (the janitor asks): their memory goes back, their copies are unpinned."""
+        for t in self.tickets.expired(now):
+            if t.parts is not None:  # one of an inbound shard's streams: the last to stop frees the memory
+                t.parts.end(DataChannelError("a stream's ticket expired unused"))
+            elif t.inbound is not None:
+                self.saver.abort_receive(t.inbound)
+            if t.outbound is not None:
+                self.catalog.unpin(t.outbound)
 
     def serve_ticket(self, ticket: bytes, sock: socket.socket) -> None:
         """Run the transfer (or the part of it) a ticket was issued for, on an accepted data connection."""
-        t = self.catalog.take_ticket(ticket)
+        t = self.tickets.take(ticket)
         if t is None:
             log.warning("data channel: unknown or expired ticket; closing the connection")
             return

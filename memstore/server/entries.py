@@ -1,7 +1,8 @@
-"""The records the store engine keeps (entries, leases, inbound transfers, tickets) and small checks they share.
+"""The records the store engine keeps (entries, leases, inbound transfers) and small checks they share.
 
 The catalog (``memstore.server.catalog``) holds them under its lock; the engine's other parts read their fields
-and hand them back to the catalog's methods, which alone change them.
+and hand them back to the catalog's methods, which alone change them. The data channel's tickets refer to them
+(``memstore.server.tickets``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from dataclasses import dataclass, field
 from memstore.core.model import Holding, Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, Stripe
 from memstore.errors import ChecksumMismatch, InvalidArgument
 from memstore.server.progress import CaptureProgress
-from memstore.server.segments import Segment
-from memstore.v1.datachannel import Parts
+from memstore.server.segment import Segment
 from memstore.v1.integrity import SPILL_CODECS
 
 ALLOCATE_LEASE_SECONDS = 600.0  # a trainer that allocated but never committed (it crashed) frees the segment after this
@@ -54,6 +54,13 @@ class Entry:
     def verified(self) -> bool:
         return self.manifest is not None and self.state is not ShardState.CAPTURED
 
+    def info(self) -> ShardInfo:
+        """This copy as the store reports it (listings, commit status, its sidecar)."""
+        m = self.manifest
+        if m is None:  # not checksummed yet: what is known of it
+            m = Manifest(self.key, self.world_size, self.nbytes, chunk_size=0, checksums=(), owner_host=self.owner_host, stripe=self.stripe)
+        return ShardInfo(m, self.state, self.verified, self.error, self.copies, self.superseded, self.cached)
+
 
 @dataclass
 class Inbound:
@@ -63,15 +70,6 @@ class Inbound:
     segment: Segment
     sender: str = ""  # whom the transfer counts against (memstore.core.limits.transfer_sender)
     started: float = field(default_factory=time.monotonic)  # when its header was accepted
-
-
-@dataclass
-class Ticket:
-    deadline: float
-    inbound: Inbound | None = None
-    outbound: Entry | None = None
-    chunks: tuple[int, int] | None = None  # one of parallel streams: the chunks [first, end) it carries (None: all)
-    parts: Parts | None = None  # an inbound stream's shard-wide outcome (memstore.v1.datachannel.Parts)
 
 
 def sender_error(exc: BaseException) -> BaseException:

@@ -25,6 +25,7 @@ class Janitor:
     was spilled, the slot table moved) or once a second. ``cluster_holdings``: what the cluster holds of a job
     (``Recovery.cluster_holdings``), asked only when something would go and the job has no restorable floor
     (``memstore.core.floors``: its clients were given no process group), or a re-save may have superseded a timeline.
+    ``expire_tickets``: releases the data channel's tickets nobody used in time (``DataPath.expire_tickets``).
     With a floor, retention evicts only below it and asks nobody: no message per saved step grows with the cluster.
     """
 
@@ -33,6 +34,7 @@ class Janitor:
         catalog: Catalog,
         config: StoreConfig,
         cluster_holdings: Callable[[str], tuple[list[Holding], list[str]]],
+        expire_tickets: Callable[[float], None],
         stop: threading.Event,
         retention_due: threading.Event,
         floors: Floors,
@@ -40,6 +42,7 @@ class Janitor:
         self.catalog = catalog
         self.config = config
         self.cluster_holdings = cluster_holdings
+        self.expire_tickets = expire_tickets  # the data channel's (DataPath.expire_tickets)
         self._stop = stop
         self.retention_due = retention_due
         self.floors = floors
@@ -64,7 +67,7 @@ class Janitor:
         for lease_id in self.catalog.stale_leases(now):
             log.warning("lease %s expired; releasing it", lease_id)
             self.catalog.release_lease(lease_id)
-        self.catalog.expire_tickets(now)
+        self.expire_tickets(now)
         self.apply_retention()
 
     def apply_retention(self) -> None:

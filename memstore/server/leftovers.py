@@ -11,6 +11,11 @@ a dead predecessor under another host id (memstore.server.shm_sweep), moving wha
 
 The pool holds what is adopted; ``Leftovers`` asks it, through ``SegmentHolder``, for room and the names of the
 files it holds.
+
+The engine's side of the same files: ``Sidecars`` encodes what a sidecar holds (a settled copy's ``ShardInfo``, as
+the protobuf ``memstore.server.convert`` makes of it) for the catalog, and ``Adoption`` checks each leftover against
+its sidecar and registers the good ones in the catalog (crash adoption). The catalog and the other parts of the
+engine speak the core's types only; the bytes of a sidecar are made and read here.
 """
 
 from __future__ import annotations
@@ -20,13 +25,20 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from memstore.core.model import ShardInfo, ShardKey, ShardState
 from memstore.core.sizes import format_size
+from memstore.server.convert import sidecar_bytes, sidecar_info
+from memstore.server.entries import Entry
 from memstore.server.segment import Segment, SegmentMaker
 from memstore.server.shm_dirs import LOCK_NAME, TMP_INFIX, delete_except, described_segments, sidecar_path, taken_over
+from memstore.v1.integrity import first_mismatch
+from memstore.v1.keys import key_problem
+from memstore.v1.streams import manifest_problem, stripe_problem
 
 log = logging.getLogger(__name__)
 
@@ -185,3 +197,108 @@ def _move(seg: Segment, into: Path) -> bool:
         return False
     seg.path = target
     return True
+
+
+class SidecarPool(Protocol):
+    """What the engine's side asks of the segment pool (``memstore.server.segments.SegmentPool``)."""
+
+    def describe(self, seg: Segment, meta: bytes) -> None:
+        """Write ``meta`` as ``seg``'s sidecar (logged, not raised, when it cannot)."""
+        ...
+
+    def adopt(self, check: Check) -> list[tuple[Segment, bytes]]:
+        """This directory's leftovers that ``check`` accepts, held by the pool now."""
+        ...
+
+    def adopt_from(self, directory: Path, check: Check) -> list[tuple[Segment, bytes]] | None:
+        """Those of a dead predecessor's ``directory``, moved into the pool's; None if it is not dead."""
+        ...
+
+    def release(self, seg: Segment) -> None:
+        """Give a segment back."""
+        ...
+
+
+class AdoptingCatalog(Protocol):
+    """What adoption asks of the catalog (``memstore.server.catalog.Catalog``; each call takes its lock)."""
+
+    def get(self, key: ShardKey) -> Entry | None:
+        """The copy of ``key`` held, if any."""
+        ...
+
+    def register_adopted(self, entries: list[Entry]) -> tuple[list[Entry], int]:
+        """Register ``entries`` but those whose shard is held already: returns them, and the bytes held."""
+        ...
+
+
+class Sidecars:
+    """Writes a settled copy's sidecar: its ``ShardInfo`` as a serialized ``memstore.v1.ShardInfo``.
+
+    The catalog calls ``describe`` under its lock, so a sidecar is never written for a copy already dropped (the
+    pool's lock, taken inside, serializes it with the segment's release). No lock of its own: it only encodes.
+    """
+
+    def __init__(self, pool: SidecarPool) -> None:
+        self._pool = pool
+
+    def describe(self, segment: Segment, info: ShardInfo) -> None:
+        self._pool.describe(segment, sidecar_bytes(info))
+
+
+class Adoption:
+    """Crash adoption: the verified shards a previous incarnation of this host left in shared memory, or a dead
+    predecessor under another host id left in its segment directory, registered in the catalog like copies pulled by
+    repair, so repair finds them held and a store that crashed serves its RAM again without a network repair
+    (GEMINI's software-failure path).
+
+    No lock of its own. The check runs while the pool settles its leftovers (``Leftovers``' lock held) and takes the
+    catalog's lock to ask whether a shard is held; the registration is one step under the catalog's lock that asks
+    again, so a shard pulled or saved in between is not adopted twice (its leftover segment goes back).
+    """
+
+    def __init__(self, host_id: str, catalog: AdoptingCatalog, pool: SidecarPool) -> None:
+        self.host_id = host_id
+        self._catalog = catalog
+        self._pool = pool
+
+    def adopt(self, predecessor: Path | None = None) -> int:
+        """Take over this host's leftovers, or (with ``predecessor``) those of a dead predecessor's segment directory
+        (``SegmentPool.adopt_from``); returns how many shards were adopted.
+
+        A segment is adopted only if its sidecar is well-formed, names a settled copy, and every chunk still matches
+        its checksum; the rest is deleted. A shard this store holds already is not adopted twice.
+        """
+        found = self._pool.adopt(self._check) if predecessor is None else self._pool.adopt_from(predecessor, self._check) or []
+        entries = [self._entry(seg, sidecar_info(meta), predecessor) for seg, meta in found]
+        twice, held = self._catalog.register_adopted(entries)
+        for entry in twice:
+            self._pool.release(entry.segment)
+        count = len(entries) - len(twice)
+        if count:
+            log.info(
+                "adopted %d shards (%d bytes held) left in shared memory by %s; verified every chunk",
+                count, held, "this host's previous incarnation" if predecessor is None else predecessor,
+            )  # fmt: skip
+        return count
+
+    def _check(self, seg: Segment, meta: bytes) -> bool:
+        info = sidecar_info(meta)
+        m = info.manifest
+        problem = manifest_problem(m) or key_problem(m.key.job_id, m.key.step, m.key.rank, m.world_size, m.key.timeline)
+        if not problem and m.stripe is not None:
+            problem = stripe_problem(m.stripe, m.key.rank, m.world_size, m.nbytes)
+        if problem or info.state is None or not info.state.settled or m.nbytes > seg.size or self._catalog.get(m.key) is not None:
+            return False
+        return first_mismatch(seg.view(), m.nbytes, m.chunk_size, m.checksums) is None
+
+    def _entry(self, seg: Segment, info: ShardInfo, predecessor: Path | None) -> Entry:
+        m = info.manifest
+        seg.owner = m.key.job_id  # never pooled for another job
+        state = info.state or ShardState.REPLICA
+        if predecessor is not None and m.owner_host != self.host_id:
+            state = ShardState.REPLICA  # a predecessor's copy: held like one repair pulled
+        return Entry(
+            m.key, m.world_size, m.nbytes, seg, m.owner_host, state, manifest=m, metrics=dict(m.metrics),
+            format_version=m.format_version, copies=info.copies, created_unix=m.created_unix or time.time(),
+            spill_codec=m.spill_codec, stripe=m.stripe,
+        )  # fmt: skip

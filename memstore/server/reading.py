@@ -1,7 +1,8 @@
-"""Local reads: read leases for trainers on this host, and the bytes of a verified copy."""
+"""Local reads: read leases for trainers on this host, the bytes of a verified copy, and the durable tier's reads."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -102,4 +103,19 @@ class Reader:
             assert entry.manifest is not None
             yield entry.manifest, entry.segment.view(entry.nbytes)
         finally:
+            self.catalog.unpin(entry)
+
+    @contextlib.contextmanager
+    def pinned_bytes(self, key: ShardKey) -> Iterator[memoryview | None]:
+        """The bytes of the copy of ``key`` held, pinned while the caller reads them (None: not held): the durable
+        tier's reads (``memstore.spill.port.ShardSource``, through the ``Store``)."""
+        entry = self.catalog.get(key)
+        if entry is None or not self.catalog.pin(entry):
+            yield None
+            return
+        view = entry.segment.view(entry.nbytes)
+        try:
+            yield view
+        finally:
+            view.release()
             self.catalog.unpin(entry)

@@ -34,6 +34,7 @@ from memstore.server.entries import Entry, ensure, holdings_of
 from memstore.server.events import StoreEvents, pull_source
 from memstore.server.membership import ClusterView, Membership
 from memstore.server.peers import PeerDirectory
+from memstore.server.room import Room
 from memstore.server.segments import Segment
 from memstore.spill.layout import SpilledManifest
 from memstore.spill.port import DurableTier
@@ -86,6 +87,7 @@ class Recovery:
     def __init__(
         self,
         catalog: Catalog,
+        room: Room,
         config: StoreConfig,
         membership: Membership,
         peers: PeerDirectory,
@@ -95,6 +97,7 @@ class Recovery:
         retention_due: threading.Event,
     ) -> None:
         self.catalog = catalog
+        self.room = room  # memory for what it pulls
         self.config = config
         self.host_id = config.host_id
         self.membership = membership
@@ -226,7 +229,7 @@ class Recovery:
             problem = shard_manifest_problem(manifest)
             if problem or manifest.key != key:
                 raise PeerUnavailable(f"peer {host} sent an invalid manifest for {key}: {problem or 'wrong key'}")
-            segments.append(self.catalog.acquire(key, max(1, manifest.nbytes), evict=evict))
+            segments.append(self.room.acquire(key, max(1, manifest.nbytes), evict=evict))
             return segments[-1].view()
 
         try:
@@ -247,7 +250,7 @@ class Recovery:
                     call.cancel()
         except BaseException:
             for seg in segments:
-                self.catalog.release_segment(seg)
+                self.room.release(seg)
             raise
         (segment,) = segments
         self._register_pulled(key, segment, manifest, host, cached=cached)
@@ -257,20 +260,20 @@ class Recovery:
         segments: list[Segment] = []
 
         def allocate(m: SpilledManifest) -> memoryview:
-            segments.append(self.catalog.acquire(key, max(1, m.nbytes)))
+            segments.append(self.room.acquire(key, max(1, m.nbytes)))
             return segments[-1].view()
 
         try:
             sm = self.durable.read_into(key, allocate)
         except (SpillStorageError, LayoutError) as exc:
             for seg in segments:
-                self.catalog.release_segment(seg)
+                self.room.release(seg)
             if isinstance(exc, ChecksumMismatch):
                 raise ChecksumMismatch(f"durable copy of {key}: {exc}") from None
             raise PeerUnavailable(f"durable copy of {key}: {exc}") from None
         except BaseException:
             for seg in segments:
-                self.catalog.release_segment(seg)
+                self.room.release(seg)
             raise
         manifest = Manifest(
             key,

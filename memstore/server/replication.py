@@ -207,7 +207,7 @@ class Replicator:
         def push(peer_id: str) -> str | None:
             if entry.dropped:
                 return f"{entry.key} was dropped before it reached {peer_id}: {entry.error}"
-            newer = self.catalog.newer_capture(entry)
+            newer = self._newer_capture(entry)
             if newer is not None:
                 return f"{SUPERSEDED} by step {newer} before it was sent to {peer_id}"
             if not self.catalog.pin(entry):
@@ -235,6 +235,17 @@ class Replicator:
         if not errors and entry.taken_at:
             self.events.replicated(time.monotonic() - entry.taken_at)  # the last peer's ack
         self._settle(entry, copies=1 + len(peers) - len(errors), errors=errors)
+
+    def _newer_capture(self, entry: Entry) -> int | None:
+        """A newer step of the same rank captured after ``entry``: then pushing ``entry`` is pointless.
+
+        Capture time matters, not the step number alone: after a job restarts from an older step, the
+        stale newer steps of the killed run are still in RAM, and the re-saved steps must replicate.
+        """
+        key = entry.key
+        held = self.catalog.held(key.job_id)  # one look under the catalog's lock
+        newer = [k.step for k, _, created in held if k.rank == key.rank and k.step > key.step and created > entry.created_unix]
+        return max(newer, default=None)
 
     def _settle(self, entry: Entry, copies: int, errors: list[str]) -> None:
         state: ShardState = self.catalog.settle(entry, copies, errors)

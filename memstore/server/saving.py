@@ -20,11 +20,13 @@ from memstore.errors import (
     LeaseError,
 )
 from memstore.faults import fault
+from memstore.server.admission import Admission
 from memstore.server.catalog import Catalog
 from memstore.server.entries import Entry, Inbound, codec_problem, ensure, sender_error
 from memstore.server.events import StoreEvents
 from memstore.server.progress import CaptureProgress
 from memstore.server.replication import Replicator
+from memstore.server.room import Room
 from memstore.server.segments import Segment, SegmentPool
 from memstore.v1.integrity import MAX_CHUNKS_PER_SHARD, ChunkChecksums, chunk_count
 from memstore.v1.keys import capture_problem, host_id_problem, key_problem, metrics_problem
@@ -40,12 +42,15 @@ MAX_WAIT_SECONDS = 10.0  # WaitCommitted blocks a server thread at most this lon
 class Saver:
     """Takes shards in: shared-memory captures, gRPC streams; and reports when they are committed.
 
-    Each shard taken in from a client goes to the replicator; the catalog holds it and its allocation lease.
+    Each shard taken in from a client goes to the replicator; the catalog holds it and its allocation lease. A shard
+    arriving as a stream is admitted (``Admission``) before its memory is reserved, and ends it exactly once.
     """
 
     def __init__(
         self,
         catalog: Catalog,
+        room: Room,
+        admission: Admission,
         replicator: Replicator,
         config: StoreConfig,
         pool: SegmentPool,
@@ -55,6 +60,8 @@ class Saver:
         floors: Floors,
     ) -> None:
         self.catalog = catalog
+        self.room = room  # memory for what it takes in
+        self.admission = admission  # open transfers per sender (--max-streams-per-peer)
         self.floors = floors  # the restorable floors clients and peers send (memstore.core.floors)
         self.replicator = replicator
         self.config = config
@@ -64,7 +71,12 @@ class Saver:
         self.draining = draining  # set: no new shards are taken in
         self.retention_due = retention_due  # set when a replica arrives: the janitor looks at retention again
         self._capturing: dict[str, Entry] = {}  # lease id -> a capture pushed while its client writes it
-        self._capturing_lock = threading.Lock()
+        self._capturing_lock = threading.Lock()  # guards both
+        self._capture = CaptureReport()  # what clients reported of their captures (summed over the commits taken in)
+
+    @property
+    def capture(self) -> CaptureReport:
+        return self._capture
 
     def allocate(
         self, key: ShardKey, world_size: int, nbytes: int, preferred: str = "", ahead: bool = False, grow: bool = False
@@ -98,7 +110,7 @@ class Saver:
             self.catalog.refuse_resave(key)
         if grow and not ahead:
             raise InvalidArgument("grow needs ahead: only a reservation for a later save may add a segment to the ring")
-        segment = self.catalog.acquire(key, nbytes, preferred, ring=key.rank, evict=not ahead, grow=grow)
+        segment = self.room.acquire(key, nbytes, preferred, ring=key.rank, evict=not ahead, grow=grow)
         if ahead:  # a reservation before the rank's first save (prepare): its peers fault in what its replicas need
             self.replicator.announce(key.job_id, key.rank, nbytes)
         entry = Entry(key, world_size, nbytes, segment, self.host_id, ShardState.CAPTURED)
@@ -150,8 +162,11 @@ class Saver:
         entry = self._capturing_entry(lease_id, captured_bytes)
         if entry is None:
             entry = self.catalog.commit_lease(
-                lease_id, key, nbytes, metrics, format_version, spill_codec, capture, stripe, restorable_floor, checksums
+                lease_id, key, nbytes, metrics, format_version, spill_codec, stripe, restorable_floor, checksums
             )  # fmt: skip
+            if capture is not None and (capture.registrations or capture.fallbacks):
+                with self._capturing_lock:
+                    self._capture = self._capture.plus(capture.registrations, capture.fallbacks, capture.fallback_cause)
             self._note_floor(entry.key, restorable_floor)
             if captured_bytes is not None:  # the client goes on writing: push what is final meanwhile
                 entry.progress = CaptureProgress(entry.nbytes)
@@ -226,7 +241,7 @@ class Saver:
         try:
             receive_chunks(chunks, inbound.manifest, inbound.segment.view(), on_chunk=lambda _: fault("receive.after_chunk"))
         except BaseException as exc:
-            self.catalog.abort_inbound(inbound)
+            self.abort_receive(inbound)
             raise sender_error(exc) from None
         return self.finish_receive(inbound)
 
@@ -251,7 +266,7 @@ class Saver:
     def begin_receive(self, header: TransferHeader) -> Inbound:
         """Validate an incoming shard, count it against its sender's open transfers and reserve its memory.
 
-        Every Inbound returned ends in exactly one of ``Catalog.abort_inbound`` or ``finish_receive``.
+        Every Inbound returned ends in exactly one of ``abort_receive`` or ``finish_receive``.
         """
         self._check_transfer(header)
         m = header.manifest
@@ -259,11 +274,13 @@ class Saver:
         self._note_floor(key, header.restorable_floor)  # true of earlier saves whether or not this transfer completes
         sender = transfer_sender(header.origin, key.job_id, header.sender_host, m.owner_host)
         self._refuse_if_draining()
-        self.catalog.admit_inbound(key, sender, client=header.origin is PutOrigin.CLIENT)
+        if header.origin is PutOrigin.CLIENT:
+            self.catalog.refuse_resave(key)  # before it counts
+        self.admission.admit(sender)
         try:
-            segment = self.catalog.acquire(key, max(1, m.nbytes))
+            segment = self.room.acquire(key, max(1, m.nbytes))
         except BaseException:
-            self.catalog.cancel_inbound(sender)
+            self.admission.end(sender)  # it got no memory: it ends before it started
             raise
         self.catalog.mark_receiving(key)
         return Inbound(key, m, header.origin, segment, sender)
@@ -273,9 +290,16 @@ class Saver:
         try:
             fault("receive.before_register")
         except BaseException:
-            self.catalog.abort_inbound(inbound)
+            self.abort_receive(inbound)
             raise
         return self._register_received(inbound)
+
+    def abort_receive(self, inbound: Inbound) -> None:
+        """A transfer from ``begin_receive`` failed: its memory goes back and its sender's slot is free again."""
+        try:
+            self.catalog.abort_inbound(inbound)
+        finally:
+            self.admission.end(inbound.sender)
 
     def _register_received(self, inbound: Inbound) -> Manifest:
         m = inbound.manifest
@@ -300,7 +324,10 @@ class Saver:
             stripe=m.stripe,
             taken_at=time.monotonic(),
         )
-        self.catalog.register_inbound(inbound, entry)
+        try:
+            self.catalog.register_inbound(inbound, entry)
+        finally:
+            self.admission.end(inbound.sender)  # the transfer ends as its shard is registered
         if inbound.origin is PutOrigin.CLIENT:
             self.events.saved("stream", entry.taken_at - inbound.started)
             self.replicator.submit(entry)

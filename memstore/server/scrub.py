@@ -9,7 +9,7 @@ pass pulls it back from a copy that verifies. ``memstore status`` and the metric
 
 The rate bounds its cost: chunk by chunk, it sleeps so that no more than ``rate`` bytes a second are hashed (one
 chunk at a time, on one thread). It skips copies younger than ``interval`` (verified when they landed) and waits
-while the store's foreground is busy (saves, replication, restores, repairs: ``Catalog.foreground_busy``), as the
+while the store's foreground is busy (saves, replication, restores, repairs: ``Store.foreground_busy``), as the
 spill tier does. A pass over every copy is followed by ``interval`` seconds of rest.
 """
 
@@ -34,6 +34,7 @@ class Scrubber:
 
     Args:
         catalog: the store's shards (the copies to check; a corrupt one is dropped there).
+        busy: whether the store's foreground moves bytes now (``Store.foreground_busy``): the scrub waits meanwhile.
         rate: bytes hashed per second at most (0: the scrub is off).
         interval: seconds of rest between passes.
         stop: set when the store closes.
@@ -42,10 +43,11 @@ class Scrubber:
     """
 
     def __init__(
-        self, catalog: Catalog, rate: int, interval: float, stop: threading.Event, clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
+        self, catalog: Catalog, busy: Callable[[], bool], rate: int, interval: float, stop: threading.Event,
+        clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
     ) -> None:  # fmt: skip
         self.catalog = catalog
+        self.busy = busy
         self.rate = rate
         self.interval = interval
         self._stop = stop
@@ -70,7 +72,7 @@ class Scrubber:
         landed, and most of a save cadence's steps are evicted soon after); the copies found corrupt."""
         found = 0
         settled_before = self._wall() - self.interval
-        for entry in self.catalog.scrub_candidates():
+        for entry in sorted(self.catalog.settled_copies(), key=lambda e: e.created_unix):
             if self._stop.is_set():
                 return found
             if entry.created_unix > settled_before:
@@ -87,7 +89,7 @@ class Scrubber:
         m = entry.manifest
         assert m is not None
         for index, (offset, length) in enumerate(chunk_spans(entry.nbytes, m.chunk_size)):
-            while self.catalog.foreground_busy() and not self._stop.is_set():
+            while self.busy() and not self._stop.is_set():
                 self._stop.wait(BUSY_WAIT_SECONDS)
             if self._stop.is_set() or not self.catalog.pin(entry):
                 return 0  # stopping, or dropped meanwhile

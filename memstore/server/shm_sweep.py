@@ -7,7 +7,7 @@ first repair pass; on every change of the slot table, before the new table is in
 ``on_change`` first), so repair never pulls what a takeover adopts; and every little while:
 
 - a dead directory of a *predecessor* is adopted at once: its verified segments move into this store's
-  directory and are served like copies repair pulled (``Catalog.adopt_segments``), so a replacement on the
+  directory and are served like copies repair pulled (``leftovers.Adoption``), so a replacement on the
   same machine pulls nothing over the network for them; the rest of the directory goes. A predecessor is a
   host that held this store's slot before it (``Slot.former``: the slot table says whose slot it took over)
   or this store's own host id under another port (a restart that bound a new port);
@@ -78,7 +78,7 @@ class ShmSweeper:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``predecessors``: the host ids whose dead directories this store adopts now; ``adopt``: adopt one
-        (``Catalog.adopt_segments``), the shards kept; ``grace``: ``--shm-reclaim-after`` seconds."""
+        (``leftovers.Adoption``), the shards kept; ``grace``: ``--shm-reclaim-after`` seconds."""
         self.shm_dir = own_dir.parent
         self.own_dir = own_dir
         self._predecessors = predecessors

@@ -120,8 +120,7 @@ def test_a_stream_that_never_connects_fails_the_others_once_its_ticket_expires(p
         sock.sendall(ticket)
         send_chunks(sock, memoryview(data), CHUNK, chunks, deadline)
         socks.append(sock)
-    catalog = cluster.servers["h1"].store.catalog
-    catalog.expire_tickets(time.monotonic() + 3600)  # as the janitor does once the deadline passed
+    cluster.servers["h1"].store.datapath.expire_tickets(time.monotonic() + 3600)  # as the janitor does once the deadline passed
     for sock in socks:  # each is told the shard failed (or reset, when it closed with bytes still unread)
         with sock, contextlib.suppress(DataChannelError):
             assert "expired" in (read_status(sock, deadline) or "")

@@ -67,7 +67,7 @@ def test_a_push_skipped_for_a_newer_capture_of_the_rank_reports_the_save_superse
     newer = commit(catalog, ShardKey("job", 2, 0), DATA)
     newer.created_unix = old.created_unix + 1
     rep.capture_and_replicate(old)  # ... but pushing it is pointless now
-    info = catalog.info(old)
+    info = old.info()
     assert peer.pushes == [] and info.superseded and catalog.saves_superseded == 1 and "superseded by step 2" in info.error
 
 
@@ -125,7 +125,7 @@ def test_a_capture_its_client_hashed_is_pushed_with_those_checksums_and_never_re
     key = ShardKey("job", 1, 0)
     sums = ChunkChecksums(4096, (11, 22))  # not DATA's: the store takes them as they are, its peers verify them
     lease = catalog.lease_allocation(captured(catalog, key, DATA), ahead=False)
-    entry = catalog.commit_lease(lease, None, 0, {}, 1, "", None, checksums=sums)
+    entry = catalog.commit_lease(lease, None, 0, {}, 1, "", checksums=sums)
     rep.catalog.add_in_flight(1)
     rep.capture_and_replicate(entry)
     (info,) = catalog.list_shards("job")

@@ -21,7 +21,7 @@ from memstore.bench.state import MiB, copy_all, fingerprint, make_state, nbytes_
 from memstore.bench.stores import restore_in_new_process, wait_caught_up, wait_idle, wait_settled
 
 if TYPE_CHECKING:
-    from memstore.devtools.cluster import LocalCluster
+    from memstore.testing import LocalCluster
     from trainer_client import CheckpointClient
 
 FIRST, EARLY, STEADY = "first", "early", "steady"

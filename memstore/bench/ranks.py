@@ -35,7 +35,7 @@ from memstore.bench.state import MiB, copy_all, make_state, nbytes_of, p50, pref
 from memstore.bench.stores import RamSampler, RestoreProcess, idle_ram, ram_fields, running, start_cluster, wait_idle, wait_settled
 
 if TYPE_CHECKING:
-    from memstore.devtools.cluster import LocalCluster
+    from memstore.testing import LocalCluster
 
 JOB = "bench-ranks"
 ANSWER_SECONDS = 600.0  # the longest a rank may take to answer one command

@@ -1,4 +1,4 @@
-"""The stores the bench runs on (a :class:`~memstore.devtools.cluster.LocalCluster` on 127.0.0.1) and the restarted
+"""The stores the bench runs on (a :class:`~memstore.testing.LocalCluster` on 127.0.0.1) and the restarted
 trainer every restore runs in: a NEW process, this module run as ``python -m memstore.bench.stores``, which imports
 torch, says it is ready, then on one JSON line from the bench restores and reports, timed: from a store (connect and
 ``load()`` the newest step) or, for the floor, from a file (``torch.load``). Both start from a fresh process's memory.
@@ -20,7 +20,7 @@ from typing import Any
 
 from memstore.bench.state import MiB, module_env
 from memstore.core.sizes import parse_size
-from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.testing import LocalCluster, wait_for
 
 CAPACITY_SLACK = 64 * MiB
 SHM_ROOT = "/dev/shm"  # where the stores' segment directories go unless --shm-dir says otherwise

@@ -20,8 +20,8 @@ from typing import Any
 from memstore.bench.state import p50
 from memstore.bench.stores import CAPACITY_SLACK, running, store_rpc
 from memstore.core.model import Manifest, PutOrigin, ShardKey, TransferHeader
-from memstore.devtools.cluster import LocalCluster
 from memstore.server.peers import PeerDirectory
+from memstore.testing import LocalCluster
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import DEFAULT_CHUNK_BYTES, compute_checksums
 

@@ -1,4 +1,4 @@
-"""The test harness's subprocess cluster (``memstore.devtools.cluster.LocalCluster``) survives a port taken under it,
+"""The test harness's subprocess cluster (``memstore.testing.LocalCluster``) survives a port taken under it,
 and shows a store's threads on demand."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from memstore.devtools.cluster import LocalCluster
+from memstore.testing import LocalCluster
 
 pytestmark = pytest.mark.integration
 

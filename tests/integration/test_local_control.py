@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.testing import LocalCluster, wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from memstore.v1.local_control import recv_response, send_request

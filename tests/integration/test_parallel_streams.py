@@ -16,10 +16,10 @@ import pytest
 from memstore import faults
 from memstore.config import StoreConfig
 from memstore.core.model import Manifest, PutOrigin, ShardKey, TransferHeader
-from memstore.devtools.cluster import wait_for
 from memstore.errors import ChecksumMismatch, ConfigError, DataChannelError, PeerUnavailable
 from memstore.server.convert import transfer_to_pb
 from memstore.server.peers import PeerDirectory
+from memstore.testing import wait_for
 from memstore.v1.datachannel import (
     await_close,
     byte_span,

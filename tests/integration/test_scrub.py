@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memstore.devtools.cluster import wait_for
+from memstore.testing import wait_for
 from trainer_client import CheckpointClient, Connection
 
 pytestmark = pytest.mark.integration

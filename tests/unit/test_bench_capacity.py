@@ -56,7 +56,7 @@ def test_the_stores_keep_their_segments_on_the_tmpfs_asked_for(
     import argparse
 
     from memstore.bench import add_arguments
-    from memstore.devtools.cluster import LocalCluster
+    from memstore.testing import LocalCluster
 
     p = argparse.ArgumentParser(prog="memstore bench")
     add_arguments(p)

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from memstore.core.reserve import HEADROOM, ReservePolicy
-from memstore.devtools.cluster import wait_for
 from memstore.server.pages import PAGE
 from memstore.server.reserve import FRESH, Reserve
 from memstore.server.segment import Segment, SegmentMaker
+from memstore.testing import wait_for
 
 pytestmark = pytest.mark.unit
 MiB = 1 << 20

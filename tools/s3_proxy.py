@@ -1,4 +1,4 @@
-"""An HTTP fault proxy in front of an S3 endpoint (e.g. :class:`memstore.devtools.s3_server.MotoServer`): pass,
+"""An HTTP fault proxy in front of an S3 endpoint (e.g. :class:`tools.s3_server.MotoServer`): pass,
 throttle (503 SlowDown, as S3 answers a request rate it will not serve), or be down (connections refused).
 
     proxy = S3FaultProxy(("127.0.0.1", moto.port)).start()   # http://127.0.0.1:<port> -> moto

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from memstore.devtools.recovery_matrix.catalogue import FAULTS
-from memstore.devtools.recovery_matrix.scenario import KIB, STEP_SECONDS, RowResult
+from tools.recovery_matrix.catalogue import FAULTS
+from tools.recovery_matrix.scenario import KIB, STEP_SECONDS, RowResult
 
 HEADER = "| Fault | Id | Configuration | RPO (steps) | RPO bound | RTO (s) | Exact | Restored from | Note |"
 
@@ -51,8 +51,8 @@ def markdown(data: dict[str, Any]) -> str:
         "- **Exact**: every rank restored the same step and its state equals what it saved, byte for byte.",
         "",
         "The page and its raw results (`docs/bench/recovery-matrix.json`) are written by",
-        "`python -m memstore.devtools.recovery_matrix`; the fast suite checks that the rows here are exactly the",
-        "catalogue's (`memstore/devtools/recovery_matrix/catalogue.py`) and all exact.",
+        "`python -m tools.recovery_matrix`; the fast suite checks that the rows here are exactly the",
+        "catalogue's (`tools/recovery_matrix/catalogue.py`) and all exact.",
         "",
         HEADER,
         "|---|---|---|---|---|---|---|---|---|",

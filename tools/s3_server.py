@@ -1,7 +1,7 @@
 """A real S3-compatible server (moto in server mode, the ``dev`` extra) on 127.0.0.1, for tests and the recovery matrix.
 
 moto keeps its objects in the server process: ``stop()`` then ``start()`` is an outage that loses every object
-(an endpoint down with its data kept is :class:`memstore.devtools.s3_proxy.S3FaultProxy` in front of it).
+(an endpoint down with its data kept is :class:`tools.s3_proxy.S3FaultProxy` in front of it).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memstore.devtools.cluster import free_ports, wait_for
+from memstore.testing import free_ports, wait_for
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 

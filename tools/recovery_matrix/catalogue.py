@@ -15,11 +15,11 @@ import signal
 import subprocess
 from pathlib import Path
 
-from memstore.devtools.children import child_env
-from memstore.devtools.recovery_matrix.fault import R1, R1S, R2, R2S, R3, R3S, Fault, durable_only, one_copy_lost
-from memstore.devtools.recovery_matrix.faults_environment import ENVIRONMENT_FAULTS
-from memstore.devtools.recovery_matrix.faults_network import NETWORK_FAULTS
-from memstore.devtools.recovery_matrix.scenario import Scenario
+from memstore.children import child_env
+from tools.recovery_matrix.fault import R1, R1S, R2, R2S, R3, R3S, Fault, durable_only, one_copy_lost
+from tools.recovery_matrix.faults_environment import ENVIRONMENT_FAULTS
+from tools.recovery_matrix.faults_network import NETWORK_FAULTS
+from tools.recovery_matrix.scenario import Scenario
 
 
 # -- injections -------------------------------------------------------------------------------------

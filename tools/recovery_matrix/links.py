@@ -1,4 +1,4 @@
-"""The network of one recovery-matrix row through fault proxies (:class:`memstore.devtools.faultproxy.FaultProxy`):
+"""The network of one recovery-matrix row through fault proxies (:class:`tools.faultproxy.FaultProxy`):
 each store-to-store link, and each rank's link to its store, a proxy pair of its own that a network fault cuts,
 stalls, slows or corrupts.
 
@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 
-from memstore.devtools.faultproxy import FaultProxy
+from tools.faultproxy import FaultProxy
 
 
 def _host_port(address: str) -> tuple[str, int]:

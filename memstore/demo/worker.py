@@ -1,6 +1,6 @@
 """One trainer rank of ``memstore demo``: a tiny transformer language model trained with DDP over gloo.
 
-Run by the demo and the chaos run as ``python -m memstore.devtools.demo_worker --rank R ...``. Every step
+Run by the demo and the chaos run as ``python -m memstore.demo.worker --rank R ...``. Every step
 it checkpoints the whole training state (model, AdamW, LR schedule, RNGs, data position) into the host's
 store; with ``--resume`` it first restores the newest step restorable for every rank and continues from
 there. With ``--replica-group`` the ranks save as one data-parallel replica group (``replica_group=WORLD``):
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memstore.devtools.children import die_with_parent
+from memstore.children import die_with_parent
 
 MODEL_SIZES = {  # d_model, layers, heads, context
     "tiny": (64, 2, 4, 32),
@@ -77,7 +77,7 @@ def _per_parameter_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # 
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="memstore.devtools.demo_worker")
+    p = argparse.ArgumentParser(prog="memstore.demo.worker")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--store", default="", help="this host's store; empty = reference run without checkpoints")

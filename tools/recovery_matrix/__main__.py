@@ -1,4 +1,4 @@
-"""``python -m memstore.devtools.recovery_matrix``: run the recovery matrix and write its page and JSON."""
+"""``python -m tools.recovery_matrix``: run the recovery matrix and write its page and JSON."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import sys
 import time
 from pathlib import Path
 
-from memstore.devtools.recovery_matrix import report
-from memstore.devtools.recovery_matrix.catalogue import FAULTS
-from memstore.devtools.recovery_matrix.fault import NotRunHere
-from memstore.devtools.recovery_matrix.runner import run_row
-from memstore.devtools.recovery_matrix.scenario import RowResult
+from tools.recovery_matrix import report
+from tools.recovery_matrix.catalogue import FAULTS
+from tools.recovery_matrix.fault import NotRunHere
+from tools.recovery_matrix.runner import run_row
+from tools.recovery_matrix.scenario import RowResult
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m memstore.devtools.recovery_matrix", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tools.recovery_matrix", description=__doc__)
     p.add_argument("--only", nargs="*", default=None, metavar="FAULT_ID", help="run these faults only; the other rows are kept")
     p.add_argument("--markdown", default="docs/recovery-matrix.md")
     p.add_argument("--json", default="docs/bench/recovery-matrix.json")
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             flag = "ok" if r.ok else "FAILED"
             print(f"{flag:<6} {fault.id:<22} {config.label:<18} RPO {r.rpo} (bound {r.rpo_bound}) RTO {r.rto:.2f}s "
                   f"exact {r.exact} {r.note}", flush=True)  # fmt: skip
-    cmd = "python -m memstore.devtools.recovery_matrix" + (f" --only {' '.join(args.only)}" if args.only else "")
+    cmd = "python -m tools.recovery_matrix" + (f" --only {' '.join(args.only)}" if args.only else "")
     run = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"), "command": cmd,
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
                       f"Python {platform.python_version()}"}  # fmt: skip

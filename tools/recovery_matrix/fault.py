@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from memstore.devtools.recovery_matrix.scenario import Config, Scenario
+from tools.recovery_matrix.scenario import Config, Scenario
 
 R1, R2, R3 = (Config(1, False), Config(2, False), Config(3, False))
 R1S, R2S, R3S = (Config(1, True), Config(2, True), Config(3, True))
@@ -59,7 +59,7 @@ class Fault:
     hosts: Callable[[Config], int] = default_hosts
     store_env: dict[str, dict[str, str]] = field(default_factory=dict)  # host -> its store's environment from the start
     discovery: str = "peers"  # how the stores learn their peers: a fixed list, or a peers file ("file": hosts can be replaced)
-    # ... or a DNS server of the cluster's own ("dns": LocalCluster.dns)
+    # ... or a DNS server of the cluster's own ("dns": Scenario.dns)
     needs: Callable[[], str | None] = anywhere  # None if this machine can run the fault, else why not (e.g. "needs root")
     # Links through fault proxies (.links): "stores": every store-to-store link; "clients": every rank saves over the
     # network (no shared memory) through a link to its store. Its inject then acts on s.links.

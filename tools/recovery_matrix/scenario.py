@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memstore.devtools.children import child_env
-from memstore.devtools.cluster import LocalCluster, wait_for
-from memstore.devtools.recovery_matrix.links import Links
-from memstore.devtools.recovery_matrix.state import difference, make_state
-from memstore.devtools.recovery_matrix.worker import committed
+from memstore.children import child_env
+from memstore.testing import LocalCluster, wait_for
+from tools.dns_server import DnsServer
+from tools.recovery_matrix.links import Links
+from tools.recovery_matrix.state import difference, make_state
+from tools.recovery_matrix.worker import committed
 
 JOB = "matrix"
 KIB = 64  # state per rank; small so that a row takes seconds
@@ -90,8 +91,10 @@ class Scenario:
         self.kib = kib or KIB  # each rank's state
         self.links = Links()  # the proxied links (Fault.proxied); see the network section below
         self.remote_ranks = "clients" in proxied
+        # The row's own DNS server (discovery "dns"), which a fault silences; the cluster stops it with the stores.
+        dns = self.dns = DnsServer() if discovery == "dns" else None
         self.cluster = LocalCluster(hosts=hosts, replicas=config.replicas, capacity="256MiB", workdir=workdir / "cluster", extra_args=args,
-                                    discovery=discovery, data_ports=bool(proxied),
+                                    discovery=discovery, dns_server=None if dns is None else (lambda: dns), data_ports=bool(proxied),
                                     dial=self.links.dial if "stores" in proxied else None)  # fmt: skip
         for host, env in (store_env or {}).items():
             self.cluster.stores[host].env = dict(env)  # kept by restarts
@@ -107,7 +110,7 @@ class Scenario:
         self.cluster.start()
         for rank in range(self.world):
             log = open(self.workdir / f"rank{rank}.log", "ab")  # noqa: SIM115 - owned by the child's lifetime
-            cmd = [sys.executable, "-m", "memstore.devtools.recovery_matrix.worker", "--job", JOB, "--rank", str(rank),
+            cmd = [sys.executable, "-m", "tools.recovery_matrix.worker", "--job", JOB, "--rank", str(rank),
                    "--world", str(self.world), "--store", self.store_of(rank), "--progress", str(self.progress(rank)),
                    "--kib", str(self.kib), "--interval", str(STEP_SECONDS)] + (["--remote"] if self.remote_ranks else [])  # fmt: skip
             env = {**_env(), **child_env(), "MEMSTORE_RUN_ID": self.run_id}  # one timeline, as a launcher gives its ranks
@@ -198,7 +201,7 @@ class Scenario:
         A rank whose load fails (a copy that fails its checksum is dropped) fails the attempt for every rank; the
         job agrees again, until the deadline.
         """
-        from memstore.devtools.ranks import on_every_rank
+        from tools.thread_ranks import on_every_rank
 
         results, _ = on_every_rank(self.world, lambda rank, group: self._restore_rank(rank, group, time.monotonic() + timeout),
                                    timeout=timeout + 30)  # fmt: skip
@@ -248,4 +251,9 @@ class Scenario:
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ)
+    """This process's environment with the repository root first on ``PYTHONPATH``: the workers run as
+    ``python -m tools.recovery_matrix.worker``, and ``tools`` is no installed package (it never ships)."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env

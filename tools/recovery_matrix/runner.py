@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from memstore.devtools.recovery_matrix.fault import Fault, NotRunHere
-from memstore.devtools.recovery_matrix.scenario import Config, RowResult, Scenario
+from tools.recovery_matrix.fault import Fault, NotRunHere
+from tools.recovery_matrix.scenario import Config, RowResult, Scenario
 
 
 def run_row(fault: Fault, config: Config, steps: int = 6, workdir: Path | None = None) -> RowResult:

@@ -1,7 +1,7 @@
 """Ranks as threads of one process, each with its member of one real gloo process group.
 
 The collectives are the real ones (gloo over loopback, a HashStore rendezvous), without starting a torch
-process per rank: how tests and ``memstore.devtools.scale`` run dozens of ranks on a small machine.
+process per rank: how tests and ``tools.scale`` run dozens of ranks on a small machine.
 """
 
 from __future__ import annotations

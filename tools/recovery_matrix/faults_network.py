@@ -4,7 +4,7 @@ Links are real TCP connections through fault proxies (:mod:`.links`, ``Fault.pro
 them (silent: connections stay open and nothing arrives, as when packets are dropped), then resets and refuses them
 (as a firewall that rejects); a slow peer's links carry 1% of what they carry unthrottled, bit flips
 change bits of the bulk bytes (the data channel) in both directions. A clock jump moves one store's wall clock
-(:mod:`memstore.devtools.clockshift` preloaded, its offset file rewritten while it runs; its monotonic clock does not
+(:mod:`tools.clockshift` preloaded, its offset file rewritten while it runs; its monotonic clock does not
 jump, as with an NTP step).
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from memstore.devtools import clockshift
-from memstore.devtools.recovery_matrix.fault import R1, R1S, R2, R2S, R3, Fault, one_copy_lost
-from memstore.devtools.recovery_matrix.links import Link, set_links, unthrottled_rate
-from memstore.devtools.recovery_matrix.scenario import Scenario
+from tools import clockshift
+from tools.recovery_matrix.fault import R1, R1S, R2, R2S, R3, Fault, one_copy_lost
+from tools.recovery_matrix.links import Link, set_links, unthrottled_rate
+from tools.recovery_matrix.scenario import Scenario
 
 PARTITION_SECONDS = 3.0  # how long a partition (or a slow or flipping link) lasts while every rank keeps saving
 SLOW_KIB = 2048  # the slow-peer row's state per rank (about 3 MiB): a copy at 1% takes longer than a step
@@ -97,7 +97,7 @@ def _clock_file(s: Scenario) -> Path:
 
 
 def _shiftable_clock(s: Scenario) -> None:
-    """h0's store starts with its wall clock following a file (memstore.devtools.clockshift), at 0 for now."""
+    """h0's store starts with its wall clock following a file (tools.clockshift), at 0 for now."""
     lib = clockshift.build(s.workdir)
     clockshift.set_offset(_clock_file(s), 0)
     s.cluster.stores["h0"].env.update(clockshift.preload_env(lib, _clock_file(s)))

@@ -1,9 +1,9 @@
 """The recovery matrix's faults of the machine's services: S3 throttling and outage, DNS outage and flapping, OOM kill, ENOSPC.
 
 Each injects the real thing: a real S3 server (moto) behind an HTTP proxy that answers 503 SlowDown or refuses
-connections (:mod:`memstore.devtools.s3_proxy`); a real DNS server the stores discover each other through, which stops
-answering or flaps (:mod:`memstore.devtools.dns_server`); the kernel's OOM killer enforcing a memory cgroup's limit
-(:mod:`memstore.devtools.memcg`); a tmpfs too small for the durable tier. The last two need root: where this machine
+connections (:mod:`tools.s3_proxy`); a real DNS server the stores discover each other through, which stops
+answering or flaps (:mod:`tools.dns_server`); the kernel's OOM killer enforcing a memory cgroup's limit
+(:mod:`tools.memcg`); a tmpfs too small for the durable tier. The last two need root: where this machine
 cannot, the fault's ``needs`` says why and its rows are not run (``NotRunHere``).
 """
 
@@ -17,9 +17,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-from memstore.devtools.cluster import wait_for
-from memstore.devtools.recovery_matrix.fault import R1, R1S, R2, R2S, R3, Fault, durable_only, one_copy_lost
-from memstore.devtools.recovery_matrix.scenario import Scenario
+from memstore.testing import wait_for
+from tools.recovery_matrix.fault import R1, R1S, R2, R2S, R3, Fault, durable_only, one_copy_lost
+from tools.recovery_matrix.scenario import Scenario
 
 MIB = 1 << 20
 SAVES_DURING = 2  # steps every rank must still commit while the service is failing (saves do not depend on it)
@@ -49,8 +49,8 @@ def _restart_dead(s: Scenario) -> None:
 # -- S3: moto behind a fault proxy ---------------------------------------------------------------------------
 def _s3(s: Scenario) -> None:
     """The durable tier is S3 (moto on 127.0.0.1), reached through an HTTP fault proxy."""
-    from memstore.devtools.s3_proxy import S3FaultProxy
-    from memstore.devtools.s3_server import MotoServer, s3_env
+    from tools.s3_proxy import S3FaultProxy
+    from tools.s3_server import MotoServer, s3_env
 
     moto = MotoServer(s.workdir)
     s.on_close(moto.stop)
@@ -90,9 +90,8 @@ def _s3_back(s: Scenario) -> None:
 def _dns_down_then_replace_h0(s: Scenario) -> None:
     """The DNS server stops answering (every query times out); the ranks go on saving; h0 is lost with its RAM and its
     replacement starts while DNS is still down: it waits for DNS."""
-    dns = s.cluster.dns
-    assert dns is not None
-    dns.zone.answering = False
+    assert s.dns is not None
+    s.dns.zone.answering = False
     _keep_saving(s)
     _wait_logged(s, "membership discovery failed", "a store to see DNS fail")
     s.cluster.kill("h0")
@@ -101,8 +100,8 @@ def _dns_down_then_replace_h0(s: Scenario) -> None:
 
 
 def _dns_back(s: Scenario) -> None:
-    assert s.cluster.dns is not None
-    s.cluster.dns.zone.answering = True
+    assert s.dns is not None
+    s.dns.zone.answering = True
     s.cluster.wait_healthy("h0", timeout=60)
 
 
@@ -149,7 +148,7 @@ OOM_HEADROOM_MIB = 32  # what h0's store may still allocate once its cgroup limi
 
 
 def _memcg_available() -> str | None:
-    from memstore.devtools.memcg import available
+    from tools.memcg import available
 
     return available()
 
@@ -160,7 +159,7 @@ def _oom_kill_h0(s: Scenario) -> None:
     segments stay in /dev/shm."""
     import torch
 
-    from memstore.devtools.memcg import MemoryCgroup
+    from tools.memcg import MemoryCgroup
     from trainer_client import CheckpointClient, Connection
 
     sp = s.cluster.stores["h0"]

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memstore.devtools.cluster import LocalCluster
-from memstore.devtools.demo import Job, progress_until
+from memstore.demo.showcase import Job, progress_until
 from memstore.errors import DemoFailure
+from memstore.testing import LocalCluster
 
 
 @dataclass

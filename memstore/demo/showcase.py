@@ -31,12 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memstore.devtools.children import child_env
-from memstore.devtools.cluster import LocalCluster, free_ports
+from memstore.children import child_env
 from memstore.errors import DemoFailure
+from memstore.testing import LocalCluster, free_ports
 
 #: The trainer rank, started as ``python -m WORKER``.
-WORKER = "memstore.devtools.demo_worker"
+WORKER = "memstore.demo.worker"
 
 
 def _say(msg: str) -> None:

@@ -10,7 +10,7 @@ exactly from its own RAM (``--lose-memory``: the baseline where the SIGKILL also
 the new store must pull everything). Last, a store that nobody replaces is SIGKILLed and its directory is timed until the
 survivor reclaims it (``--shm-reclaim-after``).
 
-    python -m memstore.devtools.shm_replacement --replacements 10
+    python -m tools.shm_replacement --replacements 10
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from memstore.devtools.cluster import LocalCluster, wait_for
 from memstore.server.shm_dirs import orphaned_dirs
+from memstore.testing import LocalCluster, wait_for
 
 JOB = "shm-replacement"
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from memstore.devtools.cluster import LocalCluster, free_ports, wait_for
+from memstore.testing import LocalCluster, free_ports, wait_for
 
 _SAMPLE = re.compile(
     r'^memstore_(rpcs_total\{method="([A-Za-z]+)"\}|retention_listings_total|steps\{job_id="([^"]+)",tier="ram"\}) ([0-9.e+]+)$', re.M

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from memstore.devtools.cluster import LocalCluster, wait_for
-from memstore.devtools.ranks import on_every_rank
-from memstore.devtools.save_scale import store_counts
+from memstore.testing import LocalCluster, wait_for
+from tools.save_scale import store_counts
+from tools.thread_ranks import on_every_rank
 
 JOB = "scale"
 

@@ -1,7 +1,8 @@
 """N store processes on 127.0.0.1: for development, the demo, benchmarks and integration tests.
 
 Each store is a real ``python -m memstore serve`` child. ``kill()`` SIGKILLs and reaps one;
-``restart()`` starts its replacement (same host id and address, empty RAM).
+``restart()`` starts its replacement (same host id and address, empty RAM). Shipped in the wheel for users' own
+tests, as Ray ships ``ray.cluster_utils``; ``memstore local-cluster``, ``memstore demo`` and ``memstore bench`` run on it.
 """
 
 from __future__ import annotations
@@ -20,18 +21,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
-from memstore.devtools.children import child_env, thread_dump
+from memstore.children import child_env, thread_dump
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from memstore.v1.security import Credentials
-
-if TYPE_CHECKING:
-    from memstore.devtools.dns_server import DnsServer
-
 
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 LISTEN_PORTS_BELOW = 32768  # where the kernel's range for outgoing connections starts when it cannot be read
@@ -89,6 +86,27 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
         time.sleep(interval)
 
 
+class DnsZone(Protocol):
+    """The records of a DNS server, which a test changes while it runs."""
+
+    def set(self, name: str, rtype: str, *values: str) -> None: ...
+
+    def drop(self, name: str) -> None: ...
+
+
+class ClusterDns(Protocol):
+    """A DNS server on 127.0.0.1 for ``LocalCluster(discovery="dns")``; the repository's ``tools.dns_server.DnsServer`` is one."""
+
+    @property
+    def zone(self) -> DnsZone: ...
+
+    def url(self, name: str, port: int) -> str:
+        """The ``--discovery dns://`` URL of ``name`` on ``port``, answered by this server."""
+        ...
+
+    def stop(self) -> None: ...
+
+
 @dataclass
 class StoreProcess:
     host_id: str
@@ -120,13 +138,15 @@ class LocalCluster:
     credentials: Credentials | None = None  # what health checks present (default: from the environment)
     discovery: str = "peers"  # "peers": a fixed --peers list; "file": every store follows peers.json (add_host/remove_host edit it);
     # "files": each store follows a file of its own, peers-<host>.json (written alike; a test edits one to see gossip carry it);
-    # "dns": every store follows a real DNS server of the cluster's own (``dns``, memstore.devtools.dns_server; the dev extra)
+    # "dns": every store follows a real DNS server of the cluster's own (``dns``), which ``dns_server()`` starts
     metrics: bool = False  # every store serves Prometheus metrics on a free port of its own (metrics_url)
     data_ports: bool = False  # every store's data channel on a port chosen here (--data-port), known before it starts
     shm_root: str = "/dev/shm"  # the tmpfs the stores' --shm-dir is made in (e.g. one mounted with huge pages)
     # How store ``a`` dials its peer ``b`` (discovery "peers"): dial(a, b, b's address, b's data port) -> the address
     # in a's --peers (e.g. a fault proxy's); None: directly. Called again whenever ports are assigned anew.
     dial: Callable[[str, str, str, int], str] | None = None
+    # Starts the DNS server of discovery "dns" (e.g. ``tools.dns_server.DnsServer``, which needs the dev extra's dnslib).
+    dns_server: Callable[[], ClusterDns] | None = None
     stores: dict[str, StoreProcess] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -136,13 +156,15 @@ class LocalCluster:
             raise ValueError(f"replicas must be in 1..{self.hosts}, got {self.replicas}")
         if self.discovery not in ("peers", "file", "files", "dns"):
             raise ValueError(f"discovery must be 'peers', 'file', 'files' or 'dns', got {self.discovery!r}")
+        if self.discovery == "dns" and self.dns_server is None:
+            raise ValueError("discovery='dns' needs dns_server: a factory of the DNS server the stores follow")
         self._own_workdir = self.workdir is None
         self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="memstore-cluster-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.shm_dir = os.path.join(self.shm_root, f"memstore-{os.getpid()}-{self.workdir.name}")
         self.peers_file = self.workdir / "peers.json"
         self.members: list[str] = [f"h{i}" for i in range(self.hosts)]  # the hosts peers.json lists, in order
-        self.dns = self._start_dns() if self.discovery == "dns" else None
+        self.dns = self.dns_server() if self.dns_server is not None and self.discovery == "dns" else None
         self._assign_ports()
 
     def _assign_ports(self) -> None:
@@ -386,11 +408,6 @@ class LocalCluster:
     # -- discovery through DNS (discovery="dns") ---------------------------------------------------
     DNS_NAME = "stores.memstore.test."
 
-    def _start_dns(self) -> DnsServer:
-        from memstore.devtools.dns_server import DnsServer
-
-        return DnsServer()
-
     def dns_ip(self, host_id: str) -> str:
         """The loopback IP of ``host_id`` (``h<i>``) with discovery="dns": 127.0.77.<i+1>."""
         return f"127.0.77.{int(host_id.removeprefix('h')) + 1}"
@@ -398,12 +415,12 @@ class LocalCluster:
     def publish_dns(self, hosts: list[str] | None = None) -> None:
         """Make the cluster's DNS name list ``hosts`` (default: every member): their A records, and a PTR record
         each naming the host id (``h0.stores.memstore.test.``), as a headless Service of named pods does."""
-        from memstore.devtools.dns_server import ptr_name
+        from dns.reversename import from_address  # dnspython: a dependency of the store (--discovery dns://)
 
         assert self.dns is not None, "publish_dns needs LocalCluster(discovery='dns')"
         ips = {h: self.dns_ip(h) for h in (self.members if hosts is None else hosts)}
         for h, ip in ips.items():
-            self.dns.zone.set(ptr_name(ip), "PTR", f"{h}.{self.DNS_NAME}")
+            self.dns.zone.set(str(from_address(ip)), "PTR", f"{h}.{self.DNS_NAME}")
         if ips:
             self.dns.zone.set(self.DNS_NAME, "A", *sorted(ips.values()))
         else:

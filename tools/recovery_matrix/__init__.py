@@ -10,5 +10,5 @@
 - :mod:`.runner`: one row run: start, inject the fault during saves, recover, restore, measure;
 - :mod:`.report`: ``docs/recovery-matrix.md`` and its raw JSON.
 
-Run it with ``python -m memstore.devtools.recovery_matrix`` (``--help``).
+Run it with ``python -m tools.recovery_matrix`` (``--help``).
 """

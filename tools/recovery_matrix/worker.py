@@ -1,6 +1,6 @@
 """One trainer rank as a real process: save the deterministic state of every step until killed.
 
-    python -m memstore.devtools.recovery_matrix.worker --job J --rank R --world W --store ADDR --progress FILE
+    python -m tools.recovery_matrix.worker --job J --rank R --world W --store ADDR --progress FILE
 
 After each step that committed (every copy the store promises), the step is appended to ``FILE``: the runner
 reads the newest step committed by every rank from there. A failed save is noted (``error <step> ...``) and the
@@ -15,8 +15,8 @@ import argparse
 import time
 from pathlib import Path
 
-from memstore.devtools.children import die_with_parent
-from memstore.devtools.recovery_matrix.state import make_state
+from memstore.children import die_with_parent
+from tools.recovery_matrix.state import make_state
 
 
 def finished(path: Path) -> int:

@@ -1,6 +1,6 @@
 """One rank's DCP shard: its layout, the items a save plan writes into it, and the items a load plan reads out.
 
-The shard is a plain dict (see :mod:`trainer_client.dcp`)::
+The shard is a plain dict (see :mod:`trainer_client.dcp.storage_layer`)::
 
     {"format": "memstore-dcp", "version": 1, "step": step, "rank": r, "world_size": W, "timeline": T,
      "items": {<item key>: tensor | bytes, ...},
@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 
 from trainer_client.capture.device_restore import HostToDevice
-from trainer_client.dcp_metadata import MemStoreStorageInfo, item_key
-from trainer_client.dcp_plans import MemStoreSavePlanInfo
+from trainer_client.dcp.metadata import MemStoreStorageInfo, item_key
+from trainer_client.dcp.plans import MemStoreSavePlanInfo
 from trainer_client.errors import CorruptShardError, InvalidArgumentError, NotFoundError
 
 __all__ = [

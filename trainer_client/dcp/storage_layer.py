@@ -49,10 +49,10 @@ step survives the loss of a host.
 Bytes read back are never unpickled by this module; DCP's load planner decodes its own byte items
 (``torch.load``) exactly as it does with ``FileSystemReader``.
 
-This module holds the two storage classes; the rest is in modules by job (their public names are re-exported
-here): :mod:`trainer_client.dcp_plans` (checkpoint ids, the plan infos, timelines), :mod:`trainer_client.dcp_shard`
-(the shard's layout, the items a save plan writes and a load plan reads) and :mod:`trainer_client.dcp_metadata`
-(``Metadata`` to tagged plain dicts and back).
+This module holds the two storage classes; the rest of the package is in modules by job (the package,
+:mod:`trainer_client.dcp`, re-exports their public names): :mod:`trainer_client.dcp.plans` (checkpoint ids, the plan
+infos, timelines), :mod:`trainer_client.dcp.shard` (the shard's layout, the items a save plan writes and a load plan
+reads) and :mod:`trainer_client.dcp.metadata` (``Metadata`` to tagged plain dicts and back).
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ from memstore.v1.keys import job_id_problem, key_problem
 from trainer_client.agreement import AgreementStats
 from trainer_client.client import CheckpointClient
 from trainer_client.connection import Connection, connection_from_kwargs
-from trainer_client.dcp_metadata import MemStoreStorageInfo, decode_metadata, encode_metadata, item_key
-from trainer_client.dcp_plans import (
+from trainer_client.dcp.metadata import MemStoreStorageInfo, decode_metadata, encode_metadata, item_key
+from trainer_client.dcp.plans import (
     MemStoreLoadPlanInfo,
     MemStoreSavePlanInfo,
     checked_plan_info,
@@ -84,10 +84,9 @@ from trainer_client.dcp_plans import (
     parse_checkpoint_id,
     valid_checkpoint_id,
 )
-from trainer_client.dcp_plans import parse_step as _parse_step
-from trainer_client.dcp_shard import (
+from trainer_client.dcp.plans import parse_step as _parse_step
+from trainer_client.dcp.shard import (
     COORDINATOR_RANK,
-    SHARD_FORMAT,
     checked_shard,
     items_by_rank,
     new_shard,
@@ -106,19 +105,7 @@ from trainer_client.errors import (
 from trainer_client.handles import RestorePoint
 from trainer_client.warmup import prepare_once
 
-__all__ = [
-    "COORDINATOR_RANK",
-    "SHARD_FORMAT",
-    "CheckpointExistsError",
-    "MemStoreLoadPlanInfo",
-    "MemStoreReader",
-    "MemStoreSavePlanInfo",
-    "MemStoreStorageInfo",
-    "MemStoreWriter",
-    "decode_metadata",
-    "encode_metadata",
-    "parse_checkpoint_id",
-]
+__all__ = ["MemStoreReader", "MemStoreWriter"]  # the package, trainer_client.dcp, re-exports its modules' public names
 
 
 def _rank_and_size(group: Any) -> tuple[int, int]:

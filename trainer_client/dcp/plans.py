@@ -1,6 +1,6 @@
 """What the ranks of one DCP save or load agree on: checkpoint ids, plan infos, and the save's timeline.
 
-Used by :mod:`trainer_client.dcp` (which re-exports the public names): ``dcp.save(..., checkpoint_id=...)``
+Used by :mod:`trainer_client.dcp.storage_layer` (the package re-exports the public names): ``dcp.save(..., checkpoint_id=...)``
 ids are parsed here; the coordinator's :class:`MemStoreSavePlanInfo` / :class:`MemStoreLoadPlanInfo` travel to
 every rank in DCP's plans and are checked here against what a rank's writer knows.
 """

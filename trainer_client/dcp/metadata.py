@@ -1,4 +1,4 @@
-"""DCP ``Metadata`` <-> tagged plain dicts, never pickled (used by :mod:`trainer_client.dcp`).
+"""DCP ``Metadata`` <-> tagged plain dicts, never pickled (used by :mod:`trainer_client.dcp.storage_layer`).
 
 :func:`encode_metadata` turns the dataclass tree of ``torch.distributed.checkpoint``'s global
 ``Metadata`` into tagged plain dicts/lists/scalars that memstore's safe shard format stores as is:

@@ -3,7 +3,7 @@
 Save path on the same machine as the store (the common case): the store hands out a shared-memory
 segment it owns (pre-faulted, and mapped here ahead of time when the store could name it), the client
 copies the state straight into it, and ``commit`` transfers ownership; these calls go over the
-store's Unix socket (``trainer_client.transport.local_control``). ``save()`` returns then: the only stall is
+store's Unix socket (``trainer_client.transport.local_control_client``). ``save()`` returns then: the only stall is
 that copy, and a trainer crash afterwards loses nothing. Checksums and replication happen in the store,
 in the background. Without shared memory (a store on another machine) the client stages the shard,
 checksums it and sends it over the store's data channel (``trainer_client.transport.remote``).
@@ -64,7 +64,7 @@ from trainer_client.replicas import resolve_replica_group
 from trainer_client.run_ids import PROCESS_RUN_ID, broadcast_run_id, run_id_given
 from trainer_client.save_switches import marked_captures_wanted, trainer_hashing_wanted
 from trainer_client.stripes import is_stripe, split_state, stripe_members, stripe_state, whole_state
-from trainer_client.transport.local_control import LocalStub, RpcFailure
+from trainer_client.transport.local_control_client import LocalStub, RpcFailure
 from trainer_client.transport.remote import RemotePath, byte_view, empty_buffer
 
 log = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from memstore.bench.measure import Series, one_save
+from memstore.bench.rig import SHM_ROOT, running, start_cluster, store_rpc, wait_idle, wait_settled
 from memstore.bench.state import MiB, fingerprint, p50, tensors_of
-from memstore.bench.stores import SHM_ROOT, running, start_cluster, store_rpc, wait_idle, wait_settled
 
 if TYPE_CHECKING:
     from memstore.testing import LocalCluster

@@ -269,7 +269,7 @@ def taken_over(directory: Path) -> Iterator[list[os.DirEntry[str]] | None]:
 
 def _remove_locked(directory: Path) -> None:
     """Remove every file of ``directory`` (a store's: ``_store_dir_contents``), its lock last, then the directory,
-    and the dead store's control socket beside it (``<directory>.sock``, memstore.server.local_control)."""
+    and the dead store's control socket beside it (``<directory>.sock``, memstore.server.local_control_server)."""
     sock = directory.with_name(directory.name + ".sock")
     with contextlib.suppress(OSError):
         if stat.S_ISSOCK(os.lstat(sock).st_mode):

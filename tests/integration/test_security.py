@@ -20,7 +20,7 @@ from tests.states import assert_same, rank_state
 from tools.certs import make_tls
 from trainer_client import CheckpointClient
 from trainer_client.errors import AccessDeniedError, AuthenticationError, StoreUnavailableError
-from trainer_client.transport.local_control import LocalStub
+from trainer_client.transport.local_control_client import LocalStub
 
 MiB = 1 << 20
 pytestmark = pytest.mark.integration

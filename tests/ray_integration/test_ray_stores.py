@@ -28,7 +28,7 @@ from memstore.config import StoreConfig
 from memstore.errors import ConfigError, RayStoreError
 from memstore.ray import gcs
 from memstore.ray.actor import store_config
-from memstore.ray.model import actor_name, host_id_for
+from memstore.ray.records import actor_name, host_id_for
 from memstore.ray.stores import DEFAULT_NAMESPACE
 from memstore.testing import wait_for
 from memstore.v1 import store_pb2 as pb

@@ -111,7 +111,7 @@ def test_the_product_never_imports_the_lab_or_the_tests(tmp_path: Path, monkeypa
         tmp_path,
         {
             "memstore/testing.py": "def f():\n    from tools.dns_server import DnsServer\n",
-            "memstore/bench/stores.py": "import tests.harness.pods\nfrom memstore.testing import LocalCluster\n",
+            "memstore/bench/rig.py": "import tests.harness.pods\nfrom memstore.testing import LocalCluster\n",
             "trainer_client/dcp.py": "from benchmarks import floors\nfrom .tools import x\nimport toolsy\n",
             "tools/recovery_matrix/scenario.py": "from memstore.testing import LocalCluster\nfrom tools.faultproxy import FaultProxy\n",
             "tests/conftest.py": "from tools.s3_server import MotoServer\n",
@@ -119,7 +119,7 @@ def test_the_product_never_imports_the_lab_or_the_tests(tmp_path: Path, monkeypa
     )
     rule = "the wheel ships memstore and trainer_client only"
     assert check.lab_imports(files) == [
-        f"memstore/bench/stores.py:1: imports tests.harness.pods: {rule}; tests/ stays in the checkout",
+        f"memstore/bench/rig.py:1: imports tests.harness.pods: {rule}; tests/ stays in the checkout",
         f"memstore/testing.py:2: imports tools.dns_server: {rule}; tools/ stays in the checkout",
         f"trainer_client/dcp.py:1: imports benchmarks: {rule}; benchmarks/ stays in the checkout",
     ]

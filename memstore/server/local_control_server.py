@@ -3,7 +3,7 @@
 Each request is handed to the gRPC servicer's own method with a small context that carries the token and
 turns ``abort`` into a status frame, so validation, errors, authentication and the RPC metrics are the
 gRPC path's. One thread per connection, so calls never wait on each other here: a trainer keeps a few open, one per
-call it has in flight (``trainer_client.transport.local_control.LocalStub``), and a ``WaitCommitted`` blocked in the
+call it has in flight (``trainer_client.transport.local_control_client.LocalStub``), and a ``WaitCommitted`` blocked in the
 store (on the catalog's condition, which it releases while it waits) delays no other call, of that trainer or of another
 rank. Connections beyond ``MAX_CONNECTIONS`` are closed at once (a client sees UNAVAILABLE on them).
 

@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from memstore.bench.rig import CAPACITY_SLACK, running, store_rpc
 from memstore.bench.state import p50
-from memstore.bench.stores import CAPACITY_SLACK, running, store_rpc
 from memstore.core.model import Manifest, PutOrigin, ShardKey, TransferHeader
 from memstore.server.peers import PeerDirectory
 from memstore.testing import LocalCluster

@@ -1,6 +1,6 @@
-"""The DCP floor: ``torch.distributed.checkpoint.async_save`` of the state to local disk, in two stagings.
+"""The DCP baseline: ``torch.distributed.checkpoint.async_save`` of the state to local disk, in two stagings.
 
-torch's DCP API moves between releases (the package declares torch>=2.4), so what the floor needs beyond
+torch's DCP API moves between releases (the package declares torch>=2.4), so what the baseline needs beyond
 ``async_save`` and ``FileSystemWriter`` is feature-detected, never assumed from the version number: ``no_dist=`` and
 ``async_stager=`` (from :func:`inspect.signature`), ``staging.DefaultStager`` / ``StagingOptions`` (imported).
 Whatever torch's own DCP machinery raises (the import, the stager, ``async_save``, its future) makes that staging mode
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memstore.bench.floors import FLOOR_TIMEOUT
+from memstore.bench.baselines import BASELINE_TIMEOUT
 from memstore.bench.state import p50
 
 DEFAULT, REUSED = "default", "reused_stager"
@@ -76,7 +76,7 @@ def describe_failure(exc: BaseException, version: str, hint: str = "") -> str:
 
 @dataclass
 class DcpApi:
-    """This torch's DCP, as the floor uses it (feature-detected by :func:`detect_dcp`)."""
+    """This torch's DCP, as the baseline uses it (feature-detected by :func:`detect_dcp`)."""
 
     version: str
     async_save: Callable[..., Any]
@@ -93,7 +93,7 @@ class DcpApi:
 
 
 def detect_dcp() -> DcpApi | str:
-    """What this torch's DCP offers, or (a str) why the DCP floor is unavailable altogether."""
+    """What this torch's DCP offers, or (a str) why the DCP baseline is unavailable altogether."""
     version = torch_version()
     try:
         import torch.distributed.checkpoint as dcp
@@ -133,9 +133,9 @@ def dcp_once(api: DcpApi, state: Any, directory: str, stager: Any) -> tuple[floa
     t1 = time.perf_counter()
     done = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse (async staging) or a Future
     try:
-        done.result(timeout=FLOOR_TIMEOUT)
+        done.result(timeout=BASELINE_TIMEOUT)
     except TimeoutError as e:
-        raise TimeoutError(f"async_save's future did not complete in {FLOOR_TIMEOUT:.0f} s") from e
+        raise TimeoutError(f"async_save's future did not complete in {BASELINE_TIMEOUT:.0f} s") from e
     t2 = time.perf_counter()
     return t1 - t0, t2 - t0, sum(p.stat().st_size for p in Path(directory).iterdir())
 
@@ -185,7 +185,7 @@ def dcp_mode(api: DcpApi, state: Any, d: str, mode: str, reps: int) -> tuple[dic
     return {"blocking_seconds": blocking, "blocking_p50": p50(blocking), "total_p50": p50(total), "unavailable": None}, file_bytes
 
 
-def floor_dcp(state: Any, disk_dir: str | None, reps: int) -> dict[str, Any]:
+def baseline_dcp(state: Any, disk_dir: str | None, reps: int) -> dict[str, Any]:
     """``async_save`` of the state to a local directory with ``FileSystemWriter(sync_files=True)`` (every file fsynced
     before the future completes), in this single process. Blocking = until async_save returns (DCP stages the state
     into CPU memory); total = until its future completes (written and fsynced). Two stagings: ``default`` (a new

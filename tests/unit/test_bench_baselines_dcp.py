@@ -1,4 +1,4 @@
-"""The bench's DCP floor where torch's DCP cannot do what it asks: a staging mode whose async_save (or stager, or
+"""The bench's DCP baseline where torch's DCP cannot do what it asks: a staging mode whose async_save (or stager, or
 future) raises is reported unavailable, with the reason, its ratios are n/a with it, and the run goes on. In this
 process, on a tiny state: torch's real DCP, with one function patched per test."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from memstore.bench.floors_dcp import CLOSED_STAGER_HINT, detect_dcp, floor_dcp
+from memstore.bench.baselines_dcp import CLOSED_STAGER_HINT, baseline_dcp, detect_dcp
 from memstore.bench.state import make_state
 from memstore.bench.targets import evaluate, text_table
 from tests.unit.test_bench_targets import document
@@ -46,21 +46,21 @@ def _raising_async_save(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_the_floor_measures_both_stagings_on_this_torch(tmp_path: Path) -> None:
-    floor = floor_dcp(_state(), str(tmp_path), reps=2)
-    assert floor["default"]["unavailable"] is None and len(floor["default"]["blocking_seconds"]) == 2
-    assert floor["default"]["blocking_p50"] > 0 and floor["default"]["total_p50"] >= floor["default"]["blocking_p50"]
-    assert floor["file_bytes"] and floor["file_bytes"] > 1 << 14
+    baseline = baseline_dcp(_state(), str(tmp_path), reps=2)
+    assert baseline["default"]["unavailable"] is None and len(baseline["default"]["blocking_seconds"]) == 2
+    assert baseline["default"]["blocking_p50"] > 0 and baseline["default"]["total_p50"] >= baseline["default"]["blocking_p50"]
+    assert baseline["file_bytes"] and baseline["file_bytes"] > 1 << 14
     assert not list(tmp_path.iterdir())  # its temporary directory is gone
 
 
 def test_async_save_that_raises_makes_both_modes_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     calls = _raising_async_save(monkeypatch)
-    floor = floor_dcp(_state(), str(tmp_path), reps=2)
+    baseline = baseline_dcp(_state(), str(tmp_path), reps=2)
     assert len(calls) == 2  # one try per mode: a mode stops at its first failure
     expected = f"unavailable on torch {_torch_version()}: {REASON}"
-    for mode in (floor["default"], floor["reused_stager"]):
+    for mode in (baseline["default"], baseline["reused_stager"]):
         assert mode == {"blocking_seconds": None, "blocking_p50": None, "total_p50": None, "unavailable": expected}
-    assert floor["file_bytes"] is None and floor["torch"] == _torch_version()
+    assert baseline["file_bytes"] is None and baseline["torch"] == _torch_version()
     assert not list(tmp_path.iterdir())
 
 
@@ -78,11 +78,11 @@ def test_torch_211_reused_stager_is_unavailable_and_the_default_still_measured(m
             self._state_dict_stager.close()  # as torch 2.11 does (pytorch/pytorch#183413)
 
     monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
-    floor = floor_dcp(_state(), str(tmp_path), reps=2)
-    assert floor["default"]["unavailable"] is None and len(floor["default"]["blocking_seconds"]) == 2
-    assert floor["file_bytes"] and floor["file_bytes"] > 0  # from the default staging's saves
-    reason = floor["reused_stager"]["unavailable"]
-    assert reason is not None and floor["reused_stager"]["blocking_seconds"] is None
+    baseline = baseline_dcp(_state(), str(tmp_path), reps=2)
+    assert baseline["default"]["unavailable"] is None and len(baseline["default"]["blocking_seconds"]) == 2
+    assert baseline["file_bytes"] and baseline["file_bytes"] > 0  # from the default staging's saves
+    reason = baseline["reused_stager"]["unavailable"]
+    assert reason is not None and baseline["reused_stager"]["blocking_seconds"] is None
     assert reason.startswith(f"unavailable on torch {_torch_version()}: {REASON} in torch's DCP stager")
     assert "(_state_dict_stager.py, deepcopy_with_tensor_offload)" in reason and reason.endswith(CLOSED_STAGER_HINT)
 
@@ -102,12 +102,12 @@ def test_old_async_save_without_no_dist_or_async_stager(monkeypatch: pytest.Monk
         return fut
 
     monkeypatch.setattr(dcp, "async_save", async_save)
-    floor = floor_dcp(_state(), str(tmp_path), reps=1)
-    assert len(seen) == 1 and floor["default"]["blocking_seconds"] and floor["default"]["unavailable"] is None
-    assert floor["reused_stager"]["unavailable"] == (
+    baseline = baseline_dcp(_state(), str(tmp_path), reps=1)
+    assert len(seen) == 1 and baseline["default"]["blocking_seconds"] and baseline["default"]["unavailable"] is None
+    assert baseline["reused_stager"]["unavailable"] == (
         f"unavailable on torch {_torch_version()}: torch.distributed.checkpoint.async_save has no async_stager parameter"
     )
-    assert "has no no_dist" in floor["process_group"]
+    assert "has no no_dist" in baseline["process_group"]
 
 
 def test_no_default_stager_in_this_torch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,16 +121,16 @@ def test_no_dcp_at_all(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     monkeypatch.delattr(dcp, "async_save")
-    floor = floor_dcp(_state(), str(tmp_path), reps=1)
-    why = floor["default"]["unavailable"]
-    assert why == floor["reused_stager"]["unavailable"]
+    baseline = baseline_dcp(_state(), str(tmp_path), reps=1)
+    why = baseline["default"]["unavailable"]
+    assert why == baseline["reused_stager"]["unavailable"]
     assert why is not None and why.startswith(f"unavailable on torch {_torch_version()}: AttributeError"), why
 
 
 def test_unavailable_dcp_makes_its_ratios_na_with_the_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _raising_async_save(monkeypatch)
     doc = document()
-    doc["floors"]["dcp"] = floor_dcp(_state(), str(tmp_path), reps=1)
+    doc["floors"]["dcp"] = baseline_dcp(_state(), str(tmp_path), reps=1)
     reason = f"unavailable on torch {_torch_version()}: {REASON}"
     rows = {r["ratio"]: r for r in evaluate(doc)}
     for name in ("stall_over_dcp_blocking", "stall_over_dcp_blocking_reused_stager"):

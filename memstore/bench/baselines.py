@@ -1,9 +1,9 @@
-"""The floors memstore is compared with, measured in the same run on the same bytes: a memcpy (torch ``copy_`` into
+"""The baselines memstore is compared with, measured in the same run on the same bytes: a memcpy (torch ``copy_`` into
 pre-faulted memory), raw TCP between two Python processes on loopback, and ``torch.save`` + fsync / ``torch.load``
-(DCP ``async_save``: :mod:`memstore.bench.floors_dcp`). ``torch.load`` runs in a new process, as the restores do.
+(DCP ``async_save``: :mod:`memstore.bench.baselines_dcp`). ``torch.load`` runs in a new process, as the restores do.
 
-The TCP sender is this module run as a child: ``python -m memstore.bench.floors PORT NBYTES`` (``PairedTcp``: one
-transfer each time it is asked; the floor is a few of them, each save's paired TCP one).
+The TCP sender is this module run as a child: ``python -m memstore.bench.baselines PORT NBYTES`` (``PairedTcp``: one
+transfer each time it is asked; the baseline is a few of them, each save's paired TCP one).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ if TYPE_CHECKING:
     import torch
 
 CHUNK = 4 << 20  # what the sender hands to sendall at a time (memstore's chunk size)
-FLOOR_TIMEOUT = 300.0
+BASELINE_TIMEOUT = 300.0
 MEMCPY_REPS = 5
 TCP_REPS = 3
 
 
-def floor_memcpy(tensors: list[torch.Tensor], reps: int = MEMCPY_REPS) -> dict[str, Any]:
+def baseline_memcpy(tensors: list[torch.Tensor], reps: int = MEMCPY_REPS) -> dict[str, Any]:
     """torch ``copy_`` of every state tensor into a pre-faulted buffer, ``reps`` times."""
     import torch
 
@@ -43,10 +43,10 @@ def floor_memcpy(tensors: list[torch.Tensor], reps: int = MEMCPY_REPS) -> dict[s
     return {"bytes": nbytes_of(tensors), "torch_threads": torch.get_num_threads(), "seconds": times, "p50": p50(times)}
 
 
-def floor_hash(nbytes: int, reps: int = MEMCPY_REPS) -> dict[str, Any]:
+def baseline_hash(nbytes: int, reps: int = MEMCPY_REPS) -> dict[str, Any]:
     """The store's verification of ``nbytes`` held in RAM: every chunk's checksum (xxh3, the shards' chunk size) on as
     many threads as a store verifies a shard a trainer opens with, ``reps`` times. A restore from local RAM verifies
-    every byte before the trainer gets it, so this is its floor."""
+    every byte before the trainer gets it, so this is its baseline."""
     from memstore.server.reading import VERIFY_WORKERS
     from memstore.v1.integrity import DEFAULT_CHUNK_BYTES, compute_checksums
 
@@ -64,7 +64,7 @@ def floor_hash(nbytes: int, reps: int = MEMCPY_REPS) -> dict[str, Any]:
     return {"bytes": nbytes, "workers": VERIFY_WORKERS, "chunk_bytes": DEFAULT_CHUNK_BYTES, "seconds": times, "p50": p50(times)}
 
 
-def floor_tcp(nbytes: int, reps: int = TCP_REPS) -> dict[str, Any]:
+def baseline_tcp(nbytes: int, reps: int = TCP_REPS) -> dict[str, Any]:
     """Raw TCP of ``nbytes``, ``reps`` transfers on one connection (``PairedTcp``: a child Python process sends 4 MiB
     memoryview slices with blocking ``sendall``, this one receives with ``recv_into`` a pre-faulted buffer); each is
     timed from its first byte to its last; the figure is bytes per second, p50."""
@@ -104,7 +104,7 @@ class PairedTcp:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
             listener.bind(("127.0.0.1", 0))
             listener.listen(1)
-            listener.settimeout(FLOOR_TIMEOUT)
+            listener.settimeout(BASELINE_TIMEOUT)
             port = listener.getsockname()[1]
             sender = [sys.executable, "-m", __name__, str(port), str(nbytes)]
             self._child = subprocess.Popen(sender, stderr=subprocess.PIPE, env=module_env())
@@ -113,7 +113,7 @@ class PairedTcp:
             except BaseException:
                 self._reap()
                 raise
-        self._conn.settimeout(FLOOR_TIMEOUT)
+        self._conn.settimeout(BASELINE_TIMEOUT)
 
     @property
     def sender_pid(self) -> int:
@@ -138,7 +138,7 @@ class PairedTcp:
 
     def _reap(self) -> str:
         try:
-            _, err = self._child.communicate(timeout=FLOOR_TIMEOUT)
+            _, err = self._child.communicate(timeout=BASELINE_TIMEOUT)
             return err.decode(errors="replace")
         finally:
             if self._child.poll() is None:
@@ -159,7 +159,7 @@ def serve_tcp(port: int, nbytes: int) -> None:
     pattern = bytes(range(256)) * (CHUNK // 256)
     for off in range(0, nbytes, CHUNK):
         mv[off : off + CHUNK] = pattern[: min(CHUNK, nbytes - off)]
-    with socket.create_connection(("127.0.0.1", port), timeout=FLOOR_TIMEOUT) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=BASELINE_TIMEOUT) as s:
         s.settimeout(None)  # blocking sends: one call per piece (with a timeout, sendall polls before every partial send)
         while s.recv(1) == b"g":
             for off in range(0, nbytes, CHUNK):
@@ -178,14 +178,14 @@ def _evict_page_cache(path: str) -> bool:
         os.close(fd)
 
 
-def floor_disk(state: Any, disk_dir: str | None, reps: int) -> dict[str, Any]:
+def baseline_disk(state: Any, disk_dir: str | None, reps: int) -> dict[str, Any]:
     """``torch.save`` + flush + fsync to a file on local disk; then ``torch.load(weights_only=True)`` of it, ``reps``
     times with the file's page cache evicted (cold) and as many warm, each in a new process (a restarted trainer, like
     the restores it is compared with: into a fresh process's memory), timed around the call and verified."""
     import torch
 
+    from memstore.bench.rig import restore_in_new_process
     from memstore.bench.state import fingerprint
-    from memstore.bench.stores import restore_in_new_process
 
     expected = fingerprint(state)
     cold: list[float] = []
@@ -202,9 +202,9 @@ def floor_disk(state: Any, disk_dir: str | None, reps: int) -> dict[str, Any]:
         evicted = _evict_page_cache(path)  # whether this system can (the cold loads evict right before they load)
         runs = []
         for _ in range(reps):
-            runs.append(restore_in_new_process({"path": path}, FLOOR_TIMEOUT, before=lambda: _evict_page_cache(path)))
+            runs.append(restore_in_new_process({"path": path}, BASELINE_TIMEOUT, before=lambda: _evict_page_cache(path)))
             cold.append(runs[-1]["seconds"])
-            runs.append(restore_in_new_process({"path": path}, FLOOR_TIMEOUT))
+            runs.append(restore_in_new_process({"path": path}, BASELINE_TIMEOUT))
             warm.append(runs[-1]["seconds"])
         verified = all(r["fingerprint"] == expected for r in runs)
     return {

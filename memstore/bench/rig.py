@@ -1,7 +1,7 @@
 """The stores the bench runs on (a :class:`~memstore.testing.LocalCluster` on 127.0.0.1) and the restarted
-trainer every restore runs in: a NEW process, this module run as ``python -m memstore.bench.stores``, which imports
+trainer every restore runs in: a NEW process, this module run as ``python -m memstore.bench.rig``, which imports
 torch, says it is ready, then on one JSON line from the bench restores and reports, timed: from a store (connect and
-``load()`` the newest step) or, for the floor, from a file (``torch.load``). Both start from a fresh process's memory.
+``load()`` the newest step) or, for the baseline, from a file (``torch.load``). Both start from a fresh process's memory.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Ray integration's plain rules (memstore.ray.model): host ids from node ids, store records, membership."""
+"""The Ray integration's plain rules (memstore.ray.records): host ids from node ids, store records, membership."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from memstore.errors import DiscoveryError
 from memstore.membership.members import Member
-from memstore.ray.model import StoreRecord, domain_of, host_id_for, members_of, namespace_problem
+from memstore.ray.records import StoreRecord, domain_of, host_id_for, members_of, namespace_problem
 
 pytestmark = pytest.mark.unit
 

@@ -342,7 +342,7 @@ class LocalCluster:
 
     def segment_dir(self, host_id: str) -> str:
         """Where the store of ``host_id`` keeps its shared-memory segments."""
-        from memstore.server.shm_dirs import segment_dir
+        from memstore.server.memory.shm_dirs import segment_dir
 
         return segment_dir(self.shm_dir, host_id, self.stores[host_id].address)
 

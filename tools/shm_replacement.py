@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from memstore.server.shm_dirs import orphaned_dirs
+from memstore.server.memory.shm_dirs import orphaned_dirs
 from memstore.testing import LocalCluster, wait_for
 
 JOB = "shm-replacement"

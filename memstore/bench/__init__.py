@@ -133,7 +133,7 @@ def machine(shm_dir: str = "/dev/shm") -> dict[str, Any]:
 
     import torch
 
-    from memstore.server.shm_pages import shm_pages
+    from memstore.server.memory.shm_pages import shm_pages
     from trainer_client.save_switches import save_switches
 
     pages = shm_pages(shm_dir)

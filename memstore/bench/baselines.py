@@ -47,7 +47,7 @@ def baseline_hash(nbytes: int, reps: int = MEMCPY_REPS) -> dict[str, Any]:
     """The store's verification of ``nbytes`` held in RAM: every chunk's checksum (xxh3, the shards' chunk size) on as
     many threads as a store verifies a shard a trainer opens with, ``reps`` times. A restore from local RAM verifies
     every byte before the trainer gets it, so this is its baseline."""
-    from memstore.server.reading import VERIFY_WORKERS
+    from memstore.server.engine.local_reads import VERIFY_WORKERS
     from memstore.v1.integrity import DEFAULT_CHUNK_BYTES, compute_checksums
 
     buf = prefaulted(nbytes)

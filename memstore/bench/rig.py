@@ -312,7 +312,7 @@ class RamSampler:
 
 def idle_ram(sampler: RamSampler, timeout: float = IDLE_WAIT_SECONDS) -> int | None:
     """The stores' used bytes once their pooled spares went back to the kernel (a job that stopped saving goes idle
-    after three of its cadences, at least 30 s: ``memstore.core.reserve``), or after ``timeout``; None: a store did
+    after three of its cadences, at least 30 s: ``memstore.core.reserve_policy``), or after ``timeout``; None: a store did
     not answer."""
     deadline = time.monotonic() + timeout
     while True:

@@ -21,7 +21,7 @@ exposes what the servicer, the data channel and the composition root call (docs/
 The engine takes and returns the core's plain types (``memstore.core``), where the pure decisions (placement,
 retention, latest restorable step) live too; the gRPC servicer is a thin adapter over it and the only part that
 converts to and from protobuf (``memstore.server.convert``), besides the client of the peers
-(``memstore.server.peers``) and the sidecars' bytes (``memstore.server.leftovers``).
+(``memstore.server.peers``) and the sidecars' bytes (``memstore.server.memory.leftovers``).
 """
 
 from __future__ import annotations
@@ -35,33 +35,33 @@ from memstore import __version__
 from memstore.config import StoreConfig
 from memstore.core.floors import Floor, Floors
 from memstore.core.model import Manifest, ShardKey
-from memstore.core.reserve import ReservePolicy
+from memstore.core.reserve_policy import ReservePolicy
 from memstore.core.sizes import format_size
 from memstore.core.spill_policy import spill_duty
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, JobMemory, SpillReport, job_census
 from memstore.errors import InvalidArgument
-from memstore.server.admission import Admission
-from memstore.server.assembler import Assembler
-from memstore.server.catalog import Catalog
-from memstore.server.datapath import DataPath
-from memstore.server.drain import Drainer
-from memstore.server.entries import ensure
+from memstore.server.engine.admission import Admission
+from memstore.server.engine.assembler import Assembler
+from memstore.server.engine.catalog import Catalog
+from memstore.server.engine.datapath import DataPath
+from memstore.server.engine.drain import Drainer
+from memstore.server.engine.entries import ensure
+from memstore.server.engine.janitor import Janitor
+from memstore.server.engine.local_reads import Reader
+from memstore.server.engine.recovery import Recovery
+from memstore.server.engine.replication import Replicator
+from memstore.server.engine.room import Room
+from memstore.server.engine.saving import Saver
+from memstore.server.engine.scrub import Scrubber
 from memstore.server.events import StoreEvents
-from memstore.server.janitor import Janitor
-from memstore.server.leftovers import Adoption, Sidecars
 from memstore.server.membership import ClusterView, Membership
+from memstore.server.memory.leftovers import Adoption, Sidecars
+from memstore.server.memory.pool import SegmentPool
+from memstore.server.memory.rings import ring_limit
+from memstore.server.memory.shm_dirs import segment_dir
+from memstore.server.memory.shm_pages import shm_pages
+from memstore.server.memory.shm_sweep import ShmSweeper
 from memstore.server.peers import PeerDirectory
-from memstore.server.reading import Reader
-from memstore.server.recovery import Recovery
-from memstore.server.replication import Replicator
-from memstore.server.rings import ring_limit
-from memstore.server.room import Room
-from memstore.server.saving import Saver
-from memstore.server.scrub import Scrubber
-from memstore.server.segments import SegmentPool
-from memstore.server.shm_dirs import segment_dir
-from memstore.server.shm_pages import shm_pages
-from memstore.server.shm_sweep import ShmSweeper
 from memstore.spill.port import DurableTier
 from memstore.v1.channel import boot_id
 from memstore.v1.keys import job_id_problem

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from memstore.server.shm_dirs import orphaned_dirs, segment_dir
+from memstore.server.memory.shm_dirs import orphaned_dirs, segment_dir
 from memstore.testing import LocalCluster, wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc

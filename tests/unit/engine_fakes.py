@@ -17,14 +17,14 @@ from typing import Any
 from memstore.config import StoreConfig
 from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState, TransferHeader
 from memstore.errors import CapacityExceeded, DataChannelUnsupported, PeerUnavailable, StoreError
-from memstore.server.admission import Admission
-from memstore.server.catalog import Catalog
-from memstore.server.entries import Entry
+from memstore.server.engine.admission import Admission
+from memstore.server.engine.catalog import Catalog
+from memstore.server.engine.entries import Entry
+from memstore.server.engine.room import Room
 from memstore.server.events import StoreEvents
-from memstore.server.leftovers import Adoption, Sidecars
 from memstore.server.membership import Membership
-from memstore.server.room import Room
-from memstore.server.segments import Segment
+from memstore.server.memory.leftovers import Adoption, Sidecars
+from memstore.server.memory.pool import Segment
 from memstore.v1.integrity import StreamedChecksums, compute_checksums
 
 KiB = 1024

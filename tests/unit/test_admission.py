@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from memstore.errors import TooManyStreams
-from memstore.server.admission import Admission
+from memstore.server.engine.admission import Admission
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,7 @@ def test_a_tcp_transfer_taken_by_one_recv_still_has_a_rate() -> None:
 
 
 def test_the_verification_baseline_hashes_every_byte_on_the_stores_threads() -> None:
-    from memstore.server.reading import VERIFY_WORKERS
+    from memstore.server.engine.local_reads import VERIFY_WORKERS
 
     baseline = baseline_hash(8 << 20, reps=2)
     assert baseline["bytes"] == 8 << 20 and baseline["workers"] == VERIFY_WORKERS and len(baseline["seconds"]) == 2

@@ -1,4 +1,4 @@
-"""Assembly ahead of a restore (memstore.server.assembler) and its cached copies in the Catalog, over fakes."""
+"""Assembly ahead of a restore (memstore.server.engine.assembler) and its cached copies in the Catalog, over fakes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from memstore.core.model import ShardKey, ShardState, Stripe
 from memstore.errors import CapacityExceeded, ShardNotFound
-from memstore.server.assembler import GIVE_UP_SECONDS, RETRY_SECONDS, Assembler
-from memstore.server.entries import Entry
+from memstore.server.engine.assembler import GIVE_UP_SECONDS, RETRY_SECONDS, Assembler
+from memstore.server.engine.entries import Entry
 from tests.unit.engine_fakes import KiB, commit, config, make_catalog, manifest_of, room_of
 
 pytestmark = pytest.mark.unit
@@ -117,7 +117,7 @@ def test_the_assembler_only_uses_spare_room_and_stops_while_draining() -> None:
 
 
 def test_a_restore_fetching_another_members_stripe_keeps_a_cached_copy_and_the_assembler_pulls_ahead() -> None:
-    from memstore.server.recovery import Recovery
+    from memstore.server.engine.recovery import Recovery
     from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, membership
 
     mine, theirs = key(1, 0), key(1, 1)

@@ -9,8 +9,8 @@ import pytest
 
 from memstore.core.floors import Floor, Floors
 from memstore.core.model import Holding, ShardKey
-from memstore.server import janitor as janitor_module
-from memstore.server.janitor import Janitor
+from memstore.server.engine import janitor as janitor_module
+from memstore.server.engine.janitor import Janitor
 from tests.unit.engine_fakes import captured, config, make_catalog, settled
 
 pytestmark = pytest.mark.unit

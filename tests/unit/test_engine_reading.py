@@ -11,10 +11,10 @@ import pytest
 from memstore.core.floors import Floors
 from memstore.core.model import PutOrigin, ShardKey, TransferHeader
 from memstore.errors import ChecksumMismatch, InvalidArgument, ShardNotFound
-from memstore.server.datapath import DataPath
-from memstore.server.reading import Reader
-from memstore.server.replication import Replicator
-from memstore.server.saving import Saver
+from memstore.server.engine.datapath import DataPath
+from memstore.server.engine.local_reads import Reader
+from memstore.server.engine.replication import Replicator
+from memstore.server.engine.saving import Saver
 from memstore.v1.datachannel import recv_exact
 from tests.unit.engine_fakes import (
     FakePeers,

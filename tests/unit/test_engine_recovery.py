@@ -8,7 +8,7 @@ import pytest
 
 from memstore.core.model import ShardKey, ShardState
 from memstore.errors import ChecksumMismatch, ShardNotFound, UnknownJob
-from memstore.server.recovery import Recovery
+from memstore.server.engine.recovery import Recovery
 from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, config, make_catalog, manifest_of, membership, room_of, settled
 
 pytestmark = pytest.mark.unit

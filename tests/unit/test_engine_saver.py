@@ -10,8 +10,8 @@ from memstore.core.floors import Floors
 from memstore.core.model import PutOrigin, ShardKey, ShardState, TransferHeader
 from memstore.core.status import CaptureReport
 from memstore.errors import AlreadySaved, CapacityExceeded, Draining, InvalidArgument, LeaseError
-from memstore.server.entries import Entry
-from memstore.server.saving import Saver
+from memstore.server.engine.entries import Entry
+from memstore.server.engine.saving import Saver
 from memstore.v1.integrity import ChunkChecksums, compute_checksums
 from tests.unit.engine_fakes import RecordingEvents, admission_of, config, make_catalog, manifest_of, room_of
 

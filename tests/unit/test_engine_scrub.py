@@ -1,4 +1,4 @@
-"""The background scrub alone (``memstore.server.scrub``): held copies re-verified at a bounded rate; a corrupt one is
+"""The background scrub alone (``memstore.server.engine.scrub``): held copies re-verified at a bounded rate; a corrupt one is
 dropped (repair pulls it again), a sound one, a copy in flight and a copy evicted meanwhile are left alone."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from memstore.core.model import ShardKey
-from memstore.server.scrub import BUSY_WAIT_SECONDS, Scrubber
+from memstore.server.engine.scrub import BUSY_WAIT_SECONDS, Scrubber
 from tests.unit.engine_fakes import commit, make_catalog, settled
 
 pytestmark = pytest.mark.unit

@@ -265,7 +265,7 @@ def test_engine_refuses_manifests_beyond_the_bounds(store: Store) -> None:
 
 
 def test_segment_pool_accounts_each_job_against_its_quota(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from memstore.server.segments import SegmentPool
+    from memstore.server.memory.pool import SegmentPool
 
     pool = SegmentPool(str(tmp_path / "segs"), 16 * MiB)
     try:

@@ -6,7 +6,7 @@ import pytest
 
 from memstore.core.model import ShardKey
 from memstore.errors import CapacityExceeded, QuotaExceeded
-from memstore.server.room import Room
+from memstore.server.engine.room import Room
 from tests.unit.engine_fakes import KiB, config, make_catalog, room_of, settled
 
 pytestmark = pytest.mark.unit

@@ -10,10 +10,10 @@ import pytest
 
 from memstore.core.floors import Floors
 from memstore.core.model import PutOrigin, ShardKey, TransferHeader
-from memstore.server.datapath import DataPath
-from memstore.server.replication import Replicator
-from memstore.server.saving import Saver
-from memstore.server.tickets import Ticket, Tickets
+from memstore.server.engine.datapath import DataPath
+from memstore.server.engine.replication import Replicator
+from memstore.server.engine.saving import Saver
+from memstore.server.engine.tickets import Ticket, Tickets
 from memstore.v1.datachannel import split_tickets
 from tests.unit.engine_fakes import (
     FakePeers,

@@ -14,8 +14,8 @@ from memstore.errors import (
     InvalidArgument,
     ShardNotFound,
 )
-from memstore.server.catalog import Catalog
-from memstore.server.entries import Entry
+from memstore.server.engine.catalog import Catalog
+from memstore.server.engine.entries import Entry
 from memstore.v1.integrity import first_mismatch
 
 log = logging.getLogger(__name__)

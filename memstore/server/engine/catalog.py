@@ -29,7 +29,7 @@ from memstore.core.limits import room_by_dropping
 from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState, Stripe
 from memstore.core.retention import pressure_victims, retention_victims
 from memstore.errors import AlreadySaved, CapacityExceeded, LeaseError, QuotaExceeded, ShardNotFound, UnknownJob
-from memstore.server.entries import (
+from memstore.server.engine.entries import (
     ALLOCATE_LEASE_SECONDS,
     GONE_REMEMBERED,
     READ_LEASE_SECONDS,
@@ -39,8 +39,8 @@ from memstore.server.entries import (
     bind_problem,
     ensure,
 )
-from memstore.server.leftovers import Sidecars
-from memstore.server.segments import SegmentPool
+from memstore.server.memory.leftovers import Sidecars
+from memstore.server.memory.pool import SegmentPool
 from memstore.v1.integrity import ChunkChecksums
 from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import stripe_problem
@@ -77,7 +77,7 @@ class Catalog:
         self._in_flight = 0  # shards being checksummed or replicated
         self.stripes_settled = 0  # stripes settled or pulled in (not cached) so far: the assembler rescans when it moves
         self._repairs_in_flight = 0
-        self._fetching = 0  # restores pulling a shard now (repair waits for them: memstore.server.recovery)
+        self._fetching = 0  # restores pulling a shard now (repair waits for them: memstore.server.engine.recovery)
         self._saves_superseded = 0  # saves dropped before replication because a newer save of the same rank came
 
     # ---- counters and snapshots (read-only views for the store's reports)
@@ -125,7 +125,7 @@ class Catalog:
             or self._fetching > 0
         )
 
-    # ---- memory pressure (memstore.server.room asks)
+    # ---- memory pressure (memstore.server.engine.room asks)
 
     def drop_cached(self, key: ShardKey, quota: bool) -> bool:
         """Drop the oldest copy pulled ahead of a restore (of ``key``'s job only when its quota is the limit); False if none."""

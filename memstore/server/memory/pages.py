@@ -1,6 +1,6 @@
 """Faulting memory in ahead of need: populate mappings, ask for huge pages, give pages back.
 
-Used by the segment pool's reserve (``memstore.server.reserve``); every call here lets go of the GIL
+Used by the segment pool's reserve (``memstore.server.memory.reserve``); every call here lets go of the GIL
 for its system call, so a store's other threads keep serving while memory faults in.
 """
 

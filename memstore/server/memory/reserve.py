@@ -5,8 +5,8 @@ The first touch of fresh pages costs ~10x a copy into pre-faulted ones, so a bac
 faults segments in while the store serves. They never held any job's bytes (owner ``FRESH``), so any job may
 take one; the one handed out is resized to the shard: grown at once when it is a few pages short, trimmed on the
 thread, off the save's path, when it is larger. An allocation that needs the bytes being faulted in cancels that
-within one step (``memstore.server.pages.FAULT_STEP``). How much to keep, in what pieces: the policy
-(``memstore.core.reserve``).
+within one step (``memstore.server.memory.pages.FAULT_STEP``). How much to keep, in what pieces: the policy
+(``memstore.core.reserve_policy``).
 
 The reserve lives inside the segment pool's capacity and under its lock: ``Reserve`` is given the pool's
 Condition, and asks the pool, through ``Holdings``, for the capacity and the bytes the jobs hold. Methods said
@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from memstore.core.reserve import ReserveGoal, ReservePolicy
+from memstore.core.reserve_policy import ReserveGoal, ReservePolicy
 from memstore.core.sizes import format_size
-from memstore.server.pages import round_up
-from memstore.server.segment import Segment, SegmentMaker
+from memstore.server.memory.pages import round_up
+from memstore.server.memory.segment import Segment, SegmentMaker
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The records the store engine keeps (entries, leases, inbound transfers) and small checks they share.
 
-The catalog (``memstore.server.catalog``) holds them under its lock; the engine's other parts read their fields
+The catalog (``memstore.server.engine.catalog``) holds them under its lock; the engine's other parts read their fields
 and hand them back to the catalog's methods, which alone change them. The data channel's tickets refer to them
-(``memstore.server.tickets``).
+(``memstore.server.engine.tickets``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from memstore.core.model import Holding, Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, Stripe
 from memstore.errors import ChecksumMismatch, InvalidArgument
-from memstore.server.progress import CaptureProgress
-from memstore.server.segment import Segment
+from memstore.server.engine.progress import CaptureProgress
+from memstore.server.memory.segment import Segment
 from memstore.v1.integrity import SPILL_CODECS
 
 ALLOCATE_LEASE_SECONDS = 600.0  # a trainer that allocated but never committed (it crashed) frees the segment after this
@@ -45,9 +45,9 @@ class Entry:
     superseded: bool = False  # dropped before replication: a newer save of its rank came first (newest wins)
     allocated_at: float = field(default_factory=time.monotonic)  # when this entry was made (Allocate, or registration)
     taken_at: float = 0.0  # when the store took a client's save in (Commit, or its stream's end): replication starts
-    cached: bool = False  # pulled ahead of a restore (memstore.server.assembler): the first dropped under pressure
+    cached: bool = False  # pulled ahead of a restore (memstore.server.engine.assembler): the first dropped under pressure
     arrived_verified: float = 0.0  # monotonic time a pull landed with every chunk verified; the first Open soon after skips hashing
-    progress: CaptureProgress | None = None  # a capture pushed while its client writes it (memstore.server.progress)
+    progress: CaptureProgress | None = None  # a capture pushed while its client writes it (memstore.server.engine.progress)
     client_checksums: tuple[int, ...] | None = None  # its chunks' checksums as its client computed them (Commit): none to compute
 
     @property

@@ -20,14 +20,14 @@ from memstore.errors import (
     LeaseError,
 )
 from memstore.faults import fault
-from memstore.server.admission import Admission
-from memstore.server.catalog import Catalog
-from memstore.server.entries import Entry, Inbound, codec_problem, ensure, sender_error
+from memstore.server.engine.admission import Admission
+from memstore.server.engine.catalog import Catalog
+from memstore.server.engine.entries import Entry, Inbound, codec_problem, ensure, sender_error
+from memstore.server.engine.progress import CaptureProgress
+from memstore.server.engine.replication import Replicator
+from memstore.server.engine.room import Room
 from memstore.server.events import StoreEvents
-from memstore.server.progress import CaptureProgress
-from memstore.server.replication import Replicator
-from memstore.server.room import Room
-from memstore.server.segments import Segment, SegmentPool
+from memstore.server.memory.pool import Segment, SegmentPool
 from memstore.v1.integrity import MAX_CHUNKS_PER_SHARD, ChunkChecksums, chunk_count
 from memstore.v1.keys import capture_problem, host_id_problem, key_problem, metrics_problem
 from memstore.v1.streams import receive_chunks, shard_manifest_problem
@@ -139,7 +139,7 @@ class Saver:
 
         ``captured_bytes``: the client is still writing, its first ``captured_bytes`` bytes are final. The first such
         call takes the shard in and replication pushes what is final while the client copies the rest; later ones
-        move the mark on; the call without it ends the capture (``memstore.server.progress``).
+        move the mark on; the call without it ends the capture (``memstore.server.engine.progress``).
 
         An ahead lease (``allocate(ahead=True)``) needs ``key``, the shard it holds (same job and rank), and
         ``nbytes`` when the shard is smaller than the lease. ``capture``: what the client's copies cost it since its

@@ -20,8 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from memstore.server.catalog import Catalog
-from memstore.server.entries import Entry
+from memstore.server.engine.catalog import Catalog
+from memstore.server.engine.entries import Entry
 from memstore.v1.integrity import checksum, chunk_spans
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ from __future__ import annotations
 from memstore.config import StoreConfig
 from memstore.core.model import ShardKey
 from memstore.errors import CapacityExceeded, QuotaExceeded
-from memstore.server.catalog import Catalog
-from memstore.server.rings import AHEAD_POLL_SECONDS
-from memstore.server.segments import NO_RING, Segment, SegmentPool
+from memstore.server.engine.catalog import Catalog
+from memstore.server.memory.pool import NO_RING, Segment, SegmentPool
+from memstore.server.memory.rings import AHEAD_POLL_SECONDS
 
 
 class Room:

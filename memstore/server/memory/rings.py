@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from memstore.server.segment import Segment
+from memstore.server.memory.segment import Segment
 
 RING_SLACK = 1  # segments a ring may grow beyond its limit when saves outrun retention before it counts an overflow
 AHEAD_POLL_SECONDS = 0.25  # how long one reservation ahead waits in the store for retention to free a segment of its full ring

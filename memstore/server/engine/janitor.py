@@ -12,7 +12,7 @@ from memstore.core.floors import Floors
 from memstore.core.model import Holding
 from memstore.core.restorable import latest_replicated, latest_restorable, may_supersede, superseded_versions
 from memstore.core.retention import retention_victims
-from memstore.server.catalog import Catalog
+from memstore.server.engine.catalog import Catalog
 from memstore.spill.port import DurableTier
 
 log = logging.getLogger(__name__)

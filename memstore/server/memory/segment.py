@@ -1,8 +1,8 @@
 """One shared-memory segment: a mapped region of a file on the tmpfs (or anonymous memory) holding one shard,
 and ``SegmentMaker``, which makes them.
 
-``memstore.server.segments.SegmentPool`` recycles and accounts them; ``memstore.server.reserve.Reserve`` keeps
-fresh ones faulted in ahead of need; ``memstore.server.leftovers.Leftovers`` maps those a previous store left.
+``memstore.server.memory.pool.SegmentPool`` recycles and accounts them; ``memstore.server.memory.reserve.Reserve`` keeps
+fresh ones faulted in ahead of need; ``memstore.server.memory.leftovers.Leftovers`` maps those a previous store left.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from memstore.core.sizes import format_size
 from memstore.errors import CapacityExceeded
-from memstore.server.pages import MAP_FLAGS, fault_in, give_back
-from memstore.server.shm_dirs import SEGMENT_PREFIX, sidecar_path
+from memstore.server.memory.pages import MAP_FLAGS, fault_in, give_back
+from memstore.server.memory.shm_dirs import SEGMENT_PREFIX, sidecar_path
 from memstore.v1.pagefaults import address_of, populate_supported, populate_writable
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class SegmentMaker:
         return self._new_file(size, reserve_and_map)
 
     def create_cancellable(self, size: int, cancel: threading.Event) -> Segment:
-        """A fresh segment of ``size`` bytes faulted in step by step (``memstore.server.pages.fault_in``), raising
+        """A fresh segment of ``size`` bytes faulted in step by step (``memstore.server.memory.pages.fault_in``), raising
         InterruptedError as soon as ``cancel`` is set: the reserve's, which gives way to an allocation."""
         if self.directory is None:
             return Segment(None, size, fault_in(-1, size, cancel))

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 from memstore.core.model import ShardKey
 from memstore.errors import StoreError
-from memstore.server.catalog import Catalog
-from memstore.server.segments import SegmentPool
+from memstore.server.engine.catalog import Catalog
+from memstore.server.memory.pool import SegmentPool
 
 log = logging.getLogger(__name__)
 

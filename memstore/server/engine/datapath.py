@@ -1,4 +1,4 @@
-"""The bulk data channel: one-time tickets issued over gRPC, and the transfers they admit (``memstore.server.tickets``)."""
+"""The bulk data channel: one-time tickets issued over gRPC, and the transfers they admit (``memstore.server.engine.tickets``)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from memstore.config import StoreConfig
 from memstore.core.model import Manifest, ShardKey, TransferHeader
 from memstore.errors import DataChannelError, ShardNotFound
 from memstore.faults import fault
-from memstore.server.catalog import Catalog
-from memstore.server.entries import sender_error
-from memstore.server.saving import Saver
-from memstore.server.tickets import Ticket, Tickets
+from memstore.server.engine.catalog import Catalog
+from memstore.server.engine.entries import sender_error
+from memstore.server.engine.saving import Saver
+from memstore.server.engine.tickets import Ticket, Tickets
 from memstore.v1.datachannel import (
     TICKET_BYTES,
     Parts,

@@ -25,12 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from memstore.config import StoreConfig
 from memstore.core.model import PutOrigin, ShardKey, TransferHeader
 from memstore.errors import StoreError
-from memstore.server.catalog import Catalog
-from memstore.server.entries import Entry
+from memstore.server.engine.catalog import Catalog
+from memstore.server.engine.entries import Entry
+from memstore.server.engine.recovery import durable_holdings
+from memstore.server.engine.replication import push_copy
 from memstore.server.membership import Membership
 from memstore.server.peers import PeerDirectory
-from memstore.server.recovery import durable_holdings
-from memstore.server.replication import push_copy
 from memstore.spill.port import DurableTier
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The data channel's one-time tickets: what each 16-byte ticket issued over gRPC admits on a data connection.
 
-``DataPath`` (``memstore.server.datapath``) owns the one ``Tickets`` of a store: it issues a ticket per stream of a
+``DataPath`` (``memstore.server.engine.datapath``) owns the one ``Tickets`` of a store: it issues a ticket per stream of a
 transfer (``PrepareReceive``, ``PrepareSend``), takes it back when a data connection presents it, and releases what
 the tickets nobody used before their deadline held (the janitor asks it to, ``DataPath.expire_tickets``).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from memstore.server.entries import Entry, Inbound
+from memstore.server.engine.entries import Entry, Inbound
 from memstore.v1.datachannel import Parts
 
 

@@ -1,9 +1,9 @@
 """A store's segment directory on the tmpfs: its name, its lock, and orphans that no running store holds.
 
 Files of one store live in ``<shm_dir>/<host_id>-<port>/`` (``segment_dir``), locked by ``.lock``
-(``flock``) while the store runs (``claim``, by ``memstore.server.segments.SegmentPool``). A directory whose
+(``flock``) while the store runs (``claim``, by ``memstore.server.memory.pool.SegmentPool``). A directory whose
 ``.lock`` nobody holds belongs to no running store: an *orphan* (``orphaned_dirs``). A starting store takes
-over its predecessor's orphan (``taken_over``: memstore.server.shm_sweep adopts its verified segments) and
+over its predecessor's orphan (``taken_over``: memstore.server.memory.shm_sweep adopts its verified segments) and
 reclaims the others after a grace period (``reclaim_dir``); ``memstore reclaim-shm`` (``reclaim_orphans``)
 removes them all at once by hand.
 """

@@ -6,7 +6,7 @@ makes that save stall for it. The *reserve* is memory faulted in ahead of need: 
 held any job's bytes, handed to whichever shard (a trainer's save, a peer's replica, a repair) needs one
 next, and refilled in the background.
 
-Pure policy; the engine (``memstore.server.reserve.Reserve``, in ``SegmentPool``) holds the segments, does the
+Pure policy; the engine (``memstore.server.memory.reserve.Reserve``, in ``SegmentPool``) holds the segments, does the
 faulting and keeps every reserved byte inside ``--capacity``.
 
 - ``prefault=None`` (``--prefault auto``, the default): nothing at start-up, unless the store replaces a host

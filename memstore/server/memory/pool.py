@@ -11,13 +11,13 @@ segment it handed out, so it can account them exactly and remove all of them whe
 
 The pool has three collaborators, each in its own module, all sharing its lock where they touch its counts:
 
-- ``memstore.server.segment.SegmentMaker`` makes segments (files ``seg-<pid>-<n>-<hex>``, or anonymous memory);
-- ``memstore.server.reserve.Reserve`` (``--prefault``, policy in ``memstore.core.reserve``): fresh segments
+- ``memstore.server.memory.segment.SegmentMaker`` makes segments (files ``seg-<pid>-<n>-<hex>``, or anonymous memory);
+- ``memstore.server.memory.reserve.Reserve`` (``--prefault``, policy in ``memstore.core.reserve_policy``): fresh segments
   faulted in by a background thread before any shard needs them, handed to whichever job saves or receives next;
-- ``memstore.server.leftovers.Leftovers``: what a previous store of the directory left, adopted or deleted.
+- ``memstore.server.memory.leftovers.Leftovers``: what a previous store of the directory left, adopted or deleted.
 
 Files of one store live in ``<shm_dir>/<host_id>-<port>/`` (``segment_dir``), locked by ``.lock``
-(``flock``, ``memstore.server.shm_dirs.claim``) while the store runs:
+(``flock``, ``memstore.server.memory.shm_dirs.claim``) while the store runs:
 
 - ``seg-...``: a segment; ``meta-seg-...``: its sidecar, an opaque description written by the engine once the
   segment holds a verified shard (``describe``); ``meta-seg-....tmp-<hex>``: a sidecar being written.
@@ -28,7 +28,7 @@ Files of one store live in ``<shm_dir>/<host_id>-<port>/`` (``segment_dir``), lo
   accepts and deletes the rest (should ``adopt`` never come, the first ``acquire`` deletes them all: a store
   that does not adopt never serves stale segments).
 - A directory whose ``.lock`` nobody holds belongs to no running store: an *orphan*
-  (``memstore.server.shm_dirs``).
+  (``memstore.server.memory.shm_dirs``).
 """
 
 from __future__ import annotations
@@ -44,16 +44,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from memstore.core.limits import over_limit
-from memstore.core.reserve import ReservePolicy
+from memstore.core.reserve_policy import ReservePolicy
 from memstore.core.sizes import format_size
 from memstore.core.status import Orphan
 from memstore.errors import CapacityExceeded, QuotaExceeded, RingBusy
-from memstore.server.leftovers import Check, Leftovers, adopt_dead_dir, write_sidecar
-from memstore.server.pages import PAGE, round_up
-from memstore.server.reserve import CANCEL_WAIT_SECONDS, FRESH, Reserve
-from memstore.server.rings import RING_SLACK, ring_limit, ring_members, ring_order
-from memstore.server.segment import NO_RING, Segment, SegmentMaker
-from memstore.server.shm_dirs import claim, orphaned_dirs, sidecar_path
+from memstore.server.memory.leftovers import Check, Leftovers, adopt_dead_dir, write_sidecar
+from memstore.server.memory.pages import PAGE, round_up
+from memstore.server.memory.reserve import CANCEL_WAIT_SECONDS, FRESH, Reserve
+from memstore.server.memory.rings import RING_SLACK, ring_limit, ring_members, ring_order
+from memstore.server.memory.segment import NO_RING, Segment, SegmentMaker
+from memstore.server.memory.shm_dirs import claim, orphaned_dirs, sidecar_path
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class SegmentPool:
         """Claim ``directory`` (None: anonymous memory). What a previous store of the directory left there
         is deleted now, or with ``adopt_leftovers`` kept for ``adopt()``, which must then come next (if it
         does not, the first ``acquire`` deletes the leftovers). ``reserve``: how much fresh memory to keep
-        faulted in ahead of need (``memstore.core.reserve``), once ``start_reserve`` runs; None: none."""
+        faulted in ahead of need (``memstore.core.reserve_policy``), once ``start_reserve`` runs; None: none."""
         self.capacity = capacity
         self.max_pooled_bytes = capacity if max_pooled_bytes is None else max_pooled_bytes
         # close() with keep_files=None reads this: set by the server from --shm-keep-on-exit before it closes the engine.
@@ -121,7 +121,7 @@ class SegmentPool:
             if not adopt_leftovers:
                 self.leftovers.settle(None, self)
 
-    # -- adoption (memstore.server.leftovers) -------------------------------------------------
+    # -- adoption (memstore.server.memory.leftovers) -------------------------------------------------
     def adopt(self, check: Check) -> list[tuple[Segment, bytes]]:
         """Take over the segments a previous store of this directory left behind (it was SIGKILLed, or
         exited with ``keep_files``). Call once, right after constructing the pool with
@@ -252,7 +252,7 @@ class SegmentPool:
             return []
         return orphaned_dirs(str(self.directory.parent))
 
-    # -- the reserve (memstore.server.reserve) ------------------------------------------------
+    # -- the reserve (memstore.server.memory.reserve) ------------------------------------------------
     @property
     def reserve_bytes(self) -> int:
         """Fresh, pre-faulted bytes ready for the next shard (pooled), plus those being faulted in now."""

@@ -7,7 +7,7 @@ exited with ``keep_files``, the next store of its directory (same ``--host-id`` 
 segments: ``Leftovers.settle`` adopts, once, those with a sidecar that the engine's check accepts (newest first,
 as many as fit in the capacity) and deletes everything else the pool does not hold. A store that does not adopt
 deletes them all, so it never serves stale segments. ``adopt_dead_dir`` does the same with the directory of
-a dead predecessor under another host id (memstore.server.shm_sweep), moving what it keeps into the store's own.
+a dead predecessor under another host id (memstore.server.memory.shm_sweep), moving what it keeps into the store's own.
 
 The pool holds what is adopted; ``Leftovers`` asks it, through ``SegmentHolder``, for room and the names of the
 files it holds.
@@ -33,9 +33,9 @@ from typing import Protocol
 from memstore.core.model import ShardInfo, ShardKey, ShardState
 from memstore.core.sizes import format_size
 from memstore.server.convert import sidecar_bytes, sidecar_info
-from memstore.server.entries import Entry
-from memstore.server.segment import Segment, SegmentMaker
-from memstore.server.shm_dirs import LOCK_NAME, TMP_INFIX, delete_except, described_segments, sidecar_path, taken_over
+from memstore.server.engine.entries import Entry
+from memstore.server.memory.segment import Segment, SegmentMaker
+from memstore.server.memory.shm_dirs import LOCK_NAME, TMP_INFIX, delete_except, described_segments, sidecar_path, taken_over
 from memstore.v1.integrity import first_mismatch
 from memstore.v1.keys import key_problem
 from memstore.v1.streams import manifest_problem, stripe_problem
@@ -200,7 +200,7 @@ def _move(seg: Segment, into: Path) -> bool:
 
 
 class SidecarPool(Protocol):
-    """What the engine's side asks of the segment pool (``memstore.server.segments.SegmentPool``)."""
+    """What the engine's side asks of the segment pool (``memstore.server.memory.pool.SegmentPool``)."""
 
     def describe(self, seg: Segment, meta: bytes) -> None:
         """Write ``meta`` as ``seg``'s sidecar (logged, not raised, when it cannot)."""
@@ -220,7 +220,7 @@ class SidecarPool(Protocol):
 
 
 class AdoptingCatalog(Protocol):
-    """What adoption asks of the catalog (``memstore.server.catalog.Catalog``; each call takes its lock)."""
+    """What adoption asks of the catalog (``memstore.server.engine.catalog.Catalog``; each call takes its lock)."""
 
     def get(self, key: ShardKey) -> Entry | None:
         """The copy of ``key`` held, if any."""

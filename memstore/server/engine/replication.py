@@ -12,19 +12,19 @@ from dataclasses import replace
 from memstore.config import StoreConfig
 from memstore.core.floors import Floors
 from memstore.core.model import Manifest, PutOrigin, ShardState, TransferHeader
-from memstore.core.reserve import MIN_UNIT
+from memstore.core.reserve_policy import MIN_UNIT
 from memstore.errors import (
     CaptureAbandoned,
     DataChannelUnsupported,
     StoreError,
 )
 from memstore.faults import fault
-from memstore.server.catalog import Catalog
-from memstore.server.entries import Entry
+from memstore.server.engine.catalog import Catalog
+from memstore.server.engine.entries import Entry
+from memstore.server.engine.progress import CaptureProgress
 from memstore.server.events import StoreEvents
 from memstore.server.membership import Membership
 from memstore.server.peers import PeerDirectory
-from memstore.server.progress import CaptureProgress
 from memstore.v1.datachannel import stream_count
 from memstore.v1.integrity import StreamedChecksums, chunk_count, compute_checksums
 

@@ -29,13 +29,13 @@ from memstore.errors import (
     UnknownJob,
 )
 from memstore.faults import fault
-from memstore.server.catalog import Catalog
-from memstore.server.entries import Entry, ensure, holdings_of
+from memstore.server.engine.catalog import Catalog
+from memstore.server.engine.entries import Entry, ensure, holdings_of
+from memstore.server.engine.room import Room
 from memstore.server.events import StoreEvents, pull_source
 from memstore.server.membership import ClusterView, Membership
+from memstore.server.memory.pool import Segment
 from memstore.server.peers import PeerDirectory
-from memstore.server.room import Room
-from memstore.server.segments import Segment
 from memstore.spill.layout import SpilledManifest
 from memstore.spill.port import DurableTier
 from memstore.v1.integrity import first_mismatch
@@ -176,7 +176,7 @@ class Recovery:
         return candidates
 
     def pull_ahead(self, key: ShardKey) -> str:
-        """Pull ``key`` from a peer into spare room as a cached copy (``memstore.server.assembler``): never from the durable
+        """Pull ``key`` from a peer into spare room as a cached copy (``memstore.server.engine.assembler``): never from the durable
         tier, never evicting anything for it. Returns the peer's id; ShardNotFound while no peer holds it yet."""
         candidates = [host for host in self._sources(key, durable_known=False) if host != "durable"]
         if not candidates:

@@ -34,7 +34,7 @@ from memstore.core.model import ShardKey
 from memstore.core.sizes import format_size
 from memstore.core.status import Orphan
 from memstore.server.convert import sidecar_info
-from memstore.server.shm_dirs import described_segments, orphaned_dirs, reclaim_dir, sidecar_path
+from memstore.server.memory.shm_dirs import described_segments, orphaned_dirs, reclaim_dir, sidecar_path
 
 log = logging.getLogger(__name__)
 

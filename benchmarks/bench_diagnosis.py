@@ -1,4 +1,4 @@
-"""Why replication runs below raw TCP: gRPC-Python streaming of the same bytes, beside the raw TCP floor.
+"""Why replication runs below raw TCP: gRPC-Python streaming of the same bytes, beside the raw TCP baseline.
 
     python benchmarks/bench_diagnosis.py run.json        # adds "diagnosis" to what `memstore bench --json run.json` wrote
     python benchmarks/bench_diagnosis.py --size 256MiB   # prints it alone
@@ -6,7 +6,7 @@
 A child process streams the bench's state size to a gRPC server in this process in 4 MiB messages, with memstore's
 channel and server options: raw ``bytes`` messages (the least gRPC-Python allows: one ``bytes()`` copy per chunk), and
 ``PutRequest(chunk=...)`` protobuf messages as replication over gRPC sends them. Each is timed on the receiver from the
-first message to the last and given as a fraction of raw TCP (``memstore.bench.floors.floor_tcp``) measured alongside.
+first message to the last and given as a fraction of raw TCP (``memstore.bench.baselines.baseline_tcp``) measured alongside.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memstore.bench.floors import CHUNK, FLOOR_TIMEOUT, floor_tcp
+from memstore.bench.baselines import BASELINE_TIMEOUT, CHUNK, baseline_tcp
 from memstore.bench.state import module_env
 from memstore.core.sizes import parse_size
 
@@ -49,7 +49,7 @@ def send(port: int, nbytes: int, reps: int, mode: str) -> None:
     ch.close()
 
 
-def floor_grpc(nbytes: int, mode: str, reps: int = REPS) -> dict[str, Any]:
+def baseline_grpc(nbytes: int, mode: str, reps: int = REPS) -> dict[str, Any]:
     """Receive ``reps`` streams of ``nbytes`` from a child, copying each chunk into a pre-faulted buffer."""
     import grpc
 
@@ -76,20 +76,20 @@ def floor_grpc(nbytes: int, mode: str, reps: int = REPS) -> dict[str, Any]:
     server.start()
     try:
         argv = [sys.executable, __file__, "--send", str(port), str(nbytes), str(reps), mode]
-        proc = subprocess.run(argv, capture_output=True, timeout=FLOOR_TIMEOUT, env=module_env(), check=False)
+        proc = subprocess.run(argv, capture_output=True, timeout=BASELINE_TIMEOUT, env=module_env(), check=False)
     finally:
         server.stop(1).wait(5)
     if proc.returncode != 0 or len(times) != reps:
-        raise RuntimeError(f"gRPC floor ({mode}) failed: rc={proc.returncode} {proc.stderr.decode(errors='replace')[-2000:]}")
+        raise RuntimeError(f"gRPC baseline ({mode}) failed: rc={proc.returncode} {proc.stderr.decode(errors='replace')[-2000:]}")
     rates = [nbytes / t for t in times]
     return {"mode": mode, "bytes": nbytes, "message_bytes": CHUNK, "bytes_per_second": rates, "p50": statistics.median(rates)}
 
 
 def diagnose(nbytes: int) -> dict[str, Any]:
-    tcp = floor_tcp(nbytes)
+    tcp = baseline_tcp(nbytes)
     out: dict[str, Any] = {"tcp": tcp}
     for mode in ("bytes", "protobuf"):
-        out[f"grpc_{mode}"] = grpc = floor_grpc(nbytes, mode)
+        out[f"grpc_{mode}"] = grpc = baseline_grpc(nbytes, mode)
         out[f"grpc_{mode}_over_tcp"] = grpc["p50"] / tcp["p50"]
     return out
 

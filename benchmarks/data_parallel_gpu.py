@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_capture import Transformer
 
-from memstore.devtools.cluster import LocalCluster
+from memstore.testing import LocalCluster
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from trainer_client import CheckpointClient, Connection, serialization

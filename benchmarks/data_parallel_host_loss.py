@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from memstore.bench.state import make_state
-from memstore.devtools.cluster import LocalCluster
+from memstore.testing import LocalCluster
 from trainer_client import CheckpointClient, Connection
 
 PATHS = (("no replica group", None), ("replica group", [0, 1, 2, 3]))

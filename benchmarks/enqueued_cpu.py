@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from memstore.core.sizes import parse_size
-from memstore.devtools.cluster import LocalCluster
+from memstore.testing import LocalCluster
 from trainer_client import CheckpointClient, Connection
 
 

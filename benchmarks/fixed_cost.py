@@ -15,7 +15,7 @@ import time
 import torch
 
 from memstore.core.sizes import parse_size
-from memstore.devtools.cluster import LocalCluster
+from memstore.testing import LocalCluster
 from trainer_client import CheckpointClient, Connection
 
 

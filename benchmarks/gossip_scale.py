@@ -3,7 +3,7 @@
     python benchmarks/gossip_scale.py [--hosts 16,32] [--window 10] [--json PATH]
 
 For each host count, starts that many stores on 127.0.0.1, each following a peers file of its own
-(``memstore.devtools.scale.run_gossip``): the Hellos served right after joining (each store's join round asks
+(``tools.scale.run_gossip``): the Hellos served right after joining (each store's join round asks
 every member), the idle Hello rate per store over ``--window`` seconds once joining settled, and the seconds
 (and gossip rounds of --discovery-interval 0.5 s) from one store applying a membership change that only its own
 peers file shows until every store holds the new slot table, with the model's rounds
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from memstore.devtools import scale
+from tools import scale
 
 
 def main() -> None:

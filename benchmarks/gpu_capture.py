@@ -48,9 +48,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from memstore.children import child_env, die_with_parent
 from memstore.core.sizes import parse_size
-from memstore.devtools.children import child_env, die_with_parent
-from memstore.devtools.cluster import LocalCluster
+from memstore.testing import LocalCluster
 from trainer_client import CheckpointClient, Connection
 from trainer_client.errors import NotFoundError
 

@@ -1,6 +1,6 @@
 """Time one store replacement (drain, new pod start, Ready) at two state sizes, the way the rolling test does it.
 
-Three stores run as pods on loopback IPs behind a real DNS server (memstore/devtools/dns_server.py), with R=2. Three
+Three stores run as pods on loopback IPs behind a real DNS server (tools/dns_server.py), with R=2. Three
 ranks save two steps. Then node 0's store is drained and replaced by a new pod, with a new IP and a new
 host id. For each size, one JSON line gives: the drain time, new pod start to holding the slot, start to
 Ready (repair done), and the bytes the new store repaired.
@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.harness
 
 import torch
 
-from memstore.devtools.cluster import wait_for
-from memstore.devtools.dns_server import DnsServer
+from memstore.testing import wait_for
 from tests.harness.pods import Pods
+from tools.dns_server import DnsServer
 from trainer_client import CheckpointClient, Connection
 
 NODES = 3

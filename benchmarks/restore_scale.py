@@ -3,7 +3,7 @@
     python benchmarks/restore_scale.py [--hosts 8,16,32] [--ranks-per-host 1] [--json PATH]
 
 For each host count, starts that many stores on 127.0.0.1 (R=2, 64 MiB each) and runs the scenario of
-``memstore.devtools.scale``: every rank saves two steps, then calls latest_step() at once without and with a
+``tools.scale``: every rank saves two steps, then calls latest_step() at once without and with a
 process group, then restores at once after one host was replaced, without and with a group. Calls are
 counted on the stores (their Prometheus counters); gossip and health checks are reported apart.
 """
@@ -14,7 +14,7 @@ import argparse
 import json
 import math
 
-from memstore.devtools import scale
+from tools import scale
 
 PHASES = ("save", "latest_step", "latest_step_group", "restore", "restore_group")
 

@@ -3,7 +3,7 @@
     python benchmarks/save_scale.py [--hosts 8,16,32] [--measured 3] [--json PATH]
 
 For each host count, starts that many stores on 127.0.0.1 (R=2, --keep 2, 64 MiB each) twice and runs the scenario
-of ``memstore.devtools.save_scale``: one rank per host saves --keep steps, then --measured more, each beyond
+of ``tools.save_scale``: one rank per host saves --keep steps, then --measured more, each beyond
 --keep; ranks are processes of one gloo job (as ``torchrun`` starts them). Once with the clients built as the quick
 start shows (no ``group=``: they agree over the job's default group, the ranks' restorable floor) and once with
 ``group=False`` (each store lists every store before it evicts). Calls are counted on the stores (their Prometheus
@@ -16,7 +16,7 @@ import argparse
 import json
 import math
 
-from memstore.devtools import save_scale
+from tools import save_scale
 
 
 def main() -> None:

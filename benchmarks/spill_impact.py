@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from memstore.devtools.cluster import LocalCluster, free_ports
+from memstore.testing import LocalCluster, free_ports
 
 
 @dataclass

@@ -13,7 +13,9 @@
 - nothing but the command line's own modules and ``memstore.__main__`` imports ``memstore.cli`` (:func:`cli_imports`),
   and no two pieces under a root import each other, even through different modules (:func:`package_cycles`);
 - no cross-module private imports (:func:`private_imports`);
-- the trainer side imports only the store's contract from ``memstore`` (:func:`trainer_imports`).
+- the trainer side imports only the store's contract from ``memstore`` (:func:`trainer_imports`);
+- the product (``memstore``, ``trainer_client``: what the wheel ships) never imports the lab in ``tools/``, the tests,
+  the benchmarks, the scripts or the examples, which run from a checkout (:func:`lab_imports`).
 
     python scripts/check_structure.py
 """
@@ -54,7 +56,8 @@ def imports(path: Path, known: set[str]) -> set[str]:
     return out
 
 
-PACKAGES = ["memstore", "trainer_client"]
+PRODUCT = ("memstore", "trainer_client")  # what the wheel ships
+PACKAGES = [*PRODUCT, "tools"]  # every rule but lab_imports covers the lab too
 MAX_LINES = 800
 FORBIDDEN = {  # importer prefix -> imported prefixes it must not use
     "memstore.server": ("trainer_client", "memstore.interop"),
@@ -193,7 +196,7 @@ def inheritance(files: list[Path]) -> list[str]:
     return problems
 
 
-FIRST_PARTY = ("memstore", "trainer_client", "benchmarks", "examples")
+FIRST_PARTY = ("memstore", "trainer_client", "tools", "benchmarks", "examples")
 
 
 def _private(name: str) -> bool:
@@ -226,7 +229,7 @@ def private_imports(files: list[Path]) -> list[str]:
     A leading underscore says "only this module uses it"; a second module importing it makes the name part of
     an interface nobody declared, so give it a public name in a module whose job it is (a subpackage's
     ``__init__`` can say the whole subpackage is internal). Covers ``memstore``, ``trainer_client``,
-    ``benchmarks`` and ``examples``; tests may reach into privates. Private names of other libraries (torch's
+    ``tools``, ``benchmarks`` and ``examples``; tests may reach into privates. Private names of other libraries (torch's
     ``_StorageInfo``, which DCP's file layout needs; ``ray._private``) are outside this rule: not ours to rename.
     """
     problems = []
@@ -267,6 +270,22 @@ def trainer_imports(files: list[Path]) -> list[str]:
                     f"trainer_client may import only {', '.join(TRAINER_MAY_IMPORT)} from memstore"
                 )
     return problems
+
+
+CHECKOUT_ONLY = ("tools", "tests", "benchmarks", "scripts", "examples")  # top-level packages of the repository the wheel leaves out
+
+
+def lab_imports(files: list[Path]) -> list[str]:
+    """Imports of a checkout-only package (:data:`CHECKOUT_ONLY`) by a module of the product, which an installed wheel
+    could not satisfy: what the product runs (``memstore demo``, ``LocalCluster``) lives in the product."""
+    return [
+        f"{path.relative_to(ROOT)}:{line}: imports {module}: the wheel ships {' and '.join(PRODUCT)} only; "
+        f"{module.split('.')[0]}/ stays in the checkout"
+        for path in files
+        if module_name(path).split(".")[0] in PRODUCT
+        for line, module, _ in _imported(path)
+        if module.split(".")[0] in CHECKOUT_ONLY
+    ]
 
 
 def private_import_files() -> list[Path]:
@@ -319,7 +338,7 @@ def main() -> int:
     problems += package_cycles(graph)
     problems += misplaced_imports(files) + oversized(files)
     problems += inheritance(files)
-    problems += private_imports(private_import_files()) + trainer_imports(files)
+    problems += private_imports(private_import_files()) + trainer_imports(files) + lab_imports(files)
     for problem in problems:
         print(problem)
     return 1 if problems else 0

@@ -8,10 +8,10 @@ from typing import Any, TypeVar
 
 import pytest
 
-from memstore.devtools.cluster import LocalCluster
-from memstore.devtools.s3_server import MotoServer
+from memstore.testing import LocalCluster
 from tests.harness.fake_cuda import FakeCudaRuntime
 from tests.harness.inprocess import InProcessCluster
+from tools.s3_server import MotoServer
 from trainer_client.capture import cuda
 
 C = TypeVar("C", bound=LocalCluster)
@@ -38,8 +38,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture
 def dns_server() -> Iterator[Any]:
-    """A real DNS server on 127.0.0.1 whose records the test sets (memstore/devtools/dns_server.py), for --discovery dns://."""
-    from memstore.devtools.dns_server import DnsServer
+    """A real DNS server on 127.0.0.1 whose records the test sets (tools/dns_server.py), for --discovery dns://."""
+    from tools.dns_server import DnsServer
 
     server = DnsServer()
     try:
@@ -84,7 +84,7 @@ def make_inprocess_cluster(tmp_path) -> Iterator[Callable[..., InProcessCluster]
 
 @pytest.fixture
 def moto(tmp_path) -> Iterator[MotoServer]:  # type: ignore[no-untyped-def]
-    """A real S3-compatible server (moto, memstore/devtools/s3_server.py) on 127.0.0.1 with a bucket "ckpt"."""
+    """A real S3-compatible server (moto, tools/s3_server.py) on 127.0.0.1 with a bucket "ckpt"."""
     server = MotoServer(tmp_path)
     server.start()
     try:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from memstore.bench.rig import RestoreProcess
 from memstore.bench.state import module_env
-from memstore.bench.stores import RestoreProcess
 
 HOSTS, REPLICAS = 2, 2
 

@@ -65,7 +65,7 @@ class DcpSystem:
         return f"torch {torch.__version__}"
 
     def unavailable(self) -> str | None:
-        from memstore.bench.floors_dcp import detect_dcp
+        from memstore.bench.baselines_dcp import detect_dcp
 
         api = detect_dcp()
         if isinstance(api, str):

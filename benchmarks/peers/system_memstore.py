@@ -1,4 +1,4 @@
-"""memstore: 2 stores on 127.0.0.1 (``memstore bench``'s :func:`~memstore.bench.stores.start_cluster`, R=2); the
+"""memstore: 2 stores on 127.0.0.1 (``memstore bench``'s :func:`~memstore.bench.rig.start_cluster`, R=2); the
 trainer saves to its host's store (h0) with ``CheckpointClient.save`` (``capture="copied"``). Stall: until save()
 returns; survives a host loss: ``handle.wait()`` (both copies committed). Restores: ``memstore bench``'s own, in a new
 process: ``load()`` from h0 after a trainer crash; SIGKILL h0 (its RAM gone), start its empty replacement and
@@ -31,7 +31,7 @@ class MemstoreSystem:
         return None
 
     def start(self, ctx: Context) -> None:
-        from memstore.bench.stores import start_cluster, wait_idle
+        from memstore.bench.rig import start_cluster, wait_idle
         from trainer_client import CheckpointClient, Connection
 
         self.ctx = ctx
@@ -44,7 +44,7 @@ class MemstoreSystem:
 
     def wait_durable(self, token: Any) -> dict[str, Any]:
         from memstore.bench.measure import commit_timeout
-        from memstore.bench.stores import wait_settled
+        from memstore.bench.rig import wait_settled
 
         assert self.ctx is not None
         result = token.wait(timeout=commit_timeout(self.ctx.nbytes))

@@ -97,7 +97,7 @@ class MlFlashpointSystem:
 
     def join(self) -> list[dict[str, Any]]:
         """Both ranks, fresh processes on their hosts, in a new job: their answers to init."""
-        from memstore.devtools.cluster import free_ports
+        from memstore.testing import free_ports
 
         assert self.ctx is not None
         self.end_ranks()

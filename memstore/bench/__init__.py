@@ -1,12 +1,12 @@
-"""``memstore bench``: memstore's save stall, replication and restores as ratios over floors measured in the same run.
+"""``memstore bench``: memstore's save stall, replication and restores as ratios over baselines measured in the same run.
 
 One run, one state size (default 1 GiB of float32 state on one rank), on freshly started local stores (2 hosts, R=2):
 
-* floors (:mod:`~memstore.bench.floors`, :mod:`~memstore.bench.floors_dcp`): a memcpy into pre-faulted memory, raw
+* baselines (:mod:`~memstore.bench.baselines`, :mod:`~memstore.bench.baselines_dcp`): a memcpy into pre-faulted memory, raw
   TCP between two Python processes on loopback, ``torch.save`` + fsync / ``torch.load``, DCP ``async_save``;
 * saves (:mod:`~memstore.bench.measure`): save 1 of a fresh job, the later saves and the steady state, each paired
   with a memcpy of the same bytes right before it; the small saves of a 1 MiB state;
-* restores, each in a new process (:mod:`~memstore.bench.stores`): from local RAM after a trainer crash, from peer
+* restores, each in a new process (:mod:`~memstore.bench.rig`): from local RAM after a trainer crash, from peer
   RAM after a host loss;
 * data parallelism (:mod:`~memstore.bench.data_parallel`, ``--dp-size``): D = 1, 2, 4 ranks of one state on 4 other
   stores, each saving its whole state (today) or a 1/D stripe (a replica group): stall, bytes captured, RAM, restores;
@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=int, default=2, help="steps each store keeps (default 2); saves 2..keep+2 are the early saves")
     p.add_argument("--saves", type=int, default=None, help="steady saves after save 1 and the early saves (default 5; --quick 2)")
     p.add_argument(
-        "--restores", type=int, default=None, help="repetitions of each restore, the disk/DCP floors, DP saves (default 3; --quick 1)"
+        "--restores", type=int, default=None, help="repetitions of each restore, the disk/DCP baselines, DP saves (default 3; --quick 1)"
     )
     p.add_argument(
         "--small-saves", type=int, default=None, help="saves of the 1 MiB state after its first (default 30; --quick 5; 0: skip)"
@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="64MiB, 2 steady saves, 1 restore, 5 small saves, 16MiB DP (smoke test)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write every raw number, ratio and target here")
-    p.add_argument("--disk-dir", default=None, help="directory on local disk for the torch.save and DCP floors (default: the temp dir)")
+    p.add_argument("--disk-dir", default=None, help="directory on local disk for the torch.save and DCP baselines (default: the temp dir)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random state")
     p.add_argument("--data-plane", choices=("tcp", "grpc"), default=None, help="passed to the stores (how replicas and pulls travel)")
     p.add_argument("--prefault", type=_prefault, default=None, metavar="SIZE|auto", help="passed to the stores as MEMSTORE_PREFAULT")
@@ -133,7 +133,7 @@ def machine(shm_dir: str = "/dev/shm") -> dict[str, Any]:
 
     import torch
 
-    from memstore.server.shm_pages import shm_pages
+    from memstore.server.memory.shm_pages import shm_pages
     from trainer_client.knobs import save_switches
 
     pages = shm_pages(shm_dir)
@@ -145,24 +145,24 @@ def machine(shm_dir: str = "/dev/shm") -> dict[str, Any]:
 
 
 def measure_all(config: dict[str, Any]) -> dict[str, Any]:
-    """The whole run: the floors, then the saves, small saves and restores on fresh stores; the run's document."""
-    from memstore.bench.floors import floor_disk, floor_hash, floor_memcpy, floor_tcp
-    from memstore.bench.floors_dcp import floor_dcp
+    """The whole run: the baselines, then the saves, small saves and restores on fresh stores; the run's document."""
+    from memstore.bench.baselines import baseline_disk, baseline_hash, baseline_memcpy, baseline_tcp
+    from memstore.bench.baselines_dcp import baseline_dcp
     from memstore.bench.measure import measure_prepared_first_save, measure_restores, measure_saves, measure_small_saves
+    from memstore.bench.rig import RamSampler, idle_ram, ram_fields, running, start_cluster
     from memstore.bench.state import LAYOUT, make_state, nbytes_of, tensors_of
-    from memstore.bench.stores import RamSampler, idle_ram, ram_fields, running, start_cluster
 
     size, reps = config["size"], config["restores"]
     say(f"generating {size} bytes of state")
     state = make_state(size, config["seed"])
     tensors = tensors_of(state)
-    shard_bytes = nbytes_of(tensors)  # the shard's header adds a few KiB: negligible next to the floors' noise
+    shard_bytes = nbytes_of(tensors)  # the shard's header adds a few KiB: negligible next to the baselines' noise
     doc: dict[str, Any] = {"config": config, "machine": machine(config["shm_dir"])}
     doc["state"] = {"bytes": nbytes_of(tensors), "shard_bytes": shard_bytes, "tensors": len(tensors), "layout": LAYOUT}
     say("floors: memcpy, raw TCP, the store's verification, torch.save + fsync / torch.load, DCP async_save")
     doc["floors"] = {
-        "memcpy": floor_memcpy(tensors), "tcp": floor_tcp(shard_bytes), "hash": floor_hash(shard_bytes),
-        "disk": floor_disk(state, config["disk_dir"], reps), "dcp": floor_dcp(state, config["disk_dir"], reps),
+        "memcpy": baseline_memcpy(tensors), "tcp": baseline_tcp(shard_bytes), "hash": baseline_hash(shard_bytes),
+        "disk": baseline_disk(state, config["disk_dir"], reps), "dcp": baseline_dcp(state, config["disk_dir"], reps),
     }  # fmt: skip
     say(f"starting {config['hosts']} stores, R={config['replicas']}")
     cluster = start_cluster(
@@ -192,7 +192,7 @@ def measure_all(config: dict[str, Any]) -> dict[str, Any]:
     )
     with running(cluster):
         doc["prepared"] = measure_prepared_first_save(cluster, f"{JOB}-prepared", state, config["keep"])
-    from memstore.bench.streams import measure_streams
+    from memstore.bench.parallel_streams import measure_streams
 
     say("one shard pushed store to store on 1, 2 and 4 parallel streams")
     doc["streams"] = measure_streams(shard_bytes, reps, config["store_env"], config["shm_dir"])

@@ -32,11 +32,11 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from memstore.bench.measure import Series, one_save
+from memstore.bench.rig import SHM_ROOT, running, start_cluster, store_rpc, wait_idle, wait_settled
 from memstore.bench.state import MiB, fingerprint, p50, tensors_of
-from memstore.bench.stores import SHM_ROOT, running, start_cluster, store_rpc, wait_idle, wait_settled
 
 if TYPE_CHECKING:
-    from memstore.devtools.cluster import LocalCluster
+    from memstore.testing import LocalCluster
 
 DEGREES = (1, 2, 4)
 PATHS = ("no_dedup", "dedup")

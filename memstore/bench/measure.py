@@ -15,13 +15,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from memstore.bench.baselines import PairedTcp
 from memstore.bench.cpu import CpuMeter
-from memstore.bench.floors import PairedTcp
+from memstore.bench.rig import restore_in_new_process, wait_caught_up, wait_idle, wait_settled
 from memstore.bench.state import MiB, copy_all, fingerprint, make_state, nbytes_of, p50, prefaulted, tensors_of
-from memstore.bench.stores import restore_in_new_process, wait_caught_up, wait_idle, wait_settled
 
 if TYPE_CHECKING:
-    from memstore.devtools.cluster import LocalCluster
+    from memstore.testing import LocalCluster
     from trainer_client import CheckpointClient
 
 FIRST, EARLY, STEADY = "first", "early", "steady"

@@ -2,12 +2,12 @@
 
 On a local cluster of its own (the run's ``--hosts``, ``--replicas`` and ``--keep``), N ranks of one job (world size
 N), each a process of its own (this module run as ``python -m memstore.bench.ranks``, driven over JSON lines like the
-restore process of :mod:`~memstore.bench.stores`), all connected to store h0, each with its own state of ``--size``/N
+restore process of :mod:`~memstore.bench.rig`), all connected to store h0, each with its own state of ``--size``/N
 bytes (the bench's layout, seeded per rank): the run's state split over N ranks, as a model-parallel job splits one,
 so the total logical state is the single-rank run's. The ranks save 1 + keep + 1 + ``--saves`` times, phases as in
 the main series (save 1, the early saves, the steady state). Each round:
 
-1. every rank copies its state into a pre-faulted buffer of its own (its memcpy floor, measured in the rank's process
+1. every rank copies its state into a pre-faulted buffer of its own (its memcpy baseline, measured in the rank's process
    at the same moment as the others', so under the same contention as their saves), and says so;
 2. once all have, every rank is told to ``save()`` at once (the barrier: one line to each), and reports its stall
    (call -> return), its ratio over its own memcpy and call -> committed;
@@ -31,11 +31,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from memstore.bench.measure import FIRST, STEADY, phase_of, timed_save
+from memstore.bench.rig import RamSampler, RestoreProcess, idle_ram, ram_fields, running, start_cluster, wait_idle, wait_settled
 from memstore.bench.state import MiB, copy_all, make_state, nbytes_of, p50, prefaulted, ratio, tensors_of
-from memstore.bench.stores import RamSampler, RestoreProcess, idle_ram, ram_fields, running, start_cluster, wait_idle, wait_settled
 
 if TYPE_CHECKING:
-    from memstore.devtools.cluster import LocalCluster
+    from memstore.testing import LocalCluster
 
 JOB = "bench-ranks"
 ANSWER_SECONDS = 600.0  # the longest a rank may take to answer one command

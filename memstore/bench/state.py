@@ -57,7 +57,7 @@ def prefaulted(nbytes: int) -> torch.Tensor:
 
 
 def copy_all(dst: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """torch ``copy_`` of every tensor, back to back, into the uint8 buffer ``dst``: the memcpy floor."""
+    """torch ``copy_`` of every tensor, back to back, into the uint8 buffer ``dst``: the memcpy baseline."""
     off = 0
     for t in tensors:
         n = t.numel() * t.element_size()

@@ -18,7 +18,7 @@ MEASURED = ("first", "early", "steady")
 
 @dataclass(frozen=True)
 class Ratio:
-    """A ratio of memstore over a floor measured in the same run; ``op``/``limit`` its target (none: reported only)."""
+    """A ratio of memstore over a baseline measured in the same run; ``op``/``limit`` its target (none: reported only)."""
 
     name: str
     what: str
@@ -109,7 +109,7 @@ def _over_memcpy(save: dict[str, Any]) -> float | None:
 
 def _committed_over_tcp(save: dict[str, Any], tcp_rate: float | None, state_bytes: int) -> float:
     """A save's (call -> committed) throughput over raw TCP: the transfer of the shard paired with it (``tcp_seconds``),
-    else the state bytes over the run's floor (documents from before the pairing); 0 for a save that failed."""
+    else the state bytes over the run's baseline (documents from before the pairing); 0 for a save that failed."""
     if save["error"]:
         return 0.0
     paired = save.get("tcp_seconds")
@@ -137,7 +137,7 @@ def _least_cores_busy(doc: dict[str, Any]) -> float | None:
 
 
 def _tcp_over_cpu_floor(doc: dict[str, Any], tcp_seconds: float | None) -> float | None:
-    """The least over the saves of the TCP of its bytes (paired, else the run's floor, ``tcp_seconds``) over its CPU floor:
+    """The least over the saves of the TCP of its bytes (paired, else the run's baseline, ``tcp_seconds``) over its CPU baseline:
     the machine's busy seconds / cores, the shortest the save could take on these cores; None where none measured it."""
     cpus = doc.get("machine", {}).get("cpus") or 1
     values = []
@@ -150,7 +150,7 @@ def _tcp_over_cpu_floor(doc: dict[str, Any], tcp_seconds: float | None) -> float
 
 def _restore_over_tcp(peer: dict[str, Any] | None, key: str, shard_bytes: int, tcp_rate: float | None) -> float | None:
     """The restores' (``key``: from ``load()``, or from the port accepting) speed over raw TCP, p50 over the runs: each
-    against the TCP transfer paired with it (``tcp_seconds``), else the shard over the run's floor (documents from
+    against the TCP transfer paired with it (``tcp_seconds``), else the shard over the run's baseline (documents from
     before the pairing)."""
     if not peer:
         return None
@@ -174,14 +174,14 @@ def _ram_ratios(ram: dict[str, Any] | None) -> dict[str, float | None]:
 
 def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[str, str]]:
     """Every ratio of :data:`RATIOS` from a run's document, and why each missing one is n/a."""
-    floors, restores = doc["floors"], doc["restores"]
+    baselines, restores = doc["floors"], doc["restores"]
     shard_bytes, state_bytes = doc["state"]["shard_bytes"], doc["state"]["bytes"]
-    tcp = floors["tcp"]["p50"]
+    tcp = baselines["tcp"]["p50"]
     steady = _saves(doc, "steady")
     stall = p50([s["stall_seconds"] for s in steady])
     committed = [s for s in steady if not s["error"]]
     replication = p50([shard_bytes / (s["committed_seconds"] - s["stall_seconds"]) for s in committed])
-    dcp = floors["dcp"]
+    dcp = baselines["dcp"]
     peer = restores.get("peer")
     small = doc.get("small_saves")
     later = [r for r in (_over_memcpy(s) for s in _saves(doc)[1:]) if r is not None]
@@ -195,7 +195,7 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "stall_over_memcpy": ratio(stall, p50([s["memcpy_seconds"] for s in steady])),
         **_ram_ratios(doc.get("ram")),
         "small_save_stall_ms": small["stall_p50"] * 1000 if small and small["stall_p50"] is not None else None,
-        "torch_save_fsync_over_stall": ratio(floors["disk"]["save_fsync_seconds"], stall),
+        "torch_save_fsync_over_stall": ratio(baselines["disk"]["save_fsync_seconds"], stall),
         "stall_over_dcp_blocking": ratio(stall, dcp["default"]["blocking_p50"]),
         "stall_over_dcp_blocking_reused_stager": ratio(stall, dcp["reused_stager"]["blocking_p50"]),
         "replication_over_tcp": ratio(replication, tcp),
@@ -204,11 +204,11 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "committed_over_tcp_first_prepared": _committed_over_tcp(prepared["save"], tcp, state_bytes) if prepared else None,
         "save_cores_busy_min": _least_cores_busy(doc),
         "tcp_over_cpu_floor_min": _tcp_over_cpu_floor(doc, ratio(state_bytes, tcp)),
-        "torch_load_over_restore_local": ratio(floors["disk"]["load_warm_p50"], restores["local"]["p50"]),
-        "restore_local_over_hash_floor": ratio(floors["hash"]["p50"], restores["local"]["load_p50"]) if "hash" in floors else None,
+        "torch_load_over_restore_local": ratio(baselines["disk"]["load_warm_p50"], restores["local"]["p50"]),
+        "restore_local_over_hash_floor": ratio(baselines["hash"]["p50"], restores["local"]["load_p50"]) if "hash" in baselines else None,
         "restore_peer_over_tcp": _restore_over_tcp(peer, "load_seconds", shard_bytes, tcp),
         "restore_peer_from_accept_over_tcp": _restore_over_tcp(peer, "seconds", shard_bytes, tcp),
-        "torch_load_over_restore_peer": ratio(floors["disk"]["load_warm_p50"], peer.get("load_p50", peer["p50"])) if peer else None,
+        "torch_load_over_restore_peer": ratio(baselines["disk"]["load_warm_p50"], peer.get("load_p50", peer["p50"])) if peer else None,
         **{f"stream_p{p}_over_tcp": _stream_over_tcp(doc, p, tcp) for p in (1, 2, 4)},
         "dp2_stall_over_no_dedup": dp_over_no_dedup(dp, 2, "stall_max"),
         "dp4_stall_over_no_dedup": dp_over_no_dedup(dp, 4, "stall_max"),
@@ -231,7 +231,7 @@ def compute_ratios(doc: dict[str, Any]) -> tuple[dict[str, float | None], dict[s
         "torch_load_over_restore_peer": "R=1 keeps no peer copy" if not peer else "",
         **{name: "not measured (--dp-size 0)" for name in DP_RATIOS if not dp},
         **{f"stream_p{p}_over_tcp": "not measured" for p in (1, 2, 4)},
-        "restore_local_over_hash_floor": "",  # a document from before the bench measured the verification floor
+        "restore_local_over_hash_floor": "",  # a document from before the bench measured the verification baseline
         "save_cores_busy_min": "",  # no /proc (not Linux), or a document from before the bench measured CPU
         "tcp_over_cpu_floor_min": "",
     }

@@ -25,8 +25,8 @@ import importlib
 import sys
 from types import ModuleType
 
+from memstore.children import die_with_parent
 from memstore.cli.common import apply_credential_arguments
-from memstore.devtools.children import die_with_parent
 from memstore.errors import StoreError
 
 #: subcommand -> its module in this package, in the order ``memstore --help`` lists them.

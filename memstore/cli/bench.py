@@ -6,11 +6,11 @@ import argparse
 
 import memstore.bench
 
-HELP = "measure save stall, replication and restores against the floors of the same machine"
+HELP = "measure save stall, replication and restores against the baselines of the same machine"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = "Measure memstore's save stall, replication and restores as ratios over floors measured in the same run."
+    p.description = "Measure memstore's save stall, replication and restores as ratios over baselines measured in the same run."
     memstore.bench.add_arguments(p)
 
 

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memstore.devtools.chaos import run_chaos
+    from memstore.demo.chaos_run import run_chaos
 
     return run_chaos(
         args.seed, args.hosts, args.ranks, args.steps, args.faults, args.model_size, timeout=args.timeout, report_path=args.report

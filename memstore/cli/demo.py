@@ -1,4 +1,4 @@
-"""``memstore demo``: the end-to-end showcase (:mod:`memstore.devtools.demo`)."""
+"""``memstore demo``: the end-to-end showcase (:mod:`memstore.demo.showcase`)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memstore.devtools.demo import run_demo
+    from memstore.demo.showcase import run_demo
 
     return run_demo(
         hosts=args.hosts,

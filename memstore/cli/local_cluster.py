@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memstore.devtools.cluster import LocalCluster
+    from memstore.testing import LocalCluster
 
     configure_logging("INFO")
     cluster = LocalCluster(

@@ -1,7 +1,7 @@
 """``memstore reclaim-shm``: delete this machine's shared-memory segment dirs that no running store owns, now.
 
 Optional: a running store adopts its predecessor's and deletes the others after ``--shm-reclaim-after``
-(``memstore.server.shm_sweep``); this frees them at once, or on a machine where no store runs any more."""
+(``memstore.server.memory.shm_sweep``); this frees them at once, or on a machine where no store runs any more."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from memstore.core.sizes import format_size
-    from memstore.server.shm_dirs import orphaned_dirs, reclaim_orphans
+    from memstore.server.memory.shm_dirs import orphaned_dirs, reclaim_orphans
 
     if not args.shm_dir:
         raise ConfigError("--shm-dir is empty: name the directory the stores of this machine use (their --shm-dir)")

@@ -28,7 +28,7 @@ from memstore.errors import DiscoveryError, RayStoreError
 from memstore.logs import configure as configure_logging
 from memstore.membership.members import Members
 from memstore.ray import gcs
-from memstore.ray.model import StoreRecord, host_id_for, members_of
+from memstore.ray.records import StoreRecord, host_id_for, members_of
 from memstore.server.app import StoreServer
 
 log = logging.getLogger(__name__)

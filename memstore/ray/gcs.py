@@ -16,7 +16,7 @@ import ray
 from ray.experimental import internal_kv
 
 from memstore.errors import ConfigError, DiscoveryError
-from memstore.ray.model import RECORD_PREFIX, StoreRecord, namespace_problem, record_key
+from memstore.ray.records import RECORD_PREFIX, StoreRecord, namespace_problem, record_key
 
 log = logging.getLogger(__name__)
 

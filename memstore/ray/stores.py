@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from memstore.errors import ConfigError, RayStoreError
 from memstore.ray import gcs
 from memstore.ray.actor import CLUSTER_TOKEN_FILE, StoreActor, store_config, uses_cluster_token
-from memstore.ray.model import actor_name, domain_of, host_id_for
+from memstore.ray.records import actor_name, domain_of, host_id_for
 from memstore.v1.security import Credentials
 from trainer_client import knobs
 from trainer_client.connection import Connection

@@ -24,7 +24,7 @@ from memstore.server.auth import Authenticator
 from memstore.server.dataserver import DataServer
 from memstore.server.discovery import ClusterFollower
 from memstore.server.health import HealthServer
-from memstore.server.local_control import LocalControlServer, control_socket_path
+from memstore.server.local_control_server import LocalControlServer, control_socket_path
 from memstore.server.metrics import MetricsServer, StoreMetrics
 from memstore.server.servicer import StoreServicer
 from memstore.server.store import Store

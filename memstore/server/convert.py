@@ -2,9 +2,9 @@
 
 The engine (``memstore.server.store``) speaks only core types; the servicer converts requests and
 responses here, the peer client (``memstore.server.peers``) converts what it sends to and receives
-from other stores, and the catalog writes and reads segment sidecars through ``sidecar_bytes`` and
-``sidecar_info``. Keys and manifests are converted by ``memstore.v1.manifests`` (the trainer client
-needs them too) and re-exported here.
+from other stores, and the sidecars of segments (``memstore.server.memory.leftovers``: written for the catalog, read at
+adoption) are encoded and decoded through ``sidecar_bytes`` and ``sidecar_info``. Keys and manifests are
+converted by ``memstore.v1.manifests`` (the trainer client needs them too) and re-exported here.
 """
 
 from __future__ import annotations

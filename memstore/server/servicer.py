@@ -34,7 +34,7 @@ from memstore.server.convert import (
     stripe_from_pb,
     transfer_from_pb,
 )
-from memstore.server.entries import ALLOCATE_LEASE_SECONDS, Entry
+from memstore.server.engine.entries import ALLOCATE_LEASE_SECONDS, Entry
 from memstore.server.events import StoreEvents
 from memstore.server.store import Store
 from memstore.v1 import store_pb2 as pb

@@ -13,13 +13,15 @@ replacement host (the same host id, or a new one that took a lost host's slot) r
 copies by itself. Placement is over slots (``memstore.core.slots``); ``membership`` says who holds which.
 
 The engine is a few collaborating objects, each built here with only what it uses: the ``Catalog`` (the
-entries, leases, tickets and pins, under the engine's one lock), the ``Replicator``, the ``Saver``, the
-``DataPath``, the ``Reader``, ``Recovery`` (fetch, repair, cluster view), the ``Janitor`` (retention, expiry)
-and the ``Drainer``. ``Store`` builds them and exposes what the servicer, the data channel and the
-composition root call (docs/architecture.md draws them). The engine takes and returns the core's plain types
-(``memstore.core``), where the pure decisions (placement, retention, latest restorable step) live too;
-the gRPC servicer is a thin adapter over it and the only part that converts to and from protobuf
-(``memstore.server.convert``), besides the client of the peers (``memstore.server.peers``).
+entries, leases and pins, under the engine's one lock), ``Room`` (memory for a shard, made under pressure),
+``Admission`` (open transfers per sender), ``Sidecars`` and ``Adoption`` (what a crashed store left, taken over),
+the ``Replicator``, the ``Saver``, the ``DataPath`` (with its one-time ``Tickets``), the ``Reader``, ``Recovery``
+(fetch, repair, cluster view), the ``Janitor`` (retention, expiry) and the ``Drainer``. ``Store`` builds them and
+exposes what the servicer, the data channel and the composition root call (docs/architecture.md draws them).
+The engine takes and returns the core's plain types (``memstore.core``), where the pure decisions (placement,
+retention, latest restorable step) live too; the gRPC servicer is a thin adapter over it and the only part that
+converts to and from protobuf (``memstore.server.convert``), besides the client of the peers
+(``memstore.server.peers``) and the sidecars' bytes (``memstore.server.memory.leftovers``).
 """
 
 from __future__ import annotations
@@ -33,30 +35,33 @@ from memstore import __version__
 from memstore.config import StoreConfig
 from memstore.core.floors import Floor, Floors
 from memstore.core.model import Manifest, ShardKey
-from memstore.core.reserve import ReservePolicy
+from memstore.core.reserve_policy import ReservePolicy
 from memstore.core.sizes import format_size
 from memstore.core.spill_policy import spill_duty
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, JobMemory, SpillReport, job_census
 from memstore.errors import InvalidArgument
-from memstore.server.assembler import Assembler
-from memstore.server.catalog import Catalog
-from memstore.server.datapath import DataPath
-from memstore.server.drain import Drainer
-from memstore.server.entries import ensure
+from memstore.server.engine.admission import Admission
+from memstore.server.engine.assembler import Assembler
+from memstore.server.engine.catalog import Catalog
+from memstore.server.engine.datapath import DataPath
+from memstore.server.engine.drain import Drainer
+from memstore.server.engine.entries import ensure
+from memstore.server.engine.janitor import Janitor
+from memstore.server.engine.local_reads import Reader
+from memstore.server.engine.recovery import Recovery
+from memstore.server.engine.replication import Replicator
+from memstore.server.engine.room import Room
+from memstore.server.engine.saving import Saver
+from memstore.server.engine.scrub import Scrubber
 from memstore.server.events import StoreEvents
-from memstore.server.janitor import Janitor
 from memstore.server.membership import ClusterView, Membership
+from memstore.server.memory.leftovers import Adoption, Sidecars
+from memstore.server.memory.pool import SegmentPool
+from memstore.server.memory.rings import ring_limit
+from memstore.server.memory.shm_dirs import segment_dir
+from memstore.server.memory.shm_pages import shm_pages
+from memstore.server.memory.shm_sweep import ShmSweeper
 from memstore.server.peers import PeerDirectory
-from memstore.server.reading import Reader
-from memstore.server.recovery import Recovery
-from memstore.server.replication import Replicator
-from memstore.server.rings import ring_limit
-from memstore.server.saving import Saver
-from memstore.server.scrub import Scrubber
-from memstore.server.segments import SegmentPool
-from memstore.server.shm_dirs import segment_dir
-from memstore.server.shm_pages import shm_pages
-from memstore.server.shm_sweep import ShmSweeper
 from memstore.spill.port import DurableTier
 from memstore.v1.channel import boot_id
 from memstore.v1.keys import job_id_problem
@@ -103,19 +108,27 @@ class Store:
         self._durable: DurableTier | None = None
 
         # The parts, each with only what it uses.
-        self.catalog = Catalog(self.host_id, config, self.pool, self._stop)
+        self.catalog = Catalog(self.host_id, config, self.pool, self._stop, Sidecars(self.pool))
+        self.adoption = Adoption(self.host_id, self.catalog, self.pool)
+        self.room = Room(self.catalog, self.pool, config)
+        self.admission = Admission(self.host_id, config.max_streams_per_peer)
         self.floors = Floors()  # per job, the restorable floor its clients and peers sent: retention's bound without listing
         self.replicator = Replicator(self.catalog, config, self.membership, self.peers, self.events, self._retention_due, self.floors)
-        self.saver = Saver(self.catalog, self.replicator, config, self.pool, self.events, self.draining, self._retention_due, self.floors)
+        self.saver = Saver(
+            self.catalog, self.room, self.admission, self.replicator, config, self.pool, self.events, self.draining, self._retention_due,
+            self.floors,
+        )  # fmt: skip
         self.datapath = DataPath(self.catalog, self.saver, config)
         self.reader = Reader(self.catalog)
         self.recovery = Recovery(
-            self.catalog, config, self.membership, self.peers, self.events, self.draining, self._stop, self._retention_due
+            self.catalog, self.room, config, self.membership, self.peers, self.events, self.draining, self._stop, self._retention_due
         )
-        self.janitor = Janitor(self.catalog, config, self.recovery.cluster_holdings, self._stop, self._retention_due, self.floors)
+        self.janitor = Janitor(
+            self.catalog, config, self.recovery.cluster_holdings, self.datapath.expire_tickets, self._stop, self._retention_due, self.floors
+        )
         self.drainer = Drainer(self.catalog, config, self.membership, self.peers, self.draining)
         self.assembler = Assembler(self.catalog, self.pool, self.recovery.pull_ahead, self._stop, self.draining)
-        self.scrubber = Scrubber(self.catalog, config.scrub_rate, config.scrub_interval, self._stop)
+        self.scrubber = Scrubber(self.catalog, self.foreground_busy, config.scrub_rate, config.scrub_interval, self._stop)
 
         # What the servicer calls (memstore.server.servicer), by the part that answers it.
         self.allocate = self.saver.allocate
@@ -135,9 +148,8 @@ class Store:
         self.list_shards = self.catalog.list_shards
         self.drain = self.drainer.drain  # the composition root's shutdown path (memstore.server.app)
 
-        # What the durable tier reads (memstore.spill.port.ShardSource), with spill_shards and spills_for below.
-        self.pinned_bytes = self.catalog.pinned_bytes
-        self.foreground_busy = self.catalog.foreground_busy
+        # What the durable tier reads (memstore.spill.port.ShardSource), with foreground_busy, spill_shards and spills_for below.
+        self.pinned_bytes = self.reader.pinned_bytes
 
         self._threads = [
             threading.Thread(target=self.recovery.repair_loop, name="repair", daemon=True),
@@ -155,7 +167,7 @@ class Store:
             self.recovery.adopt_local = self.sweeper.adopt_holders  # what repair would pull, held by a dead dir here
         if config.peers:  # a fixed --peers list: the table is known before serving
             self.membership.apply({h: (a, config.failure_domains.get(h, "")) for h, a in config.peers})
-        self.adopted_shards = self.catalog.adopt_segments()
+        self.adopted_shards = self.adoption.adopt()
 
     @property
     def durable(self) -> DurableTier | None:
@@ -168,6 +180,12 @@ class Store:
         self.recovery.durable = tier
         self.janitor.durable = tier
         self.drainer.durable = tier
+
+    def foreground_busy(self) -> bool:
+        """A trainer is copying a save in, a shard is being checksummed or replicated, received from a peer or a client
+        (an inbound transfer open), or pulled for a restore or a repair: what background work (the spill tier, the
+        reserve's faulting, the scrub) yields to. Takes no lock but the admission's, a leaf."""
+        return self.catalog.busy() or self.admission.busy()
 
     def spill_shards(self) -> list[Manifest]:
         """The settled copies held here whose spill duty is this store's (``ShardSource``; ``spill_duty``)."""
@@ -212,7 +230,7 @@ class Store:
 
     @property
     def capture(self) -> CaptureReport:
-        return self.catalog.capture
+        return self.saver.capture
 
     @property
     def saves_superseded(self) -> int:
@@ -236,7 +254,7 @@ class Store:
         return {self.host_id, *(slot.former if slot is not None else ())}
 
     def _adopt_predecessor(self, directory: Path) -> int:
-        adopted = self.catalog.adopt_segments(directory)
+        adopted = self.adoption.adopt(directory)
         self.adopted_shards += adopted
         return adopted
 
@@ -263,7 +281,7 @@ class Store:
             self.prepare()
         for t in self._threads:
             t.start()
-        self.pool.start_reserve(busy=self.catalog.foreground_busy)  # the reserve yields to saves, pushes, receives, pulls
+        self.pool.start_reserve(busy=self.foreground_busy)  # the reserve yields to saves, pushes, receives, pulls
         if self.durable is not None:
             self.durable.start()
 
@@ -347,8 +365,12 @@ class Store:
         return self.recovery.fetch(key, discard_local, durable_known, cached)
 
     def delete(self, job_id: str, step: int, rank: int) -> int:
-        """Drop copies (``Catalog.delete``); a whole job deleted forgets its restorable floor too: a later run under the
-        same id starts without one."""
+        """Drop copies (``Catalog.delete``; -1: every step, every rank); a whole job deleted forgets its restorable floor
+        too: a later run under the same id starts without one."""
+        ensure(job_id_problem(job_id))
+        for name, value in (("step", step), ("rank", rank)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+                raise InvalidArgument(f"{name} {value!r} is invalid: expected an int >= 0, or -1 for every {name}")
         deleted = self.catalog.delete(job_id, step, rank)
         if step == -1 and rank == -1:
             self.floors.forget(job_id)
@@ -361,7 +383,7 @@ class Store:
         return job_census(copies, floors)
 
     def health(self) -> HealthReport:
-        shards = self.catalog.shard_count()
+        shards = len(self.catalog.census_copies())
         return HealthReport(
             serving=not self._stop.is_set() and not self.draining.is_set(),  # readiness: a draining store takes no saves
             host_id=self.host_id,

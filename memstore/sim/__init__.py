@@ -1,12 +1,13 @@
 """``memstore simulate``: a seeded, event-driven scale simulator of checkpoint/recovery strategies.
 
-:mod:`memstore.sim.model` is the model (plain Python, deterministic per seed), :mod:`memstore.sim.report`
+:mod:`memstore.sim.replay` is the model (plain Python, deterministic per seed), :mod:`memstore.sim.report`
 renders tables / JSON / plots and :mod:`memstore.sim.cli` is the ``memstore simulate`` command.
 :mod:`memstore.sim.protocol` models the restore protocol's messages and restart time at scale
 (``memstore simulate protocol``, flags in :mod:`memstore.sim.protocol_cli`).
 """
 
-from memstore.sim.model import (
+from memstore.sim.protocol import ProtocolConfig, ProtocolCost, ProtocolPoint, run_protocol, run_protocol_sweep
+from memstore.sim.replay import (
     DEFAULT_FAILURE_DATA,
     FAILURE_DATA,
     STRATEGIES,
@@ -25,7 +26,6 @@ from memstore.sim.model import (
     simulate,
     trial_rng,
 )
-from memstore.sim.protocol import ProtocolConfig, ProtocolCost, ProtocolPoint, run_protocol, run_protocol_sweep
 
 __all__ = [
     "DEFAULT_FAILURE_DATA",

@@ -25,7 +25,7 @@ from memstore.sim.flags import (
     positive_float,
     positive_int,
 )
-from memstore.sim.model import (
+from memstore.sim.replay import (
     DEFAULT_FAILURE_DATA,
     FAILURE_DATA,
     PointResult,

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memstore.sim.model import STRATEGIES, PointResult
 from memstore.sim.protocol import COMPLEXITY, PROTOCOL_LABELS, PROTOCOLS, ProtocolConfig, ProtocolCost, ProtocolPoint, growth
+from memstore.sim.replay import STRATEGIES, PointResult
 from memstore.sim.save_path import SAVE_METRICS, SaveCost, save_growth
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Faulting fresh memory in off the caller's thread: ``madvise`` through ctypes (it lets go of the GIL,
 where ``mmap.madvise`` holds it for the whole call), ``FaultAhead`` and ``populate_writable``. Used by the data
-channel's receivers (stores and clients), by the store's pre-faulted reserve (``memstore.server.pages``) and by a
+channel's receivers (stores and clients), by the store's pre-faulted reserve (``memstore.server.memory.pages``) and by a
 client mapping a segment it is about to write (``trainer_client.capture.ring``)."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def test_a_long_chaos_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
 def test_chaos_schedule_is_reproducible() -> None:
     import random
 
-    from memstore.devtools.chaos import _schedule
+    from memstore.demo.chaos_run import _schedule
 
     assert _schedule(random.Random(7), 30, 4, 4) == _schedule(random.Random(7), 30, 4, 4)
     assert _schedule(random.Random(7), 30, 4, 4) != _schedule(random.Random(8), 30, 4, 4)

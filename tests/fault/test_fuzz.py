@@ -1,4 +1,4 @@
-"""A bounded fuzz run against live stores (memstore.devtools.fuzz): at least 10,000 random and mutated requests to
+"""A bounded fuzz run against live stores (tools.fuzz): at least 10,000 random and mutated requests to
 every RPC (Drain excepted), raw bytes to the data channel and to the gRPC port; afterwards every store is alive,
 answers Health in time, and every shard saved before the run still verifies and restores bit-exactly.
 
@@ -15,11 +15,11 @@ import time
 
 import pytest
 
-from memstore.devtools.cluster import LocalCluster
-from memstore.devtools.fuzz import EXCLUDED_METHODS, fuzzed_methods, run_fuzz
+from memstore.testing import LocalCluster
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from tests.states import assert_same, rank_state
+from tools.fuzz import EXCLUDED_METHODS, fuzzed_methods, run_fuzz
 from trainer_client import CheckpointClient
 
 pytestmark = pytest.mark.fault

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from memstore.devtools.cluster import LocalCluster, wait_for
-from memstore.devtools.faultproxy import FaultProxy
+from memstore.testing import LocalCluster, wait_for
 from tests.fault.test_protocol_faults import _has
 from tests.states import assert_same, rank_state
+from tools.faultproxy import FaultProxy
 from trainer_client import CheckpointClient
 from trainer_client.errors import ReplicationError
 

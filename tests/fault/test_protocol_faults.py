@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.testing import LocalCluster, wait_for
 from memstore.v1 import store_pb2 as pb
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient

@@ -1,4 +1,4 @@
-"""The recovery matrix (memstore/devtools/recovery_matrix): its catalogue, its page, and its rows run for real.
+"""The recovery matrix (tools/recovery_matrix): its catalogue, its page, and its rows run for real.
 
 Fast (default suite): the catalogue is consistent, ``docs/recovery-matrix.md`` lists exactly the catalogue's rows
 (fault x configuration), all exact, and one cheap row runs for real. Slow: every row, each exact within the RPO
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from memstore.devtools.recovery_matrix import report
-from memstore.devtools.recovery_matrix.catalogue import FAULTS, Fault
-from memstore.devtools.recovery_matrix.fault import NotRunHere
-from memstore.devtools.recovery_matrix.runner import run_row
-from memstore.devtools.recovery_matrix.scenario import Config, RowResult
-from memstore.devtools.recovery_matrix.state import difference, make_state
+from tools.recovery_matrix import report
+from tools.recovery_matrix.catalogue import FAULTS, Fault
+from tools.recovery_matrix.fault import NotRunHere
+from tools.recovery_matrix.runner import run_row
+from tools.recovery_matrix.scenario import Config, RowResult
+from tools.recovery_matrix.state import difference, make_state
 
 pytestmark = pytest.mark.fault
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -43,7 +43,7 @@ def test_the_catalogue_is_consistent() -> None:
 def test_the_page_lists_exactly_the_catalogue_rows_all_exact() -> None:
     page = report.table_rows((DOCS / "recovery-matrix.md").read_text())
     assert [(fid, config) for fid, config, _ in page] == [(f.id, c.label) for f, c in ROWS], (
-        "docs/recovery-matrix.md is not current: run python -m memstore.devtools.recovery_matrix"
+        "docs/recovery-matrix.md is not current: run python -m tools.recovery_matrix"
     )
     assert [fid for fid, _, exact in page if not exact] == []
     data = json.loads((DOCS / "bench" / "recovery-matrix.json").read_text())

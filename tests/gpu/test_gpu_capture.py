@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from memstore.devtools.cluster import wait_for
+from memstore.testing import wait_for
 from tests.harness.listing import own_steps
 from tests.states import assert_same, mixed_expected, mixed_tensors
 from trainer_client import CheckpointClient

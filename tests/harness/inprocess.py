@@ -1,6 +1,6 @@
 """N store servers inside the test process: real gRPC on 127.0.0.1, no child processes.
 
-``InProcessCluster`` is a :class:`~memstore.devtools.cluster.LocalCluster` whose stores are
+``InProcessCluster`` is a :class:`~memstore.testing.LocalCluster` whose stores are
 :class:`memstore.server.app.StoreServer` objects started on threads of this process, built from the very
 ``memstore serve`` flags the subprocess cluster passes its children. Replication, repair, agreement and
 discovery tests run on it without paying a Python start-up per store.
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field, fields
 
 from memstore.cli import serve as serve_cli
 from memstore.config import StoreConfig
-from memstore.devtools.cluster import LocalCluster, wait_for
 from memstore.errors import ConfigError
 from memstore.interop.dcp_export import DcpExport
 from memstore.server.app import StoreServer
+from memstore.testing import LocalCluster, wait_for
 
 
 def store_config(args: list[str], env: dict[str, str]) -> StoreConfig:

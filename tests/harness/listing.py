@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memstore.devtools.cluster import LocalCluster
+from memstore.testing import LocalCluster
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import grpc
 
-from memstore.devtools.children import child_env, thread_dump
-from memstore.devtools.cluster import free_ports, wait_for
-from memstore.devtools.dns_server import DnsServer
-from memstore.devtools.faultproxy import FaultProxy
+from memstore.children import child_env, thread_dump
+from memstore.testing import free_ports, wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from tests.harness.health import probe
+from tools.dns_server import DnsServer
+from tools.faultproxy import FaultProxy
 
 SERVICE = "memstore-peers.memstore.svc.cluster.local."
 READINESS = "memstore.v1.Store"

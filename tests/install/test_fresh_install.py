@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# The venv is made in the first test's setup, which pytest-timeout counts: 72 s alone, longer beside another slow file.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 
 

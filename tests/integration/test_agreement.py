@@ -1,6 +1,6 @@
 """latest_step(group=...): every rank asks only its own store, and the ranks agree over a real gloo process group.
 
-Ranks are threads of this process (``memstore.devtools.ranks``), each with its own CheckpointClient and its
+Ranks are threads of this process (``tools.thread_ranks``), each with its own CheckpointClient and its
 own gloo group member: the same collectives as ranks in separate processes, without a torch process per rank.
 """
 
@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 import pytest
 import torch.distributed as dist
 
-from memstore.devtools.cluster import LocalCluster, wait_for
-from memstore.devtools.ranks import on_every_rank as run_on_ranks
+from memstore.testing import LocalCluster, wait_for
 from tests.states import assert_same, rank_state
+from tools.thread_ranks import on_every_rank as run_on_ranks
 from trainer_client import CheckpointClient
 from trainer_client.errors import InvalidArgumentError, StoreUnavailableError
 

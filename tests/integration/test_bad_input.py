@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from memstore.devtools.cluster import LocalCluster
+from memstore.testing import LocalCluster
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import insecure_channel

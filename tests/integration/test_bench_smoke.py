@@ -1,4 +1,4 @@
-"""Smoke test of ``memstore bench``: a tiny run end to end, on real stores and floors; it prints the table and writes
+"""Smoke test of ``memstore bench``: a tiny run end to end, on real stores and baselines; it prints the table and writes
 every ratio. No timing thresholds: a ratio must exist and be a positive number, not meet its target. The data-parallel
 section's RAM (R copies with a replica group, D x R without), bytes captured and restores are checked exactly."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from memstore.bench import main, ranks
-from memstore.bench.floors_dcp import CLOSED_STAGER_HINT
+from memstore.bench.baselines_dcp import CLOSED_STAGER_HINT
 from memstore.bench.targets import RATIOS
 from tests.harness.torch_versions import TORCH_MINOR
 
@@ -72,7 +72,7 @@ def test_a_tiny_run_writes_the_table_and_every_ratio(
     table = [line for line in printed.splitlines() if line.split()[:1] and line.split()[0] in names]
     assert [line.split()[0] for line in table] == names
     assert all(("PASS" in line) != ("MISS" in line) for line in table if ("≤" in line or "≥" in line) and "n/a" not in line)
-    assert not [p for p in os.listdir(tmp_path) if p.startswith("memstore-bench-")]  # the floors' files are gone
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("memstore-bench-")]  # the baselines' files are gone
     assert "data parallel: a 2.00 MiB state on every rank, 4 stores, R=2" in printed
 
     dp = data["data_parallel"]  # D ranks of one state: without a replica group D x R copies, with one R copies

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from memstore.devtools.cluster import wait_for
+from memstore.testing import wait_for
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
 from trainer_client.errors import CapacityExceededError, InvalidArgumentError, ReplicationError, StoreUnavailableError

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from benchmarks.enqueued_cpu import timed_saves
-from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.testing import LocalCluster, wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from tests.harness.fake_cuda import FakeCudaRuntime

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from memstore.devtools.cluster import free_ports, wait_for
+from memstore.testing import free_ports, wait_for
 from tests.states import rank_state
 from trainer_client import CheckpointClient
 

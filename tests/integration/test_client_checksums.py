@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from memstore.server import replication
+from memstore.server.engine import replication
 from memstore.v1.integrity import compute_checksums
 from tests.harness.inprocess import InProcessCluster
 from tests.harness.shards import assert_same

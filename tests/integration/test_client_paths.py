@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memstore.devtools.cluster import wait_for
+from memstore.testing import wait_for
 from memstore.v1 import store_pb2 as pb
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient, Connection, SaveResult

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
-from memstore.devtools.cluster import free_ports
+from memstore.testing import free_ports
 from tests.harness.allocations import allocations_now
 from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_fixture, run_ranks
 from tests.harness.torch_versions import LOAD_KEEPS_READER_MESSAGE

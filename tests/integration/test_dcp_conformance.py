@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from memstore.devtools.cluster import LocalCluster, free_ports
+from memstore.testing import LocalCluster, free_ports
 from tests.harness.inprocess import InProcessCluster
 from tests.harness.ranks import PROCESS_TIMEOUT, forkserver_fixture, run_ranks
 from tests.harness.torch_versions import LOAD_SAYS_METADATA_IS_NONE, LOAD_WRAPS_READER_ERROR

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from memstore.devtools.cluster import wait_for
-from memstore.devtools.dns_server import DnsServer, ptr_name
 from memstore.errors import DiscoveryError
 from memstore.membership import DnsDiscovery, Member, Members, Watcher
+from memstore.testing import wait_for
+from tools.dns_server import DnsServer, ptr_name
 
 pytestmark = pytest.mark.integration
 
@@ -117,8 +117,8 @@ def test_stores_follow_the_records(dns_server: DnsServer, tmp_path) -> None:  # 
     import subprocess
     import sys
 
-    from memstore.devtools.children import child_env
-    from memstore.devtools.cluster import free_ports
+    from memstore.children import child_env
+    from memstore.testing import free_ports
     from memstore.v1 import store_pb2 as pb
     from memstore.v1.channel import store_stub
 

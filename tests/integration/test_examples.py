@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from memstore.devtools.cluster import free_ports
+from memstore.testing import free_ports
 
 pytestmark = pytest.mark.integration
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

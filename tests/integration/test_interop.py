@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from memstore import cli
-from memstore.devtools.cluster import LocalCluster, free_ports, wait_for
+from memstore.testing import LocalCluster, free_ports, wait_for
 from tests.harness.ranks import forkserver_fixture, run_ranks
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient

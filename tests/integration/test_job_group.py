@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from memstore.devtools.cluster import free_ports
+from memstore.testing import free_ports
 from tests.harness.ranks import forkserver_fixture, run_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from memstore.config import StoreConfig
-from memstore.devtools.certs import make_tls
 from memstore.errors import ConfigError
 from memstore.membership import kube_node
 from memstore.membership.kube_node import node_failure_domain
+from tools.certs import make_tls
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ L = pytest.importorskip("lightning", reason="lightning is not installed: pip ins
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
-from memstore.devtools.cluster import free_ports  # noqa: E402
+from memstore.testing import free_ports  # noqa: E402
 from trainer_client import CheckpointClient, Connection  # noqa: E402
 from trainer_client.errors import InvalidArgumentError  # noqa: E402
 from trainer_client.lightning import POINTER_FORMAT, MemStoreCheckpointIO, Pointer, monitored_metrics  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from memstore.devtools.cluster import wait_for
+from memstore.testing import wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from trainer_client import CheckpointClient

@@ -1,4 +1,4 @@
-"""The test harness's subprocess cluster (``memstore.devtools.cluster.LocalCluster``) survives a port taken under it,
+"""The test harness's subprocess cluster (``memstore.testing.LocalCluster``) survives a port taken under it,
 and shows a store's threads on demand."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from memstore.devtools.cluster import LocalCluster
+from memstore.testing import LocalCluster
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def test_a_port_taken_before_the_stores_bind_it_restarts_the_cluster_on_fresh_po
         dump = cluster.thread_dump("h1")
         assert "most recent call first" in dump and "in serve" in dump, dump
         assert cluster.health("h1") is not None and cluster.stores["h1"].alive
-        # It said at start-up which pages its segments get (memstore.server.shm_pages).
+        # It said at start-up which pages its segments get (memstore.server.memory.shm_pages).
         assert f"segments in {cluster.segment_dir('h1')}: " in cluster.log_tail("h1", lines=400)
 
 

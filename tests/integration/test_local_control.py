@@ -10,13 +10,13 @@ import grpc
 import pytest
 import torch
 
-from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.testing import LocalCluster, wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from memstore.v1.local_control import recv_response, send_request
 from trainer_client import CheckpointClient
 from trainer_client.errors import CapacityExceededError
-from trainer_client.transport.local_control import LocalStub
+from trainer_client.transport.local_control_client import LocalStub
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ import grpc
 import pytest
 import torch
 
-from memstore.devtools.cluster import wait_for
-from memstore.server import progress
+from memstore.server.engine import progress
+from memstore.testing import wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from tests.harness.inprocess import InProcessCluster

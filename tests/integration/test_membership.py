@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from memstore.devtools.cluster import LocalCluster, free_ports, wait_for
+from memstore.testing import LocalCluster, free_ports, wait_for
 from memstore.v1 import store_pb2 as pb
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient, Connection

@@ -19,8 +19,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from memstore.devtools.children import child_env
-from memstore.devtools.cluster import LocalCluster, free_ports, wait_for
+from memstore.children import child_env
+from memstore.testing import LocalCluster, free_ports, wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from tests.states import assert_same, rank_state

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.testing import LocalCluster, wait_for
 from tests.states import rank_state
 from trainer_client import CheckpointClient
 from trainer_client.errors import MemstoreClientError

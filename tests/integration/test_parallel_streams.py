@@ -16,10 +16,10 @@ import pytest
 from memstore import faults
 from memstore.config import StoreConfig
 from memstore.core.model import Manifest, PutOrigin, ShardKey, TransferHeader
-from memstore.devtools.cluster import wait_for
 from memstore.errors import ChecksumMismatch, ConfigError, DataChannelError, PeerUnavailable
 from memstore.server.convert import transfer_to_pb
 from memstore.server.peers import PeerDirectory
+from memstore.testing import wait_for
 from memstore.v1.datachannel import (
     await_close,
     byte_span,
@@ -120,8 +120,7 @@ def test_a_stream_that_never_connects_fails_the_others_once_its_ticket_expires(p
         sock.sendall(ticket)
         send_chunks(sock, memoryview(data), CHUNK, chunks, deadline)
         socks.append(sock)
-    catalog = cluster.servers["h1"].store.catalog
-    catalog.expire_tickets(time.monotonic() + 3600)  # as the janitor does once the deadline passed
+    cluster.servers["h1"].store.datapath.expire_tickets(time.monotonic() + 3600)  # as the janitor does once the deadline passed
     for sock in socks:  # each is told the shard failed (or reset, when it closed with bytes still unread)
         with sock, contextlib.suppress(DataChannelError):
             assert "expired" in (read_status(sock, deadline) or "")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.testing import LocalCluster, wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from trainer_client import CheckpointClient, Connection

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from memstore.cli import main as memstore_main
-from memstore.devtools.cluster import wait_for
+from memstore.testing import wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import insecure_channel

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from memstore.devtools.cluster import free_ports
+from memstore.testing import free_ports
 from tests.harness.ranks import forkserver_fixture, run_ranks
 from trainer_client.errors import ReplicaMismatchError
 from trainer_client.replica_check import verify_replicas

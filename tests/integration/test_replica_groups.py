@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from memstore.devtools.cluster import LocalCluster
+from memstore.testing import LocalCluster
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from trainer_client import CheckpointClient, Connection, serialization
@@ -165,7 +165,7 @@ def test_bad_replica_groups_are_refused_before_anything_is_saved(make_inprocess_
 def test_spilled_stripes_restore_after_every_store_restarted(make_inprocess_cluster, tmp_path) -> None:
     """Spill, retention and timelines treat a stripe as any shard: a rollback (a new timeline) restores the new save,
     never a mix; a step spilled and read back from the durable tier into empty stores restores whole."""
-    from memstore.devtools.cluster import wait_for
+    from memstore.testing import wait_for
 
     root = tmp_path / "spill"
     args = ["--spill", f"file://{root}", "--spill-every-steps", "1"]
@@ -202,7 +202,7 @@ def test_spilled_stripes_restore_after_every_store_restarted(make_inprocess_clus
 def test_each_store_assembles_its_members_group_ahead_and_gives_the_cache_up_first(make_inprocess_cluster) -> None:
     """Once a save settles, each store pulls the group's other stripes into spare room as cached copies, so a restore
     reads every stripe locally; cached copies are not among the R, and a save that needs their room drops them first."""
-    from memstore.devtools.cluster import wait_for
+    from memstore.testing import wait_for
 
     cluster = make_inprocess_cluster(hosts=4, replicas=2, capacity="64MiB")
     state = {f"t{i}": torch.randn(64 << 10) for i in range(8)}  # 2 MiB: each stripe 512 KiB

@@ -1,6 +1,6 @@
 """The restorable floor: with CheckpointClient(group=...), retention evicts without listing the cluster.
 
-Ranks are threads of this process, each with its own client and gloo group member (``memstore.devtools.ranks``):
+Ranks are threads of this process, each with its own client and gloo group member (``tools.thread_ranks``):
 the same all-reduce as ranks in separate processes. The stores run in this process, so the test reads each store's
 retention counters directly.
 """
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from memstore.devtools.cluster import wait_for
-from memstore.devtools.ranks import on_every_rank
+from memstore.testing import wait_for
 from tests.states import assert_same, rank_state
+from tools.thread_ranks import on_every_rank
 from trainer_client import CheckpointClient, Connection
 from trainer_client.errors import InvalidArgumentError
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from memstore.devtools.cluster import wait_for
-from memstore.devtools.dns_server import DnsServer
+from memstore.testing import wait_for
 from tests.harness.pods import Pods
 from tests.states import assert_same, rank_state
+from tools.dns_server import DnsServer
 from trainer_client import CheckpointClient
 from trainer_client.errors import MemstoreClientError
 

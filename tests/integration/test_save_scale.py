@@ -4,14 +4,14 @@ than at 8, nor at 32.
 
 The clients agree over the job's default process group without being told (``trainer_client.job_group``): the ranks'
 restorable floor rides on their commits and on the replicas' headers, so no store lists the cluster to evict
-(``memstore.devtools.save_scale``). With ``group=False`` each store would list its peers at every save beyond --keep.
+(``tools.save_scale``). With ``group=False`` each store would list its peers at every save beyond --keep.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from memstore.devtools import save_scale
+from tools import save_scale
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from memstore.devtools import scale
+from tools import scale
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 HOSTS, R = 32, 2

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memstore.devtools.cluster import wait_for
+from memstore.testing import wait_for
 from trainer_client import CheckpointClient, Connection
 
 pytestmark = pytest.mark.integration
@@ -20,7 +20,7 @@ def test_a_rotten_copy_is_found_dropped_and_repaired_before_anyone_reads_it(make
     with CheckpointClient("scrubbed", 0, 1, connection=Connection(cluster.address("h0")), run_id="r1") as client:
         assert client.save(1, state).wait(60).copies == 2
     store = cluster.servers["h0"].store
-    (entry,) = [e for e in store.catalog.scrub_candidates() if e.key.job_id == "scrubbed"]
+    (entry,) = [e for e in store.catalog.settled_copies() if e.key.job_id == "scrubbed"]
     entry.segment.view()[entry.nbytes // 2] ^= 0x10  # a bit flips in h0's RAM
 
     def corrupt_found() -> int:

@@ -12,15 +12,15 @@ from typing import Any
 import grpc
 import pytest
 
-from memstore.devtools.certs import make_tls
-from memstore.devtools.cluster import LocalCluster
+from memstore.testing import LocalCluster
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from memstore.v1.security import Credentials
 from tests.states import assert_same, rank_state
+from tools.certs import make_tls
 from trainer_client import CheckpointClient
 from trainer_client.errors import AccessDeniedError, AuthenticationError, StoreUnavailableError
-from trainer_client.transport.local_control import LocalStub
+from trainer_client.transport.local_control_client import LocalStub
 
 MiB = 1 << 20
 pytestmark = pytest.mark.integration
@@ -219,8 +219,8 @@ def test_local_cluster_and_cli_with_a_token(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from memstore.devtools.children import child_env
-    from memstore.devtools.cluster import wait_for
+    from memstore.children import child_env
+    from memstore.testing import wait_for
 
     token = tmp_path / "cluster.token"
     token.write_text(CLUSTER)

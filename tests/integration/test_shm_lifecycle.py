@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from memstore.devtools.cluster import LocalCluster, wait_for
-from memstore.devtools.dns_server import DnsServer
-from memstore.devtools.shm_replacement import replace_once
-from memstore.devtools.shm_replacement import run as run_replacements
-from memstore.server.shm_dirs import orphaned_dirs, segment_dir
+from memstore.server.memory.shm_dirs import orphaned_dirs, segment_dir
+from memstore.testing import LocalCluster, wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import insecure_channel
 from tests.harness.pods import Pods
 from tests.states import assert_same, rank_state
+from tools.dns_server import DnsServer
+from tools.shm_replacement import replace_once
+from tools.shm_replacement import run as run_replacements
 from trainer_client import CheckpointClient
 
 pytestmark = pytest.mark.integration
@@ -133,7 +133,7 @@ def test_a_replacement_under_a_new_host_id_adopts_its_predecessors_shards_and_pu
 
 @pytest.mark.slow
 def test_ten_sigkill_replacements_strand_nothing_and_repair_nothing() -> None:
-    """The measurement in docs/operations.md (``python -m memstore.devtools.shm_replacement``). The grace period must
+    """The measurement in docs/operations.md (``python -m tools.shm_replacement``). The grace period must
     outlast a replacement's start: the surviving store reclaims a dead directory that is nobody's predecessor once
     it has seen it dead that long, and a store process starting on a busy 2-core machine took more than 1 s."""
     result = run_replacements(replacements=10, grace=8.0)

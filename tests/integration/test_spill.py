@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.testing import LocalCluster, wait_for
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from memstore.cli import main as memstore_main
-from memstore.devtools.cluster import wait_for
+from memstore.testing import wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import insecure_channel
@@ -80,7 +80,7 @@ def cluster(make_inprocess_cluster) -> InProcessCluster:  # type: ignore[no-unty
         for rank in (0, 1):
             save(stub, "plain", 1, rank, 2, None)
     # h0's store, where members 0 and 1 save, pulls the group's other stripes (2, 3) as cached copies ahead of a restore
-    # (memstore.server.assembler), half a second after the saves settle. Every test starts once that is done, so what
+    # (memstore.server.engine.assembler), half a second after the saves settle. Every test starts once that is done, so what
     # it sees does not depend on how fast it runs.
     wait_for(lambda: cached(c, "dp") == {("h0", 2), ("h0", 3)}, timeout=30, what="h0 to pull stripes 2 and 3 ahead of a restore")
     return c

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memstore.devtools.cluster import LocalCluster, wait_for
+from memstore.testing import LocalCluster, wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1 import store_pb2_grpc as pb_grpc
 from memstore.v1.channel import insecure_channel

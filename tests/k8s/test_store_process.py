@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 
-from memstore.devtools.children import child_env
-from memstore.devtools.cluster import wait_for
-from memstore.devtools.dns_server import DnsServer, ptr_name
+from memstore.children import child_env
+from memstore.testing import wait_for
 from tests.harness.health import probe
 from tests.k8s.manifests import DOWNWARD_API, EXAMPLE_STORES, argv, container, container_env, one, port_of, rendered, spec_of, store_setup
+from tools.dns_server import DnsServer, ptr_name
 
 pytestmark = [pytest.mark.k8s, pytest.mark.integration]
 

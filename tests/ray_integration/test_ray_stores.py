@@ -25,12 +25,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import memstore.ray as mray
 from memstore.config import StoreConfig
-from memstore.devtools.cluster import wait_for
 from memstore.errors import ConfigError, RayStoreError
 from memstore.ray import gcs
 from memstore.ray.actor import store_config
-from memstore.ray.model import actor_name, host_id_for
+from memstore.ray.records import actor_name, host_id_for
 from memstore.ray.stores import DEFAULT_NAMESPACE
+from memstore.testing import wait_for
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from memstore.v1.security import Credentials

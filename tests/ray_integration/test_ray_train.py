@@ -16,8 +16,8 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 import memstore.ray as mray
-from memstore.devtools.cluster import wait_for
 from memstore.ray import gcs
+from memstore.testing import wait_for
 from tests.ray_integration.conftest import RayCluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # three TorchTrainer runs: ~2.5 min on 2 cores

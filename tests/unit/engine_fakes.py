@@ -17,11 +17,14 @@ from typing import Any
 from memstore.config import StoreConfig
 from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState, TransferHeader
 from memstore.errors import CapacityExceeded, DataChannelUnsupported, PeerUnavailable, StoreError
-from memstore.server.catalog import Catalog
-from memstore.server.entries import Entry
+from memstore.server.engine.admission import Admission
+from memstore.server.engine.catalog import Catalog
+from memstore.server.engine.entries import Entry
+from memstore.server.engine.room import Room
 from memstore.server.events import StoreEvents
 from memstore.server.membership import Membership
-from memstore.server.segments import Segment
+from memstore.server.memory.leftovers import Adoption, Sidecars
+from memstore.server.memory.pool import Segment
 from memstore.v1.integrity import StreamedChecksums, compute_checksums
 
 KiB = 1024
@@ -222,7 +225,21 @@ def make_catalog(cfg: StoreConfig | None = None, pool: FakePool | None = None) -
     cfg = cfg or config()
     pool = pool or FakePool(cfg.capacity)
     stop = threading.Event()
-    return Catalog(cfg.host_id, cfg, pool, stop), pool, stop  # type: ignore[arg-type]
+    return Catalog(cfg.host_id, cfg, pool, stop, Sidecars(pool)), pool, stop  # type: ignore[arg-type]
+
+
+def adoption_of(catalog: Catalog) -> Adoption:
+    """The ``Adoption`` of ``catalog``'s leftovers, from its (fake) pool's ``adoptable``."""
+    return Adoption(catalog.host_id, catalog, catalog.pool)  # type: ignore[arg-type]
+
+
+def room_of(catalog: Catalog) -> Room:
+    """The ``Room`` over ``catalog`` and its (fake) pool, as the store builds it."""
+    return Room(catalog, catalog.pool, catalog.config)
+
+
+def admission_of(cfg: StoreConfig) -> Admission:
+    return Admission(cfg.host_id, cfg.max_streams_per_peer)
 
 
 def manifest_of(key: ShardKey, data: bytes, owner: str = "h0", chunk: int = 4 * KiB, world_size: int = 1, created: float = 0.0) -> Manifest:
@@ -232,7 +249,7 @@ def manifest_of(key: ShardKey, data: bytes, owner: str = "h0", chunk: int = 4 * 
 
 def captured(catalog: Catalog, key: ShardKey, data: bytes, owner: str = "h0") -> Entry:
     """An entry the way Saver.allocate makes it (CAPTURED, not in the catalog yet), holding ``data``."""
-    seg = catalog.acquire(key, len(data))
+    seg = room_of(catalog).acquire(key, len(data))
     seg.view(len(data))[:] = data
     return Entry(key, 1, len(data), seg, owner, ShardState.CAPTURED)
 
@@ -240,7 +257,7 @@ def captured(catalog: Catalog, key: ShardKey, data: bytes, owner: str = "h0") ->
 def commit(catalog: Catalog, key: ShardKey, data: bytes) -> Entry:
     """Allocate, fill and commit ``key`` in the catalog (what the Saver does, without replication)."""
     lease = catalog.lease_allocation(captured(catalog, key, data), ahead=False)
-    return catalog.commit_lease(lease, None, 0, {}, 1, "", None)
+    return catalog.commit_lease(lease, None, 0, {}, 1, "")
 
 
 def settled(catalog: Catalog, key: ShardKey, data: bytes, created: float = 0.0) -> Entry:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from memstore.core.agreement import Seen
-from memstore.devtools.ranks import on_every_rank
+from tools.thread_ranks import on_every_rank
 from trainer_client.agreement import AgreementStats, agree
 
 pytestmark = pytest.mark.unit

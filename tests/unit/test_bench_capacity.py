@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from memstore.bench import stores
+from memstore.bench import rig
 
 pytestmark = pytest.mark.unit
 MiB = 1 << 20
@@ -21,17 +21,17 @@ class Recorded:
 
 
 def capacity(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> int:
-    monkeypatch.setattr(stores, "LocalCluster", Recorded)
-    cluster: Any = stores.start_cluster(2, 2, 2, 128 * MiB, None, env)
+    monkeypatch.setattr(rig, "LocalCluster", Recorded)
+    cluster: Any = rig.start_cluster(2, 2, 2, 128 * MiB, None, env)
     return int(cluster.kwargs["capacity"])
 
 
 def test_the_stores_hold_an_explicit_prefault_beside_their_shards(monkeypatch: pytest.MonkeyPatch) -> None:
     shards = capacity(monkeypatch, {})
-    assert shards == 5 * 128 * MiB + stores.CAPACITY_SLACK  # keep + 3 shards
+    assert shards == 5 * 128 * MiB + rig.CAPACITY_SLACK  # keep + 3 shards
     assert capacity(monkeypatch, {"MEMSTORE_PREFAULT": "auto"}) == shards
     assert capacity(monkeypatch, {"MEMSTORE_PREFAULT": "256MiB"}) == shards  # fits already
-    assert capacity(monkeypatch, {"MEMSTORE_PREFAULT": "1GiB"}) == 1024 * MiB + stores.CAPACITY_SLACK
+    assert capacity(monkeypatch, {"MEMSTORE_PREFAULT": "1GiB"}) == 1024 * MiB + rig.CAPACITY_SLACK
 
 
 def test_a_bad_prefault_is_refused_before_any_store_starts(capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,7 +56,7 @@ def test_the_stores_keep_their_segments_on_the_tmpfs_asked_for(
     import argparse
 
     from memstore.bench import add_arguments
-    from memstore.devtools.cluster import LocalCluster
+    from memstore.testing import LocalCluster
 
     p = argparse.ArgumentParser(prog="memstore bench")
     add_arguments(p)
@@ -66,8 +66,8 @@ def test_the_stores_keep_their_segments_on_the_tmpfs_asked_for(
         p.parse_args(["--shm-dir", str(tmp_path / "absent")])
     err = capsys.readouterr().err
     assert "argument --shm-dir:" in err and "is not a directory" in err
-    monkeypatch.setattr(stores, "LocalCluster", Recorded)
-    cluster: Any = stores.start_cluster(2, 2, 2, 128 * MiB, None, {}, str(tmp_path))
+    monkeypatch.setattr(rig, "LocalCluster", Recorded)
+    cluster: Any = rig.start_cluster(2, 2, 2, 128 * MiB, None, {}, str(tmp_path))
     assert cluster.kwargs["shm_root"] == str(tmp_path)
     real = LocalCluster(hosts=2, shm_root=str(tmp_path))  # not started: its stores' arguments only
     try:
@@ -78,7 +78,7 @@ def test_the_stores_keep_their_segments_on_the_tmpfs_asked_for(
 
 
 def test_a_paired_tcp_transfer_moves_the_bytes_each_time_it_is_asked() -> None:
-    from memstore.bench.floors import PairedTcp
+    from memstore.bench.baselines import PairedTcp
 
     with PairedTcp(3 * MiB + 5) as tcp:
         times = [tcp.seconds() for _ in range(3)]

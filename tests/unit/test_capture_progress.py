@@ -9,7 +9,7 @@ import time
 import pytest
 
 from memstore.errors import CaptureAbandoned
-from memstore.server.progress import CaptureProgress
+from memstore.server.engine.progress import CaptureProgress
 
 pytestmark = pytest.mark.unit
 

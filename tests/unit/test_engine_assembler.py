@@ -1,4 +1,4 @@
-"""Assembly ahead of a restore (memstore.server.assembler) and its cached copies in the Catalog, over fakes."""
+"""Assembly ahead of a restore (memstore.server.engine.assembler) and its cached copies in the Catalog, over fakes."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 from memstore.core.model import ShardKey, ShardState, Stripe
 from memstore.errors import CapacityExceeded, ShardNotFound
-from memstore.server.assembler import GIVE_UP_SECONDS, RETRY_SECONDS, Assembler
-from memstore.server.entries import Entry
-from tests.unit.engine_fakes import KiB, commit, config, make_catalog, manifest_of
+from memstore.server.engine.assembler import GIVE_UP_SECONDS, RETRY_SECONDS, Assembler
+from memstore.server.engine.entries import Entry
+from tests.unit.engine_fakes import KiB, commit, config, make_catalog, manifest_of, room_of
 
 pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 16  # 4 KiB
@@ -34,7 +34,7 @@ def stripe_saved(catalog, k: ShardKey, group: tuple[int, ...], created: float = 
 
 def pulled(catalog, k: ShardKey, cached: bool) -> Entry:  # type: ignore[no-untyped-def]
     """A copy of ``k`` pulled from a peer (``cached``: ahead of a restore)."""
-    seg = catalog.acquire(k, len(DATA), evict=not cached)
+    seg = room_of(catalog).acquire(k, len(DATA), evict=not cached)
     entry = Entry(k, 4, len(DATA), seg, "h1", ShardState.REPLICA, manifest=manifest_of(k, DATA, owner="h1", world_size=4),
                   copies=0, cached=cached)  # fmt: skip
     assert catalog.register_pulled(entry)
@@ -61,11 +61,11 @@ def test_memory_pressure_drops_cached_copies_first_and_keeps_every_real_one() ->
     pulled(catalog, key(1, 2), cached=True)
     assert pool.capacity - pool.in_use_bytes == 0
     with pytest.raises(CapacityExceeded):
-        catalog.acquire(key(1, 5), len(DATA), evict=False)  # an ahead reservation or pull evicts nothing
-    seg = catalog.acquire(key(2, 0), 4 * KiB)  # a save: one cached copy goes (the oldest), nothing else
+        room_of(catalog).acquire(key(1, 5), len(DATA), evict=False)  # an ahead reservation or pull evicts nothing
+    seg = room_of(catalog).acquire(key(2, 0), 4 * KiB)  # a save: one cached copy goes (the oldest), nothing else
     assert sum(1 for i in catalog.list_shards("job") if i.cached) == 1
     assert not mine.dropped and not replica.dropped
-    catalog.release_segment(seg)
+    room_of(catalog).release(seg)
     assert cache.dropped and catalog.get(key(1, 2)) is not None  # the older cached copy went
 
 
@@ -117,7 +117,7 @@ def test_the_assembler_only_uses_spare_room_and_stops_while_draining() -> None:
 
 
 def test_a_restore_fetching_another_members_stripe_keeps_a_cached_copy_and_the_assembler_pulls_ahead() -> None:
-    from memstore.server.recovery import Recovery
+    from memstore.server.engine.recovery import Recovery
     from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, membership
 
     mine, theirs = key(1, 0), key(1, 1)
@@ -125,8 +125,8 @@ def test_a_restore_fetching_another_members_stripe_keeps_a_cached_copy_and_the_a
     peer.held[theirs] = (manifest_of(theirs, DATA, owner="h1", world_size=4), DATA)
     cfg = config(replicas="2", capacity="64KiB")
     catalog, pool, stop = make_catalog(cfg)
-    rec = Recovery(catalog, cfg, membership("h0", ("h0", "h1"), 2), FakePeers(peer), RecordingEvents(), threading.Event(), stop,  # type: ignore[arg-type]
-                   threading.Event())  # fmt: skip
+    group = membership("h0", ("h0", "h1"), 2)
+    rec = Recovery(catalog, room_of(catalog), cfg, group, FakePeers(peer), RecordingEvents(), threading.Event(), stop, threading.Event())  # type: ignore[arg-type]
     rec.fetch(theirs, discard_local=False, cached=True)
     entry = catalog.get(theirs)
     assert entry is not None and entry.cached and entry.source == "h1"

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from memstore.core.model import ShardKey
-from memstore.server.drain import Drainer
+from memstore.server.engine.drain import Drainer
 from tests.unit.engine_fakes import FakePeer, FakePeers, config, make_catalog, manifest_of, membership, settled
 
 pytestmark = pytest.mark.unit

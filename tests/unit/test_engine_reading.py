@@ -11,12 +11,22 @@ import pytest
 from memstore.core.floors import Floors
 from memstore.core.model import PutOrigin, ShardKey, TransferHeader
 from memstore.errors import ChecksumMismatch, InvalidArgument, ShardNotFound
-from memstore.server.datapath import DataPath
-from memstore.server.reading import Reader
-from memstore.server.replication import Replicator
-from memstore.server.saving import Saver
+from memstore.server.engine.datapath import DataPath
+from memstore.server.engine.local_reads import Reader
+from memstore.server.engine.replication import Replicator
+from memstore.server.engine.saving import Saver
 from memstore.v1.datachannel import recv_exact
-from tests.unit.engine_fakes import FakePeers, RecordingEvents, config, make_catalog, manifest_of, membership, settled
+from tests.unit.engine_fakes import (
+    FakePeers,
+    RecordingEvents,
+    admission_of,
+    config,
+    make_catalog,
+    manifest_of,
+    membership,
+    room_of,
+    settled,
+)
 
 pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 32  # 8 KiB
@@ -98,7 +108,7 @@ def datapath():  # type: ignore[no-untyped-def]
     catalog, pool, _ = make_catalog(cfg)
     events, due = RecordingEvents(), threading.Event()
     rep = Replicator(catalog, cfg, membership(), FakePeers(), events, due, Floors())  # type: ignore[arg-type]
-    saver = Saver(catalog, rep, cfg, pool, events, threading.Event(), due, Floors())  # type: ignore[arg-type]
+    saver = Saver(catalog, room_of(catalog), admission_of(cfg), rep, cfg, pool, events, threading.Event(), due, Floors())  # type: ignore[arg-type]
     return DataPath(catalog, saver, cfg), catalog, pool, due
 
 
@@ -120,7 +130,7 @@ def test_a_send_ticket_streams_the_copy_and_unpins_it() -> None:
         got = bytearray(len(DATA))
         recv_exact(theirs, memoryview(got), time.monotonic() + 5)
     assert bytes(got) == DATA and entry.pins == 0
-    assert catalog.take_ticket(ticket) is None  # used once
+    assert path.tickets.take(ticket) is None  # used once
     with pytest.raises(ShardNotFound):
         path.prepare_send(ShardKey("job", 9, 0))
 
@@ -129,7 +139,7 @@ def test_a_receive_ticket_registers_a_verified_replica_and_gives_its_slot_back()
     path, catalog, pool, due = datapath()
     header = TransferHeader(manifest_of(KEY, DATA, owner="h1"), PutOrigin.REPLICA, "h1")
     ticket = path.prepare_receive(header)
-    assert catalog.open_streams() == {"peer:h1": 1} and pool.used == len(DATA)
+    assert path.saver.admission.open_streams() == {"peer:h1": 1} and pool.used == len(DATA)
     ours, theirs = socket.socketpair()
     t = threading.Thread(target=path.serve_ticket, args=(ticket, ours))
     t.start()
@@ -139,7 +149,7 @@ def test_a_receive_ticket_registers_a_verified_replica_and_gives_its_slot_back()
     ours.close()
     theirs.close()
     entry = catalog.get(KEY)
-    assert entry is not None and entry.verified and entry.owner_host == "h1" and catalog.open_streams() == {} and due.is_set()
+    assert entry is not None and entry.verified and entry.owner_host == "h1" and path.saver.admission.open_streams() == {} and due.is_set()
 
 
 def test_open_many_that_fails_past_the_first_lets_no_lease_outlive_the_call(monkeypatch: pytest.MonkeyPatch) -> None:

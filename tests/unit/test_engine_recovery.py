@@ -8,8 +8,8 @@ import pytest
 
 from memstore.core.model import ShardKey, ShardState
 from memstore.errors import ChecksumMismatch, ShardNotFound, UnknownJob
-from memstore.server.recovery import Recovery
-from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, config, make_catalog, manifest_of, membership, settled
+from memstore.server.engine.recovery import Recovery
+from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, config, make_catalog, manifest_of, membership, room_of, settled
 
 pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 32  # 8 KiB
@@ -19,7 +19,7 @@ def recovery(*peers: FakePeer, replicas: int = 2, hosts: tuple[str, ...] = ("h0"
     cfg = config(replicas=str(replicas), keep="2")
     catalog, pool, stop = make_catalog(cfg)
     events, draining, due = RecordingEvents(), threading.Event(), threading.Event()
-    rec = Recovery(catalog, cfg, membership("h0", hosts, replicas), FakePeers(*peers), events, draining, stop, due)  # type: ignore[arg-type]
+    rec = Recovery(catalog, room_of(catalog), cfg, membership("h0", hosts, replicas), FakePeers(*peers), events, draining, stop, due)  # type: ignore[arg-type]
     return rec, catalog, pool, events, draining
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from memstore.core.floors import Floors
 from memstore.core.model import ShardKey, ShardState
-from memstore.server.replication import Replicator
+from memstore.server.engine.replication import Replicator
 from memstore.v1.integrity import ChunkChecksums
 from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, captured, commit, config, make_catalog, membership
 
@@ -67,7 +67,7 @@ def test_a_push_skipped_for_a_newer_capture_of_the_rank_reports_the_save_superse
     newer = commit(catalog, ShardKey("job", 2, 0), DATA)
     newer.created_unix = old.created_unix + 1
     rep.capture_and_replicate(old)  # ... but pushing it is pointless now
-    info = catalog.info(old)
+    info = old.info()
     assert peer.pushes == [] and info.superseded and catalog.saves_superseded == 1 and "superseded by step 2" in info.error
 
 
@@ -80,7 +80,7 @@ def test_tcp_data_plane_falls_back_to_streams_for_a_peer_without_a_data_channel(
 
 @pytest.mark.parametrize("plane", ["tcp", "grpc"])
 def test_a_capture_still_being_written_is_pushed_only_once_its_client_finished_it(plane: str) -> None:
-    from memstore.server.progress import CaptureProgress
+    from memstore.server.engine.progress import CaptureProgress
 
     peer = FakePeer("h1", data_channel=plane == "tcp")
     rep, catalog, _, _, _ = replicator(peer, data_plane=plane)
@@ -99,7 +99,7 @@ def test_a_capture_still_being_written_is_pushed_only_once_its_client_finished_i
 
 
 def test_a_capture_whose_client_stops_is_dropped_and_pushed_nowhere() -> None:
-    from memstore.server.progress import CaptureProgress
+    from memstore.server.engine.progress import CaptureProgress
 
     peer = FakePeer("h1")
     rep, catalog, pool, _, _ = replicator(peer)
@@ -113,7 +113,7 @@ def test_a_capture_whose_client_stops_is_dropped_and_pushed_nowhere() -> None:
 
 @pytest.mark.parametrize("plane", ["tcp", "grpc"])
 def test_a_capture_its_client_hashed_is_pushed_with_those_checksums_and_never_read_back(plane: str, monkeypatch) -> None:
-    from memstore.server import replication
+    from memstore.server.engine import replication
 
     def no_hashing(*args: object, **kwargs: object) -> None:
         raise AssertionError("the store hashed a shard its client had hashed")
@@ -125,7 +125,7 @@ def test_a_capture_its_client_hashed_is_pushed_with_those_checksums_and_never_re
     key = ShardKey("job", 1, 0)
     sums = ChunkChecksums(4096, (11, 22))  # not DATA's: the store takes them as they are, its peers verify them
     lease = catalog.lease_allocation(captured(catalog, key, DATA), ahead=False)
-    entry = catalog.commit_lease(lease, None, 0, {}, 1, "", None, checksums=sums)
+    entry = catalog.commit_lease(lease, None, 0, {}, 1, "", checksums=sums)
     rep.catalog.add_in_flight(1)
     rep.capture_and_replicate(entry)
     (info,) = catalog.list_shards("job")

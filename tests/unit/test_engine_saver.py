@@ -8,11 +8,12 @@ import pytest
 
 from memstore.core.floors import Floors
 from memstore.core.model import PutOrigin, ShardKey, ShardState, TransferHeader
-from memstore.errors import Draining, InvalidArgument, LeaseError
-from memstore.server.entries import Entry
-from memstore.server.saving import Saver
+from memstore.core.status import CaptureReport
+from memstore.errors import AlreadySaved, CapacityExceeded, Draining, InvalidArgument, LeaseError
+from memstore.server.engine.entries import Entry
+from memstore.server.engine.saving import Saver
 from memstore.v1.integrity import ChunkChecksums, compute_checksums
-from tests.unit.engine_fakes import RecordingEvents, config, make_catalog, manifest_of
+from tests.unit.engine_fakes import RecordingEvents, admission_of, config, make_catalog, manifest_of, room_of
 
 pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 32  # 8 KiB
@@ -36,7 +37,8 @@ def saver(**flags: str):  # type: ignore[no-untyped-def]
     cfg = config(**flags)
     catalog, pool, _ = make_catalog(cfg)
     events, draining, rep = RecordingEvents(), threading.Event(), RecordingReplicator()
-    return Saver(catalog, rep, cfg, pool, events, draining, threading.Event(), Floors()), catalog, pool, events, rep.submitted, draining  # type: ignore[arg-type]
+    s = Saver(catalog, room_of(catalog), admission_of(cfg), rep, cfg, pool, events, draining, threading.Event(), Floors())  # type: ignore[arg-type]
+    return s, catalog, pool, events, rep.submitted, draining
 
 
 def test_the_saver_hands_a_commit_to_replication_and_counts_the_save() -> None:
@@ -71,7 +73,27 @@ def test_a_stream_from_a_client_is_verified_registered_and_replicated() -> None:
     bad = manifest_of(ShardKey("job", 2, 0), DATA, owner="")
     with pytest.raises(Exception, match="checksum"):
         s.receive(TransferHeader(bad, PutOrigin.CLIENT, ""), [DATA[:4096], DATA[::-1][4096:]])
-    assert catalog.open_streams() == {} and catalog.get(ShardKey("job", 2, 0)) is None and pool.used == len(DATA)
+    assert s.admission.open_streams() == {} and catalog.get(ShardKey("job", 2, 0)) is None and pool.used == len(DATA)
+
+
+def test_a_client_stream_of_a_shard_held_is_refused_before_it_counts_and_a_peers_copy_is_not() -> None:
+    s, catalog, pool, _, _, _ = saver()
+    key = ShardKey("job", 1, 0)
+    s.receive(TransferHeader(manifest_of(key, DATA, owner=""), PutOrigin.CLIENT, ""), [DATA[:4096], DATA[4096:]])
+    with pytest.raises(AlreadySaved):
+        s.begin_receive(TransferHeader(manifest_of(key, DATA, owner=""), PutOrigin.CLIENT, ""))
+    assert s.admission.open_streams() == {} and pool.used == len(DATA)  # nothing counted, nothing reserved
+    inbound = s.begin_receive(TransferHeader(manifest_of(key, DATA, owner="h1"), PutOrigin.REPLICA, "h1"))  # the same bytes
+    assert s.admission.open_streams() == {"peer:h1": 1}
+    s.abort_receive(inbound)
+    assert s.admission.open_streams() == {} and pool.used == len(DATA) and catalog.get(key) is not None
+
+
+def test_a_stream_that_gets_no_memory_gives_its_slot_back() -> None:
+    s, _, pool, _, _, _ = saver(capacity="4KiB")
+    with pytest.raises(CapacityExceeded):
+        s.begin_receive(TransferHeader(manifest_of(ShardKey("job", 1, 0), DATA, owner="h1"), PutOrigin.REPLICA, "h1"))
+    assert s.admission.open_streams() == {} and pool.used == 0
 
 
 def test_closing_gives_up_the_captures_still_being_written() -> None:
@@ -123,8 +145,20 @@ def test_a_reservation_ahead_has_the_replicator_announce_its_rank_to_the_peers()
     cfg = config()
     catalog, pool, _ = make_catalog(cfg)
     rep = RecordingReplicator()
-    s = Saver(catalog, rep, cfg, pool, RecordingEvents(), threading.Event(), threading.Event(), Floors())  # type: ignore[arg-type]
+    events, due = RecordingEvents(), threading.Event()
+    s = Saver(catalog, room_of(catalog), admission_of(cfg), rep, cfg, pool, events, threading.Event(), due, Floors())  # type: ignore[arg-type]
     s.allocate(ShardKey("job", 1, 1), 2, len(DATA))  # a save's own allocation: its replicas teach the peers
     assert rep.announced == []
     s.allocate(ShardKey("job", 0, 1), 2, len(DATA), ahead=True)  # prepare(), or the ring reserving ahead
     assert rep.announced == [("job", 1, len(DATA))]  # whether the rank saved already is the Replicator's business
+
+
+def test_the_capture_report_sums_the_commits_taken_in_and_not_a_refused_one() -> None:
+    s, _, _, _, _, _ = saver()
+    key = ShardKey("job", 1, 0)
+    first, _ = s.allocate(key, 1, len(DATA))
+    second, _ = s.allocate(key, 1, len(DATA))  # a reused run id: two captures of one shard
+    s.commit(first, {}, 1, capture=CaptureReport(3, 1, "invalid argument"))
+    with pytest.raises(AlreadySaved):
+        s.commit(second, {}, 1, capture=CaptureReport(5, 0, ""))
+    assert (s.capture.registrations, s.capture.fallbacks, s.capture.fallback_cause) == (3, 1, "invalid argument")

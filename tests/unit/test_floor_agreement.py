@@ -77,7 +77,7 @@ def test_a_closed_agreement_lets_go_of_the_process_group() -> None:
     import gc
     import os
 
-    from memstore.devtools.ranks import on_every_rank
+    from tools.thread_ranks import on_every_rank
     from trainer_client.floor import FloorAgreement
 
     def descriptors() -> int:

@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from memstore.devtools import cluster
-from memstore.devtools.cluster import free_ports
+from memstore import testing as cluster
+from memstore.testing import free_ports
 
 
 def test_ports_are_distinct_bindable_and_below_the_outgoing_range() -> None:

@@ -1,4 +1,4 @@
-"""memstore.server.leftovers alone: sidecars, and adopting or deleting what a previous store left, against a
+"""memstore.server.memory.leftovers alone: sidecars, and adopting or deleting what a previous store left, against a
 fake pool (``FakeHolder``). The pool's side (SegmentPool.adopt after a SIGKILL, keep_files) is in test_segments."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from memstore.server.leftovers import Leftovers, write_sidecar
-from memstore.server.pages import PAGE
-from memstore.server.segment import Segment, SegmentMaker
-from memstore.server.shm_dirs import LOCK_NAME, sidecar_path
+from memstore.server.memory.leftovers import Leftovers, write_sidecar
+from memstore.server.memory.pages import PAGE
+from memstore.server.memory.segment import Segment, SegmentMaker
+from memstore.server.memory.shm_dirs import LOCK_NAME, sidecar_path
 
 pytestmark = pytest.mark.unit
 

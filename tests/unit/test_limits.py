@@ -186,8 +186,8 @@ def test_streams_per_peer_and_per_job(store: Store) -> None:
     with pytest.raises(TooManyStreams, match="clients of job 'cj'"):
         store.prepare_receive(replica_header(ShardKey("cj", 1, 2), data, sender="client-rank-2", owner="", origin=PutOrigin.CLIENT))
     # Expired tickets give their slots back.
-    store.catalog.expire_tickets(time.monotonic() + 3600)
-    assert store.catalog.open_streams() == {} and store.pool.in_use_bytes == 0
+    store.datapath.expire_tickets(time.monotonic() + 3600)
+    assert store.admission.open_streams() == {} and store.pool.in_use_bytes == 0
     store.prepare_receive(replica_header(ShardKey("job", 9, 0), data))
 
 
@@ -198,15 +198,15 @@ def test_put_streams_give_their_slot_back_stored_or_not(store: Store) -> None:
         store.receive(header, chunks_of(data)[:1])  # short stream
     with pytest.raises(StreamError):
         store.receive(header, [data])  # oversized chunk
-    assert store.catalog.open_streams() == {}
+    assert store.admission.open_streams() == {}
     store.receive(header, chunks_of(data))
-    assert store.catalog.open_streams() == {} and steps_held(store) == [4]
+    assert store.admission.open_streams() == {} and steps_held(store) == [4]
 
 
 def test_data_channel_receive_gives_its_slot_back(store: Store) -> None:
     data = bytes(range(256)) * 4096
     ticket = store.prepare_receive(replica_header(ShardKey("job", 5, 0), data))
-    assert store.catalog.open_streams() == {"peer:peer1": 1}
+    assert store.admission.open_streams() == {"peer:peer1": 1}
     ours, theirs = socket.socketpair()
     with ours, theirs:
         server = threading.Thread(target=store.serve_ticket, args=(ticket, ours))
@@ -214,14 +214,14 @@ def test_data_channel_receive_gives_its_slot_back(store: Store) -> None:
         theirs.sendall(data)
         assert theirs.recv(1) == b"\x00"  # stored
         server.join(5)
-    assert store.catalog.open_streams() == {} and steps_held(store) == [5]
+    assert store.admission.open_streams() == {} and steps_held(store) == [5]
 
 
 def test_a_stream_blocked_by_a_quota_gives_its_slot_back(store: Store) -> None:
     data = b"\x02" * (8 * MiB)
     with pytest.raises(QuotaExceeded):
         store.prepare_receive(replica_header(ShardKey("job", 6, 0), data))
-    assert store.catalog.open_streams() == {} and store.pool.in_use_bytes == 0
+    assert store.admission.open_streams() == {} and store.pool.in_use_bytes == 0
 
 
 def test_unlimited_when_flags_are_zero(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -230,7 +230,7 @@ def test_unlimited_when_flags_are_zero(tmp_path) -> None:  # type: ignore[no-unt
         data = b"\x01" * MiB
         for rank in range(20):
             s.prepare_receive(replica_header(ShardKey("job", 1, rank), data))
-        assert s.catalog.open_streams() == {"peer:peer1": 20}
+        assert s.admission.open_streams() == {"peer:peer1": 20}
     finally:
         s.close()
 
@@ -261,11 +261,11 @@ def test_engine_refuses_manifests_beyond_the_bounds(store: Store) -> None:
     lease, _ = store.allocate(key, 1, MiB)
     with pytest.raises(InvalidArgument, match="MAX_METRICS"):
         store.commit(lease, {f"m{i}": 1.0 for i in range(MAX_METRICS + 1)}, 1)
-    assert store.catalog.open_streams() == {}
+    assert store.admission.open_streams() == {}
 
 
 def test_segment_pool_accounts_each_job_against_its_quota(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from memstore.server.segments import SegmentPool
+    from memstore.server.memory.pool import SegmentPool
 
     pool = SegmentPool(str(tmp_path / "segs"), 16 * MiB)
     try:

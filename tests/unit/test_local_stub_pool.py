@@ -15,7 +15,7 @@ import pytest
 
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.local_control import NUMBERS, OK, FrameError, recv_request, send_response
-from trainer_client.transport.local_control import LocalStub, RpcFailure
+from trainer_client.transport.local_control_client import LocalStub, RpcFailure
 
 pytestmark = pytest.mark.unit
 

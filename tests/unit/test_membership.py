@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from memstore.devtools.cluster import LocalCluster, wait_for
 from memstore.errors import ConfigError, DiscoveryError, StoreError
 from memstore.membership import (
     DiscoveryStatus,
@@ -25,6 +24,7 @@ from memstore.membership import (
     Watcher,
     validate_member,
 )
+from memstore.testing import LocalCluster, wait_for
 
 pytestmark = pytest.mark.unit
 

@@ -16,8 +16,8 @@ from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState
 from memstore.core.slots import Slot, SlotTable
 from memstore.core.status import DiscoveryReport, HealthReport, JobCensus, Orphan, job_census
 from memstore.errors import ConfigError, PeerUnavailable, StoreError
+from memstore.server.engine.recovery import count_under_replicated
 from memstore.server.metrics import Snapshot, StoreMetrics, state_families
-from memstore.server.recovery import count_under_replicated
 from memstore.server.store import Store
 from memstore.spill.port import JobSpillStatus
 

@@ -1,5 +1,5 @@
-"""The network faults' tools: the TCP fault proxy (memstore/devtools/faultproxy.py), where its bit flips land and its
-modes on a live link, the recovery matrix's links, and the clock-jump library (memstore/devtools/clockshift.py)."""
+"""The network faults' tools: the TCP fault proxy (tools/faultproxy.py), where its bit flips land and its
+modes on a live link, the recovery matrix's links, and the clock-jump library (tools/clockshift.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from memstore.devtools import clockshift
-from memstore.devtools.faultproxy import FaultProxy, flip_bits
-from memstore.devtools.recovery_matrix.links import Links, set_links
+from tools import clockshift
+from tools.faultproxy import FaultProxy, flip_bits
+from tools.recovery_matrix.links import Links, set_links
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""memstore.server.reserve.Reserve alone: its fresh segments, resizing, giving way, against a fake pool.
+"""memstore.server.memory.reserve.Reserve alone: its fresh segments, resizing, giving way, against a fake pool.
 
 The pool it lives in is a ``FakeHoldings`` (a capacity and the bytes the jobs hold, set by each test); segments
 are real (anonymous memory, or files in tmp_path where a test looks at a file's size).
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from memstore.core.reserve import HEADROOM, ReservePolicy
-from memstore.devtools.cluster import wait_for
-from memstore.server.pages import PAGE
-from memstore.server.reserve import FRESH, Reserve
-from memstore.server.segment import Segment, SegmentMaker
+from memstore.core.reserve_policy import HEADROOM, ReservePolicy
+from memstore.server.memory.pages import PAGE
+from memstore.server.memory.reserve import FRESH, Reserve
+from memstore.server.memory.segment import Segment, SegmentMaker
+from memstore.testing import wait_for
 
 pytestmark = pytest.mark.unit
 MiB = 1 << 20

@@ -37,7 +37,7 @@ from memstore.spill import layout
 from memstore.spill.layout import SpilledManifest
 from memstore.v1.integrity import MAX_CHUNK_BYTES, SPILL_CODECS, chunk_count
 from trainer_client import serialization
-from trainer_client.dcp_metadata import MemStoreStorageInfo, decode_metadata, encode_metadata
+from trainer_client.dcp.metadata import MemStoreStorageInfo, decode_metadata, encode_metadata
 from trainer_client.errors import CorruptShardError
 
 pytestmark = pytest.mark.unit
@@ -447,7 +447,7 @@ def test_spill_paths_stay_under_the_root_and_parse_back(job: str, step: int, ran
 
 
 # ------------------------------------------------------------------------------------------------------
-# DCP metadata (trainer_client.dcp_metadata)
+# DCP metadata (trainer_client.dcp.metadata)
 # ------------------------------------------------------------------------------------------------------
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from memstore.server.recovery import RepairGate
+from memstore.server.engine.recovery import RepairGate
 
 
 def _run(sizes: list[int], budget: int) -> tuple[list[int], list[set[int]]]:

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from memstore.config import StoreConfig
-from memstore.core.reserve import ANNOUNCED_IDLE_SECONDS, HEADROOM, IDLE_MIN_SECONDS, MIN_UNIT, ReserveGoal, ReservePolicy
-from memstore.devtools.cluster import wait_for
+from memstore.core.reserve_policy import ANNOUNCED_IDLE_SECONDS, HEADROOM, IDLE_MIN_SECONDS, MIN_UNIT, ReserveGoal, ReservePolicy
 from memstore.errors import ConfigError
-from memstore.server.pages import PAGE
-from memstore.server.segment import Segment
-from memstore.server.segments import SegmentPool
+from memstore.server.memory.pages import PAGE
+from memstore.server.memory.pool import SegmentPool
+from memstore.server.memory.segment import Segment
+from memstore.testing import wait_for
 
 pytestmark = pytest.mark.unit
 MiB = 1 << 20

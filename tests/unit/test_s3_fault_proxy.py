@@ -1,4 +1,4 @@
-"""The S3 fault proxy of the recovery matrix (memstore/devtools/s3_proxy.py) against a small HTTP server on loopback:
+"""The S3 fault proxy of the recovery matrix (tools/s3_proxy.py) against a small HTTP server on loopback:
 requests pass whole, throttled ones are answered 503 SlowDown as S3 does, and "down" refuses connections."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from memstore.devtools.s3_proxy import S3FaultProxy, throttled
+from tools.s3_proxy import S3FaultProxy, throttled
 
 pytestmark = pytest.mark.unit
 

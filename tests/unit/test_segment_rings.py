@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from memstore.errors import RingBusy
-from memstore.server.rings import RING_SLACK
-from memstore.server.segments import NO_RING, PAGE, Segment, SegmentPool, ring_limit
+from memstore.server.memory.pool import NO_RING, PAGE, Segment, SegmentPool, ring_limit
+from memstore.server.memory.rings import RING_SLACK
 
 pytestmark = pytest.mark.unit
 

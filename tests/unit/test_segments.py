@@ -18,9 +18,9 @@ from memstore.cli import build_parser
 from memstore.cli import main as cli_main
 from memstore.config import StoreConfig
 from memstore.errors import CapacityExceeded, ConfigError
-from memstore.server import shm_dirs
-from memstore.server.segments import PAGE, Segment, SegmentPool
-from memstore.server.shm_dirs import orphaned_dirs, reclaim_orphans, segment_dir, sidecar_path
+from memstore.server.memory import shm_dirs
+from memstore.server.memory.pool import PAGE, Segment, SegmentPool
+from memstore.server.memory.shm_dirs import orphaned_dirs, reclaim_orphans, segment_dir, sidecar_path
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def crashed_store(directory: Path, script: str) -> None:
         f"""
         import os, signal, sys
         sys.path.insert(0, {str(ROOT)!r})
-        from memstore.server.segments import SegmentPool
+        from memstore.server.memory.pool import SegmentPool
         pool = SegmentPool({str(directory)!r}, 1 << 30)
         """
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memstore.server.shm_pages import shm_pages
+from memstore.server.memory.shm_pages import shm_pages
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Dead stores' segment directories (memstore.server.shm_sweep): which are adopted, which reclaimed and when, and
+"""Dead stores' segment directories (memstore.server.memory.shm_sweep): which are adopted, which reclaimed and when, and
 that a directory a live store holds is never touched; against real pools on a tmp dir and a fake clock."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from memstore.core.model import ShardInfo, ShardKey, ShardState
 from memstore.core.slots import Slot, SlotTable
 from memstore.core.status import Orphan
 from memstore.server.convert import sidecar_bytes
-from memstore.server.leftovers import write_sidecar
-from memstore.server.pages import PAGE
-from memstore.server.segment import Segment
-from memstore.server.segments import SegmentPool
-from memstore.server.shm_dirs import LOCK_NAME, orphaned_dirs, reclaim_dir
-from memstore.server.shm_sweep import ShmSweeper, plan
+from memstore.server.memory.leftovers import write_sidecar
+from memstore.server.memory.pages import PAGE
+from memstore.server.memory.pool import SegmentPool
+from memstore.server.memory.segment import Segment
+from memstore.server.memory.shm_dirs import LOCK_NAME, orphaned_dirs, reclaim_dir
+from memstore.server.memory.shm_sweep import ShmSweeper, plan
 from memstore.server.store import Store
 from tests.unit.engine_fakes import manifest_of
 

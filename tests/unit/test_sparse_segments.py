@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from memstore.server.segments import PAGE, SegmentPool
+from memstore.server.memory.pool import PAGE, SegmentPool
 from memstore.v1.pagefaults import address_of, populate_supported, populate_writable
 from trainer_client.capture import ring
 from trainer_client.capture.ring import map_segment
@@ -87,7 +87,7 @@ def test_a_fresh_segment_is_faulted_in_on_all_cores_and_a_full_tmpfs_raises_leav
     pool: SegmentPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from memstore.errors import CapacityExceeded
-    from memstore.server import segment
+    from memstore.server.memory import segment
 
     calls: list[int] = []
 

@@ -8,9 +8,9 @@ import pytest
 
 from memstore.config import StoreConfig
 from memstore.core.model import ShardKey, ShardState
-from memstore.devtools.cluster import wait_for
 from memstore.errors import AlreadySaved, CapacityExceeded, InvalidArgument, LeaseError, ShardNotFound, UnknownJob
 from memstore.server.store import Store
+from memstore.testing import wait_for
 
 pytestmark = pytest.mark.unit
 MiB = 1 << 20

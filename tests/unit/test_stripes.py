@@ -17,7 +17,7 @@ from memstore.spill.layout import SpilledManifest
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.keys import MAX_WORLD_SIZE
 from memstore.v1.streams import shard_manifest_problem, stripe_problem
-from tests.unit.engine_fakes import captured, make_catalog, manifest_of
+from tests.unit.engine_fakes import adoption_of, captured, make_catalog, manifest_of
 
 pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 32  # 8 KiB: two chunks
@@ -68,10 +68,10 @@ def test_a_commit_keeps_its_stripe_and_a_bad_one_is_refused_keeping_the_lease() 
     entry.world_size = 4
     lease = catalog.lease_allocation(entry, ahead=False)
     with pytest.raises(InvalidArgument, match=r"stripe.group\[2\] \(stripe.index\) is rank 3, but the shard is rank 2"):
-        catalog.commit_lease(lease, None, 0, {}, 1, "", None, Stripe((0, 1, 3, 2), 2, 10, 1))
+        catalog.commit_lease(lease, None, 0, {}, 1, "", Stripe((0, 1, 3, 2), 2, 10, 1))
     assert catalog.get(key) is None  # nothing registered
-    committed = catalog.commit_lease(lease, None, 0, {}, 1, "", None, GOOD)  # the same lease, still held
-    assert catalog.info(committed).manifest.stripe == GOOD  # known before its checksums are
+    committed = catalog.commit_lease(lease, None, 0, {}, 1, "", GOOD)  # the same lease, still held
+    assert committed.info().manifest.stripe == GOOD  # known before its checksums are
 
 
 def test_adoption_after_a_restart_keeps_the_stripe() -> None:
@@ -79,7 +79,7 @@ def test_adoption_after_a_restart_keeps_the_stripe() -> None:
     key = ShardKey("job", 1, 2)
     entry = captured(catalog, key, DATA)
     entry.world_size = 4
-    committed = catalog.commit_lease(catalog.lease_allocation(entry, ahead=False), None, 0, {}, 1, "", None, GOOD)
+    committed = catalog.commit_lease(catalog.lease_allocation(entry, ahead=False), None, 0, {}, 1, "", GOOD)
     catalog.take_up(committed)
     catalog.checksummed(committed, replace(manifest_of(key, DATA, world_size=4), stripe=GOOD))
     catalog.settle(committed, copies=1, errors=[])
@@ -90,7 +90,7 @@ def test_adoption_after_a_restart_keeps_the_stripe() -> None:
     fresh_pool.used = 0
     segment.view(len(DATA))[:] = DATA
     fresh_pool.adoptable = [(segment, meta)]
-    assert fresh.adopt_segments() == 1
+    assert adoption_of(fresh).adopt() == 1
     adopted = fresh.get(key)
     assert adopted is not None and adopted.state is ShardState.COMMITTED and adopted.manifest is not None
     assert adopted.manifest.stripe == GOOD and adopted.stripe == GOOD
@@ -104,7 +104,7 @@ def test_a_sidecar_with_an_impossible_stripe_is_not_adopted() -> None:
     fresh_pool.used = 0
     segment.view(len(DATA))[:] = DATA
     fresh_pool.adoptable = [(segment, sidecar_bytes(info))]
-    assert fresh.adopt_segments() == 0
+    assert adoption_of(fresh).adopt() == 0
 
 
 def _info(m: Manifest) -> ShardInfo:

@@ -67,7 +67,7 @@ def test_cross_module_private_imports_are_named(tmp_path: Path, monkeypatch: pyt
             "trainer_client/_ring.py": "from trainer_client import _cuda\n_local = 1\n",
             "trainer_client/client.py": "import trainer_client._ring\nfrom trainer_client.format import MAGIC, __all__\n",
             "trainer_client/format/__init__.py": "from .spec import _PRELUDE\n",
-            "memstore/devtools/chaos.py": "def f():\n    from memstore.devtools.demo import _Job\n",
+            "memstore/demo/chaos_run.py": "def f():\n    from memstore.demo.showcase import _Job\n",
             "examples/train.py": "from torch.distributed.checkpoint.filesystem import _StorageInfo\nfrom ray._private import state\n",
             "benchmarks/ok.py": "from trainer_client.serialization.spec import PRELUDE\n",
         },
@@ -75,7 +75,7 @@ def test_cross_module_private_imports_are_named(tmp_path: Path, monkeypatch: pyt
     assert check.private_imports(files) == [
         f"{path}: imports {name} ({private} is private: give it a public name in a module whose job it is)"
         for path, name, private in [
-            ("memstore/devtools/chaos.py:2", "memstore.devtools.demo._Job", "_Job"),
+            ("memstore/demo/chaos_run.py:2", "memstore.demo.showcase._Job", "_Job"),
             ("trainer_client/_ring.py:1", "trainer_client._cuda", "_cuda"),
             ("trainer_client/client.py:1", "trainer_client._ring", "_ring"),
             ("trainer_client/format/__init__.py:1", "trainer_client.format.spec._PRELUDE", "_PRELUDE"),
@@ -102,6 +102,26 @@ def test_the_trainer_side_imports_only_the_stores_contract(tmp_path: Path, monke
         f"trainer_client/client.py:4: imports memstore.config (StoreConfig): {rule}",
         f"trainer_client/dcp.py:2: imports memstore.server.store: {rule}",
         f"trainer_client/dcp.py:3: imports memstore.faults: {rule}",
+    ]
+
+
+def test_the_product_never_imports_the_lab_or_the_tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(check, "ROOT", tmp_path)
+    files = _write_tree(
+        tmp_path,
+        {
+            "memstore/testing.py": "def f():\n    from tools.dns_server import DnsServer\n",
+            "memstore/bench/rig.py": "import tests.harness.pods\nfrom memstore.testing import LocalCluster\n",
+            "trainer_client/dcp.py": "from benchmarks import floors\nfrom .tools import x\nimport toolsy\n",
+            "tools/recovery_matrix/scenario.py": "from memstore.testing import LocalCluster\nfrom tools.faultproxy import FaultProxy\n",
+            "tests/conftest.py": "from tools.s3_server import MotoServer\n",
+        },
+    )
+    rule = "the wheel ships memstore and trainer_client only"
+    assert check.lab_imports(files) == [
+        f"memstore/bench/rig.py:1: imports tests.harness.pods: {rule}; tests/ stays in the checkout",
+        f"memstore/testing.py:2: imports tools.dns_server: {rule}; tools/ stays in the checkout",
+        f"trainer_client/dcp.py:1: imports benchmarks: {rule}; benchmarks/ stays in the checkout",
     ]
 
 

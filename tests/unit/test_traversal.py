@@ -66,7 +66,7 @@ def test_every_entry_point_refuses_a_bad_job_id(store: Store, job_id: str) -> No
             continue  # "" lists every job
         with pytest.raises(InvalidArgument, match="job_id"):
             call()
-    assert store.pool.in_use_bytes == 0 and store.catalog.open_streams() == {}
+    assert store.pool.in_use_bytes == 0 and store.admission.open_streams() == {}
 
 
 @pytest.mark.parametrize("timeline", BAD_TIMELINES)

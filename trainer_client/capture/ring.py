@@ -1,6 +1,6 @@
 """A client's capture ring: the store segments its saves land in, mapped once and registered once.
 
-The store hands every save of one rank a segment of that rank's *capture ring* (``memstore.server.segments``:
+The store hands every save of one rank a segment of that rank's *capture ring* (``memstore.server.memory.pool``:
 a pooled segment goes back to the rank that used it, replicas and pulls never take it) and lists the ring in
 each ``AllocateResponse.ring_paths``. :class:`CaptureRing` keeps each ring segment mapped at exactly the size
 the store allocated (a mapping never reaches past its file's end, and the store never resizes a ring

@@ -32,7 +32,7 @@ from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import boot_id, store_stub
 from trainer_client.connection import Connection
 from trainer_client.errors import InvalidArgumentError, StoreUnavailableError, raise_for_rpc
-from trainer_client.transport.local_control import LocalStub, RpcFailure
+from trainer_client.transport.local_control_client import LocalStub, RpcFailure
 from trainer_client.transport.remote import RemoteTransfer
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from memstore.v1.manifests import manifest_from_pb
 from memstore.v1.security import Credentials
 from memstore.v1.streams import manifest_problem, put_requests, receive_chunks
 from trainer_client.errors import CorruptShardError, StoreUnavailableError, raise_for_rpc
-from trainer_client.transport.local_control import RpcFailure
+from trainer_client.transport.local_control_client import RpcFailure
 
 VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))  # threads hashing a shard this process holds (a staged save, a mapped restore)
 HUGE_MIN = 2 << 20  # buffers from this size on are huge-page backed anonymous mappings

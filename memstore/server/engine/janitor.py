@@ -1,0 +1,94 @@
+"""Background upkeep: retention (keep-K, superseded timelines) and expiry of leases and tickets."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from memstore.config import StoreConfig
+from memstore.core.floors import Floors
+from memstore.core.model import Holding
+from memstore.core.restorable import latest_replicated, latest_restorable, may_supersede, superseded_versions
+from memstore.core.retention import retention_victims
+from memstore.server.engine.catalog import Catalog
+from memstore.spill.port import DurableTier
+
+log = logging.getLogger(__name__)
+
+
+class Janitor:
+    """Evicts what retention no longer keeps and frees what crashed clients left allocated.
+
+    Runs on the store's ``janitor`` thread (``loop``), woken by ``retention_due`` (a shard settled or arrived, a step
+    was spilled, the slot table moved) or once a second. ``cluster_holdings``: what the cluster holds of a job
+    (``Recovery.cluster_holdings``), asked only when something would go and the job has no restorable floor
+    (``memstore.core.floors``: its clients were given no process group), or a re-save may have superseded a timeline.
+    ``expire_tickets``: releases the data channel's tickets nobody used in time (``DataPath.expire_tickets``).
+    With a floor, retention evicts only below it and asks nobody: no message per saved step grows with the cluster.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        config: StoreConfig,
+        cluster_holdings: Callable[[str], tuple[list[Holding], list[str]]],
+        expire_tickets: Callable[[float], None],
+        stop: threading.Event,
+        retention_due: threading.Event,
+        floors: Floors,
+    ) -> None:
+        self.catalog = catalog
+        self.config = config
+        self.cluster_holdings = cluster_holdings
+        self.expire_tickets = expire_tickets  # the data channel's (DataPath.expire_tickets)
+        self._stop = stop
+        self.retention_due = retention_due
+        self.floors = floors
+        self.listings = 0  # retention passes that had to list the cluster (no floor, or a possible supersede)
+        self.durable: DurableTier | None = None  # set by the store when --spill is on: steps due for spilling are kept
+
+    def loop(self) -> None:
+        while not self._stop.is_set():
+            self.retention_due.wait(timeout=1.0)
+            if self._stop.is_set():
+                return
+            self.retention_due.clear()
+            try:
+                self.pass_once()
+            except Exception:
+                log.exception("janitor pass failed")
+            self._stop.wait(0.05)  # debounce bursts of settles into one pass
+
+    def pass_once(self) -> None:
+        """One pass: expire leases and tickets, then apply retention."""
+        now = time.monotonic()
+        for lease_id in self.catalog.stale_leases(now):
+            log.warning("lease %s expired; releasing it", lease_id)
+            self.catalog.release_lease(lease_id)
+        self.expire_tickets(now)
+        self.apply_retention()
+
+    def apply_retention(self) -> None:
+        for job in sorted(self.catalog.jobs()):
+            held = self.catalog.held(job)
+            crowded = len({k.version for k, _, _ in held}) > self.config.keep and retention_victims(held, self.config.keep)
+            supersede = may_supersede((k, created) for k, _, created in held)
+            if not crowded and not supersede:
+                continue
+            spilling = sorted(self.durable.protected_steps(job)) if self.durable is not None else []  # kept until spilled
+            floor = self.floors.get(job)
+            if floor is not None and not supersede:
+                self.catalog.retire(job, set(), None, spilling, floor.version)  # nothing at or above the floor goes
+                continue
+            # Something would go and no floor bounds it, or a re-save may have superseded another timeline: ask the cluster.
+            self.listings += 1
+            holdings, _ = self.cluster_holdings(job)
+            dead = superseded_versions(holdings, job)
+            latest = latest_restorable(holdings, job)
+            # ... and the newest committed version (every rank on R hosts): the latest restorable one may rest on a
+            # single copy whose replication failed, and the loss of that one host must not leave nothing to restore.
+            committed = latest_replicated(holdings, job, self.config.replicas)
+            protected = [v.step for v in (latest, committed) if v is not None] + spilling
+            self.catalog.retire(job, dead, latest.step if latest else None, protected, floor.version if floor else None)

@@ -1,0 +1,67 @@
+"""Room for a shard: a segment from the pool within the store's capacity and the job's quota, made under pressure.
+
+Over either limit, the copies pulled ahead of a restore go first (``Catalog.drop_cached``), then the fewest of the
+job's own older copies that make room (``Catalog.make_room``: never its newest settled version nor its protected
+steps), and the pool is asked again; when even all of those would not do, the request is refused at once and
+nothing is dropped (``memstore.core.limits.room_by_dropping``). The ``Saver`` (saves, streams in) and ``Recovery``
+(pulls) ask it; ``Store`` builds the one ``Room``.
+
+No lock of its own: the pool takes its own lock for each request, and the catalog chooses and drops what goes in one
+step under its lock (the catalog's lock, then the pool's: the order the engine keeps), so a segment is never asked
+for while the catalog's lock is held.
+"""
+
+from __future__ import annotations
+
+from memstore.config import StoreConfig
+from memstore.core.model import ShardKey
+from memstore.errors import CapacityExceeded, QuotaExceeded
+from memstore.server.engine.catalog import Catalog
+from memstore.server.memory.pool import NO_RING, Segment, SegmentPool
+from memstore.server.memory.rings import AHEAD_POLL_SECONDS
+
+
+class Room:
+    """Segments for shards, making room by dropping what pressure allows."""
+
+    def __init__(self, catalog: Catalog, pool: SegmentPool, config: StoreConfig) -> None:
+        self.catalog = catalog
+        self.pool = pool
+        self.config = config
+
+    def acquire(
+        self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING, evict: bool = True, grow: bool = False,
+        sparse: bool = False,
+    ) -> Segment:  # fmt: skip
+        """A segment for ``key``, within the store's capacity and the job's quota (``--job-quota``), making room under
+        pressure as the module says. ``evict=False`` (memory reserved ahead of a save, which may never come, or a pull
+        ahead of a restore): refuse rather than drop anything. ``sparse``: a segment made for it leaves its pages to
+        the client that writes it (``SegmentMaker.create``).
+        """
+        if ring != NO_RING and evict:  # a save into its rank's full capture ring grows it (counted past the slack)
+            with self.pool.saving_into(key.job_id, ring):
+                full = self.pool.ring_full(key.job_id, ring)
+                if full:
+                    self.pool.count_growth(key.job_id, ring, full)
+                return self._within_limits(key, nbytes, preferred, ring, evict, grow, sparse)
+        return self._within_limits(key, nbytes, preferred, ring, evict, grow, sparse)
+
+    def _within_limits(self, key: ShardKey, nbytes: int, preferred: str, ring: int, evict: bool, grow: bool, sparse: bool) -> Segment:
+        wait = AHEAD_POLL_SECONDS if ring != NO_RING and not evict and not grow else 0.0  # a reservation ahead: see rings.py
+        while True:
+            try:
+                return self.pool.acquire(
+                    nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred, ring=ring, grow=grow,
+                    stream=(key.job_id, key.rank), wait=wait, sparse=sparse,
+                )  # fmt: skip
+            except CapacityExceeded as exc:  # QuotaExceeded included: its numbers are the job's
+                if not evict:
+                    raise
+                if self.catalog.drop_cached(key, quota=isinstance(exc, QuotaExceeded)):
+                    continue  # copies pulled ahead of a restore go first
+                if not self.catalog.make_room(key, exc):
+                    raise
+
+    def release(self, segment: Segment) -> None:
+        """Give back a segment from ``acquire`` that never joined the catalog (a pull that failed)."""
+        self.pool.release(segment)

@@ -219,11 +219,12 @@ def test_a_failed_hand_over_commits_nothing_and_gives_the_memory_back(
     assert_nothing_committed(reader, shard)
 
 
+# The remote path only: through shared memory no bytes travel (the store hashes the segment it owns itself, or takes
+# the trainer's checksums), so there is no send to corrupt.
+@pytest.mark.parametrize("under", [REMOTE], indirect=True)
 def test_a_corrupt_send_is_refused_and_not_committed(
     under: Under, reader: CheckpointClient, job: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if under.kind == SHARED:
-        pytest.skip("no bytes travel: the store hashes the segment it owns itself (or takes the trainer's checksums)")
 
     def corrupt(view: Any) -> None:  # after the checksums were computed: the store must notice
         view[4096] ^= 0xFF

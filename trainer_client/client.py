@@ -9,7 +9,8 @@
 - its **restorer** (``trainer_client.restoring``): which version to read, then the verified read (never unpickled);
 - the restorable floor's agreement (``trainer_client.floor``) and the replica group's stripes (``trainer_client.stripes``).
 
-``save()`` reads: validate, plan (the shard's layout; a replica group's stripe), ``path.capture(shard)``, the handle.
+``save()`` reads: validate, plan (the shard's layout and device part; a replica group's stripe), ``path.capture(shard)``,
+the handle.
 
 Timelines: every shard is saved under the timeline of the save that produced it, and a step restores only from shards
 of one timeline, so a restore never mixes two saves of a step. A client's timeline is ``<run id>.<epoch>``: the run id
@@ -238,7 +239,8 @@ class CheckpointClient:
         t0 = time.perf_counter()
         layout, stripe = self._plan(state, replicated)
         shard = PlannedShard(
-            key, layout, {str(k): float(v) for k, v in (metrics or {}).items()}, stripe, enqueued=capture == "enqueued", started=t0,
+            key, layout, _cuda.device_part(layout), {str(k): float(v) for k, v in (metrics or {}).items()}, stripe,
+            enqueued=capture == "enqueued", started=t0,
             floor=None if self._floor is None else functools.partial(self._floor.floor, key.timeline, key.step),
             on_success=None if timeline is not None else functools.partial(self._timeline.saved, step, epoch),
             skip_capacity=self.on_capacity == "skip",
@@ -297,7 +299,7 @@ class CheckpointClient:
             nbytes, pin = state_or_nbytes, _cuda.runtime().pins_host_states
         else:
             layout, _ = self._plan(state_or_nbytes, replicated, verify=False)
-            nbytes, pin = layout.nbytes, self._captures.wants_pinning(layout)
+            nbytes, pin = layout.nbytes, _cuda.device_part(layout).pin
         self._path.prepare(self._key(0), nbytes, pin)
 
     def save_status(self, step: int, timeline: str, wait: float = 0.0) -> tuple[SaveResult, bool]:

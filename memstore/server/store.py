@@ -13,11 +13,13 @@ replacement host (the same host id, or a new one that took a lost host's slot) r
 copies by itself. Placement is over slots (``memstore.core.slots``); ``membership`` says who holds which.
 
 The engine is a few collaborating objects, each built here with only what it uses: the ``Catalog`` (the
-entries, leases and pins, under the engine's one lock), ``Room`` (memory for a shard, made under pressure),
-``Admission`` (open transfers per sender), ``Sidecars`` and ``Adoption`` (what a crashed store left, taken over),
-the ``Replicator``, the ``Saver``, the ``DataPath`` (with its one-time ``Tickets``), the ``Reader``, ``Recovery``
-(fetch, repair, cluster view), the ``Janitor`` (retention, expiry) and the ``Drainer``. ``Store`` builds them and
-exposes what the servicer, the data channel and the composition root call (docs/architecture.md draws them).
+entries, leases and pins, under the engine's one lock), ``Arrivals`` (the pulls and transfers on their way in) and
+``Eviction`` (what retention, pressure and deletes drop), both under the catalog's lock too, ``Room`` (memory for a
+shard, made under pressure), ``Admission`` (open transfers per sender), ``Sidecars`` and ``Adoption`` (what a crashed
+store left, taken over), the ``Replicator``, the ``Saver``, the ``DataPath`` (with its one-time ``Tickets``), the
+``Reader``, ``Recovery`` (fetch, repair, cluster view), the ``Janitor`` (retention, expiry) and the ``Drainer``.
+``Store`` builds them and exposes what the servicer, the data channel and the composition root call
+(docs/architecture.md draws them).
 The engine takes and returns the core's plain types (``memstore.core``), where the pure decisions (placement,
 retention, latest restorable step) live too; the gRPC servicer is a thin adapter over it and the only part that
 converts to and from protobuf (``memstore.server.convert``), besides the client of the peers
@@ -41,11 +43,13 @@ from memstore.core.spill_policy import spill_duty
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, JobMemory, SpillReport, job_census
 from memstore.errors import InvalidArgument
 from memstore.server.engine.admission import Admission
+from memstore.server.engine.arrivals import Arrivals
 from memstore.server.engine.assembler import Assembler
 from memstore.server.engine.catalog import Catalog
 from memstore.server.engine.datapath import DataPath
 from memstore.server.engine.drain import Drainer
 from memstore.server.engine.entries import ensure
+from memstore.server.engine.eviction import Eviction
 from memstore.server.engine.janitor import Janitor
 from memstore.server.engine.local_reads import Reader
 from memstore.server.engine.recovery import Recovery
@@ -109,25 +113,29 @@ class Store:
 
         # The parts, each with only what it uses.
         self.catalog = Catalog(self.host_id, config, self.pool, self._stop, Sidecars(self.pool))
+        self.arrivals = Arrivals(self.catalog, self._stop)  # under the catalog's lock: what is on its way in
+        self.eviction = Eviction(self.catalog)  # under the catalog's lock: what retention, pressure and deletes drop
         self.adoption = Adoption(self.host_id, self.catalog, self.pool)
-        self.room = Room(self.catalog, self.pool, config)
+        self.room = Room(self.eviction, self.pool, config)
         self.admission = Admission(self.host_id, config.max_streams_per_peer)
         self.floors = Floors()  # per job, the restorable floor its clients and peers sent: retention's bound without listing
         self.replicator = Replicator(self.catalog, config, self.membership, self.peers, self.events, self._retention_due, self.floors)
         self.saver = Saver(
-            self.catalog, self.room, self.admission, self.replicator, config, self.pool, self.events, self.draining, self._retention_due,
-            self.floors,
+            self.catalog, self.arrivals, self.room, self.admission, self.replicator, config, self.pool, self.events, self.draining,
+            self._retention_due, self.floors,
         )  # fmt: skip
         self.datapath = DataPath(self.catalog, self.saver, config)
         self.reader = Reader(self.catalog)
         self.recovery = Recovery(
-            self.catalog, self.room, config, self.membership, self.peers, self.events, self.draining, self._stop, self._retention_due
-        )
+            self.catalog, self.arrivals, self.eviction, self.room, config, self.membership, self.peers, self.events, self.draining,
+            self._stop, self._retention_due,
+        )  # fmt: skip
         self.janitor = Janitor(
-            self.catalog, config, self.recovery.cluster_holdings, self.datapath.expire_tickets, self._stop, self._retention_due, self.floors
-        )
+            self.catalog, self.eviction, config, self.recovery.cluster_holdings, self.datapath.expire_tickets, self._stop,
+            self._retention_due, self.floors,
+        )  # fmt: skip
         self.drainer = Drainer(self.catalog, config, self.membership, self.peers, self.draining)
-        self.assembler = Assembler(self.catalog, self.pool, self.recovery.pull_ahead, self._stop, self.draining)
+        self.assembler = Assembler(self.catalog, self.arrivals, self.pool, self.recovery.pull_ahead, self._stop, self.draining)
         self.scrubber = Scrubber(self.catalog, self.foreground_busy, config.scrub_rate, config.scrub_interval, self._stop)
 
         # What the servicer calls (memstore.server.servicer), by the part that answers it.
@@ -161,8 +169,9 @@ class Store:
         self.sweeper: ShmSweeper | None = None
         self._started = False
         if self.pool.directory is not None:
-            grace = config.shm_reclaim_after
-            self.sweeper = ShmSweeper(self.pool.directory, self._predecessors, self._adopt_predecessor, grace, self._stop)
+            self.sweeper = ShmSweeper(
+                self.pool.directory, self._predecessors, self._adopt_predecessor, config.shm_reclaim_after, self._stop
+            )
             self._threads.append(threading.Thread(target=self.sweeper.loop, name="shm-sweep", daemon=True))
             self.recovery.adopt_local = self.sweeper.adopt_holders  # what repair would pull, held by a dead dir here
         if config.peers:  # a fixed --peers list: the table is known before serving
@@ -185,7 +194,7 @@ class Store:
         """A trainer is copying a save in, a shard is being checksummed or replicated, received from a peer or a client
         (an inbound transfer open), or pulled for a restore or a repair: what background work (the spill tier, the
         reserve's faulting, the scrub) yields to. Takes no lock but the admission's, a leaf."""
-        return self.catalog.busy() or self.admission.busy()
+        return self.catalog.busy() or self.arrivals.busy() or self.admission.busy()
 
     def spill_shards(self) -> list[Manifest]:
         """The settled copies held here whose spill duty is this store's (``ShardSource``; ``spill_duty``)."""
@@ -365,13 +374,13 @@ class Store:
         return self.recovery.fetch(key, discard_local, durable_known, cached)
 
     def delete(self, job_id: str, step: int, rank: int) -> int:
-        """Drop copies (``Catalog.delete``; -1: every step, every rank); a whole job deleted forgets its restorable floor
+        """Drop copies (``Eviction.delete``; -1: every step, every rank); a whole job deleted forgets its restorable floor
         too: a later run under the same id starts without one."""
         ensure(job_id_problem(job_id))
         for name, value in (("step", step), ("rank", rank)):
             if isinstance(value, bool) or not isinstance(value, int) or value < -1:
                 raise InvalidArgument(f"{name} {value!r} is invalid: expected an int >= 0, or -1 for every {name}")
-        deleted = self.catalog.delete(job_id, step, rank)
+        deleted = self.eviction.delete(job_id, step, rank)
         if step == -1 and rank == -1:
             self.floors.forget(job_id)
         return deleted
@@ -394,7 +403,7 @@ class Store:
             capacity_bytes=self.config.capacity,
             shards=shards,
             replications_in_flight=self.catalog.in_flight,
-            repairs_in_flight=self.catalog.repairs_in_flight,
+            repairs_in_flight=self.arrivals.repairs_in_flight,
             uptime_seconds=time.monotonic() - self.started,
             spill_url=self.config.spill,
             spill=tuple(

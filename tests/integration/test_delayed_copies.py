@@ -26,7 +26,7 @@ from tests.harness.fake_cuda import FakeCudaRuntime, FakeEvent, FakeStream
 from tests.states import assert_same, mixed_expected, mixed_tensors
 from trainer_client import CheckpointClient
 from trainer_client.capture import cuda
-from trainer_client.capture.device_save import DeviceCopier, device_blobs
+from trainer_client.capture.device_save import DeviceCopier
 from trainer_client.errors import CaptureError, MemstoreClientError
 from trainer_client.knobs import STRICT_PINNING_ENV as STRICT_ENV
 from trainer_client.serialization import plan
@@ -71,7 +71,7 @@ def mixed_state(fake: FakeCudaRuntime, seed: int) -> tuple[dict[str, Any], dict[
 def test_the_mixed_state_goes_through_the_device_copies(engine: FakeCudaRuntime) -> None:
     state, _ = mixed_state(engine, 1)
     layout = plan(state)
-    assert len(device_blobs(layout)) == 11  # every marked tensor; "on_cpu" and "step" are the host writer's
+    assert len(cuda.device_part(layout).blobs) == 11  # every marked tensor; "on_cpu" and "step" are the host writer's
 
 
 def save_and_check(client: CheckpointClient, step: int, state: dict[str, Any], expected: dict[str, Any], capture: str) -> None:
@@ -184,8 +184,8 @@ def test_strict_mode_refuses_copies_into_unregistered_memory_before_queueing_any
     target = torch.zeros(layout.nbytes, dtype=torch.uint8)  # not registered
     copier = DeviceCopier()
     with pytest.raises(CaptureError, match=STRICT_ENV):
-        copier.start(layout, device_blobs(layout), target)
+        copier.start(layout, cuda.device_part(layout).blobs, target)
     assert engine.async_copies == engine.sync_copies == 0
     monkeypatch.delenv(STRICT_ENV)
-    copier.start(layout, device_blobs(layout), target).synchronize()  # synchronous copies, never non_blocking
+    copier.start(layout, cuda.device_part(layout).blobs, target).synchronize()  # synchronous copies, never non_blocking
     assert engine.sync_copies > 0 and engine.async_copies == 0 and engine.copy_errors == []

@@ -23,7 +23,7 @@ import torch
 from tests.harness.inprocess import InProcessCluster
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient, Connection, serialization
-from trainer_client.capture import device_save
+from trainer_client.capture import cuda, device_save
 from trainer_client.capture.device_save import Captures
 from trainer_client.errors import CapacityExceededError, MemstoreClientError, NotFoundError, StoreUnavailableError
 from trainer_client.handles import SaveHandle
@@ -75,14 +75,14 @@ class Under:
     def break_hand_over(self, monkeypatch: pytest.MonkeyPatch, fail: Callable[[Any], None]) -> None:
         """Make the step that hands the bytes over (the Commit; the send) call ``fail`` with its request first."""
         if isinstance(self.path, SharedMemoryPath):
-            real_control = self.link.control
+            real_commit = self.path.ring._commit
+            assert real_commit is not None
 
-            def control(name: str, request: Any, *args: Any, **kwargs: Any) -> Any:
-                if name == "Commit":
-                    fail(request)
-                return real_control(name, request, *args, **kwargs)
+            def commit(request: Any, what: str) -> Any:
+                fail(request)
+                return real_commit(request, what)
 
-            monkeypatch.setattr(self.link, "control", control)
+            monkeypatch.setattr(self.path.ring, "_commit", commit)
             return
         transfer = self.link.data
         real_put = transfer.put
@@ -136,9 +136,10 @@ def reader(store: str, under: Under, job: str) -> Iterator[CheckpointClient]:
 
 def planned(job: str, step: int, state: Any, *, enqueued: bool = False, on_success: Callable[[], None] | None = None) -> PlannedShard:
     key = messages.shard_key(job, step, 0, 1, f"{job}.0")
+    layout = serialization.plan(state)
     return PlannedShard(
-        key, serialization.plan(state), {"loss": 0.5}, None, enqueued=enqueued, started=time.perf_counter(), floor=lambda: None,
-        on_success=on_success,
+        key, layout, cuda.device_part(layout), {"loss": 0.5}, None, enqueued=enqueued, started=time.perf_counter(),
+        floor=lambda: None, on_success=on_success,
     )  # fmt: skip
 
 

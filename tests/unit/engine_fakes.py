@@ -18,8 +18,10 @@ from memstore.config import StoreConfig
 from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState, TransferHeader
 from memstore.errors import CapacityExceeded, DataChannelUnsupported, PeerUnavailable, StoreError
 from memstore.server.engine.admission import Admission
+from memstore.server.engine.arrivals import Arrivals
 from memstore.server.engine.catalog import Catalog
 from memstore.server.engine.entries import Entry
+from memstore.server.engine.eviction import Eviction
 from memstore.server.engine.room import Room
 from memstore.server.events import StoreEvents
 from memstore.server.membership import Membership
@@ -233,9 +235,14 @@ def adoption_of(catalog: Catalog) -> Adoption:
     return Adoption(catalog.host_id, catalog, catalog.pool)  # type: ignore[arg-type]
 
 
-def room_of(catalog: Catalog) -> Room:
-    """The ``Room`` over ``catalog`` and its (fake) pool, as the store builds it."""
-    return Room(catalog, catalog.pool, catalog.config)
+def arrivals_of(catalog: Catalog, stop: threading.Event | None = None) -> Arrivals:
+    """The ``Arrivals`` under ``catalog``'s lock, as the store builds it (``stop``: the one ``make_catalog`` made)."""
+    return Arrivals(catalog, stop or threading.Event())
+
+
+def room_of(catalog: Catalog, eviction: Eviction | None = None) -> Room:
+    """The ``Room`` over ``catalog``'s (fake) pool, dropping through ``eviction`` (a new one over ``catalog`` by default)."""
+    return Room(eviction or Eviction(catalog), catalog.pool, catalog.config)
 
 
 def admission_of(cfg: StoreConfig) -> Admission:

@@ -169,11 +169,11 @@ def test_a_cpu_state_is_pinned_only_under_a_runtime_that_pins_host_states() -> N
     target = torch.empty(layout.nbytes, dtype=torch.uint8)
     captures = device_save.Captures()
     with cuda.installed(FakeCudaRuntime()):
-        assert captures.wants_pinning(layout)  # the CPU suite's fake_cuda: the pinning logic runs without CUDA
+        assert cuda.device_part(layout).pin  # the CPU suite's fake_cuda: the pinning logic runs without CUDA
     with cuda.installed(FakeCudaRuntime(pins_host_states=False)):
-        assert not captures.wants_pinning(layout)  # like real CUDA: a CPU state needs no DMA
-    assert captures.device_copies(layout, target) == ([], None)
-    assert captures.device_copies(layout, target, deferred=True) == ([], None)
+        assert cuda.device_part(layout) == cuda.DevicePart([], pin=False)  # like real CUDA: a CPU state needs no DMA
+    assert captures.device_copies(layout, [], target) is None
+    assert captures.device_copies(layout, [], target, deferred=True) is None
     assert not captures.has_copier  # nothing CUDA was made for it
 
 

@@ -11,7 +11,7 @@ from memstore.core.model import ShardKey, ShardState, Stripe
 from memstore.errors import CapacityExceeded, ShardNotFound
 from memstore.server.engine.assembler import GIVE_UP_SECONDS, RETRY_SECONDS, Assembler
 from memstore.server.engine.entries import Entry
-from tests.unit.engine_fakes import KiB, commit, config, make_catalog, manifest_of, room_of
+from tests.unit.engine_fakes import KiB, arrivals_of, commit, config, make_catalog, manifest_of, room_of
 
 pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 16  # 4 KiB
@@ -47,9 +47,15 @@ def test_the_newest_stripe_of_each_member_here_wants_its_groups_other_stripes() 
     stripe_saved(catalog, key(2, 0), (0, 1, 2), created=2.0)
     commit(catalog, key(2, 3), DATA)  # an ordinary shard (and not settled): wants nothing
     pulled(catalog, key(2, 2), cached=False)  # held already (a replica)
-    assert catalog.stripes_wanted() == [(key(2, 1), len(DATA))]
+    arrivals = arrivals_of(catalog)
+    assert arrivals.stripes_wanted() == [(key(2, 1), len(DATA))]
+    assert arrivals.claim_pull(key(2, 1)) is None and arrivals.stripes_wanted() == []  # on its way: not wanted twice
+    arrivals.end_pull(key(2, 1))
+    arrivals.mark_receiving(key(2, 1))
+    assert arrivals.stripes_wanted() == []
+    arrivals.end_receiving(key(2, 1))
     pulled(catalog, key(2, 1), cached=True)
-    assert catalog.stripes_wanted() == []
+    assert arrivals.stripes_wanted() == []
     assert [i.cached for i in catalog.list_shards("job") if i.manifest.key == key(2, 1)] == [True]
 
 
@@ -87,12 +93,12 @@ def test_the_assembler_pulls_what_is_wanted_retries_with_backoff_and_gives_up() 
     catalog, pool, _ = make_catalog(config(capacity="64KiB"))
     stripe_saved(catalog, key(1, 0), (0, 1, 2))
     pulls = Pulls(catalog, missing={key(1, 2)})
-    assembler = Assembler(catalog, pool, pulls, threading.Event(), threading.Event())  # type: ignore[arg-type]
+    assembler = Assembler(catalog, arrivals_of(catalog), pool, pulls, threading.Event(), threading.Event())  # type: ignore[arg-type]
     assert assembler.pass_once(now=100.0) == 1 and pulls.asked == [key(1, 1), key(1, 2)]
     assert assembler.pass_once(now=100.0 + RETRY_SECONDS[0] / 2) == 0 and len(pulls.asked) == 2  # backing off
     pulls.missing.clear()
     assert assembler.pass_once(now=100.0 + RETRY_SECONDS[0]) == 1 and pulls.asked[-1] == key(1, 2)
-    assert catalog.stripes_wanted() == [] and assembler.pulled == 2
+    assert assembler.arrivals.stripes_wanted() == [] and assembler.pulled == 2
 
     stripe_saved(catalog, key(2, 0), (0, 1, 2), created=5.0)  # a newer save: its own stripes are wanted now
     pulls.missing = {key(2, 1), key(2, 2)}
@@ -108,7 +114,7 @@ def test_the_assembler_only_uses_spare_room_and_stops_while_draining() -> None:
     stripe_saved(catalog, key(1, 0), (0, 1, 2, 3))  # 4 of 16 KiB used
     draining = threading.Event()
     pulls = Pulls(catalog)
-    assembler = Assembler(catalog, pool, pulls, threading.Event(), draining)  # type: ignore[arg-type]
+    assembler = Assembler(catalog, arrivals_of(catalog), pool, pulls, threading.Event(), draining)  # type: ignore[arg-type]
     draining.set()
     assert assembler.pass_once(now=1.0) == 0 and pulls.asked == []
     draining.clear()
@@ -117,6 +123,7 @@ def test_the_assembler_only_uses_spare_room_and_stops_while_draining() -> None:
 
 
 def test_a_restore_fetching_another_members_stripe_keeps_a_cached_copy_and_the_assembler_pulls_ahead() -> None:
+    from memstore.server.engine.eviction import Eviction
     from memstore.server.engine.recovery import Recovery
     from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, membership
 
@@ -126,13 +133,26 @@ def test_a_restore_fetching_another_members_stripe_keeps_a_cached_copy_and_the_a
     cfg = config(replicas="2", capacity="64KiB")
     catalog, pool, stop = make_catalog(cfg)
     group = membership("h0", ("h0", "h1"), 2)
-    rec = Recovery(catalog, room_of(catalog), cfg, group, FakePeers(peer), RecordingEvents(), threading.Event(), stop, threading.Event())  # type: ignore[arg-type]
+    arrivals = arrivals_of(catalog, stop)
+    rec = Recovery(
+        catalog,
+        arrivals,
+        Eviction(catalog),
+        room_of(catalog),
+        cfg,
+        group,
+        FakePeers(peer),
+        RecordingEvents(),
+        threading.Event(),
+        stop,
+        threading.Event(),
+    )  # type: ignore[arg-type]
     rec.fetch(theirs, discard_local=False, cached=True)
     entry = catalog.get(theirs)
     assert entry is not None and entry.cached and entry.source == "h1"
     catalog.drop(entry, reason="test")
     stripe_saved(catalog, mine, (0, 1))
-    assembler = Assembler(catalog, pool, rec.pull_ahead, stop, threading.Event())  # type: ignore[arg-type]
+    assembler = Assembler(catalog, arrivals, pool, rec.pull_ahead, stop, threading.Event())  # type: ignore[arg-type]
     assert assembler.pass_once(now=1.0) == 1
     pulled_ahead = catalog.get(theirs)
     assert pulled_ahead is not None and pulled_ahead.cached and pulled_ahead.verified

@@ -1,4 +1,5 @@
-"""The Catalog alone, over a fake segment pool: newest wins, lease binding, pins, sidecars, waits, deletes, retention."""
+"""The Catalog alone, over a fake segment pool: newest wins, lease binding, pins, sidecars, waits (deletes and retention:
+test_eviction.py; pulls and arrivals: test_arrivals.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from memstore.core.model import ShardKey, ShardState
 from memstore.errors import AlreadySaved, InvalidArgument, LeaseError, ShardNotFound, UnknownJob
 from memstore.server.convert import sidecar_info
-from tests.unit.engine_fakes import KiB, captured, commit, config, make_catalog, settled
+from tests.unit.engine_fakes import captured, commit, make_catalog, settled
 
 pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 32  # 8 KiB: two chunks
@@ -69,22 +70,12 @@ def test_a_dropped_entry_keeps_its_segment_until_the_last_pin_goes() -> None:
     catalog, pool, _ = make_catalog()
     entry = settled(catalog, key(1), DATA)
     lease = catalog.lease_reader(entry) if catalog.pin(entry) else ""
-    assert catalog.delete("job", -1, -1) == 1
+    catalog.drop(entry, "deleted")
     assert entry.dropped and entry.segment not in pool.released and not catalog.pin(entry)
     catalog.release_lease(lease)
     assert entry.segment in pool.released
     with pytest.raises(UnknownJob):
         catalog.readable(key(1))
-
-
-def test_retire_drops_superseded_versions_then_keeps_k_but_never_a_protected_step() -> None:
-    catalog, _, _ = make_catalog()  # keep 2
-    for step in (1, 2, 3, 4):
-        settled(catalog, key(step), DATA, created=float(step))
-    catalog.retire("job", dead={(4, "")}, latest=3, protected=[1])
-    assert sorted(k.step for k, _, _ in catalog.held("job")) == [1, 2, 3]  # 4 superseded; the newest 2, and 1 protected
-    catalog.retire("job", dead=set(), latest=3, protected=[])
-    assert sorted(k.step for k, _, _ in catalog.held("job")) == [2, 3]
 
 
 def test_waits_end_at_their_deadline_or_when_the_store_stops() -> None:
@@ -100,15 +91,6 @@ def test_waits_end_at_their_deadline_or_when_the_store_stops() -> None:
         catalog.wait_settled(key(9), time.monotonic())
 
 
-def test_a_deleted_shard_is_not_pulled_back_by_repair_for_a_while() -> None:
-    catalog, _, _ = make_catalog(config())
-    for step in (1, 2):
-        settled(catalog, ShardKey("job", step, 0), bytes(4 * KiB))
-    assert catalog.delete("job", 1, -1) == 1
-    assert catalog.recently_deleted(ShardKey("job", 1, 0)) and catalog.recently_deleted(ShardKey("job", 1, 3))
-    assert not catalog.recently_deleted(ShardKey("job", 2, 0)) and not catalog.recently_deleted(ShardKey("other", 1, 0))
-
-
 def test_a_settled_copy_is_described_next_to_its_segment_and_a_capture_is_not() -> None:
     catalog, pool, _ = make_catalog()
     capture = commit(catalog, key(1), DATA)
@@ -117,9 +99,9 @@ def test_a_settled_copy_is_described_next_to_its_segment_and_a_capture_is_not() 
     assert sidecar_info(pool.described[id(good.segment)]) == good.info()
 
 
-def test_the_catalog_is_busy_while_a_save_is_copied_in_or_a_shard_replicated_restored_or_repaired() -> None:
+def test_the_catalog_is_busy_while_a_save_is_copied_in_or_a_shard_replicated() -> None:
     """Its part of what the spill tier, the reserve's faulting and the scrub yield to (``Store.foreground_busy``): an
-    open allocation, a replication, a restore's pull and a repair, each alone (open transfers: test_admission.py)."""
+    open allocation and a replication, each alone (pulls: test_arrivals.py; open transfers: test_admission.py)."""
     catalog, _, _ = make_catalog()
     assert not catalog.busy()
     lease = catalog.lease_allocation(captured(catalog, key(1), DATA), ahead=False)
@@ -131,9 +113,4 @@ def test_the_catalog_is_busy_while_a_save_is_copied_in_or_a_shard_replicated_res
     catalog.add_in_flight(1)
     assert catalog.busy()
     catalog.add_in_flight(-1)
-    catalog.fetch_started()
-    assert catalog.busy()
-    catalog.fetch_ended()
-    assert catalog.begin_repair(key(3), restore_first=0.0) and catalog.busy()
-    catalog.end_repair()
     assert not catalog.busy()

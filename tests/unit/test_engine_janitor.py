@@ -10,6 +10,7 @@ import pytest
 from memstore.core.floors import Floor, Floors
 from memstore.core.model import Holding, ShardKey
 from memstore.server.engine import janitor as janitor_module
+from memstore.server.engine.eviction import Eviction
 from memstore.server.engine.janitor import Janitor
 from tests.unit.engine_fakes import captured, config, make_catalog, settled
 
@@ -30,7 +31,11 @@ def janitor(holdings: list[Holding], floors: Floors | None = None):  # type: ign
         asked.append(job)
         return holdings, []
 
-    return Janitor(catalog, cfg, cluster_holdings, no_tickets, stop, threading.Event(), floors or Floors()), catalog, asked
+    return (
+        Janitor(catalog, Eviction(catalog), cfg, cluster_holdings, no_tickets, stop, threading.Event(), floors or Floors()),
+        catalog,
+        asked,
+    )
 
 
 def test_retention_keeps_k_and_asks_the_cluster_only_when_something_would_go() -> None:
@@ -55,11 +60,11 @@ def test_retention_keeps_the_newest_committed_step_when_newer_ones_rest_on_one_c
         settled(catalog, ShardKey("job", step, rank), DATA, created=float(step))
     view = [Holding("h1", ShardKey("job", s, r), 2, True, float(s)) for s, r in held]
     view += [Holding("h0", ShardKey("job", s, r), 2, True, float(s)) for s, r in [(3, 0), (3, 1), (4, 0), (4, 1)]]
-    Janitor(catalog, cfg, lambda job: (view, []), no_tickets, stop, threading.Event(), Floors()).apply_retention()
+    Janitor(catalog, Eviction(catalog), cfg, lambda job: (view, []), no_tickets, stop, threading.Event(), Floors()).apply_retention()
     assert sorted({k.step for k, _, _ in catalog.held("job")}) == [3, 4, 5, 6]  # 4: the latest restorable; 3: committed
     view = [h for h in view if h.host != "h1" or h.key.step != 3] + [Holding("h1", ShardKey("job", 4, 0), 2, True, 4.0)]
     settled(catalog, ShardKey("job", 4, 0), DATA, created=4.0)  # step 4 committed after all (repair)
-    Janitor(catalog, cfg, lambda job: (view, []), no_tickets, stop, threading.Event(), Floors()).apply_retention()
+    Janitor(catalog, Eviction(catalog), cfg, lambda job: (view, []), no_tickets, stop, threading.Event(), Floors()).apply_retention()
     assert sorted({k.step for k, _, _ in catalog.held("job")}) == [4, 5, 6]  # now step 3 may go
 
 
@@ -95,7 +100,7 @@ def test_a_timeline_resaved_from_an_older_step_supersedes_the_abandoned_steps() 
     for i, k in enumerate(keys):
         settled(catalog, k, DATA, created=float(i + 1))
     view = [Holding("h0", k, 1, True, float(i + 1)) for i, k in enumerate(keys)]
-    Janitor(catalog, cfg, lambda job: (view, []), no_tickets, stop, threading.Event(), Floors()).apply_retention()
+    Janitor(catalog, Eviction(catalog), cfg, lambda job: (view, []), no_tickets, stop, threading.Event(), Floors()).apply_retention()
     assert sorted(k.version for k, _, _ in catalog.held("job")) == [(1, "A.0"), (2, "B.0")]
 
 
@@ -155,5 +160,5 @@ def test_a_pass_expires_the_data_channels_tickets_too() -> None:
     catalog, _, stop = make_catalog(cfg)
     asked: list[float] = []
     before = time.monotonic()
-    Janitor(catalog, cfg, lambda job: ([], []), asked.append, stop, threading.Event(), Floors()).pass_once()
+    Janitor(catalog, Eviction(catalog), cfg, lambda job: ([], []), asked.append, stop, threading.Event(), Floors()).pass_once()
     assert len(asked) == 1 and asked[0] >= before  # DataPath.expire_tickets, with the pass's clock

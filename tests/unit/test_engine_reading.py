@@ -20,6 +20,7 @@ from tests.unit.engine_fakes import (
     FakePeers,
     RecordingEvents,
     admission_of,
+    arrivals_of,
     config,
     make_catalog,
     manifest_of,
@@ -39,7 +40,7 @@ def test_open_verifies_pins_and_leases_a_copy_until_release() -> None:
     reader = Reader(catalog)
     lease, opened = reader.open(KEY, transient=True)
     assert opened is entry and entry.pins == 1 and not entry.segment.exported
-    catalog.delete("job", -1, -1)
+    catalog.drop(entry, "deleted")
     assert entry.segment not in pool.released  # the reader still maps it
     reader.release(lease)
     assert entry.pins == 0 and entry.segment in pool.released
@@ -108,7 +109,9 @@ def datapath():  # type: ignore[no-untyped-def]
     catalog, pool, _ = make_catalog(cfg)
     events, due = RecordingEvents(), threading.Event()
     rep = Replicator(catalog, cfg, membership(), FakePeers(), events, due, Floors())  # type: ignore[arg-type]
-    saver = Saver(catalog, room_of(catalog), admission_of(cfg), rep, cfg, pool, events, threading.Event(), due, Floors())  # type: ignore[arg-type]
+    saver = Saver(
+        catalog, arrivals_of(catalog), room_of(catalog), admission_of(cfg), rep, cfg, pool, events, threading.Event(), due, Floors()
+    )  # type: ignore[arg-type]
     return DataPath(catalog, saver, cfg), catalog, pool, due
 
 

@@ -8,8 +8,20 @@ import pytest
 
 from memstore.core.model import ShardKey, ShardState
 from memstore.errors import ChecksumMismatch, ShardNotFound, UnknownJob
+from memstore.server.engine.eviction import Eviction
 from memstore.server.engine.recovery import Recovery
-from tests.unit.engine_fakes import FakePeer, FakePeers, RecordingEvents, config, make_catalog, manifest_of, membership, room_of, settled
+from tests.unit.engine_fakes import (
+    FakePeer,
+    FakePeers,
+    RecordingEvents,
+    arrivals_of,
+    config,
+    make_catalog,
+    manifest_of,
+    membership,
+    room_of,
+    settled,
+)
 
 pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 32  # 8 KiB
@@ -19,7 +31,19 @@ def recovery(*peers: FakePeer, replicas: int = 2, hosts: tuple[str, ...] = ("h0"
     cfg = config(replicas=str(replicas), keep="2")
     catalog, pool, stop = make_catalog(cfg)
     events, draining, due = RecordingEvents(), threading.Event(), threading.Event()
-    rec = Recovery(catalog, room_of(catalog), cfg, membership("h0", hosts, replicas), FakePeers(*peers), events, draining, stop, due)  # type: ignore[arg-type]
+    rec = Recovery(
+        catalog,
+        arrivals_of(catalog, stop),
+        Eviction(catalog),
+        room_of(catalog),
+        cfg,
+        membership("h0", hosts, replicas),
+        FakePeers(*peers),
+        events,
+        draining,
+        stop,
+        due,
+    )  # type: ignore[arg-type]
     return rec, catalog, pool, events, draining
 
 
@@ -92,5 +116,5 @@ def test_a_draining_store_repairs_nothing() -> None:
 def test_repair_does_not_pull_what_is_arriving_or_already_pulled() -> None:
     key = ShardKey("job", 5, 0)
     rec, catalog, _, _, _ = recovery(holding(FakePeer("h1"), key))
-    catalog.mark_receiving(key)
+    rec.arrivals.mark_receiving(key)
     assert rec.repair_once() == 0 and catalog.get(key) is None

@@ -13,7 +13,7 @@ from memstore.errors import AlreadySaved, CapacityExceeded, Draining, InvalidArg
 from memstore.server.engine.entries import Entry
 from memstore.server.engine.saving import Saver
 from memstore.v1.integrity import ChunkChecksums, compute_checksums
-from tests.unit.engine_fakes import RecordingEvents, admission_of, config, make_catalog, manifest_of, room_of
+from tests.unit.engine_fakes import RecordingEvents, admission_of, arrivals_of, config, make_catalog, manifest_of, room_of
 
 pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 32  # 8 KiB
@@ -37,7 +37,9 @@ def saver(**flags: str):  # type: ignore[no-untyped-def]
     cfg = config(**flags)
     catalog, pool, _ = make_catalog(cfg)
     events, draining, rep = RecordingEvents(), threading.Event(), RecordingReplicator()
-    s = Saver(catalog, room_of(catalog), admission_of(cfg), rep, cfg, pool, events, draining, threading.Event(), Floors())  # type: ignore[arg-type]
+    s = Saver(
+        catalog, arrivals_of(catalog), room_of(catalog), admission_of(cfg), rep, cfg, pool, events, draining, threading.Event(), Floors()
+    )  # type: ignore[arg-type]
     return s, catalog, pool, events, rep.submitted, draining
 
 
@@ -146,7 +148,7 @@ def test_a_reservation_ahead_has_the_replicator_announce_its_rank_to_the_peers()
     catalog, pool, _ = make_catalog(cfg)
     rep = RecordingReplicator()
     events, due = RecordingEvents(), threading.Event()
-    s = Saver(catalog, room_of(catalog), admission_of(cfg), rep, cfg, pool, events, threading.Event(), due, Floors())  # type: ignore[arg-type]
+    s = Saver(catalog, arrivals_of(catalog), room_of(catalog), admission_of(cfg), rep, cfg, pool, events, threading.Event(), due, Floors())  # type: ignore[arg-type]
     s.allocate(ShardKey("job", 1, 1), 2, len(DATA))  # a save's own allocation: its replicas teach the peers
     assert rep.announced == []
     s.allocate(ShardKey("job", 0, 1), 2, len(DATA), ahead=True)  # prepare(), or the ring reserving ahead

@@ -54,7 +54,7 @@ def test_a_copy_evicted_while_it_is_hashed_is_not_counted_corrupt() -> None:
 
     def evicted_meanwhile() -> float:
         if catalog.get(entry.key) is not None:
-            catalog.delete("job", -1, -1)  # retention took it: its bytes are nobody's now
+            catalog.drop(entry, "evicted by retention")  # retention took it: its bytes are nobody's now
         return 0.0
 
     scrub = Scrubber(catalog, catalog.busy, rate=1 << 40, interval=60.0, stop=stop, clock=evicted_meanwhile)

@@ -197,7 +197,7 @@ def test_without_a_policy_it_stays_empty() -> None:
 
 
 def test_the_thread_starts_no_segment_while_the_store_moves_bytes_in_the_foreground() -> None:
-    """A save being copied in, a push, a receive or a pull (``Catalog.foreground_busy``) holds new segments back: on a
+    """A save being copied in, a push, a receive or a pull (``Store.foreground_busy``) holds new segments back: on a
     replacement, faulting the reserve in beside its first repair pull made the restore waiting on that pull slower."""
     holdings = FakeHoldings(64 * MiB)
     reserve, lock = make(ReservePolicy(4 * MiB, unit=MiB), holdings)

@@ -1,4 +1,4 @@
-"""Room alone, over the catalog and a fake pool: a segment within the capacity and the job's quota, made under pressure."""
+"""Room alone, over the catalog's Eviction and a fake pool: a segment within the capacity and the job's quota, made under pressure."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 from memstore.core.model import ShardKey
 from memstore.errors import CapacityExceeded, QuotaExceeded
+from memstore.server.engine.eviction import Eviction
 from memstore.server.engine.room import Room
 from tests.unit.engine_fakes import KiB, config, make_catalog, room_of, settled
 
@@ -61,6 +62,6 @@ def test_over_the_job_quota_the_jobs_older_copies_go() -> None:
     catalog, pool, _ = make_catalog(config(capacity="64KiB"))
     old = settled(catalog, key(1), DATA, created=1.0)
     settled(catalog, key(2), DATA, created=2.0)
-    room = Room(catalog, QuotaPool(pool, 16 * KiB), catalog.config)  # type: ignore[arg-type]
+    room = Room(Eviction(catalog), QuotaPool(pool, 16 * KiB), catalog.config)  # type: ignore[arg-type]
     seg = room.acquire(key(3), len(DATA))
     assert old.dropped and catalog.get(key(2)) is not None and seg.size == len(DATA)  # the newest settled step stays

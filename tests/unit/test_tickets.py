@@ -19,6 +19,7 @@ from tests.unit.engine_fakes import (
     FakePeers,
     RecordingEvents,
     admission_of,
+    arrivals_of,
     config,
     make_catalog,
     manifest_of,
@@ -74,7 +75,9 @@ def datapath():  # type: ignore[no-untyped-def]
     catalog, pool, _ = make_catalog(cfg)
     events, due = RecordingEvents(), threading.Event()
     rep = Replicator(catalog, cfg, membership(), FakePeers(), events, due, Floors())  # type: ignore[arg-type]
-    saver = Saver(catalog, room_of(catalog), admission_of(cfg), rep, cfg, pool, events, threading.Event(), due, Floors())  # type: ignore[arg-type]
+    saver = Saver(
+        catalog, arrivals_of(catalog), room_of(catalog), admission_of(cfg), rep, cfg, pool, events, threading.Event(), due, Floors()
+    )  # type: ignore[arg-type]
     return DataPath(catalog, saver, cfg), catalog, pool
 
 
@@ -82,13 +85,13 @@ def test_an_expired_receive_ticket_gives_back_its_memory_and_its_senders_slot() 
     path, catalog, pool = datapath()
     tickets = split_tickets(path.prepare_receive(TransferHeader(manifest_of(KEY, DATA, owner="h1"), PutOrigin.REPLICA, "h1"), streams=2))
     assert len(tickets) == 2 and pool.used == len(DATA) and path.saver.admission.open_streams() == {"peer:h1": 1}
-    assert not catalog.begin_repair(KEY, restore_first=0.0)  # arriving: repair leaves it alone
+    assert not path.saver.arrivals.begin_repair(KEY, restore_first=0.0)  # arriving: repair leaves it alone
     path.expire_tickets(time.monotonic())  # not yet
     assert len(path.tickets) == 2
     path.expire_tickets(time.monotonic() + 3600)  # as the janitor does once the deadline passed
     assert len(path.tickets) == 0 and pool.used == 0 and path.saver.admission.open_streams() == {} and catalog.get(KEY) is None
-    assert catalog.begin_repair(KEY, restore_first=0.0)  # no longer arriving: repair may pull it
-    catalog.end_repair()
+    assert path.saver.arrivals.begin_repair(KEY, restore_first=0.0)  # no longer arriving: repair may pull it
+    path.saver.arrivals.end_repair()
 
 
 def test_an_expired_send_ticket_unpins_its_copy() -> None:

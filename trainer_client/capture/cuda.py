@@ -18,7 +18,8 @@ mistakes real CUDA would refuse:
   failure of some unrelated kernel: :func:`register` and :func:`unregister` clear it.
 
 The device copies of a save (``trainer_client.capture.device_save``) go through the same runtime: which tensors are
-device tensors (:meth:`CudaRuntime.device_tensor`), side streams, events, and the device-to-host copy itself
+device tensors (:meth:`CudaRuntime.device_tensor`; :func:`device_part`, what a planned shard's save copies from a device
+and whether its memory must be registered), side streams, events, and the device-to-host copy itself
 (:meth:`CudaRuntime.copy_to_host`), and whether a destination lies inside a live registration
 (:meth:`CudaRuntime.host_registered`: the copier copies asynchronously only into registered memory). The tests'
 stand-in counts CPU tensors it marked as device tensors and delays every asynchronous copy until its event or stream
@@ -35,10 +36,13 @@ import os
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+    from trainer_client.serialization import ShardLayout
 
 log = logging.getLogger(__name__)
 
@@ -293,3 +297,22 @@ def unregister(addr: int) -> int:
 def error_text(code: int) -> str:
     """The installed runtime's description of a CUDA error code."""
     return runtime().error_text(code)
+
+
+@dataclass(frozen=True)
+class DevicePart:
+    """What of a planned shard the device copies fill: its device tensors (``blobs``, the host writer skips them), and
+    whether the memory the save lands in must be registered for DMA (``pin``: it holds device tensors, or the installed
+    runtime registers host states too, as the CPU suite's fake does)."""
+
+    blobs: list[int]
+    pin: bool
+
+
+def device_part(layout: ShardLayout) -> DevicePart:
+    """``layout``'s :class:`DevicePart` under the installed runtime: its CUDA tensors (found when it was planned), or
+    every tensor the runtime's :meth:`~CudaRuntime.device_tensor` counts (the tests' stand-in). Part of planning a save:
+    its path takes memory registered or not by it, and its capture copies those blobs."""
+    rt = runtime()
+    blobs = layout.device_tensors(rt.device_tensor) if rt.host_device_tensors else list(layout.cuda_blobs)
+    return DevicePart(blobs, bool(blobs) or rt.pins_host_states)

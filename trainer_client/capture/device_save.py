@@ -1,7 +1,7 @@
 """GPU capture: CUDA tensors straight into the store's memory (the save side; restores are :mod:`.device_restore`).
 
-:func:`device_blobs` finds the device tensors of a planned shard (the CUDA ones; those the CUDA seam's test stand-in
-marked). :class:`DeviceCopier` (one per client)
+A save's device tensors are found when it is planned (:func:`trainer_client.capture.cuda.device_part`: the CUDA ones;
+those the CUDA seam's test stand-in marked). :class:`DeviceCopier` (one per client)
 enqueues their copies into the destination (a segment of the client's capture ring, registered once by
 ``trainer_client.capture.ring``, or a staging buffer without shared memory, registered once here by
 :class:`HostRegistrations`) on a side stream per device, ordered after the trainer's stream as it was when
@@ -10,8 +10,9 @@ early; neighbouring small tensors go as one copy (:func:`copy_runs`, :func:`gath
 marks the end (:class:`DeviceCopies`). ``write_into(skip=...)`` writes everything else (header, CPU tensors)
 meanwhile (:func:`host_writer`). :class:`Capture` runs one save: the copies, the host part, the wait, then the
 step that hands the bytes to the store (commit or send), inline (``capture="copied"``) or on the client's capture
-thread (``capture="enqueued"``). A save path makes one call here per save, :meth:`Captures.capture`, with its
-per-save :class:`Destination` (where the bytes go, how they leave).
+thread (``capture="enqueued"``). A save path makes one call here per save, :meth:`Captures.capture`, with the
+:class:`Destination` it took for the save: where the bytes go and, as plain callables, how they leave (the ring's
+commit, the transfer's send) or go back. Nothing here calls back into the path.
 
 Every stream, event and copy goes through the CUDA seam (``trainer_client.capture.cuda``), so the CPU suite runs this
 path against a fake with a delayed copy engine. A copy is asynchronous only into a destination inside a live
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -137,12 +138,6 @@ def host_writer(
             view.release()
 
     return write
-
-
-def device_blobs(layout: ShardLayout, rt: cuda.CudaRuntime | None = None) -> list[int]:
-    """The blobs of ``layout`` the device copier fills: its device tensors, as the installed CUDA runtime counts them."""
-    rt = rt or cuda.runtime()
-    return layout.device_tensors(rt.device_tensor if rt.host_device_tensors else None)
 
 
 class DeviceCopies:
@@ -433,46 +428,31 @@ class Capture:
 
 
 @dataclass(frozen=True)
-class DevicePart:
-    """A save's device tensors (the blobs DMA fills, :func:`device_blobs`) and whether the memory it lands in must be
-    registered for DMA (it holds CUDA tensors, or the installed CUDA runtime registers host states too: the CPU suite's
-    fake)."""
+class Destination:
+    """Where one save's bytes go and how they leave: what a save path took for the save (``trainer_client.transport``).
 
-    blobs: list[int]
-    pin: bool
+    Attributes:
+        target: what the device copies fill (uint8): the same bytes as ``memory`` (a ring segment's mapping, a staging
+            buffer).
+        memory: what the host part writes (:func:`host_writer`).
+        finish: hands the written bytes to the store (the ring's commit, the transfer's send), once every byte is
+            written; may return a future of a step it left running (a background send).
+        abort: gives the memory back when a step before ``finish`` failed.
+        mark: told how many bytes are final as the host copy goes (a commit that lets the store push them early).
+        sums: the chunks are hashed into it as they are copied.
+        fault_ahead: fresh pages are faulted in by a thread beside the copy (a new staging buffer).
+        register: the capture registers ``target``'s memory for DMA when the save needs it (a staging buffer; a ring
+            segment was registered by its ring when it was taken).
+    """
 
-
-@dataclass(frozen=True)
-class HostPart:
-    """How a save's host part is written (:func:`host_writer`'s options): ``mark`` told how many bytes are final as the
-    copy goes, the chunks hashed into ``sums`` as they are copied, fresh pages faulted in ahead (``fault_ahead``)."""
-
+    target: torch.Tensor
+    memory: mmap.mmap | memoryview
+    finish: Callable[[], Future[None] | None]
+    abort: Callable[[], None]
     mark: Callable[[int], None] | None = None
     sums: ChunkSums | None = None
     fault_ahead: bool = False
-
-
-class Destination(Protocol):
-    """Where one save's bytes go and how they leave: a save path's per-save object (``trainer_client.transport``).
-
-    ``target`` (uint8) is what the device copies fill and ``memory`` what the host part writes (``host``): the same bytes
-    (a ring segment's mapping, a staging buffer). The capture calls :meth:`finish` once every byte is written (commit,
-    send; may return a future of a step it left running) or :meth:`abort` when a step before it failed (give the memory
-    back).
-    """
-
-    @property
-    def target(self) -> torch.Tensor: ...
-
-    @property
-    def memory(self) -> mmap.mmap | memoryview: ...
-
-    @property
-    def host(self) -> HostPart: ...
-
-    def finish(self) -> Future[None] | None: ...
-
-    def abort(self) -> None: ...
+    register: bool = False
 
 
 class Captures:
@@ -483,33 +463,19 @@ class Captures:
         self._thread: ThreadPoolExecutor | None = None
         self.in_flight: Capture | None = None  # the latest capture="enqueued" save's
 
-    @staticmethod
-    def device_part(layout: ShardLayout) -> DevicePart:
-        """The device tensors of a save of ``layout`` and whether its memory must be registered for DMA."""
-        rt = cuda.runtime()
-        blobs = device_blobs(layout, rt)
-        return DevicePart(blobs, bool(blobs) or rt.pins_host_states)
-
-    @staticmethod
-    def wants_pinning(layout: ShardLayout) -> bool:
-        """Whether the save's memory must be registered for DMA (:meth:`device_part`)."""
-        return Captures.device_part(layout).pin
-
     def device_copies(
-        self, layout: ShardLayout, target: torch.Tensor, deferred: bool = False, blobs: list[int] | None = None
-    ) -> tuple[list[int], Callable[[], DeviceCopies] | None]:
-        """The CUDA blobs of ``layout`` (``blobs`` when the caller found them already) and what enqueues their copies
-        into ``target`` (uint8: the segment mapping, or a staging buffer, registered by the caller); ``([], None)`` for a
-        state without CUDA tensors.
+        self, layout: ShardLayout, blobs: list[int], target: torch.Tensor, deferred: bool = False
+    ) -> Callable[[], DeviceCopies] | None:
+        """What enqueues the copies of ``layout``'s device tensors ``blobs`` into ``target`` (uint8: the segment mapping,
+        or a staging buffer, registered by the caller); None for a state without device tensors.
 
         ``deferred``: the copies are enqueued later, on the capture thread: the current streams are marked now.
         """
-        blobs = device_blobs(layout) if blobs is None else blobs
         if not blobs:
-            return blobs, None
+            return None
         copier = self.copier
         after = mark_streams(layout, blobs) if deferred else None
-        return blobs, lambda: copier.start(layout, blobs, target, after)
+        return lambda: copier.start(layout, blobs, target, after)
 
     @property
     def has_copier(self) -> bool:
@@ -535,24 +501,22 @@ class Captures:
                 self._copier.pins.release(owner)
 
     def capture(
-        self, layout: ShardLayout, destination: Callable[[DevicePart], Destination], enqueued: bool,
+        self, layout: ShardLayout, device: cuda.DevicePart, into: Destination, enqueued: bool,
         on_success: Callable[[], None] | None, skip_capacity: bool,
     ) -> Capture:  # fmt: skip
-        """One save of ``layout``: the one call a save path makes per save. ``destination`` is told the state's device part
-        (its CUDA tensors, whether the memory must be registered) and takes the save's memory: the :class:`Destination`.
-        The device copies are prepared (with ``enqueued``, the trainer's streams marked now) and the capture is run now
-        (``capture="copied"``) or started on the capture thread (``enqueued``; ``skip_capacity``: a full store then skips
-        the save instead of failing it); ``on_success`` is called once the store took the bytes. A failure before the
-        capture starts aborts the destination."""
-        device = self.device_part(layout)
-        into = destination(device)
+        """One save of ``layout`` into ``into``: the one call a save path makes per save. ``device``: the save's device
+        tensors and whether its memory must be registered (``cuda.device_part``). The device copies are prepared (with
+        ``enqueued``, the trainer's streams marked now) and the capture is run now (``capture="copied"``) or started on
+        the capture thread (``enqueued``; ``skip_capacity``: a full store then skips the save instead of failing it);
+        ``on_success`` is called once the store took the bytes. A failure before the capture starts aborts ``into``."""
         try:
-            blobs, start_copies = self.device_copies(layout, into.target, deferred=enqueued, blobs=device.blobs)
+            if device.pin and into.register:
+                self.copier.pin_buffer(into.target)
+            start_copies = self.device_copies(layout, device.blobs, into.target, deferred=enqueued)
         except BaseException:
             into.abort()
             raise
-        host = into.host
-        write = host_writer(layout, blobs, into.memory, fault_ahead=host.fault_ahead, mark=host.mark, sums=host.sums)
+        write = host_writer(layout, device.blobs, into.memory, fault_ahead=into.fault_ahead, mark=into.mark, sums=into.sums)
         job = Capture(start_copies, write, into.finish, into.abort)
         job.on_success = on_success
         if not enqueued:

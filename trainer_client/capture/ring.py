@@ -8,7 +8,12 @@ segment), registers it for DMA (``cudaHostRegister``, through ``trainer_client.c
 save with CUDA tensors lands in it, and unregisters and unmaps what left the ring. After warm-up every save
 lands in memory registered before: no registration, no mapping, no page fault.
 
-After each commit the ring reserves the next save's segment ahead (``AllocateRequest.ahead``) on its own
+The ring holds each save's lease from its start to its end: :meth:`CaptureRing.take` (the lease reserved ahead, or one
+allocated now), then :meth:`CaptureRing.commit` (the ``Commit``: the store owns the bytes from then on; a
+:class:`Handover` says what it tells the store besides the lease), :meth:`CaptureRing.mark` (the first bytes of a large
+copy are final: the store starts pushing them) or :meth:`CaptureRing.abort` (the lease given back). The save path
+(``trainer_client.transport.shared_memory_path``) takes the lease and hands the capture its commit and abort as plain
+callables. After each commit the ring reserves the next save's segment ahead (``AllocateRequest.ahead``) on its own
 thread, maps and registers it there: ``save()`` then makes no call to the store at all. ``prepare`` does the
 same before the first save.
 
@@ -40,10 +45,12 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 
 from memstore.v1 import store_pb2 as pb
+from memstore.v1.integrity import CHECKSUM_ALGO
 from memstore.v1.pagefaults import address_of, populate_supported, populate_writable
 from trainer_client import knobs
 from trainer_client.capture import cuda
 from trainer_client.errors import CapacityExceededError, CaptureError, RingBusyError
+from trainer_client.serialization import ChunkSums
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +85,28 @@ class Slot:
     expires: float  # time.monotonic() when the store lets the lease go
     pinned: bool = False
     hold: Hold | None = None  # CaptureRing.hold(): the save's hold on the mapping, ended by committed() or give_back()
+    marked: bool = False  # CaptureRing.mark(): the store took the shard in at a first mark (an abort leaves it to the store)
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What the ``Commit`` of a save tells the store besides its lease (:meth:`CaptureRing.commit`, :meth:`CaptureRing.mark`).
+
+    Attributes:
+        key: the shard's key (named by the commit when its lease was reserved ahead, before its step was known).
+        world_size: the job's (the next save's lease is reserved with it).
+        request: the fields known before the copy: the shard's metrics, format version, codec, stripe.
+        started: ``time.perf_counter()`` when ``save()`` was called: the commit reports the capture's seconds since.
+        floor: reads the job's restorable floor when the commit is sent (None: no agreement, no floor).
+        sums: the checksums the copy made (None, or no values: the store hashes the shard).
+    """
+
+    key: pb.ShardKey
+    world_size: int
+    request: pb.CommitRequest
+    started: float
+    floor: Callable[[], int | None] | None = None
+    sums: ChunkSums | None = None
 
 
 @dataclass
@@ -160,6 +189,8 @@ class CaptureRing:
         allocate_ahead: sends an ``AllocateRequest`` from the ring's thread (default ``allocate``); the client
             passes its gRPC channel, so the ring's calls never queue behind the save's on the one-call-at-a-time
             Unix socket (nor the save's behind the ring's).
+        commit: sends a ``CommitRequest`` (the control path), with what to name in an error (:meth:`commit`,
+            :meth:`mark`); None: the ring's leases are only taken and given back (tests of the ring alone).
     """
 
     def __init__(
@@ -167,10 +198,12 @@ class CaptureRing:
         allocate: Callable[[pb.AllocateRequest], pb.AllocateResponse],
         release: Callable[[str], None],
         allocate_ahead: Callable[[pb.AllocateRequest], pb.AllocateResponse] | None = None,
+        commit: Callable[[pb.CommitRequest, str], object] | None = None,
     ) -> None:
         self._allocate = allocate
         self._allocate_ahead = allocate_ahead or allocate
         self._release = release
+        self._commit = commit
         self._lock = threading.RLock()
         self._maps: dict[str, _Mapped] = {}
         self._ahead: Future[Slot] | None = None
@@ -239,9 +272,12 @@ class CaptureRing:
                 self._fell_back(slot)
         return slot
 
-    def take(self, key: pb.ShardKey, world_size: int, nbytes: int) -> Slot:
+    def take(self, key: pb.ShardKey, world_size: int, nbytes: int, pin: bool = False) -> Slot:
         """:meth:`slot`, then :meth:`hold` of it (``slot.hold.view``: the save's target): where a save writes, held for it
-        until :meth:`committed` or :meth:`give_back`."""
+        until :meth:`commit`, :meth:`abort` (or :meth:`committed`, :meth:`give_back`). ``pin``: the save needs memory
+        registered for DMA: from now on every ring segment is registered (this one now, the rest as used)."""
+        if pin:
+            self.pinning = True
         slot = self.slot(key, world_size, nbytes)
         try:
             self.hold(slot)
@@ -361,6 +397,34 @@ class CaptureRing:
             with self._lock:
                 slot.mm = self._maps[slot.path].mm
         return slot
+
+    def commit(self, slot: Slot, handover: Handover) -> None:
+        """Hand ``slot``'s shard to the store (``Commit``, reporting the ring's capture counts): it owns the bytes from
+        then on, and the save's hold ends (a commit the store refuses lets the lease expire there). Then reserve the next
+        save's segment ahead."""
+        assert self._commit is not None, "a ring that commits is given its commit call"
+        key = handover.key
+        request = _commit_request(slot, handover, capture=self.report())
+        try:
+            self._commit(request, f"commit step {key.step}")
+        finally:
+            self.committed(slot)  # taken in, or refused (the lease then expires in the store)
+        self.reserve_ahead(key, handover.world_size, slot.nbytes)
+
+    def mark(self, slot: Slot, handover: Handover, captured: int) -> None:
+        """The first ``captured`` bytes of ``slot`` are final: a ``Commit`` with ``captured_bytes``, and the store starts
+        pushing them to the replicas; it holds the shard from the first mark on."""
+        assert self._commit is not None, "a ring that commits is given its commit call"
+        self._commit(_commit_request(slot, handover, captured=captured), f"commit step {handover.key.step} (its first {captured} bytes)")
+        slot.marked = True
+
+    def abort(self, slot: Slot) -> None:
+        """A step of the save before its commit failed: give the lease back (after a mark the store drops the shard by
+        itself once no more marks come: the save's hold just ends)."""
+        if slot.marked:
+            self.committed(slot)
+        else:
+            self.give_back(slot)
 
     def committed(self, slot: Slot) -> None:
         """The store took ``slot``'s shard in: its segment may leave the ring (and be unmapped) from now on; a save's
@@ -574,3 +638,32 @@ class CaptureRing:
             maps, self._maps = list(self._maps.values()), {}
         for mapped in maps:
             self._retire(mapped)
+
+
+def _commit_request(
+    slot: Slot, handover: Handover, *, captured: int | None = None, capture: pb.CaptureStats | None = None
+) -> pb.CommitRequest:
+    """The ``Commit`` of the shard written into ``slot``: ``handover.request`` plus the lease (and, reserved ahead, the key
+    and size it names), the restorable floor read now and ``captured``, a mark (the first ``captured`` bytes are final)
+    instead of the final commit, which carries the ring's ``capture`` counts, the capture's seconds and, when the trainer
+    hashed the copy, its checksums."""
+    request = pb.CommitRequest()
+    request.CopyFrom(handover.request)
+    request.lease_id = slot.lease_id
+    floor = handover.floor() if handover.floor is not None else None
+    if floor is not None:
+        request.restorable_floor = floor
+    if captured is not None:
+        request.captured_bytes = captured
+    else:
+        if capture is not None:
+            request.capture.CopyFrom(capture)
+        request.capture_seconds = time.perf_counter() - handover.started
+        sums = handover.sums
+        if sums is not None and sums.values is not None:
+            request.chunk_size, request.checksum_algo = sums.chunk_size, CHECKSUM_ALGO
+            request.chunk_checksums.extend(sums.values)
+    if slot.ahead:
+        request.key.CopyFrom(handover.key)
+        request.nbytes = slot.nbytes
+    return request

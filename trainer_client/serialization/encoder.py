@@ -57,7 +57,7 @@ class ShardLayout:
     """
 
     __slots__ = ("_header", "_kinds", "_moved", "_moved_dtypes", "_moved_nbytes", "_moved_rels", "_moved_shapes",
-                 "_offsets", "_others", "_padding", "_srcs", "data_offset", "nbytes", "num_tensors")  # fmt: skip
+                 "_offsets", "_others", "_padding", "_srcs", "cuda_blobs", "data_offset", "nbytes", "num_tensors")  # fmt: skip
 
     def __init__(self, header: bytes, data_offset: int, data_len: int, planner: Planner, offsets: list[int]) -> None:
         srcs, kinds = planner.srcs, planner.kinds
@@ -87,6 +87,9 @@ class ShardLayout:
             self._moved_dtypes = list(map(_K_DTYPE, moved_kinds))
             self._moved_shapes = list(map(_K_SHAPE, moved_kinds))
         self._padding = _padding(kinds, offsets)
+        # The CUDA tensors, found once here (small CPU tensors take the memmove path, CUDA tensors never do): the blobs a
+        # device copy fills, as a save's capture reads them (``trainer_client.capture.cuda.device_part``).
+        self.cuda_blobs = [i for i in self._others if kinds[i].kind == BLOB_TENSOR and srcs[i].is_cuda]
 
     def __repr__(self) -> str:
         return f"ShardLayout(nbytes={self.nbytes}, num_tensors={self.num_tensors}, header_bytes={len(self._header)})"
@@ -94,12 +97,12 @@ class ShardLayout:
     def device_tensors(self, is_device: Callable[[torch.Tensor], bool] | None = None) -> list[int]:
         """Indices of the blobs that are device tensors: the slots a device copy fills instead (``write_into(skip=...)``).
 
-        ``is_device`` None: the CUDA tensors, found without looking at every tensor (small CPU tensors take the memmove
-        path, CUDA tensors never do). Else every tensor blob is asked: the CUDA seam's test stand-in counts CPU
-        tensors it marked as device tensors (``trainer_client.capture.cuda.CudaRuntime.device_tensor``)."""
+        ``is_device`` None: the CUDA tensors (:attr:`cuda_blobs`, found when the layout was planned). Else every tensor
+        blob is asked: the CUDA seam's test stand-in counts CPU tensors it marked as device tensors
+        (``trainer_client.capture.cuda.CudaRuntime.device_tensor``)."""
         srcs, kinds = self._srcs, self._kinds
         if is_device is None:
-            return [i for i in self._others if kinds[i].kind == BLOB_TENSOR and srcs[i].is_cuda]
+            return list(self.cuda_blobs)
         return [i for i in range(len(srcs)) if kinds[i].kind == BLOB_TENSOR and is_device(srcs[i])]
 
     def slot(self, index: int) -> tuple[Any, int, int]:

@@ -1,8 +1,10 @@
 """What names a planned shard on the wire: its key (checked) and, for a replica group's member, its stripe.
 
-The client speaks plain values and these two; the messages that hand a shard over move with the path that sends them
-(``CommitRequest`` in :mod:`~trainer_client.transport.shared_memory_path`, ``PutHeader`` and its ``Manifest`` in
-:mod:`~trainer_client.transport.remote_path`).
+The client speaks plain values and these two; the messages that hand a shard over move with the path that sends them:
+each path writes down before the copy what they say (the ``CommitRequest``'s fields in
+:mod:`~trainer_client.transport.shared_memory_path`, the ``Manifest`` in :mod:`~trainer_client.transport.remote_path`),
+and what sends them completes them (:meth:`trainer_client.capture.ring.CaptureRing.commit`,
+:meth:`trainer_client.transport.remote.RemoteTransfer.send`, with the ``PutHeader``).
 """
 
 from __future__ import annotations

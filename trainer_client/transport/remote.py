@@ -15,6 +15,8 @@ import contextlib
 import mmap
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -24,10 +26,12 @@ from memstore.core.model import Manifest
 from memstore.errors import DataChannelError, StreamError
 from memstore.v1 import datachannel
 from memstore.v1 import store_pb2 as pb
+from memstore.v1.integrity import compute_checksums
 from memstore.v1.manifests import manifest_from_pb
 from memstore.v1.security import Credentials
 from memstore.v1.streams import manifest_problem, put_requests, receive_chunks
 from trainer_client.errors import CorruptShardError, StoreUnavailableError, raise_for_rpc
+from trainer_client.serialization import ChunkSums
 from trainer_client.transport.local_control_client import RpcFailure
 
 VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))  # threads hashing a shard this process holds (a staged save, a mapped restore)
@@ -56,9 +60,31 @@ def byte_view(buf: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview(array).cast("B")[:nbytes]
 
 
+@dataclass(frozen=True)
+class StagedShard:
+    """A shard staged in this process, for :meth:`RemoteTransfer.send` (made by
+    :class:`~trainer_client.transport.remote_path.RemotePath` before the copy).
+
+    Attributes:
+        manifest: the shard's manifest but for its checksums (key, size, chunk size, format, metrics, codec, stripe).
+        memory: the shard's bytes (``manifest.nbytes``), once the copy wrote them.
+        sums: the checksums the copy made (None, or no values: they are computed when it is sent).
+        floor: reads the job's restorable floor when it is sent (None: no agreement, no floor).
+        release: gives the staging buffer back, once sent or not.
+    """
+
+    manifest: pb.Manifest
+    memory: memoryview
+    sums: ChunkSums | None
+    floor: Callable[[], int | None] | None
+    release: Callable[[], None]
+
+
 class RemoteTransfer:
     """Put and get whole shards to/from the store at ``address`` without shared memory (the save side is
-    :class:`~trainer_client.transport.remote_path.RemotePath`'s; restores read through :meth:`get`)."""
+    :class:`~trainer_client.transport.remote_path.RemotePath`'s, through :meth:`send`; restores read through :meth:`get`).
+
+    ``last_route`` says how the last shard sent travelled (``"data channel"`` or ``"grpc"``; "" before the first)."""
 
     def __init__(self, stub: Any, address: str, credentials: Credentials, timeout: float, data_port: int) -> None:
         self._stub = stub
@@ -67,6 +93,25 @@ class RemoteTransfer:
         self._ssl = credentials.client_ssl_context()
         self._timeout = timeout
         self.data_port = data_port  # 0: the store has no data channel (gRPC streams only)
+        self.last_route = ""
+
+    def send(self, staged: StagedShard) -> None:
+        """Send a staged shard: hash it (unless the copy did), send it with its header (``PutHeader``: its manifest, who
+        sends it, the job's restorable floor read now), then give its staging buffer back, sent or not."""
+        try:
+            m = staged.manifest
+            done = staged.sums.values if staged.sums is not None else None
+            checksums = done if done is not None else compute_checksums(staged.memory, m.nbytes, m.chunk_size, workers=VERIFY_THREADS)
+            manifest = pb.Manifest()
+            manifest.CopyFrom(m)
+            manifest.chunk_checksums.extend(checksums)
+            floor = staged.floor() if staged.floor is not None else None
+            header = pb.PutHeader(
+                manifest=manifest, origin=pb.PUT_ORIGIN_CLIENT, sender_host=f"client-rank-{m.key.rank}", restorable_floor=floor
+            )
+            self.last_route = self.put(header, staged.memory, f"put step {m.key.step}")
+        finally:
+            staged.release()
 
     def _deadline(self, nbytes: int) -> float:
         return self._timeout + nbytes / MIN_RATE

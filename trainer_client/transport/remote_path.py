@@ -13,6 +13,10 @@ a crash of this process before the send finished loses the save, and its handle 
 ``MAX_BACKGROUND_SENDS`` sends are in flight: the next save waits for the oldest. With ``capture="enqueued"`` the
 capture thread sends once the copies are done.
 
+The path takes the staging buffer and writes down what the send tells the store (a
+:class:`~trainer_client.transport.remote.StagedShard`: the manifest but for its checksums); the capture gets the
+transfer's send (or its hand-off to the sending thread) and the buffer's return as plain callables.
+
 A failure before the send gives the staging buffer back; a send that fails (or that the store refuses: a chunk whose
 checksum does not match) commits nothing.
 """
@@ -27,12 +31,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from memstore.v1 import store_pb2 as pb
-from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES, compute_checksums
+from memstore.v1.integrity import CHECKSUM_ALGO, DEFAULT_CHUNK_BYTES
 from trainer_client import serialization
-from trainer_client.capture.device_save import Capture, Captures, DevicePart, HostPart
+from trainer_client.capture.device_save import Capture, Captures, Destination
 from trainer_client.serialization import ChunkSums
 from trainer_client.transport.link import StoreLink
-from trainer_client.transport.remote import VERIFY_THREADS, byte_view, empty_buffer
+from trainer_client.transport.remote import StagedShard, byte_view, empty_buffer
 from trainer_client.transport.save_path import PlannedShard
 
 MAX_BACKGROUND_SENDS = 2  # remote_save="background": staged saves in flight; the next waits for the oldest
@@ -56,112 +60,73 @@ class RemotePath:
         self._spill_codec = spill_codec
         self._background = background
         self._chunk = min(DEFAULT_CHUNK_BYTES, link.hello.max_chunk_bytes or DEFAULT_CHUNK_BYTES)
-        self._free: list[torch.Tensor] = []  # staging buffers no save uses
+        self._free: list[tuple[torch.Tensor, memoryview]] = []  # staging buffers no save uses, each with its bytes' view
         self._sends: collections.deque[Future[None]] = collections.deque()
         self._sender: ThreadPoolExecutor | None = None
-        self.last_route = ""  # how the last save travelled: "data channel" or "grpc"
+
+    @property
+    def last_route(self) -> str:
+        """How the last save travelled: "data channel" or "grpc" ("" before the first)."""
+        return self._transfer.last_route
 
     def prepare(self, key: pb.ShardKey, nbytes: int, pin: bool) -> None:
         """Make the staging buffer now (registered with ``pin``)."""
-        buf, _ = self._staging_buffer(nbytes)
+        staging, _ = self._staging_buffer(nbytes)
         if pin:
-            self._captures.copier.pin_buffer(buf)
-        self._free.append(buf)
+            self._captures.copier.pin_buffer(staging[0])
+        self._free.append(staging)
 
     def capture(self, shard: PlannedShard) -> Capture:
-        """Stage the shard (device copies and host part into a staging buffer), then send it: inline, or on the sending
-        thread (``background``). A send that follows the copy on the same thread has the copy hash each chunk from cache
-        instead of reading the shard back first; a background send keeps the stall a copy and hashes on its thread."""
-        destination = functools.partial(self._staged, shard)
-        return self._captures.capture(shard.layout, destination, shard.enqueued, shard.on_success, shard.skip_capacity)
-
-    def _staged(self, shard: PlannedShard, device: DevicePart) -> _StagedSave:
-        """The save's staging buffer (registered for CUDA copies when ``device.pin``)."""
-        buf, fresh = self._staging_buffer(shard.layout.nbytes)
+        """Stage the shard (device copies and host part into a staging buffer, registered for CUDA copies when the save
+        needs it), then send it: inline, or on the sending thread (``background``). A send that follows the copy on the
+        same thread has the copy hash each chunk from cache instead of reading the shard back first; a background send
+        keeps the stall a copy and hashes on its thread."""
+        layout = shard.layout
+        staging, fresh = self._staging_buffer(layout.nbytes)
+        release = functools.partial(self._free.append, staging)  # the buffer is free again: sent, or the save failed
         try:
-            if device.pin:
-                self._captures.copier.pin_buffer(buf)
-            return _StagedSave(self, shard, buf, fresh)
+            inline = not self._background or shard.enqueued  # the send follows the copy on the same thread
+            sums = ChunkSums(self._chunk) if inline else None  # an inline send waits for the checksums anyway
+            manifest = pb.Manifest(
+                key=shard.key, world_size=self._world_size, nbytes=layout.nbytes, chunk_size=self._chunk, checksum_algo=CHECKSUM_ALGO,
+                format_version=serialization.FORMAT_VERSION, metrics=shard.metrics, created_unix=time.time(),
+                spill_codec=self._spill_codec, stripe=shard.stripe,
+            )  # fmt: skip
+            buf, view = staging
+            staged = StagedShard(manifest, view[: layout.nbytes], sums, shard.floor, release)
+            send = functools.partial(self._transfer.send, staged)
+            into = Destination(
+                target=buf, memory=staged.memory, finish=send if inline else functools.partial(self._sending().submit, send),
+                abort=release, sums=sums, fault_ahead=fresh, register=True,  # a new buffer: its pages are faulted in beside the copy
+            )  # fmt: skip
         except BaseException:
-            self._free.append(buf)
+            release()
             raise
+        job = self._captures.capture(layout, shard.device, into, shard.enqueued, shard.on_success, shard.skip_capacity)
+        if job.handed_off is not None:
+            self._sends.append(job.handed_off)
+        return job
 
-    def _staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, bool]:
-        """A free staging buffer of at least ``nbytes`` (kept between saves: its pages are faulted in once), and
-        whether it is new. With background sends, at most two are in flight; a third save waits for the oldest."""
+    def _staging_buffer(self, nbytes: int) -> tuple[tuple[torch.Tensor, memoryview], bool]:
+        """A free staging buffer of at least ``nbytes`` with its bytes' view (kept between saves: its pages are faulted in
+        once), and whether it is new. With background sends, at most two are in flight; a third save waits for the oldest."""
         while self._sends and (self._sends[0].done() or len(self._sends) >= MAX_BACKGROUND_SENDS):
             self._sends.popleft().exception()  # waits; its handle reports the outcome
-        for i, buf in enumerate(self._free):
+        for i, (buf, _) in enumerate(self._free):
             if buf.numel() >= nbytes:
                 return self._free.pop(i), False
-        self._captures.unpin(*self._free)
+        self._captures.unpin(*(buf for buf, _ in self._free))
         self._free.clear()  # too small for this state: let them go
-        return empty_buffer(nbytes), True
+        buf = empty_buffer(nbytes)
+        return (buf, byte_view(buf, buf.numel())), True
 
-    def _send_later(self, send: _StagedSave) -> Future[None]:
+    def _sending(self) -> ThreadPoolExecutor:
+        """The thread background sends run on (made at the first)."""
         if self._sender is None:
             self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-send")
-        future = self._sender.submit(send.send)
-        self._sends.append(future)
-        return future
+        return self._sender
 
     def close(self) -> None:
         if self._sender is not None:
             self._sender.shutdown(wait=True)  # a background save in flight is finished, not dropped
             self._sender = None
-
-
-class _StagedSave:
-    """One staged save (a :class:`~trainer_client.capture.device_save.Destination`): its buffer, its checksums, its send."""
-
-    def __init__(self, path: RemotePath, shard: PlannedShard, buf: torch.Tensor, fresh: bool) -> None:
-        self._path = path
-        self._shard = shard
-        self._inline = not path._background or shard.enqueued  # the send follows the copy on the same thread
-        self.target = buf
-        self.memory = byte_view(buf, shard.layout.nbytes)
-        self.sums = ChunkSums(path._chunk) if self._inline else None  # an inline send waits for the checksums anyway
-        self.host = HostPart(sums=self.sums, fault_ahead=fresh)  # a new buffer: its pages are faulted in beside the copy
-        self._created = time.time()
-
-    def send(self) -> None:
-        """Hash (unless the copy did), send, and give the buffer back for the next save."""
-        path, shard = self._path, self._shard
-        nbytes, chunk = shard.layout.nbytes, path._chunk
-        done = self.sums.values if self.sums is not None else None
-        checksums = done if done is not None else compute_checksums(self.memory, nbytes, chunk, workers=VERIFY_THREADS)
-        header = _put_header(shard, path._world_size, chunk, checksums, self._created, path._spill_codec)
-        try:
-            path.last_route = path._transfer.put(header, self.memory, f"put step {shard.key.step}")
-        finally:
-            self.abort()  # the buffer is free again, sent or not
-
-    def finish(self) -> Future[None] | None:
-        """Send now (inline) or on the sending thread: its future, which the save's handle waits for."""
-        if self._inline:
-            self.send()
-            return None
-        return self._path._send_later(self)
-
-    def abort(self) -> None:
-        """Give the staging buffer back for the next save."""
-        self._path._free.append(self.target)
-
-
-def _put_header(
-    shard: PlannedShard, world_size: int, chunk_size: int, checksums: list[int], created: float, spill_codec: str
-) -> pb.PutHeader:
-    """What precedes ``shard``'s bytes sent to the store: its manifest (``chunk_size``-byte chunks with ``checksums``,
-    made at ``created``) and who sends it."""
-    key = shard.key
-    manifest = pb.Manifest(
-        key=key, world_size=world_size, nbytes=shard.layout.nbytes, chunk_size=chunk_size, chunk_checksums=checksums,
-        checksum_algo=CHECKSUM_ALGO, format_version=serialization.FORMAT_VERSION, metrics=shard.metrics, created_unix=created,
-        spill_codec=spill_codec, stripe=shard.stripe,
-    )  # fmt: skip
-    return pb.PutHeader(
-        manifest=manifest,
-        origin=pb.PUT_ORIGIN_CLIENT,
-        sender_host=f"client-rank-{key.rank}",
-        restorable_floor=shard.restorable_floor(),
-    )

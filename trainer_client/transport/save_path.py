@@ -1,7 +1,8 @@
 """``SavePath``: how one planned shard gets into the store; two implementations, chosen once per client.
 
-``CheckpointClient.save`` validates, plans (the shard's layout: what goes where in its bytes), then hands the
-:class:`PlannedShard` to its path's :meth:`SavePath.capture` and wraps what comes back in a ``SaveHandle``:
+``CheckpointClient.save`` validates, plans (the shard's layout: what goes where in its bytes; its device part: which
+blobs the device copies fill, whether its memory must be registered for DMA), then hands the :class:`PlannedShard` to
+its path's :meth:`SavePath.capture` and wraps what comes back in a ``SaveHandle``:
 
 - :class:`~trainer_client.transport.shared_memory_path.SharedMemoryPath` (the store shares this machine's memory): the
   shard is written into a segment of the rank's capture ring, then committed over the store's Unix socket;
@@ -16,13 +17,14 @@ Call order (on the rank's own thread; one save at a time per client):
    ready (reserved, mapped, faulted in; registered for DMA with ``pin``), so the next save makes no call.
 2. ``capture(shard)`` for every save: take the save's memory, enqueue the device copies, write the host part, wait for
    the copies, hand the bytes to the store (commit, or send) and return the save's
-   :class:`~trainer_client.capture.device_save.Capture`. Both paths do it with one call,
-   :meth:`~trainer_client.capture.device_save.Captures.capture`, given a factory of their per-save
-   :class:`~trainer_client.capture.device_save.Destination` (the memory, then ``finish`` or ``abort``). With
-   ``shard.enqueued`` everything after taking the memory runs on the client's capture thread and ``capture`` returns at
-   once; the ``Capture`` reports how it went. A failure before the hand-over gives the memory back (nothing is
-   committed); ``CapacityExceededError`` is raised when the store has no room (or, enqueued with ``skip_capacity``,
-   recorded in ``Capture.skipped_reason``).
+   :class:`~trainer_client.capture.device_save.Capture`. Both paths take the memory first, then make one call,
+   :meth:`~trainer_client.capture.device_save.Captures.capture`, with the save's
+   :class:`~trainer_client.capture.device_save.Destination`: the memory, and as plain callables what hands it over
+   (the ring's commit, the transfer's send; what they tell the store written down before the copy) or gives it back.
+   The capture never calls back into the path. With ``shard.enqueued`` everything after taking the memory runs on the
+   client's capture thread and ``capture`` returns at once; the ``Capture`` reports how it went. A failure before the
+   hand-over gives the memory back (nothing is committed); ``CapacityExceededError`` is raised when the store has no
+   room (or, enqueued with ``skip_capacity``, recorded in ``Capture.skipped_reason``).
 3. ``close()`` once, after the last save's capture finished: what the path holds goes back (the lease reserved ahead,
    the mappings; a background send in flight is finished first).
 
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from memstore.v1 import store_pb2 as pb
+from trainer_client.capture.cuda import DevicePart
 from trainer_client.serialization import ShardLayout
 
 if TYPE_CHECKING:
@@ -49,6 +52,7 @@ class PlannedShard:
     Attributes:
         key: the shard's key (job, step, rank, timeline).
         layout: where every tensor and the header go in the shard's bytes (``serialization.plan``).
+        device: its device tensors and whether its memory must be registered for DMA (``capture.cuda.device_part``).
         metrics: the save's metrics, as the store records them.
         stripe: with a replica group, this member's stripe (None: a whole shard).
         enqueued: ``capture="enqueued"``: the copies and the hand-over run on the client's capture thread.
@@ -60,6 +64,7 @@ class PlannedShard:
 
     key: pb.ShardKey
     layout: ShardLayout
+    device: DevicePart
     metrics: dict[str, float]
     stripe: pb.Stripe | None
     enqueued: bool
@@ -68,15 +73,14 @@ class PlannedShard:
     on_success: Callable[[], None] | None = None
     skip_capacity: bool = False
 
-    def restorable_floor(self) -> int | None:
-        """The job's restorable floor now, as the hand-over tells the store (None without an agreement)."""
-        return self.floor() if self.floor is not None else None
-
 
 class SavePath(Protocol):
     """How a client's saves reach its store (the call order is in the module doc)."""
 
-    last_route: str
+    @property
+    def last_route(self) -> str:
+        """How the last save's bytes travelled (the module doc)."""
+        ...
 
     def prepare(self, key: pb.ShardKey, nbytes: int, pin: bool) -> None:
         """Make a save of ``nbytes`` fast from the first one (``key``: the rank's, any step); ``pin``: register for DMA."""

@@ -9,7 +9,7 @@ its store pulls the stripes it lacks of that save (the newest of the rank) as *c
 * only into spare room: a pull leaves at least :data:`ROOM_KEPT` of the capacity out of use (segments the pool keeps
   for reuse give way, as they do for any copy), and evicts no copy;
 * a cached copy is not one of the shard's R copies (repair and ``memstore status`` do not count it), and it is the first
-  thing dropped when a save needs room (``Catalog.acquire``); retention drops it with its step;
+  thing dropped when a save needs room (``Room.acquire``, ``Eviction.drop_cached``); retention drops it with its step;
 * a stripe not yet committed by its own member is tried again, with backoff, for :data:`GIVE_UP_SECONDS`.
 """
 
@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from memstore.core.model import ShardKey
 from memstore.errors import StoreError
+from memstore.server.engine.arrivals import Arrivals
 from memstore.server.engine.catalog import Catalog
 from memstore.server.memory.pool import SegmentPool
 
@@ -37,9 +38,11 @@ class Assembler:
     """Pulls the stripes a member saving here lacks, while there is room (one pass every :data:`PASS_SECONDS`)."""
 
     def __init__(
-        self, catalog: Catalog, pool: SegmentPool, pull: Callable[[ShardKey], str], stop: threading.Event, draining: threading.Event
-    ) -> None:
-        self.catalog = catalog
+        self, catalog: Catalog, arrivals: Arrivals, pool: SegmentPool, pull: Callable[[ShardKey], str], stop: threading.Event,
+        draining: threading.Event,
+    ) -> None:  # fmt: skip
+        self.catalog = catalog  # stripes_settled: whether to scan again
+        self.arrivals = arrivals  # stripes_wanted: what the catalog lacks and nobody is bringing in
         self.pool = pool
         self.pull = pull  # Recovery.pull_ahead: one cached copy from a peer
         self._stop = stop
@@ -66,7 +69,7 @@ class Assembler:
         if settled == self._seen and all(now - first > GIVE_UP_SECONDS for _, _, first in self._tries.values()):
             return 0  # nothing new (and no group here at all, the usual case): no scan under the catalog's lock
         self._seen = settled
-        wanted = self.catalog.stripes_wanted()
+        wanted = self.arrivals.stripes_wanted()
         keys = {k for k, _ in wanted}
         self._tries = {k: t for k, t in self._tries.items() if k in keys}
         pulled = 0

@@ -13,6 +13,7 @@ from memstore.core.model import Holding
 from memstore.core.restorable import latest_replicated, latest_restorable, may_supersede, superseded_versions
 from memstore.core.retention import retention_victims
 from memstore.server.engine.catalog import Catalog
+from memstore.server.engine.eviction import Eviction
 from memstore.spill.port import DurableTier
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class Janitor:
     def __init__(
         self,
         catalog: Catalog,
+        eviction: Eviction,
         config: StoreConfig,
         cluster_holdings: Callable[[str], tuple[list[Holding], list[str]]],
         expire_tickets: Callable[[float], None],
@@ -40,6 +42,7 @@ class Janitor:
         floors: Floors,
     ) -> None:
         self.catalog = catalog
+        self.eviction = eviction  # drops what retention lets go
         self.config = config
         self.cluster_holdings = cluster_holdings
         self.expire_tickets = expire_tickets  # the data channel's (DataPath.expire_tickets)
@@ -80,7 +83,7 @@ class Janitor:
             spilling = sorted(self.durable.protected_steps(job)) if self.durable is not None else []  # kept until spilled
             floor = self.floors.get(job)
             if floor is not None and not supersede:
-                self.catalog.retire(job, set(), None, spilling, floor.version)  # nothing at or above the floor goes
+                self.eviction.retire(job, set(), None, spilling, floor.version)  # nothing at or above the floor goes
                 continue
             # Something would go and no floor bounds it, or a re-save may have superseded another timeline: ask the cluster.
             self.listings += 1
@@ -91,4 +94,4 @@ class Janitor:
             # single copy whose replication failed, and the loss of that one host must not leave nothing to restore.
             committed = latest_replicated(holdings, job, self.config.replicas)
             protected = [v.step for v in (latest, committed) if v is not None] + spilling
-            self.catalog.retire(job, dead, latest.step if latest else None, protected, floor.version if floor else None)
+            self.eviction.retire(job, dead, latest.step if latest else None, protected, floor.version if floor else None)

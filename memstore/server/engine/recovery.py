@@ -29,8 +29,10 @@ from memstore.errors import (
     UnknownJob,
 )
 from memstore.faults import fault
+from memstore.server.engine.arrivals import Arrivals
 from memstore.server.engine.catalog import Catalog
 from memstore.server.engine.entries import Entry, ensure, holdings_of
+from memstore.server.engine.eviction import Eviction
 from memstore.server.engine.room import Room
 from memstore.server.events import StoreEvents, pull_source
 from memstore.server.membership import ClusterView, Membership
@@ -87,6 +89,8 @@ class Recovery:
     def __init__(
         self,
         catalog: Catalog,
+        arrivals: Arrivals,
+        eviction: Eviction,
         room: Room,
         config: StoreConfig,
         membership: Membership,
@@ -97,6 +101,8 @@ class Recovery:
         retention_due: threading.Event,
     ) -> None:
         self.catalog = catalog
+        self.arrivals = arrivals  # its pulls claimed, restores and repairs in flight (one pull per shard at a time)
+        self.eviction = eviction  # what was deleted lately: repair does not pull it back
         self.room = room  # memory for what it pulls
         self.config = config
         self.host_id = config.host_id
@@ -137,12 +143,12 @@ class Recovery:
             assert entry.manifest is not None
             self.events.fetched("local", time.monotonic() - started)
             return entry.manifest, entry.source  # "" unless repair pulled it from a peer
-        self.catalog.fetch_started()  # restores first: repair starts no new pull while a trainer waits for one
+        self.arrivals.fetch_started()  # restores first: repair starts no new pull while a trainer waits for one
         try:
             fault("fetch.before_pull")
             source = self._pull(key, origin_note="fetch", durable_known=durable_known, cached=cached)
         finally:
-            self.catalog.fetch_ended()
+            self.arrivals.fetch_ended()
         entry = self.catalog.readable(key)
         assert entry.manifest is not None
         self.events.fetched(pull_source(source), time.monotonic() - started)
@@ -191,7 +197,7 @@ class Recovery:
         copy; ``evict``: older copies may be dropped under pressure to make room for it."""
         if candidates is None:
             candidates = self._sources(key, durable_known)
-        pending = self.catalog.claim_pull(key)
+        pending = self.arrivals.claim_pull(key)
         if pending is not None:
             # Another path (fetch or repair) is already pulling this shard: wait for it instead of pulling twice.
             pending.wait(timeout=self.config.peer_timeout + 600)
@@ -202,7 +208,7 @@ class Recovery:
         try:
             return self._pull_candidates(key, candidates, origin_note, cached, evict)
         finally:
-            self.catalog.end_pull(key)
+            self.arrivals.end_pull(key)
 
     def _pull_candidates(self, key: ShardKey, candidates: list[str], origin_note: str, cached: bool, evict: bool) -> str:
         errors: list[StoreError] = []
@@ -365,7 +371,7 @@ class Recovery:
         """Pull one shard this host lacks: True pulled, False failed, None not needed (here, arriving, or stopping)."""
         if self._stop.is_set():
             return None
-        if not self.catalog.begin_repair(key, restore_first=RESTORE_FIRST_WAIT):
+        if not self.arrivals.begin_repair(key, restore_first=RESTORE_FIRST_WAIT):
             return None
         try:
             started = time.monotonic()
@@ -377,7 +383,7 @@ class Recovery:
             log.warning("repair of %s failed: %s", key, exc)
             return False
         finally:
-            self.catalog.end_repair()
+            self.arrivals.end_repair()
 
     def expected_pulls(self) -> list[int]:
         """Bytes of each shard of the newest step of every job that the first repair pass will pull here (a replacement's
@@ -401,7 +407,7 @@ class Recovery:
         recent = {job: ranked_versions(held, self.config.keep) for job, held in copies.items()}  # the abandoned run's steps rank lower
         todo = [
             k for k in sorted(wanted, key=lambda k: (-k.step, k.job_id, k.rank, k.timeline))
-            if k.version in recent[k.job_id] and not self.catalog.recently_deleted(k)
+            if k.version in recent[k.job_id] and not self.eviction.recently_deleted(k)
         ]  # fmt: skip
         return RepairPlan(view, owners, sources, listings, wanted, sizes, repair_waves(todo, recent))
 

@@ -1,14 +1,14 @@
 """Room for a shard: a segment from the pool within the store's capacity and the job's quota, made under pressure.
 
-Over either limit, the copies pulled ahead of a restore go first (``Catalog.drop_cached``), then the fewest of the
-job's own older copies that make room (``Catalog.make_room``: never its newest settled version nor its protected
+Over either limit, the copies pulled ahead of a restore go first (``Eviction.drop_cached``), then the fewest of the
+job's own older copies that make room (``Eviction.make_room``: never its newest settled version nor its protected
 steps), and the pool is asked again; when even all of those would not do, the request is refused at once and
 nothing is dropped (``memstore.core.limits.room_by_dropping``). The ``Saver`` (saves, streams in) and ``Recovery``
 (pulls) ask it; ``Store`` builds the one ``Room``.
 
-No lock of its own: the pool takes its own lock for each request, and the catalog chooses and drops what goes in one
-step under its lock (the catalog's lock, then the pool's: the order the engine keeps), so a segment is never asked
-for while the catalog's lock is held.
+No lock of its own: the pool takes its own lock for each request, and ``Eviction`` chooses and drops what goes in
+one step under the catalog's lock (the catalog's lock, then the pool's: the order the engine keeps), so a segment is
+never asked for while the catalog's lock is held.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from memstore.config import StoreConfig
 from memstore.core.model import ShardKey
 from memstore.errors import CapacityExceeded, QuotaExceeded
-from memstore.server.engine.catalog import Catalog
+from memstore.server.engine.eviction import Eviction
 from memstore.server.memory.pool import NO_RING, Segment, SegmentPool
 from memstore.server.memory.rings import AHEAD_POLL_SECONDS
 
@@ -24,8 +24,8 @@ from memstore.server.memory.rings import AHEAD_POLL_SECONDS
 class Room:
     """Segments for shards, making room by dropping what pressure allows."""
 
-    def __init__(self, catalog: Catalog, pool: SegmentPool, config: StoreConfig) -> None:
-        self.catalog = catalog
+    def __init__(self, eviction: Eviction, pool: SegmentPool, config: StoreConfig) -> None:
+        self.eviction = eviction
         self.pool = pool
         self.config = config
 
@@ -57,11 +57,11 @@ class Room:
             except CapacityExceeded as exc:  # QuotaExceeded included: its numbers are the job's
                 if not evict:
                     raise
-                if self.catalog.drop_cached(key, quota=isinstance(exc, QuotaExceeded)):
+                if self.eviction.drop_cached(key, quota=isinstance(exc, QuotaExceeded)):
                     continue  # copies pulled ahead of a restore go first
-                if not self.catalog.make_room(key, exc):
+                if not self.eviction.make_room(key, exc):
                     raise
 
     def release(self, segment: Segment) -> None:
-        """Give back a segment from ``acquire`` that never joined the catalog (a pull that failed)."""
+        """Give back a segment from ``acquire`` that never joined the catalog (a pull or a transfer that failed)."""
         self.pool.release(segment)

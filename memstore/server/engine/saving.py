@@ -21,6 +21,7 @@ from memstore.errors import (
 )
 from memstore.faults import fault
 from memstore.server.engine.admission import Admission
+from memstore.server.engine.arrivals import Arrivals
 from memstore.server.engine.catalog import Catalog
 from memstore.server.engine.entries import Entry, Inbound, codec_problem, ensure, sender_error
 from memstore.server.engine.progress import CaptureProgress
@@ -43,12 +44,14 @@ class Saver:
     """Takes shards in: shared-memory captures, gRPC streams; and reports when they are committed.
 
     Each shard taken in from a client goes to the replicator; the catalog holds it and its allocation lease. A shard
-    arriving as a stream is admitted (``Admission``) before its memory is reserved, and ends it exactly once.
+    arriving as a stream is admitted (``Admission``) before its memory is reserved, and ends it exactly once; while its
+    bytes arrive, ``Arrivals`` knows it (repair does not pull it meanwhile) until it registers or fails.
     """
 
     def __init__(
         self,
         catalog: Catalog,
+        arrivals: Arrivals,
         room: Room,
         admission: Admission,
         replicator: Replicator,
@@ -60,6 +63,7 @@ class Saver:
         floors: Floors,
     ) -> None:
         self.catalog = catalog
+        self.arrivals = arrivals  # the shards arriving as streams (repair does not pull them meanwhile)
         self.room = room  # memory for what it takes in
         self.admission = admission  # open transfers per sender (--max-streams-per-peer)
         self.floors = floors  # the restorable floors clients and peers send (memstore.core.floors)
@@ -282,7 +286,7 @@ class Saver:
         except BaseException:
             self.admission.end(sender)  # it got no memory: it ends before it started
             raise
-        self.catalog.mark_receiving(key)
+        self.arrivals.mark_receiving(key)
         return Inbound(key, m, header.origin, segment, sender)
 
     def finish_receive(self, inbound: Inbound) -> Manifest:
@@ -297,7 +301,8 @@ class Saver:
     def abort_receive(self, inbound: Inbound) -> None:
         """A transfer from ``begin_receive`` failed: its memory goes back and its sender's slot is free again."""
         try:
-            self.catalog.abort_inbound(inbound)
+            self.room.release(inbound.segment)
+            self.arrivals.end_receiving(inbound.key)
         finally:
             self.admission.end(inbound.sender)
 
@@ -325,7 +330,7 @@ class Saver:
             taken_at=time.monotonic(),
         )
         try:
-            self.catalog.register_inbound(inbound, entry)
+            self.arrivals.register_inbound(inbound, entry)
         finally:
             self.admission.end(inbound.sender)  # the transfer ends as its shard is registered
         if inbound.origin is PutOrigin.CLIENT:

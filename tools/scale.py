@@ -235,7 +235,7 @@ def run_gossip(hosts: int = 32, window: float = 10.0) -> dict[str, Any]:
     with every member), the idle rate over ``window`` seconds after a settling pause, then one member removed from
     one store's peers file."""
     from memstore.server.discovery import GOSSIP_FANOUT
-    from memstore.sim.save_path import gossip_rounds
+    from memstore.sim.save_path_model import gossip_rounds
 
     cluster = gossip_cluster(hosts)
     try:

@@ -15,7 +15,7 @@ from typing import Any
 
 from memstore.sim.flags import fraction, host_list, nonnegative_float, nonnegative_int, positive_float, positive_int
 from memstore.sim.protocol import ProtocolConfig, ProtocolPoint, run_protocol
-from memstore.sim.save_path import SaveConfig, SaveCost, save_cost
+from memstore.sim.save_path_model import SaveConfig, SaveCost, save_cost
 
 HELP = "the restore protocol's messages and restart time at scale, legacy vs process group"
 DESCRIPTION = (

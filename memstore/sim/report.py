@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from memstore.sim.protocol import COMPLEXITY, PROTOCOL_LABELS, PROTOCOLS, ProtocolConfig, ProtocolCost, ProtocolPoint, growth
 from memstore.sim.replay import STRATEGIES, PointResult
-from memstore.sim.save_path import SAVE_METRICS, SaveCost, save_growth
+from memstore.sim.save_path_model import SAVE_METRICS, SaveCost, save_growth
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -427,7 +427,7 @@ def protocol_to_json(points: Sequence[ProtocolPoint], parameters: dict[str, Any]
     }
 
 
-# -- the save path and gossip (memstore.sim.save_path) -----------------------------------------------
+# -- the save path and gossip (memstore.sim.save_path_model) -----------------------------------------------
 SAVE_TITLE = (
     "save path per saved step beyond --keep (today: every store lists every other; floor: agreed in the process group) "
     "and gossip per --discovery-interval (full answers vs push-pull). Model outputs, not measurements"

@@ -30,7 +30,7 @@ def test_agreement_costs_each_rank_a_constant_number_of_calls_at_32_hosts() -> N
 
 
 def test_gossip_hello_rate_per_store_is_independent_of_n_and_a_change_converges_in_log_rounds() -> None:
-    from memstore.sim.save_path import gossip_rounds
+    from memstore.sim.save_path_model import gossip_rounds
 
     small, large = scale.run_gossip(16), scale.run_gossip(HOSTS)
     print(json.dumps([small, large], indent=1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from memstore.sim.report import save_path_markdown, save_rows
-from memstore.sim.save_path import SaveConfig, gossip_rounds, save_cost, save_growth
+from memstore.sim.save_path_model import SaveConfig, gossip_rounds, save_cost, save_growth
 
 pytestmark = pytest.mark.unit
 

@@ -57,6 +57,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--json", default="", help="also write the results here")
     args = p.parse_args()
+    for name in ("tensors", "numel", "loads", "runs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     expected = state(args.tensors, args.numel)
     nbytes = sum(t.numel() * t.element_size() for t in expected.values())
     cluster = LocalCluster(hosts=2, replicas=2, capacity="1GiB")

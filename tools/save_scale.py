@@ -11,6 +11,8 @@ One scenario, used by ``tests/integration/test_save_scale.py`` and ``benchmarks/
 3. Twice, each a fresh cluster: the client built as the quick start shows, no ``group=`` (it agrees over the job's
    default process group: the ranks' restorable floor rides on the commits; ``floor``), and with ``group=False``
    (each store lists every store before evicting; ``listing``).
+4. With ``dcp=True`` the ranks save through ``dcp.save`` instead, a fresh ``MemStoreWriter`` per save as the DCP guide
+   shows (``dcp``): the ranks agree on the floor in DCP's own planning collectives (``trainer_client.dcp.floors``).
 
 Calls are counted on the stores' side from their Prometheus counters (``memstore_rpcs_total`` by method), per
 store; ``List`` and ``LatestStep`` are the ones retention could cost. Repair passes run every 10 minutes here so
@@ -61,20 +63,23 @@ def store_counts(cluster: LocalCluster, host: str) -> StoreCounts:
     return counts
 
 
-def run_once(hosts: int, grouped: bool, replicas: int = 2, keep: int = 2, measured: int = 3, state_kib: int = 64) -> dict[str, Any]:
-    """One cluster, one way of building the clients; the retention calls per store per measured save."""
+def run_once(
+    hosts: int, grouped: bool, replicas: int = 2, keep: int = 2, measured: int = 3, state_kib: int = 64, dcp: bool = False
+) -> dict[str, Any]:
+    """One cluster, one way of saving (``grouped``: the client's default group, else ``group=False``; ``dcp``: through
+    ``dcp.save``, whatever ``grouped`` says); the retention calls per store per measured save."""
     cluster = LocalCluster(hosts=hosts, replicas=replicas, capacity="64MiB", keep=keep, metrics=True,
                            extra_args=["--repair-interval", "600"])  # fmt: skip
     names = [f"h{i}" for i in range(hosts)]
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "trainer_client"])  # each rank forks in well under a second
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint", "trainer_client", "trainer_client.dcp"])  # each rank forks in well under a second
     warm, go = ctx.Event(), ctx.Event()
     ranks: list[Any] = []
     try:
         cluster.start(timeout=60 + 2 * hosts)
         (master_port,) = free_ports(1)
         addresses = [cluster.address(h) for h in names]
-        ranks = [ctx.Process(target=_rank, args=(r, hosts, addresses, master_port, grouped, keep, measured, state_kib, warm, go),
+        ranks = [ctx.Process(target=_rank, args=(r, hosts, addresses, master_port, grouped, dcp, keep, measured, state_kib, warm, go),
                              name=f"save-scale-rank-{r}", daemon=True) for r in range(hosts)]  # fmt: skip
         for p in ranks:
             p.start()
@@ -95,7 +100,7 @@ def run_once(hosts: int, grouped: bool, replicas: int = 2, keep: int = 2, measur
         h: {m: (after[h].calls.get(m, 0) - before[h].calls.get(m, 0)) / measured for m in RETENTION_CALLS} for h in names
     }  # fmt: skip
     return {
-        "hosts": hosts, "replicas": replicas, "keep": keep, "measured_saves": measured, "grouped": grouped,
+        "hosts": hosts, "replicas": replicas, "keep": keep, "measured_saves": measured, "grouped": grouped, "dcp": dcp,
         "retention_calls_per_store_per_save_max": max(sum(v.values()) for v in per_store.values()),
         "retention_calls_per_save_total": sum(sum(v.values()) for v in per_store.values()),
         "listings_per_store_per_save_max": max(after[h].listings - before[h].listings for h in names) / measured,
@@ -116,24 +121,27 @@ def _wait(done: Any, ranks: list[Any], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _rank(r: int, hosts: int, addresses: list[str], master_port: int, grouped: bool, keep: int, measured: int, state_kib: int,
-          warm: Any, go: Any) -> None:  # fmt: skip
+def _rank(r: int, hosts: int, addresses: list[str], master_port: int, grouped: bool, dcp: bool, keep: int, measured: int,
+          state_kib: int, warm: Any, go: Any) -> None:  # fmt: skip
     """One rank as ``torchrun`` starts one: the default process group (gloo), the client built as the quick start shows
-    (``grouped``), or with ``group=False`` (the listing it replaces)."""
+    (``grouped``), or with ``group=False`` (the listing it replaces), or (``dcp``) ``dcp.save`` with a fresh writer per save."""
     import torch.distributed as dist
 
     from trainer_client import CheckpointClient, Connection
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=r, world_size=hosts)
-    client = CheckpointClient(JOB, r, hosts, connection=Connection(addresses[r], timeout=60), group=None if grouped else False)
+    connection = Connection(addresses[r], timeout=60)
+    if dcp:
+        try:
+            _dcp_saves(r, connection, keep, measured, state_kib, warm, go)
+        finally:
+            dist.destroy_process_group()
+        return
+    client = CheckpointClient(JOB, r, hosts, connection=connection, group=None if grouped else False)
     try:
         for step in range(1, keep + measured + 1):
-            if step == keep + 1:  # steps 1..keep evict nothing: from here every save is beyond --keep
-                dist.barrier()
-                if r == 0:
-                    warm.set()
-                if not go.wait(RANK_TIMEOUT):
-                    raise TimeoutError("the measured saves were never started")
+            if step == keep + 1:
+                _start_measured(r, warm, go)
             w = torch.randn(state_kib * 256, generator=torch.Generator().manual_seed(r * 1000 + step))
             client.save(step, {"w": w, "step": step}).wait(timeout=120)
         dist.barrier()
@@ -142,9 +150,46 @@ def _rank(r: int, hosts: int, addresses: list[str], master_port: int, grouped: b
         dist.destroy_process_group()
 
 
-def run(hosts: int = 32, replicas: int = 2, keep: int = 2, measured: int = 3, state_kib: int = 64, compare: bool = True) -> dict[str, Any]:
-    """The scenario above: with the floor, and (``compare``) without it on a fresh cluster of the same size."""
+def _dcp_saves(r: int, connection: Any, keep: int, measured: int, state_kib: int, warm: Any, go: Any) -> None:
+    """The same saves through ``dcp.save`` (a fresh ``MemStoreWriter`` per save, closed after it), each waiting for its
+    R copies (the writer's default)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from trainer_client.dcp import MemStoreWriter
+
+    for step in range(1, keep + measured + 1):
+        if step == keep + 1:
+            _start_measured(r, warm, go)
+        w = torch.randn(state_kib * 256, generator=torch.Generator().manual_seed(r * 1000 + step))
+        writer = MemStoreWriter(JOB, step, connection=connection)
+        try:
+            dcp.save({f"w{r}": w, "step": torch.tensor(step)}, storage_writer=writer)
+        finally:
+            writer.close()
+    dist.barrier()
+
+
+def _start_measured(r: int, warm: Any, go: Any) -> None:
+    """Steps 1..keep evicted nothing: from here every save is beyond --keep. Rank 0 says the warm-up is over, then every
+    rank waits for the scenario to read the stores' counts and say go."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if r == 0:
+        warm.set()
+    if not go.wait(RANK_TIMEOUT):
+        raise TimeoutError("the measured saves were never started")
+
+
+def run(
+    hosts: int = 32, replicas: int = 2, keep: int = 2, measured: int = 3, state_kib: int = 64, compare: bool = True, dcp: bool = False
+) -> dict[str, Any]:
+    """The scenario above: with the floor, and (``compare``) without it on a fresh cluster of the same size; (``dcp``)
+    through ``dcp.save`` too."""
     out = {"floor": run_once(hosts, True, replicas, keep, measured, state_kib)}
     if compare:
         out["listing"] = run_once(hosts, False, replicas, keep, measured, state_kib)
+    if dcp:
+        out["dcp"] = run_once(hosts, True, replicas, keep, measured, state_kib, dcp=True)
     return out

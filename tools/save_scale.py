@@ -72,7 +72,8 @@ def run_once(
                            extra_args=["--repair-interval", "600"])  # fmt: skip
     names = [f"h{i}" for i in range(hosts)]
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint", "trainer_client", "trainer_client.dcp"])  # each rank forks in well under a second
+    preload = ["torch", "torch.distributed", "torch.distributed.checkpoint", "trainer_client", "trainer_client.dcp"]
+    ctx.set_forkserver_preload(preload)  # each rank forks in well under a second
     warm, go = ctx.Event(), ctx.Event()
     ranks: list[Any] = []
     try:

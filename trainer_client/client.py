@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -209,7 +209,7 @@ class CheckpointClient:
     # -- save ---------------------------------------------------------------------------
     def save(
         self, step: int, state: Any, metrics: Mapping[str, float] | None = None, *, timeline: str | None = None, capture: str = "copied",
-        replicated: Sequence[str] | None = None,
+        replicated: Sequence[str] | None = None, restorable_floor: tuple[int, str] | None = None,
     ) -> SaveHandle:  # fmt: skip
         """Capture ``state`` for ``step`` into the store's memory; returns once the store owns the bytes.
 
@@ -223,6 +223,11 @@ class CheckpointClient:
 
         With a ``replica_group`` the whole state is the group's (each member saves its stripe), unless ``replicated``
         names the top-level keys that are: the rest is this rank's own (ZeRO-1: ``replicated=["model"]``).
+
+        ``restorable_floor``: (step, timeline) of a version every rank of the job is known to have saved, agreed
+        elsewhere (the DCP writer's plan, ``trainer_client.dcp.floors``): the commit tells the store, instead of this
+        client's own agreement, so that its retention needs no listing of the cluster. For integrations that save on
+        a ``timeline`` of their own; ``None`` (default): the client's floor, if it has a group.
         """
         if capture not in CAPTURE_MODES:
             raise InvalidArgumentError(f"capture {capture!r} is invalid: expected 'copied' or 'enqueued'")
@@ -241,7 +246,7 @@ class CheckpointClient:
         shard = PlannedShard(
             key, layout, _cuda.device_part(layout), {str(k): float(v) for k, v in (metrics or {}).items()}, stripe,
             enqueued=capture == "enqueued", started=t0,
-            floor=None if self._floor is None else functools.partial(self._floor.floor, key.timeline, key.step),
+            floor=self._floor_reading(key, restorable_floor),
             on_success=None if timeline is not None else functools.partial(self._timeline.saved, step, epoch),
             skip_capacity=self.on_capacity == "skip",
         )  # fmt: skip
@@ -258,6 +263,25 @@ class CheckpointClient:
             handle = self._handle(step, key.timeline, sending=job.handed_off)
         handle.stall_seconds = time.perf_counter() - t0
         return handle
+
+    def _floor_reading(self, key: pb.ShardKey, given: tuple[int, str] | None) -> Callable[[], tuple[int, str] | None] | None:
+        """What the save of ``key`` reads as its floor when it hands the shard over (``PlannedShard.floor``): ``given``,
+        else the newest floor this client's agreement has for the save's timeline; None: no floor."""
+        if given is not None:
+            step, timeline = given
+            if not isinstance(step, int) or step < 0 or timeline_problem(timeline) or (timeline == key.timeline and step > key.step):
+                raise InvalidArgumentError(f"restorable_floor {given!r:.200} is invalid: expected (step, timeline) of an earlier save")
+            floor = (step, "" if timeline == key.timeline else timeline)
+            return lambda: floor
+        agreement = self._floor
+        if agreement is None:
+            return None
+
+        def agreed() -> tuple[int, str] | None:
+            step = agreement.floor(key.timeline, key.step)
+            return None if step is None else (step, "")
+
+        return agreed
 
     def _plan(
         self, state: Any, replicated: Sequence[str] | None, verify: bool = True

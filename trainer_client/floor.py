@@ -70,6 +70,12 @@ def encode(steps: list[int]) -> list[int]:
     return newest + [-s for s in newest]
 
 
+def reduced(vectors: list[list[int]]) -> list[int]:
+    """What the MIN all-reduce makes of the ranks' vectors, computed where they were gathered (the DCP coordinator:
+    ``trainer_client.dcp.floors``)."""
+    return [min(column) for column in zip(*vectors, strict=True)]
+
+
 class FloorAgreement:
     """One client's part in the agreement: the steps it saw committed, the all-reduces in flight, the floors agreed.
 

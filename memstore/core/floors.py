@@ -11,6 +11,11 @@ Retention (``memstore.core.retention``) then keeps every version at or above the
 and evicts below it without listing the cluster: a version below the floor is never the newest restorable one.
 A floor that lags (a rank's save is slow, an all-reduce result not back yet) only keeps more.
 
+A floor names a version, (step, timeline). The ranks of a ``CheckpointClient`` agree on a step of the timeline they
+save to, and send the step alone (``restorable_floor``: a step of the saved shard's own timeline). A DCP save names a
+timeline of its own (``trainer_client.dcp``), and its ranks agree on an earlier save's version, of another timeline:
+they send both (``restorable_floor_version``). :func:`sent_floor` makes the version of either.
+
 Copies lost after the floor was agreed (R hosts failing at once) can make it newer than the truth. Until the job
 restores, retention keeps what it kept before the loss (the floor's step and above); a restore tells each store
 which version the ranks agreed on (``Floors.restoring``, at every Fetch), and the floor falls to it, so the copy
@@ -35,11 +40,22 @@ class Floor:
         return self.step, self.timeline
 
 
-def floor_problem(floor: int, step: int) -> str | None:
-    """Why a floor sent with a save of ``step`` is invalid (None if it is not): it names an earlier save of the job."""
+def floor_problem(floor: int, step: int, timeline: str = "") -> str | None:
+    """Why a floor sent with a save of ``step`` is invalid (None if it is not): it names an earlier save of the job.
+
+    ``timeline`` "": the floor is a step of the saved shard's own timeline, at most the saved step. Else the floor is
+    ``floor`` of ``timeline``, another save's (any step: a job that went back saves lower steps on a newer timeline);
+    the wire's conversion checked the timeline's name."""
+    if timeline:
+        return f"restorable_floor_version step {floor} is invalid: expected a step >= 0" if floor < 0 else None
     if floor < 0 or floor > step:
         return f"restorable_floor {floor} is invalid: expected a step from 0 to the saved step {step}"
     return None
+
+
+def sent_floor(floor: int | None, timeline: str, saved_timeline: str) -> Floor | None:
+    """The version a floor sent with a save of ``saved_timeline`` names: ``floor`` of ``timeline`` ("": of the save's)."""
+    return None if floor is None else Floor(floor, timeline or saved_timeline)
 
 
 class Floors:

@@ -102,6 +102,7 @@ class TransferHeader:
     origin: PutOrigin
     sender_host: str = ""
     restorable_floor: int | None = None  # the sender's restorable floor of the shard's job and timeline (core.floors)
+    restorable_floor_timeline: str = ""  # the floor's timeline when it is not the shard's ("": the shard's)
 
 
 @dataclass(frozen=True)

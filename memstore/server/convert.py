@@ -19,7 +19,8 @@ from memstore.core.status import CaptureReport, HealthReport, HelloReport
 from memstore.errors import InvalidArgument
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import ChunkChecksums
-from memstore.v1.manifests import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, stripe_from_pb
+from memstore.v1.keys import timeline_problem
+from memstore.v1.manifests import key_from_pb, key_to_pb, manifest_from_pb, manifest_to_pb, set_floor, stripe_from_pb
 
 __all__ = [
     "health_to_pb",
@@ -107,12 +108,28 @@ def sidecar_info(meta: bytes) -> ShardInfo:
     return info_from_pb(pb.ShardInfo.FromString(meta))
 
 
+# -- restorable floors ------------------------------------------------------------------
+def floor_from_pb(message: pb.CommitRequest | pb.WaitCommittedRequest | pb.PutHeader) -> tuple[int | None, str]:
+    """The restorable floor ``message`` carries: (its step, its timeline; "" = the shard's), (None, "") if none
+    (``memstore.core.floors``). InvalidArgument when it sets both forms or names an invalid timeline."""
+    if not message.HasField("restorable_floor_version"):
+        return (message.restorable_floor if message.HasField("restorable_floor") else None), ""
+    if message.HasField("restorable_floor"):
+        raise InvalidArgument("restorable_floor and restorable_floor_version are both set: expected one of them")
+    version = message.restorable_floor_version
+    problem = timeline_problem(version.timeline)
+    if problem:
+        raise InvalidArgument(f"restorable_floor_version: {problem}")
+    return version.step, version.timeline
+
+
 # -- transfers --------------------------------------------------------------------------
 def transfer_to_pb(header: TransferHeader) -> pb.PutHeader:
-    return pb.PutHeader(
+    msg = pb.PutHeader(
         manifest=manifest_to_pb(header.manifest), origin=_ORIGIN_TO_PB[header.origin], sender_host=header.sender_host,  # type: ignore[arg-type]
-        restorable_floor=header.restorable_floor,
     )  # fmt: skip
+    set_floor(msg, header.restorable_floor, header.restorable_floor_timeline)
+    return msg
 
 
 def transfer_from_pb(header: pb.PutHeader) -> TransferHeader:
@@ -121,8 +138,8 @@ def transfer_from_pb(header: pb.PutHeader) -> TransferHeader:
     if origin is None:
         what = "unspecified" if header.origin == pb.PUT_ORIGIN_UNSPECIFIED else f"{header.origin} (unknown)"
         raise InvalidArgument(f"PutHeader.origin is {what}: expected CLIENT, REPLICA or REPAIR")
-    floor = header.restorable_floor if header.HasField("restorable_floor") else None
-    return TransferHeader(manifest_from_pb(header.manifest), origin, header.sender_host, floor)
+    floor, floor_timeline = floor_from_pb(header)
+    return TransferHeader(manifest_from_pb(header.manifest), origin, header.sender_host, floor, floor_timeline)
 
 
 # -- answers ----------------------------------------------------------------------------

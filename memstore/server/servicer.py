@@ -23,6 +23,7 @@ from memstore.server.auth import Authenticator, Need, Principal
 from memstore.server.convert import (
     capture_from_pb,
     client_checksums_from_pb,
+    floor_from_pb,
     health_to_pb,
     hello_to_pb,
     info_to_pb,
@@ -146,6 +147,7 @@ class StoreServicer(pb_grpc.StoreServicer):
     @rpc
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
         self._allow(context, Need.ANY)  # the lease id, issued to an authorized Allocate, is the capability
+        floor, floor_timeline = floor_from_pb(request)
         key = self.store.commit(
             request.lease_id,
             dict(request.metrics),
@@ -156,7 +158,8 @@ class StoreServicer(pb_grpc.StoreServicer):
             capture=capture_from_pb(request.capture),
             capture_seconds=request.capture_seconds,
             stripe=stripe_from_pb(request.stripe, request.key.job_id) if request.HasField("stripe") else None,
-            restorable_floor=request.restorable_floor if request.HasField("restorable_floor") else None,
+            restorable_floor=floor,
+            floor_timeline=floor_timeline,
             captured_bytes=request.captured_bytes if request.HasField("captured_bytes") else None,
             checksums=client_checksums_from_pb(request),
         )
@@ -182,8 +185,8 @@ class StoreServicer(pb_grpc.StoreServicer):
     @rpc
     def WaitCommitted(self, request: pb.WaitCommittedRequest, context: grpc.ServicerContext) -> pb.WaitCommittedResponse:
         self._allow(context, Need.JOB, request.key.job_id)
-        floor = request.restorable_floor if request.HasField("restorable_floor") else None
-        info, done = self.store.wait_committed(key_from_pb(request.key), request.timeout_seconds, floor)
+        floor, floor_timeline = floor_from_pb(request)
+        info, done = self.store.wait_committed(key_from_pb(request.key), request.timeout_seconds, floor, floor_timeline)
         return pb.WaitCommittedResponse(info=info_to_pb(info), done=done)
 
     @rpc

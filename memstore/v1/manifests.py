@@ -2,7 +2,8 @@
 
 Both sides of the wire need these: the store converts at its boundary (``memstore.server.convert``
 re-exports them with its other conversions), and the trainer client converts a received manifest
-once before verifying the stream it describes (``memstore.v1.streams``).
+once before verifying the stream it describes (``memstore.v1.streams``). Both also write a restorable floor into the
+messages that carry one (:func:`set_floor`).
 """
 
 from __future__ import annotations
@@ -80,3 +81,14 @@ def manifest_from_pb(m: pb.Manifest) -> Manifest:
         spill_codec=m.spill_codec,
         stripe=stripe_from_pb(m.stripe, m.key.job_id) if m.HasField("stripe") else None,
     )
+
+
+def set_floor(message: pb.CommitRequest | pb.WaitCommittedRequest | pb.PutHeader, floor: int | None, timeline: str) -> None:
+    """Put the floor (``floor`` of ``timeline``; "" = the shard's) in ``message``: the form a store that predates
+    ``restorable_floor_version`` ignores when it is of another timeline (it lists then, as without a floor)."""
+    if floor is None:
+        return
+    if timeline:
+        message.restorable_floor_version.CopyFrom(pb.FloorVersion(step=floor, timeline=timeline))
+    else:
+        message.restorable_floor = floor

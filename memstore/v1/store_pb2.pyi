@@ -333,7 +333,7 @@ class AllocateResponse(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ..., ring_paths: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., ring_limit: _Optional[int] = ..., ring_busy: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds", "stripe", "restorable_floor", "captured_bytes", "chunk_size", "chunk_checksums", "checksum_algo")
+    __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds", "stripe", "restorable_floor", "captured_bytes", "chunk_size", "chunk_checksums", "checksum_algo", "restorable_floor_version")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +355,7 @@ class CommitRequest(_message.Message):
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
+    RESTORABLE_FLOOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     metrics: _containers.ScalarMap[str, float]
     format_version: int
@@ -369,7 +370,16 @@ class CommitRequest(_message.Message):
     chunk_size: int
     chunk_checksums: _containers.RepeatedScalarFieldContainer[int]
     checksum_algo: str
-    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ..., spill_codec: _Optional[str] = ..., key: _Optional[_Union[ShardKey, _Mapping]] = ..., nbytes: _Optional[int] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., capture_seconds: _Optional[float] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ..., restorable_floor: _Optional[int] = ..., captured_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum_algo: _Optional[str] = ...) -> None: ...
+    restorable_floor_version: FloorVersion
+    def __init__(self, lease_id: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., format_version: _Optional[int] = ..., spill_codec: _Optional[str] = ..., key: _Optional[_Union[ShardKey, _Mapping]] = ..., nbytes: _Optional[int] = ..., capture: _Optional[_Union[CaptureStats, _Mapping]] = ..., capture_seconds: _Optional[float] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ..., restorable_floor: _Optional[int] = ..., captured_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum_algo: _Optional[str] = ..., restorable_floor_version: _Optional[_Union[FloorVersion, _Mapping]] = ...) -> None: ...
+
+class FloorVersion(_message.Message):
+    __slots__ = ("step", "timeline")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    timeline: str
+    def __init__(self, step: _Optional[int] = ..., timeline: _Optional[str] = ...) -> None: ...
 
 class CaptureStats(_message.Message):
     __slots__ = ("registrations", "fallbacks", "fallback_cause")
@@ -388,20 +398,22 @@ class CommitResponse(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("manifest", "origin", "sender_host", "restorable_floor", "streams", "checksums_follow")
+    __slots__ = ("manifest", "origin", "sender_host", "restorable_floor", "streams", "checksums_follow", "restorable_floor_version")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     SENDER_HOST_FIELD_NUMBER: _ClassVar[int]
     RESTORABLE_FLOOR_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    RESTORABLE_FLOOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     origin: PutOrigin
     sender_host: str
     restorable_floor: int
     streams: int
     checksums_follow: bool
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., origin: _Optional[_Union[PutOrigin, str]] = ..., sender_host: _Optional[str] = ..., restorable_floor: _Optional[int] = ..., streams: _Optional[int] = ..., checksums_follow: _Optional[bool] = ...) -> None: ...
+    restorable_floor_version: FloorVersion
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., origin: _Optional[_Union[PutOrigin, str]] = ..., sender_host: _Optional[str] = ..., restorable_floor: _Optional[int] = ..., streams: _Optional[int] = ..., checksums_follow: _Optional[bool] = ..., restorable_floor_version: _Optional[_Union[FloorVersion, _Mapping]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -420,14 +432,16 @@ class PutResponse(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class WaitCommittedRequest(_message.Message):
-    __slots__ = ("key", "timeout_seconds", "restorable_floor")
+    __slots__ = ("key", "timeout_seconds", "restorable_floor", "restorable_floor_version")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESTORABLE_FLOOR_FIELD_NUMBER: _ClassVar[int]
+    RESTORABLE_FLOOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     timeout_seconds: float
     restorable_floor: int
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., restorable_floor: _Optional[int] = ...) -> None: ...
+    restorable_floor_version: FloorVersion
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., restorable_floor: _Optional[int] = ..., restorable_floor_version: _Optional[_Union[FloorVersion, _Mapping]] = ...) -> None: ...
 
 class WaitCommittedResponse(_message.Message):
     __slots__ = ("info", "done", "next_segment_path")

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import CHECKSUM_ALGO
+from memstore.v1.manifests import set_floor
 from memstore.v1.pagefaults import address_of, populate_supported, populate_writable
 from trainer_client import knobs
 from trainer_client.capture import cuda
@@ -97,7 +98,8 @@ class Handover:
         world_size: the job's (the next save's lease is reserved with it).
         request: the fields known before the copy: the shard's metrics, format version, codec, stripe.
         started: ``time.perf_counter()`` when ``save()`` was called: the commit reports the capture's seconds since.
-        floor: reads the job's restorable floor when the commit is sent (None: no agreement, no floor).
+        floor: reads the job's restorable floor when the commit is sent: (step, its timeline; "" = the shard's);
+            None when there is no agreement.
         sums: the checksums the copy made (None, or no values: the store hashes the shard).
     """
 
@@ -105,7 +107,7 @@ class Handover:
     world_size: int
     request: pb.CommitRequest
     started: float
-    floor: Callable[[], int | None] | None = None
+    floor: Callable[[], tuple[int, str] | None] | None = None
     sums: ChunkSums | None = None
 
 
@@ -652,7 +654,7 @@ def _commit_request(
     request.lease_id = slot.lease_id
     floor = handover.floor() if handover.floor is not None else None
     if floor is not None:
-        request.restorable_floor = floor
+        set_floor(request, *floor)
     if captured is not None:
         request.captured_bytes = captured
     else:

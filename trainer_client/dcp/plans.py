@@ -48,8 +48,9 @@ class MemStoreSavePlanInfo:
     """What the coordinator tells each saving rank about one save (its ``SavePlan.storage_data``).
 
     ``world_size`` is the size of the group DCP saves with (the number of plans), ``rank`` the plan's
-    index in it, ``timeline`` the id of this save. Pickled by DCP's collectives (and to the checkpoint
-    daemon of process-mode ``async_save``): plain fields only.
+    index in it, ``timeline`` the id of this save, ``floor`` the job's restorable floor the ranks agreed
+    (:mod:`trainer_client.dcp.floors`): (step, timeline) of the newest earlier save every rank committed, or None.
+    Pickled by DCP's collectives (and to the checkpoint daemon of process-mode ``async_save``): plain fields only.
     """
 
     job_id: str
@@ -57,6 +58,7 @@ class MemStoreSavePlanInfo:
     world_size: int
     rank: int
     timeline: str
+    floor: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ reads) and :mod:`trainer_client.dcp.metadata` (``Metadata`` to tagged plain dict
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import uuid
 import warnings
@@ -73,6 +74,7 @@ from memstore.v1.keys import job_id_problem, key_problem
 from trainer_client.agreement import AgreementStats
 from trainer_client.client import CheckpointClient
 from trainer_client.connection import Connection, connection_from_kwargs
+from trainer_client.dcp.floors import agree_floor, remember_committed, save_history
 from trainer_client.dcp.metadata import MemStoreStorageInfo, decode_metadata, encode_metadata, item_key
 from trainer_client.dcp.plans import (
     MemStoreLoadPlanInfo,
@@ -99,11 +101,14 @@ from trainer_client.errors import (
     CheckpointExistsError,
     CorruptShardError,
     InvalidArgumentError,
+    MemstoreClientError,
     NoCheckpointError,
     NotFoundError,
 )
-from trainer_client.handles import RestorePoint
+from trainer_client.handles import RestorePoint, SaveHandle, SaveResult
 from trainer_client.warmup import prepare_once
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MemStoreReader", "MemStoreWriter"]  # the package, trainer_client.dcp, re-exports its modules' public names
 
@@ -195,12 +200,14 @@ class MemStoreWriter(StorageWriter):
         self._plan_info: MemStoreSavePlanInfo | None = None
         self._client: CheckpointClient | None = None
         self._staged: dict[str, Any] | None = None
+        self._unwaited: tuple[MemStoreSavePlanInfo, SaveHandle] | None = None  # wait_for_replication=False: the last save
 
     # -- pickling (async_save process mode) ------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_client"] = None
         state["_staged"] = None
+        state["_unwaited"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -253,10 +260,12 @@ class MemStoreWriter(StorageWriter):
         self._plan_info = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        # Where FileSystemWriter looks for an existing .metadata: before anything of this save is written.
-        if not self.overwrite or self.is_coordinator:
-            self._check_existing()
-        return plan
+        # What this rank saw committed, for the restorable floor the coordinator agrees on (trainer_client.dcp.floors).
+        self._settle_unwaited()
+        rank = self._dcp_rank if self._dcp_rank is not None else self._explicit_rank
+        if rank is None:
+            return plan  # no rank known before the plan: this save agrees on no floor
+        return dataclasses.replace(plan, storage_data=save_history(self._store_address, self.job_id, rank))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         world = len(plans)
@@ -265,10 +274,14 @@ class MemStoreWriter(StorageWriter):
                 f"MemStoreWriter(world_size={self._explicit_world_size}) but DCP saves with {world} ranks (the process group "
                 f"passed to dcp.save); leave world_size unset to take it from that group"
             )
+        # Where FileSystemWriter looks for an existing .metadata: before anything of this save is written. The coordinator
+        # alone asks (one listing of the cluster per save); a refusal reaches every rank through DCP's scatter.
+        self._check_existing(world)
         step = cast(int, self.step)
         timeline = new_timeline()
+        floor = agree_floor([plan.storage_data for plan in plans], world)
         return [
-            dataclasses.replace(plan, storage_data=MemStoreSavePlanInfo(self.job_id, step, world, i, timeline))
+            dataclasses.replace(plan, storage_data=MemStoreSavePlanInfo(self.job_id, step, world, i, timeline, floor))
             for i, plan in enumerate(plans)
         ]
 
@@ -336,14 +349,13 @@ class MemStoreWriter(StorageWriter):
         self.world_size, self.rank, self.timeline = info.world_size, info.rank, info.timeline
         return info
 
-    def _check_existing(self) -> None:
-        """FileSystemWriter's overwrite rule: an already restorable step raises unless ``overwrite``; warns if it does."""
+    def _check_existing(self, world: int) -> None:
+        """FileSystemWriter's overwrite rule, on the coordinator (rank 0 of ``world``): an already restorable step raises
+        unless ``overwrite`` (DCP hands the error to every rank); warns if it does."""
         step = cast(int, self.step)
-        rank = self._dcp_rank if self._dcp_rank is not None else (self._explicit_rank or 0)
-        world = max(rank + 1, self._explicit_world_size or 1)
-        client = self._client if self._client is not None else self._client_for(rank, world)  # any world: kept for the save
+        client = self._client_for(COORDINATOR_RANK, world)  # kept for the save
         try:
-            existing = client.restore_point(step)  # the writer's client has no group: no collective (not every rank checks)
+            existing = client.restore_point(step)  # the writer's client has no group: no collective (one rank checks)
         except (NotFoundError, NoCheckpointError):
             existing = None  # a job no store knows yet
         if existing is None:
@@ -371,11 +383,38 @@ class MemStoreWriter(StorageWriter):
     def _save(self, items: dict[str, Any], metadata: dict[str, Any] | None) -> None:
         info = cast(MemStoreSavePlanInfo, self._plan_info)
         shard = new_shard(info, items, metadata)
-        handle = self._client_for(info.rank, info.world_size).save(info.step, shard, timeline=info.timeline)
+        client = self._client_for(info.rank, info.world_size)
+        handle = client.save(info.step, shard, timeline=info.timeline, restorable_floor=info.floor)
         if self.wait_for_replication:
-            handle.wait(self.replication_timeout)
+            self._settled(info, handle.wait(self.replication_timeout))
+        else:
+            self._unwaited = (info, handle)  # settled or not, asked at this writer's next save
+
+    def _settle_unwaited(self) -> None:
+        """The last save made with ``wait_for_replication=False``: if its store has it settled now, remember it."""
+        unwaited, self._unwaited = self._unwaited, None
+        if unwaited is None or self._client is None:
+            return
+        info, handle = unwaited
+        try:
+            done = handle.done()
+        except MemstoreClientError as exc:
+            log.debug("memstore: the status of step %d is unknown (%s): it is left out of the restorable floor", info.step, exc)
+            return
+        if done and handle.last_status is not None:
+            self._settled(info, handle.last_status)
+
+    def _settled(self, info: MemStoreSavePlanInfo, result: SaveResult) -> None:
+        """This rank's save of ``info`` settled as ``result``: a verified copy makes it part of this rank's history."""
+        if result.copies >= 1 and not result.superseded:
+            remember_committed(self._store_address, info.job_id, info.rank, (info.step, info.timeline, info.world_size))
+
+    @property
+    def _store_address(self) -> str:
+        return str(self.connection.address)
 
     def close(self) -> None:
+        self._unwaited = None
         if self._client is not None:
             self._client.close()
             self._client = None

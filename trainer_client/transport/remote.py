@@ -27,7 +27,7 @@ from memstore.errors import DataChannelError, StreamError
 from memstore.v1 import datachannel
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.integrity import compute_checksums
-from memstore.v1.manifests import manifest_from_pb
+from memstore.v1.manifests import manifest_from_pb, set_floor
 from memstore.v1.security import Credentials
 from memstore.v1.streams import manifest_problem, put_requests, receive_chunks
 from trainer_client.errors import CorruptShardError, StoreUnavailableError, raise_for_rpc
@@ -69,14 +69,14 @@ class StagedShard:
         manifest: the shard's manifest but for its checksums (key, size, chunk size, format, metrics, codec, stripe).
         memory: the shard's bytes (``manifest.nbytes``), once the copy wrote them.
         sums: the checksums the copy made (None, or no values: they are computed when it is sent).
-        floor: reads the job's restorable floor when it is sent (None: no agreement, no floor).
+        floor: reads the job's restorable floor when it is sent: (step, its timeline; "" = the shard's); None when there is no agreement.
         release: gives the staging buffer back, once sent or not.
     """
 
     manifest: pb.Manifest
     memory: memoryview
     sums: ChunkSums | None
-    floor: Callable[[], int | None] | None
+    floor: Callable[[], tuple[int, str] | None] | None
     release: Callable[[], None]
 
 
@@ -105,10 +105,10 @@ class RemoteTransfer:
             manifest = pb.Manifest()
             manifest.CopyFrom(m)
             manifest.chunk_checksums.extend(checksums)
+            header = pb.PutHeader(manifest=manifest, origin=pb.PUT_ORIGIN_CLIENT, sender_host=f"client-rank-{m.key.rank}")
             floor = staged.floor() if staged.floor is not None else None
-            header = pb.PutHeader(
-                manifest=manifest, origin=pb.PUT_ORIGIN_CLIENT, sender_host=f"client-rank-{m.key.rank}", restorable_floor=floor
-            )
+            if floor is not None:
+                set_floor(header, *floor)
             self.last_route = self.put(header, staged.memory, f"put step {m.key.step}")
         finally:
             staged.release()

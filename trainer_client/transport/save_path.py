@@ -57,7 +57,8 @@ class PlannedShard:
         stripe: with a replica group, this member's stripe (None: a whole shard).
         enqueued: ``capture="enqueued"``: the copies and the hand-over run on the client's capture thread.
         started: ``time.perf_counter()`` when ``save()`` was called (the capture's seconds, reported with the commit).
-        floor: reads the job's restorable floor when the shard is handed over (None: no agreement, no floor).
+        floor: reads the job's restorable floor when the shard is handed over: (step, its timeline; "" = the shard's);
+            None when there is no agreement.
         on_success: called once the store took the shard (the client's timeline moves on).
         skip_capacity: enqueued, a full store skips the save (``on_capacity="skip"``) instead of failing it.
     """
@@ -69,7 +70,7 @@ class PlannedShard:
     stripe: pb.Stripe | None
     enqueued: bool
     started: float
-    floor: Callable[[], int | None] | None = None
+    floor: Callable[[], tuple[int, str] | None] | None = None
     on_success: Callable[[], None] | None = None
     skip_capacity: bool = False
 

@@ -275,20 +275,21 @@ class Catalog:
 
     def commit_lease(
         self, lease_id: str, key: ShardKey | None, nbytes: int, metrics: dict[str, float], format_version: int, spill_codec: str,
-        stripe: Stripe | None = None, floor: int | None = None, checksums: ChunkChecksums | None = None,
+        stripe: Stripe | None = None, floor: int | None = None, checksums: ChunkChecksums | None = None, floor_timeline: str = "",
     ) -> Entry:  # fmt: skip
         """Register the shard of allocation lease ``lease_id`` (see ``Saver.commit``); older captures of its rank that
         replication has not taken up yet are superseded (newest wins). Returns its entry.
 
         A wrong key, size, ``stripe``, restorable ``floor`` or client ``checksums`` (checked against the shard the lease
-        holds) is refused and the lease kept."""
+        holds) is refused and the lease kept. ``floor_timeline``: the floor's, when it is not the shard's
+        (``memstore.core.floors.floor_problem``)."""
         with self.cond:
             lease = self._alloc_leases.get(lease_id)
             if lease is None:
                 raise LeaseError(f"allocation lease {lease_id!r} is unknown or expired; allocate again")
             entry = lease.entry
             ensure(bind_problem(lease, key, nbytes))
-            ensure(None if floor is None else floor_problem(floor, (key or entry.key).step))
+            ensure(None if floor is None else floor_problem(floor, (key or entry.key).step, floor_timeline))
             if stripe is not None:
                 rank = entry.key.rank  # an ahead lease's commit may name another step, never another rank
                 ensure(stripe_problem(stripe, rank, entry.world_size, nbytes or entry.nbytes))

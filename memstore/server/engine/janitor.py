@@ -82,6 +82,8 @@ class Janitor:
                 continue
             spilling = sorted(self.durable.protected_steps(job)) if self.durable is not None else []  # kept until spilled
             floor = self.floors.get(job)
+            if floor is not None and floor.timeline not in {k.timeline for k, _, _ in held}:
+                floor = None  # a version this store cannot place among its own (it holds nothing of its timeline): list
             if floor is not None and not supersede:
                 self.eviction.retire(job, set(), None, spilling, floor.version)  # nothing at or above the floor goes
                 continue

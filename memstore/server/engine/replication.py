@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from memstore.config import StoreConfig
 from memstore.core.floors import Floors
-from memstore.core.model import Manifest, PutOrigin, ShardState, TransferHeader
+from memstore.core.model import Manifest, PutOrigin, ShardKey, ShardState, TransferHeader
 from memstore.core.reserve_policy import MIN_UNIT
 from memstore.errors import (
     CaptureAbandoned,
@@ -199,9 +199,7 @@ class Replicator:
             return
         manifest = entry.manifest if sums is None else self._manifest(entry, (0,) * chunk_count(entry.nbytes, self.config.chunk_bytes))
         assert manifest is not None
-        floor = self.floors.get(entry.key.job_id)
-        known = floor.step if floor is not None and floor.timeline == entry.key.timeline and floor.step <= entry.key.step else None
-        header = TransferHeader(manifest, PutOrigin.REPLICA, self.host_id, known)
+        header = TransferHeader(manifest, PutOrigin.REPLICA, self.host_id, *self._floor_for(entry.key))
         deadline = 10.0 + entry.nbytes / self.config.transfer_min_rate
 
         def push(peer_id: str) -> str | None:
@@ -235,6 +233,17 @@ class Replicator:
         if not errors and entry.taken_at:
             self.events.replicated(time.monotonic() - entry.taken_at)  # the last peer's ack
         self._settle(entry, copies=1 + len(peers) - len(errors), errors=errors)
+
+    def _floor_for(self, key: ShardKey) -> tuple[int | None, str]:
+        """The job's floor, as a push of ``key`` carries it (``TransferHeader``): a step of ``key``'s timeline up to its
+        step, or a version of another timeline (a DCP save's); (None, "") when none, or when it is a newer step of
+        ``key``'s own timeline (an older shard's push cannot name it)."""
+        floor = self.floors.get(key.job_id)
+        if floor is None:
+            return None, ""
+        if floor.timeline != key.timeline:
+            return floor.step, floor.timeline
+        return (floor.step, "") if floor.step <= key.step else (None, "")
 
     def _newer_capture(self, entry: Entry) -> int | None:
         """A newer step of the same rank captured after ``entry``: then pushing ``entry`` is pointless.

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from memstore.config import StoreConfig
-from memstore.core.floors import Floor, Floors, floor_problem
+from memstore.core.floors import Floors, floor_problem, sent_floor
 from memstore.core.limits import transfer_sender
 from memstore.core.model import Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, Stripe, TransferHeader
 from memstore.core.status import CaptureReport
@@ -138,6 +138,7 @@ class Saver:
         restorable_floor: int | None = None,
         captured_bytes: int | None = None,
         checksums: ChunkChecksums | None = None,
+        floor_timeline: str = "",
     ) -> ShardKey:
         """Take a client's capture in: the shard of ``lease_id`` is the store's from now on; replication starts.
 
@@ -150,7 +151,8 @@ class Saver:
         last commit (summed into ``memstore status`` and the metrics); ``capture_seconds``: its save's time until
         this commit (the store sees an ahead lease's save start nowhere). ``stripe``: the shard is one member's
         stripe of a replica group's save (``memstore.core.model.Stripe``), kept in its manifest. ``restorable_floor``:
-        a step of this shard's timeline its job's ranks all saved (``memstore.core.floors``). ``checksums``: the chunk
+        a step of this shard's timeline its job's ranks all saved (``memstore.core.floors``), or of ``floor_timeline``
+        when that names another (a DCP save's floor is an earlier save's version). ``checksums``: the chunk
         checksums the client computed as it copied (``ChunkChecksums``): replication hashes nothing and its peers verify
         against them; only with the Commit that ends a save in one call.
         """
@@ -166,12 +168,12 @@ class Saver:
         entry = self._capturing_entry(lease_id, captured_bytes)
         if entry is None:
             entry = self.catalog.commit_lease(
-                lease_id, key, nbytes, metrics, format_version, spill_codec, stripe, restorable_floor, checksums
+                lease_id, key, nbytes, metrics, format_version, spill_codec, stripe, restorable_floor, checksums, floor_timeline
             )  # fmt: skip
             if capture is not None and (capture.registrations or capture.fallbacks):
                 with self._capturing_lock:
                     self._capture = self._capture.plus(capture.registrations, capture.fallbacks, capture.fallback_cause)
-            self._note_floor(entry.key, restorable_floor)
+            self._note_floor(entry.key, restorable_floor, floor_timeline)
             if captured_bytes is not None:  # the client goes on writing: push what is final meanwhile
                 entry.progress = CaptureProgress(entry.nbytes)
                 entry.progress.advance(captured_bytes)
@@ -230,12 +232,15 @@ class Saver:
             entry.progress.advance(captured_bytes)
         return entry
 
-    def wait_committed(self, key: ShardKey, timeout: float, restorable_floor: int | None = None) -> tuple[ShardInfo, bool]:
-        """``key``'s status once it settled or ``timeout`` passed; ``restorable_floor``: its job's floor, as with a commit."""
+    def wait_committed(
+        self, key: ShardKey, timeout: float, restorable_floor: int | None = None, floor_timeline: str = ""
+    ) -> tuple[ShardInfo, bool]:
+        """``key``'s status once it settled or ``timeout`` passed; ``restorable_floor`` (of ``floor_timeline``, "": of
+        ``key``'s): its job's floor, as with a commit."""
         ensure(key_problem(key.job_id, key.step, key.rank, timeline=key.timeline))
         if restorable_floor is not None:
-            ensure(floor_problem(restorable_floor, key.step))
-            self._note_floor(key, restorable_floor)
+            ensure(floor_problem(restorable_floor, key.step, floor_timeline))
+            self._note_floor(key, restorable_floor, floor_timeline)
         deadline = time.monotonic() + max(0.0, min(timeout, MAX_WAIT_SECONDS))
         return self.catalog.wait_settled(key, deadline)
 
@@ -256,11 +261,13 @@ class Saver:
         if header.sender_host:
             ensure(host_id_problem(header.sender_host, "sender_host"))
         if header.restorable_floor is not None:
-            ensure(floor_problem(header.restorable_floor, m.key.step))
+            ensure(floor_problem(header.restorable_floor, m.key.step, header.restorable_floor_timeline))
 
-    def _note_floor(self, key: ShardKey, floor: int | None) -> None:
-        """A restorable floor came with a save or a copy of ``key``: retention may look again without listing."""
-        if floor is not None and self.floors.note(key.job_id, Floor(floor, key.timeline)):
+    def _note_floor(self, key: ShardKey, floor: int | None, timeline: str = "") -> None:
+        """A restorable floor (of ``timeline``, "": of ``key``'s) came with a save or a copy of ``key``: retention may
+        look again without listing."""
+        version = sent_floor(floor, timeline, key.timeline)
+        if version is not None and self.floors.note(key.job_id, version):
             self.retention_due.set()
 
     def _refuse_if_draining(self) -> None:
@@ -275,7 +282,8 @@ class Saver:
         self._check_transfer(header)
         m = header.manifest
         key = m.key
-        self._note_floor(key, header.restorable_floor)  # true of earlier saves whether or not this transfer completes
+        # True of earlier saves whether or not this transfer completes.
+        self._note_floor(key, header.restorable_floor, header.restorable_floor_timeline)
         sender = transfer_sender(header.origin, key.job_id, header.sender_host, m.owner_host)
         self._refuse_if_draining()
         if header.origin is PutOrigin.CLIENT:

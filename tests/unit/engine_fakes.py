@@ -101,11 +101,13 @@ class FakePeer:
     data_channel: bool = False
     cached: set[ShardKey] = field(default_factory=set)  # held copies it lists as cached (pulled ahead of a restore)
     expected: list[tuple[str, int, int]] = field(default_factory=list)  # (job, rank, nbytes) announced to it (Expect)
+    floors: list[tuple[int | None, str]] = field(default_factory=list)  # the restorable floor each push carried
 
     def push(self, header: TransferHeader, view: memoryview, timeout: float) -> None:
         if self.refuse or self.refuse_push:
             raise PeerUnavailable(self.refuse or self.refuse_push)
         self.pushes.append(header.manifest.key)
+        self.floors.append((header.restorable_floor, header.restorable_floor_timeline))
         self.held[header.manifest.key] = (header.manifest, bytes(view))
 
     def push_data(

@@ -9,6 +9,7 @@ from memstore.core.restorable import RestoreAnswer, Version
 from memstore.core.status import HelloReport
 from memstore.errors import InvalidArgument, StreamChecksumError, StreamError
 from memstore.server.convert import (
+    floor_from_pb,
     hello_from_pb,
     hello_to_pb,
     info_from_pb,
@@ -84,6 +85,19 @@ def test_an_unknown_state_from_a_peer_is_none() -> None:
 def test_transfer_header_round_trip(origin: PutOrigin) -> None:
     header = TransferHeader(MANIFEST, origin, "h0")
     assert transfer_from_pb(transfer_to_pb(header)) == header
+
+
+def test_a_floor_travels_as_a_step_of_the_shards_timeline_or_as_a_version_of_another() -> None:
+    own, other = TransferHeader(MANIFEST, PutOrigin.REPLICA, "h0", 3), TransferHeader(MANIFEST, PutOrigin.REPLICA, "h0", 3, "dcp-a")
+    assert transfer_to_pb(own).restorable_floor == 3 and not transfer_to_pb(own).HasField("restorable_floor_version")
+    assert not transfer_to_pb(other).HasField("restorable_floor") and transfer_to_pb(other).restorable_floor_version.timeline == "dcp-a"
+    assert transfer_from_pb(transfer_to_pb(own)) == own and transfer_from_pb(transfer_to_pb(other)) == other
+    assert floor_from_pb(pb.CommitRequest()) == (None, "")
+    assert floor_from_pb(pb.WaitCommittedRequest(restorable_floor_version=pb.FloorVersion(step=7, timeline="dcp-b"))) == (7, "dcp-b")
+    with pytest.raises(InvalidArgument, match="both set"):
+        floor_from_pb(pb.CommitRequest(restorable_floor=1, restorable_floor_version=pb.FloorVersion(step=1, timeline="dcp-b")))
+    with pytest.raises(InvalidArgument, match="restorable_floor_version: timeline"):
+        floor_from_pb(pb.CommitRequest(restorable_floor_version=pb.FloorVersion(step=1, timeline="no/slash")))
 
 
 def test_transfer_header_without_origin_is_invalid() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memstore.core.floors import Floor, Floors, floor_problem
+from memstore.core.floors import Floor, Floors, floor_problem, sent_floor
 from memstore.core.model import Holding, ShardKey, ShardState
 from memstore.core.restorable import (
     latest_restorable,
@@ -118,6 +118,10 @@ class TestRetention:
         floors.restoring("other", Floor(0, "b"))  # a job without a floor (no group=) gets none: it lists as before
         assert floors.get("j") == Floor(0, "b") and floors.get("other") is None
         assert floor_problem(4, 3) and floor_problem(-1, 3) and floor_problem(3, 3) is None
+        # A floor naming another timeline (a DCP save's: the save before it) may be any step of it, a later one too.
+        assert floor_problem(9, 3, "dcp-a") is None and floor_problem(-1, 3, "dcp-a")
+        assert sent_floor(2, "", "r.0") == Floor(2, "r.0") and sent_floor(2, "dcp-a", "dcp-b") == Floor(2, "dcp-a")
+        assert sent_floor(None, "dcp-a", "dcp-b") is None
 
 
 class TestSizes:

@@ -115,6 +115,28 @@ def test_with_a_restorable_floor_retention_asks_nobody() -> None:
     assert sorted(k.step for k, _, _ in catalog.held("job")) == [3, 4]
 
 
+def test_a_floor_of_another_timeline_bounds_retention_of_saves_with_a_timeline_each() -> None:
+    floors = Floors()
+    jan, catalog, asked = janitor([], floors)
+    for step in (1, 2, 3, 4):  # DCP: every save a timeline of its own, its floor the save before it
+        settled(catalog, ShardKey("job", step, 0, f"dcp-{step}"), DATA, created=float(step))
+        if step > 1:
+            floors.note("job", Floor(step - 1, f"dcp-{step - 1}"))
+        jan.apply_retention()
+    assert asked == [] and jan.listings == 0
+    assert sorted(k.version for k, _, _ in catalog.held("job")) == [(3, "dcp-3"), (4, "dcp-4")]
+
+
+def test_a_floor_of_a_timeline_the_store_does_not_hold_is_no_bound_it_lists() -> None:
+    floors = Floors()
+    jan, catalog, asked = janitor([], floors)
+    for step in (1, 2, 3):
+        settled(catalog, ShardKey("job", step, 0, f"dcp-{step}"), DATA, created=float(step))
+    floors.note("job", Floor(9, "dcp-elsewhere"))  # no copy of it here: where it ranks among 1..3 is unknown
+    jan.apply_retention()
+    assert asked == ["job"] and jan.listings == 1
+
+
 def test_a_lagging_floor_keeps_every_step_at_or_above_it() -> None:
     floors = Floors()
     jan, catalog, asked = janitor([], floors)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from memstore.core.floors import Floors
+from memstore.core.floors import Floor, Floors
 from memstore.core.model import ShardKey, ShardState
 from memstore.server.engine.replication import Replicator
 from memstore.v1.integrity import ChunkChecksums
@@ -39,6 +39,17 @@ def test_a_capture_is_checksummed_pushed_to_its_group_peer_and_committed() -> No
     assert peer.pushes == [ShardKey("job", 1, 0)] and peer.held[ShardKey("job", 1, 0)][1] == DATA
     assert events.named("pushed") == [(len(DATA),)] and events.named("settled") == [("committed",)] and len(events.named("replicated")) == 1
     assert catalog.in_flight == 0 and due.is_set()
+
+
+def test_a_push_carries_the_jobs_floor_with_its_timeline_when_it_is_another_saves() -> None:
+    peer = FakePeer("h1")
+    rep, _, _, _, _ = replicator(peer)
+    rep.floors.note("job", Floor(4, "dcp-a"))  # a DCP save's floor: the save before it, of its own timeline
+    replicate(rep, ShardKey("job", 5, 0, "dcp-b"))
+    rep.floors.note("job", Floor(5, "r.0"))  # a client's floor: a step of the pushed shard's own timeline, sent as a step
+    replicate(rep, ShardKey("job", 6, 0, "r.0"))
+    replicate(rep, ShardKey("job", 2, 1, "r.0"))  # an older step of the floor's timeline cannot carry a newer floor
+    assert peer.floors == [(4, "dcp-a"), (5, ""), (None, "")]
 
 
 def test_a_peer_that_refuses_leaves_the_shard_under_replicated_with_its_reason() -> None:

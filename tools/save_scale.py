@@ -183,14 +183,19 @@ def _start_measured(r: int, warm: Any, go: Any) -> None:
         raise TimeoutError("the measured saves were never started")
 
 
+VARIANTS = ("floor", "listing", "dcp")
+
+
 def run(
-    hosts: int = 32, replicas: int = 2, keep: int = 2, measured: int = 3, state_kib: int = 64, compare: bool = True, dcp: bool = False
-) -> dict[str, Any]:
-    """The scenario above: with the floor, and (``compare``) without it on a fresh cluster of the same size; (``dcp``)
-    through ``dcp.save`` too."""
-    out = {"floor": run_once(hosts, True, replicas, keep, measured, state_kib)}
-    if compare:
-        out["listing"] = run_once(hosts, False, replicas, keep, measured, state_kib)
-    if dcp:
-        out["dcp"] = run_once(hosts, True, replicas, keep, measured, state_kib, dcp=True)
-    return out
+    hosts: int = 32, replicas: int = 2, keep: int = 2, measured: int = 3, state_kib: int = 64, compare: bool = True,
+    variants: tuple[str, ...] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The scenario above, a fresh cluster per variant (``VARIANTS``): with the floor (``floor``), and (``compare``)
+    without it (``listing``); ``variants`` names them instead (``dcp``: through ``dcp.save``)."""
+    chosen = variants if variants is not None else (("floor", "listing") if compare else ("floor",))
+    unknown = set(chosen) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown save-scale variants {sorted(unknown)}: expected some of {VARIANTS}")
+    return {
+        name: run_once(hosts, name != "listing", replicas, keep, measured, state_kib, dcp=name == "dcp") for name in chosen
+    }  # fmt: skip

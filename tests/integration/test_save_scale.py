@@ -27,3 +27,16 @@ def test_retention_at_8_and_16_hosts_costs_each_store_at_most_2r_calls_per_saved
         assert result["steps_held_max"] <= 2 + 2, result  # and retention still evicted (keep 2, the floor lags at most 2)
     calls = {n: r["retention_calls_per_store_per_save_max"] for n, r in results.items()}
     assert calls[16] <= calls[8], calls
+
+
+def test_dcp_saves_at_8_and_16_hosts_cost_each_store_at_most_one_call_per_saved_step() -> None:
+    """The same ranks through ``dcp.save``, a fresh MemStoreWriter per save: the floor rides DCP's plans
+    (``trainer_client.dcp.floors``), so no store lists the cluster to evict; what each store serves is the coordinator's
+    overwrite check (FileSystemWriter's rule), one cluster-wide LatestStep per save."""
+    results = {n: save_scale.run(hosts=n, replicas=REPLICAS, keep=2, measured=3, variants=("dcp",))["dcp"] for n in (8, 16)}
+    for result in results.values():
+        assert result["retention_calls_per_store_per_save_max"] <= 1.5, result
+        assert result["listings_per_store_per_save_max"] == 0, result
+        assert result["steps_held_max"] <= 2 + 2, result
+    calls = {n: r["retention_calls_per_store_per_save_max"] for n, r in results.items()}
+    assert calls[16] <= calls[8], calls

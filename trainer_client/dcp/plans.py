@@ -49,8 +49,10 @@ class MemStoreSavePlanInfo:
 
     ``world_size`` is the size of the group DCP saves with (the number of plans), ``rank`` the plan's
     index in it, ``timeline`` the id of this save, ``floor`` the job's restorable floor the ranks agreed
-    (:mod:`trainer_client.dcp.floors`): (step, timeline) of the newest earlier save every rank committed, or None.
-    Pickled by DCP's collectives (and to the checkpoint daemon of process-mode ``async_save``): plain fields only.
+    (:mod:`trainer_client.dcp.floors`): (step, timeline) of the newest earlier save every rank committed, or None;
+    ``refusal`` why the save must not go on (``overwrite=False`` and the step restorable: every rank raises it
+    before it writes), "" when it may. Pickled by DCP's collectives (and to the checkpoint daemon of process-mode
+    ``async_save``): plain fields only.
     """
 
     job_id: str
@@ -59,6 +61,7 @@ class MemStoreSavePlanInfo:
     rank: int
     timeline: str
     floor: tuple[int, str] | None = None
+    refusal: str = ""
 
 
 @dataclass(frozen=True)

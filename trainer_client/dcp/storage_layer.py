@@ -274,19 +274,21 @@ class MemStoreWriter(StorageWriter):
                 f"MemStoreWriter(world_size={self._explicit_world_size}) but DCP saves with {world} ranks (the process group "
                 f"passed to dcp.save); leave world_size unset to take it from that group"
             )
-        # Where FileSystemWriter looks for an existing .metadata: before anything of this save is written. The coordinator
-        # alone asks (one listing of the cluster per save); a refusal reaches every rank through DCP's scatter.
-        self._check_existing(world)
+        # FileSystemWriter looks for an existing .metadata before anything of this save is written. The coordinator alone
+        # asks (one listing of the cluster per save); its refusal rides the plans, and every rank raises it in write_data.
+        refusal = self._check_existing(world)
         step = cast(int, self.step)
         timeline = new_timeline()
         floor = agree_floor([plan.storage_data for plan in plans], world)
         return [
-            dataclasses.replace(plan, storage_data=MemStoreSavePlanInfo(self.job_id, step, world, i, timeline, floor))
+            dataclasses.replace(plan, storage_data=MemStoreSavePlanInfo(self.job_id, step, world, i, timeline, floor, refusal))
             for i, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = self._take_plan_info(plan.storage_data)
+        if info.refusal:
+            raise CheckpointExistsError(info.refusal)  # overwrite=False and the step is restorable: nothing is written
         items, results = write_items(plan, planner, info.rank)
         if self.is_coordinator:
             self._staged = items  # saved with the metadata in finish(): a save is visible only once complete
@@ -349,9 +351,10 @@ class MemStoreWriter(StorageWriter):
         self.world_size, self.rank, self.timeline = info.world_size, info.rank, info.timeline
         return info
 
-    def _check_existing(self, world: int) -> None:
-        """FileSystemWriter's overwrite rule, on the coordinator (rank 0 of ``world``): an already restorable step raises
-        unless ``overwrite`` (DCP hands the error to every rank); warns if it does."""
+    def _check_existing(self, world: int) -> str:
+        """FileSystemWriter's overwrite rule, on the coordinator (rank 0 of ``world``): why an already restorable step is
+        refused unless ``overwrite`` (every rank raises it, ``write_data``); "" when it is not, after a warning if it
+        is overwritten."""
         step = cast(int, self.step)
         client = self._client_for(COORDINATOR_RANK, world)  # kept for the save
         try:
@@ -359,9 +362,9 @@ class MemStoreWriter(StorageWriter):
         except (NotFoundError, NoCheckpointError):
             existing = None  # a job no store knows yet
         if existing is None:
-            return
+            return ""
         if not self.overwrite:
-            raise CheckpointExistsError(
+            return (
                 f"Checkpoint already exists and self.overwrite=False: step {step} of job {self.job_id!r} is restorable "
                 f"(saved by {existing.world_size} ranks); pass overwrite=True to save a new version of it"
             )
@@ -370,6 +373,7 @@ class MemStoreWriter(StorageWriter):
             "(the existing version stays restorable until the new one is complete)",
             stacklevel=2,
         )
+        return ""
 
     def _client_for(self, rank: int, world_size: int) -> CheckpointClient:
         """The client saving as ``rank`` of ``world_size``, with no process group (``group=False``): a DCP save names

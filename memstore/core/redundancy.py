@@ -74,6 +74,19 @@ class Redundancy:
             raise ValueError(f"redundancy {text!r} is invalid: {exc}; expected {FORMS}") from None
         raise ValueError(f"redundancy {text!r} is invalid: expected {FORMS}")
 
+    @classmethod
+    def resolve(cls, replicas: int | None, redundancy: Redundancy | str | None, default_replicas: int = 2) -> Redundancy:
+        """The scheme ``--replicas`` and ``--redundancy`` give together (either may be None: not given). ``--replicas R``
+        means ``replicas:R``; both given and disagreeing raises ``ValueError`` naming both."""
+        scheme = cls.parse(redundancy) if isinstance(redundancy, str) else redundancy
+        if scheme is None:
+            return cls.of_replicas(default_replicas if replicas is None else replicas)
+        if replicas is not None and cls.of_replicas(replicas) != scheme:
+            raise ValueError(
+                f"--replicas {replicas} and --redundancy {scheme} disagree: give one of them (--replicas R is --redundancy replicas:R)"
+            )
+        return scheme
+
     def __str__(self) -> str:
         return f"ec:{self.k}+{self.m}" if self.erasure_coded else f"replicas:{self.replicas}"
 

@@ -515,6 +515,11 @@ class StoreConfig:
                 f"--replicas {self.replicas} and --redundancy {self.redundancy} disagree: give one of them "
                 f"(--redundancy {self.redundancy} means --replicas {self.redundancy.replicas})"
             )
+        if self.redundancy.erasure_coded and self.placement != "mixed":
+            raise ConfigError(
+                f"--placement {self.placement} does not apply to --redundancy {self.redundancy}: erasure coding places "
+                "disjoint groups (--placement mixed)"
+            )
         if hosts and self.redundancy.erasure_coded and self.redundancy.group_size > hosts:
             raise ConfigError(
                 f"--redundancy {self.redundancy} needs at least {self.redundancy.group_size} hosts (K+M), but --peers lists {hosts}"

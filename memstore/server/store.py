@@ -111,7 +111,7 @@ class Store:
         )
         self.peers = PeerDirectory(self.host_id, credentials=credentials)
         # Who holds which slot: fed by the discovery watcher and gossip (memstore.server.app); moves the peer directory along.
-        self.membership = Membership(self.host_id, config.placement, config.replicas, on_change=self._cluster_changed)
+        self.membership = Membership(self.host_id, config.placement, config.redundancy, on_change=self._cluster_changed)
         self.discovery: DiscoveryReport | None = None  # set by the discovery watcher
         self.draining = threading.Event()  # set: no new shards, no repair pulls (drain, SIGTERM)
         self._stop = threading.Event()  # set by close(): the loops end, waits give up

@@ -169,3 +169,8 @@ def test_ec_needs_k_plus_m_hosts_naming_both_numbers() -> None:
 def test_ec_with_dynamic_members_is_checked_when_they_are_known() -> None:
     c = StoreConfig.load({"host_id": "h0", "peers_file": "/nonexistent/members.json", "redundancy": "ec:4+1"}, env={})
     assert str(c.redundancy) == "ec:4+1"
+
+
+def test_ec_places_groups_only() -> None:
+    with pytest.raises(ConfigError, match=r"--placement ring does not apply to --redundancy ec:4\+1"):
+        StoreConfig.load({"host_id": "h0", "peers": FIVE, "redundancy": "ec:4+1", "placement": "ring"}, env={})

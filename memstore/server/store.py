@@ -346,6 +346,7 @@ class Store:
             failure_domain=self.config.failure_domain,
             control_socket=self.control_socket,
             marked_captures=True,
+            redundancy=str(self.config.redundancy),
         )
 
     def readiness(self) -> str:

@@ -50,7 +50,7 @@ def test_serve_rejects_bad_flags(args: list[str], message: str) -> None:
 def test_local_cluster_endpoints_status_ls_and_clean_stop(tmp_path) -> None:  # type: ignore[no-untyped-def]
     endpoints = tmp_path / "endpoints.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "memstore", "local-cluster", "--hosts", "3", "--replicas", "2", "--capacity", "64MiB",
+        [sys.executable, "-m", "memstore", "local-cluster", "--hosts", "3", "--redundancy", "replicas:2", "--capacity", "64MiB",
          "--endpoints-file", str(endpoints), "--metrics"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
@@ -66,6 +66,8 @@ def test_local_cluster_endpoints_status_ls_and_clean_stop(tmp_path) -> None:  # 
         status = memstore("status", "--store", hosts["h0"], "--json")
         assert status.returncode == 0, status.stderr
         assert {h["host"] for h in json.loads(status.stdout)["hosts"] if h["serving"]} == {"h0", "h1", "h2"}
+        assert (json.loads(status.stdout)["redundancy"], json.loads(status.stdout)["replicas"]) == ("replicas:2", 2)
+        assert "redundancy=replicas:2" in memstore("status", "--store", hosts["h1"]).stdout
         ls = memstore("ls", "--store", hosts["h2"], "--job", "cli-job", "--shards")
         assert "step=4" in ls.stdout and "committed" in ls.stdout
         import urllib.request

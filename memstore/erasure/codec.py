@@ -12,8 +12,9 @@ once with :meth:`Codec.encode`; :meth:`Codec.decode` gives back missing data blo
   :class:`~memstore.errors.ErasureUnavailable` names the extra.
 
 Blocks are anything with the buffer protocol (``bytes``, ``memoryview``, a contiguous numpy array); results are
-1-D ``uint8`` numpy arrays. Addition in GF(2^8) is XOR for every ``m``, so :meth:`Codec.accumulate` is XOR.
-A codec keeps no state between calls beyond its tables; it may be used from several threads.
+1-D ``uint8`` numpy arrays, read-only where they are views into the library's output (copy one to change it).
+Addition in GF(2^8) is XOR for every ``m``, so :meth:`Codec.accumulate` is XOR. A codec keeps no state between
+calls beyond its tables; it may be used from several threads.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Codec:
         xor_into(parity, [add])
 
     def encode(self, blocks: Sequence[Any]) -> list[np.ndarray]:
-        """The ``m`` parity blocks (new, writable arrays) of ``k`` data blocks of one length."""
+        """The ``m`` parity blocks of ``k`` data blocks of one length (new arrays; read-only for ``m >= 2``)."""
         data = self._blocks(blocks, self.k, "data blocks")
         if self._rs is not None:
             return self._rs.encode(data)
@@ -99,8 +100,8 @@ class Codec:
         return [parity]
 
     def decode(self, present: Mapping[int, Any], block_len: int) -> dict[int, np.ndarray]:
-        """The missing data blocks (column -> new array of ``block_len`` bytes) from the ``present`` columns, data
-        and parity, each of ``block_len`` bytes. Any ``k`` present columns do; with every data column present the
+        """The missing data blocks (column -> new array of ``block_len`` bytes; read-only for ``m >= 2``) from the
+        ``present`` columns, data and parity, each of ``block_len`` bytes. Any ``k`` present columns do; with every data column present the
         answer is empty. Fewer than ``k`` raises :class:`~memstore.errors.UnrecoverableLoss`."""
         blocks: dict[int, np.ndarray] = {}
         for column, block in present.items():

@@ -5,9 +5,11 @@
 Makes ``--k`` data columns of ``--size`` MiB of random bytes and reports, each the best of ``--repeat`` runs:
 
 - ``copy``: ``numpy.copyto`` of the k columns' bytes, the floor every figure is a ratio against;
-- ``xor encode``: ec:k+1's parity of the k columns (:meth:`Codec.encode`, one call over the whole columns);
+- ``xor encode``: ec:k+1's parity of the k columns (:meth:`Codec.encode`, one call over the whole columns, into a
+  parity already mapped, as the copy);
 - ``xor accumulate``: one column added into a parity in place (what a parity host does per contribution);
-- ``rs encode``: ec:k+m's parities, ``--block`` MiB blocks at a time (the engine's unit), all positions;
+- ``rs encode``: ec:k+m's parities, ``--block`` MiB blocks at a time (the engine's unit), all positions, written into
+  the parity columns;
 - ``rs decode, 1 lost`` and ``m lost``: the lost data columns rebuilt from k survivors, every position (checked);
 - ``rs contribution``: one column's contribution to the m parities, one block per call, and 16 blocks per call.
 
@@ -71,8 +73,8 @@ def xor_figures(data: list[np.ndarray], repeat: int) -> dict[str, float]:
     k, size = len(data), len(data[0])
     copy = copy_gbs(data, repeat)
     codec = Codec(k, 1)
-    encode = gbs(k * size, best(lambda: codec.encode(data), repeat))
-    parity = codec.encode(data)[0]
+    parity = np.empty(size, np.uint8)
+    encode = gbs(k * size, best(lambda: codec.encode(data, out=[parity]), repeat))
     one_copy = copy_gbs(data[:1], repeat)
     accumulate = gbs(size, best(lambda: codec.accumulate(parity, data[0]), repeat))
     return {"copy_gbs": copy, "xor_encode_gbs": encode, "column_copy_gbs": one_copy, "xor_accumulate_gbs": accumulate}
@@ -86,8 +88,7 @@ def rs_figures(data: list[np.ndarray], m: int, block: int, repeat: int) -> dict[
 
     def encode() -> None:
         for start in positions:
-            for j, p in enumerate(codec.encode([d[start : start + block] for d in data])):
-                parity[j][start : start + block] = p
+            codec.encode([d[start : start + block] for d in data], out=[p[start : start + block] for p in parity])
 
     figures = {"rs_encode_gbs": gbs(k * size, best(encode, repeat))}
     encode()

@@ -24,13 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from memstore.core.erasure_layout import MAX_COLUMNS
 from memstore.errors import UnrecoverableLoss
 
 if TYPE_CHECKING:
     from memstore.erasure.reed_solomon import ReedSolomon
-
-#: The most columns (``k + m``) a codec takes: a group of more hosts is cut into smaller ones.
-MAX_COLUMNS = 64
 
 #: XOR runs over this many bytes of every operand before moving on, so the running parity stays in cache.
 XOR_SLICE = 256 << 10

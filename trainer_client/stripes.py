@@ -31,7 +31,7 @@ from trainer_client import serialization
 from trainer_client.capture.device_restore import move_tree, onto_device
 from trainer_client.errors import CorruptShardError, InvalidArgumentError
 from trainer_client.serialization.dtypes import needs_raw_copy, raw_byte_view
-from trainer_client.serialization.header import read_header
+from trainer_client.serialization.header import BlobSpec, read_header
 from trainer_client.serialization.memory import parallel_memmove
 from trainer_client.serialization.spec import BLOB_TENSOR, SMALL_COPY
 
@@ -182,14 +182,22 @@ def _decode(stripes: Sequence[dict[str, Any]], n: int, device: torch.device | No
     target = torch.frombuffer(buf, dtype=torch.uint8)
     try:
         _copy_into(target, [(o, t) for o, t, whole in pieces if not whole])  # the header's slices, and every other kind
-        _, offsets, specs = read_header(memoryview(buf))
-        slices = {o: t for o, t, whole in pieces if whole}
-        served = {
-            o: slices[o] for o, spec in zip(offsets, specs, strict=False)
-            if o in slices and spec.kind == BLOB_TENSOR and spec.nbytes > SMALL_COPY and slices[o].numel() == spec.nbytes
-            and not needs_raw_copy(spec.dtype)
-        }  # fmt: skip
-        _copy_into(target, [(o, t) for o, t, whole in pieces if whole and o not in served])
+        parsed = read_header(memoryview(buf))
+        spec_at = dict(zip(parsed[1], parsed[2], strict=False))  # blob offset -> its spec (one per distinct record)
+        viewable: dict[int, bool] = {}  # by spec: a table's blobs of one record share it
+        served: dict[int, torch.Tensor] = {}
+        copied: list[tuple[int, torch.Tensor]] = []
+        for o, t, whole in pieces:
+            if whole:
+                spec = spec_at.get(o)
+                ok = None if spec is None else viewable.get(id(spec))
+                if spec is not None and ok is None:
+                    ok = viewable[id(spec)] = _viewable(spec)
+                if ok and t.numel() == spec.nbytes:  # type: ignore[union-attr]
+                    served[o] = t
+                else:
+                    copied.append((o, t))
+        _copy_into(target, copied)
     finally:
         del target
 
@@ -197,12 +205,17 @@ def _decode(stripes: Sequence[dict[str, Any]], n: int, device: torch.device | No
         piece = served.get(start)
         return piece if piece is not None and piece.numel() == end - start else None
 
-    state = serialization.decode(buf, zero_copy=True, views=views)  # its tensors keep buf and the stripes alive
+    state = serialization.decode(buf, zero_copy=True, views=views, parsed=parsed)  # its tensors keep buf and the stripes alive
     if device is not None:
         return onto_device(state, device)
     if not zero_copy:
         return move_tree(state, torch.Tensor.clone, copy_arrays=True)
     return state
+
+
+def _viewable(spec: BlobSpec) -> bool:
+    """Whether a blob of ``spec`` decodes as a view of its bytes (a large tensor of a dtype ``copy_`` handles)."""
+    return spec.kind == BLOB_TENSOR and spec.nbytes > SMALL_COPY and not needs_raw_copy(spec.dtype)
 
 
 def _pieces_of(stripes: Sequence[dict[str, Any]]) -> list[tuple[int, torch.Tensor, bool]]:

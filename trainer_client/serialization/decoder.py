@@ -342,7 +342,10 @@ class _Decoder:
             data.release()
 
 
-def decode(buf: Buffer, *, zero_copy: bool = False, views: Views | None = None) -> object:
+Parsed = tuple[dict[str, Any], list[int], list[BlobSpec]]  # what read_header returns
+
+
+def decode(buf: Buffer, *, zero_copy: bool = False, views: Views | None = None, parsed: Parsed | None = None) -> object:
     """Rebuild the state from shard bytes without executing anything from them.
 
     ``buf`` may be bytes, bytearray, memoryview or mmap, read-only included, and may be
@@ -357,6 +360,9 @@ def decode(buf: Buffer, *, zero_copy: bool = False, views: Views | None = None) 
     ``views(start, end)`` (with ``zero_copy``): a contiguous uint8 tensor holding the shard's bytes ``[start, end)``
     somewhere else, or None; a large tensor then views that instead of ``buf``, whose bytes there are never read
     (a replica group's stripes: :mod:`trainer_client.stripes`).
+
+    ``parsed``: what :func:`~trainer_client.serialization.header.read_header` returned for ``buf``, when the caller
+    parsed it already (it is not parsed twice).
     """
     mv = as_byte_view(buf)
     if zero_copy and mv.readonly:
@@ -366,7 +372,7 @@ def decode(buf: Buffer, *, zero_copy: bool = False, views: Views | None = None) 
     try:
         try:
             with GcPaused():
-                header, offsets, specs = read_header(mv)
+                header, offsets, specs = parsed if parsed is not None else read_header(mv)
                 decoder = _Decoder(mv, offsets, specs, share=buf if zero_copy else None, views=views if zero_copy else None)
                 decoder.materialize_all()
                 return decoder.dec(header["root"], 0)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memstore.core.redundancy import Redundancy
 from memstore.core.sizes import parse_size
 from memstore.errors import ConfigError
 from memstore.v1.datachannel import MAX_STREAMS
@@ -149,6 +150,15 @@ def _streams(value: Any) -> int:
     return number
 
 
+def _redundancy(value: Any) -> Redundancy:
+    if isinstance(value, Redundancy):
+        return value
+    try:
+        return Redundancy.parse(value)
+    except ValueError as exc:
+        raise ConfigError(f"--{exc}") from None
+
+
 def _prefault(value: Any) -> int | None:
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
@@ -208,7 +218,18 @@ class StoreConfig:
         _positive_float("--discovery-interval"),
         default=2.0,
     )
-    replicas: int = _opt("Replication factor R: copies of each shard in RAM, counting the owner's.", _positive_int("--replicas"), default=2)
+    replicas: int = _opt(
+        "Replication factor R: copies of each shard in RAM, counting the owner's (the same as --redundancy replicas:R).",
+        _positive_int("--replicas"),
+        default=2,
+    )
+    redundancy: Redundancy = _opt(
+        "How each step is protected in RAM: replicas:R (R whole copies, the owner's included; what --replicas R means) or "
+        "ec:K+M (erasure coding: each store keeps its own shards whole, groups of K+M stores keep M parity fragments and "
+        "survive M lost stores at 1 + M/K of the state; needs at least K+M stores). Default: replicas:<--replicas>.",
+        _redundancy,
+        default=Redundancy.of_replicas(2),
+    )
     capacity: int = _opt("RAM budget for shard bytes (bytes or 512MiB, 8GiB, ...).", _size("--capacity"), default=4 << 30)
     keep: int = _opt("Newest committed steps kept per job in RAM.", _positive_int("--keep"), default=2)
     placement: str = _opt("Placement strategy: mixed (GEMINI) or ring.", _choice("--placement", ("mixed", "ring")), default="mixed")
@@ -415,7 +436,7 @@ class StoreConfig:
             if f.name in merged:
                 parse = f.metadata["parse"]
                 parsed[f.name] = parse(merged[f.name]) if parse else merged[f.name]
-        return cls(**parsed).validated()
+        return cls(**_resolve_redundancy(parsed)).validated()
 
     def validated(self) -> StoreConfig:
         if self.host_id == "" and isinstance(self.discovery, str) and self.discovery.startswith("dns://"):
@@ -487,7 +508,25 @@ class StoreConfig:
         if self.prefault_unit > self.capacity:
             raise ConfigError(f"--prefault-unit {self.prefault_unit} bytes is larger than --capacity {self.capacity} bytes")
 
+    def _check_redundancy(self, hosts: int) -> None:
+        """``hosts``: how many --peers lists (0: the members come from discovery, checked as they come)."""
+        if self.replicas != self.redundancy.replicas:
+            raise ConfigError(
+                f"--replicas {self.replicas} and --redundancy {self.redundancy} disagree: give one of them "
+                f"(--redundancy {self.redundancy} means --replicas {self.redundancy.replicas})"
+            )
+        if self.redundancy.erasure_coded and self.placement != "mixed":
+            raise ConfigError(
+                f"--placement {self.placement} does not apply to --redundancy {self.redundancy}: erasure coding places "
+                "disjoint groups (--placement mixed)"
+            )
+        if hosts and self.redundancy.erasure_coded and self.redundancy.group_size > hosts:
+            raise ConfigError(
+                f"--redundancy {self.redundancy} needs at least {self.redundancy.group_size} hosts (K+M), but --peers lists {hosts}"
+            )
+
     def _validated_common(self, peers: tuple[tuple[str, str], ...]) -> StoreConfig:
+        self._check_redundancy(len(peers))
         host = self.listen.rpartition(":")[0].strip("[]")
         if not self.auth_token_file and not self.insecure and not _loopback(host):
             raise ConfigError(
@@ -570,6 +609,18 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _resolve_redundancy(parsed: dict[str, Any]) -> dict[str, Any]:
+    """``--replicas R`` means ``--redundancy replicas:R``: whichever of the two is given sets the other; both given
+    and disagreeing (from any of the sources) is a ``ConfigError`` naming both."""
+    if "replicas" not in parsed and "redundancy" not in parsed:
+        return parsed
+    try:
+        scheme = Redundancy.resolve(parsed.get("replicas"), parsed.get("redundancy"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return {**parsed, "replicas": scheme.replicas, "redundancy": scheme}
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:

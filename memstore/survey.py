@@ -25,6 +25,7 @@ class Survey:
     replicas: int = 0
     placement: str = ""
     version: int = 0
+    redundancy: str = ""  # "replicas:R" | "ec:K+M"
     slots: list[dict[str, Any]] = field(default_factory=list)
     health: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> health row (or {"error": CODE})
     shards: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # host -> its verified, settled copies
@@ -58,7 +59,8 @@ def take(store: str, timeout: float, job: str = "") -> Survey:
     ("" = every job), and the entry store for each job's newest restorable step. Raises grpc.RpcError when
     the entry store does not answer; members that do not answer get ``{"error": CODE}``."""
     hello_ = hello(store, timeout)
-    s = Survey(store, hello_.replicas, hello_.placement, hello_.slots.version)
+    redundancy = hello_.redundancy or f"replicas:{hello_.replicas}"  # an older store does not say: it replicates
+    s = Survey(store, hello_.replicas, hello_.placement, hello_.slots.version, redundancy)
     s.slots = [{"slot": x.index, "host": x.host_id, "address": x.address, "domain": x.domain, "former": list(x.former)}
                for x in hello_.slots.slots]  # fmt: skip
     members = dict(zip(hello_.peer_ids, hello_.peer_addresses, strict=True))

@@ -26,6 +26,7 @@ from typing import Protocol
 import grpc
 
 from memstore.children import child_env, thread_dump
+from memstore.core.redundancy import Redundancy
 from memstore.v1 import store_pb2 as pb
 from memstore.v1.channel import store_stub
 from memstore.v1.security import Credentials
@@ -147,11 +148,19 @@ class LocalCluster:
     dial: Callable[[str, str, str, int], str] | None = None
     # Starts the DNS server of discovery "dns" (e.g. ``tools.dns_server.DnsServer``, which needs the dev extra's dnslib).
     dns_server: Callable[[], ClusterDns] | None = None
+    # The stores' --redundancy (replicas:R or ec:K+M); when given it decides and ``replicas`` becomes what it means
+    # (R, or 1 for ec: the owner's copy). None: --replicas ``replicas``.
+    redundancy: str | None = None
     stores: dict[str, StoreProcess] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if self.hosts < 1:
             raise ValueError(f"hosts must be >= 1, got {self.hosts}")
+        if self.redundancy is not None:
+            scheme = Redundancy.parse(self.redundancy)
+            if scheme.group_size > self.hosts:
+                raise ValueError(f"redundancy {scheme} needs at least {scheme.group_size} hosts, got {self.hosts}")
+            self.redundancy, self.replicas = str(scheme), scheme.replicas
         if not 1 <= self.replicas <= self.hosts:
             raise ValueError(f"replicas must be in 1..{self.hosts}, got {self.replicas}")
         if self.discovery not in ("peers", "file", "files", "dns"):
@@ -226,8 +235,7 @@ class LocalCluster:
             "--listen",
             f"{ip}:{port}",
             *membership,
-            "--replicas",
-            str(self.replicas),
+            *(["--redundancy", self.redundancy] if self.redundancy is not None else ["--replicas", str(self.replicas)]),
             "--capacity",
             str(self.capacity),
             "--keep",

@@ -54,3 +54,15 @@ def apply_credential_arguments(args: argparse.Namespace) -> None:
             os.environ[env] = value
             if dest == "auth_token_file":
                 os.environ.pop("MEMSTORE_AUTH_TOKEN", None)  # the flag wins over a token in the environment
+
+
+def resolve_redundancy(replicas: int | None, redundancy: str | None) -> str:
+    """A command's ``--replicas``/``--redundancy`` pair as one scheme's text (``Redundancy.resolve``); a bad or
+    disagreeing pair is a ``ConfigError`` (the command exits 2 naming it)."""
+    from memstore.core.redundancy import Redundancy
+    from memstore.errors import ConfigError
+
+    try:
+        return str(Redundancy.resolve(replicas, redundancy))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

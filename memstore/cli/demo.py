@@ -9,7 +9,8 @@ HELP = "end-to-end showcase: DDP training survives a host loss bit-exactly"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", type=int, default=4, help="stores on 127.0.0.1 (one trainer rank each by default)")
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=None, help="copies of each shard, the owner's included (default 2)")
+    p.add_argument("--redundancy", default=None, help="the stores' --redundancy, replicas:R or ec:K+M (instead of --replicas)")
     p.add_argument("--ranks", type=int, default=None, help="DDP ranks (default: one per host)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--kill-at", type=int, default=20, help="SIGKILL a host after this step")
@@ -24,11 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memstore.cli.common import resolve_redundancy
     from memstore.demo.showcase import run_demo
 
     return run_demo(
         hosts=args.hosts,
-        replicas=args.replicas,
+        redundancy=resolve_redundancy(args.replicas, args.redundancy),
         ranks=args.ranks,
         steps=args.steps,
         kill_at=args.kill_at,

@@ -9,14 +9,15 @@ import signal
 import time
 from typing import Any
 
-from memstore.cli.common import add_credential_arguments, configure_logging
+from memstore.cli.common import add_credential_arguments, configure_logging, resolve_redundancy
 
 HELP = "run N stores on 127.0.0.1 until SIGINT/SIGTERM"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", type=int, default=4)
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=None, help="copies of each shard, the owner's included (default 2)")
+    p.add_argument("--redundancy", default=None, help="replicas:R or ec:K+M (memstore serve --redundancy); instead of --replicas")
     p.add_argument("--base-port", type=int, default=0, help="first port (0 = free ports)")
     p.add_argument("--capacity", default="2GiB")
     p.add_argument("--keep", type=int, default=2)
@@ -31,8 +32,9 @@ def run(args: argparse.Namespace) -> int:
     from memstore.testing import LocalCluster
 
     configure_logging("INFO")
+    redundancy = resolve_redundancy(args.replicas, args.redundancy)
     cluster = LocalCluster(
-        hosts=args.hosts, replicas=args.replicas, capacity=args.capacity, base_port=args.base_port, keep=args.keep, metrics=args.metrics
+        hosts=args.hosts, capacity=args.capacity, base_port=args.base_port, keep=args.keep, metrics=args.metrics, redundancy=redundancy
     )
     stop = False
 

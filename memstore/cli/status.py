@@ -39,11 +39,11 @@ def run(args: argparse.Namespace) -> int:
     jobs = survey.jobs_of(s)
     healthy = all("error" not in h and h["ready"] for h in hosts)
     if args.json:
-        render.print_json({"replicas": s.replicas, "placement": s.placement, "membership_version": s.version,
-                           "slots": s.slots, "hosts": hosts, "jobs": jobs})  # fmt: skip
+        render.print_json({"redundancy": s.redundancy, "replicas": s.replicas, "placement": s.placement,
+                           "membership_version": s.version, "slots": s.slots, "hosts": hosts, "jobs": jobs})  # fmt: skip
         return 0 if healthy else 1
     out = render.console()
-    out.print(f"cluster: {len(hosts)} hosts in {len(s.slots)} slots (membership v{s.version}), R={s.replicas}, "
+    out.print(f"cluster: {len(hosts)} hosts in {len(s.slots)} slots (membership v{s.version}), redundancy={s.redundancy}, "
               f"placement={s.placement}", markup=False)  # fmt: skip
     out.print(render.table("hosts", ["slot", "host", "address", "state", "memory", "shards", "replicating", "repairing"],
                            [_host_cells(h) for h in hosts]))  # fmt: skip

@@ -19,20 +19,27 @@ Two strategies, as in GEMINI (Wang et al., SOSP'23, section 4):
   single failure's recovery traffic is spread over more peers, but ``N`` windows instead of ``N/m``
   groups can be wiped out, so the recovery probability is lower.
 
+**Erasure coding** (``ec:K+M``, :func:`erasure_placement`): each host keeps its own shards whole, on itself only
+(its holders are just itself), and the ordered hosts are cut into disjoint *groups* of ``K+M`` that keep parity for
+each other (``memstore.core.erasure_layout``). When ``K+M`` does not divide ``N`` the remaining hosts join the last
+groups, one each from the end, so every group has at least ``K+M`` hosts (a group of ``G`` then has ``G-M`` data
+columns); fewer than ``K+M`` hosts is an error naming both numbers. A group loses a step only when more than ``M`` of
+its hosts fail together.
+
 **Failure domains** (rack, zone, node pool) are optional. Hosts in one domain tend to fail together, so
 when labels are given the hosts are reordered before grouping so that the holders of one owner come
 from different domains wherever the domain sizes allow; :func:`domain_violations` reports the holder
 sets that still share a domain. The reordering is a pure deterministic function of
-``(hosts, replicas, domains)``, so every store computes the same placement independently.
+``(hosts, redundancy, domains)``, so every store computes the same placement independently.
 
-:func:`recovery_probability` computes, exactly, the probability that no owner loses all of its holders
-when ``k`` hosts chosen uniformly at random fail together. It never enumerates failure sets: the
-placement splits into independent components (each disjoint group, the ring tail, or the one big
-ring), each component contributes a generating polynomial that counts its *surviving* failure subsets
-by size, and the answer is the ``x**k`` coefficient of their product divided by ``C(N, k)``. This stays
-fast for ``N = 16384`` and any ``k``.
+:func:`recovery_probability` computes, exactly, the probability that no owner loses all of its holders (for
+erasure coding: that no group loses more than ``M`` hosts) when ``k`` hosts chosen uniformly at random fail
+together. It never enumerates failure sets: the placement splits into independent components (each disjoint
+group, the ring tail, or the one big ring), each component contributes a generating polynomial that counts its *surviving* failure subsets
+by size (for an erasure-coded group of ``G``: ``sum_{j<=M} C(G, j) x**j``), and the answer is the ``x**k``
+coefficient of their product divided by ``C(N, k)``. This stays fast for ``N = 16384`` and any ``k``.
 
-Pure Python standard library only: no ``torch`` or ``grpc`` imports.
+Pure Python (the standard library and ``memstore.core``): no ``torch`` or ``grpc`` imports.
 """
 
 from __future__ import annotations
@@ -41,12 +48,13 @@ import heapq
 import itertools
 import math
 import types
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from memstore.core.redundancy import Redundancy
 from memstore.errors import PlacementError
 
 STRATEGIES: tuple[str, ...] = ("mixed", "ring")
@@ -71,14 +79,18 @@ class Placement:
 
     ``hosts`` is the ordered host list exactly as given (not the domain-reordered one).
     ``holders_by_owner`` maps every host to its holders: the owner first, then ``replicas - 1`` distinct
-    peers. Constructing a ``Placement`` directly validates it, so a placement read back from status or
-    a config is checked the same way as a computed one.
+    peers. ``redundancy`` is the scheme (None: ``replicas:<replicas>``); for ``ec:K+M`` ``replicas`` is 1 (every
+    owner is its only holder) and ``erasure_groups`` are the disjoint groups, in host order, that keep parity for
+    each other (each at least ``K+M`` hosts). Constructing a ``Placement`` directly validates it, so a placement read
+    back from status or a config is checked the same way as a computed one.
     """
 
     strategy: str
     hosts: tuple[str, ...]
     replicas: int
     holders_by_owner: Mapping[str, tuple[str, ...]] = field(hash=False)
+    redundancy: Redundancy | None = None
+    erasure_groups: tuple[tuple[str, ...], ...] = ()
     # Derived: owner lists per holder, and a cache for recovery_probability's component analysis.
     _held_by: Mapping[str, tuple[str, ...]] = field(init=False, repr=False, compare=False, hash=False, default_factory=dict)
     _cache: dict[str, Any] = field(init=False, repr=False, compare=False, hash=False, default_factory=dict)
@@ -110,6 +122,9 @@ class Placement:
                 held_by[holder].append(owner)
         object.__setattr__(self, "hosts", hosts)
         object.__setattr__(self, "holders_by_owner", types.MappingProxyType(normalized))
+        scheme = Redundancy.of_replicas(replicas) if self.redundancy is None else self.redundancy
+        object.__setattr__(self, "redundancy", scheme)
+        object.__setattr__(self, "erasure_groups", _validate_erasure_groups(scheme, hosts, replicas, self.erasure_groups))
         object.__setattr__(
             self,
             "_held_by",
@@ -120,8 +135,14 @@ class Placement:
         # mappingproxy cannot be pickled; rebuild (and re-validate) from plain values instead.
         return (
             Placement,
-            (self.strategy, self.hosts, self.replicas, dict(self.holders_by_owner)),
+            (self.strategy, self.hosts, self.replicas, dict(self.holders_by_owner), self.redundancy, self.erasure_groups),
         )
+
+    @property
+    def scheme(self) -> Redundancy:
+        """The redundancy scheme (``redundancy``, never None once constructed)."""
+        assert self.redundancy is not None  # set by __post_init__
+        return self.redundancy
 
     def holders(self, owner: str) -> tuple[str, ...]:
         """The hosts holding ``owner``'s shards: ``owner`` first, ``replicas`` hosts in all."""
@@ -142,12 +163,14 @@ class Placement:
             raise PlacementError(f"unknown host {host!r}; not in this placement") from None
 
     def groups(self) -> tuple[tuple[str, ...], ...]:
-        """The distinct holder sets (for docs and status).
+        """The distinct holder sets (for docs and status); for erasure coding the groups (``erasure_groups``).
 
         For a disjoint mixed group that is the group itself; for ring placement (and the ring tail of
         mixed placement) every window of ``replicas`` consecutive hosts. Each set is reported as the
         holder tuple of the first owner (in host order) that has it.
         """
+        if self.erasure_groups:
+            return self.erasure_groups
         seen: set[frozenset[str]] = set()
         out: list[tuple[str, ...]] = []
         for owner in self.hosts:
@@ -158,10 +181,44 @@ class Placement:
                 out.append(holders)
         return tuple(out)
 
+    def group_of(self, host: str) -> tuple[str, ...]:
+        """The hosts ``host`` shares its protection with: its erasure-coded group (in host order), or for replicas
+        its holders (``holders(host)``, itself first)."""
+        if not self.erasure_groups:
+            return self.holders(host)
+        found = next((g for g in self.erasure_groups if host in g), None)
+        if found is None:
+            raise PlacementError(f"unknown host {host!r}; not in this placement")
+        return found
+
 
 # --------------------------------------------------------------------------------------------------
 # Validation helpers
 # --------------------------------------------------------------------------------------------------
+
+
+def _validate_erasure_groups(
+    scheme: Redundancy, hosts: tuple[str, ...], replicas: int, groups: Sequence[Sequence[str]]
+) -> tuple[tuple[str, ...], ...]:
+    """``groups`` as tuples, checked against the scheme: none for replicas; for ec a partition of ``hosts`` into
+    groups of at least K+M, each in host order, ordered by their first host, and ``replicas`` 1."""
+    out = tuple(tuple(g) for g in groups)
+    if not scheme.erasure_coded:
+        if out or scheme.replicas != replicas:
+            raise PlacementError(f"a {scheme} placement has replicas {scheme.replicas} and no erasure groups, got {replicas}, {out!r}")
+        return out
+    if replicas != 1:
+        raise PlacementError(f"an {scheme} placement keeps each owner's shards on the owner only (replicas 1), got {replicas}")
+    index = {h: i for i, h in enumerate(hosts)}
+    listed = [h for g in out for h in g]
+    if sorted(listed, key=lambda h: index.get(h, -1)) != list(hosts) or len(set(listed)) != len(listed):
+        raise PlacementError(f"erasure groups must cover every host exactly once, got {out!r}")
+    small = [g for g in out if len(g) < scheme.group_size]
+    if small:
+        raise PlacementError(f"every {scheme} group needs at least {scheme.group_size} hosts (K+M); too small: {small!r}")
+    if any(list(g) != sorted(g, key=index.__getitem__) for g in out) or [index[g[0]] for g in out] != sorted(index[g[0]] for g in out):
+        raise PlacementError(f"erasure groups must list their hosts in host order, groups by their first host, got {out!r}")
+    return out
 
 
 def _validate_hosts(hosts: Sequence[str]) -> tuple[str, ...]:
@@ -396,13 +453,57 @@ def ring_placement(hosts: Sequence[str], replicas: int, domains: Mapping[str, st
     return Placement("ring", host_tuple, m, {h: holders[h] for h in host_tuple})
 
 
+def erasure_group_sizes(n: int, group_size: int) -> list[int]:
+    """Sizes of the disjoint groups ``n`` hosts form for groups of ``group_size`` (K+M), in host order.
+
+    ``q = n // group_size`` groups; the ``n mod group_size`` hosts left over join the last groups one each from the
+    end (round after round if there are more of them than groups), so every group has at least ``group_size`` hosts
+    and no two differ by more than one. ``n < group_size`` raises ``PlacementError`` naming both numbers.
+    """
+    if n < group_size:
+        raise PlacementError(f"erasure coding with groups of {group_size} hosts (K+M) needs at least {group_size} hosts, got {n}")
+    q, r = divmod(n, group_size)
+    extra, more = divmod(r, q)
+    return [group_size + extra + (1 if i >= q - more else 0) for i in range(q)]
+
+
+def erasure_placement(hosts: Sequence[str], redundancy: Redundancy, domains: Mapping[str, str] | None = None) -> Placement:
+    """``ec:K+M``: every owner its own only holder, the hosts cut into disjoint groups (:func:`erasure_group_sizes`).
+
+    Without ``domains`` a group is consecutive hosts; with them, groups are drawn from distinct domains where the
+    domain sizes allow, as :func:`mixed_placement` draws its groups (the largest groups first: they need the most
+    distinct domains).
+    """
+    if not isinstance(redundancy, Redundancy) or not redundancy.erasure_coded:
+        raise PlacementError(f"erasure_placement needs an ec:K+M redundancy, got {redundancy}")
+    host_tuple = _validate_hosts(hosts)
+    sizes = erasure_group_sizes(len(host_tuple), redundancy.group_size)
+    if domains is None:
+        starts = list(itertools.accumulate(sizes, initial=0))
+        groups = [list(host_tuple[a:b]) for a, b in itertools.pairwise(starts)]
+    else:
+        labels = _validate_domains(host_tuple, domains)
+        index = {h: i for i, h in enumerate(host_tuple)}
+        blocks = _domain_blocks(host_tuple, sorted(sizes, reverse=True), labels)
+        groups = sorted((sorted(b, key=index.__getitem__) for b in blocks), key=lambda b: index[b[0]])
+    holders = {h: (h,) for h in host_tuple}
+    return Placement("mixed", host_tuple, 1, holders, redundancy, tuple(tuple(g) for g in groups))
+
+
 def make_placement(
     strategy: str,
     hosts: Sequence[str],
-    replicas: int,
+    replicas: int | Redundancy,
     domains: Mapping[str, str] | None = None,
 ) -> Placement:
-    """Build a placement by strategy name (``"mixed"`` or ``"ring"``)."""
+    """Build a placement by strategy name (``"mixed"`` or ``"ring"``) for ``replicas`` R (an int, or
+    ``replicas:R``) or ``ec:K+M`` (:func:`erasure_placement`: disjoint groups; the ring strategy does not apply)."""
+    if isinstance(replicas, Redundancy):
+        if replicas.erasure_coded:
+            if strategy != "mixed":
+                raise PlacementError(f"placement {strategy!r} does not apply to {replicas}: erasure coding places disjoint groups (mixed)")
+            return erasure_placement(hosts, replicas, domains)
+        replicas = replicas.replicas
     if strategy == "mixed":
         return mixed_placement(hosts, replicas, domains)
     if strategy == "ring":
@@ -411,7 +512,7 @@ def make_placement(
 
 
 def domain_violations(placement: Placement, domains: Mapping[str, str]) -> int:
-    """How many distinct holder sets (:meth:`Placement.groups`) contain two hosts of one domain.
+    """How many distinct holder sets (:meth:`Placement.groups`; for erasure coding, groups) contain two hosts of one domain.
 
     0 means every owner's copies sit in distinct failure domains. A positive count is unavoidable
     when the domains are too few or too unbalanced (e.g. every host in one rack).
@@ -591,6 +692,8 @@ def recovery_probability_exact(placement: Placement, k: int) -> Fraction:
     n = len(placement.hosts)
     if k == 0:
         return Fraction(1)
+    if placement.erasure_groups:
+        return Fraction(_erasure_survivors(placement, k), math.comb(n, k))
     m = placement.replicas
     n_groups, rings, others = _structure(placement)
     group_poly = [math.comb(m, j) for j in range(m)]  # (1+x)^m - x^m
@@ -614,6 +717,17 @@ def recovery_probability_exact(placement: Placement, k: int) -> Fraction:
     return Fraction(survivors, math.comb(n, k))
 
 
+def _erasure_survivors(placement: Placement, k: int) -> int:
+    """The ``k``-sets of failed hosts no erasure-coded group survives more than M of: the ``x**k`` coefficient of the
+    product over groups of ``sum_{j<=M} C(G, j) x**j`` (groups of one size raised to their count in one go)."""
+    m = placement.scheme.m
+    acc = [1]
+    for size, count in sorted(Counter(len(g) for g in placement.erasure_groups).items()):
+        group_poly = [math.comb(size, j) for j in range(min(m, size) + 1)]
+        acc = _multiply_truncated(acc, _power_truncated(group_poly, count, k), k)
+    return acc[k] if k < len(acc) else 0
+
+
 def recovery_probability(placement: Placement, k: int) -> float:
     """:func:`recovery_probability_exact` as a float (computed exactly, rounded once).
 
@@ -630,12 +744,16 @@ def brute_force_recovery_probability(placement: Placement, k: int) -> Fraction:
         raise ValueError(f"brute force enumerates C(N, k) sets; N={n} > {BRUTE_FORCE_MAX_HOSTS}")
     index = {h: i for i, h in enumerate(placement.hosts)}
     masks = {sum(1 << index[h] for h in hs) for hs in placement.holders_by_owner.values()}
+    group_masks = [sum(1 << index[h] for h in g) for g in placement.erasure_groups]
+    tolerated = placement.scheme.m
     survived = 0
     total = 0
     for failed in itertools.combinations(range(n), k):
         down = sum(1 << i for i in failed)
         total += 1
-        if not any(down & mask == mask for mask in masks):
+        if group_masks:
+            survived += all((down & g).bit_count() <= tolerated for g in group_masks)
+        elif not any(down & mask == mask for mask in masks):
             survived += 1
     return Fraction(survived, total)
 

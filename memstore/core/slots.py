@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from memstore.core.placement import Placement, make_placement
+from memstore.core.redundancy import Redundancy
 
 FORMER_KEPT = 8  # earlier holders remembered per slot (enough to map recent shards to their slot)
 MAX_SLOTS = 4096  # a table from the network with more is refused
@@ -124,18 +125,22 @@ class SlotTable:
                 return s.host_id
         return ""
 
-    def placement(self, strategy: str, replicas: int) -> Placement | None:
-        """Placement over the slots (vacant ones included: they keep their place). None without slots.
+    def placement(self, strategy: str, replicas: int | Redundancy) -> Placement | None:
+        """Placement over the slots (vacant ones included: they keep their place) for ``replicas`` R (an int or
+        ``replicas:R``) or ``ec:K+M``. None without slots, and for ``ec:K+M`` while there are fewer than K+M slots
+        (no group can form yet).
 
         With fewer slots than ``replicas`` every slot holds everything (R is capped at the slot count).
         Failure domains apply when every slot has a label.
         """
-        if not self.slots:
+        scheme = replicas if isinstance(replicas, Redundancy) else Redundancy.of_replicas(replicas)
+        if not self.slots or (scheme.erasure_coded and len(self.slots) < scheme.group_size):
             return None
         names = [s.name for s in self.slots]
         domains = {s.name: s.domain for s in self.slots}
         labelled = all(domains.values())
-        return make_placement(strategy, names, min(replicas, len(names)), domains if labelled else None)
+        capped = scheme if scheme.erasure_coded else Redundancy.of_replicas(min(scheme.replicas, len(names)))
+        return make_placement(strategy, names, capped, domains if labelled else None)
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -29,6 +29,12 @@ class HelloReport:
     failure_domain: str = ""  # this store's own failure-domain label ("" = none); DNS discovery learns labels here
     control_socket: str = ""  # the same-host control channel's Unix socket ("" = none)
     marked_captures: bool = False  # takes CommitRequest.captured_bytes (a large save pushed while it is copied)
+    redundancy: str = ""  # "replicas:R" | "ec:K+M"; "" = an older store's: replicas:<replicas> (``cluster_redundancy``)
+
+    @property
+    def cluster_redundancy(self) -> str:
+        """The store's redundancy scheme as text, ``replicas:<replicas>`` for a store that does not say."""
+        return self.redundancy or f"replicas:{self.replicas}"
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from memstore.children import child_env
+from memstore.core.redundancy import Redundancy
 from memstore.errors import DemoFailure
 from memstore.testing import LocalCluster, free_ports
 
@@ -127,13 +128,21 @@ def progress_until(job: Job, target: int, total: int, label: str, timeout: float
 
 
 def run_demo(hosts: int = 4, replicas: int = 2, ranks: int | None = None, steps: int = 40, kill_at: int = 20,
-             model_size: str = "small", timeout: float = 600.0, replica_group: bool = False, report: str | None = None) -> int:  # fmt: skip
+             model_size: str = "small", timeout: float = 600.0, replica_group: bool = False, report: str | None = None,
+             redundancy: str | None = None) -> int:  # fmt: skip
+    """``redundancy`` (replicas:R or ec:K+M), when given, is the stores' scheme instead of ``replicas``."""
     ranks = ranks or hosts
     if hosts < 2:
         _say("memstore demo needs --hosts >= 2 (one host is killed)")
         return 2
-    if not 1 <= replicas <= hosts:
-        _say(f"--replicas {replicas} must be within 1..--hosts ({hosts})")
+    try:
+        scheme = Redundancy.parse(redundancy) if redundancy is not None else Redundancy.of_replicas(replicas)
+    except ValueError as exc:
+        _say(f"--{exc}")
+        return 2
+    replicas = scheme.replicas
+    if not 1 <= scheme.group_size <= hosts:
+        _say(f"--redundancy {scheme} needs {scheme.group_size} hosts, within 1..--hosts ({hosts})")
         return 2
     if ranks < 1:
         _say("--ranks must be >= 1")
@@ -145,13 +154,13 @@ def run_demo(hosts: int = 4, replicas: int = 2, ranks: int | None = None, steps:
     victim = host_of[-1] if ranks > 1 else "h1"
     victim_ranks = [r for r in range(ranks) if host_of[r] == victim]
     started = time.monotonic()
-    _say(f"memstore demo: {hosts} stores on 127.0.0.1 (R={replicas}), {ranks} DDP ranks (gloo), {model_size} transformer LM, {steps} steps")
+    _say(f"memstore demo: {hosts} stores on 127.0.0.1 ({scheme}), {ranks} DDP ranks (gloo), {model_size} transformer LM, {steps} steps")
     if replica_group:
         _say(f"  the {ranks} ranks save as one replica group (replica_group=WORLD): each stores 1/{ranks} of the state")
     with tempfile.TemporaryDirectory(prefix="memstore-demo-") as tmp:
         work = Path(tmp)
         try:
-            with LocalCluster(hosts=hosts, replicas=replicas, capacity="1GiB", workdir=work / "cluster") as cluster:
+            with LocalCluster(hosts=hosts, redundancy=str(scheme), capacity="1GiB", workdir=work / "cluster") as cluster:
                 stores = [cluster.address(h) for h in host_of]
 
                 _say("[1/3] reference run, no faults")

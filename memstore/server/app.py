@@ -73,9 +73,10 @@ class StoreServer:
                 raise
         try:
             self._build(config, host, port, credentials, auth, spill_listeners, discovery)
-        except BaseException:
+        except BaseException:  # e.g. a store that refuses its configuration: nothing stays bound
             if self.metrics_server is not None:
                 self.metrics_server.close()
+            self._server.stop(None)
             raise
 
     def _build(

@@ -212,11 +212,17 @@ class ClusterFollower:
             return
         ours = list(self.config.host_ids)
         same_hosts = not self.config.peers or list(peer_ids) == ours
-        if not same_hosts or replicas != self.config.replicas or placement != self.config.placement:
+        redundancy, own = hello.cluster_redundancy, str(self.config.redundancy)
+        if not same_hosts or redundancy != own or placement != self.config.placement:
             hosts = f"hosts {list(peer_ids)}, " if self.config.peers else ""
             mine = f"hosts {ours}, " if self.config.peers else ""
             raise ConfigError(
-                f"peer {peer_id} runs with a different cluster layout ({hosts}R={replicas}, {placement}); this store has "
-                f"{mine}R={self.config.replicas}, {self.config.placement}. Every store must get the same --replicas and --placement"
-                + (" and the same --peers (same order)" if self.config.peers else "")
+                f"peer {peer_id} runs with a different cluster layout ({hosts}{_scheme(redundancy, replicas)}, {placement}); this "
+                f"store has {mine}{_scheme(own, self.config.replicas)}, {self.config.placement}. Every store must get the same "
+                "--redundancy (or --replicas) and --placement" + (" and the same --peers (same order)" if self.config.peers else "")
             )
+
+
+def _scheme(redundancy: str, replicas: int) -> str:
+    """How a layout message names a scheme: ``R=2`` for replicas (as before), the text for ec."""
+    return f"R={replicas}" if redundancy.startswith("replicas:") else redundancy

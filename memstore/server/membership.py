@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from memstore.core.placement import Placement
+from memstore.core.redundancy import Redundancy
 from memstore.core.slots import Slot, SlotTable, next_table
 from memstore.membership.members import host_id_problem
 
@@ -88,7 +89,10 @@ class ClusterView:
 class Membership:
     """Holds the current :class:`ClusterView` and moves it on; ``on_change(view)`` runs after each change."""
 
-    def __init__(self, host_id: str, strategy: str, replicas: int, on_change: Callable[[ClusterView], None] | None = None) -> None:
+    def __init__(
+        self, host_id: str, strategy: str, replicas: int | Redundancy, on_change: Callable[[ClusterView], None] | None = None
+    ) -> None:
+        """``replicas``: R, or the redundancy scheme (``replicas:R`` or ``ec:K+M``) placement is computed for."""
         self.host_id = host_id
         self.strategy = strategy
         self.replicas = replicas

@@ -151,7 +151,7 @@ class HelloRequest(_message.Message):
     def __init__(self, known_slots_version: _Optional[int] = ..., known_slots_digest: _Optional[str] = ..., asker_host_id: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("host_id", "version", "replicas", "peer_ids", "peer_addresses", "shm_dir", "boot_id", "capacity_bytes", "max_chunk_bytes", "placement", "data_port", "slots", "draining", "failure_domain", "control_socket", "slots_omitted", "marked_captures")
+    __slots__ = ("host_id", "version", "replicas", "peer_ids", "peer_addresses", "shm_dir", "boot_id", "capacity_bytes", "max_chunk_bytes", "placement", "data_port", "slots", "draining", "failure_domain", "control_socket", "slots_omitted", "marked_captures", "redundancy")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class HelloResponse(_message.Message):
     CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SLOTS_OMITTED_FIELD_NUMBER: _ClassVar[int]
     MARKED_CAPTURES_FIELD_NUMBER: _ClassVar[int]
+    REDUNDANCY_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     version: str
     replicas: int
@@ -186,7 +187,8 @@ class HelloResponse(_message.Message):
     control_socket: str
     slots_omitted: bool
     marked_captures: bool
-    def __init__(self, host_id: _Optional[str] = ..., version: _Optional[str] = ..., replicas: _Optional[int] = ..., peer_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., boot_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., placement: _Optional[str] = ..., data_port: _Optional[int] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., draining: _Optional[bool] = ..., failure_domain: _Optional[str] = ..., control_socket: _Optional[str] = ..., slots_omitted: _Optional[bool] = ..., marked_captures: _Optional[bool] = ...) -> None: ...
+    redundancy: str
+    def __init__(self, host_id: _Optional[str] = ..., version: _Optional[str] = ..., replicas: _Optional[int] = ..., peer_ids: _Optional[_Iterable[str]] = ..., peer_addresses: _Optional[_Iterable[str]] = ..., shm_dir: _Optional[str] = ..., boot_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., placement: _Optional[str] = ..., data_port: _Optional[int] = ..., slots: _Optional[_Union[SlotTable, _Mapping]] = ..., draining: _Optional[bool] = ..., failure_domain: _Optional[str] = ..., control_socket: _Optional[str] = ..., slots_omitted: _Optional[bool] = ..., marked_captures: _Optional[bool] = ..., redundancy: _Optional[str] = ...) -> None: ...
 
 class SlotTable(_message.Message):
     __slots__ = ("version", "slots")

@@ -107,3 +107,70 @@ def test_the_durable_tier_is_told_its_options_not_the_config(tmp_path) -> None: 
         url=f"file://{tmp_path}", storage_options="", every_steps=5, every_seconds=0.0, keep_last=2, keep_best=1, metric="loss",
         metric_max=True, compression="zstd", max_rate=1 << 20, orphan_seconds=300.0,
     )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# --redundancy and --replicas (issue 42)
+# --------------------------------------------------------------------------------------------------
+
+FIVE = ",".join(f"h{i}=127.0.0.1:{7070 + i}" for i in range(5))
+
+
+def test_replicas_alone_means_replicas_redundancy() -> None:
+    c = StoreConfig.load({"host_id": "h0", "peers": FIVE, "replicas": "3"}, env={})
+    assert (c.replicas, str(c.redundancy)) == (3, "replicas:3")
+    d = StoreConfig.load({"host_id": "h0", "peers": FIVE}, env={})
+    assert (d.replicas, str(d.redundancy)) == (2, "replicas:2")  # the defaults agree
+
+
+def test_redundancy_from_flag_env_and_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    c = StoreConfig.load({"host_id": "h0", "peers": FIVE, "redundancy": "replicas:3"}, env={})
+    assert (c.replicas, str(c.redundancy)) == (3, "replicas:3")
+    e = StoreConfig.load({"host_id": "h0", "peers": FIVE}, env={"MEMSTORE_REDUNDANCY": "ec:4+1"})
+    assert (e.replicas, str(e.redundancy), e.redundancy.group_size) == (1, "ec:4+1", 5)  # ec: the owner's copy only
+    f = tmp_path / "store.toml"
+    f.write_text('[store]\nredundancy = "ec:3+2"\n')
+    assert str(StoreConfig.load({"host_id": "h0", "peers": FIVE}, env={}, config_file=f).redundancy) == "ec:3+2"
+
+
+def test_replicas_and_redundancy_that_agree_are_accepted() -> None:
+    c = StoreConfig.load({"host_id": "h0", "peers": FIVE, "replicas": "2", "redundancy": "replicas:2"}, env={})
+    assert (c.replicas, str(c.redundancy)) == (2, "replicas:2")
+
+
+@pytest.mark.parametrize(("replicas", "redundancy"), [("3", "ec:4+1"), ("1", "ec:4+1"), ("2", "ec:4+1"), ("3", "replicas:2")])
+def test_replicas_and_redundancy_that_disagree_are_refused_naming_both(replicas: str, redundancy: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        StoreConfig.load({"host_id": "h0", "peers": FIVE, "replicas": replicas, "redundancy": redundancy}, env={})
+    assert f"--replicas {replicas}" in str(err.value) and f"--redundancy {redundancy}" in str(err.value)
+
+
+def test_disagreement_across_sources_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"--replicas 3 and --redundancy ec:4\+1 disagree"):
+        StoreConfig.load({"host_id": "h0", "peers": FIVE, "replicas": "3"}, env={"MEMSTORE_REDUNDANCY": "ec:4+1"})
+
+
+@pytest.mark.parametrize("text", ["ec:4", "ec:0+1", "ec:4+0", "replicas:0", "raid5", "ec:60+5"])
+def test_bad_redundancy_names_the_flag_and_the_forms(text: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        StoreConfig.load({"host_id": "h0", "redundancy": text}, env={})
+    message = str(err.value)
+    assert message.startswith(f"--redundancy {text!r} is invalid") and "replicas:R" in message and "ec:K+M" in message
+
+
+def test_ec_needs_k_plus_m_hosts_naming_both_numbers() -> None:
+    four = ",".join(f"h{i}=127.0.0.1:{7070 + i}" for i in range(4))
+    with pytest.raises(ConfigError, match=r"--redundancy ec:4\+1 needs at least 5 hosts \(K\+M\), but --peers lists 4"):
+        StoreConfig.load({"host_id": "h0", "peers": four, "redundancy": "ec:4+1"}, env={})
+    with pytest.raises(ConfigError, match="needs at least 5 hosts"):
+        StoreConfig.load({"host_id": "h0", "redundancy": "ec:4+1"}, env={})  # no --peers: one host
+
+
+def test_ec_with_dynamic_members_is_checked_when_they_are_known() -> None:
+    c = StoreConfig.load({"host_id": "h0", "peers_file": "/nonexistent/members.json", "redundancy": "ec:4+1"}, env={})
+    assert str(c.redundancy) == "ec:4+1"
+
+
+def test_ec_places_groups_only() -> None:
+    with pytest.raises(ConfigError, match=r"--placement ring does not apply to --redundancy ec:4\+1"):
+        StoreConfig.load({"host_id": "h0", "peers": FIVE, "redundancy": "ec:4+1", "placement": "ring"}, env={})

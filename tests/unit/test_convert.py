@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from memstore.core.model import Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, TransferHeader
@@ -103,6 +105,9 @@ def test_latest_step_answers() -> None:
 def test_hello_round_trip() -> None:
     hello = HelloReport("h0", "1.0", 2, ("h0", "h1"), ("a:1", "b:2"), "/dev/shm/x", "boot", 1 << 30, 4 << 20, "mixed", 4567)
     assert hello_from_pb(hello_to_pb(hello)) == hello
+    assert hello.cluster_redundancy == "replicas:2"  # a store that does not say replicates, R times
+    ec = dataclasses.replace(hello, replicas=1, redundancy="ec:4+1")
+    assert hello_from_pb(hello_to_pb(ec)) == ec and hello_from_pb(hello_to_pb(ec)).cluster_redundancy == "ec:4+1"
 
 
 def test_streams_verify_against_the_core_manifest() -> None:

@@ -16,6 +16,7 @@ from memstore.core.placement import (
     PlacementError,
     brute_force_recovery_probability,
     domain_violations,
+    erasure_group_sizes,
     gemini_mixed_closed_form,
     make_placement,
     mixed_placement,
@@ -23,6 +24,7 @@ from memstore.core.placement import (
     recovery_probability_exact,
     ring_placement,
 )
+from memstore.core.redundancy import Redundancy
 
 pytestmark = pytest.mark.unit
 
@@ -390,3 +392,130 @@ def test_scale_smoke_n16384(strategy: str) -> None:
     assert 0.0 <= value <= 1.0
     assert 0.99 < value < 1.0
     assert recovery_probability(p, 9) <= value
+
+
+# --------------------------------------------------------------------------------------------------
+# Erasure coding (ec:K+M): disjoint groups, each owner its only holder (issue 42)
+# --------------------------------------------------------------------------------------------------
+
+EC41 = Redundancy.parse("ec:4+1")
+
+
+@pytest.mark.parametrize(
+    ("n", "group", "sizes"),
+    [(5, 5, [5]), (9, 5, [9]), (10, 5, [5, 5]), (11, 5, [5, 6]), (14, 5, [7, 7]), (13, 4, [4, 4, 5]), (17, 3, [3, 3, 3, 4, 4])],
+)
+def test_erasure_group_sizes(n: int, group: int, sizes: list[int]) -> None:
+    assert erasure_group_sizes(n, group) == sizes
+    assert sum(sizes) == n and min(sizes) >= group and max(sizes) - min(sizes) <= 1
+
+
+def test_too_few_hosts_for_one_group_names_both_numbers() -> None:
+    with pytest.raises(PlacementError, match=r"groups of 5 hosts \(K\+M\) needs at least 5 hosts, got 4"):
+        make_placement("mixed", hosts(4), EC41)
+
+
+def test_ec_placement_cuts_disjoint_groups_and_keeps_shards_with_their_owner() -> None:
+    p = make_placement("mixed", hosts(11), EC41)
+    assert p.scheme == EC41 and p.replicas == 1
+    assert p.erasure_groups == p.groups() == (tuple(hosts(5)), tuple(hosts(11)[5:]))  # the remainder joined the last group
+    for h in hosts(11):
+        assert p.holders(h) == (h,) and p.peers_of(h) == () and p.owners_held_by(h) == (h,)
+    assert p.group_of("h3") == tuple(hosts(5)) and p.group_of("h10") == ("h5", "h6", "h7", "h8", "h9", "h10")
+    with pytest.raises(PlacementError, match="unknown host"):
+        p.group_of("h99")
+
+
+def test_ec_placement_is_deterministic_and_pickles() -> None:
+    hs, dom = racks(5, 4)
+    a, b = make_placement("mixed", hs, EC41, dom), make_placement("mixed", list(hs), EC41, dict(dom))
+    assert a == b and a.erasure_groups == b.erasure_groups
+    assert pickle.loads(pickle.dumps(a)) == a and pickle.loads(pickle.dumps(a)).erasure_groups == a.erasure_groups
+
+
+def test_ec_groups_span_failure_domains() -> None:
+    hs, dom = racks(5, 4)  # listed rack-major: consecutive cutting would put 4 hosts of one rack in a group
+    naive = make_placement("mixed", hs, EC41)
+    assert domain_violations(naive, dom) == 4
+    p = make_placement("mixed", hs, EC41, dom)
+    assert domain_violations(p, dom) == 0
+    assert all(len({dom[h] for h in g}) == 5 for g in p.erasure_groups)
+    assert sorted(h for g in p.erasure_groups for h in g) == sorted(hs)
+
+
+def test_replicas_placements_are_unchanged_by_the_scheme_argument() -> None:
+    for strategy in STRATEGIES:
+        for n, r in [(7, 2), (9, 3), (4, 4)]:
+            as_int = make_placement(strategy, hosts(n), r)
+            as_scheme = make_placement(strategy, hosts(n), Redundancy.of_replicas(r))
+            assert as_int == as_scheme and as_int.holders_by_owner == as_scheme.holders_by_owner
+            assert as_int.scheme == Redundancy.of_replicas(r) and as_int.erasure_groups == ()
+            assert as_int.group_of("h0") == as_int.holders("h0")
+
+
+def test_ring_does_not_apply_to_ec() -> None:
+    with pytest.raises(PlacementError, match="does not apply to ec:4\\+1"):
+        make_placement("ring", hosts(10), EC41)
+
+
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        ((("h0", "h1", "h2", "h3", "h4"),), "cover every host"),
+        ((tuple(hosts(5)), ("h5", "h6", "h7", "h8", "h9", "h9")), "cover every host"),
+        ((tuple(hosts(4)), tuple(hosts(10)[4:])), "at least 5 hosts"),
+        ((("h5", "h6", "h7", "h8", "h9"), tuple(hosts(5))), "host order"),
+        ((("h1", "h0", "h2", "h3", "h4"), tuple(hosts(10)[5:])), "host order"),
+    ],
+)
+def test_hand_built_ec_placements_are_validated(groups: tuple[tuple[str, ...], ...], message: str) -> None:
+    with pytest.raises(PlacementError, match=message):
+        Placement("mixed", tuple(hosts(10)), 1, {h: (h,) for h in hosts(10)}, EC41, groups)
+
+
+def test_hand_built_placements_must_match_their_scheme() -> None:
+    with pytest.raises(PlacementError, match="replicas 1"):
+        Placement("mixed", tuple(hosts(5)), 2, mixed_placement(hosts(5), 2).holders_by_owner, EC41, (tuple(hosts(5)),))
+    with pytest.raises(PlacementError, match="no erasure groups"):
+        Placement("mixed", tuple(hosts(4)), 2, mixed_placement(hosts(4), 2).holders_by_owner, None, (tuple(hosts(4)),))
+
+
+def _ec_loses(placement: Placement, failed: set[str]) -> bool:
+    return any(len(failed & set(g)) > placement.scheme.m for g in placement.erasure_groups)
+
+
+@pytest.mark.parametrize(("n", "text"), [(5, "ec:4+1"), (7, "ec:4+1"), (10, "ec:4+1"), (11, "ec:3+2"), (12, "ec:2+2"), (9, "ec:1+1")])
+def test_ec_recovery_probability_is_exact(n: int, text: str) -> None:
+    p = make_placement("mixed", hosts(n), Redundancy.parse(text))
+    for k in range(n + 1):
+        exact = recovery_probability_exact(p, k)
+        assert exact == brute_force_recovery_probability(p, k)
+        survivors = sum(1 for failed in itertools.combinations(hosts(n), k) if not _ec_loses(p, set(failed)))
+        assert exact == Fraction(survivors, comb(n, k))  # an independent count, straight from the definition
+    assert recovery_probability(p, 0) == 1.0 and recovery_probability(p, n) == 0.0
+
+
+def test_ec_recovery_probability_closed_form_for_one_parity() -> None:
+    """ec:K+1 over q groups of G: no two failures in one group; for k=2 that is 1 - q*C(G,2)/C(N,2)."""
+    p = make_placement("mixed", hosts(10), EC41)
+    assert recovery_probability_exact(p, 1) == 1
+    assert recovery_probability_exact(p, 2) == 1 - Fraction(2 * comb(5, 2), comb(10, 2))  # 25/45 = 5/9
+    assert recovery_probability_exact(p, 3) == 0  # 3 failures over 2 groups: one group loses two
+
+
+def test_ec_against_replicas_at_ten_hosts() -> None:
+    """ec:4+1 holds 1.25x the state where replicas:2 holds 2x; both survive any one loss; at two losses replicas:2
+    (5 pairs of hosts can be wiped out of C(10,2) = 45) survives more often than ec:4+1 (20 pairs in a group)."""
+    ec = make_placement("mixed", hosts(10), EC41)
+    r2 = make_placement("mixed", hosts(10), 2)
+    assert recovery_probability_exact(ec, 1) == recovery_probability_exact(r2, 1) == 1
+    assert recovery_probability_exact(r2, 2) == Fraction(40, 45)
+    assert recovery_probability_exact(ec, 2) == Fraction(25, 45)
+    assert EC41.ram_multiple_per_step == 1.25 and Redundancy.of_replicas(2).ram_multiple_per_step == 2
+
+
+def test_ec_recovery_probability_at_scale_is_fast() -> None:
+    p = make_placement("mixed", hosts(16384), Redundancy.parse("ec:8+2"))
+    assert len(p.erasure_groups) == 1638
+    value = recovery_probability(p, 40)
+    assert 0.0 < value < 1.0

@@ -7,7 +7,9 @@ import random
 
 import pytest
 
+from memstore.core.redundancy import Redundancy
 from memstore.core.slots import FORMER_KEPT, SlotTable, SlotTableError, next_table
+from memstore.server.membership import Membership
 
 pytestmark = pytest.mark.unit
 
@@ -176,3 +178,28 @@ def test_a_vacant_group_slot_is_stood_in_for() -> None:
     assert view.replication_targets() == ["h3"]  # slot 1 (h1's group peer) is vacant: the next held slot stands in
     full = next_table(SlotTable(), members("h1", "h2", "h3", "h4"))
     assert ClusterView("h1", full, full.placement("mixed", 2)).replication_targets() == ["h2"]
+
+
+def test_ec_placement_over_slots() -> None:
+    """ec:K+M groups the slots; a vacant slot keeps its place in its group; too few slots for one group: none yet."""
+    ec = Redundancy.parse("ec:2+1")
+    two = next_table(SlotTable(), members("h1", "h2"))
+    assert two.placement("mixed", ec) is None  # no group of K+M can form
+    t = next_table(two, members("h1", "h2", "h3", "h4", "h5", "h6", "h7"))
+    p = t.placement("mixed", ec)
+    assert p is not None and p.scheme == ec
+    assert p.erasure_groups == (("slot0", "slot1", "slot2"), ("slot3", "slot4", "slot5", "slot6"))
+    assert p.holders("slot4") == ("slot4",)
+    vacated = next_table(t, members("h1", "h2", "h3", "h5", "h6", "h7"))  # h4 leaves: slot3 vacant, groups unchanged
+    q = vacated.placement("mixed", ec)
+    assert q is not None and q.erasure_groups == p.erasure_groups and vacated.slots[3].vacant
+
+
+def test_ec_through_membership_replicates_to_nobody() -> None:
+    """The cluster view callers (replication, repair, drain) see an ec placement as R=1: each owner alone."""
+    m = Membership("h0", "mixed", Redundancy.parse("ec:4+1"))
+    m.apply(members("h0", "h1", "h2", "h3", "h4"))
+    view = m.view
+    assert view.placement is not None and view.placement.scheme.erasure_coded
+    assert view.replication_targets() == [] and view.owned_slots() == {"slot0"}
+    assert view.repair_sources({"slot0"}) == []

@@ -20,8 +20,8 @@ COPY pyproject.toml README.md ./
 COPY memstore memstore
 COPY trainer_client trainer_client
 # Every other dependency at the version CI tested (the lock is a constraints file: it pins, it adds nothing);
-# s3fs for --spill s3://...
-RUN pip install --constraint requirements/dev.lock ".[s3]" \
+# s3fs for --spill s3://..., pyeclib for --redundancy ec:K+M with M >= 2.
+RUN pip install --constraint requirements/dev.lock ".[s3,erasure]" \
  && memstore --help >/dev/null
 
 # --- runtime: the venv, the examples, a non-root user -------------------------------------------------------------

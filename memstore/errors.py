@@ -248,6 +248,29 @@ class SpillExportError(StoreError):
     """A spilled DCP step cannot be exported to plain DCP files (memstore.interop.dcp_export)."""
 
 
+# -- erasure coding -------------------------------------------------------------------------------------
+
+
+class ErasureUnavailable(ConfigError):
+    """``--redundancy ec:K+M`` with ``M >= 2`` needs the Reed-Solomon library of the ``erasure`` extra
+    (``pip install 'memstore[erasure]'``), and it is not installed. (``M = 1`` is XOR and needs nothing.)"""
+
+
+class UnrecoverableLoss(StoreError):
+    """More columns of an erasure-coded row (or hosts of a group) are lost than its parity survives.
+
+    ``missing`` is how many are lost, ``tolerated`` how many the code survives (its ``M``). The bytes cannot be
+    rebuilt from RAM; a spilled copy, if any, is what is left.
+    """
+
+    status = "DATA_LOSS"
+
+    def __init__(self, message: str, *, missing: int, tolerated: int) -> None:
+        super().__init__(message)
+        self.missing = missing
+        self.tolerated = tolerated
+
+
 # -- fault injection and tools -------------------------------------------------------------------
 
 

@@ -43,7 +43,7 @@ from memstore.core.reserve_policy import ReservePolicy
 from memstore.core.sizes import format_size
 from memstore.core.spill_policy import spill_duty
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, JobMemory, SpillReport, job_census
-from memstore.errors import ConfigError, InvalidArgument, ShardNotFound
+from memstore.errors import InvalidArgument, ShardNotFound
 from memstore.server.engine.admission import Admission
 from memstore.server.engine.arrivals import Arrivals
 from memstore.server.engine.assembler import Assembler
@@ -79,17 +79,6 @@ from memstore.v1.security import Credentials
 log = logging.getLogger(__name__)
 
 
-def _refuse_erasure_coding(config: StoreConfig) -> StoreConfig:
-    """The one refusal of ``--redundancy ec:K+M``: configuration, placement, status and the simulator take it, the engine
-    does not erasure-code yet (issue 42; the engine's erasure coding removes this function and its call)."""
-    if config.redundancy.erasure_coded:
-        raise ConfigError(
-            f"--redundancy {config.redundancy}: erasure-coded redundancy is not implemented in this version yet; "
-            "use --redundancy replicas:R (or --replicas R)"
-        )
-    return config
-
-
 class Store:
     """One host's store engine: builds the parts above and exposes what its callers use."""
 
@@ -105,7 +94,7 @@ class Store:
     ) -> None:
         """``credentials``: what this store presents to its peers (the cluster token, its TLS identity); ``events``:
         where it reports saves, replication, fetches, repairs and RPCs (``memstore.server.metrics``; default: nowhere)."""
-        self.config = _refuse_erasure_coding(config)
+        self.config = config
         self.events = events or StoreEvents()
         self.host_id = config.host_id
         self.started = time.monotonic()

@@ -178,7 +178,6 @@ class Recovery:
         group = view.repair_sources(view.owned_slots())
         listings = self.peers.list_all(key.job_id, self.config.peer_timeout, hosts=group)
         holdings, unreachable = _answers(listings)
-        holdings += holdings_of(self.host_id, self.parity_listing(key.job_id))
         candidates = sources_for(holdings, key, prefer=group) + self._rebuildable(holdings, key)
         if candidates or (durable_known and self.durable is not None):
             return candidates or ["durable"]
@@ -199,10 +198,12 @@ class Recovery:
         return candidates
 
     def _rebuildable(self, holdings: list[Holding], key: ShardKey) -> list[str]:
-        """``[REBUILD]`` when no copy of ``key`` is listed and the parity listed rebuilds it (ec:K+M), else []."""
+        """``[REBUILD]`` when no copy of ``key`` is listed and the parity listed (and this store's) rebuilds it with the
+        copies listed and held here (ec:K+M), else []."""
         if self.rebuilder is None or any(h.key == key and h.verified for h in holdings):
             return []
-        return [REBUILD] if any(h.key == key and h.host == REBUILD for h in with_rebuilt(holdings, key.job_id)) else []
+        here = holdings_of(self.host_id, self.catalog.list_shards(key.job_id) + self.parity_listing(key.job_id))
+        return [REBUILD] if any(h.key == key and h.host == REBUILD for h in with_rebuilt(holdings + here, key.job_id)) else []
 
     def pull_ahead(self, key: ShardKey) -> str:
         """Pull ``key`` from a peer into spare room as a cached copy (``memstore.server.engine.assembler``): never from the durable

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from memstore import survey
 from memstore.core.erasure_layout import BLOCK
 from memstore.testing import LocalCluster, wait_for
 from tests.states import assert_same, rank_state
@@ -62,6 +63,17 @@ def test_ec_saves_commit_hold_a_quarter_more_and_a_replacement_rebuilds(make_inp
     # 1.25 x keep + 0.75 of the state (the figure; the 0.75 covers segments rounded up and the ring's spare).
     for host in cluster.stores:
         wait_for(lambda host=host: shm_bytes(cluster, host) <= (1.25 * KEEP + 0.75) * state, timeout=10, what=f"{host} to settle")
+
+    # Status and ls say how the steps are protected: one copy of each rank and its parity from every parity host.
+    seen = survey.take(cluster.address("h0"), timeout=5.0, job=JOB)
+    (job,) = survey.jobs_of(seen)
+    assert (job["redundancy"], job["parity_complete"], job["steps_in_ram"], job["copies_of_state"]) == ("ec:4+1", True, KEEP, 1.0)
+    assert job["ram_multiple"] is not None and job["ram_bytes"] > job["copies_bytes"]  # the parity counts in RAM, not as copies
+    steps = survey.steps_of(seen, JOB)
+    assert [(r["step"], r["min_copies"], r["redundancy"], r["parity_complete"]) for r in steps] == [
+        (3, 1, "ec:4+1", True),
+        (2, 1, "ec:4+1", True),
+    ]
 
     cluster.kill("h2")
     cluster.restart("h2")  # the replacement: same id and address, empty RAM

@@ -3,10 +3,12 @@
 :mod:`memstore.sim.replay` is the model (plain Python, deterministic per seed), :mod:`memstore.sim.report`
 renders tables / JSON / plots and :mod:`memstore.sim.cli` is the ``memstore simulate`` command.
 :mod:`memstore.sim.protocol` models the restore protocol's messages and restart time at scale
-(``memstore simulate protocol``, flags in :mod:`memstore.sim.protocol_cli`).
+(``memstore simulate protocol``, flags in :mod:`memstore.sim.protocol_cli`). :mod:`memstore.sim.redundancy_compare`
+replays the same traces under several redundancy schemes (``--compare-redundancy``).
 """
 
 from memstore.sim.protocol import ProtocolConfig, ProtocolCost, ProtocolPoint, run_protocol, run_protocol_sweep
+from memstore.sim.redundancy_compare import SchemeResult, compare, comparison_schemes
 from memstore.sim.replay import (
     DEFAULT_FAILURE_DATA,
     FAILURE_DATA,
@@ -39,8 +41,11 @@ __all__ = [
     "ProtocolCost",
     "ProtocolPoint",
     "RunStats",
+    "SchemeResult",
     "SimConfig",
     "StrategySummary",
+    "compare",
+    "comparison_schemes",
     "failure_trace",
     "failures_per_gpu_hour_from_job",
     "ram_recovery_probability",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from memstore.core.redundancy import Redundancy
 from memstore.sim import protocol_cli
 from memstore.sim.flags import (
     fraction,
@@ -25,6 +26,7 @@ from memstore.sim.flags import (
     positive_float,
     positive_int,
 )
+from memstore.sim.redundancy_compare import SchemeResult, compare, comparison_schemes
 from memstore.sim.replay import (
     DEFAULT_FAILURE_DATA,
     FAILURE_DATA,
@@ -84,7 +86,15 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job")
     g.add_argument("--hosts", type=host_list, default=DEFAULT_HOSTS, metavar="N[,N...]", help="host counts to sweep")
     g.add_argument("--gpus-per-host", type=positive_int, default=d.gpus_per_host, help="GPUs per host")
-    g.add_argument("--replicas", type=positive_int, default=d.replicas, help="copies of each checkpoint, owner included (GEMINI's m)")
+    g.add_argument(
+        "--replicas", type=positive_int, default=None, help=f"copies of each checkpoint, owner included (GEMINI's m; default {d.replicas})"
+    )
+    g.add_argument(
+        "--redundancy",
+        default=None,
+        metavar="replicas:R|ec:K+M",
+        help="how each checkpoint is protected in RAM, instead of --replicas: R copies, or erasure coding in groups of K+M",
+    )
     g.add_argument("--placement", choices=("mixed", "ring"), default=d.placement, help="replica placement (GEMINI mixed groups or ring)")
     g.add_argument("--days", type=positive_float, default=d.days, help="wall-clock length of the simulated job")
     g.add_argument("--iteration-seconds", type=positive_float, default=d.iteration_seconds, help="training iteration time")
@@ -137,6 +147,16 @@ def _add_memstore_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--spill-every-minutes", type=positive_float, default=d.spill_every_minutes, help="background spill to durable storage every H"
+    )
+    g.add_argument(
+        "--compare-redundancy",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="auto|SCHEME[,SCHEME...]",
+        help="also replay every trace with these schemes and print them side by side (RAM, P(recover from RAM), restore "
+        "time, ETTR); auto (the default value): an ec:K+M --redundancy against replicas:M+1 (as many losses) and the "
+        "replicas that fit in its RAM",
     )
 
 
@@ -215,9 +235,15 @@ def configs_from_args(args: argparse.Namespace) -> tuple[list[SimConfig], dict[s
     """One :class:`SimConfig` per host count, plus the parameters for the JSON; :class:`argparse.ArgumentError` on bad input."""
     if args.checkpoint_gb is not None and args.checkpoint_gb_per_host is not None:
         raise _usage_error("give either --checkpoint-gb or --checkpoint-gb-per-host, not both")
-    too_few = [n for n in args.hosts if n < args.replicas]
+    try:
+        scheme = Redundancy.resolve(args.replicas, args.redundancy, DEFAULTS.replicas)
+    except ValueError as exc:
+        raise _usage_error(str(exc) if args.replicas is not None and args.redundancy is not None else f"--{exc}") from None
+    too_few = [n for n in args.hosts if n < scheme.group_size]
+    if too_few and not scheme.erasure_coded:
+        raise _usage_error(f"--replicas {scheme.replicas} is more than --hosts {too_few[0]} (replicas counts the owner's own copy)")
     if too_few:
-        raise _usage_error(f"--replicas {args.replicas} is more than --hosts {too_few[0]} (replicas counts the owner's own copy)")
+        raise _usage_error(f"--redundancy {scheme} needs at least {scheme.group_size} hosts (K+M), more than --hosts {too_few[0]}")
     rate_for, rate_info = _rate_model(args)
     configs: list[SimConfig] = []
     for n in args.hosts:
@@ -227,7 +253,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[list[SimConfig], dict[s
             ckpt = args.checkpoint_gb if args.checkpoint_gb is not None else SimConfig.checkpoint_gb
         fields: dict[str, Any] = dict(
             hosts=n,
-            replicas=args.replicas,
+            replicas=scheme.replicas,
+            redundancy=str(scheme) if scheme.erasure_coded else "",
             placement=args.placement,
             gpus_per_host=args.gpus_per_host,
             days=args.days,
@@ -281,9 +308,10 @@ def title_of(parameters: dict[str, Any]) -> str:
         fail = f"failures: {what} " + (f"at {rate['at_hosts']:,} hosts, scaled per GPU" if "at_hosts" in rate else "at every host count")
     ckpt = parameters["checkpoint"]
     size = f"{ckpt['gb_total']:g} GB ckpt" if "gb_total" in ckpt else f"{ckpt['gb_per_host']:g} GB ckpt/host"
+    scheme = parameters["redundancy"] or f"R={parameters['replicas']}"
     return (
         f"memstore simulate: {parameters['days']:g} days x {parameters['trials']} trials, seed {parameters['seed']}; {fail}; "
-        f"{parameters['correlated_fraction']:.0%} bursts of {parameters['burst_hosts']} hosts; R={parameters['replicas']} "
+        f"{parameters['correlated_fraction']:.0%} bursts of {parameters['burst_hosts']} hosts; {scheme} "
         f"{parameters['placement']}; {size}; iteration {parameters['iteration_seconds']:g} s; restart {parameters['restart_seconds']:g} s; "
         f"network {parameters['network_gbps']:g} Gbps/host; storage {parameters['storage_gbps']:g} Gbps; spill every "
         f"{parameters['spill_every_minutes']:g} min"
@@ -317,13 +345,29 @@ def run(args: argparse.Namespace) -> int:
         _reject_sweep_flags(args)
         return protocol_cli.run(args)
     configs, parameters = configs_from_args(args)
+    schemes = _comparison_schemes(args, configs[0])
     started = time.perf_counter()
     points: list[PointResult] = [run_point(cfg) for cfg in configs]
+    comparison = [r for cfg in configs for r in compare(cfg, schemes)] if schemes else []
     elapsed = time.perf_counter() - started
     title = title_of(parameters)
     if not args.no_table:
-        _print_tables(points, title, f"{sum(c.trials for c in configs)} traces simulated in {elapsed:.2f} s")
-    return _write_outputs(args, points, parameters, title)
+        _print_tables(points, title, f"{sum(c.trials for c in configs)} traces simulated in {elapsed:.2f} s", comparison)
+    return _write_outputs(args, points, parameters, title, comparison)
+
+
+def _comparison_schemes(args: argparse.Namespace, first: SimConfig) -> list[Redundancy]:
+    """The schemes ``--compare-redundancy`` asks for (none without it); each must fit every host count."""
+    if args.compare_redundancy is None:
+        return []
+    try:
+        schemes = comparison_schemes(first.scheme, args.compare_redundancy)
+    except ValueError as exc:
+        raise _usage_error(f"--compare-redundancy: {exc}") from None
+    too_big = next((s for s in schemes if s.group_size > min(args.hosts)), None)
+    if too_big is not None:
+        raise _usage_error(f"--compare-redundancy: {too_big} needs {too_big.group_size} hosts, more than --hosts {min(args.hosts)}")
+    return schemes
 
 
 def _reject_sweep_flags(args: argparse.Namespace) -> None:
@@ -338,30 +382,34 @@ def _reject_sweep_flags(args: argparse.Namespace) -> None:
         )
 
 
-def _print_tables(points: list[PointResult], title: str, footer: str) -> None:
+def _print_tables(points: list[PointResult], title: str, footer: str, comparison: list[SchemeResult]) -> None:
     from rich.console import Console
 
-    from memstore.sim.report import render_derived, render_table
+    from memstore.sim.report import render_compare, render_derived, render_table
 
     console = Console()
     if not console.is_terminal:  # piped / captured: don't squeeze the table into 80 columns
         console = Console(width=200)
     render_table(points, console, title)
     render_derived(points, console)
+    if comparison:
+        render_compare(comparison, console)
     console.print(f"[dim]{footer}[/]")
 
 
-def _write_outputs(args: argparse.Namespace, points: list[PointResult], parameters: dict[str, Any], title: str) -> int:
+def _write_outputs(
+    args: argparse.Namespace, points: list[PointResult], parameters: dict[str, Any], title: str, comparison: list[SchemeResult]
+) -> int:
     """--json, --markdown and --plot; the exit code (1: --plot without matplotlib)."""
     if args.json:
         from memstore.sim.report import to_json, write_json
 
-        out = write_json(args.json, to_json(points, parameters))
+        out = write_json(args.json, to_json(points, parameters, comparison))
         print(f"wrote {out}")
     if args.markdown:
         from memstore.sim.report import markdown, write_text
 
-        print(f"wrote {write_text(args.markdown, markdown(points, title))}")
+        print(f"wrote {write_text(args.markdown, markdown(points, title, comparison))}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401

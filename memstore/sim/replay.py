@@ -11,11 +11,13 @@ the model, its assumptions and the formulas; the short version:
   assumes.
 * **memstore** checkpoints to peer RAM every ``every_iterations`` iterations (1 unless replication
   is slower than an iteration). A checkpoint costs a short training stall and is *committed* once its
-  replicas are written, ``replication_lag`` later. A background task spills the newest committed
+  replicas (for ``ec:K+M``: its parity contributions, M shards' worth per host) are written, ``replication_lag``
+  later. A background task spills the newest committed
   checkpoint to durable storage every ``spill_every_minutes``. On a failure the job restarts and
   every host reloads the newest committed checkpoint from RAM (the replacement host fetches its shard
-  from a peer) unless some owner lost *all* its holders during the recovery window, in which case the
-  job falls back to the newest completed spill and reloads it from storage.
+  from a peer; under ``ec:K+M`` it rebuilds it from K blocks per block, read from its group's survivors in
+  parallel) unless some owner lost *all* its holders (for ``ec:K+M``: some group lost more than M hosts) during the
+  recovery window, in which case the job falls back to the newest completed spill and reloads it from storage.
 * **baseline** writes the checkpoint to remote storage every ``baseline_interval`` seconds of
   training (Young/Daly optimum by default); the training stalls for the (synchronous part of the)
   write and a failure rolls back to the newest completed write, then reloads it from storage.
@@ -35,7 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from memstore.core.placement import make_placement, recovery_probability
+from memstore.core.placement import erasure_group_sizes, make_placement, recovery_probability
+from memstore.core.redundancy import Redundancy
 
 # --------------------------------------------------------------------------------------------------
 # Published failure data -> per-GPU failure rate
@@ -125,6 +128,7 @@ class SimConfig:
     hosts: int
     replicas: int = 2
     placement: str = "mixed"
+    redundancy: str = ""  # "" = replicas:<replicas>; "ec:K+M" (with replicas 1: the owner's copy) or "replicas:R"
     gpus_per_host: int = 8
     days: float = 7.0
     seed: int = 0
@@ -148,6 +152,11 @@ class SimConfig:
             raise ValueError("; ".join(problems))
 
     # --- derived quantities ------------------------------------------------------------------------
+
+    @property
+    def scheme(self) -> Redundancy:
+        """The redundancy scheme: ``redundancy``, or ``replicas:<replicas>`` when it is empty."""
+        return Redundancy.parse(self.redundancy) if self.redundancy else Redundancy.of_replicas(self.replicas)
 
     @property
     def gpus(self) -> int:
@@ -185,14 +194,31 @@ class SimConfig:
         return transfer_seconds(self.checkpoint_gb, self.storage_gbps)
 
     @property
+    def data_columns(self) -> int:
+        """``ec:K+M``: the data columns of the largest group (K, or more where the remainder hosts joined); 0 for replicas."""
+        scheme = self.scheme
+        if not scheme.erasure_coded:
+            return 0
+        return max(erasure_group_sizes(self.hosts, scheme.group_size)) - scheme.m
+
+    @property
     def ram_load_seconds(self) -> float:
-        """A replacement host fetching its shard from a peer's RAM: ``checkpoint_gb_per_host / network_gbps``."""
-        return transfer_seconds(self.checkpoint_gb_per_host, self.network_gbps)
+        """A replacement host restoring its shard: from one peer's RAM, ``checkpoint_gb_per_host / network_gbps``;
+        under ``ec:K+M`` rebuilt from K blocks per lost block, pulled in parallel from its group's survivors into its
+        one NIC: K times that (:attr:`data_columns`)."""
+        return max(1, self.data_columns) * transfer_seconds(self.checkpoint_gb_per_host, self.network_gbps)
 
     @property
     def replication_lag_seconds(self) -> float:
-        """Sending one shard to the ``replicas - 1`` peers over the host NIC (overlaps training)."""
-        return (self.replicas - 1) * transfer_seconds(self.checkpoint_gb_per_host, self.network_gbps)
+        """Sending one shard to the ``replicas - 1`` peers over the host NIC (overlaps training); under ``ec:K+M`` its
+        parity contributions, M shards' worth (1 for XOR parity). Both are the losses a group survives, times a shard."""
+        return self.scheme.survives * transfer_seconds(self.checkpoint_gb_per_host, self.network_gbps)
+
+    @property
+    def ram_multiple(self) -> float:
+        """RAM per byte of checkpoint, per kept step: R, or 1 + M/K (the largest group's K)."""
+        scheme = self.scheme
+        return 1 + scheme.m / self.data_columns if scheme.erasure_coded else float(scheme.replicas)
 
     @property
     def memstore_every_iterations(self) -> int:
@@ -243,6 +269,9 @@ class SimConfig:
             "storage_transfer_seconds": self.storage_transfer_seconds,
             "ram_load_seconds": self.ram_load_seconds,
             "replication_lag_seconds": self.replication_lag_seconds,
+            "redundancy": str(self.scheme),
+            "ram_multiple": self.ram_multiple,
+            "ram_gb_per_host": self.ram_multiple * self.checkpoint_gb_per_host,
             "memstore_every_iterations": self.memstore_every_iterations,
             "young_daly_minutes": self.young_daly_seconds / 60.0,
             "baseline_interval_minutes": self.baseline_interval_seconds / 60.0,
@@ -263,6 +292,7 @@ def validate_config(cfg: SimConfig) -> list[str]:
     check(cfg.replicas >= 1, f"--replicas must be >= 1, got {cfg.replicas}")
     check(cfg.replicas <= cfg.hosts, f"--replicas {cfg.replicas} is more than --hosts {cfg.hosts} (replicas counts the owner's copy)")
     check(cfg.placement in ("mixed", "ring"), f"--placement must be mixed or ring, got {cfg.placement!r}")
+    _check_redundancy(cfg, check)
     check(cfg.gpus_per_host >= 1, f"--gpus-per-host must be >= 1, got {cfg.gpus_per_host}")
     check(0 < cfg.days <= 3650, f"--days must be in (0, 3650], got {cfg.days}")
     check(cfg.trials >= 1, f"--trials must be >= 1, got {cfg.trials}")
@@ -282,6 +312,19 @@ def validate_config(cfg: SimConfig) -> list[str]:
     )
     check(0.0 <= cfg.baseline_async_fraction < 1.0, f"--baseline-async-fraction must be in [0, 1), got {cfg.baseline_async_fraction}")
     return out
+
+
+def _check_redundancy(cfg: SimConfig, check: Callable[[bool, str], None]) -> None:
+    try:
+        scheme = cfg.scheme
+    except ValueError as exc:
+        check(False, f"--{exc}")
+        return
+    check(scheme.replicas == cfg.replicas, f"--replicas {cfg.replicas} and --redundancy {scheme} disagree: give one of them")
+    if scheme.erasure_coded:
+        needs = scheme.group_size
+        check(needs <= cfg.hosts, f"--redundancy {scheme} needs at least {needs} hosts (K+M), more than --hosts {cfg.hosts}")
+        check(cfg.placement == "mixed", f"--placement {cfg.placement} does not apply to --redundancy {scheme}: it places disjoint groups")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -360,8 +403,8 @@ def failure_trace(cfg: SimConfig, rng: random.Random) -> list[FailureEvent]:
 
 
 @functools.lru_cache(maxsize=64)
-def _recovery_table(hosts: int, replicas: int, placement: str) -> Callable[[int], float]:
-    p = make_placement(placement, [f"h{i}" for i in range(hosts)], replicas)
+def _recovery_table(hosts: int, scheme: Redundancy, placement: str) -> Callable[[int], float]:
+    p = make_placement(placement, [f"h{i}" for i in range(hosts)], scheme)
 
     @functools.cache
     def prob(k: int) -> float:
@@ -371,8 +414,9 @@ def _recovery_table(hosts: int, replicas: int, placement: str) -> Callable[[int]
 
 
 def ram_recovery_probability(cfg: SimConfig, k: int) -> float:
-    """Probability that every owner keeps a live holder when ``k`` random hosts of the job fail together."""
-    return _recovery_table(cfg.hosts, cfg.replicas, cfg.placement)(k)
+    """Probability that every owner keeps a live holder (``ec:K+M``: that no group loses more than M hosts) when ``k``
+    random hosts of the job fail together."""
+    return _recovery_table(cfg.hosts, cfg.scheme, cfg.placement)(k)
 
 
 # --------------------------------------------------------------------------------------------------

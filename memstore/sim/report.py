@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memstore.sim.protocol import COMPLEXITY, PROTOCOL_LABELS, PROTOCOLS, ProtocolConfig, ProtocolCost, ProtocolPoint, growth
+from memstore.sim.redundancy_compare import SchemeResult
 from memstore.sim.replay import STRATEGIES, PointResult
 from memstore.sim.save_path_model import SAVE_METRICS, SaveCost, save_growth
 
@@ -25,8 +26,9 @@ STRATEGY_LABELS = {"memstore": "memstore (RAM every iteration)", "baseline": "ba
 WASTE_CAUSES = (("checkpoint_stall", "checkpoint stalls"), ("lost_work", "lost work"), ("restart_recovery", "restart + recovery"))
 
 
-def to_json(points: Sequence[PointResult], parameters: dict[str, Any]) -> dict[str, Any]:
-    """The JSON document ``--json`` writes: parameters, one entry per host count, and a compact summary."""
+def to_json(points: Sequence[PointResult], parameters: dict[str, Any], comparison: Sequence[SchemeResult] = ()) -> dict[str, Any]:
+    """The JSON document ``--json`` writes: parameters, one entry per host count, and a compact summary; with
+    ``--compare-redundancy`` the schemes side by side (``redundancy_comparison``)."""
     return {
         "tool": "memstore simulate",
         "version": JSON_VERSION,
@@ -38,6 +40,7 @@ def to_json(points: Sequence[PointResult], parameters: dict[str, Any]) -> dict[s
             **{f"{s}_ettr": [p.strategies[s].ettr_mean for p in points] for s in STRATEGIES},
             **{f"{s}_wasted_gpu_hours": [p.strategies[s].wasted_gpu_hours["total"] for p in points] for s in STRATEGIES},
         },
+        **({"redundancy_comparison": [r.to_dict() for r in comparison]} if comparison else {}),
     }
 
 
@@ -166,11 +169,65 @@ def _markdown(headers: Sequence[str], rights: Sequence[bool], rows: Sequence[Seq
     return "\n".join(lines)
 
 
-def markdown(points: Sequence[PointResult], title: str) -> str:
-    """Both tables as Markdown (``--markdown``), for docs."""
+#: The columns of ``--compare-redundancy``'s table (all right-aligned but the scheme).
+COMPARE_COLUMNS: tuple[str, ...] = (
+    "hosts",
+    "redundancy",
+    "RAM x state",
+    "RAM GB/host/step",
+    "group survives",
+    "P(RAM) 1 host",
+    "P(RAM) burst",
+    "restore s",
+    "replication lag s",
+    "ETTR",
+    "wasted GPU-h",
+    "RAM / durable restores",
+)
+
+
+def compare_rows(results: Sequence[SchemeResult]) -> list[list[str]]:
+    """One row per (host count, scheme), memstore on the same traces."""
+    return [
+        [
+            f"{r.hosts:,}",
+            r.redundancy,
+            f"{r.ram_multiple:.2f}x",
+            f"{r.ram_gb_per_host:.3g}",
+            f"{r.survives} host(s)",
+            f"{r.p_recover_one:.2%}",
+            f"{r.p_recover_burst:.2%}",
+            f"{r.restore_seconds:.2g}",
+            f"{r.replication_lag_seconds:.2g}",
+            f"{r.memstore.ettr_mean:.2%}",
+            _gpuh(r.memstore.wasted_gpu_hours["total"]),
+            f"{r.memstore.ram_recoveries:,} / {r.memstore.durable_fallbacks:,}",
+        ]
+        for r in results
+    ]
+
+
+def render_compare(results: Sequence[SchemeResult], console: Console) -> None:
+    from rich.table import Table
+
+    t = Table(title="redundancy schemes on the same traces (memstore)", title_justify="left")
+    for name in COMPARE_COLUMNS:
+        t.add_column(name, justify="left" if name == "redundancy" else "right")
+    rows = compare_rows(results)
+    for i, row in enumerate(rows):
+        t.add_row(*row, end_section=i + 1 < len(rows) and results[i + 1].hosts != results[i].hosts)
+    console.print(t)
+
+
+def markdown(points: Sequence[PointResult], title: str, comparison: Sequence[SchemeResult] = ()) -> str:
+    """Both tables as Markdown (``--markdown``), for docs; and the schemes side by side with ``--compare-redundancy``."""
     results = _markdown([c for c, _ in RESULT_COLUMNS], [r for _, r in RESULT_COLUMNS], result_rows(points))
     derived = _markdown(DERIVED_COLUMNS, [True] * len(DERIVED_COLUMNS), derived_rows(points))
-    return f"{title}\n\n{results}\n\nDerived per host count:\n\n{derived}\n"
+    text = f"{title}\n\n{results}\n\nDerived per host count:\n\n{derived}\n"
+    if comparison:
+        rights = [name != "redundancy" for name in COMPARE_COLUMNS]
+        text += f"\nRedundancy schemes on the same traces (memstore):\n\n{_markdown(COMPARE_COLUMNS, rights, compare_rows(comparison))}\n"
+    return text
 
 
 def plot(points: Sequence[PointResult], path: str | Path, title: str) -> Path:

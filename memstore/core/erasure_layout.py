@@ -47,6 +47,10 @@ from memstore.errors import UnrecoverableLoss
 #: Bytes per block: the unit a part is cut into and a parity fragment is built of (1 MiB).
 BLOCK = 1 << 20
 
+#: The most columns (``K + M``, so the most hosts of a group) one code spans: the codec's limit, and the one
+#: ``Redundancy`` and placement check against.
+MAX_COLUMNS = 64
+
 
 @dataclass(frozen=True)
 class Row:

@@ -12,8 +12,9 @@ once with :meth:`Codec.encode`; :meth:`Codec.decode` gives back missing data blo
   :class:`~memstore.errors.ErasureUnavailable` names the extra.
 
 Blocks are anything with the buffer protocol (``bytes``, ``memoryview``, a contiguous numpy array); results are
-1-D ``uint8`` numpy arrays. Addition in GF(2^8) is XOR for every ``m``, so :meth:`Codec.accumulate` is XOR.
-A codec keeps no state between calls beyond its tables; it may be used from several threads.
+1-D ``uint8`` numpy arrays, read-only where they are views into the library's output (copy one to change it).
+Addition in GF(2^8) is XOR for every ``m``, so :meth:`Codec.accumulate` is XOR. A codec keeps no state between
+calls beyond its tables; it may be used from several threads.
 """
 
 from __future__ import annotations
@@ -23,13 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from memstore.core.erasure_layout import MAX_COLUMNS
 from memstore.errors import UnrecoverableLoss
 
 if TYPE_CHECKING:
     from memstore.erasure.reed_solomon import ReedSolomon
-
-#: The most columns (``k + m``) a codec takes: a group of more hosts is cut into smaller ones.
-MAX_COLUMNS = 64
 
 #: XOR runs over this many bytes of every operand before moving on, so the running parity stays in cache.
 XOR_SLICE = 256 << 10
@@ -44,11 +43,15 @@ def as_block(block: Any) -> np.ndarray:
     return np.frombuffer(memoryview(block).cast("B"), dtype=np.uint8)
 
 
-def xor_into(out: np.ndarray, operands: Sequence[np.ndarray]) -> None:
-    """``out ^= operand`` for each operand, slice by slice (``out`` and every operand of one length)."""
+def xor_into(out: np.ndarray, operands: Sequence[np.ndarray], *, add: bool = True) -> None:
+    """``out ^= operand`` for each operand (``add=False``: ``out`` = the operands' XOR, its old bytes ignored), slice
+    by slice so the slice of ``out`` stays in cache; ``out`` and every operand of one length."""
     for start in range(0, len(out), XOR_SLICE):
         part = out[start : start + XOR_SLICE]
-        for operand in operands:
+        rest = iter(operands)
+        if not add:
+            np.copyto(part, next(rest)[start : start + XOR_SLICE])
+        for operand in rest:
             np.bitwise_xor(part, operand[start : start + XOR_SLICE], out=part)
 
 
@@ -89,18 +92,29 @@ class Codec:
             raise ValueError(f"a contribution of {len(add)} bytes cannot be added to a parity block of {len(parity)}")
         xor_into(parity, [add])
 
-    def encode(self, blocks: Sequence[Any]) -> list[np.ndarray]:
-        """The ``m`` parity blocks (new, writable arrays) of ``k`` data blocks of one length."""
+    def encode(self, blocks: Sequence[Any], out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """The ``m`` parity blocks of ``k`` data blocks of one length: new arrays (read-only for ``m >= 2``), or
+        written into ``out`` (``m`` writable arrays of the blocks' length, such as parity fragments in place) and
+        returned. With ``out``, XOR allocates nothing."""
         data = self._blocks(blocks, self.k, "data blocks")
+        if out is not None:
+            self._blocks(out, self.m, "parity blocks to write")
+            if len(out[0]) != len(data[0]):
+                raise ValueError(f"parity blocks of {len(out[0])} bytes cannot hold the parity of blocks of {len(data[0])}")
         if self._rs is not None:
-            return self._rs.encode(data)
-        parity = data[0].copy()
-        xor_into(parity, data[1:])
-        return [parity]
+            parity = self._rs.encode(data)
+            if out is None:
+                return parity
+            for target, block in zip(out, parity, strict=True):
+                np.copyto(target, block)
+            return list(out)
+        target = np.empty(len(data[0]), np.uint8) if out is None else out[0]
+        xor_into(target, data, add=False)
+        return [target]
 
     def decode(self, present: Mapping[int, Any], block_len: int) -> dict[int, np.ndarray]:
-        """The missing data blocks (column -> new array of ``block_len`` bytes) from the ``present`` columns, data
-        and parity, each of ``block_len`` bytes. Any ``k`` present columns do; with every data column present the
+        """The missing data blocks (column -> new array of ``block_len`` bytes; read-only for ``m >= 2``) from the
+        ``present`` columns, data and parity, each of ``block_len`` bytes. Any ``k`` present columns do; with every data column present the
         answer is empty. Fewer than ``k`` raises :class:`~memstore.errors.UnrecoverableLoss`."""
         blocks: dict[int, np.ndarray] = {}
         for column, block in present.items():
@@ -124,8 +138,8 @@ class Codec:
             return self._rs.decode(blocks, missing, block_len)
         (column,) = missing  # m == 1 and k present: exactly one data column is missing, the parity is present
         others = list(blocks.values())
-        rebuilt = others[0].copy()
-        xor_into(rebuilt, others[1:])
+        rebuilt = np.empty(block_len, np.uint8)
+        xor_into(rebuilt, others, add=False)
         return {column: rebuilt}
 
     @staticmethod

@@ -17,7 +17,9 @@ each behind an 80-byte header. This adapter works on blocks instead:
 - A column's contribution is the parity of a stripe whose other columns are zeros: the library offers no
   multiply-by-constant, so this costs a whole stripe's encode (about ``k`` times one column's bytes).
 
-The library calls release the GIL while they compute; a :class:`ReedSolomon` may be used from several threads.
+pyeclib holds the GIL while it computes (its C extension never releases it; zfec's does): calls from several threads
+are safe but take turns, so callers keep each call to a block or a few (about a millisecond per MiB of stripe), and
+other threads run between them.
 """
 
 from __future__ import annotations
@@ -49,61 +51,66 @@ def _driver(k: int, m: int) -> Any:
 
 
 class ReedSolomon:
-    """``k`` data and ``m`` parity columns of pyeclib's ISA-L Cauchy code, on blocks (1-D ``uint8`` arrays)."""
+    """``k`` data and ``m`` parity columns of pyeclib's ISA-L Cauchy code, on blocks (1-D ``uint8`` arrays).
+
+    Results are read-only views into the library's fragments (copy one to change it): the caller copies them
+    where they live anyway, and each copy here would cost as much as the code's arithmetic.
+    """
 
     def __init__(self, k: int, m: int) -> None:
         self.k = k
         self.m = m
         self._driver = _driver(k, m)
-        self._headers: dict[int, list[bytes]] = {}  # padded block length -> each column's fragment header
+        self._shapes: dict[int, _Shape] = {}  # padded block length -> its headers and zeros
         self._lock = threading.Lock()
 
-    def _stripe(self, blocks: Sequence[np.ndarray | None], length: int) -> tuple[bytes, int]:
-        """The ``k`` blocks (None: zeros) as one object for the library, each padded to the stride it returns."""
+    def _shape(self, length: int) -> _Shape:
         stride = -(-length // ALIGN) * ALIGN
-        if stride == length and all(b is not None for b in blocks):
-            return b"".join(blocks), stride  # type: ignore[arg-type]
-        stripe = np.zeros((self.k, stride), np.uint8)
-        for column, block in enumerate(blocks):
-            if block is not None:
-                stripe[column, :length] = block
-        return stripe.tobytes(), stride
-
-    def _parity(self, stripe: bytes, stride: int, length: int) -> list[np.ndarray]:
-        head = len(self._headers_for(stride)[0])
-        fragments = self._driver.encode(stripe)
-        return [np.frombuffer(f, np.uint8, count=length, offset=head) for f in fragments[self.k :]]
-
-    def encode(self, blocks: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """The ``m`` parity blocks (new, writable arrays) of ``k`` data blocks of one length."""
-        length = len(blocks[0])
-        stripe, stride = self._stripe(blocks, length)
-        return [p.copy() for p in self._parity(stripe, stride, length)]
-
-    def contribution(self, index: int, block: np.ndarray) -> list[np.ndarray]:
-        """What data column ``index`` adds to each parity: the parity of a stripe with only that column (read-only)."""
-        stripe, stride = self._stripe([block if c == index else None for c in range(self.k)], len(block))
-        return self._parity(stripe, stride, len(block))
-
-    def _headers_for(self, stride: int) -> list[bytes]:
         with self._lock:
-            headers = self._headers.get(stride)
-            if headers is None:
-                fragments = self._driver.encode(bytes(self.k * stride))
+            shape = self._shapes.get(stride)
+            if shape is None:
+                zeros = bytes(self.k * stride)
+                fragments = self._driver.encode(zeros)
                 size = self._driver.get_metadata(fragments[0], formatted=True)["size"]
                 if size != stride or len({len(f) for f in fragments}) != 1:  # pragma: no cover: a library change
                     raise RuntimeError(f"{BACKEND} cut a stripe of {self.k} x {stride} bytes into fragments of {size}")
-                headers = [f[: len(f) - stride] for f in fragments]
-                self._headers[stride] = headers
-            return headers
+                shape = _Shape(stride, [f[: len(f) - stride] for f in fragments], memoryview(zeros)[:stride])
+                self._shapes[stride] = shape
+            return shape
+
+    def _encode(self, columns: Sequence[np.ndarray | None], length: int) -> list[np.ndarray]:
+        """The parity views of a stripe of ``k`` blocks (None: zeros), joined and padded in one copy."""
+        shape = self._shape(length)
+        pad = shape.zeros[: shape.stride - length]
+        pieces: list[memoryview] = []
+        for block in columns:
+            pieces += [shape.zeros] if block is None else [block.data, pad]
+        fragments = self._driver.encode(b"".join(pieces))
+        return [np.frombuffer(f, np.uint8, count=length, offset=shape.head) for f in fragments[self.k :]]
+
+    def encode(self, blocks: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The ``m`` parity blocks of ``k`` data blocks of one length."""
+        return self._encode(blocks, len(blocks[0]))
+
+    def contribution(self, index: int, block: np.ndarray) -> list[np.ndarray]:
+        """What data column ``index`` adds to each parity: the parity of a stripe with only that column."""
+        return self._encode([block if c == index else None for c in range(self.k)], len(block))
 
     def decode(self, present: Mapping[int, np.ndarray], missing: Sequence[int], length: int) -> dict[int, np.ndarray]:
-        """The ``missing`` data columns (new arrays) from ``present`` (at least ``k`` columns, data first used)."""
-        stride = -(-length // ALIGN) * ALIGN
-        headers = self._headers_for(stride)
-        pad = bytes(stride - length)
-        chosen = sorted(present)[: self.k]
-        fragments = [b"".join((headers[c], present[c].data, pad)) for c in chosen]
+        """The ``missing`` data columns from ``present`` (at least ``k`` columns; the lowest ``k`` are read)."""
+        shape = self._shape(length)
+        pad = shape.zeros[: shape.stride - length]
+        fragments = [b"".join((shape.headers[c], present[c].data, pad)) for c in sorted(present)[: self.k]]
         rebuilt = self._driver.reconstruct(fragments, list(missing))
-        head = len(headers[0])
-        return {c: np.frombuffer(f, np.uint8, count=length, offset=head).copy() for c, f in zip(missing, rebuilt, strict=True)}
+        return {c: np.frombuffer(f, np.uint8, count=length, offset=shape.head) for c, f in zip(missing, rebuilt, strict=True)}
+
+
+class _Shape:
+    """What one padded block length needs: each column's fragment header (data-independent without checksums)
+    and a stripe's worth of zeros to pad and to stand in for absent columns."""
+
+    def __init__(self, stride: int, headers: list[bytes], zeros: memoryview) -> None:
+        self.stride = stride
+        self.headers = headers
+        self.head = len(headers[0])
+        self.zeros = zeros

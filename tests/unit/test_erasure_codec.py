@@ -183,3 +183,16 @@ def test_random_bytes_any_survivors_round_trip(shape, length, seed, data):
     rebuilt = codec.decode(present, length)
     assert sorted(rebuilt) == sorted(c for c in lost if c < k)
     assert all(np.array_equal(b, blocks[c]) for c, b in rebuilt.items())
+
+
+@pytest.mark.parametrize(("k", "m"), [(3, 1), (3, 2)])
+def test_encode_writes_into_given_parity_blocks(k, m):
+    codec = Codec(k, m)
+    data = random_blocks(k, 3000, seed=11)
+    out = [np.full(3000, 0xAA, np.uint8) for _ in range(m)]  # old bytes must not leak into the parity
+    got = codec.encode(data, out=out)
+    assert all(g is o for g, o in zip(got, out, strict=True))
+    for o, want in zip(out, codec.encode(data), strict=True):
+        assert np.array_equal(o, want)
+    with pytest.raises(ValueError, match="cannot hold"):
+        codec.encode(data, out=[np.zeros(10, np.uint8)] * m)

@@ -411,6 +411,9 @@ class Store:
         if view.my_slot is None:
             return "holds no slot yet (discovery does not list it, or no slot is free)"
         held = len(view.table.members())
+        scheme = self.config.redundancy
+        if scheme.erasure_coded and held < scheme.group_size:
+            return f"the slot table holds {held} store(s), fewer than K+M={scheme.group_size} ({scheme}): no group keeps parity"
         if held < self.config.replicas:
             return f"the slot table holds {held} store(s), fewer than R={self.config.replicas}: saves cannot reach R copies"
         repaired = self.recovery.repaired_table

@@ -198,5 +198,7 @@ def test_an_erasure_coded_store_protects_with_parity(tmp_path) -> None:  # type:
         assert s.rebuilder is not None and s.recovery.rebuilder is s.rebuilder and s.janitor.parity is s.parity
         placement = s.membership.view.placement
         assert placement is not None and placement.group_of("slot0") == tuple(f"slot{i}" for i in range(5))
+        s.membership.apply({f"h{i}": (f"127.0.0.1:{7070 + i}", "") for i in range(4)})  # h4 gone: no group of five
+        assert "fewer than K+M=5 (ec:4+1)" in s.readiness()
     finally:
         s.close()

@@ -158,6 +158,9 @@ def shard_row(info: Any) -> dict[str, Any]:
         "created_unix": m.created_unix,
         "stripe": _stripe_row(m.stripe) if m.HasField("stripe") else None,
         "cached": info.cached,
+        # ec:K+M: a parity host's record of this shard (state "parity", no copy): the row its fragment covers, and every
+        # row the shard's blocks fall in
+        "parity": {"row": info.parity.row, "spans": list(info.parity.spans)} if info.HasField("parity") else None,
     }
 
 
@@ -235,13 +238,31 @@ def steps_of(s: Survey, job: str) -> list[dict[str, Any]]:
             "replica_groups": groups,
             "tiers": ["ram"] + (["durable"] if step == spilled else []),
             "restorable": restorable.get("step") == step and restorable.get("timeline", timeline) == timeline,
+            "redundancy": s.redundancy,
+            "parity_complete": _parity_complete(s, job, step, timeline, ranks),
         })  # fmt: skip
     if spilled >= 0 and not any(r["step"] == spilled for r in out):
         out.append({"step": spilled, "timeline": "", "ranks": "?", "complete": True, "min_copies": 0, "bytes": 0,
                     "logical_bytes": 0, "replica_groups": [], "tiers": ["durable"],
-                    "restorable": restorable.get("step") == spilled})  # fmt: skip
+                    "restorable": restorable.get("step") == spilled, "redundancy": s.redundancy, "parity_complete": None})  # fmt: skip
         out.sort(key=lambda r: -r["step"])
     return out
+
+
+def _parity_complete(s: Survey, job: str, step: int, timeline: str, ranks: dict[int, list[dict[str, Any]]]) -> bool | None:
+    """Under ec:K+M, whether every rank of the version held has its parity in every row its blocks fall in, from each of
+    the row's M parity hosts (the parity hosts' PARITY rows); None under replicas."""
+    if not s.redundancy.startswith("ec:"):
+        return None
+    m = int(s.redundancy.rpartition("+")[2])
+    covers: dict[int, set[tuple[int, str]]] = {}
+    spans: dict[int, set[int]] = {}
+    for host, rows in s.shards.items():
+        for r in rows:
+            if r["job"] == job and r["step"] == step and r["timeline"] == timeline and r["parity"] is not None:
+                covers.setdefault(r["rank"], set()).add((r["parity"]["row"], host))
+                spans[r["rank"]] = set(r["parity"]["spans"])
+    return all(len(covers.get(rank, ())) >= m * len(spans.get(rank, ())) > 0 for rank in ranks)
 
 
 def jobs_of(s: Survey) -> list[dict[str, Any]]:
@@ -258,12 +279,14 @@ def jobs_of(s: Survey) -> list[dict[str, Any]]:
     are copies a store pulled ahead of a restore (other members' stripes, in spare room: not among the R);
     ``copies_of_state`` is ``(copies_bytes - cached_bytes) / logical_bytes`` (about R for an ordinary job, and for a
     deduplicated one; None while nothing is settled); ``replica_groups`` counts the groups of the newest step in RAM
-    (0: no stripes there)."""
+    (0: no stripes there). ``redundancy`` is the cluster's scheme; under ec:K+M ``parity_complete`` says whether every
+    step in RAM has its parity from every parity host (None under replicas), and parity is no copy: ``copies_of_state``
+    is about 1 while the parity's bytes count in ``ram_bytes`` (about 1 + M/K of the state per kept step)."""
     out = []
     for job in s.jobs():
         steps = steps_of(s, job)
         ram = [r for r in steps if "ram" in r["tiers"]]
-        copies_bytes = sum(r["bytes"] for rows in s.shards.values() for r in rows if r["job"] == job)
+        copies_bytes = sum(r["bytes"] for rows in s.shards.values() for r in rows if r["job"] == job and r.get("parity") is None)
         cached = sum(r["bytes"] for rows in s.shards.values() for r in rows if r["job"] == job and r.get("cached"))
         spilled = [j["last_spilled_step"] for h in s.health.values() for j in h.get("spill", []) if j["job"] == job]
         logical = sum(r["logical_bytes"] for r in ram)
@@ -283,6 +306,8 @@ def jobs_of(s: Survey) -> list[dict[str, Any]]:
             "newest_committed": max((r["step"] for r in ram if r["complete"]), default=None),
             "newest_restorable": s.restorable.get(job, {}).get("step"),
             "newest_spilled": max((x for x in spilled if x >= 0), default=None),
+            "redundancy": s.redundancy,
+            "parity_complete": None if not s.redundancy.startswith("ec:") else all(r["parity_complete"] for r in ram),
         })  # fmt: skip
     return out
 

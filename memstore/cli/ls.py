@@ -44,10 +44,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"memstore ls: no store holds anything of job {args.job!r}", file=sys.stderr)
         return 1
     for job, steps in doc.items():
-        rows = [[r["step"], r["timeline"] or "-", r["ranks"], _copies(r["min_copies"], s.replicas), render.size(r["bytes"] or None),
+        rows = [[r["step"], r["timeline"] or "-", r["ranks"], r["redundancy"], _copies(r, s.replicas), render.size(r["bytes"] or None),
                  render.groups(r["replica_groups"]), ", ".join(r["tiers"]), render.ok("yes") if r["restorable"] else ""]
                 for r in steps]  # fmt: skip
-        columns = ["step", "timeline", "ranks", "copies (fewest)", "size", "replica groups", "tiers", "restorable"]
+        columns = ["step", "timeline", "ranks", "redundancy", "copies (fewest)", "size", "replica groups", "tiers", "restorable"]
         out.print(render.table(f"job {job}", columns, rows))
     for host in down:
         out.print(render.warn(f"{host} did not answer: its copies are not counted"))
@@ -57,9 +57,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _copies(n: int, replicas: int) -> object:
+def _copies(step: dict[str, object], replicas: int) -> object:
+    """The fewest copies of a rank, of R; under ec:K+M the owner's one copy and whether its parity is complete."""
     from memstore.cli import render
 
+    n = step["min_copies"]
+    assert isinstance(n, int)
+    if step["parity_complete"] is not None:  # ec:K+M: parity is no copy
+        text = f"{n} + parity" if step["parity_complete"] else f"{n}, parity incomplete"
+        return render.bad(text) if n == 0 else text if step["parity_complete"] else render.warn(text)
     text = f"{n}/{replicas}"
     return render.bad(text) if n == 0 else render.warn(text) if n < replicas else text
 

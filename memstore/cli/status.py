@@ -49,16 +49,24 @@ def run(args: argparse.Namespace) -> int:
                            [_host_cells(h) for h in hosts]))  # fmt: skip
     if jobs:
         columns = ["job", "RAM held", "state", "RAM / state", "copies", "cached ahead", "logical (once)", "copies of state",
-                   "replica groups", "steps in RAM", "newest committed", "newest restorable", "newest spilled"]  # fmt: skip
+                   "replica groups", "steps in RAM", "newest committed", "newest restorable", "newest spilled", "parity"]  # fmt: skip
         rows = [[j["job"], render.size(j["ram_bytes"]), render.size(j["state_bytes"]), _times(j["ram_multiple"]),
                  render.size(j["copies_bytes"]), render.size(j["cached_bytes"]) if j["cached_bytes"] else "-",
                  render.size(j["logical_bytes"]), _times(j["copies_of_state"]),
                  j["replica_groups"] or "-", j["steps_in_ram"], render.step(j["newest_committed"]),
-                 render.step(j["newest_restorable"]), render.step(j["newest_spilled"])] for j in jobs]  # fmt: skip
+                 render.step(j["newest_restorable"]), render.step(j["newest_spilled"]), _parity(j["parity_complete"])]
+                for j in jobs]  # fmt: skip
         out.print(render.table("jobs", columns, rows))
     for line in _problems(s, hosts):
         out.print(line, soft_wrap=True)
     return 0 if healthy else 1
+
+
+def _parity(complete: bool | None) -> object:
+    """Under ec:K+M whether every step in RAM has its parity ("-" under replicas)."""
+    from memstore.cli import render
+
+    return "-" if complete is None else "complete" if complete else render.warn("incomplete")
 
 
 def _times(copies: float | None) -> str:

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from memstore.core.model import Holding
+from memstore.core.rebuildable import with_rebuilt
 from memstore.core.restorable import Version, latest_among, restorable_versions
 
 _NS = 1_000_000_000
@@ -62,13 +63,14 @@ class Seen:
 
 def seen_versions(holdings: Iterable[Holding], job_id: str, ranks: Sequence[int], durable: Iterable[Holding] = ()) -> list[Seen]:
     """What a store reports to a scoped LatestStep: per version, which of ``ranks`` it found verified copies of
-    in ``holdings``, and every version complete in ``durable`` (the durable tier's holdings, when listed)."""
+    in ``holdings`` (or that their parity rebuilds: ``memstore.core.rebuildable``), and every version complete in
+    ``durable`` (the durable tier's holdings, when listed)."""
     wanted = set(ranks)
     covered: dict[tuple[int, str], set[int]] = defaultdict(set)
     sizes: dict[tuple[int, str], set[int]] = defaultdict(set)
     created: dict[tuple[int, str], float] = {}
-    for h in holdings:
-        if h.key.job_id != job_id or not h.verified or h.key.rank not in wanted:
+    for h in with_rebuilt(holdings, job_id):
+        if not h.verified or h.key.rank not in wanted:
             continue
         v = h.key.version
         covered[v].add(h.key.rank)

@@ -68,11 +68,41 @@ class ShardState(enum.Enum):
     COMMITTED = "committed"  # R verified copies acknowledged
     UNDER_REPLICATED = "under_replicated"  # push failed; the local copy stays, repair may fix it
     REPLICA = "replica"  # verified copy held for another host, or pulled back by repair
+    PARITY = "parity"  # no copy: a parity host's record of a shard its fragment covers (ec:K+M; ``ShardInfo.parity``)
 
     @property
     def settled(self) -> bool:
         """True once the copy is verified and no longer in flight on this store."""
         return self in (ShardState.COMMITTED, ShardState.UNDER_REPLICATED, ShardState.REPLICA)
+
+
+@dataclass(frozen=True)
+class ErasurePlace:
+    """Where an owned shard sits in its host's erasure-coded *part* of one version (``--redundancy ec:K+M``).
+
+    A host's shards of one (job, step, timeline) lie one after another in its part, each at the block-aligned
+    ``offset`` its store gave it when it completed; ``group`` names the slots of the host's group in slot order (the
+    codec's columns: ``memstore.core.erasure_layout``), ``column`` the owner's index in it, and ``m`` the parity
+    columns of every row."""
+
+    group: tuple[str, ...]  # slot names, in slot order
+    column: int  # the owner's index in ``group``
+    m: int
+    offset: int  # bytes into the owner's part, a multiple of the block size
+
+
+@dataclass(frozen=True)
+class ParityCover:
+    """A parity host's word on one data shard its fragment of one row covers (``ShardInfo.parity``).
+
+    ``needs``: the other data shards whose blocks share the fragment's positions with this one. The shard can be rebuilt
+    from this row's parity while at most as many of those (plus the shard itself) are missing as parity fragments of the
+    row survive (``memstore.core.rebuildable``)."""
+
+    row: int
+    place: ErasurePlace  # the shard's place in its owner's part
+    spans: tuple[int, ...]  # every row the shard's blocks fall in (each has parity hosts of its own)
+    needs: tuple[ShardKey, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +114,7 @@ class Holding:
     world_size: int
     verified: bool
     created_unix: float = 0.0  # when the owner captured it; orders versions of different timelines
+    parity: ParityCover | None = None  # no copy: ``host`` holds parity that covers ``key`` (ec:K+M); never verified
 
 
 class PutOrigin(enum.Enum):
@@ -120,3 +151,5 @@ class ShardInfo:
     copies: int = 0  # the owner's count of acknowledged copies, its own included
     superseded: bool = False  # not replicated: a newer save of the same rank was captured first (newest wins)
     cached: bool = False  # pulled ahead of a restore (another member's stripe): spare room, first to go, not one of R copies
+    erasure: ErasurePlace | None = None  # an owner's copy under ec:K+M: where it lies in its part (parity covers it there)
+    parity: ParityCover | None = None  # state PARITY: no copy, the listing store's parity covers the shard (ec:K+M)

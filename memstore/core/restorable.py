@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from memstore.core.model import Holding, ShardKey
+from memstore.core.rebuildable import with_rebuilt
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,13 @@ _VersionId = tuple[int, str]
 def _versions(
     holdings: Iterable[Holding], job_id: str
 ) -> tuple[dict[_VersionId, set[int]], dict[_VersionId, set[int]], dict[_VersionId, float]]:
-    """Per version of ``job_id`` (verified copies only): ranks covered, world sizes claimed, earliest capture."""
+    """Per version of ``job_id`` (verified copies only, and shards parity rebuilds): ranks covered, world sizes
+    claimed, earliest capture."""
     ranks: dict[_VersionId, set[int]] = defaultdict(set)
     sizes: dict[_VersionId, set[int]] = defaultdict(set)
     created: dict[_VersionId, float] = {}
-    for h in holdings:
-        if h.key.job_id != job_id or not h.verified:
+    for h in with_rebuilt(holdings, job_id):
+        if not h.verified:
             continue
         v = h.key.version
         ranks[v].add(h.key.rank)
@@ -137,7 +139,7 @@ def latest_replicated(holdings: Iterable[Holding], job_id: str, copies: int) -> 
 
     It may be older than :func:`latest_restorable`: a newer version can be restorable from a single copy (its
     replication failed), which the loss of one host takes away. None if there is none."""
-    holdings = [h for h in holdings if h.key.job_id == job_id and h.verified]
+    holdings = [h for h in with_rebuilt(holdings, job_id) if h.verified]
     hosts: dict[tuple[int, str, int], set[str]] = defaultdict(set)
     for h in holdings:
         hosts[(h.key.step, h.key.timeline, h.key.rank)].add(h.host)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from memstore.core.agreement import Seen
-from memstore.core.model import PutOrigin, ShardInfo, ShardState, TransferHeader
+from memstore.core.model import ErasurePlace, ParityCover, PutOrigin, ShardInfo, ShardState, TransferHeader
 from memstore.core.restorable import RestoreAnswer
 from memstore.core.slots import Slot, SlotTable
 from memstore.core.status import CaptureReport, HealthReport, HelloReport
@@ -33,6 +33,8 @@ __all__ = [
     "latest_to_pb",
     "manifest_from_pb",
     "manifest_to_pb",
+    "place_from_pb",
+    "place_to_pb",
     "seen_to_pb",
     "sidecar_bytes",
     "sidecar_info",
@@ -49,6 +51,7 @@ _STATE_TO_PB: dict[ShardState, int] = {
     ShardState.COMMITTED: pb.SHARD_STATE_COMMITTED,
     ShardState.UNDER_REPLICATED: pb.SHARD_STATE_UNDER_REPLICATED,
     ShardState.REPLICA: pb.SHARD_STATE_REPLICA,
+    ShardState.PARITY: pb.SHARD_STATE_PARITY,
 }
 _STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
 
@@ -80,8 +83,16 @@ def client_checksums_from_pb(request: pb.CommitRequest) -> ChunkChecksums | None
     return ChunkChecksums(request.chunk_size, tuple(request.chunk_checksums), request.checksum_algo)
 
 
+def place_to_pb(place: ErasurePlace) -> pb.ErasurePlace:
+    return pb.ErasurePlace(group=list(place.group), column=place.column, m=place.m, offset=place.offset)
+
+
+def place_from_pb(place: pb.ErasurePlace) -> ErasurePlace:
+    return ErasurePlace(tuple(place.group), place.column, place.m, place.offset)
+
+
 def info_to_pb(info: ShardInfo) -> pb.ShardInfo:
-    return pb.ShardInfo(
+    out = pb.ShardInfo(
         manifest=manifest_to_pb(info.manifest),
         state=state_to_pb(info.state),
         verified=info.verified,
@@ -90,12 +101,25 @@ def info_to_pb(info: ShardInfo) -> pb.ShardInfo:
         superseded=info.superseded,
         cached=info.cached,
     )
+    if info.erasure is not None:
+        out.erasure.CopyFrom(place_to_pb(info.erasure))
+    if info.parity is not None:
+        cover = info.parity
+        needs = [key_to_pb(k) for k in cover.needs]
+        out.parity.CopyFrom(pb.ParityCover(row=cover.row, place=place_to_pb(cover.place), needs=needs, spans=list(cover.spans)))
+    return out
 
 
 def info_from_pb(info: pb.ShardInfo) -> ShardInfo:
+    erasure = place_from_pb(info.erasure) if info.HasField("erasure") else None
+    parity = None
+    if info.HasField("parity"):
+        p = info.parity
+        parity = ParityCover(p.row, place_from_pb(p.place), tuple(p.spans), tuple(key_from_pb(k) for k in p.needs))
     return ShardInfo(
-        manifest_from_pb(info.manifest), state_from_pb(info.state), info.verified, info.error, info.copies, info.superseded, info.cached
-    )
+        manifest_from_pb(info.manifest), state_from_pb(info.state), info.verified, info.error, info.copies, info.superseded, info.cached,
+        erasure, parity,
+    )  # fmt: skip
 
 
 def sidecar_bytes(info: ShardInfo) -> bytes:

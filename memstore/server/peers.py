@@ -8,6 +8,7 @@ once per call, never per chunk.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import socket
@@ -283,6 +284,57 @@ class Peer:
         except StreamError as exc:  # the peer sent bytes that do not match its own manifest
             raise (ChecksumMismatch if isinstance(exc, ChecksumMismatch) else PeerUnavailable)(f"copy from {self.host_id}: {exc}") from None
         return manifest
+
+    def contribute(self, header: pb.ContributeHeader, blocks: Callable[[], Iterable[bytes | memoryview]], timeout: float) -> bool:
+        """Send one shard's contribution to the peer's parity fragment of a row (``--redundancy ec:K+M``): ``header``,
+        then the bytes ``blocks()`` yields (asked again on a retry). True if the peer added it, False if it held it."""
+
+        def requests() -> Iterator[pb.ContributeRequest]:
+            yield pb.ContributeRequest(header=header)
+            for block in blocks():
+                yield pb.ContributeRequest(data=bytes(block))
+
+        try:
+            return not self._call(lambda: self.stub.Contribute(requests(), timeout=timeout)).already
+        except grpc.RpcError as err:
+            raise _peer_error(self.host_id, "Contribute", err) from None
+
+    def read_range(self, key: ShardKey, offset: int, length: int, stride: int, count: int, into: memoryview, timeout: float) -> None:
+        """Read ``count`` pieces of ``length`` bytes of the peer's verified copy of ``key``, piece i at ``offset + i *
+        stride`` (zeros past its end), into ``into`` (``count * length`` bytes)."""
+        request = pb.ReadRangeRequest(key=key_to_pb(key), offset=offset, length=length, stride=stride, count=count)
+        self._read_stream(lambda: self.stub.ReadRange(request, timeout=timeout), into, "ReadRange", lambda msg: msg.data)
+
+    def read_parity(self, version: ShardKey, row: int, first: int, blocks: int, into: memoryview, timeout: float) -> tuple[ShardInfo, ...]:
+        """Read blocks ``first .. first+blocks-1`` of the peer's parity fragment of ``row`` of ``version`` into ``into``;
+        returns whose contributions they hold (their manifests and places)."""
+        request = pb.ReadParityRequest(version=key_to_pb(version), row=row, first_position=first, blocks=blocks)
+        contents: builtins.list[pb.ParityContents] = []
+
+        def data(msg: pb.ReadParityResponse) -> bytes:
+            if msg.WhichOneof("body") == "contents":
+                contents.append(msg.contents)
+                return b""
+            return msg.data
+
+        self._read_stream(lambda: self.stub.ReadParity(request, timeout=timeout), into, "ReadParity", data)
+        if len(contents) != 1:
+            raise PeerUnavailable(f"ReadParity on peer {self.host_id} sent {len(contents)} descriptions of its contents, expected one")
+        return tuple(info_from_pb(i) for i in contents[0].contributors)
+
+    def _read_stream(self, call: Callable[[], Iterator[T]], into: memoryview, what: str, data: Callable[[T], bytes]) -> None:
+        got = 0
+        try:
+            for msg in call():
+                piece = data(msg)
+                if got + len(piece) > len(into):
+                    raise PeerUnavailable(f"{what} on peer {self.host_id} sent more than the {len(into)} bytes asked for")
+                into[got : got + len(piece)] = piece
+                got += len(piece)
+        except grpc.RpcError as err:
+            raise _peer_error(self.host_id, what, err) from None
+        if got != len(into):
+            raise PeerUnavailable(f"{what} on peer {self.host_id} sent {got} of {len(into)} bytes")
 
     def get(self, key: ShardKey, timeout: float) -> tuple[Manifest, Iterator[bytes], grpc.Future]:
         """Start a Get stream: returns (manifest, iterator over chunk bytes, call to cancel)."""

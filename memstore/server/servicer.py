@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from memstore.core.erasure_layout import BLOCK
 from memstore.core.model import PutOrigin, TransferHeader
 from memstore.errors import InvalidArgument, RingBusy, StoreError
 from memstore.server.auth import Authenticator, Need, Principal
@@ -30,7 +31,9 @@ from memstore.server.convert import (
     key_from_pb,
     key_to_pb,
     latest_to_pb,
+    manifest_from_pb,
     manifest_to_pb,
+    place_from_pb,
     seen_to_pb,
     stripe_from_pb,
     transfer_from_pb,
@@ -45,6 +48,7 @@ from memstore.v1.streams import get_responses
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
+MAX_CONTRIBUTION_BLOCKS = 1 << 16  # blocks of one Contribute or ReadParity (64 GiB: a row of a shard MAX_CHUNKS_PER_SHARD allows)
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException, events: StoreEvents, method: str) -> None:
@@ -267,6 +271,50 @@ class StoreServicer(pb_grpc.StoreServicer):
         self._allow(context, Need.CLUSTER)  # only a peer announces the replicas it will push here
         self.store.expect_stream(request.job_id, request.rank, request.nbytes)
         return pb.ExpectResponse()
+
+    @rpc
+    def Contribute(self, request_iterator: Iterator[pb.ContributeRequest], context: grpc.ServicerContext) -> pb.ContributeResponse:
+        self._allow(context, Need.CLUSTER)  # only a data host of this store's rows contributes
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("body") != "header":
+            raise InvalidArgument("Contribute stream must start with a ContributeHeader message")
+        h = first.header
+        if h.block_bytes != BLOCK or not 0 < h.blocks <= MAX_CONTRIBUTION_BLOCKS:
+            limit = MAX_CONTRIBUTION_BLOCKS
+            raise InvalidArgument(f"a contribution of {h.blocks} block(s) of {h.block_bytes} bytes: expected 1..{limit} of {BLOCK}")
+        data = bytearray(h.blocks * BLOCK)
+        got = 0
+        for msg in request_iterator:
+            piece = msg.data
+            if msg.WhichOneof("body") != "data" or got + len(piece) > len(data):
+                raise InvalidArgument(f"Contribute stream: a second header, or more than the {len(data)} bytes its header names")
+            data[got : got + len(piece)] = piece
+            got += len(piece)
+        if got != len(data):
+            raise InvalidArgument(f"Contribute stream ended after {got} of its {len(data)} bytes")
+        added = self.store.contribute(
+            manifest_from_pb(h.manifest), place_from_pb(h.place), h.row, h.first_position, h.blocks, memoryview(data), h.checksum
+        )  # fmt: skip
+        return pb.ContributeResponse(already=not added)
+
+    @stream_rpc
+    def ReadRange(self, request: pb.ReadRangeRequest, context: grpc.ServicerContext) -> Iterator[pb.ReadRangeResponse]:
+        self._allow(context, Need.CLUSTER)  # a peer's rebuild or refill
+        pieces = self.store.read_range(key_from_pb(request.key), request.offset, request.length, request.stride, request.count)
+        for piece in pieces:
+            yield pb.ReadRangeResponse(data=bytes(piece))
+
+    @stream_rpc
+    def ReadParity(self, request: pb.ReadParityRequest, context: grpc.ServicerContext) -> Iterator[pb.ReadParityResponse]:
+        self._allow(context, Need.CLUSTER)  # a peer's rebuild
+        if not 0 < request.blocks <= MAX_CONTRIBUTION_BLOCKS:
+            raise InvalidArgument(f"ReadParity of {request.blocks} blocks: expected 1..{MAX_CONTRIBUTION_BLOCKS}")
+        v = request.version
+        contributors, data = self.store.read_parity((v.job_id, v.step, v.timeline), request.row, request.first_position, request.blocks)
+        yield pb.ReadParityResponse(contents=pb.ParityContents(block_bytes=BLOCK, contributors=[info_to_pb(i) for i in contributors]))
+        view = memoryview(data)
+        for start in range(0, len(view), BLOCK):
+            yield pb.ReadParityResponse(data=bytes(view[start : start + BLOCK]))
 
     @rpc
     def LatestStep(self, request: pb.LatestStepRequest, context: grpc.ServicerContext) -> pb.LatestStepResponse:

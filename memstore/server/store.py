@@ -31,31 +31,36 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from memstore import __version__
 from memstore.config import StoreConfig
+from memstore.core.erasure_layout import BLOCK
 from memstore.core.floors import Floor, Floors
-from memstore.core.model import Manifest, ShardKey
+from memstore.core.model import ErasurePlace, Manifest, ShardInfo, ShardKey
 from memstore.core.reserve_policy import ReservePolicy
 from memstore.core.sizes import format_size
 from memstore.core.spill_policy import spill_duty
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, JobMemory, SpillReport, job_census
-from memstore.errors import ConfigError, InvalidArgument
+from memstore.errors import InvalidArgument, ShardNotFound
 from memstore.server.engine.admission import Admission
 from memstore.server.engine.arrivals import Arrivals
 from memstore.server.engine.assembler import Assembler
 from memstore.server.engine.catalog import Catalog
 from memstore.server.engine.datapath import DataPath
 from memstore.server.engine.drain import Drainer
+from memstore.server.engine.encoding import Encoder
 from memstore.server.engine.entries import ensure
 from memstore.server.engine.eviction import Eviction
 from memstore.server.engine.janitor import Janitor
 from memstore.server.engine.local_reads import Reader
+from memstore.server.engine.parity import ParityKeeper
+from memstore.server.engine.rebuild import Rebuilder, read_pieces
 from memstore.server.engine.recovery import Recovery
 from memstore.server.engine.replication import Replicator
 from memstore.server.engine.room import Room
-from memstore.server.engine.saving import Saver
+from memstore.server.engine.saving import Protection, Saver
 from memstore.server.engine.scrub import Scrubber
 from memstore.server.events import StoreEvents
 from memstore.server.membership import ClusterView, Membership
@@ -74,19 +79,11 @@ from memstore.v1.security import Credentials
 log = logging.getLogger(__name__)
 
 
-def _refuse_erasure_coding(config: StoreConfig) -> StoreConfig:
-    """The one refusal of ``--redundancy ec:K+M``: configuration, placement, status and the simulator take it, the engine
-    does not erasure-code yet (issue 42; the engine's erasure coding removes this function and its call)."""
-    if config.redundancy.erasure_coded:
-        raise ConfigError(
-            f"--redundancy {config.redundancy}: erasure-coded redundancy is not implemented in this version yet; "
-            "use --redundancy replicas:R (or --replicas R)"
-        )
-    return config
-
-
 class Store:
     """One host's store engine: builds the parts above and exposes what its callers use."""
+
+    parity: ParityKeeper  # the parity fragments this store keeps for its group (ec:K+M; empty under replicas)
+    encoder: Encoder | None  # ec:K+M: sends this store's shards' contributions (``_protection``)
 
     def __init__(
         self,
@@ -97,7 +94,7 @@ class Store:
     ) -> None:
         """``credentials``: what this store presents to its peers (the cluster token, its TLS identity); ``events``:
         where it reports saves, replication, fetches, repairs and RPCs (``memstore.server.metrics``; default: nowhere)."""
-        self.config = _refuse_erasure_coding(config)
+        self.config = config
         self.events = events or StoreEvents()
         self.host_id = config.host_id
         self.started = time.monotonic()
@@ -132,7 +129,7 @@ class Store:
         self.floors = Floors()  # per job, the restorable floor its clients and peers sent: retention's bound without listing
         self.replicator = Replicator(self.catalog, config, self.membership, self.peers, self.events, self._retention_due, self.floors)
         self.saver = Saver(
-            self.catalog, self.arrivals, self.room, self.admission, self.replicator, config, self.pool, self.events, self.draining,
+            self.catalog, self.arrivals, self.room, self.admission, self._protection(), config, self.pool, self.events, self.draining,
             self._retention_due, self.floors,
         )  # fmt: skip
         self.datapath = DataPath(self.catalog, self.saver, config)
@@ -145,6 +142,7 @@ class Store:
             self.catalog, self.eviction, config, self.recovery.cluster_holdings, self.datapath.expire_tickets, self._stop,
             self._retention_due, self.floors,
         )  # fmt: skip
+        self.rebuilder = self._erasure_repair() if config.redundancy.erasure_coded else None
         self.drainer = Drainer(self.catalog, config, self.membership, self.peers, self.draining)
         self.assembler = Assembler(self.catalog, self.arrivals, self.pool, self.recovery.pull_ahead, self._stop, self.draining)
         self.scrubber = Scrubber(self.catalog, self.foreground_busy, config.scrub_rate, config.scrub_interval, self._stop)
@@ -164,7 +162,6 @@ class Store:
         self.read = self.reader.read
         self.latest_step = self.recovery.latest_step
         self.scoped_versions = self.recovery.scoped_versions
-        self.list_shards = self.catalog.list_shards
         self.drain = self.drainer.drain  # the composition root's shutdown path (memstore.server.app)
 
         # What the durable tier reads (memstore.spill.port.ShardSource), with foreground_busy, spill_shards and spills_for below.
@@ -188,6 +185,54 @@ class Store:
         if config.peers:  # a fixed --peers list: the table is known before serving
             self.membership.apply({h: (a, config.failure_domains.get(h, "")) for h, a in config.peers})
         self.adopted_shards = self.adoption.adopt()
+
+    def _protection(self) -> Protection:
+        """What protects this store's own shards: the replicator, or under --redundancy ec:K+M the encoder (its parity
+        sent to the group; the parity this store keeps for the group in ``parity``; lost shards back: ``rebuilder``)."""
+        self.parity = ParityKeeper(self.host_id, self.room, self.pool, self._my_slot)
+        self.encoder = None
+        if self.config.redundancy.erasure_coded:
+            self.encoder = Encoder(self.catalog, self.config, self.membership, self.peers, self.events, self._retention_due)
+        return self.encoder or self.replicator
+
+    def contribute(self, manifest: Manifest, place: ErasurePlace, row: int, first: int, blocks: int, data: memoryview, sent: int) -> bool:
+        """A data host's contribution to this store's parity of ``row`` (``Contribute``; ``ParityKeeper.add``)."""
+        return self.parity.add(manifest, place, row, first, blocks, data, sent)
+
+    def read_parity(self, version: tuple[str, int, str], row: int, first: int, blocks: int) -> tuple[list[ShardInfo], bytes]:
+        """Blocks of this store's parity of ``row`` of ``version`` (``ReadParity``; ``ParityKeeper.read``)."""
+        return self.parity.read(version, row, first, blocks)
+
+    def _erasure_repair(self) -> Rebuilder:
+        """Under ec:K+M: the rebuilder, and the parts that learn of parity (restores, repair and retention)."""
+        rebuilder = Rebuilder(
+            self.catalog, self.parity, self.room, self.config, self.membership, self.peers, self.events, self._stop, self._retention_due
+        )  # fmt: skip
+        self.recovery.rebuilder = rebuilder
+        self.recovery.parity_listing = self.parity.listing
+        self.janitor.parity = self.parity
+        return rebuilder
+
+    def _my_slot(self) -> str | None:
+        slot = self.membership.view.my_slot
+        return slot.name if slot is not None else None
+
+    def list_shards(self, job_id: str) -> list[ShardInfo]:
+        """Every copy this store holds (of ``job_id``, every job: ""), then what its parity covers (ec:K+M: PARITY)."""
+        return self.catalog.list_shards(job_id) + self.parity.listing(job_id)
+
+    def read_range(self, key: ShardKey, offset: int, length: int, stride: int, count: int) -> Iterator[bytes | memoryview]:
+        """``count`` pieces of ``length`` bytes of the verified copy of ``key``, piece i at ``offset + i * stride``,
+        zero-padded past its end (``ReadRange``: a rebuild's reads; a parity fragment's refill)."""
+        if not (0 < length <= BLOCK and count > 0 and count * length <= self.config.capacity and stride >= 0 and offset >= 0):
+            raise InvalidArgument(f"ReadRange of {count} piece(s) of {length} bytes is invalid: pieces of 1..{BLOCK} bytes, at least one")
+        entry = self.catalog.readable(key, wait=0.0)
+        if not self.catalog.pin(entry):
+            raise ShardNotFound(f"shard {key} was evicted while it was read")
+        try:
+            yield from read_pieces(entry.segment.view(entry.nbytes), offset, length, stride, count)
+        finally:
+            self.catalog.unpin(entry)
 
     @property
     def durable(self) -> DurableTier | None:
@@ -321,10 +366,15 @@ class Store:
         self.catalog.wake()
         self.saver.close()  # before the replicator: its pushes waiting on a capture's marks end now
         self.replicator.close()
+        if self.encoder is not None:
+            self.encoder.close()
+        if self.rebuilder is not None:
+            self.rebuilder.close()
         self.peers.close()
         for t in self._threads:
             if t.is_alive():
                 t.join(timeout=2)
+        self.parity.close()
         self.pool.close()
 
     def hello(self) -> HelloReport:
@@ -361,6 +411,9 @@ class Store:
         if view.my_slot is None:
             return "holds no slot yet (discovery does not list it, or no slot is free)"
         held = len(view.table.members())
+        scheme = self.config.redundancy
+        if scheme.erasure_coded and held < scheme.group_size:
+            return f"the slot table holds {held} store(s), fewer than K+M={scheme.group_size} ({scheme}): no group keeps parity"
         if held < self.config.replicas:
             return f"the slot table holds {held} store(s), fewer than R={self.config.replicas}: saves cannot reach R copies"
         repaired = self.recovery.repaired_table
@@ -392,6 +445,8 @@ class Store:
         for name, value in (("step", step), ("rank", rank)):
             if isinstance(value, bool) or not isinstance(value, int) or value < -1:
                 raise InvalidArgument(f"{name} {value!r} is invalid: expected an int >= 0, or -1 for every {name}")
+        if rank == -1:  # a whole step (or job): its parity goes too (one rank's shard leaves the others' parity in place)
+            self.parity.delete(job_id, step)
         deleted = self.eviction.delete(job_id, step, rank)
         if step == -1 and rank == -1:
             self.floors.forget(job_id)

@@ -15,6 +15,7 @@ class ShardState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SHARD_STATE_COMMITTED: _ClassVar[ShardState]
     SHARD_STATE_UNDER_REPLICATED: _ClassVar[ShardState]
     SHARD_STATE_REPLICA: _ClassVar[ShardState]
+    SHARD_STATE_PARITY: _ClassVar[ShardState]
 
 class PutOrigin(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -28,6 +29,7 @@ SHARD_STATE_REPLICATING: ShardState
 SHARD_STATE_COMMITTED: ShardState
 SHARD_STATE_UNDER_REPLICATED: ShardState
 SHARD_STATE_REPLICA: ShardState
+SHARD_STATE_PARITY: ShardState
 PUT_ORIGIN_UNSPECIFIED: PutOrigin
 PUT_ORIGIN_CLIENT: PutOrigin
 PUT_ORIGIN_REPLICA: PutOrigin
@@ -92,8 +94,32 @@ class Stripe(_message.Message):
     stripe_nbytes: int
     def __init__(self, group: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logical_nbytes: _Optional[int] = ..., stripe_nbytes: _Optional[int] = ...) -> None: ...
 
+class ErasurePlace(_message.Message):
+    __slots__ = ("group", "m", "offset", "column")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    M_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    COLUMN_FIELD_NUMBER: _ClassVar[int]
+    group: _containers.RepeatedScalarFieldContainer[str]
+    m: int
+    offset: int
+    column: int
+    def __init__(self, group: _Optional[_Iterable[str]] = ..., m: _Optional[int] = ..., offset: _Optional[int] = ..., column: _Optional[int] = ...) -> None: ...
+
+class ParityCover(_message.Message):
+    __slots__ = ("row", "place", "needs", "spans")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    PLACE_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    row: int
+    place: ErasurePlace
+    needs: _containers.RepeatedCompositeFieldContainer[ShardKey]
+    spans: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, row: _Optional[int] = ..., place: _Optional[_Union[ErasurePlace, _Mapping]] = ..., needs: _Optional[_Iterable[_Union[ShardKey, _Mapping]]] = ..., spans: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ShardInfo(_message.Message):
-    __slots__ = ("manifest", "state", "verified", "error", "copies", "superseded", "cached")
+    __slots__ = ("manifest", "state", "verified", "error", "copies", "superseded", "cached", "erasure", "parity")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +127,8 @@ class ShardInfo(_message.Message):
     COPIES_FIELD_NUMBER: _ClassVar[int]
     SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
+    ERASURE_FIELD_NUMBER: _ClassVar[int]
+    PARITY_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     state: ShardState
     verified: bool
@@ -108,7 +136,9 @@ class ShardInfo(_message.Message):
     copies: int
     superseded: bool
     cached: bool
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., state: _Optional[_Union[ShardState, str]] = ..., verified: _Optional[bool] = ..., error: _Optional[str] = ..., copies: _Optional[int] = ..., superseded: _Optional[bool] = ..., cached: _Optional[bool] = ...) -> None: ...
+    erasure: ErasurePlace
+    parity: ParityCover
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., state: _Optional[_Union[ShardState, str]] = ..., verified: _Optional[bool] = ..., error: _Optional[str] = ..., copies: _Optional[int] = ..., superseded: _Optional[bool] = ..., cached: _Optional[bool] = ..., erasure: _Optional[_Union[ErasurePlace, _Mapping]] = ..., parity: _Optional[_Union[ParityCover, _Mapping]] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("known_slots_version", "known_slots_digest", "asker_host_id")
@@ -652,3 +682,85 @@ class PrepareSendResponse(_message.Message):
     ticket: bytes
     data_port: int
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., ticket: _Optional[bytes] = ..., data_port: _Optional[int] = ...) -> None: ...
+
+class ContributeHeader(_message.Message):
+    __slots__ = ("manifest", "place", "row", "first_position", "blocks", "block_bytes", "checksum", "sender_host")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    PLACE_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SENDER_HOST_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    place: ErasurePlace
+    row: int
+    first_position: int
+    blocks: int
+    block_bytes: int
+    checksum: int
+    sender_host: str
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., place: _Optional[_Union[ErasurePlace, _Mapping]] = ..., row: _Optional[int] = ..., first_position: _Optional[int] = ..., blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., sender_host: _Optional[str] = ...) -> None: ...
+
+class ContributeRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ContributeHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ContributeHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ContributeResponse(_message.Message):
+    __slots__ = ("already",)
+    ALREADY_FIELD_NUMBER: _ClassVar[int]
+    already: bool
+    def __init__(self, already: _Optional[bool] = ...) -> None: ...
+
+class ReadRangeRequest(_message.Message):
+    __slots__ = ("key", "offset", "length", "stride", "count")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    key: ShardKey
+    offset: int
+    length: int
+    stride: int
+    count: int
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., stride: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ReadRangeResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class ReadParityRequest(_message.Message):
+    __slots__ = ("version", "row", "first_position", "blocks")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    version: ShardKey
+    row: int
+    first_position: int
+    blocks: int
+    def __init__(self, version: _Optional[_Union[ShardKey, _Mapping]] = ..., row: _Optional[int] = ..., first_position: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class ReadParityResponse(_message.Message):
+    __slots__ = ("contents", "data")
+    CONTENTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    contents: ParityContents
+    data: bytes
+    def __init__(self, contents: _Optional[_Union[ParityContents, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ParityContents(_message.Message):
+    __slots__ = ("block_bytes", "contributors")
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    block_bytes: int
+    contributors: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    def __init__(self, block_bytes: _Optional[int] = ..., contributors: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ...) -> None: ...

@@ -119,6 +119,21 @@ class StoreStub:
                 request_serializer=memstore_dot_v1_dot_store__pb2.DrainRequest.SerializeToString,
                 response_deserializer=memstore_dot_v1_dot_store__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Contribute = channel.stream_unary(
+                '/memstore.v1.Store/Contribute',
+                request_serializer=memstore_dot_v1_dot_store__pb2.ContributeRequest.SerializeToString,
+                response_deserializer=memstore_dot_v1_dot_store__pb2.ContributeResponse.FromString,
+                _registered_method=True)
+        self.ReadRange = channel.unary_stream(
+                '/memstore.v1.Store/ReadRange',
+                request_serializer=memstore_dot_v1_dot_store__pb2.ReadRangeRequest.SerializeToString,
+                response_deserializer=memstore_dot_v1_dot_store__pb2.ReadRangeResponse.FromString,
+                _registered_method=True)
+        self.ReadParity = channel.unary_stream(
+                '/memstore.v1.Store/ReadParity',
+                request_serializer=memstore_dot_v1_dot_store__pb2.ReadParityRequest.SerializeToString,
+                response_deserializer=memstore_dot_v1_dot_store__pb2.ReadParityResponse.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -227,6 +242,27 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Contribute(self, request_iterator, context):
+        """ec:K+M: add a data shard's contribution to this store's parity fragment of one row.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadRange(self, request, context):
+        """ec:K+M: bytes of a held shard (a rebuild's reads, a fragment's refill).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadParity(self, request, context):
+        """ec:K+M: blocks of this store's parity fragment of one row, and whose contributions they hold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -314,6 +350,21 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=memstore_dot_v1_dot_store__pb2.DrainRequest.FromString,
                     response_serializer=memstore_dot_v1_dot_store__pb2.DrainResponse.SerializeToString,
+            ),
+            'Contribute': grpc.stream_unary_rpc_method_handler(
+                    servicer.Contribute,
+                    request_deserializer=memstore_dot_v1_dot_store__pb2.ContributeRequest.FromString,
+                    response_serializer=memstore_dot_v1_dot_store__pb2.ContributeResponse.SerializeToString,
+            ),
+            'ReadRange': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadRange,
+                    request_deserializer=memstore_dot_v1_dot_store__pb2.ReadRangeRequest.FromString,
+                    response_serializer=memstore_dot_v1_dot_store__pb2.ReadRangeResponse.SerializeToString,
+            ),
+            'ReadParity': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadParity,
+                    request_deserializer=memstore_dot_v1_dot_store__pb2.ReadParityRequest.FromString,
+                    response_serializer=memstore_dot_v1_dot_store__pb2.ReadParityResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -775,6 +826,87 @@ class Store:
             '/memstore.v1.Store/Drain',
             memstore_dot_v1_dot_store__pb2.DrainRequest.SerializeToString,
             memstore_dot_v1_dot_store__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Contribute(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/memstore.v1.Store/Contribute',
+            memstore_dot_v1_dot_store__pb2.ContributeRequest.SerializeToString,
+            memstore_dot_v1_dot_store__pb2.ContributeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadRange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/memstore.v1.Store/ReadRange',
+            memstore_dot_v1_dot_store__pb2.ReadRangeRequest.SerializeToString,
+            memstore_dot_v1_dot_store__pb2.ReadRangeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadParity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/memstore.v1.Store/ReadParity',
+            memstore_dot_v1_dot_store__pb2.ReadParityRequest.SerializeToString,
+            memstore_dot_v1_dot_store__pb2.ReadParityResponse.FromString,
             options,
             channel_credentials,
             insecure,

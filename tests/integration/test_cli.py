@@ -34,11 +34,6 @@ def memstore(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str
         (["--host-id", "h0", "--peers", FIVE, "--redundancy", "ec:4+1", "--replicas", "3"], "--replicas 3 and --redundancy ec:4+1"),
         (["--host-id", "h0", "--redundancy", "ec:4+1"], "--redundancy ec:4+1 needs at least 5 hosts (K+M), but --peers lists 1"),
         (["--host-id", "h0", "--redundancy", "ec:4"], "--redundancy 'ec:4' is invalid"),
-        # Parsed and valid, but the engine does not erasure-code yet: the store refuses to start (issue 42).
-        (
-            ["--host-id", "h0", "--peers", FIVE, "--listen", "127.0.0.1:0", "--redundancy", "ec:4+1"],
-            "erasure-coded redundancy is not implemented in this version yet",
-        ),
     ],
 )
 def test_serve_rejects_bad_flags(args: list[str], message: str) -> None:

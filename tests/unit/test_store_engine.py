@@ -8,7 +8,7 @@ import pytest
 
 from memstore.config import StoreConfig
 from memstore.core.model import ShardKey, ShardState
-from memstore.errors import AlreadySaved, CapacityExceeded, ConfigError, InvalidArgument, LeaseError, ShardNotFound, UnknownJob
+from memstore.errors import AlreadySaved, CapacityExceeded, InvalidArgument, LeaseError, ShardNotFound, UnknownJob
 from memstore.server.store import Store
 from memstore.testing import wait_for
 
@@ -188,10 +188,17 @@ def test_readiness_reasons(tmp_path) -> None:  # type: ignore[no-untyped-def]
         s.close()
 
 
-def test_an_erasure_coded_store_refuses_to_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Config, placement and status take ec:K+M; the engine does not erasure-code yet, so the store says so (issue 42)."""
+def test_an_erasure_coded_store_protects_with_parity(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Under ec:K+M the saver's protection is the encoder (parity to the group), repair rebuilds, and nothing replicates."""
     peers = ",".join(f"h{i}=127.0.0.1:{7070 + i}" for i in range(5))
     config = StoreConfig.load({"host_id": "h0", "peers": peers, "redundancy": "ec:4+1", "shm_dir": str(tmp_path / "shm")}, env={})
-    with pytest.raises(ConfigError, match=r"--redundancy ec:4\+1: erasure-coded redundancy is not implemented in this version yet"):
-        Store(config)
-    assert not (tmp_path / "shm").exists()  # refused before anything was made
+    s = Store(config)
+    try:
+        assert s.encoder is not None and s.saver.replicator is s.encoder
+        assert s.rebuilder is not None and s.recovery.rebuilder is s.rebuilder and s.janitor.parity is s.parity
+        placement = s.membership.view.placement
+        assert placement is not None and placement.group_of("slot0") == tuple(f"slot{i}" for i in range(5))
+        s.membership.apply({f"h{i}": (f"127.0.0.1:{7070 + i}", "") for i in range(4)})  # h4 gone: no group of five
+        assert "fewer than K+M=5 (ec:4+1)" in s.readiness()
+    finally:
+        s.close()

@@ -27,11 +27,12 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from memstore.config import StoreConfig
 from memstore.core.floors import floor_problem
-from memstore.core.model import Manifest, ShardInfo, ShardKey, ShardState, Stripe
+from memstore.core.model import ErasurePlace, Manifest, ShardInfo, ShardKey, ShardState, Stripe
 from memstore.errors import AlreadySaved, LeaseError, ShardNotFound, UnknownJob
 from memstore.server.engine.entries import (
     ALLOCATE_LEASE_SECONDS,
@@ -404,6 +405,42 @@ class Catalog:
             self._describe_locked(entry)
             self.cond.notify_all()
             return entry.state
+
+    # ---- erasure coding's steps (memstore.server.engine.encoding)
+
+    def place_in_part(self, entry: Entry, place: Callable[[list[tuple[int, int]]], ErasurePlace]) -> ErasurePlace:
+        """Give ``entry`` its place in this store's part of its version: ``place`` gets the (offset, nbytes) of the shards
+        placed there already (this store's own, of the same job, step and timeline) and answers the new one's."""
+        with self.cond:
+            version = (entry.key.job_id, entry.key.step, entry.key.timeline)
+            placed = [
+                (e.erasure.offset, e.nbytes) for e in self._entries.values()
+                if e.erasure is not None and e.owner_host == self.host_id and (e.key.job_id, e.key.step, e.key.timeline) == version
+            ]  # fmt: skip
+            entry.erasure = place(placed)
+            return entry.erasure
+
+    def settle_parity(self, entry: Entry, errors: list[str]) -> ShardState:
+        """``entry``'s contributions were sent: COMMITTED when every parity host of its rows acknowledged one, else
+        UNDER_REPLICATED (``errors`` say which did not; a parity host's repair pass may fill its fragment later)."""
+        with self.cond:
+            entry.copies = 1  # the owner's: parity is no copy
+            if errors:
+                entry.state = ShardState.UNDER_REPLICATED
+                entry.error = "parity incomplete: " + "; ".join(errors)
+                log.warning("shard %s: %s", entry.key, entry.error)
+            else:
+                entry.state = ShardState.COMMITTED
+                entry.error = ""
+            self._describe_locked(entry)
+            self.cond.notify_all()
+            return entry.state
+
+    def waiting_for(self, entry: Entry, what: str) -> None:
+        """What ``entry``, not settled yet, waits for (its ``ShardInfo.error`` says so until it settles: ``handle.wait()``)."""
+        with self.cond:
+            if not entry.state.settled:
+                entry.error = what
 
     # ---- recovery's registration and the views of what is held (repair, drain, scrub, the durable tier)
 

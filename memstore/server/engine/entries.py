@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from memstore.core.model import Holding, Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, Stripe
+from memstore.core.model import ErasurePlace, Holding, Manifest, PutOrigin, ShardInfo, ShardKey, ShardState, Stripe
 from memstore.errors import ChecksumMismatch, InvalidArgument
 from memstore.server.engine.progress import CaptureProgress
 from memstore.server.memory.segment import Segment
@@ -49,6 +49,7 @@ class Entry:
     arrived_verified: float = 0.0  # monotonic time a pull landed with every chunk verified; the first Open soon after skips hashing
     progress: CaptureProgress | None = None  # a capture pushed while its client writes it (memstore.server.engine.progress)
     client_checksums: tuple[int, ...] | None = None  # its chunks' checksums as its client computed them (Commit): none to compute
+    erasure: ErasurePlace | None = None  # ec:K+M: where this owned shard lies in its part (memstore.server.engine.encoding)
 
     @property
     def verified(self) -> bool:
@@ -59,7 +60,7 @@ class Entry:
         m = self.manifest
         if m is None:  # not checksummed yet: what is known of it
             m = Manifest(self.key, self.world_size, self.nbytes, chunk_size=0, checksums=(), owner_host=self.owner_host, stripe=self.stripe)
-        return ShardInfo(m, self.state, self.verified, self.error, self.copies, self.superseded, self.cached)
+        return ShardInfo(m, self.state, self.verified, self.error, self.copies, self.superseded, self.cached, self.erasure)
 
 
 @dataclass
@@ -98,7 +99,11 @@ def ensure(problem: str | None) -> None:
 
 
 def holdings_of(host: str, shards: Iterable[ShardInfo]) -> list[Holding]:
-    return [Holding(host, i.manifest.key, i.manifest.world_size, i.verified, i.manifest.created_unix) for i in shards]
+    """What ``host`` listed, as the core's holdings: its copies, and the shards its parity covers (ec:K+M)."""
+    return [
+        Holding(host, i.manifest.key, i.manifest.world_size, i.verified and i.parity is None, i.manifest.created_unix, i.parity)
+        for i in shards
+    ]
 
 
 def bind_problem(lease: Lease, key: ShardKey | None, nbytes: int) -> str | None:

@@ -14,6 +14,7 @@ from memstore.core.restorable import latest_replicated, latest_restorable, may_s
 from memstore.core.retention import retention_victims
 from memstore.server.engine.catalog import Catalog
 from memstore.server.engine.eviction import Eviction
+from memstore.server.engine.parity import ParityKeeper
 from memstore.spill.port import DurableTier
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Janitor:
         self.floors = floors
         self.listings = 0  # retention passes that had to list the cluster (no floor, or a possible supersede)
         self.durable: DurableTier | None = None  # set by the store when --spill is on: steps due for spilling are kept
+        self.parity: ParityKeeper | None = None  # set by the store under ec:K+M: its fragments go with their steps
 
     def loop(self) -> None:
         while not self._stop.is_set():
@@ -75,25 +77,32 @@ class Janitor:
 
     def apply_retention(self) -> None:
         for job in sorted(self.catalog.jobs()):
-            held = self.catalog.held(job)
-            crowded = len({k.version for k, _, _ in held}) > self.config.keep and retention_victims(held, self.config.keep)
-            supersede = may_supersede((k, created) for k, _, created in held)
-            if not crowded and not supersede:
-                continue
-            spilling = sorted(self.durable.protected_steps(job)) if self.durable is not None else []  # kept until spilled
-            floor = self.floors.get(job)
-            if floor is not None and floor.timeline not in {k.timeline for k, _, _ in held}:
-                floor = None  # a version this store cannot place among its own (it holds nothing of its timeline): list
-            if floor is not None and not supersede:
-                self.eviction.retire(job, set(), None, spilling, floor.version)  # nothing at or above the floor goes
-                continue
-            # Something would go and no floor bounds it, or a re-save may have superseded another timeline: ask the cluster.
-            self.listings += 1
-            holdings, _ = self.cluster_holdings(job)
-            dead = superseded_versions(holdings, job)
-            latest = latest_restorable(holdings, job)
-            # ... and the newest committed version (every rank on R hosts): the latest restorable one may rest on a
-            # single copy whose replication failed, and the loss of that one host must not leave nothing to restore.
-            committed = latest_replicated(holdings, job, self.config.replicas)
-            protected = [v.step for v in (latest, committed) if v is not None] + spilling
-            self.eviction.retire(job, dead, latest.step if latest else None, protected, floor.version if floor else None)
+            self._retain(job)
+        if self.parity is not None:  # parity fragments: the newest --keep versions, and those whose copies are still here
+            for job in sorted(self.parity.jobs()):
+                self.parity.retire(job, self.config.keep, {k.version for k, _, _ in self.catalog.held(job)})
+
+    def _retain(self, job: str) -> None:
+        """Keep-K retention of ``job``'s copies here (superseded timelines dropped, protected steps kept)."""
+        held = self.catalog.held(job)
+        crowded = len({k.version for k, _, _ in held}) > self.config.keep and retention_victims(held, self.config.keep)
+        supersede = may_supersede((k, created) for k, _, created in held)
+        if not crowded and not supersede:
+            return
+        spilling = sorted(self.durable.protected_steps(job)) if self.durable is not None else []  # kept until spilled
+        floor = self.floors.get(job)
+        if floor is not None and floor.timeline not in {k.timeline for k, _, _ in held}:
+            floor = None  # a version this store cannot place among its own (it holds nothing of its timeline): list
+        if floor is not None and not supersede:
+            self.eviction.retire(job, set(), None, spilling, floor.version)  # nothing at or above the floor goes
+            return
+        # Something would go and no floor bounds it, or a re-save may have superseded another timeline: ask the cluster.
+        self.listings += 1
+        holdings, _ = self.cluster_holdings(job)
+        dead = superseded_versions(holdings, job)
+        latest = latest_restorable(holdings, job)
+        # ... and the newest committed version (every rank on R hosts): the latest restorable one may rest on a
+        # single copy whose replication failed, and the loss of that one host must not leave nothing to restore.
+        committed = latest_replicated(holdings, job, self.config.replicas)
+        protected = [v.step for v in (latest, committed) if v is not None] + spilling
+        self.eviction.retire(job, dead, latest.step if latest else None, protected, floor.version if floor else None)

@@ -8,11 +8,12 @@ import time
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from memstore.config import StoreConfig
 from memstore.core.agreement import Seen, seen_versions
 from memstore.core.model import Holding, Manifest, ShardInfo, ShardKey, ShardState
+from memstore.core.rebuildable import REBUILD, with_rebuilt
 from memstore.core.restorable import RestoreAnswer, latest_restorable, sources_for, split_timelines
 from memstore.core.retention import newest_versions, ranked_versions, repair_waves
 from memstore.core.slots import SlotTable
@@ -80,6 +81,16 @@ class RepairGate:
                 self._cond.notify_all()
 
 
+class ErasureRepair(Protocol):
+    """What ``Recovery`` asks of erasure coding's rebuilds (``memstore.server.engine.rebuild.Rebuilder``)."""
+
+    def rebuild(self, key: ShardKey) -> str:
+        """Rebuild ``key`` from its group and register it; returns its source's name ("rebuild")."""
+
+    def repair_once(self) -> bool:
+        """One repair pass: this store's lost shards and parity back; True if nothing failed."""
+
+
 class Recovery:
     """Fetches missing shards (for a restore or for repair), and answers what is restorable across the cluster.
 
@@ -120,6 +131,11 @@ class Recovery:
         self.under_replicated = 0  # from the last repair pass: recent shards of this store's slots with fewer than R copies
         self.unreachable_sources: tuple[str, ...] = ()  # from the last repair pass: holders of this store's slots that did not answer
         self.repaired_table: SlotTable | None = None  # the table of the last repair pass that left nothing missing (readiness)
+        # Set by the store under --redundancy ec:K+M (memstore.server.engine.rebuild.Rebuilder): what a lost shard is
+        # rebuilt with (a restore's source "rebuild"), the pass that replaces replication's repair, and what this store's
+        # parity covers (its listing's PARITY entries, beside its copies).
+        self.rebuilder: ErasureRepair | None = None
+        self.parity_listing: Callable[[str], list[ShardInfo]] = lambda job_id: []
 
     def fetch(self, key: ShardKey, discard_local: bool, durable_known: bool = False, cached: bool = False) -> tuple[Manifest, str]:
         """Make sure this store holds a verified copy of ``key``, pulling it from a peer if needed (``durable_known``:
@@ -162,14 +178,14 @@ class Recovery:
         group = view.repair_sources(view.owned_slots())
         listings = self.peers.list_all(key.job_id, self.config.peer_timeout, hosts=group)
         holdings, unreachable = _answers(listings)
-        candidates = sources_for(holdings, key, prefer=group)
+        candidates = sources_for(holdings, key, prefer=group) + self._rebuildable(holdings, key)
         if candidates or (durable_known and self.durable is not None):
             return candidates or ["durable"]
         listings = self.peers.list_all(key.job_id, self.config.peer_timeout, hosts=[h for h in view.table.members() if h not in group])
         rest, more_unreachable = _answers(listings)
         holdings += rest
         unreachable += more_unreachable
-        candidates = sources_for(holdings, key, prefer=tuple(view.table.members()))
+        candidates = sources_for(holdings, key, prefer=tuple(view.table.members())) + self._rebuildable(holdings, key)
         durable = durable_holdings(self.durable, key.job_id, unreachable)
         if any(h.key == key for h in durable):
             candidates.append("durable")  # the most expensive tier comes last
@@ -181,10 +197,18 @@ class Recovery:
             raise ShardNotFound(f"no reachable store holds a verified copy of {key}{extra}")
         return candidates
 
+    def _rebuildable(self, holdings: list[Holding], key: ShardKey) -> list[str]:
+        """``[REBUILD]`` when no copy of ``key`` is listed and the parity listed (and this store's) rebuilds it with the
+        copies listed and held here (ec:K+M), else []."""
+        if self.rebuilder is None or any(h.key == key and h.verified for h in holdings):
+            return []
+        here = holdings_of(self.host_id, self.catalog.list_shards(key.job_id) + self.parity_listing(key.job_id))
+        return [REBUILD] if any(h.key == key and h.host == REBUILD for h in with_rebuilt(holdings + here, key.job_id)) else []
+
     def pull_ahead(self, key: ShardKey) -> str:
         """Pull ``key`` from a peer into spare room as a cached copy (``memstore.server.engine.assembler``): never from the durable
         tier, never evicting anything for it. Returns the peer's id; ShardNotFound while no peer holds it yet."""
-        candidates = [host for host in self._sources(key, durable_known=False) if host != "durable"]
+        candidates = [host for host in self._sources(key, durable_known=False) if host not in ("durable", REBUILD)]
         if not candidates:
             raise ShardNotFound(f"no peer holds a verified copy of {key} yet")
         return self._pull(key, origin_note="assemble", candidates=candidates, cached=True, evict=False)
@@ -216,6 +240,8 @@ class Recovery:
             try:
                 if host == "durable":
                     self._pull_from_durable(key, cached)
+                elif host == REBUILD and self.rebuilder is not None:
+                    self.rebuilder.rebuild(key)
                 else:
                     self._pull_from(host, key, cached, evict)
                 log.info("%s: pulled %s from %s", origin_note, key, host)
@@ -319,7 +345,7 @@ class Recovery:
 
     def cluster_holdings(self, job_id: str) -> tuple[list[Holding], list[str]]:
         """What every reachable store (this one included) holds of ``job_id``, and who did not answer."""
-        mine = holdings_of(self.host_id, self.catalog.list_shards(job_id))
+        mine = holdings_of(self.host_id, self.catalog.list_shards(job_id) + self.parity_listing(job_id))
         theirs, unreachable = _answers(self.peers.list_all(job_id, self.config.peer_timeout))
         return mine + theirs + durable_holdings(self.durable, job_id, unreachable), unreachable
 
@@ -353,7 +379,7 @@ class Recovery:
         view = self.membership.view
         group = view.repair_sources(view.owned_slots())  # the hosts holding copies of what this host holds
         theirs, unreachable = _answers(self.peers.list_all(job_id, self.config.peer_timeout, hosts=group))
-        holdings = holdings_of(self.host_id, self.catalog.list_shards(job_id)) + theirs
+        holdings = holdings_of(self.host_id, self.catalog.list_shards(job_id) + self.parity_listing(job_id)) + theirs
         durable = durable_holdings(self.durable, job_id, unreachable) if include_durable else []
         return seen_versions(holdings, job_id, ranks, durable), unreachable
 
@@ -389,6 +415,8 @@ class Recovery:
         """Bytes of each shard of the newest step of every job that the first repair pass will pull here (a replacement's
         own and its group's), from one listing of the group; [] when nothing is to pull or a peer does not answer. The
         automatic reserve faults that much in before the store serves (``ReservePolicy.expect``)."""
+        if self.rebuilder is not None:
+            return []  # ec:K+M: its shards are rebuilt, not pulled whole
         plan = self._plan(min(self.config.peer_timeout, EXPECT_TIMEOUT), retrying=False)  # peers may not serve yet
         if not plan.sources or not plan.complete or not plan.waves:
             return []
@@ -415,6 +443,13 @@ class Recovery:
         """Pull every recent shard this host should hold but lacks. Returns how many were pulled."""
         fault("repair.before_pass")
         if self.draining.is_set():
+            return 0
+        if self.rebuilder is not None:  # ec:K+M: rebuild lost shards and parity instead of pulling copies
+            view = self.membership.view
+            if self.rebuilder.repair_once() and not self._stop.is_set():
+                self.repaired_table = view.table
+            self.unreachable_sources = ()
+            self.under_replicated = self.catalog.own_under_replicated()
             return 0
         plan = self._plan()
         if not plan.sources:

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import Protocol
 
 from memstore.config import StoreConfig
 from memstore.core.floors import Floors, floor_problem, sent_floor
@@ -25,7 +26,6 @@ from memstore.server.engine.arrivals import Arrivals
 from memstore.server.engine.catalog import Catalog
 from memstore.server.engine.entries import Entry, Inbound, codec_problem, ensure, sender_error
 from memstore.server.engine.progress import CaptureProgress
-from memstore.server.engine.replication import Replicator
 from memstore.server.engine.room import Room
 from memstore.server.events import StoreEvents
 from memstore.server.memory.pool import Segment, SegmentPool
@@ -36,6 +36,17 @@ from memstore.v1.streams import receive_chunks, shard_manifest_problem
 log = logging.getLogger(__name__)
 
 
+class Protection(Protocol):
+    """What protects a shard once it is taken in: replication (``replication.Replicator``: R-1 copies) or erasure coding
+    (``encoding.Encoder``: contributions to its group's parity), as ``--redundancy`` says."""
+
+    def submit(self, entry: Entry) -> None:
+        """Protect ``entry`` (just registered) in the background; it settles when done."""
+
+    def announce(self, job_id: str, rank: int, nbytes: int) -> None:
+        """``job_id``'s rank ``rank`` reserved ``nbytes`` ahead of its first save: tell whoever will receive its bytes."""
+
+
 MAX_CAPTURE_SECONDS = 86400.0  # a client's reported time from save() to Commit (0: not reported)
 MAX_WAIT_SECONDS = 10.0  # WaitCommitted blocks a server thread at most this long; clients loop
 
@@ -43,9 +54,10 @@ MAX_WAIT_SECONDS = 10.0  # WaitCommitted blocks a server thread at most this lon
 class Saver:
     """Takes shards in: shared-memory captures, gRPC streams; and reports when they are committed.
 
-    Each shard taken in from a client goes to the replicator; the catalog holds it and its allocation lease. A shard
-    arriving as a stream is admitted (``Admission``) before its memory is reserved, and ends it exactly once; while its
-    bytes arrive, ``Arrivals`` knows it (repair does not pull it meanwhile) until it registers or fails.
+    Each shard taken in from a client goes to its ``Protection`` (the replicator, or the encoder under ec:K+M); the
+    catalog holds it and its allocation lease. A shard arriving as a stream is admitted (``Admission``) before its
+    memory is reserved, and ends it exactly once; while its bytes arrive, ``Arrivals`` knows it (repair does not pull it
+    meanwhile) until it registers or fails.
     """
 
     def __init__(
@@ -54,7 +66,7 @@ class Saver:
         arrivals: Arrivals,
         room: Room,
         admission: Admission,
-        replicator: Replicator,
+        replicator: Protection,
         config: StoreConfig,
         pool: SegmentPool,
         events: StoreEvents,

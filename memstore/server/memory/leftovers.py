@@ -300,5 +300,5 @@ class Adoption:
         return Entry(
             m.key, m.world_size, m.nbytes, seg, m.owner_host, state, manifest=m, metrics=dict(m.metrics),
             format_version=m.format_version, copies=info.copies, created_unix=m.created_unix or time.time(),
-            spill_codec=m.spill_codec, stripe=m.stripe,
+            spill_codec=m.spill_codec, stripe=m.stripe, erasure=info.erasure,
         )  # fmt: skip

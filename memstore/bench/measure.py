@@ -164,20 +164,24 @@ def measure_small_saves(cluster: LocalCluster, job: str, count: int, seed: int, 
     return {"bytes": nbytes_of(tensors_of(state)), "saves": len(stalls), "stall_seconds": stalls, "stall_p50": p50(stalls)}
 
 
-def restore_local(cluster: LocalCluster, job: str, expected: str, reps: int, timeout: float) -> dict[str, Any]:
-    """A new process on the owner's store (h0) connects and ``load()``s, ``reps`` times: a trainer restarted after a crash."""
-    runs = [restore_in_new_process({"address": cluster.address("h0"), "job": job}, timeout) for _ in range(reps)]
+def restore_local(cluster: LocalCluster, job: str, expected: str, reps: int, timeout: float, world_size: int = 1) -> dict[str, Any]:
+    """A new process on the owner's store (h0) connects and ``load()``s, ``reps`` times: a trainer restarted after a crash
+    (rank 0 of ``world_size``)."""
+    source = {"address": cluster.address("h0"), "job": job, "world_size": world_size}
+    runs = [restore_in_new_process(source, timeout) for _ in range(reps)]
     return summarize(runs, expected)
 
 
 def restore_after_host_loss(
-    cluster: LocalCluster, job: str, expected: str, reps: int, keep: int, timeout: float, tcp: PairedTcp | None = None
-) -> dict[str, Any]:
+    cluster: LocalCluster, job: str, expected: str, reps: int, keep: int, timeout: float, tcp: PairedTcp | None = None,
+    world_size: int = 1,
+) -> dict[str, Any]:  # fmt: skip
     """SIGKILL the owner store (h0), start its replacement (empty RAM) and, meanwhile, restore in a new process on it,
     as soon as the replacement's port accepts: its first restore, from peer RAM (timed both from then and from the
     trainer's ``load()`` call, see ``summarize``). ``tcp``: each restore is paired with a raw TCP transfer of the shard
     right before it (``tcp_seconds``), as each save is, on stores that are idle again (the last replacement's reserve
-    faulted in): a transfer beside their start-up work would flatter the restore."""
+    faulted in): a transfer beside their start-up work would flatter the restore. The restore is rank 0's of a job of
+    ``world_size`` ranks."""
     runs = []
     for _ in range(reps):
         wait_caught_up(cluster, "h0", job, keep, timeout)
@@ -186,7 +190,7 @@ def restore_after_host_loss(
             wait_idle(cluster)
             paired = tcp.seconds()
         run = restore_in_new_process(
-            {"address": cluster.address("h0"), "job": job},
+            {"address": cluster.address("h0"), "job": job, "world_size": world_size},
             timeout,
             before=lambda: cluster.kill("h0"),
             during=lambda: cluster.restart("h0", timeout=60),

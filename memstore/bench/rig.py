@@ -27,13 +27,15 @@ SHM_ROOT = "/dev/shm"  # where the stores' segment directories go unless --shm-d
 
 
 def start_cluster(
-    hosts: int, replicas: int, keep: int, shard_bytes: int, data_plane: str | None, env: dict[str, str], shm_root: str = SHM_ROOT
-) -> LocalCluster:
+    hosts: int, replicas: int, keep: int, shard_bytes: int, data_plane: str | None, env: dict[str, str], shm_root: str = SHM_ROOT,
+    redundancy: str | None = None,
+) -> LocalCluster:  # fmt: skip
     """Freshly started stores with room for keep+3 shards (keep steps, one being saved, the automatic reserve's two
     segments) and the small saves, or for an explicit ``--prefault`` if that is more. ``--repair-interval 3600``: no
     anti-entropy pass runs during the measurements (a
     replacement store still runs its start-up pass: that is how it gets back to R copies after a host loss).
-    ``shm_root``: the tmpfs their segment directories are made in (``--shm-dir``)."""
+    ``shm_root``: the tmpfs their segment directories are made in (``--shm-dir``); ``redundancy``: their
+    ``--redundancy`` (e.g. ``ec:4+1``; None: ``--replicas replicas``)."""
     page = os.sysconf("SC_PAGE_SIZE")
     capacity = (keep + 3) * (-(-shard_bytes // page) * page) + CAPACITY_SLACK
     prefault = env.get("MEMSTORE_PREFAULT", "auto")
@@ -41,8 +43,9 @@ def start_cluster(
         capacity = max(capacity, parse_size(prefault) + CAPACITY_SLACK)
     extra = ["--repair-interval", "3600"] + (["--data-plane", data_plane] if data_plane else [])
     cluster = LocalCluster(
-        hosts=hosts, replicas=replicas, capacity=str(capacity), keep=keep, extra_args=extra, env=env or None, shm_root=shm_root
-    )
+        hosts=hosts, replicas=replicas, capacity=str(capacity), keep=keep, extra_args=extra, env=env or None, shm_root=shm_root,
+        redundancy=redundancy,
+    )  # fmt: skip
     try:
         cluster.start()
     except BaseException:
@@ -187,7 +190,8 @@ def restore_in_new_process(
     source: dict[str, str], timeout: float, before: Callable[[], object] | None = None, during: Callable[[], object] | None = None
 ) -> dict[str, Any]:
     """Start a restore process and wait until it has imported torch; run ``before`` (e.g. kill a store), tell it to
-    restore from ``source`` (``{"address": ..., "job": ...}`` or ``{"path": ...}``), run ``during`` (e.g. start the
+    restore from ``source`` (``{"address": ..., "job": ...}``, with ``"world_size"`` when the job has more than one rank:
+    it restores rank 0; or ``{"path": ...}``), run ``during`` (e.g. start the
     replacement) and return its report (timings, source host, fingerprint)."""
     child = RestoreProcess()
     try:
@@ -236,7 +240,8 @@ def restore_worker() -> None:
         return
     wait_accepting(cmd["address"], float(cmd["wait_seconds"]))
     t_accept = time.perf_counter()
-    client = CheckpointClient(cmd["job"], 0, 1, connection=Connection(cmd["address"], timeout=60.0))
+    world_size = int(cmd.get("world_size", 1))  # rank 0 of a job of that many ranks
+    client = CheckpointClient(cmd["job"], 0, world_size, connection=Connection(cmd["address"], timeout=60.0))
     t_connected = time.perf_counter()
     state = client.load(zero_copy=True)
     t_loaded = time.perf_counter()

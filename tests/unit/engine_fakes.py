@@ -46,10 +46,16 @@ class FakePool:
         self.directory = directory
         self.used = 0
         self.released: list[Segment] = []
+        self.unpooled: list[Segment] = []  # released with reuse=False: back to the kernel, never a spare
+        self.streams: list[tuple[str, int] | None] = []  # the stream each acquire taught the reserve (None: none)
         self.described: dict[int, bytes] = {}
         self.adoptable: list[tuple[Segment, bytes]] = []  # what a previous incarnation left (adopt checks each)
 
-    def acquire(self, nbytes: int, owner: str, what: str = "", quota: int = 0, preferred: str = "", ring: int = -1, **_: Any) -> Segment:
+    def acquire(
+        self, nbytes: int, owner: str, what: str = "", quota: int = 0, preferred: str = "", ring: int = -1,
+        stream: tuple[str, int] | None = None, **_: Any,
+    ) -> Segment:  # fmt: skip
+        self.streams.append(stream)
         if self.used + nbytes > self.capacity:
             raise CapacityExceeded(f"{what} needs {nbytes}", needed=nbytes, used=self.used, capacity=self.capacity)
         self.used += nbytes
@@ -71,9 +77,11 @@ class FakePool:
     def count_growth(self, owner: str, ring: int, size: int) -> None:
         raise AssertionError("the fake pool's rings never fill")
 
-    def release(self, seg: Segment) -> None:
+    def release(self, seg: Segment, reuse: bool = True) -> None:
         assert seg not in self.released, "a segment released twice"
         self.released.append(seg)
+        if not reuse:
+            self.unpooled.append(seg)
         self.used -= seg.size
 
     def describe(self, seg: Segment, meta: bytes) -> None:

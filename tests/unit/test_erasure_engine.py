@@ -116,3 +116,18 @@ def test_a_corrupt_fragment_is_dropped_never_read_and_a_wrong_contribution_is_re
         keeper.read(("job", 1, ""), 0, 0, 1)
     assert keeper.listing("job") == [] and keeper.corrupt == 1 and keeper.bytes_by_job() == {}  # dropped: repair refills it
     assert pool.released  # its memory went back
+
+
+def test_fragments_keep_no_spare_and_teach_the_reserve_no_stream() -> None:
+    # Rank 1 contributes to row 0 at steps 1..3; retention keeps two versions: step 1's fragment goes back to the kernel,
+    # not to the job's pool (the next version's fragment faults in fresh pages), and no acquire was a rank's stream.
+    keeper, pool = keeper_of()
+    data = bytes(range(256)) * (BLOCK // 256)
+    place = ErasurePlace(GROUP, 1, 1, 0)
+    for step in (1, 2, 3):
+        m = Manifest(key(1, step), 5, len(data), 4096, (0,) * (len(data) // 4096), "h1")
+        assert keeper.add(m, place, 0, *contribution(m, place, data, 0))
+    assert len(pool.streams) == 3 and set(pool.streams) == {None}
+    assert keeper.retire("job", 2, set()) == 1
+    assert len(pool.released) == 1 and pool.unpooled == pool.released
+    assert sorted(k.step for k, _ in keeper.versions("job")) == [2, 3]

@@ -137,6 +137,10 @@ def test_accounting_is_exact_through_acquire_release_trim(tmp_path) -> None:  # 
     exported.exported = True
     pool.release(exported)  # a reader mapped it: unlinked, not pooled
     check()
+    spare = pool.acquire(PAGE, "job")
+    pool.release(spare, reuse=False)  # nothing will need it soon (a parity fragment dropped): unlinked, not pooled
+    check()
+    assert pool.pooled_bytes == 0 and pool.in_use_bytes == 14 * PAGE
     pool.release(b)
     pool.trim(0)
     check()

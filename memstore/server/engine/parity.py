@@ -9,7 +9,16 @@ replacement which shards its lost predecessor owned, and what a rebuild reads fr
 
 The fragment's bytes live in the store's shared memory (segments of the pool, one per extent of positions: the first
 contribution of a row allocates its run, a longer one adds what is past the end), so they count against the capacity,
-the job's quota and its memory as replicas do. Every block carries an xxh3 checksum, updated as contributions land and
+the job's quota and its memory as replicas do.
+
+Memory: a fragment keeps no spare. Its segments are made when its version's first contribution comes (fresh pages,
+zero already: nothing to clear) and go back to the kernel when the fragment is dropped, not to the job's pool; nor do
+they teach the automatic reserve a stream (``Room.acquire(stream=False)``): the reserve's streams are a rank's shards
+cycling through a store, while a fragment is allocated by whichever data host contributes first, so counting it as that
+rank's stream multiplied the parity's cycle by the ranks that happened to come first (measured: up to 3x a rank's state
+of fresh segments per store at 8 MiB per rank). So a store holds parity for its kept versions and the one being built,
+and nothing once that one is kept: ``M/K`` of a part per kept step. Faulting in a fragment costs its parity host about
+0.3 s of a core per GiB, off every save's path (a pooled spare would have to be cleared instead: a write of the same bytes). Every block carries an xxh3 checksum, updated as contributions land and
 checked before a block leaves (``read``): a fragment that fails it is dropped (``ChecksumMismatch``) and the next
 repair pass fills it again from its data hosts (``memstore.server.engine.rebuild``), never used.
 
@@ -189,7 +198,7 @@ class ParityKeeper:
     def _cover(self, fragment: Fragment, key: ShardKey, run: Run) -> None:
         """Extents for every position of ``run`` (zeroed), from the room for ``key`` (under ``fragment``'s lock)."""
         for lo, hi in fragment.gaps(run.first, run.end):
-            segment = self.room.acquire(key, (hi - lo) * BLOCK)
+            segment = self.room.acquire(key, (hi - lo) * BLOCK, stream=False)
             view = segment.view()[: (hi - lo) * BLOCK]
             if not segment.fresh:
                 np.frombuffer(view, dtype=np.uint8)[:] = 0
@@ -303,7 +312,7 @@ class ParityKeeper:
             extents, fragment.extents = fragment.extents, []
         log.info("dropping the parity of row %d of %s step %d (%s)", fragment.row, fragment.version[0], fragment.version[1], why)
         for e in extents:
-            self.pool.release(e.segment)
+            self.pool.release(e.segment, reuse=False)  # no spare: see the module's "Memory"
 
     def close(self) -> None:
         for f in self._held(""):

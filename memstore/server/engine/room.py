@@ -31,28 +31,32 @@ class Room:
 
     def acquire(
         self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING, evict: bool = True, grow: bool = False,
-        sparse: bool = False,
+        sparse: bool = False, stream: bool = True,
     ) -> Segment:  # fmt: skip
         """A segment for ``key``, within the store's capacity and the job's quota (``--job-quota``), making room under
         pressure as the module says. ``evict=False`` (memory reserved ahead of a save, which may never come, or a pull
         ahead of a restore): refuse rather than drop anything. ``sparse``: a segment made for it leaves its pages to
-        the client that writes it (``SegmentMaker.create``).
+        the client that writes it (``SegmentMaker.create``). ``stream=False``: the bytes are no shard of ``key``'s rank
+        cycling through this store (a parity fragment, which whichever data host contributes first allocates), so the
+        automatic reserve does not size itself by them (``memstore.core.reserve_policy``).
         """
         if ring != NO_RING and evict:  # a save into its rank's full capture ring grows it (counted past the slack)
             with self.pool.saving_into(key.job_id, ring):
                 full = self.pool.ring_full(key.job_id, ring)
                 if full:
                     self.pool.count_growth(key.job_id, ring, full)
-                return self._within_limits(key, nbytes, preferred, ring, evict, grow, sparse)
-        return self._within_limits(key, nbytes, preferred, ring, evict, grow, sparse)
+                return self._within_limits(key, nbytes, preferred, ring, evict, grow, sparse, stream)
+        return self._within_limits(key, nbytes, preferred, ring, evict, grow, sparse, stream)
 
-    def _within_limits(self, key: ShardKey, nbytes: int, preferred: str, ring: int, evict: bool, grow: bool, sparse: bool) -> Segment:
+    def _within_limits(
+        self, key: ShardKey, nbytes: int, preferred: str, ring: int, evict: bool, grow: bool, sparse: bool, stream: bool
+    ) -> Segment:
         wait = AHEAD_POLL_SECONDS if ring != NO_RING and not evict and not grow else 0.0  # a reservation ahead: see rings.py
         while True:
             try:
                 return self.pool.acquire(
                     nbytes, key.job_id, what=f"shard {key}", quota=self.config.job_quota, preferred=preferred, ring=ring, grow=grow,
-                    stream=(key.job_id, key.rank), wait=wait, sparse=sparse,
+                    stream=(key.job_id, key.rank) if stream else None, wait=wait, sparse=sparse,
                 )  # fmt: skip
             except CapacityExceeded as exc:  # QuotaExceeded included: its numbers are the job's
                 if not evict:

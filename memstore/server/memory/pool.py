@@ -607,12 +607,13 @@ class SegmentPool:
             except OSError as exc:
                 log.warning("cannot write the sidecar of %s (the shard will not be adopted after a crash): %s", seg.path, exc)
 
-    def release(self, seg: Segment) -> None:
+    def release(self, seg: Segment, reuse: bool = True) -> None:
         """Return a segment to the pool (kept mapped and faulted for the next save) or free it.
 
         Its sidecar goes first: a pooled segment is never adoptable. A sparse segment whose pages are not all
-        allocated (its client died before faulting them in, or could not) is freed, never pooled. Releasing a segment that is not
-        in use (twice, or after ``close``) is logged and ignored.
+        allocated (its client died before faulting them in, or could not) is freed, never pooled; so is one released
+        with ``reuse=False`` (nothing is expected to need it soon). Releasing a segment that is not in use (twice, or
+        after ``close``) is logged and ignored.
         """
         with self._lock:
             if seg not in self._in_use:
@@ -628,7 +629,7 @@ class SegmentPool:
                 seg.described = False
             if seg.sparse and _allocated(seg):
                 seg.sparse = False  # its client faulted every page in (a ring's fill, a reservation given back)
-            if not seg.exported and not seg.sparse and self.pooled_bytes + seg.size <= self.max_pooled_bytes:
+            if reuse and not seg.exported and not seg.sparse and self.pooled_bytes + seg.size <= self.max_pooled_bytes:
                 if seg.ring != NO_RING and self._ring_size(seg.owner, seg.ring) >= self.ring_limit:  # (seg is out of it now)
                     seg.ring = NO_RING  # the ring grew past its limit (saves outran retention): this one leaves it
                 self._free.append(seg)

@@ -113,7 +113,9 @@ def save_rounds(cluster: Any, ranks: list[Rank], tcp: PairedTcp, count: int, ram
     return rounds
 
 
-def summary(scheme: str, rounds: list[dict[str, Any]], state_bytes: list[int], local: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+def summary(
+    scheme: str, rounds: list[dict[str, Any]], state_bytes: list[int], local: dict[str, Any], peer: dict[str, Any]
+) -> dict[str, Any]:
     """The figures the table shows, over the steady rounds (after save 1 and the early saves), and every raw number."""
     steady = [r for r in rounds if r["phase"] == "steady"]
     stalls = [x["stall_over_memcpy"] for r in steady for x in r["ranks"] if x["stall_over_memcpy"] is not None]

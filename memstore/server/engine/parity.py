@@ -9,18 +9,18 @@ replacement which shards its lost predecessor owned, and what a rebuild reads fr
 
 The fragment's bytes live in the store's shared memory (segments of the pool, one per extent of positions: the first
 contribution of a row allocates its run, a longer one adds what is past the end), so they count against the capacity,
-the job's quota and its memory as replicas do.
+the job's quota and its memory as replicas do. Every block carries an xxh3 checksum, updated as contributions land and
+checked before a block leaves (``read``): a fragment that fails it is dropped (``ChecksumMismatch``) and the next repair
+pass fills it again from its data hosts (``memstore.server.engine.rebuild``), never used.
 
-Memory: a fragment keeps no spare. Its segments are made when its version's first contribution comes (fresh pages,
-zero already: nothing to clear) and go back to the kernel when the fragment is dropped, not to the job's pool; nor do
-they teach the automatic reserve a stream (``Room.acquire(stream=False)``): the reserve's streams are a rank's shards
-cycling through a store, while a fragment is allocated by whichever data host contributes first, so counting it as that
-rank's stream multiplied the parity's cycle by the ranks that happened to come first (measured: up to 3x a rank's state
-of fresh segments per store at 8 MiB per rank). So a store holds parity for its kept versions and the one being built,
-and nothing once that one is kept: ``M/K`` of a part per kept step. Faulting in a fragment costs its parity host about
-0.3 s of a core per GiB, off every save's path (a pooled spare would have to be cleared instead: a write of the same bytes). Every block carries an xxh3 checksum, updated as contributions land and
-checked before a block leaves (``read``): a fragment that fails it is dropped (``ChecksumMismatch``) and the next
-repair pass fills it again from its data hosts (``memstore.server.engine.rebuild``), never used.
+Memory: a fragment keeps no spare. Its segments are made when its version's first contribution comes (fresh pages, zero
+already: nothing to clear) and go back to the kernel when the fragment is dropped, not to the job's pool; nor do they
+teach the automatic reserve a stream (``Room.acquire(stream=False)``): the reserve's streams are a rank's shards cycling
+through a store, while a fragment is allocated by whichever data host contributes first, so counting it as that rank's
+stream multiplied the parity's cycle by the ranks that happened to come first (measured: up to 3x a rank's state of
+fresh segments per store at 8 MiB per rank). So a store holds parity for its kept versions (``M/K`` of a part each)
+and, while a save is in flight, the one being built. Faulting in a fragment costs its parity host about 0.3 s
+of a core per GiB, off every save's path (a pooled spare would have to be cleared instead: a write of the same bytes).
 
 A contribution is added whole or not at all (its bytes arrive first, checked against the sender's checksum), and once
 per shard: a second one of the same shard (a retry, a repair pass racing the owner's push) adds nothing.

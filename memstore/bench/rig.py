@@ -187,7 +187,7 @@ class RestoreProcess:
 
 
 def restore_in_new_process(
-    source: dict[str, str], timeout: float, before: Callable[[], object] | None = None, during: Callable[[], object] | None = None
+    source: dict[str, Any], timeout: float, before: Callable[[], object] | None = None, during: Callable[[], object] | None = None
 ) -> dict[str, Any]:
     """Start a restore process and wait until it has imported torch; run ``before`` (e.g. kill a store), tell it to
     restore from ``source`` (``{"address": ..., "job": ...}``, with ``"world_size"`` when the job has more than one rank:

@@ -83,7 +83,8 @@ ERASURE_FAULTS: tuple[Fault, ...] = (
         name="Host lost while parity is computed",
         description=f"h0's store SIGKILLs itself about to send its contribution of step 8 (MEMSTORE_FAULTS "
         f"contribute.before_send:{KILLED_AT_CONTRIBUTION}=kill) while the other four send theirs of step 8 to it; its RAM is "
-        "lost and an empty replacement starts: step 7 comes back, rank 0's shard rebuilt from the survivors",
+        "lost and an empty replacement starts: step 7, the newest every rank committed, comes back, rank 0's shard rebuilt "
+        "from the survivors",
         configs=(EC41,),
         inject=_lose_h0_mid_contribution,
         recover=_replace_h0,
@@ -94,8 +95,8 @@ ERASURE_FAULTS: tuple[Fault, ...] = (
         id="ec-corrupt-parity",
         name="Corrupted parity fragment, then a host lost",
         description="one byte of every page of h1's parity fragments is flipped, then h0 is lost: rank 0's shards, which "
-        "only that parity protects, fail its checksums and are never rebuilt from it (nothing restorable from RAM, the "
-        "fragments dropped and refilled from their data hosts); the durable tier serves",
+        "only that parity protects, are never rebuilt from it (each fragment fails its block checksums when read and is "
+        "dropped; nothing restorable from RAM, a second loss in the row for M=1); the durable tier serves",
         configs=(EC41, EC41S),
         inject=_corrupt_parity_of_h1,
         recover=_restart_dead,

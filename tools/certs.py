@@ -42,7 +42,7 @@ def make_tls(directory: str | Path, name: str = "memstore", hosts: tuple[str, ..
     try:
         from cryptography import x509
     except ImportError:
-        raise ConfigError("throwaway TLS certificates need the 'cryptography' package: pip install 'memstore[bench]'") from None
+        raise ConfigError("throwaway TLS certificates need 'cryptography' (in the dev extra): pip install cryptography") from None
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 

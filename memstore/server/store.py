@@ -43,6 +43,7 @@ from memstore.core.reserve_policy import ReservePolicy
 from memstore.core.sizes import format_size
 from memstore.core.spill_policy import spill_duty
 from memstore.core.status import CaptureReport, DiscoveryReport, HealthReport, HelloReport, JobCensus, JobMemory, SpillReport, job_census
+from memstore.erasure.heap import tune_heap
 from memstore.errors import InvalidArgument, ShardNotFound
 from memstore.server.engine.admission import Admission
 from memstore.server.engine.arrivals import Arrivals
@@ -84,6 +85,7 @@ class Store:
 
     parity: ParityKeeper  # the parity fragments this store keeps for its group (ec:K+M; empty under replicas)
     encoder: Encoder | None  # ec:K+M: sends this store's shards' contributions (``_protection``)
+    heap_tuned: bool  # ec:K+M with M >= 2: glibc keeps freed blocks for pyeclib's next call (``memstore.erasure.heap``)
 
     def __init__(
         self,
@@ -142,10 +144,10 @@ class Store:
             self.catalog, self.eviction, config, self.recovery.cluster_holdings, self.datapath.expire_tickets, self._stop,
             self._retention_due, self.floors,
         )  # fmt: skip
+        self.scrubber = Scrubber(self.catalog, self.foreground_busy, config.scrub_rate, config.scrub_interval, self._stop)
         self.rebuilder = self._erasure_repair() if config.redundancy.erasure_coded else None
         self.drainer = Drainer(self.catalog, config, self.membership, self.peers, self.draining)
         self.assembler = Assembler(self.catalog, self.arrivals, self.pool, self.recovery.pull_ahead, self._stop, self.draining)
-        self.scrubber = Scrubber(self.catalog, self.foreground_busy, config.scrub_rate, config.scrub_interval, self._stop)
 
         # What the servicer calls (memstore.server.servicer), by the part that answers it.
         self.allocate = self.saver.allocate
@@ -191,6 +193,8 @@ class Store:
         sent to the group; the parity this store keeps for the group in ``parity``; lost shards back: ``rebuilder``)."""
         self.parity = ParityKeeper(self.host_id, self.room, self.pool, self._my_slot)
         self.encoder = None
+        # Reed-Solomon (M >= 2) allocates its output per call: freed blocks stay in the C heap (memstore.erasure.heap).
+        self.heap_tuned = tune_heap(self.config.redundancy)
         if self.config.redundancy.erasure_coded:
             self.encoder = Encoder(self.catalog, self.config, self.membership, self.peers, self.events, self._retention_due)
         return self.encoder or self.replicator
@@ -211,6 +215,7 @@ class Store:
         self.recovery.rebuilder = rebuilder
         self.recovery.parity_listing = self.parity.listing
         self.janitor.parity = self.parity
+        self.scrubber.parity = self.parity
         return rebuilder
 
     def _my_slot(self) -> str | None:

@@ -14,7 +14,7 @@ from memstore.core.erasure_layout import BLOCK
 from memstore.testing import LocalCluster, wait_for
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient, Connection
-from trainer_client.errors import NoCheckpointError
+from trainer_client.errors import NoCheckpointError, NotFoundError
 
 pytestmark = pytest.mark.integration
 
@@ -114,3 +114,42 @@ def test_two_losses_in_one_group_are_unrestorable_from_ram(make_inprocess_cluste
     finally:
         for c in cs:
             c.close()
+
+
+def test_a_corrupt_parity_fragment_is_refilled_from_the_data_hosts_or_reported(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    flags = ["--scrub-rate", "1GiB", "--scrub-interval", "0.1", "--repair-interval", "0.2"]
+    cluster = make_inprocess_cluster(hosts=HOSTS, redundancy="ec:4+1", capacity="256MiB", keep=KEEP, extra_args=flags)
+    save_steps(cluster, range(1, 3))
+    keeper = cluster.servers["h0"].store.parity  # row 0's parity: the first block of h1, h2, h3 and h4
+
+    def row0(step: int):  # type: ignore[no-untyped-def]
+        return next(f for (v, row), f in keeper._fragments.items() if v[1] == step and row == 0 and not f.dropped)
+
+    def covered(step: int) -> set[int]:
+        return {i.manifest.key.rank for i in keeper.listing(JOB) if i.parity and i.parity.row == 0 and i.manifest.key.step == step}
+
+    # A bit flips in h0's fragment while every data host is alive: the scrub finds it and drops it, repair refills it
+    # from h1..h4, and it then rebuilds rank 1's shard bit-exactly.
+    row0(2).block(0)[4242] ^= 0x04
+    wait_for(lambda: keeper.corrupt == 1, timeout=10, what="the scrub to find the flipped bit")
+    wait_for(lambda: covered(2) == {1, 2, 3, 4}, timeout=30, what="h0 to refill row 0")
+    assert cluster.servers["h0"].store.scrubber.corrupt >= 1
+    cluster.kill("h1")
+    c = CheckpointClient(JOB, 1, WORLD, connection=Connection(cluster.address("h0"), timeout=20.0))
+    try:
+        assert_same(c.load(2), rank_state(1, 2, scale=SCALE))
+    finally:
+        c.close()
+
+    # With h1 lost, a flip in its step 1's row 0 parity cannot be made good: the refill from h2..h4 lacks h1's
+    # contribution. Once found, rank 1's step 1 is reported unrestorable from RAM instead of being rebuilt wrong.
+    row0(1).block(0)[99] ^= 0x80
+    wait_for(lambda: keeper.corrupt == 2, timeout=10, what="the scrub to find the second flip")
+    wait_for(lambda: covered(1) == {2, 3, 4}, timeout=30, what="h0 to refill row 0 of step 1 from the data hosts alive")
+    c = CheckpointClient(JOB, 1, WORLD, connection=Connection(cluster.address("h0"), timeout=20.0))
+    try:
+        with pytest.raises(NotFoundError, match=r"step 1 .* is not restorable"):
+            c.load(1)
+        assert c.latest_step() == 2  # the copy h0 kept of the restore above
+    finally:
+        c.close()

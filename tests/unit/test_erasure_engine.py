@@ -15,6 +15,9 @@ from memstore.erasure.codec import Codec
 from memstore.errors import ChecksumMismatch, InvalidArgument
 from memstore.server.engine.encoding import Contributions
 from memstore.server.engine.parity import ParityKeeper
+from memstore.server.engine.rebuild import bad_chunks, chunks_of, spans_of
+from memstore.server.engine.scrub import Scrubber
+from memstore.v1.integrity import checksum
 from tests.unit.engine_fakes import FakePool, config, make_catalog, room_of
 
 pytestmark = pytest.mark.unit
@@ -116,3 +119,56 @@ def test_a_corrupt_fragment_is_dropped_never_read_and_a_wrong_contribution_is_re
         keeper.read(("job", 1, ""), 0, 0, 1)
     assert keeper.listing("job") == [] and keeper.corrupt == 1 and keeper.bytes_by_job() == {}  # dropped: repair refills it
     assert pool.released  # its memory went back
+
+
+def test_a_bit_flipped_before_a_contribution_lands_is_not_folded_into_a_fresh_checksum() -> None:
+    keeper, pool = keeper_of()
+    rng = np.random.default_rng(3)
+    shards = {r: rng.integers(0, 256, size=BLOCK, dtype=np.uint8).tobytes() for r in (1, 2)}
+    places = {r: ErasurePlace(GROUP, r, 1, 0) for r in shards}
+    first, blocks, bytes_, sent = contribution(manifest(1, BLOCK), places[1], shards[1], 0)
+    assert keeper.add(manifest(1, BLOCK), places[1], 0, first, blocks, bytes_, sent)
+    keeper._fragments[(("job", 1, ""), 0)].extents[0].segment.view()[5] ^= 0x01  # a bit flips in RAM
+    first, blocks, bytes_, sent = contribution(manifest(2, BLOCK), places[2], shards[2], 0)
+    assert keeper.add(manifest(2, BLOCK), places[2], 0, first, blocks, bytes_, sent)  # lands in a fresh fragment
+    assert keeper.corrupt == 1 and pool.released  # the corrupt one went, with its memory
+    contributors, parity = keeper.read(("job", 1, ""), 0, 0, 1)
+    assert [i.manifest.key.rank for i in contributors] == [2]  # rank 1's comes back with the repair's refill
+    assert parity == shards[2]  # M=1: the fragment is rank 2's block alone, not rank 1's with a flipped bit
+
+
+def test_the_scrub_drops_a_corrupt_parity_fragment_and_leaves_sound_ones() -> None:
+    keeper, _pool = keeper_of()
+    data = bytes(range(256)) * (BLOCK // 256)
+    for step in (1, 2):
+        place = ErasurePlace(GROUP, 1, 1, 0)
+        first, blocks, bytes_, sent = contribution(manifest(1, len(data)), place, data, 0)
+        m = Manifest(key(1, step), 5, len(data), 4096, (0,) * (len(data) // 4096), "h1")
+        assert keeper.add(m, place, 0, first, blocks, bytes_, sent)
+    keeper._fragments[(("job", 2, ""), 0)].extents[0].segment.view()[BLOCK - 1] ^= 0x80
+    catalog, _, stop = make_catalog(config(capacity="64MiB"))
+    now = [0.0]
+    scrub = Scrubber(catalog, catalog.busy, rate=1 << 40, interval=60.0, stop=stop, wall=lambda: now[0])
+    scrub.parity = keeper
+    assert scrub.pass_once() == 0 and scrub.scrubbed_bytes == 0  # fragments younger than the interval: verified as they landed
+    now[0] = 1e12  # long after
+    assert scrub.pass_once() == 1
+    assert scrub.corrupt == 1 and keeper.corrupt == 1 and scrub.scrubbed_bytes == 2 * BLOCK
+    assert {i.manifest.key.step for i in keeper.listing("job")} == {1}  # step 2's fragment dropped: repair refills it
+    assert keeper.check(("job", 1, ""), 0, 0) is True and keeper.check(("job", 2, ""), 0, 0) is None
+
+
+def test_a_rebuilds_chunks_are_those_its_runs_blocks_fall_in() -> None:
+    nbytes = 6 * BLOCK + 123
+    m = Manifest(key(2), 5, nbytes, 4 << 20, tuple(0 for _ in range(2)), "h2")
+    place = ErasurePlace(GROUP, 2, 1, 0)
+    by_row = {r.row: r for r in runs(place, nbytes)}
+    assert spans_of(by_row[0], nbytes) == [(0, BLOCK), (4 * BLOCK, 5 * BLOCK)]  # blocks 0 and 4: chunks 0 and 1
+    assert chunks_of(by_row[0], m) == {0, 1} and chunks_of(by_row[4], m) == {0}  # block 3 only
+    assert spans_of(by_row[3], nbytes) == [(2 * BLOCK, 3 * BLOCK), (6 * BLOCK, nbytes)]  # the last block short
+    data = np.random.default_rng(1).integers(0, 256, size=nbytes, dtype=np.uint8)
+    sums = tuple(checksum(data[i : i + (4 << 20)].tobytes()) for i in range(0, nbytes, 4 << 20))
+    good = Manifest(key(2), 5, nbytes, 4 << 20, sums, "h2")
+    assert bad_chunks(data.data, good) == set()
+    data[5 * BLOCK] ^= 1
+    assert bad_chunks(data.data, good) == {1}

@@ -53,7 +53,6 @@ class _Decoder:
         self.specs = specs
         # zero-copy decode: large tensors and arrays become views of this writable buffer object
         self.share = share
-        self.share_base: torch.Tensor | None = None
         self.objects: list[Any] = []  # blob index -> its object (materialize_all)
         # blob index -> whether it is a tensor, what a ["T", index] node may refer to
         self.tensor_blobs: list[bool] = list(map(BLOB_TENSOR.__eq__, map(_KIND, specs)))
@@ -85,7 +84,6 @@ class _Decoder:
         # Drop every alias of the shard buffer so the caller can release/close it.
         self.base = None
         self.np_base = None
-        self.share_base = None
 
     # -- tree -------------------------------------------------------------------------
 
@@ -294,13 +292,13 @@ class _Decoder:
         if needs_raw_copy(spec.dtype):
             return None
         raw = None if self.views is None else self.views(start, end)
+        # One call per step a tensor needs (each costs microseconds, and a restore makes hundreds): the tensor is made
+        # of its dtype straight over the buffer (2.5x faster than a slice of a byte alias, then a view), and a 1-D
+        # tensor needs no reshape. Each tensor owns a storage of exactly its bytes, so saving one saves only those.
         if raw is None:
-            if self.share_base is None:
-                self.share_base = torch.frombuffer(self.share, dtype=torch.uint8)  # type: ignore[call-overload]
-            raw = self.share_base[start:end]
-        # One view per step a tensor needs (each costs microseconds, and a restore makes hundreds): a byte string's
-        # slice is already the tensor, and a 1-D tensor needs no reshape.
-        tensor = raw if spec.dtype is torch.uint8 else raw.view(spec.dtype)
+            tensor = torch.frombuffer(self.share, dtype=spec.dtype, count=spec.nbytes // spec.dtype.itemsize, offset=start)  # type: ignore[call-overload]
+        else:
+            tensor = raw if spec.dtype is torch.uint8 else raw.view(spec.dtype)
         if len(spec.shape) != 1:
             tensor = tensor.view(spec.shape)
         if spec.parameter:

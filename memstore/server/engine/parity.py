@@ -10,8 +10,11 @@ replacement which shards its lost predecessor owned, and what a rebuild reads fr
 The fragment's bytes live in the store's shared memory (segments of the pool, one per extent of positions: the first
 contribution of a row allocates its run, a longer one adds what is past the end), so they count against the capacity,
 the job's quota and its memory as replicas do. Every block carries an xxh3 checksum, updated as contributions land and
-checked before a block leaves (``read``): a fragment that fails it is dropped (``ChecksumMismatch``) and the next
-repair pass fills it again from its data hosts (``memstore.server.engine.rebuild``), never used.
+checked before a block leaves (``read``), before a contribution is added to it (so a bit that flipped meanwhile is not
+folded into a fresh checksum) and by the background scrub (``check``, ``memstore.server.engine.scrub``): a fragment
+that fails it is dropped (``ChecksumMismatch`` to a reader; counted in ``corrupt``) and the next repair pass fills it
+again from its data hosts (``memstore.server.engine.rebuild``), never used. (A contribution added to a fresh fragment
+after such a drop starts it again; the others come back with the refill.)
 
 A contribution is added whole or not at all (its bytes arrive first, checked against the sender's checksum), and once
 per shard: a second one of the same shard (a retry, a repair pass racing the owner's push) adds nothing.
@@ -108,6 +111,15 @@ class Fragment:
             out.append((at, end))
         return out
 
+    def first_bad(self, first: int, end: int) -> int | None:
+        """The first position in ``first .. end-1`` whose block fails its checksum (None: all verify or are zeros)."""
+        for position in range(first, end):
+            block = self.block(position)
+            want = self.sums.get(position)
+            if block is not None and want is not None and checksum(block) != want:
+                return position
+        return None
+
     def needs_of(self, key: ShardKey) -> tuple[ShardKey, ...]:
         """The other shards whose runs share positions with ``key``'s."""
         mine = self.contributed[key].run
@@ -136,24 +148,34 @@ class ParityKeeper:
         run = self._check(manifest, place, row, first, blocks, data, sent_sum)
         key = manifest.key
         version = (key.job_id, key.step, key.timeline)
-        fragment = self._fragment(version, row, place)
-        with fragment.lock:
-            if fragment.dropped:
-                raise ShardNotFound(f"the parity of row {row} of {key} was dropped meanwhile (retention, or it failed verification)")
-            if key in fragment.contributed:
-                return False
-            self._cover(fragment, key, run)
-            incoming = np.frombuffer(data, dtype=np.uint8).reshape(blocks, BLOCK)
-            codec = self._codec(place)
-            for i in range(blocks):
-                position = first + i
-                block = fragment.block(position)
-                assert block is not None
-                target = np.frombuffer(block, dtype=np.uint8)
-                codec.accumulate(target, incoming[i])
-                fragment.sums[position] = checksum(block)
-            fragment.contributed[key] = Contributed(manifest, place, run)
-        return True
+        incoming = np.frombuffer(data, dtype=np.uint8).reshape(blocks, BLOCK)
+        for _ in range(2):  # a fragment found corrupt is dropped and the contribution goes into a fresh one
+            fragment = self._fragment(version, row, place)
+            with fragment.lock:
+                if fragment.dropped:
+                    raise ShardNotFound(f"the parity of row {row} of {key} was dropped meanwhile (retention, or it failed verification)")
+                if key in fragment.contributed:
+                    return False
+                bad = fragment.first_bad(run.first, run.end)
+                if bad is None:
+                    self._accumulate(fragment, key, Contributed(manifest, place, run), incoming)
+                    return True
+            self._corrupt(fragment, bad)
+        raise ChecksumMismatch(f"the parity of row {row} of {key} on store {self.host_id} failed verification twice in a row")
+
+    def _accumulate(self, fragment: Fragment, key: ShardKey, contributed: Contributed, incoming: np.ndarray) -> None:
+        """Add ``incoming`` (a run's blocks, verified ones' positions) into ``fragment`` (under its lock), each block's
+        checksum updated with it."""
+        run = contributed.run
+        self._cover(fragment, key, run)
+        codec = self._codec(contributed.place)
+        for i in range(run.count):
+            position = run.first + i
+            block = fragment.block(position)
+            assert block is not None
+            codec.accumulate(np.frombuffer(block, dtype=np.uint8), incoming[i])
+            fragment.sums[position] = checksum(block)
+        fragment.contributed[key] = contributed
 
     def _check(self, m: Manifest, place: ErasurePlace, row: int, first: int, blocks: int, data: memoryview, sent_sum: int) -> Run:
         problem = shard_manifest_problem(m)
@@ -215,24 +237,52 @@ class ParityKeeper:
         with fragment.lock:
             if fragment.dropped:
                 raise ShardNotFound(f"the parity of row {row} of {version[0]} step {version[1]} was dropped meanwhile")
-            for i in range(blocks):
-                block = fragment.block(first + i)
-                if block is None:
-                    continue
-                want = fragment.sums.get(first + i)
-                if want is not None and checksum(block) != want:
-                    bad = first + i
-                    break
-                out[i * BLOCK : (i + 1) * BLOCK] = block
-            else:
+            bad = fragment.first_bad(first, first + blocks)
+            if bad is None:
+                for i in range(blocks):
+                    block = fragment.block(first + i)
+                    if block is not None:
+                        out[i * BLOCK : (i + 1) * BLOCK] = block
                 contributors = [ShardInfo(c.manifest, ShardState.PARITY, False, erasure=c.place) for c in fragment.contributed.values()]
                 return contributors, bytes(out)
-        self.corrupt += 1
-        self._drop(fragment, f"block {bad} failed its checksum")
+        self._corrupt(fragment, bad)
         raise ChecksumMismatch(
             f"the parity of row {row} of {version[0]} step {version[1]} on store {self.host_id} failed verification at position {bad}: "
             "dropped, the data hosts' shards fill it again"
         )
+
+    def check(self, version: Version, row: int, position: int) -> bool | None:
+        """Re-verify one block of this store's fragment of ``row`` (the scrub); a corrupt one drops the fragment (repair
+        fills it again). True: it verifies (or is zeros); False: it failed and the fragment went; None: no such fragment."""
+        with self._lock:
+            fragment = self._fragments.get((version, row))
+        if fragment is None:
+            return None
+        with fragment.lock:
+            if fragment.dropped:
+                return None
+            if fragment.first_bad(position, position + 1) is None:
+                return True
+        self._corrupt(fragment, position)
+        return False
+
+    def blocks_held(self, older_than: float) -> list[tuple[Version, int, int]]:
+        """(version, row, position) of every block of the fragments created before ``older_than`` (wall clock), the
+        oldest fragment first: what the scrub re-verifies."""
+        out = []
+        for fragment in sorted(self._held(""), key=lambda f: f.created_unix):
+            if fragment.created_unix > older_than:
+                continue
+            with fragment.lock:
+                positions = sorted(fragment.sums)
+            out += [(fragment.version, fragment.row, p) for p in positions]
+        return out
+
+    def _corrupt(self, fragment: Fragment, position: int) -> None:
+        if self._drop(fragment, f"block {position} failed its checksum"):
+            self.corrupt += 1
+            job, step, _ = fragment.version
+            log.warning("the parity of row %d of %s step %d failed its checksum at position %d", fragment.row, job, step, position)
 
     def holds(self, version: Version, row: int, key: ShardKey) -> bool:
         with self._lock:
@@ -292,18 +342,20 @@ class ParityKeeper:
             self._drop(f, "deleted")
         return len(gone)
 
-    def _drop(self, fragment: Fragment, why: str) -> None:
+    def _drop(self, fragment: Fragment, why: str) -> bool:
+        """Forget ``fragment`` and give its memory back; False if it was dropped already."""
         with self._lock:
             if self._fragments.get((fragment.version, fragment.row)) is fragment:
                 del self._fragments[(fragment.version, fragment.row)]
         with fragment.lock:
             if fragment.dropped:
-                return
+                return False
             fragment.dropped = True
             extents, fragment.extents = fragment.extents, []
         log.info("dropping the parity of row %d of %s step %d (%s)", fragment.row, fragment.version[0], fragment.version[1], why)
         for e in extents:
             self.pool.release(e.segment)
+        return True
 
     def close(self) -> None:
         for f in self._held(""):

@@ -6,7 +6,9 @@ list it (``ParityCover``: its manifest with checksums, its place in its owner's 
 the run's positions (``ReadParity``, which also says whose contributions they hold) and the blocks of every other data
 shard in them (``ReadRange``, strided), and the codec solves for the lost column (M=1: the XOR of all of them). The
 result is checked against the manifest's checksums before it is registered: bit-exact, or ``ChecksumMismatch`` (a
-parity or a block is corrupt; for M >= 2 the other parities are tried first), never served.
+parity or a block is corrupt), never served. A parity whose block fails its own checksum is dropped by its keeper and
+not used; one that passes them and still gives a shard that fails is set aside by trying the row's other combinations
+of parities (M >= 2, while fewer than M columns of the row are lost) before reporting.
 
 **Lost parity** (a replacement's fragments, or contributions that never arrived): for each row this store keeps parity
 of, every data shard of the row's hosts (their listings say where it lies: ``ShardInfo.erasure``) that its fragment
@@ -18,6 +20,7 @@ every job first (what a restarted trainer restores), and ``Recovery.fetch`` call
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -42,7 +45,7 @@ from memstore.server.engine.room import Room
 from memstore.server.events import StoreEvents
 from memstore.server.membership import ClusterView, Membership
 from memstore.server.peers import PeerDirectory
-from memstore.v1.integrity import checksum, first_mismatch
+from memstore.v1.integrity import checksum, chunk_spans
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,7 @@ class Rebuilder:
         self._lock = threading.Lock()
         self.rebuilt = 0  # shards rebuilt here
         self.refilled = 0  # contributions read back into this store's fragments
+        self.set_aside = 0  # rows of rebuilds solved again with other parities, the first ones giving a shard that failed
 
     def close(self) -> None:
         self._reads.shutdown(wait=False, cancel_futures=True)
@@ -128,12 +132,6 @@ class Rebuilder:
         segment = self.room.acquire(key, max(1, manifest.nbytes))
         try:
             self._solve(view, manifest, place, segment.view())
-            bad = first_mismatch(segment.view(), manifest.nbytes, manifest.chunk_size, manifest.checksums)
-            if bad is not None:
-                raise ChecksumMismatch(
-                    f"{key} rebuilt from its group's parity fails verification at chunk {bad}: a parity fragment or a survivor's "
-                    "block is corrupt; not served"
-                )
         except BaseException:
             self.room.release(segment)
             raise
@@ -151,18 +149,58 @@ class Rebuilder:
         return "rebuild"
 
     def _solve(self, view: ClusterView, manifest: Manifest, place: ErasurePlace, out: memoryview) -> None:
-        """Write the shard's bytes into ``out``, window by window of every run, each window's reads in parallel."""
-        windows = [(run, lo, min(run.end, lo + WINDOW)) for run in runs(place, manifest.nbytes) for lo in range(run.first, run.end, WINDOW)]
-        for run, lo, hi in windows:
-            lost = self._window(view, manifest, place, run, lo, hi)
-            for i in range(hi - lo):
-                start = run.start + (lo - run.first + i) * run.stride
-                end = min(manifest.nbytes, start + BLOCK)
-                if end > start:
-                    out[start:end] = lost[i * BLOCK : i * BLOCK + end - start]
+        """Write the shard's bytes into ``out``, run by run, and verify them against the manifest's checksums.
 
-    def _window(self, view: ClusterView, manifest: Manifest, place: ErasurePlace, run: Run, lo: int, hi: int) -> memoryview:
-        """The lost shard's blocks at positions ``lo .. hi-1`` of ``run``'s row, solved from the survivors."""
+        Each row is solved first with its first agreeing parities. If chunks then fail, a parity that passed its
+        block checksums is wrong anyway (say a contribution made from bytes that changed after they were checksummed):
+        each row whose blocks fall in a failing chunk is solved again with its other combinations of parities (M >= 2
+        has some while fewer than M columns are lost), one that leaves fewer chunks failing is kept. ChecksumMismatch
+        when no choice verifies: the shard is never served wrong."""
+        shard_runs = runs(place, manifest.nbytes)
+        for run in shard_runs:
+            self._solve_run(view, manifest, place, run, out, 0)
+        bad = bad_chunks(out, manifest)
+        for run in shard_runs:
+            if not bad or not bad & chunks_of(run, manifest):
+                continue
+            for choice in itertools.count(1):
+                before = [bytes(out[start:end]) for start, end in spans_of(run, manifest.nbytes)]
+                if not self._solve_run(view, manifest, place, run, out, choice):
+                    break  # no other combination of this row's parities
+                now = bad_chunks(out, manifest)
+                if len(now) < len(bad):
+                    self.set_aside += 1
+                    log.warning("rebuild of %s: row %d solved with its first parities failed verification; combination %d verifies "
+                                "(a parity fragment is wrong under valid checksums)", manifest.key, run.row, choice)  # fmt: skip
+                    bad = now
+                    break
+                for (start, end), saved in zip(spans_of(run, manifest.nbytes), before, strict=True):
+                    out[start:end] = saved
+        if bad:
+            raise ChecksumMismatch(
+                f"{manifest.key} rebuilt from its group's parity fails verification at chunk {min(bad)} with every choice of parity: "
+                "a parity fragment or a survivor's block is corrupt; not served"
+            )
+
+    def _solve_run(self, view: ClusterView, manifest: Manifest, place: ErasurePlace, run: Run, out: memoryview, choice: int) -> bool:
+        """Write the shard's blocks of ``run`` into ``out``, window by window (each window's reads in parallel), solved
+        with combination ``choice`` of each window's agreeing parities; False (nothing written) when it has none."""
+        for lo in range(run.first, run.end, WINDOW):
+            hi = min(run.end, lo + WINDOW)
+            lost = self._window(view, manifest, place, run, lo, hi, choice)
+            if lost is None:
+                return False
+            window = run.clipped(lo, hi)
+            assert window is not None
+            for i, (start, end) in enumerate(spans_of(window, manifest.nbytes)):  # blocks past the shard's end only trail
+                out[start:end] = lost[i * BLOCK : i * BLOCK + end - start]
+        return True
+
+    def _window(
+        self, view: ClusterView, manifest: Manifest, place: ErasurePlace, run: Run, lo: int, hi: int, choice: int = 0
+    ) -> memoryview | None:
+        """The lost shard's blocks at positions ``lo .. hi-1`` of ``run``'s row, solved from the survivors with
+        combination ``choice`` of the parities that agree (None: there are not that many)."""
         key = manifest.key
         version = ShardKey(key.job_id, key.step, 0, key.timeline)
         count = hi - lo
@@ -172,14 +210,16 @@ class Rebuilder:
             if host:
                 parities.append(self._reads.submit(self._read_parity, host, j, version, run.row, lo, count))
         got = []
+        errors = []
         for f in parities:
             try:
                 got.append(f.result())
             except StoreError as exc:
                 log.info("rebuild of %s: a parity of row %d is unavailable: %s", key, run.row, exc)
+                errors.append(str(exc))
         if not got:
-            raise PeerUnavailable(f"no parity of row {run.row} of {key} could be read")
-        return self._decode(view, key, place, run, lo, hi, got)
+            raise PeerUnavailable(f"no parity of row {run.row} of {key} could be read" + "".join(f"; {e}" for e in errors))
+        return self._decode(view, key, place, run, lo, hi, got, choice)
 
     def _read_parity(self, host: str, j: int, version: ShardKey, row: int, first: int, blocks: int) -> Parity:
         buf = np.empty(blocks * BLOCK, dtype=np.uint8)
@@ -192,9 +232,11 @@ class Rebuilder:
             contributors = self.peers[host].read_parity(version, row, first, blocks, buf.data, timeout)
         return Parity(j, buf, tuple(contributors))
 
-    def _decode(self, view: ClusterView, key: ShardKey, place: ErasurePlace, run: Run, lo: int, hi: int, got: list[Parity]) -> memoryview:
-        """Solve for ``key``'s column from the parities ``got`` (those holding the same contributions as the first) and the
-        other contributors' blocks, read in parallel; the other parities are tried if that fails (M >= 2)."""
+    def _decode(
+        self, view: ClusterView, key: ShardKey, place: ErasurePlace, run: Run, lo: int, hi: int, got: list[Parity], choice: int
+    ) -> memoryview | None:
+        """Solve for ``key``'s column from the parities ``got`` (those holding the same contributions as the first:
+        combination ``choice`` of them, None if there are fewer) and the other contributors' blocks, read in parallel."""
         count = hi - lo
         columns = row_data_columns(place, run.row)
         k = data_columns(place)
@@ -223,8 +265,11 @@ class Rebuilder:
             raise PeerUnavailable(
                 f"{key} cannot be rebuilt: row {run.row} misses {missing} data column(s) and has {len(same)} parity fragment(s) that agree"
             )
+        combos = list(itertools.combinations(same, missing))
+        if choice >= len(combos):
+            return None
         codec = self._codec(place)
-        for p in same[:missing]:
+        for p in combos[choice]:
             present[k + p.index] = p.data
         solved = codec.decode(present, count * BLOCK)
         return np.ascontiguousarray(solved[mine], dtype=np.uint8).data
@@ -345,6 +390,31 @@ class Rebuilder:
         for info in self.catalog.list_shards(""):
             copies.setdefault(info.manifest.key.job_id, []).append((info.manifest.key, info.manifest.created_unix))
         return {job: set(ranked_versions(pairs, self.config.keep)) for job, pairs in copies.items()}
+
+
+def spans_of(run: Run, nbytes: int) -> list[tuple[int, int]]:
+    """The byte ranges ``[start, end)`` of a shard of ``nbytes`` that ``run``'s blocks hold, block by block (a block
+    wholly past the end holds none)."""
+    out = []
+    for i in range(run.count):
+        start = run.start + i * run.stride
+        end = min(nbytes, start + BLOCK)
+        if end > start:
+            out.append((start, end))
+    return out
+
+
+def chunks_of(run: Run, manifest: Manifest) -> set[int]:
+    """The manifest's chunks that ``run``'s blocks fall in."""
+    size = manifest.chunk_size
+    return {c for start, end in spans_of(run, manifest.nbytes) for c in range(start // size, (end - 1) // size + 1)}
+
+
+def bad_chunks(buf: memoryview, manifest: Manifest) -> set[int]:
+    """The chunks of the shard in ``buf`` whose checksum differs from the manifest's."""
+    view = memoryview(buf)
+    spans = chunk_spans(manifest.nbytes, manifest.chunk_size)
+    return {i for i, (off, n) in enumerate(spans) if checksum(view[off : off + n]) != manifest.checksums[i]}
 
 
 def _settled_copy(info: ShardInfo) -> bool:

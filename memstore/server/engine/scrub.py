@@ -7,6 +7,10 @@ is found missing. The scrub finds it first: it walks the copies this store holds
 checksums made at save time, and drops a copy whose chunk differs (the way ``Reader.open`` does), so the next repair
 pass pulls it back from a copy that verifies. ``memstore status`` and the metrics count what it checked and found.
 
+Under ``--redundancy ec:K+M`` it then walks the parity fragments this store keeps (``ParityKeeper.check``, block by
+block against the checksums kept as contributions landed): a fragment that fails is dropped and the next repair pass
+refills it from its data hosts while they are alive, before a loss would need it (it counts in ``ParityKeeper.corrupt``).
+
 The rate bounds its cost: chunk by chunk, it sleeps so that no more than ``rate`` bytes a second are hashed (one
 chunk at a time, on one thread). It skips copies younger than ``interval`` (verified when they landed) and waits
 while the store's foreground is busy (saves, replication, restores, repairs: ``Store.foreground_busy``), as the
@@ -20,8 +24,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from memstore.core.erasure_layout import BLOCK
 from memstore.server.engine.catalog import Catalog
 from memstore.server.engine.entries import Entry
+from memstore.server.engine.parity import ParityKeeper
 from memstore.v1.integrity import checksum, chunk_spans
 
 log = logging.getLogger(__name__)
@@ -54,8 +60,9 @@ class Scrubber:
         self._clock = clock
         self._wall = wall
         self.scrubbed_bytes = 0  # bytes re-verified so far
-        self.corrupt = 0  # copies found corrupt (and dropped) so far
+        self.corrupt = 0  # copies and parity fragments found corrupt (and dropped) so far
         self.passes = 0  # passes completed
+        self.parity: ParityKeeper | None = None  # set by the store under ec:K+M: its parity fragments are scrubbed too
 
     def loop(self) -> None:
         if self.rate <= 0:
@@ -78,7 +85,29 @@ class Scrubber:
             if entry.created_unix > settled_before:
                 continue
             found += self.check(entry)
+        if self.parity is not None:
+            found += self.check_parity(self.parity, settled_before)
         self.passes += 1
+        return found
+
+    def check_parity(self, parity: ParityKeeper, settled_before: float) -> int:
+        """Re-verify the blocks of every parity fragment created before ``settled_before`` (paced, as copies); the
+        fragments found corrupt (each dropped by the keeper)."""
+        found = 0
+        for version, row, position in parity.blocks_held(settled_before):
+            while self.busy() and not self._stop.is_set():
+                self._stop.wait(BUSY_WAIT_SECONDS)
+            if self._stop.is_set():
+                return found
+            started = self._clock()
+            good = parity.check(version, row, position)
+            if good is None:
+                continue  # retired, or dropped at an earlier block
+            self.scrubbed_bytes += BLOCK
+            if not good:
+                found += 1
+                self.corrupt += 1
+            self._pace(BLOCK, self._clock() - started)
         return found
 
     def check(self, entry: Entry) -> int:

@@ -95,8 +95,9 @@ ERASURE_FAULTS: tuple[Fault, ...] = (
         id="ec-corrupt-parity",
         name="Corrupted parity fragment, then a host lost",
         description="one byte of every page of h1's parity fragments is flipped, then h0 is lost: rank 0's shards, which "
-        "only that parity protects, are never rebuilt from it (each fragment fails its block checksums when read and is "
-        "dropped; nothing restorable from RAM, a second loss in the row for M=1); the durable tier serves",
+        "only that parity protects, are never rebuilt from it: read before the scrub's next pass reaches it (--scrub-interval, "
+        "60 s), each fragment fails its block checksums and is dropped; nothing restorable from RAM (a second loss in the row "
+        "for M=1), the durable tier serves",
         configs=(EC41, EC41S),
         inject=_corrupt_parity_of_h1,
         recover=_restart_dead,

@@ -25,6 +25,7 @@ POINTS = {
     "replicate.before_send": "the owner is about to push a shard to a peer",
     "replicate.after_chunk": "the owner has pushed N chunks of a shard to a peer",
     "replicate.after_ack": "a peer acknowledged its copy; the owner has not marked the shard committed",
+    "contribute.before_send": "under ec:K+M, a store is about to send one shard's contribution to a row's parity host",
     "receive.after_chunk": "a peer has received N chunks of a shard",
     "receive.before_register": "a peer verified a full copy but has not registered it",
     "serve.after_chunk": "a store has sent N chunks of a shard to a reader or puller",

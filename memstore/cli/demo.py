@@ -8,7 +8,9 @@ HELP = "end-to-end showcase: DDP training survives a host loss bit-exactly"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hosts", type=int, default=4, help="stores on 127.0.0.1 (one trainer rank each by default)")
+    p.add_argument(
+        "--hosts", type=int, default=None, help="stores on 127.0.0.1, one trainer rank each by default (default 4, or K+M for ec:K+M)"
+    )
     p.add_argument("--replicas", type=int, default=None, help="copies of each shard, the owner's included (default 2)")
     p.add_argument("--redundancy", default=None, help="the stores' --redundancy, replicas:R or ec:K+M (instead of --replicas)")
     p.add_argument("--ranks", type=int, default=None, help="DDP ranks (default: one per host)")

@@ -12,6 +12,11 @@
    reference, reads how many times the stores hold the job's state from ``memstore status --json``,
    prints a summary, and exits non-zero if not.
 
+With ``redundancy="ec:K+M"`` (``memstore demo --redundancy ec:4+1``) the stores erasure-code instead of copying: one
+group of K+M stores (the demo's default hosts), each rank's shard kept whole on its own store plus the group's parity;
+the lost host's rank restores a shard rebuilt from the survivors, and the demo checks that every step in RAM has its
+parity complete.
+
 With ``replica_group=True`` (``memstore demo --replica-group``) the ranks save as one data-parallel replica
 group (``CheckpointClient(replica_group=dist.group.WORLD)``): each captures about 1/ranks of the state, the
 stores hold it R times instead of ranks x R, and the demo checks both figures too. ``report`` writes the
@@ -127,18 +132,20 @@ def progress_until(job: Job, target: int, total: int, label: str, timeout: float
         time.sleep(0.1)
 
 
-def run_demo(hosts: int = 4, replicas: int = 2, ranks: int | None = None, steps: int = 40, kill_at: int = 20,
+def run_demo(hosts: int | None = None, replicas: int = 2, ranks: int | None = None, steps: int = 40, kill_at: int = 20,
              model_size: str = "small", timeout: float = 600.0, replica_group: bool = False, report: str | None = None,
              redundancy: str | None = None) -> int:  # fmt: skip
-    """``redundancy`` (replicas:R or ec:K+M), when given, is the stores' scheme instead of ``replicas``."""
-    ranks = ranks or hosts
-    if hosts < 2:
-        _say("memstore demo needs --hosts >= 2 (one host is killed)")
-        return 2
+    """``redundancy`` (replicas:R or ec:K+M), when given, is the stores' scheme instead of ``replicas``; ``hosts`` None:
+    4, or one group of an ec:K+M scheme (K+M) if that is more."""
     try:
         scheme = Redundancy.parse(redundancy) if redundancy is not None else Redundancy.of_replicas(replicas)
     except ValueError as exc:
         _say(f"--{exc}")
+        return 2
+    hosts = hosts if hosts is not None else max(4, scheme.group_size)
+    ranks = ranks or hosts
+    if hosts < 2:
+        _say("memstore demo needs --hosts >= 2 (one host is killed)")
         return 2
     replicas = scheme.replicas
     if not 1 <= scheme.group_size <= hosts:
@@ -185,8 +192,8 @@ def run_demo(hosts: int = 4, replicas: int = 2, ranks: int | None = None, steps:
                 resumed.wait(timeout)
                 recovery = time.monotonic() - t_kill
                 summary = _compare(reference, first, resumed, victim_ranks)
-                summary.update(host_of=host_of, replicas=replicas, replica_group=replica_group)
-                summary.update(_footprint(cluster.address("h0"), resumed, replicas, cluster.keep, replica_group))
+                summary.update(host_of=host_of, replicas=replicas, replica_group=replica_group, redundancy=str(scheme))
+                summary.update(_footprint(cluster.address("h0"), resumed, scheme, cluster.keep, replica_group))
                 summary["ok"] = summary["ok"] and summary["footprint_ok"]
                 baseline = _torch_baseline_of(cluster.address("h0"), ranks, steps, replica_group)
         except DemoFailure as exc:
@@ -237,17 +244,20 @@ def _job_in_status(store: str, job: str) -> dict[str, Any] | None:
     return next((j for j in jobs if j["job"] == job), None)
 
 
-def _footprint(store: str, resumed: Job, replicas: int, keep: int, replica_group: bool, timeout: float = 60.0) -> dict[str, Any]:
+def _footprint(store: str, resumed: Job, scheme: Redundancy, keep: int, replica_group: bool, timeout: float = 60.0) -> dict[str, Any]:
     """How many times the stores hold one rank's training state, from ``memstore status --json`` once retention has
     settled (at most ``keep`` steps in RAM, all committed: the job has finished), and the share of it each rank saved
-    per step. With ``replica_group`` both must match a replica group of all ranks: R and 1/ranks."""
+    per step. With ``replica_group`` both must match a replica group of all ranks: R and 1/ranks. Under ec:K+M every
+    step in RAM must have its parity complete (``parity_complete``); the parity is no copy (one copy of each rank)."""
     res = resumed.results()
     ranks = len(res)
     state = res[0]["state_nbytes"]
+    replicas = scheme.replicas
     deadline = time.monotonic() + timeout
     while True:  # retention evicts the steps before the newest ``keep`` just after they settle
         row = _job_in_status(store, "demo")
-        if (row is not None and 1 <= row["steps_in_ram"] <= keep) or time.monotonic() > deadline:
+        settled = row is not None and 1 <= row["steps_in_ram"] <= keep and (not scheme.erasure_coded or row["parity_complete"])
+        if settled or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     if row is None or not row["steps_in_ram"]:
@@ -259,10 +269,13 @@ def _footprint(store: str, resumed: Job, replicas: int, keep: int, replica_group
     ok = not replica_group or (
         0.95 * expected <= multiple <= 1.15 * expected and all(0.8 / group <= f <= 1.2 / group for f in shares)  # stripe framing
     )
+    parity = row["parity_complete"]  # None under replicas
+    ok = ok and parity is not False
     return {"ram_bytes": row["ram_bytes"], "copies_bytes": row["copies_bytes"], "cached_bytes": row["cached_bytes"],
             "steps_in_ram": row["steps_in_ram"], "held_multiple": row["ram_multiple"],
             "state_nbytes": state, "ram_multiple": multiple,
-            "expected_ram_multiple": expected, "saved_share": shares, "expected_saved_share": 1 / group, "footprint_ok": ok}  # fmt: skip
+            "expected_ram_multiple": expected, "saved_share": shares, "expected_saved_share": 1 / group, "parity_complete": parity,
+            "footprint_ok": ok}  # fmt: skip
 
 
 def _torch_baseline_of(store: str, ranks: int, step: int, replica_group: bool) -> dict[str, float]:
@@ -309,7 +322,7 @@ def _print_summary(s: dict[str, Any], baseline: dict[str, float], recovery: floa
     stripe = " of rank 0's stripe" if s["replica_group"] else ""
     _say(
         f"  same state, idle machine: memstore save{stripe} {baseline['memstore_save_idle'] * ms:.2f} ms vs torch.save + fsync "
-        f"{baseline['torch_save_fsync'] * ms:.2f} ms (local disk, 1 copy; memstore: {s['replicas']} copies in RAM)"
+        f"{baseline['torch_save_fsync'] * ms:.2f} ms (local disk, 1 copy; memstore: {_protection(s)} in RAM)"
     )
     shares = " ".join(f"{f:.3f}" for f in s["saved_share"])
     _say(f"  saved per step and rank, share of a rank's state ({s['state_nbytes'] / 2**20:.2f} MiB): {shares} "
@@ -318,11 +331,15 @@ def _print_summary(s: dict[str, Any], baseline: dict[str, float], recovery: floa
          f"{_copies_formula(s)}); memstore status: {s['copies_bytes'] / 2**20:.1f} MiB of copies for {s['steps_in_ram']} steps in "
          f"RAM, {s['ram_bytes'] / 2**20:.1f} MiB held with the rings' spares ({s['held_multiple']}x the state)"
          + (f", of which {s['cached_bytes'] / 2**20:.1f} MiB cached ahead of restores" if s["cached_bytes"] else ""))  # fmt: skip
-    _say(f"  time to committed ({s['replicas']} copies):  {s['commit'] * ms:8.2f} ms")
+    if s["parity_complete"] is not None:
+        _say(f"  {s['redundancy']} parity complete for every step in RAM: {'yes' if s['parity_complete'] else 'NO'}")
+    _say(f"  time to committed ({_protection(s)}):  {s['commit'] * ms:8.2f} ms")
     _say(f"  resumed from step {s['resumed_from']}; recovery (kill -> job finished again) {recovery:.1f} s")
     for rank, r in sorted(s["restore"].items(), key=lambda kv: int(kv[0])):
         own = s["host_of"][int(rank)]
         tier = "local RAM" if r["source"] == own else f"peer RAM of {r['source']}"
+        if r["source"] == "rebuild":  # ec:K+M: no store held a copy
+            tier = f"a shard rebuilt from the {s['redundancy']} group's survivors (their shards and parity)"
         if s["replica_group"]:  # its own stripe came from there, the group's others through its store
             tier = f"{len(s['saved_share'])} stripes, its own from {tier}"
         note = f" (rank of the lost host, through the replacement {own})" if int(rank) in s["victim_ranks"] else ""
@@ -336,14 +353,26 @@ def _print_summary(s: dict[str, Any], baseline: dict[str, float], recovery: floa
     if s["ok"]:
         _say(f"OK: loss curve and final weights of every rank are bit-identical to the uninterrupted run, after losing host {victim}")
     if not s["footprint_ok"]:
-        _say(f"FAILED: with a replica group the stores must hold the state ~{s['expected_ram_multiple']:.0f} times and each rank "
-             f"save ~{s['expected_saved_share']:.3f} of it")  # fmt: skip
+        if s["parity_complete"] is False:
+            _say(f"FAILED: under {s['redundancy']} every step in RAM must have its parity complete once the job has finished")
+        else:
+            _say(f"FAILED: with a replica group the stores must hold the state ~{s['expected_ram_multiple']:.0f} times and each "
+                 f"rank save ~{s['expected_saved_share']:.3f} of it")  # fmt: skip
     if not s["curve_equal"] or s["mismatched_weights"]:
         _say(f"FAILED: loss curve equal: {s['curve_equal']}; ranks with different final weights: {s['mismatched_weights']}")
 
 
+def _protection(s: dict[str, Any]) -> str:
+    """How the stores protect a step: "2 copies", or "1 copy + ec:4+1 parity"."""
+    if s["redundancy"].startswith("ec:"):
+        return f"1 copy + {s['redundancy']} parity"
+    return f"{s['replicas']} copies"
+
+
 def _copies_formula(s: dict[str, Any]) -> str:
     ranks = len(s["saved_share"])
+    if s["redundancy"].startswith("ec:"):
+        return f"{ranks} ranks x 1 copy; the {s['redundancy']} parity is no copy, held in RAM beside them"
     if s["replica_group"]:
         return f"R={s['replicas']} copies of the one state the {ranks} ranks share"
     return f"{ranks} ranks x R={s['replicas']} copies"

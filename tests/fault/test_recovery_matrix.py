@@ -35,7 +35,7 @@ def test_the_catalogue_is_consistent() -> None:
         assert callable(f.inject) and callable(f.recover), f.id
         assert f.description and "|" not in f.description and "|" not in f.name, f.id
         for c in f.configs:
-            assert 1 <= c.replicas <= f.hosts(c), f"{f.id}: R={c.replicas} needs at least as many hosts"
+            assert 1 <= c.scheme.group_size <= f.hosts(c), f"{f.id}: {c.label} needs a group's hosts ({c.scheme.group_size})"
             bound = f.max_rpo(c)
             assert bound is None or bound >= 0, f.id
 
@@ -80,8 +80,14 @@ def test_the_exactness_check_sees_one_byte_and_a_row_needs_a_restore_within_its_
     assert not replace(row, exact=False, rpo_bound=None).ok
 
 
+def _slug(c: Config) -> str:
+    """A row's configuration in a test id: R2, R2-spill, ec4-1 (``-k ec4-1`` picks the erasure-coded rows)."""
+    scheme = c.erasure.replace(":", "").replace("+", "-") or f"R{c.replicas}"
+    return scheme + ("-spill" if c.spill else "")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("fault", "config"), ROWS, ids=[f"{f.id}-R{c.replicas}{'-spill' if c.spill else ''}" for f, c in ROWS])
+@pytest.mark.parametrize(("fault", "config"), ROWS, ids=[f"{f.id}-{_slug(c)}" for f, c in ROWS])
 def test_every_row_recovers_exactly(fault: Fault, config: Config, tmp_path) -> None:  # type: ignore[no-untyped-def]
     why_not = fault.needs()
     if why_not:

@@ -1,11 +1,11 @@
 """The faults of the recovery matrix: one declarative entry each (:class:`.fault.Fault`). This module holds the
-process faults (kills, crashes, drains, corrupted segments); :mod:`.faults_network` and :mod:`.faults_environment`
-hold the others, and ``FAULTS`` is all of them, in the page's order.
+process faults (kills, crashes, drains, corrupted segments); :mod:`.faults_erasure`, :mod:`.faults_network` and
+:mod:`.faults_environment` hold the others, and ``FAULTS`` is all of them, in the page's order.
 
 A fault says what it does (``inject``, at the moment RTO starts, while every rank is saving), what the operator
 or scheduler does afterwards (``recover``: the restarts), the configurations it runs in, and the RPO it promises
 in each (``max_rpo``; None where losing the steps is the correct outcome, e.g. the only copy was in the RAM of a
-host that is gone). Adding a fault is adding one ``Fault(...)`` to one of the three tuples.
+host that is gone). Adding a fault is adding one ``Fault(...)`` to one of the four tuples.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import subprocess
 from pathlib import Path
 
 from memstore.children import child_env
-from tools.recovery_matrix.fault import R1, R1S, R2, R2S, R3, R3S, Fault, durable_only, one_copy_lost
+from tools.recovery_matrix.fault import EC41, R1, R1S, R2, R2S, R3, R3S, Fault, durable_only, one_copy_lost
 from tools.recovery_matrix.faults_environment import ENVIRONMENT_FAULTS
+from tools.recovery_matrix.faults_erasure import ERASURE_FAULTS
 from tools.recovery_matrix.faults_network import NETWORK_FAULTS
 from tools.recovery_matrix.scenario import Scenario
 
@@ -153,8 +154,9 @@ PROCESS_FAULTS: tuple[Fault, ...] = (
     Fault(
         id="host-loss",
         name="Host loss",
-        description="host h0 is lost: its store (and its RAM) and its trainer; a replacement host starts",
-        configs=(R1S, R2, R2S),
+        description="host h0 is lost: its store (and its RAM) and its trainer; a replacement host starts "
+        "(under ec:4+1 it rebuilds rank 0's shards from the four survivors)",
+        configs=(R1S, R2, R2S, EC41),
         inject=_lose_host,
         recover=_restart_h0,
         max_rpo=one_copy_lost,
@@ -268,4 +270,4 @@ PROCESS_FAULTS: tuple[Fault, ...] = (
     ),
 )
 
-FAULTS: tuple[Fault, ...] = PROCESS_FAULTS + NETWORK_FAULTS + ENVIRONMENT_FAULTS
+FAULTS: tuple[Fault, ...] = PROCESS_FAULTS + ERASURE_FAULTS + NETWORK_FAULTS + ENVIRONMENT_FAULTS

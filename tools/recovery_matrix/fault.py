@@ -10,6 +10,7 @@ from tools.recovery_matrix.scenario import Config, Scenario
 
 R1, R2, R3 = (Config(1, False), Config(2, False), Config(3, False))
 R1S, R2S, R3S = (Config(1, True), Config(2, True), Config(3, True))
+EC41, EC41S = (Config(1, False, "ec:4+1"), Config(1, True, "ec:4+1"))  # one group of five stores: parity survives one loss
 # Steps the durable tier may trail RAM by: the spiller looks for new steps every 0.5 s, then writes them; at a step
 # every 0.25 s (scenario.STEP_SECONDS) on a busy 2-core machine that has been up to 1.5 s.
 SPILL_LAG = 6
@@ -32,9 +33,9 @@ def lossless(c: Config) -> int | None:
 
 
 def one_copy_lost(c: Config) -> int | None:
-    """A fault that takes the RAM of one host: nothing lost while another copy exists (R >= 2), else the durable
-    tier's lag (R=1, spill on), else everything (R=1, spill off)."""
-    if c.replicas >= 2:
+    """A fault that takes the RAM of one host: nothing lost while another copy or the parity exists (R >= 2, ec:K+M),
+    else the durable tier's lag (R=1, spill on), else everything (R=1, spill off)."""
+    if c.scheme.survives >= 1:
         return 0
     return SPILL_LAG if c.spill else None
 
@@ -44,7 +45,8 @@ def durable_only(c: Config) -> int | None:
 
 
 def default_hosts(c: Config) -> int:
-    return max(2, c.replicas)
+    """Two hosts, or one group of the configuration's scheme (R, or K+M)."""
+    return max(2, c.scheme.group_size)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ def markdown(data: dict[str, Any]) -> str:
         "store servers and trainer ranks as separate processes on one machine (127.0.0.1), one rank per host, a",
         f"{KIB} KiB state per rank, a step every {STEP_SECONDS} s, in lockstep; spill on = a `file://` durable tier, every step",
         "spilled. After the fault the job restarts and every rank restores (one agreed `latest_step(group=...)`, then `load()`).",
+        "R=N: every shard kept N times (`--replicas N`); ec:4+1: one group of five stores, each shard kept whole by its owner",
+        "alone plus the group's parity (`--redundancy ec:4+1`, [erasure coding](erasure.md)): one loss survived, two not.",
         "",
         "- **RPO**: the newest step every rank had committed when the fault hit, minus the step restored (0 = nothing lost).",
         "- **RPO bound**: what memstore promises for that configuration; `all` where losing the steps is the correct",

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from memstore.children import child_env
+from memstore.core.redundancy import Redundancy
 from memstore.testing import LocalCluster, wait_for
 from tools.dns_server import DnsServer
 from tools.recovery_matrix.links import Links
@@ -44,10 +45,15 @@ STEP_SECONDS = 0.25  # each rank's compute between two saves
 class Config:
     replicas: int
     spill: bool
+    erasure: str = ""  # "ec:K+M": the stores erasure-code instead of copying (``replicas`` is then 1, the owner's copy)
+
+    @property
+    def scheme(self) -> Redundancy:
+        return Redundancy.parse(self.erasure) if self.erasure else Redundancy.of_replicas(self.replicas)
 
     @property
     def label(self) -> str:
-        return f"R={self.replicas}, spill {'on' if self.spill else 'off'}"
+        return f"{self.erasure or f'R={self.replicas}'}, spill {'on' if self.spill else 'off'}"
 
 
 @dataclass
@@ -93,8 +99,9 @@ class Scenario:
         self.remote_ranks = "clients" in proxied
         # The row's own DNS server (discovery "dns"), which a fault silences; the cluster stops it with the stores.
         dns = self.dns = DnsServer() if discovery == "dns" else None
-        self.cluster = LocalCluster(hosts=hosts, replicas=config.replicas, capacity="256MiB", workdir=workdir / "cluster", extra_args=args,
-                                    discovery=discovery, dns_server=None if dns is None else (lambda: dns), data_ports=bool(proxied),
+        self.cluster = LocalCluster(hosts=hosts, replicas=config.replicas, redundancy=config.erasure or None, capacity="256MiB",
+                                    workdir=workdir / "cluster", extra_args=args, discovery=discovery,
+                                    dns_server=None if dns is None else (lambda: dns), data_ports=bool(proxied),
                                     dial=self.links.dial if "stores" in proxied else None)  # fmt: skip
         for host, env in (store_env or {}).items():
             self.cluster.stores[host].env = dict(env)  # kept by restarts

@@ -163,6 +163,13 @@ class Recovery:
         try:
             fault("fetch.before_pull")
             source = self._pull(key, origin_note="fetch", durable_known=durable_known, cached=cached)
+        except ShardNotFound:
+            # ec:K+M: a repair pass rebuilt and registered it here while this fetch listed the stores, so none lists a copy
+            # to pull and its parity no longer counts (this store holds it): serve that one.
+            held = self.catalog.get(key)
+            if held is None or not held.verified:
+                raise
+            source = held.source
         finally:
             self.arrivals.fetch_ended()
         entry = self.catalog.readable(key)

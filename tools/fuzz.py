@@ -45,7 +45,7 @@ from memstore.v1.integrity import checksum
 SERVICE = pb.DESCRIPTOR.services_by_name["Store"]
 _Field = Any  # a protobuf FieldDescriptor (its upb and pure-Python classes have different static types)
 EXCLUDED_METHODS = frozenset({"Drain"})  # makes the store drain and exit: leaving is not a robustness failure
-WRITE_METHODS = frozenset({"Allocate", "Put", "PrepareReceive", "Delete"})  # may drop or replace a job's copies
+WRITE_METHODS = frozenset({"Allocate", "Put", "Contribute", "PrepareReceive", "Delete"})  # may drop or replace a job's copies
 SACRIFICIAL_JOB = "fuzz-sacrificial"
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 TICKET_BYTES = 16
@@ -425,6 +425,7 @@ class Fuzzer:
             "Allocate": lambda: pb.AllocateRequest(key=self.fuzz_key(), world_size=1, nbytes=self.rng.randint(1, 8192)),
             "Commit": lambda: pb.CommitRequest(lease_id=self.rng.choice(self.leases) if self.leases else "0" * 32, format_version=1),
             "Put": lambda: self._put_stream(),
+            "Contribute": lambda: self._contribute_stream(),
             "WaitCommitted": lambda: pb.WaitCommittedRequest(key=key, timeout_seconds=self.rng.choice((0.0, 0.05))),
             "Open": lambda: pb.OpenRequest(key=key),
             "Release": lambda: pb.ReleaseRequest(lease_id=self.rng.choice(self.leases) if self.leases else "x"),
@@ -442,6 +443,11 @@ class Fuzzer:
     def _put_stream(self) -> list[pb.PutRequest]:
         header, chunks = self.shard()
         return [pb.PutRequest(header=header), *(pb.PutRequest(chunk=c) for c in chunks)]
+
+    def _contribute_stream(self) -> list[pb.ContributeRequest]:
+        """A parity contribution as an ec store sends one: a header (filled with fuzz values), then its bytes."""
+        header = fill(pb.ContributeHeader(), self.values)
+        return [pb.ContributeRequest(header=header), *(pb.ContributeRequest(data=c) for c in self.shard()[1])]
 
     # -- one typed gRPC request ----------------------------------------------------------------------------------
     def grpc_request(self) -> None:
@@ -462,7 +468,10 @@ class Fuzzer:
         self._follow_up(target, method.name, response)
 
     def _mutate_stream(self, stream: list[Message]) -> list[Message]:
+        """A client stream (a header, then chunks: Put's ``chunk``, Contribute's ``data``) mutated one of six ways."""
         rng = self.rng
+        kind = type(stream[0])
+        field = "chunk" if kind is pb.PutRequest else "data"
         how = rng.randrange(6)
         if how == 0:  # a mutated header
             return [mutate(stream[0], self.values), *stream[1:]]
@@ -472,12 +481,12 @@ class Fuzzer:
             return [*stream[:2], stream[0], *stream[2:]]
         if how == 3 and len(stream) > 1:  # a chunk corrupted, cut or padded
             i = rng.randrange(1, len(stream))
-            chunk = stream[i].chunk  # type: ignore[attr-defined]
+            chunk = getattr(stream[i], field)
             bad = rng.choice((chunk[:-1], chunk + b"x", bytes(len(chunk)), b""))
-            return [*stream[:i], pb.PutRequest(chunk=bad), *stream[i + 1 :]]
+            return [*stream[:i], kind(**{field: bad}), *stream[i + 1 :]]
         if how == 4:  # cut short, or nothing at all
             return stream[: rng.randrange(len(stream))]
-        return [fill(pb.PutRequest(), self.values) for _ in range(rng.randint(1, 4))]
+        return [fill(kind(), self.values) for _ in range(rng.randint(1, 4))]
 
     def _follow_up(self, target: _Target, name: str, response: Any) -> None:
         """Keep leases from Allocate/Open for later Commit/Release requests; release opened shards."""

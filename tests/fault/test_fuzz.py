@@ -116,3 +116,18 @@ def test_fuzzing_live_stores_crashes_nothing_and_corrupts_nothing(make_cluster, 
     assert {h: verified_shards(cluster, h) for h in cluster.stores} == before, "the saved job's copies changed"
     check_every_copy_restores(cluster)
     print(f"fuzz test: {report.total} requests, {time.monotonic() - t0:.1f}s from the first request to the last check")
+
+
+def test_every_client_stream_mutates_into_messages_of_its_own_type() -> None:
+    """Each client-streaming method's stream (Put's, Contribute's) is mutated every way without mixing message types."""
+    from tools.fuzz import Fuzzer
+
+    fuzzer = Fuzzer(["127.0.0.1:9"], seed=7, protected=["protected-job"], call_timeout=0.1, metadata=())
+    streaming = [m.name for m in fuzzer.methods.values() if m.client_streaming]
+    assert {"Put", "Contribute"} <= set(streaming)
+    for name in streaming:
+        for _ in range(60):  # the six ways, each many times
+            stream = fuzzer.template(name)
+            assert isinstance(stream, list) and stream
+            for message in fuzzer._mutate_stream(stream):
+                assert type(message) is type(stream[0])

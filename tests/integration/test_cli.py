@@ -58,8 +58,12 @@ def test_local_cluster_endpoints_status_ls_and_clean_stop(tmp_path) -> None:  # 
         assert sorted(hosts) == ["h0", "h1", "h2"] and all(a.startswith("127.0.0.1:") for a in hosts.values())
         with CheckpointClient("cli-job", 0, 1, store=hosts["h2"]) as c:
             c.save(4, rank_state(0, 4)).wait(timeout=30)
-        status = memstore("status", "--store", hosts["h0"], "--json")
-        assert status.returncode == 0, status.stderr
+        # Exit 0 once every store is ready: a store that just started is not until its first clean repair pass.
+        answers = []
+        wait_for(lambda: answers.append(memstore("status", "--store", hosts["h0"], "--json")) or answers[-1].returncode == 0,
+                 timeout=30, what="status to report every store ready")  # fmt: skip
+        status = answers[-1]
+        assert all(h["ready"] for h in json.loads(status.stdout)["hosts"])
         assert {h["host"] for h in json.loads(status.stdout)["hosts"] if h["serving"]} == {"h0", "h1", "h2"}
         assert (json.loads(status.stdout)["redundancy"], json.loads(status.stdout)["replicas"]) == ("replicas:2", 2)
         assert "redundancy=replicas:2" in memstore("status", "--store", hosts["h1"]).stdout

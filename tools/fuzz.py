@@ -446,7 +446,7 @@ class Fuzzer:
 
     def _contribute_stream(self) -> list[pb.ContributeRequest]:
         """A parity contribution as an ec store sends one: a header (filled with fuzz values), then its bytes."""
-        header = fill(pb.ContributeHeader(), self.values)
+        header: Any = fill(pb.ContributeHeader(), self.values)
         return [pb.ContributeRequest(header=header), *(pb.ContributeRequest(data=c) for c in self.shard()[1])]
 
     # -- one typed gRPC request ----------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ import pytest
 from memstore import survey
 from memstore.core.erasure_layout import BLOCK
 from memstore.testing import LocalCluster, wait_for
+from tests.harness import erasure
+from tests.harness.erasure import shm_bytes
 from tests.states import assert_same, rank_state
 from trainer_client import CheckpointClient, Connection
 from trainer_client.errors import NoCheckpointError, NotFoundError
@@ -25,32 +27,11 @@ SCALE = 230  # about 3.7 MB a rank: four blocks, one in each of its data rows, t
 
 
 def clients(cluster: LocalCluster, ranks: range | list[int] = range(WORLD)) -> list[CheckpointClient]:
-    return [CheckpointClient(JOB, r, WORLD, connection=Connection(cluster.address(f"h{r}"), timeout=20.0)) for r in ranks]
+    return erasure.clients(cluster, JOB, WORLD, ranks)
 
 
 def save_steps(cluster: LocalCluster, steps: range) -> list[int]:
-    """Save ``steps`` from every rank, each waited for; returns the shards' sizes."""
-    cs = clients(cluster)
-    sizes = []
-    try:
-        for step in steps:
-            handles = [c.save(step, rank_state(c.rank, step, scale=SCALE)) for c in cs]
-            for h in handles:
-                info = h.wait(timeout=30)
-                assert (info.state, info.copies, info.error) == ("committed", 1, "")  # parity is no copy
-                sizes.append(info.nbytes)
-    finally:
-        for c in cs:
-            c.close()
-    return sizes
-
-
-def shm_bytes(cluster: LocalCluster, host: str) -> int:
-    """The shared memory ``host``'s store holds, counted as the bench counts it (``memstore.bench.rig.RamSampler``):
-    every segment, in use (shards, parity fragments, leases) or kept for reuse (``pooled_bytes``, the reserve)."""
-    h = cluster.health(host)
-    assert h is not None
-    return h.used_bytes
+    return erasure.save_steps(cluster, JOB, WORLD, SCALE, steps)
 
 
 def test_ec_saves_commit_hold_a_quarter_more_and_a_replacement_rebuilds(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]

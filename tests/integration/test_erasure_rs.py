@@ -14,9 +14,10 @@ import pytest
 from memstore.core.erasure_layout import BLOCK
 from memstore.testing import LocalCluster, wait_for
 from memstore.v1.integrity import checksum
-from tests.integration.test_erasure import shm_bytes
+from tests.harness import erasure
+from tests.harness.erasure import shm_bytes
 from tests.states import assert_same, rank_state
-from trainer_client import CheckpointClient, Connection
+from trainer_client import CheckpointClient
 from trainer_client.errors import NoCheckpointError
 
 pytestmark = pytest.mark.integration
@@ -29,25 +30,11 @@ REDUNDANCY = "ec:4+2"
 
 
 def clients(cluster: LocalCluster, ranks: range | list[int] = range(WORLD), via: str = "") -> list[CheckpointClient]:
-    """A client per rank, each on its own rank's store (``via``: all on that store)."""
-    return [CheckpointClient(JOB, r, WORLD, connection=Connection(cluster.address(via or f"h{r}"), timeout=20.0)) for r in ranks]
+    return erasure.clients(cluster, JOB, WORLD, ranks, via)
 
 
 def save_steps(cluster: LocalCluster, steps: range) -> list[int]:
-    """Save ``steps`` from every rank, each waited for until committed; returns the shards' sizes."""
-    cs = clients(cluster)
-    sizes = []
-    try:
-        for step in steps:
-            handles = [c.save(step, rank_state(c.rank, step, scale=SCALE)) for c in cs]
-            for h in handles:
-                info = h.wait(timeout=30)
-                assert (info.state, info.copies, info.error) == ("committed", 1, "")  # parity is no copy
-                sizes.append(info.nbytes)
-    finally:
-        for c in cs:
-            c.close()
-    return sizes
+    return erasure.save_steps(cluster, JOB, WORLD, SCALE, steps)
 
 
 def restores(cluster: LocalCluster, step: int, ranks: dict[int, str]) -> None:

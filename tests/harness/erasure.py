@@ -1,0 +1,41 @@
+"""Clients and saves of the erasure-coded tests: one rank per store (rank r on store h<r>), every save committed with
+one copy (parity is no copy), and the shared memory a store holds counted as the bench counts it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from memstore.testing import LocalCluster
+from tests.states import rank_state
+from trainer_client import CheckpointClient, Connection
+
+
+def clients(cluster: LocalCluster, job: str, world: int, ranks: Iterable[int], via: str = "") -> list[CheckpointClient]:
+    """A client of ``job`` for each of ``ranks``, through its own store (or ``via`` that one)."""
+    return [CheckpointClient(job, r, world, connection=Connection(cluster.address(via or f"h{r}"), timeout=20.0)) for r in ranks]
+
+
+def save_steps(cluster: LocalCluster, job: str, world: int, scale: int, steps: range) -> list[int]:
+    """Save ``steps`` from every rank (``tests.states.rank_state`` at ``scale``), each waited for until committed;
+    returns the shards' sizes."""
+    cs = clients(cluster, job, world, range(world))
+    sizes = []
+    try:
+        for step in steps:
+            handles = [c.save(step, rank_state(c.rank, step, scale=scale)) for c in cs]
+            for h in handles:
+                info = h.wait(timeout=30)
+                assert (info.state, info.copies, info.error) == ("committed", 1, "")  # parity is no copy
+                sizes.append(info.nbytes)
+    finally:
+        for c in cs:
+            c.close()
+    return sizes
+
+
+def shm_bytes(cluster: LocalCluster, host: str) -> int:
+    """The shared memory ``host``'s store holds, counted as the bench counts it (``memstore.bench.rig.RamSampler``):
+    every segment, in use (shards, parity fragments, leases) or kept for reuse (``pooled_bytes``, the reserve)."""
+    h = cluster.health(host)
+    assert h is not None
+    return h.used_bytes

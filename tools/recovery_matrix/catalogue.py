@@ -20,7 +20,7 @@ from tools.recovery_matrix.fault import EC41, R1, R1S, R2, R2S, R3, R3S, Fault, 
 from tools.recovery_matrix.faults_environment import ENVIRONMENT_FAULTS
 from tools.recovery_matrix.faults_erasure import ERASURE_FAULTS
 from tools.recovery_matrix.faults_network import NETWORK_FAULTS
-from tools.recovery_matrix.scenario import Scenario
+from tools.recovery_matrix.scenario import Scenario, flip_every_page
 
 
 # -- injections -------------------------------------------------------------------------------------
@@ -68,13 +68,7 @@ def _segments(s: Scenario, host: str) -> list[Path]:
 def _flip_segment_bytes(s: Scenario) -> None:
     """XOR one byte of every 4 KiB page of every segment file of h0, under the running store (bit rot in RAM)."""
     for path in _segments(s, "h0"):
-        with open(path, "r+b") as f:
-            size = os.fstat(f.fileno()).st_size
-            for offset in range(0, size, 4096):
-                f.seek(offset)
-                b = f.read(1)
-                f.seek(offset)
-                f.write(bytes([b[0] ^ 0xFF]) if b else b"")
+        flip_every_page(path)
 
 
 def _crash_and_truncate(s: Scenario) -> None:

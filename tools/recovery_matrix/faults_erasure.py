@@ -18,7 +18,7 @@ from pathlib import Path
 from memstore.server.memory.shm_dirs import sidecar_path
 from memstore.testing import wait_for
 from tools.recovery_matrix.fault import EC41, EC41S, Fault, durable_only, one_copy_lost
-from tools.recovery_matrix.scenario import Scenario
+from tools.recovery_matrix.scenario import Scenario, flip_every_page
 
 # h0 kills itself at its 8th contribution: step 8's, once the 6 steps the matrix waits for are committed
 # (``run_row(steps=6)``, the default) and while the other stores' contributions of step 8 are on their way to it.
@@ -46,13 +46,7 @@ def _corrupt_parity_of_h1(s: Scenario) -> None:
     for path in sorted(Path(s.cluster.segment_dir("h1")).glob("seg-*")):
         if os.path.exists(sidecar_path(str(path))):
             continue
-        with open(path, "r+b") as f:
-            size = os.fstat(f.fileno()).st_size
-            for offset in range(0, size, 4096):
-                f.seek(offset)
-                b = f.read(1)
-                f.seek(offset)
-                f.write(bytes([b[0] ^ 0xFF]) if b else b"")
+        flip_every_page(path)
     s.cluster.kill("h0")
 
 

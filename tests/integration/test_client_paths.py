@@ -100,8 +100,12 @@ def test_background_remote_saves_report_at_wait(make_cluster) -> None:
     cluster = make_cluster(hosts=2, replicas=2, capacity="64MiB")
     with CheckpointClient("bg", 0, 1, connection=Connection(cluster.address("h0"), shared_memory=False), remote_save="background") as c:
         handles = [c.save(step, rank_state(0, step, scale=8)) for step in (1, 2, 3)]  # at most two sends in flight
-        for h in handles:
-            assert h.wait(timeout=30).copies == 2
+        results = [h.wait(timeout=30) for h in handles]
+        # The store may skip pushing an older step once a newer one arrived (by design: a newer save never waits
+        # for an older one's replication), and then wait() says so; the newest step always reaches both hosts.
+        for r in results[:-1]:
+            assert r.copies == 2 or (r.superseded and r.copies == 1 and "superseded by step" in r.error), r
+        assert results[-1].copies == 2 and not results[-1].superseded
         assert_same(c.load(), rank_state(0, 3, scale=8))
         too_big = c.save(4, {"x": torch.zeros(20 << 20)})  # 80 MiB > 64 MiB: refused after save() returned
         with pytest.raises(CapacityExceededError):

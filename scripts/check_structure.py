@@ -23,10 +23,21 @@
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of ``path``'s syntax tree (``ast.walk`` order): each rule walks the same files, parsed once."""
+    return _nodes_of(path.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _nodes_of(text: str) -> tuple[ast.AST, ...]:
+    return tuple(ast.walk(ast.parse(text)))
 
 
 def module_name(path: Path) -> str:
@@ -39,7 +50,7 @@ def imports(path: Path, known: set[str]) -> set[str]:
     here = module_name(path)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in nodes(path):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -126,7 +137,7 @@ def package_cycles(graph: dict[str, set[str]]) -> list[str]:
 def third_party_imports(path: Path) -> set[str]:
     """Top-level names of the absolute imports in ``path`` (``ray`` for ``from ray.train import x``)."""
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in nodes(path):
         if isinstance(node, ast.Import):
             out.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
@@ -179,11 +190,11 @@ def _exempt_base(node: ast.expr) -> bool:
 def inheritance(files: list[Path]) -> list[str]:
     """Classes of ``memstore.server`` that inherit from more than one base, from a mixin, or from another class of the package."""
     engine = [p for p in files if p.relative_to(ROOT).as_posix().startswith(ENGINE + "/")]
-    trees = {p: ast.parse(p.read_text()) for p in engine}
-    ours = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    trees = {p: nodes(p) for p in engine}
+    ours = {n.name for t in trees.values() for n in t if isinstance(n, ast.ClassDef)}
     problems = []
     for p, tree in trees.items():
-        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for cls in (n for n in tree if isinstance(n, ast.ClassDef)):
             where, names = f"{module_name(p)}.{cls.name}", [_base_name(b) for b in cls.bases]
             if not all(map(_exempt_base, cls.bases[1:])):  # a second base is only ever Protocol, Generic and the like
                 problems.append(f"{where} has {len(names)} bases ({', '.join(names)}): no multiple inheritance in {ENGINE}, compose")
@@ -208,7 +219,7 @@ def _imported(path: Path) -> list[tuple[int, str, str]]:
     here = module_name(path)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     out: list[tuple[int, str, str]] = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in nodes(path):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name, "") for a in node.names]
         elif isinstance(node, ast.ImportFrom):

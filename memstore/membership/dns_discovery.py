@@ -2,7 +2,9 @@
 
 Parses and validates the URL (ConfigError when malformed) and turns DNS answers into members with
 dnspython; every DNS failure becomes a DiscoveryError with a stable message (no timings in it, so the
-watcher logs a lasting failure once).
+watcher logs a lasting failure once). dnspython is imported when a resolver is first made, not with this module:
+every store imports it, few discover members over DNS, and its import costs a store's start about a tenth of a
+second.
 """
 
 from __future__ import annotations
@@ -10,16 +12,16 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlsplit
-
-import dns.exception
-import dns.name
-import dns.resolver
-import dns.reversename
 
 from memstore.errors import ConfigError, DiscoveryError
 from memstore.membership.members import Member, Members, host_id_problem, members_from
 from memstore.v1.keys import ip_host_id
+
+if TYPE_CHECKING:
+    import dns.name
+    import dns.resolver
 
 URL_FORMAT = "dns://NAME:PORT[?server=IP:PORT]"
 _LABEL = r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
@@ -75,6 +77,9 @@ class DnsDiscovery:
         return members_from(items, self.description)
 
     def _make_resolver(self) -> dns.resolver.Resolver:
+        import dns.exception
+        import dns.resolver
+
         if self.server is None:
             try:
                 resolver = dns.resolver.Resolver()
@@ -98,6 +103,8 @@ class DnsDiscovery:
         return sorted(found, key=lambda ip: (len(packed := ipaddress.ip_address(ip).packed), packed))  # IPv4 first
 
     def _host_id(self, resolver: dns.resolver.Resolver, ip: str) -> str:
+        import dns.reversename
+
         answer = self._query(resolver, dns.reversename.from_address(ip), "PTR", nxdomain_ok=True)
         labels = sorted(rr.target.labels[0].decode("ascii", "replace") for rr in answer or () if rr.target.labels)
         valid = [label for label in labels if host_id_problem(label) is None]
@@ -107,6 +114,9 @@ class DnsDiscovery:
         self, resolver: dns.resolver.Resolver, qname: str | dns.name.Name, rdtype: str, nxdomain_ok: bool = False
     ) -> dns.resolver.Answer | None:
         """The answer, or None when the name has no records of ``rdtype`` (or does not exist, if ``nxdomain_ok``)."""
+        import dns.exception
+        import dns.resolver
+
         what = f"the {rdtype} query for {qname} to {self._asked}"
         try:
             return resolver.resolve(qname, rdtype, search=rdtype != "PTR")

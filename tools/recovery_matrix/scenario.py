@@ -18,9 +18,8 @@ Every wait has a deadline; every process is reaped, whatever happens.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -28,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memstore.children import child_env
 from memstore.core.redundancy import Redundancy
 from memstore.testing import LocalCluster, wait_for
 from tools.dns_server import DnsServer
+from tools.recovery_matrix import worker
 from tools.recovery_matrix.links import Links
 from tools.recovery_matrix.state import difference, make_state
 from tools.recovery_matrix.worker import committed
@@ -107,7 +106,7 @@ class Scenario:
             self.cluster.stores[host].env = dict(env)  # kept by restarts
         self.hosts = [f"h{i}" for i in range(hosts)]  # rank r's host (a fault that replaces a host id changes it)
         self.world = hosts
-        self.workers: list[subprocess.Popen[bytes]] = []
+        self.workers: list[multiprocessing.process.BaseProcess] = []
         self.run_id = f"matrix-{os.getpid()}-{workdir.name}"[:100]
         self.cleanups: list[Callable[[], None]] = []  # run by close() once every process is gone, last added first
         self.services: dict[str, Any] = {}  # what a fault's setup started for the row (an S3 server, a proxy), by name
@@ -116,13 +115,14 @@ class Scenario:
     def start(self) -> None:
         self.cluster.start()
         for rank in range(self.world):
-            log = open(self.workdir / f"rank{rank}.log", "ab")  # noqa: SIM115 - owned by the child's lifetime
-            cmd = [sys.executable, "-m", "tools.recovery_matrix.worker", "--job", JOB, "--rank", str(rank),
-                   "--world", str(self.world), "--store", self.store_of(rank), "--progress", str(self.progress(rank)),
-                   "--kib", str(self.kib), "--interval", str(STEP_SECONDS)] + (["--remote"] if self.remote_ranks else [])  # fmt: skip
-            env = {**_env(), **child_env(), "MEMSTORE_RUN_ID": self.run_id}  # one timeline, as a launcher gives its ranks
-            self.workers.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-            log.close()
+            argv = ["--job", JOB, "--rank", str(rank), "--world", str(self.world), "--store", self.store_of(rank),
+                    "--progress", str(self.progress(rank)), "--kib", str(self.kib), "--interval", str(STEP_SECONDS)]  # fmt: skip
+            argv += ["--remote"] if self.remote_ranks else []
+            env = {"MEMSTORE_RUN_ID": self.run_id}  # one timeline, as a launcher gives its ranks
+            proc = _forkserver().Process(target=worker.forked, args=(argv, str(self.workdir / f"rank{rank}.log"), env),
+                                         name=f"matrix-rank{rank}", daemon=False)  # fmt: skip
+            proc.start()
+            self.workers.append(proc)
 
     def store_of(self, rank: int) -> str:
         host = self.hosts[rank % len(self.hosts)]
@@ -136,9 +136,9 @@ class Scenario:
     def kill_worker(self, rank: int) -> None:
         """SIGKILL the trainer process of ``rank`` and reap it."""
         proc = self.workers[rank]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=10)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join(timeout=10)
 
     def stop_workers(self) -> None:
         for rank in range(len(self.workers)):
@@ -186,7 +186,7 @@ class Scenario:
 
     def wait_committed(self, step: int, timeout: float = 120.0) -> None:
         def reached() -> bool:
-            dead = [r for r, p in enumerate(self.workers) if p.poll() is not None]
+            dead = [r for r, p in enumerate(self.workers) if p.exitcode is not None]
             if dead:
                 raise RuntimeError(f"trainer rank {dead[0]} exited early: {self.tail(self.workdir / f'rank{dead[0]}.log')}")
             return self.committed() >= step
@@ -257,13 +257,13 @@ class Scenario:
             time.sleep(0.2)
 
 
-def _env() -> dict[str, str]:
-    """This process's environment with the repository root first on ``PYTHONPATH``: the workers run as
-    ``python -m tools.recovery_matrix.worker``, and ``tools`` is no installed package (it never ships)."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    return env
+def _forkserver() -> Any:
+    """The multiprocessing context the workers fork from: a forkserver that imported :mod:`.worker` (torch, the client)
+    once, when this process first starts one; a server already started (by other code here) forks them all the same,
+    and they import what it lacks."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tools.recovery_matrix.worker"])
+    return ctx
 
 
 def flip_every_page(path: str | os.PathLike[str]) -> None:

@@ -27,22 +27,23 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from memstore.children import child_env
+from memstore.children import child_env, forkserver, start_forked
 from memstore.core.redundancy import Redundancy
+from memstore.demo import worker
 from memstore.errors import DemoFailure
 from memstore.testing import LocalCluster, free_ports
 
-#: The trainer rank, started as ``python -m WORKER``.
-WORKER = "memstore.demo.worker"
+#: What the trainer ranks' forkserver imports once (each rank then forks from it: no import of torch per rank and launch).
+WORKER_PRELOAD = ["torch", "torch.distributed", "trainer_client", "memstore.demo.worker"]
 
 
 def _say(msg: str) -> None:
@@ -59,21 +60,18 @@ class Job:
         self.progress = self.workdir / "progress.jsonl"
         self.progress.touch()
         (port,) = free_ports(1)
-        self.procs: list[subprocess.Popen[bytes]] = []
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.procs: list[BaseProcess] = []
+        ctx = forkserver(WORKER_PRELOAD)
         for r in range(ranks):
-            args = [sys.executable, "-m", WORKER, "--rank", str(r), "--world", str(ranks), "--master-port", str(port),
-                    "--steps", str(steps), "--model-size", model_size, "--progress", str(self.progress),
-                    "--out", str(self.workdir / f"rank{r}.json")]  # fmt: skip
+            args = ["--rank", str(r), "--world", str(ranks), "--master-port", str(port), "--steps", str(steps),
+                    "--model-size", model_size, "--progress", str(self.progress), "--out", str(self.workdir / f"rank{r}.json")]  # fmt: skip
             if stores is not None:
                 args += ["--store", stores[r]]
             if resume:
                 args.append("--resume")
             if replica_group:
                 args.append("--replica-group")
-            log = open(self.workdir / f"rank{r}.log", "wb")  # noqa: SIM115
-            self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**env, **child_env()}))
-            log.close()
+            self.procs.append(start_forked(ctx, worker.main, args, self.workdir / f"rank{r}.log", {"OMP_NUM_THREADS": "1"}, f"rank{r}"))
 
     def events(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.progress.read_text().splitlines() if line.strip()]
@@ -84,28 +82,27 @@ class Job:
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for r, p in enumerate(self.procs):
-            try:
-                code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+            if p.exitcode is None:
                 self.kill()
-                raise DemoFailure(f"rank {r} did not finish within {timeout:.0f}s; log: {self.workdir / f'rank{r}.log'}") from None
-            if code != 0:
+                raise DemoFailure(f"rank {r} did not finish within {timeout:.0f}s; log: {self.workdir / f'rank{r}.log'}")
+            if p.exitcode != 0:
                 self.kill()
                 tail = (self.workdir / f"rank{r}.log").read_text(errors="replace")[-2000:]
-                raise DemoFailure(f"rank {r} exited with {code}:\n{tail}")
+                raise DemoFailure(f"rank {r} exited with {p.exitcode}:\n{tail}")
 
     def check_alive(self) -> None:
         for r, p in enumerate(self.procs):
-            if p.poll() not in (None, 0):
+            if p.exitcode not in (None, 0):
                 tail = (self.workdir / f"rank{r}.log").read_text(errors="replace")[-2000:]
                 self.kill()
-                raise DemoFailure(f"rank {r} exited with {p.returncode}:\n{tail}")
+                raise DemoFailure(f"rank {r} exited with {p.exitcode}:\n{tail}")
 
     def kill(self, ranks: list[int] | None = None) -> None:
         for r, p in enumerate(self.procs):
-            if (ranks is None or r in ranks) and p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait(timeout=10)
+            if (ranks is None or r in ranks) and p.exitcode is None:
+                p.kill()
+                p.join(timeout=10)
 
     def results(self) -> list[dict[str, Any]]:
         return [json.loads((self.workdir / f"rank{r}.json").read_text()) for r in range(len(self.procs))]
@@ -122,7 +119,7 @@ def progress_until(job: Job, target: int, total: int, label: str, timeout: float
             shown = step
             bar = "#" * int(30 * step / total)
             print(f"\r  {label} step {step:>4}/{total} [{bar:<30}]", end="" if tty else "\n", flush=True)
-        if step >= target or all(p.poll() is not None for p in job.procs):
+        if step >= target or all(p.exitcode is not None for p in job.procs):
             if tty:
                 print(flush=True)
             return

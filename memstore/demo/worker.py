@@ -1,6 +1,7 @@
 """One trainer rank of ``memstore demo``: a tiny transformer language model trained with DDP over gloo.
 
-Run by the demo and the chaos run as ``python -m memstore.demo.worker --rank R ...``. Every step
+Run by the demo and the chaos run (forked from a forkserver that imported torch once: ``memstore.children.start_forked``;
+``python -m memstore.demo.worker --rank R ...`` runs one by hand). Every step
 it checkpoints the whole training state (model, AdamW, LR schedule, RNGs, data position) into the host's
 store; with ``--resume`` it first restores the newest step restorable for every rank and continues from
 there. With ``--replica-group`` the ranks save as one data-parallel replica group (``replica_group=WORLD``):

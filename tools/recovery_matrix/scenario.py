@@ -18,15 +18,16 @@ Every wait has a deadline; every process is reaped, whatever happens.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+from memstore.children import forkserver, start_forked
 from memstore.core.redundancy import Redundancy
 from memstore.testing import LocalCluster, wait_for
 from tools.dns_server import DnsServer
@@ -106,7 +107,7 @@ class Scenario:
             self.cluster.stores[host].env = dict(env)  # kept by restarts
         self.hosts = [f"h{i}" for i in range(hosts)]  # rank r's host (a fault that replaces a host id changes it)
         self.world = hosts
-        self.workers: list[multiprocessing.process.BaseProcess] = []
+        self.workers: list[BaseProcess] = []
         self.run_id = f"matrix-{os.getpid()}-{workdir.name}"[:100]
         self.cleanups: list[Callable[[], None]] = []  # run by close() once every process is gone, last added first
         self.services: dict[str, Any] = {}  # what a fault's setup started for the row (an S3 server, a proxy), by name
@@ -119,10 +120,8 @@ class Scenario:
                     "--progress", str(self.progress(rank)), "--kib", str(self.kib), "--interval", str(STEP_SECONDS)]  # fmt: skip
             argv += ["--remote"] if self.remote_ranks else []
             env = {"MEMSTORE_RUN_ID": self.run_id}  # one timeline, as a launcher gives its ranks
-            proc = _forkserver().Process(target=worker.forked, args=(argv, str(self.workdir / f"rank{rank}.log"), env),
-                                         name=f"matrix-rank{rank}", daemon=False)  # fmt: skip
-            proc.start()
-            self.workers.append(proc)
+            ctx = forkserver(["tools.recovery_matrix.worker"])
+            self.workers.append(start_forked(ctx, worker.main, argv, self.workdir / f"rank{rank}.log", env, f"matrix-rank{rank}"))
 
     def store_of(self, rank: int) -> str:
         host = self.hosts[rank % len(self.hosts)]
@@ -255,15 +254,6 @@ class Scenario:
             if flags[1].item() == 0:
                 return 0, f"rank {rank}: no restore before the deadline; last error {error[:300] or 'on another rank'}", ""
             time.sleep(0.2)
-
-
-def _forkserver() -> Any:
-    """The multiprocessing context the workers fork from: a forkserver that imported :mod:`.worker` (torch, the client)
-    once, when this process first starts one; a server already started (by other code here) forks them all the same,
-    and they import what it lacks."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["tools.recovery_matrix.worker"])
-    return ctx
 
 
 def flip_every_page(path: str | os.PathLike[str]) -> None:

@@ -3,7 +3,7 @@
     python -m tools.recovery_matrix.worker --job J --rank R --world W --store ADDR --progress FILE
 
 The matrix forks its workers from a forkserver that imported this module (torch and the client) once
-(:func:`forked`, started by ``Scenario.start``): each is still a process of its own that a fault SIGKILLs, without
+(``memstore.children.start_forked``, by ``Scenario.start``): each is still a process of its own that a fault SIGKILLs, without
 importing torch again (~4 s of a core per rank, about a third of a row).
 
 After each step that committed (every copy the store promises), the step is appended to ``FILE``: the runner
@@ -16,11 +16,10 @@ from the other ranks' files, ``rank<r>.progress`` next to ``FILE``).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
-from memstore.children import PARENT_PID_ENV, die_with_parent
+from memstore.children import die_with_parent
 from tools.recovery_matrix.state import make_state
 from trainer_client import CheckpointClient, Connection
 
@@ -40,18 +39,6 @@ def committed(path: Path) -> int:
         return max((int(x) for x in path.read_text().split("\n") if x.isdigit()), default=0)
     except FileNotFoundError:
         return 0
-
-
-def forked(argv: list[str], log: str, env: dict[str, str]) -> None:
-    """The worker in a process forked from the matrix's forkserver: its output appended to ``log``, ``env`` added to
-    its environment; it dies with the forkserver, which exits with the process that started it."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.environ.update(env)
-    os.environ[PARENT_PID_ENV] = str(os.getppid())
-    main(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

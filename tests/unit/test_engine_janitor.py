@@ -68,6 +68,33 @@ def test_retention_keeps_the_newest_committed_step_when_newer_ones_rest_on_one_c
     assert sorted({k.step for k, _, _ in catalog.held("job")}) == [4, 5, 6]  # now step 3 may go
 
 
+def test_saves_that_settle_while_the_cluster_is_listed_wait_for_the_next_pass() -> None:
+    """R=2, two ranks, keep 2. Steps 1..3 are here when a pass starts listing the cluster; the listing takes seconds (a
+    lost peer, the durable tier down) and meanwhile steps 4..6 settle for both ranks, then 7 and 8 for rank 1 only (rank
+    0's store is gone). The pass decided over steps 1..3 (the newest restorable step it knows of: 3), so it evicts among
+    those only. Evicting from the catalog as it was after the listing dropped 4..6, keep-K's window being 7 and 8: every
+    committed step newer than 3 (the recovery matrix's s3-outage row restored an older step than it had committed)."""
+    cfg = config(keep="2", replicas="2", capacity="256KiB")  # room for every copy: no pressure, retention alone
+    catalog, _, stop = make_catalog(cfg)
+    for step in (1, 2, 3):
+        for rank in (0, 1):
+            settled(catalog, ShardKey("job", step, rank), DATA, created=float(step))
+    seen = [Holding("h0", k, 2, True, created) for k, _, created in catalog.held("job")]
+
+    def slow_listing(job: str) -> tuple[list[Holding], list[str]]:
+        for step, ranks in ((4, (0, 1)), (5, (0, 1)), (6, (0, 1)), (7, (1,)), (8, (1,))):
+            for rank in ranks:
+                settled(catalog, ShardKey("job", step, rank), DATA, created=float(step))
+        return seen, ["h1", "durable"]
+
+    jan = Janitor(catalog, Eviction(catalog), cfg, slow_listing, no_tickets, stop, threading.Event(), Floors())
+    jan.apply_retention()
+    assert sorted({k.step for k, _, _ in catalog.held("job")}) == [2, 3, 4, 5, 6, 7, 8]  # 1: below the window it saw
+    jan.cluster_holdings = lambda job: ([Holding("h0", k, 2, True, c) for k, _, c in catalog.held("job")], ["h1", "durable"])
+    jan.apply_retention()  # the next pass sees them: 6 is the newest restorable step, 7 and 8 keep-K's window
+    assert sorted({k.step for k, _, _ in catalog.held("job")}) == [6, 7, 8]
+
+
 def test_the_durable_tier_keeps_steps_due_for_spilling() -> None:
     class Durable:
         def protected_steps(self, job: str) -> set[int]:

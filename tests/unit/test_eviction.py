@@ -23,9 +23,9 @@ def test_retire_drops_superseded_versions_then_keeps_k_but_never_a_protected_ste
     eviction = Eviction(catalog)
     for step in (1, 2, 3, 4):
         settled(catalog, key(step), DATA, created=float(step))
-    eviction.retire("job", dead={(4, "")}, latest=3, protected=[1])
+    eviction.retire("job", catalog.held("job"), dead={(4, "")}, latest=3, protected=[1])
     assert sorted(k.step for k, _, _ in catalog.held("job")) == [1, 2, 3]  # 4 superseded; the newest 2, and 1 protected
-    eviction.retire("job", dead=set(), latest=3, protected=[])
+    eviction.retire("job", catalog.held("job"), dead=set(), latest=3, protected=[])
     assert sorted(k.step for k, _, _ in catalog.held("job")) == [2, 3]
 
 
@@ -34,7 +34,7 @@ def test_the_newest_restorable_step_retire_was_told_of_is_kept_under_pressure() 
     eviction = Eviction(catalog)
     for step in (1, 2, 3):
         settled(catalog, key(step), DATA, created=float(step))
-    eviction.retire("job", dead=set(), latest=1, protected=[1])  # step 1 is the newest restorable one (its peers lag)
+    eviction.retire("job", catalog.held("job"), dead=set(), latest=1, protected=[1])  # step 1 is the newest restorable one (its peers lag)
     room_of(catalog, eviction).acquire(key(4), 10 * KiB)  # one older copy has to go
     assert sorted(k.step for k, _, _ in catalog.held("job")) == [1, 3]  # step 2 went, not the protected step 1
 

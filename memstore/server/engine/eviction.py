@@ -9,8 +9,9 @@ records here and pressure reads (``memstore.core.retention.pressure_victims``). 
 ``Eviction``.
 
 Lock: the catalog's condition (``Catalog.cond``), none of its own. Each method chooses its victims among the catalog's
-entries and drops them in one step under it (``Catalog.entries_locked``, ``drop_locked``), so what it chose is what
-it drops: nothing registers, pins or drops meanwhile. The protected steps, floors and deletes are read and written
+entries (``retire``: among those the Janitor decided over, see its doc) and drops them in one step under it
+(``Catalog.entries_locked``, ``drop_locked``), so what it chose is what it drops: nothing registers, pins or drops
+meanwhile. The protected steps, floors and deletes are read and written
 only under the same lock. Dropping frees segments to the pool under it: the catalog's lock, then the pool's, the
 engine's order; ``Room`` asks the pool for a segment only outside it.
 """
@@ -23,7 +24,7 @@ import time
 
 from memstore.core.limits import room_by_dropping
 from memstore.core.model import ShardKey
-from memstore.core.retention import pressure_victims, retention_victims
+from memstore.core.retention import Held, pressure_victims, retention_victims
 from memstore.errors import CapacityExceeded, QuotaExceeded, UnknownJob
 from memstore.server.engine.catalog import Catalog
 
@@ -73,11 +74,22 @@ class Eviction:
     # ---- retention (the Janitor)
 
     def retire(
-        self, job_id: str, dead: set[tuple[int, str]], latest: int | None, protected: list[int], floor: tuple[int, str] | None = None
+        self,
+        job_id: str,
+        held: list[Held],
+        dead: set[tuple[int, str]],
+        latest: int | None,
+        protected: list[int],
+        floor: tuple[int, str] | None = None,
     ) -> None:
-        """Drop the settled copies of ``job_id``'s superseded versions ``dead``, then what keep-K retention evicts
-        (never ``protected`` steps, nothing at or above the restorable ``floor``); ``latest``, the newest restorable
-        step, and the floor are protected from pressure too."""
+        """Drop the settled copies of ``job_id``'s superseded versions ``dead``, then what keep-K retention evicts of
+        ``held`` (never ``protected`` steps, nothing at or above the restorable ``floor``); ``latest``, the newest
+        restorable step, and the floor are protected from pressure too.
+
+        ``held``: the job's copies here when the caller looked (``Catalog.held``), the look its ``latest`` and
+        ``protected`` were worked out from. Only those may be evicted: a copy that arrived since (while the janitor
+        listed the cluster, seconds when a peer or the durable tier does not answer) can be newer than every step they
+        protect, the newest restorable one or one due for spilling; it waits for the next pass, which sees it."""
         keep = self.catalog.config.keep
         with self._cond:
             if latest is not None:
@@ -88,8 +100,8 @@ class Eviction:
             for dead_entry in [e for e in job if e.key.version in dead and e.state.settled]:
                 log.info("dropping %s: a newer timeline re-saved step %d or earlier", dead_entry.key, dead_entry.key.step)
                 self.catalog.drop_locked(dead_entry, reason="superseded: the job went back and saved this step again on a newer timeline")
-            held = [(e.key, e.state, e.created_unix) for e in self.catalog.entries_locked() if e.key.job_id == job_id]
-            for key in retention_victims(held, keep, protected, floor):
+            left = [(k, state, created) for k, state, created in held if not (k.version in dead and state.settled)]
+            for key in retention_victims(left, keep, protected, floor):
                 entry = self.catalog.get_locked(key)
                 if entry is not None:
                     log.debug("retention: evicting %s", key)

@@ -94,7 +94,7 @@ class Janitor:
         if floor is not None and floor.timeline not in {k.timeline for k, _, _ in held}:
             floor = None  # a version this store cannot place among its own (it holds nothing of its timeline): list
         if floor is not None and not supersede:
-            self.eviction.retire(job, set(), None, spilling, floor.version)  # nothing at or above the floor goes
+            self.eviction.retire(job, held, set(), None, spilling, floor.version)  # nothing at or above the floor goes
             return
         # Something would go and no floor bounds it, or a re-save may have superseded another timeline: ask the cluster.
         self.listings += 1
@@ -105,4 +105,5 @@ class Janitor:
         # single copy whose replication failed, and the loss of that one host must not leave nothing to restore.
         committed = latest_replicated(holdings, job, self.config.replicas)
         protected = [v.step for v in (latest, committed) if v is not None] + spilling
-        self.eviction.retire(job, dead, latest.step if latest else None, protected, floor.version if floor else None)
+        # Only what ``held`` saw may go: saves that settled while the cluster was listed are newer than ``protected`` knows.
+        self.eviction.retire(job, held, dead, latest.step if latest else None, protected, floor.version if floor else None)

@@ -20,7 +20,7 @@ from memstore.server.engine.room import Room
 from memstore.server.memory.pool import Segment
 from memstore.server.memory.rings import ring_limit, saves_recycle
 from memstore.server.store import Store
-from tests.unit.engine_fakes import KiB, FakePool, config, make_catalog
+from tests.unit.engine_fakes import FakePool, KiB, config, make_catalog
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,8 @@ scheme), 5 rank processes (``memstore.bench.ranks``), rank r on store hr, each w
 Meanwhile the stores' shared memory is sampled as the bench counts it (``RamSampler``: the sum of Health's
 ``used_bytes``, every segment a store holds: shards, parity, leases, pooled spares and the reserve). Reported per store
 over one rank's state: at the peak, right after the saves (``settled``: the ranks still connected, their next saves'
-memory reserved ahead), and once the job went idle (spares given back, ``--idle-wait``); ``settled_max_store``: the
+memory reserved ahead under replicas; under ec:4+1 a save takes its rank's oldest kept step's memory when it comes,
+docs/erasure.md "RAM"), and once the job went idle (spares given back, ``--idle-wait``); ``settled_max_store``: the
 store holding the most then. The issue's bound for ec:4+1 is 1.25 x keep + 0.75 per store.
 
 Then the ranks exit and the restores run, each in a new process as rank 0 of the job (``memstore.bench.measure``): local

@@ -102,7 +102,7 @@ def _ask(host: str, address: str, timeout: float, job: str) -> tuple[dict[str, A
         "pooled": h.pooled_bytes,  # part of used: free segments kept faulted in
         "reserve": h.reserve_bytes,  # part of pooled: the --prefault reserve
         "jobs_memory": {j.job_id: {"in_use": j.in_use_bytes, "pooled": j.pooled_bytes} for j in h.jobs_memory},
-        "ring_limit": h.ring_limit,  # segments a rank's capture ring holds once warm (--keep + 1)
+        "ring_limit": h.ring_limit,  # segments a rank's capture ring holds once warm (--keep + 1; --keep under ec:K+M)
         "ring_overflows": h.ring_overflows,  # saves that grew a full capture ring past its bound
         "capacity": h.capacity_bytes,
         "shards": h.shards,

@@ -106,6 +106,24 @@ def retention_victims(
     return sorted(victims)
 
 
+def recycled_copy(held: Iterable[Held], protected_steps: Iterable[int] = ()) -> ShardKey | None:
+    """The copy whose segment one rank's next save takes when its capture ring is full (ec:K+M with keep >= 2,
+    ``memstore.server.engine.recycling``); None when there is none.
+
+    ``held``: that rank's own copies on this store, one per version. It is the copy of the oldest version, settled, when
+    the newest version is ``COMMITTED`` (its parity complete: it stays restorable while the save is in flight) and
+    another than the oldest, and the oldest's step is not protected (the newest step restorable across the cluster,
+    steps due for spilling)."""
+    by_version, order = _versions(list(held))
+    ranked = sorted(by_version, key=order.__getitem__)
+    if len(ranked) < 2 or ranked[0][0] in set(protected_steps):
+        return None
+    oldest, newest = by_version[ranked[0]], by_version[ranked[-1]]
+    if len(oldest) != 1 or not oldest[0][1].settled or any(state is not ShardState.COMMITTED for _, state, _ in newest):
+        return None
+    return oldest[0][0]
+
+
 def superseded_in_flight(held: Iterable[Held], newer: ShardKey) -> list[ShardKey]:
     """In-flight copies of the same (job, rank) older than ``newer``: droppable under memory pressure.
 

@@ -15,9 +15,10 @@ copies by itself. Placement is over slots (``memstore.core.slots``); ``membershi
 The engine is a few collaborating objects, each built here with only what it uses: the ``Catalog`` (the
 entries, leases and pins, under the engine's one lock), ``Arrivals`` (the pulls and transfers on their way in) and
 ``Eviction`` (what retention, pressure and deletes drop), both under the catalog's lock too, ``Room`` (memory for a
-shard, made under pressure), ``Admission`` (open transfers per sender), ``Sidecars`` and ``Adoption`` (what a crashed
-store left, taken over), the ``Replicator``, the ``Saver``, the ``DataPath`` (with its one-time ``Tickets``), the
-``Reader``, ``Recovery`` (fetch, repair, cluster view), the ``Janitor`` (retention, expiry) and the ``Drainer``.
+shard, made under pressure; its ``Recycler`` under ec:K+M, keep >= 2, gives a save its oldest kept step's segment),
+``Admission`` (open transfers per sender), ``Sidecars`` and ``Adoption`` (what a crashed store left, taken over), the
+``Replicator``, the ``Saver``, the ``DataPath`` (with its one-time ``Tickets``), the ``Reader``, ``Recovery`` (fetch,
+repair, cluster view), the ``Janitor`` (retention, expiry) and the ``Drainer``.
 ``Store`` builds them and exposes what the servicer, the data channel and the composition root call
 (docs/architecture.md draws them).
 The engine takes and returns the core's plain types (``memstore.core``), where the pure decisions (placement,
@@ -59,6 +60,7 @@ from memstore.server.engine.local_reads import Reader
 from memstore.server.engine.parity import ParityKeeper
 from memstore.server.engine.rebuild import Rebuilder, read_pieces
 from memstore.server.engine.recovery import Recovery
+from memstore.server.engine.recycling import Recycler
 from memstore.server.engine.replication import Replicator
 from memstore.server.engine.room import Room
 from memstore.server.engine.saving import Protection, Saver
@@ -67,7 +69,7 @@ from memstore.server.events import StoreEvents
 from memstore.server.membership import ClusterView, Membership
 from memstore.server.memory.leftovers import Adoption, Sidecars
 from memstore.server.memory.pool import SegmentPool
-from memstore.server.memory.rings import ring_limit
+from memstore.server.memory.rings import ring_limit, saves_recycle
 from memstore.server.memory.shm_dirs import segment_dir
 from memstore.server.memory.shm_pages import shm_pages
 from memstore.server.memory.shm_sweep import ShmSweeper
@@ -85,6 +87,7 @@ class Store:
 
     parity: ParityKeeper  # the parity fragments this store keeps for its group (ec:K+M; empty under replicas)
     encoder: Encoder | None  # ec:K+M: sends this store's shards' contributions (``_protection``)
+    recycler: Recycler | None  # ec:K+M with keep >= 2: a save's segment from its rank's oldest kept step (``_recycling``)
     heap_tuned: bool  # ec:K+M with M >= 2: glibc keeps freed blocks for pyeclib's next call (``memstore.erasure.heap``)
 
     def __init__(
@@ -106,7 +109,7 @@ class Store:
             config.capacity,
             adopt_leftovers=True,
             reserve=ReservePolicy(config.prefault, config.prefault_unit, config.keep),
-            ring_limit=ring_limit(config.keep),
+            ring_limit=ring_limit(config.keep, saves_recycle(config.keep, config.redundancy.erasure_coded)),
         )
         self.peers = PeerDirectory(self.host_id, credentials=credentials)
         # Who holds which slot: fed by the discovery watcher and gossip (memstore.server.app); moves the peer directory along.
@@ -126,7 +129,7 @@ class Store:
         self.arrivals = Arrivals(self.catalog, self._stop)  # under the catalog's lock: what is on its way in
         self.eviction = Eviction(self.catalog)  # under the catalog's lock: what retention, pressure and deletes drop
         self.adoption = Adoption(self.host_id, self.catalog, self.pool)
-        self.room = Room(self.eviction, self.pool, config)
+        self.room = Room(self.eviction, self.pool, config, self._recycling())
         self.admission = Admission(self.host_id, config.max_streams_per_peer)
         self.floors = Floors()  # per job, the restorable floor its clients and peers sent: retention's bound without listing
         self.replicator = Replicator(self.catalog, config, self.membership, self.peers, self.events, self._retention_due, self.floors)
@@ -187,6 +190,19 @@ class Store:
         if config.peers:  # a fixed --peers list: the table is known before serving
             self.membership.apply({h: (a, config.failure_domains.get(h, "")) for h, a in config.peers})
         self.adopted_shards = self.adoption.adopt()
+
+    def _recycling(self) -> Recycler | None:
+        """What gives a save into its rank's full capture ring the segment of the rank's oldest kept step, under ec:K+M
+        with keep >= 2 (``memstore.server.engine.recycling``); None otherwise (the ring grows)."""
+        recycle = saves_recycle(self.config.keep, self.config.redundancy.erasure_coded)
+        self.recycler = Recycler(self.catalog, self.eviction, self.pool) if recycle else None
+        return self.recycler
+
+    @property
+    def rings_recycle(self) -> bool:
+        """ec:K+M with keep >= 2: a save into its rank's full capture ring takes its oldest kept step's segment, and its
+        client reserves nothing ahead (``AllocateResponse.reserve_at_save``; ``memstore.server.engine.recycling``)."""
+        return self.recycler is not None
 
     def _protection(self) -> Protection:
         """What protects this store's own shards: the replicator, or under --redundancy ec:K+M the encoder (its parity
@@ -249,6 +265,8 @@ class Store:
         self._durable = tier
         self.recovery.durable = tier
         self.janitor.durable = tier
+        if self.recycler is not None:
+            self.recycler.durable = tier
         self.drainer.durable = tier
 
     def foreground_busy(self) -> bool:

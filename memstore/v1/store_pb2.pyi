@@ -345,7 +345,7 @@ class AllocateRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., ahead: _Optional[bool] = ..., grow: _Optional[bool] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("lease_id", "segment_path", "segment_bytes", "next_segment_path", "ring_paths", "lease_seconds", "ring_limit", "ring_busy")
+    __slots__ = ("lease_id", "segment_path", "segment_bytes", "next_segment_path", "ring_paths", "lease_seconds", "ring_limit", "ring_busy", "reserve_at_save")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +354,7 @@ class AllocateResponse(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RING_LIMIT_FIELD_NUMBER: _ClassVar[int]
     RING_BUSY_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_AT_SAVE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     segment_path: str
     segment_bytes: int
@@ -362,7 +363,8 @@ class AllocateResponse(_message.Message):
     lease_seconds: float
     ring_limit: int
     ring_busy: bool
-    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ..., ring_paths: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., ring_limit: _Optional[int] = ..., ring_busy: _Optional[bool] = ...) -> None: ...
+    reserve_at_save: bool
+    def __init__(self, lease_id: _Optional[str] = ..., segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., next_segment_path: _Optional[str] = ..., ring_paths: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ..., ring_limit: _Optional[int] = ..., ring_busy: _Optional[bool] = ..., reserve_at_save: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "metrics", "format_version", "spill_codec", "key", "nbytes", "capture", "capture_seconds", "stripe", "restorable_floor", "captured_bytes", "chunk_size", "chunk_checksums", "checksum_algo", "restorable_floor_version")

@@ -61,10 +61,10 @@ def test_ec_4_2_survives_two_losses_one_after_the_other_and_together(make_inproc
     state = max(save_steps(cluster, range(1, 4)))
     assert state > 3 * BLOCK
 
-    # Each store holds its kept steps' shards, its rank's ring segment for the next save, and per kept step two
-    # fragments of a quarter each (counted as the bench counts: test_erasure.shm_bytes): (keep + 1) + keep/2 shards.
+    # Each store holds its kept steps' shards (its rank's ring: keep segments, the next save takes the oldest's) and per
+    # kept step two fragments of a quarter each (counted as the bench counts: test_erasure.shm_bytes): keep + keep/2.
     fragment_bytes = -(-state // (4 * BLOCK)) * BLOCK
-    bound = (KEEP + 1) * state + KEEP * 2 * fragment_bytes + 0.05 * state
+    bound = KEEP * state + KEEP * 2 * fragment_bytes + 0.05 * state
     for host in cluster.stores:
         wait_for(lambda host=host: shm_bytes(cluster, host) <= bound, timeout=10, what=f"{host} to settle within {bound / state:.2f}x")
 

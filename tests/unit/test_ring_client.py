@@ -210,3 +210,69 @@ def test_a_save_waits_for_the_reservation_under_way_only_while_the_ring_warms_up
     assert not slot.ahead and time.monotonic() - started < 1.0  # allocated at once; the reservation stays for the next
     answer.set()
     ring.close()
+
+
+class RecyclingStore:
+    """A store under ec:K+M with keep 2 (``AllocateResponse.reserve_at_save``): the ring holds 2 segments; a save takes a
+    free one, else the segment of the oldest step its ring holds (which the store retires then)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.ring: list[str] = []
+        self.free: list[str] = []
+        self.holding: list[str] = []  # segments holding a kept step, the oldest first
+        self.leases: dict[str, str] = {}
+        self.requests: list[pb.AllocateRequest] = []
+
+    def allocate(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
+        self.requests.append(request)
+        if request.grow and len(self.ring) >= 2:
+            raise RuntimeError("the ring is full")  # (RingBusy)
+        if not request.grow and self.free:
+            path = self.free.pop(0)
+        elif not request.grow and len(self.ring) >= 2:
+            if request.ahead:
+                return pb.AllocateResponse(ring_busy=True, ring_paths=self.ring, ring_limit=2, reserve_at_save=True)
+            path = self.holding.pop(0)  # the oldest kept step retired: its segment for this save
+        else:
+            path = str(self.directory / f"seg-{len(self.ring)}")
+            Path(path).write_bytes(b"\0" * PAGE)
+            self.ring.append(path)
+        lease = f"lease-{len(self.requests)}"
+        self.leases[lease] = path
+        return pb.AllocateResponse(
+            lease_id=lease, segment_path=path, segment_bytes=PAGE, ring_paths=self.ring, lease_seconds=600, ring_limit=2,
+            reserve_at_save=True,
+        )  # fmt: skip
+
+    def release(self, lease_id: str) -> None:
+        self.free.append(self.leases.pop(lease_id))
+
+    def commit(self, request: pb.CommitRequest, what: str) -> None:
+        self.holding.append(self.leases.pop(request.lease_id))
+
+
+def test_when_the_store_takes_segments_at_save_time_nothing_is_reserved_ahead_and_nothing_mapped_anew(
+    tmp_path: Path, fake_cuda: FakeCudaRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer_client.capture import ring as ring_module
+    from trainer_client.capture.ring import Handover
+
+    mappings: list[str] = []
+    map_segment = ring_module.map_segment
+    monkeypatch.setattr(ring_module, "map_segment", lambda path, size: mappings.append(path) or map_segment(path, size))
+    store = RecyclingStore(tmp_path)
+    ring = CaptureRing(store.allocate, store.release, commit=store.commit)
+    ring.pinning = True
+    for step in range(1, 6):
+        key = pb.ShardKey(job_id="j", step=step, rank=0)
+        slot = ring.take(key, 1, PAGE)
+        ring.commit(slot, Handover(key, 1, pb.CommitRequest(), time.perf_counter()))
+    ring.wait_ahead(timeout=10)
+    # Saves 3, 4 and 5 took the oldest kept step's segment; none was reserved ahead (that would retire a kept step
+    # while the job is idle), only the ring's fill (grow) asked ahead.
+    assert [r.ahead for r in store.requests if not r.grow] == [False] * 5 and ring.ahead_path() == ""
+    assert sorted(mappings) == sorted(store.ring) == ring.mapped_paths and len(store.ring) == 2  # each mapped once
+    assert fake_cuda.registrations == 2  # and registered once: no mapping nor registration in a save's path once warm
+    ring.close()
+    assert fake_cuda.live == {}

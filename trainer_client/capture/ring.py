@@ -15,7 +15,11 @@ copy are final: the store starts pushing them) or :meth:`CaptureRing.abort` (the
 (``trainer_client.transport.shared_memory_path``) takes the lease and hands the capture its commit and abort as plain
 callables. After each commit the ring reserves the next save's segment ahead (``AllocateRequest.ahead``) on its own
 thread, maps and registers it there: ``save()`` then makes no call to the store at all. ``prepare`` does the
-same before the first save.
+same before the first save. Unless the store says that this rank's saves take their segment when they come
+(``AllocateResponse.reserve_at_save``: ``--redundancy ec:K+M`` with ``--keep`` 2 or more, where a save takes the
+segment of its rank's oldest kept step, which must stay restorable until then): the ring then only fills itself to
+its size after a commit, and each save costs one ``Allocate`` round trip, answered with a segment of the ring, which
+is mapped (and registered) already.
 
 A registration that fails is retried once after re-mapping the segment; if it fails again the save copies
 through pageable memory (synchronously) and the failure is counted (``CaptureStats``, sent with the next
@@ -220,6 +224,7 @@ class CaptureRing:
         self._last_fallback = ""
         self._reported = CaptureStats()
         self._limit = 1  # segments the ring holds once warm, as the store said (AllocateResponse.ring_limit)
+        self._at_save = False  # the store takes this rank's segments when its saves come (AllocateResponse.reserve_at_save)
         self._ring_size = 0  # segments in the ring, as the store last listed them
         self._leased: set[str] = set()  # segments this client holds a lease on (reserved, or a save writing into it)
         self._seq = 0  # Allocate requests sent
@@ -263,6 +268,7 @@ class CaptureRing:
         then holds its mapping (:meth:`hold`)."""
         slot = self._take_ahead(nbytes)
         if slot is None:
+            self._await_fill()
             request = pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes)
             seq = self._next_seq()
             slot = self._adopt(self._allocate(request), nbytes, ahead=False, seq=seq)
@@ -320,10 +326,24 @@ class CaptureRing:
         self.give_back(slot)  # too small for this state, or about to expire: the store takes it back into the ring
         return None
 
-    def reserve_ahead(self, key: pb.ShardKey, world_size: int, nbytes: int, grow: bool = True) -> None:
-        """Reserve, map (and register) the next save's segment on the ring's thread (no-op if one is reserved); then,
-        with ``grow``, add segments to the ring there until it is warm (``_grow``)."""
+    def _await_fill(self) -> None:
+        """When the store takes this rank's segments at save time (``reserve_at_save``), wait for the ring's fill under way
+        (``_grow``): the save then takes the segment it made, mapped, instead of making another beside it."""
         with self._lock:
+            growing = self._growing if self._at_save else None
+        if growing is not None:
+            with contextlib.suppress(Exception):
+                growing.result(timeout=AHEAD_WAIT_SECONDS)
+
+    def reserve_ahead(self, key: pb.ShardKey, world_size: int, nbytes: int, grow: bool = True) -> None:
+        """Reserve, map (and register) the next save's segment on the ring's thread (no-op if one is reserved, or when the
+        store takes this rank's segments at save time: ``reserve_at_save``); then, with ``grow``, add segments to the ring
+        there until it is warm (``_grow``)."""
+        with self._lock:
+            if self._at_save:
+                if grow:
+                    self._fill(pb.ShardKey(job_id=key.job_id, rank=key.rank), world_size, nbytes)
+                return
             if self._ahead is not None:
                 return
             if self._thread is None:
@@ -331,25 +351,40 @@ class CaptureRing:
             ahead = pb.ShardKey(job_id=key.job_id, rank=key.rank)
             self._answered.clear()
             self._ahead = self._thread.submit(self._reserve, ahead, world_size, nbytes)
-            if grow and self._ring_size < self._limit and (self._growing is None or self._growing.done()):
-                if self._grower is None:
-                    self._grower = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-ring-fill")
-                self._growing = self._grower.submit(self._grow, ahead, world_size, nbytes)
+            if grow:
+                self._fill(ahead, world_size, nbytes)
+
+    def _fill(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
+        """Start ``_grow`` on the ring's fill thread unless the ring is warm or a fill is under way (lock held)."""
+        if self._ring_size < self._limit and (self._growing is None or self._growing.done()) and not self._closing.is_set():
+            if self._grower is None:
+                self._grower = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memstore-ring-fill")
+            self._growing = self._grower.submit(self._grow, key, world_size, nbytes)
 
     def prepare(self, key: pb.ShardKey, world_size: int, nbytes: int) -> None:
         """Fill the ring now: as many segments as it holds once warm (``AllocateResponse.ring_limit``), each mapped
         (and registered when ``pinning``), all but one given back to the ring's pool; the one kept is the next save's.
-        Without it the ring fills over the first saves, on the ring's thread (see ``_grow``)."""
+        Without it the ring fills over the first saves, on the ring's thread (see ``_grow``). When the store takes this
+        rank's segments at save time (``reserve_at_save``, learnt from an earlier answer) nothing is kept reserved: the
+        ring is only filled."""
         self.reserve_ahead(key, world_size, nbytes, grow=False)
         with self._lock:
             future = self._ahead
         if future is not None:
             future.result()  # raises what the store said (capacity, quota, ...)
-            self._grow(pb.ShardKey(job_id=key.job_id, rank=key.rank), world_size, nbytes)
+        self._grow(pb.ShardKey(job_id=key.job_id, rank=key.rank), world_size, nbytes)
 
     def wait_ahead(self, timeout: float | None = None) -> None:
-        """Wait until the next save's lease is reserved and mapped, at most ``timeout`` seconds (tests and benchmarks
-        that want the steady state)."""
+        """Wait until the next save's lease is reserved and mapped (or, when the store takes this rank's segments at save
+        time, the ring's fill is done), at most ``timeout`` seconds (tests and benchmarks that want the steady state)."""
+        self._wait_reservation(timeout)
+        with self._lock:
+            growing = self._growing if self._at_save else None
+        if growing is not None:
+            with contextlib.suppress(FutureTimeoutError):
+                growing.exception(timeout)
+
+    def _wait_reservation(self, timeout: float | None = None) -> None:
         with self._lock:
             future = self._ahead
         if future is not None:
@@ -364,7 +399,7 @@ class CaptureRing:
         segment to be made; it starts once that reservation is mapped, so the next save's segment never shares the
         cores with the ring's later ones (in a job's first saves both are fresh memory)."""
         try:
-            self.wait_ahead()
+            self._wait_reservation()
             size = self._ring_size
             for _ in range(self._limit):
                 if size >= self._limit or self._closing.is_set():
@@ -386,6 +421,13 @@ class CaptureRing:
             response = self._allocate_ahead(request)
             if not response.ring_busy:
                 break
+            with self._lock:
+                self._at_save = response.reserve_at_save
+            if response.reserve_at_save:
+                raise RingBusyError(
+                    f"rank {key.rank}'s capture ring is full ({len(response.ring_paths)} segments) and the store gives its next "
+                    "save the oldest kept step's segment when that save comes: nothing reserved ahead"
+                )
             if self._closing.is_set() or time.monotonic() >= deadline:
                 raise RingBusyError(
                     f"rank {key.rank}'s capture ring stayed full ({len(response.ring_paths)} segments, each holding a kept step "
@@ -478,6 +520,7 @@ class CaptureRing:
             try:
                 with self._lock:
                     self._limit = int(response.ring_limit) or self._limit
+                    self._at_save = response.reserve_at_save
                     self._ring_size = len(response.ring_paths)
                     self._leased.add(path)
                     gone: list[_Mapped] = []

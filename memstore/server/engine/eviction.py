@@ -71,6 +71,11 @@ class Eviction:
                 self.catalog.drop_locked(victim, reason=f"dropped under pressure on {what} for step {key.step}")
             return bool(victims)
 
+    def protected_locked(self, job_id: str) -> list[int]:
+        """``job_id``'s newest restorable step as retention last learnt it (empty: unknown); the caller holds the catalog's
+        lock (``memstore.server.engine.recycling``)."""
+        return [self._protected[job_id]] if job_id in self._protected else []
+
     # ---- retention (the Janitor)
 
     def retire(

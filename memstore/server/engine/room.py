@@ -9,6 +9,9 @@ nothing is dropped (``memstore.core.limits.room_by_dropping``). The ``Saver`` (s
 No lock of its own: the pool takes its own lock for each request, and ``Eviction`` chooses and drops what goes in
 one step under the catalog's lock (the catalog's lock, then the pool's: the order the engine keeps), so a segment is
 never asked for while the catalog's lock is held.
+
+A save into its rank's full capture ring first asks the ``Recycler`` (ec:K+M with keep >= 2, else none) for the
+segment of the rank's oldest kept step (``memstore.server.engine.recycling``); when it has none to give, the ring grows.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from memstore.config import StoreConfig
 from memstore.core.model import ShardKey
 from memstore.errors import CapacityExceeded, QuotaExceeded
 from memstore.server.engine.eviction import Eviction
+from memstore.server.engine.recycling import Recycler
 from memstore.server.memory.pool import NO_RING, Segment, SegmentPool
 from memstore.server.memory.rings import AHEAD_POLL_SECONDS
 
@@ -24,10 +28,13 @@ from memstore.server.memory.rings import AHEAD_POLL_SECONDS
 class Room:
     """Segments for shards, making room by dropping what pressure allows."""
 
-    def __init__(self, eviction: Eviction, pool: SegmentPool, config: StoreConfig) -> None:
+    def __init__(self, eviction: Eviction, pool: SegmentPool, config: StoreConfig, recycler: Recycler | None = None) -> None:
+        """``recycler``: where a save into its rank's full capture ring gets its oldest kept step's segment (None: the
+        ring grows instead)."""
         self.eviction = eviction
         self.pool = pool
         self.config = config
+        self.recycler = recycler
 
     def acquire(
         self, key: ShardKey, nbytes: int, preferred: str = "", ring: int = NO_RING, evict: bool = True, grow: bool = False,
@@ -40,9 +47,12 @@ class Room:
         cycling through this store (a parity fragment, which whichever data host contributes first allocates), so the
         automatic reserve does not size itself by them (``memstore.core.reserve_policy``).
         """
-        if ring != NO_RING and evict:  # a save into its rank's full capture ring grows it (counted past the slack)
+        if ring != NO_RING and evict:  # a save into its rank's full capture ring recycles, or grows it (counted past the slack)
             with self.pool.saving_into(key.job_id, ring):
                 full = self.pool.ring_full(key.job_id, ring)
+                recycled = self.recycler.take_oldest(key, nbytes) if full and self.recycler is not None else None
+                if recycled:
+                    preferred, full = recycled, 0
                 if full:
                     self.pool.count_growth(key.job_id, ring, full)
                 return self._within_limits(key, nbytes, preferred, ring, evict, grow, sparse, stream)

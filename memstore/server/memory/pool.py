@@ -60,6 +60,11 @@ log = logging.getLogger(__name__)
 _REUSE_SLACK = 1.25  # reuse a pooled segment up to 25% larger than needed rather than allocating anew
 
 
+def _reusable(size: int, nbytes: int) -> bool:
+    """Whether a pooled segment of ``size`` bytes is handed out for ``nbytes``: it fits without wasting much."""
+    return nbytes <= size <= _REUSE_SLACK * nbytes + PAGE
+
+
 def _allocated(seg: Segment) -> bool:
     """Whether every page of ``seg``'s file is allocated (its blocks cover its size)."""
     try:
@@ -548,6 +553,13 @@ class SegmentPool:
         held = sum(1 for s in ring_members(itertools.chain(self._in_use, self._free), owner, ring) if not s.exported)
         return held + self._creating_rings.get((owner, ring), 0)
 
+    def recyclable(self, seg: Segment, nbytes: int) -> bool:
+        """Whether ``seg``, in use now, would be pooled once released and then handed out for a shard of ``nbytes`` of its
+        ring (``memstore.server.engine.recycling``): not exported, not sparse, room in the pool, and its size fits."""
+        with self._lock:
+            room = self.pooled_bytes + seg.size <= self.max_pooled_bytes
+            return room and not seg.exported and not seg.sparse and _reusable(seg.size, nbytes)
+
     def ring_paths(self, owner: str, ring: int) -> list[str]:
         """The paths of the segments of ``owner``'s rank ``ring``'s capture ring, in use and pooled."""
         with self._lock:
@@ -560,11 +572,11 @@ class SegmentPool:
         ``max_size``), else the smallest fresh one of the reserve that fits after resizing (``Reserve.pick``);
         ``preferred`` (a path) first when it is one of those candidates. A segment of ``ring`` (this rank's
         capture ring) comes before any other of ``owner``; segments of another ring are never candidates."""
-        top = _REUSE_SLACK * nbytes + PAGE if max_size is None else min(_REUSE_SLACK * nbytes + PAGE, max_size)
         own: Segment | None = None
         allowed = (NO_RING,) if grow else (ring, NO_RING)  # a ring takes its own pooled segments first (ring_order)
         for seg in self._free:
-            if seg.owner == owner and owner != FRESH and nbytes <= seg.size <= top and seg.ring in allowed:
+            fits = _reusable(seg.size, nbytes) and (max_size is None or seg.size <= max_size)
+            if seg.owner == owner and owner != FRESH and fits and seg.ring in allowed:
                 if preferred and seg.path == preferred:
                     return seg
                 if own is None or ring_order(seg, ring) < ring_order(own, ring):

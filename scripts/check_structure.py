@@ -35,7 +35,7 @@ def nodes(path: Path) -> tuple[ast.AST, ...]:
     return _nodes_of(path.read_text())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _nodes_of(text: str) -> tuple[ast.AST, ...]:
     return tuple(ast.walk(ast.parse(text)))
 

@@ -82,6 +82,17 @@ def _floor_order(floor: tuple[int, str] | None, held: list[Held]) -> Order | Non
     return starts.get(floor[1], math.inf), floor[0]
 
 
+def steps_from(held: Iterable[Held], bound: tuple[int, str] | None) -> set[int]:
+    """Steps of ``held``'s versions that rank at or above the version ``bound`` (step, timeline): all of them when
+    ``bound`` is None or of a timeline none of ``held`` is of (where it ranks among them is unknown)."""
+    held = list(held)
+    at = _floor_order(bound, held)
+    if at is None or at[0] == math.inf:
+        return {k.step for k, _, _ in held}
+    starts = timeline_starts((k, c) for k, _, c in held)
+    return {k.step for k, _, _ in held if recency(k, starts) >= at}
+
+
 def retention_victims(
     held: Iterable[Held], keep: int, protected_steps: Iterable[int] = (), floor: tuple[int, str] | None = None
 ) -> list[ShardKey]:

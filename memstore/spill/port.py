@@ -20,7 +20,8 @@ Who calls what, in which order:
   shard it writes.
 - The store: ``tier.start()`` once serving, ``tier.close()`` on shutdown (after ``tier.flush(grace)``
   on SIGTERM); ``tier.holdings(job)`` as the pseudo-host ``durable`` in every cluster view
-  (``latest_step``, retention, restore candidates); ``tier.protected_steps(job)`` before evicting;
+  (``latest_step``, retention, restore candidates), the host ``durable`` among those that did not answer when it
+  raises; ``tier.protected_steps(job)`` before evicting;
   ``tier.read_into(key, allocate)`` to restore a shard from durable storage into memory it allocates;
   ``tier.status`` for the health report.
 """
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
 
     from memstore.spill.layout import SpilledManifest
     from memstore.spill.storage import Durable
+
+
+DURABLE_HOST = "durable"  # the pseudo-host the tier's copies are held by in a cluster view; in its unreachable hosts: no answer
 
 
 @dataclass
@@ -98,7 +102,12 @@ class DurableTier(Protocol):
         ...
 
     def holdings(self, job_id: str) -> list[Holding]:
-        """Published durable copies of ``job_id``, as holdings of the pseudo-host ``durable``."""
+        """Published durable copies of ``job_id``, as holdings of the pseudo-host ``durable``.
+
+        Raises ``SpillStorageError`` (``SpillUnreachable`` when the storage does not answer) rather than return part of
+        what the tier holds: what it holds is unknown then. Callers count the tier among the hosts that did not answer
+        and decide as if it might hold anything: retention keeps in RAM what is not known durable (``Janitor``), a
+        restore's answer says the view is incomplete (``LatestStep``'s unreachable hosts)."""
         ...
 
     def protected_steps(self, job_id: str) -> set[int]:

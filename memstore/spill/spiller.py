@@ -13,6 +13,13 @@ manifest is published. Which steps:
 A shard is verified chunk by chunk against its capture checksums while it is written; its manifest
 is written last. Failures (storage down, permission denied, disk full, a partial write) are
 retried with exponential backoff and reported in status; nothing in RAM depends on a spill.
+
+What the tier holds (``holdings``, the pseudo-host ``durable`` in the store's cluster views) is read from a listing and
+the published manifests. A manifest that is corrupt or gone since the listing is left out (logged); when the storage
+does not answer (``SpillUnreachable``: connection refused, a timeout, throttling), the view stops at the first such
+failure and raises: what the tier holds is then unknown, never handed on as a whole view with parts missing. For
+``OUTAGE_SECONDS`` after such a failure ``holdings`` raises at once, without asking the storage (and waiting out its
+client's retries) again.
 """
 
 from __future__ import annotations
@@ -21,18 +28,18 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from memstore.core.model import Holding, Manifest, ShardKey
 from memstore.core.spill_policy import RetentionPolicy, due_by_steps, due_by_time, steps_to_delete
-from memstore.errors import LayoutError, SpillCorrupt, SpillStorageError
+from memstore.errors import LayoutError, SpillCorrupt, SpillStorageError, SpillUnreachable
 from memstore.faults import fault
 from memstore.spill import codec as codecs
 from memstore.spill import layout
 from memstore.spill.layout import SpilledManifest
-from memstore.spill.port import JobSpillStatus
+from memstore.spill.port import DURABLE_HOST, JobSpillStatus
 from memstore.spill.reader import read_manifest, read_shard_into
 from memstore.spill.storage import Durable
 from memstore.v1.integrity import checksum, chunk_spans
@@ -41,9 +48,11 @@ if TYPE_CHECKING:
     from memstore.spill.port import ShardSource, SpillListener, SpillObserver
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ORPHAN_SECONDS = 300.0  # a shard file with no manifest this old, below the newest spilled step, is debris
 LISTING_CACHE_SECONDS = 1.0
+OUTAGE_SECONDS = 1.0  # after the storage did not answer, ``holdings`` says so at once for this long
 
 
 @dataclass
@@ -90,6 +99,8 @@ class Spiller:
         self._thread = threading.Thread(target=self._loop, name="spill", daemon=True)
         self._listing_cache: dict[str, tuple[float, StepListing]] = {}
         self._manifest_cache: dict[str, tuple[float, SpilledManifest]] = {}
+        self._intents: dict[str, set[int]] = {}  # job -> the SPILL intents of its last listing (kept while none succeeds)
+        self._outage: tuple[float, SpillUnreachable] | None = None  # (when, what) the storage last did not answer
         self.started = time.time()
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -120,7 +131,7 @@ class Spiller:
             return cached[1]
         out = StepListing()
         prefix = layout.job_dir(self.durable.root, job_id)
-        for path, info in self.durable.list_files(prefix).items():
+        for path, info in self._answered(lambda: self.durable.list_files(prefix)).items():
             parts = path.rstrip("/").split("/")
             if len(parts) < 2:
                 continue
@@ -143,6 +154,8 @@ class Spiller:
             else:
                 out.shards.setdefault(step, {})[rank] = (path, mtime)
         self._listing_cache[job_id] = (time.monotonic(), out)
+        self._intents[job_id] = set(out.intents)
+        self._outage = None
         st = self.status.get(job_id)
         if st is not None:  # what the metrics show of the durable tier: counted here, never listed for them
             st.listed_steps = len(out.manifests)
@@ -155,25 +168,48 @@ class Spiller:
         cached = self._manifest_cache.get(path)
         if cached is not None and time.monotonic() - cached[0] <= max_age:
             return cached[1]
-        m = read_manifest(self.durable, job_id, step, rank)
+        m = self._answered(lambda: read_manifest(self.durable, job_id, step, rank))
         self._manifest_cache[path] = (time.monotonic(), m)
         return m
 
+    def _answered(self, call: Callable[[], T]) -> T:
+        """``call()`` (a storage call); when the storage does not answer, noted for ``holdings`` before it raises."""
+        try:
+            return call()
+        except SpillUnreachable as exc:
+            self._outage = (time.monotonic(), exc)
+            raise
+
     def _published(self, job_id: str, listing: StepListing) -> dict[int, list[SpilledManifest]]:
-        """step -> the readable published manifests of its ranks."""
+        """step -> the readable published manifests of its ranks (a step none of whose manifests reads is left out).
+
+        A manifest that is corrupt or gone since the listing (or denied) is left out, logged. SpillUnreachable at the first
+        the storage does not answer: the others would fail alike, each after the storage client's retries, and a view
+        without them is no view of what the tier holds."""
         out: dict[int, list[SpilledManifest]] = {}
         for step, ranks in listing.manifests.items():
+            readable = []
             for rank in sorted(ranks):
                 try:
-                    out.setdefault(step, []).append(self.read_manifest(job_id, step, rank))
+                    readable.append(self.read_manifest(job_id, step, rank))
+                except SpillUnreachable:
+                    raise
                 except (SpillStorageError, LayoutError) as exc:
                     log.warning("ignoring durable shard %d/%d of %s: %s", step, rank, job_id, exc)
+            if readable:
+                out[step] = readable
         return out
 
     def holdings(self, job_id: str) -> list[Holding]:
-        """Durable copies of ``job_id`` as holdings of the pseudo-host ``durable``: published ranks only."""
+        """Durable copies of ``job_id`` as holdings of the pseudo-host ``durable``: published ranks only.
+
+        SpillUnreachable when the storage does not answer (or did not within ``OUTAGE_SECONDS``): what the tier holds
+        is unknown then (``memstore.spill.port.DurableTier.holdings`` says what callers make of that)."""
+        outage = self._outage
+        if outage is not None and time.monotonic() - outage[0] < OUTAGE_SECONDS:
+            raise SpillUnreachable(f"{outage[1]} ({time.monotonic() - outage[0]:.1f} s ago; not asked again yet)")
         return [
-            Holding("durable", ShardKey(job_id, m.step, m.rank, m.timeline), m.world_size, True, m.created_unix)
+            Holding(DURABLE_HOST, ShardKey(job_id, m.step, m.rank, m.timeline), m.world_size, True, m.created_unix)
             for ms in self._published(job_id, self.listing(job_id)).values()
             for m in ms
         ]
@@ -214,8 +250,7 @@ class Spiller:
         """Steps this store must spill, due but not spilled yet (a gone owner's it took over too): retention must
         not evict them from RAM first."""
         st = self.status.get(job_id, JobSpillStatus())
-        cached = self._listing_cache.get(job_id)
-        intents = cached[1].intents if cached else set()
+        intents = self._intents.get(job_id, set())  # the last listing's: while the tier does not answer, they stand
         steps = self._duty().get(job_id, {})
         return {s for s, ms in steps.items() if (due_by_steps(s, self.every_steps) or s in intents) and _unspilled(st, ms)}
 
@@ -422,6 +457,8 @@ class Spiller:
         """Whether this store deletes a published rank of a doomed step: it spills for that rank's owner now."""
         try:
             owner = self.read_manifest(job_id, step, rank).owner_host
+        except SpillUnreachable:
+            raise  # no answer: this pass deletes nothing
         except (SpillStorageError, LayoutError):
             return False  # unreadable: whoever spills for it cannot tell either; the next pass tries again
         if owner not in spills_for:

@@ -3,7 +3,8 @@
 On a local filesystem a file is written under a temporary name and renamed into place (atomic);
 object stores (s3://) make a PUT visible only once complete, so objects are written in place.
 Every failure becomes a ``SpillStorageError`` with a ``kind`` (unavailable, permission, full, other)
-so callers can report it and retry.
+so callers can report it and retry; ``SpillUnreachable`` means the storage did not answer (connection refused or
+reset, a timeout, throttling), which callers tell apart from an answer about one object (missing, denied, corrupt).
 """
 
 from __future__ import annotations
@@ -19,11 +20,22 @@ from fsspec.implementations.local import LocalFileSystem
 
 from memstore.errors import SpillPermissionDenied, SpillStorageError, SpillStorageFull, SpillUnreachable
 
+# s3fs's errnos for a server that answered 503 SlowDown, ServiceUnavailable or 500 InternalError (after botocore's retries)
+_NO_ANSWER = {errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EBUSY)}
+
 
 def _classify(exc: BaseException) -> type[SpillStorageError]:
-    """Our type for an exception of fsspec or its backends (whose own types differ per backend and version)."""
+    """Our type for an exception of fsspec or its backends (whose own types differ per backend and version).
+
+    A missing object is an answer, never ``SpillUnreachable`` (whatever its path spells: ``step-000000000503``); the
+    words below match what is left (botocore's connection errors, s3fs's errors by their server code).
+    """
+    if isinstance(exc, FileNotFoundError):
+        return SpillStorageError
     if isinstance(exc, PermissionError):
         return SpillPermissionDenied
+    if isinstance(exc, (ConnectionError, TimeoutError)) or (isinstance(exc, OSError) and exc.errno in _NO_ANSWER):
+        return SpillUnreachable
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return SpillStorageFull
     text = f"{type(exc).__name__} {exc}".lower()

@@ -95,6 +95,36 @@ def test_saves_that_settle_while_the_cluster_is_listed_wait_for_the_next_pass() 
     assert sorted({k.step for k, _, _ in catalog.held("job")}) == [6, 7, 8]
 
 
+def test_while_the_durable_tier_does_not_answer_nothing_from_the_newest_committed_step_on_goes() -> None:
+    """R=1, two ranks, keep 2. Steps 1 and 2 are restorable from RAM (rank 1 on h1); of steps 3..5 RAM holds rank 0
+    only (here): the durable tier may hold their rank 1, which would make any of them the newest restorable step. While
+    it does not answer, step 3 stays; once it answers (holding none of them), step 3 goes as keep-K says."""
+    cfg = config(keep="2")
+    catalog, _, stop = make_catalog(cfg)
+    for step in (1, 2, 3, 4, 5):
+        settled(catalog, ShardKey("job", step, 0), DATA, created=float(step))
+    view = [Holding("h0", ShardKey("job", s, 0), 2, True, float(s)) for s in (1, 2, 3, 4, 5)]
+    view += [Holding("h1", ShardKey("job", s, 1), 2, True, float(s)) for s in (1, 2)]
+    answers: list[str] = ["durable"]
+    jan = Janitor(catalog, Eviction(catalog), cfg, lambda job: (view, answers), no_tickets, stop, threading.Event(), Floors())
+    jan.apply_retention()
+    assert sorted(k.step for k, _, _ in catalog.held("job")) == [2, 3, 4, 5]  # 1 is below the newest committed step
+    answers.clear()
+    jan.apply_retention()
+    assert sorted(k.step for k, _, _ in catalog.held("job")) == [2, 4, 5]  # 2: the newest restorable; 4, 5: keep-K
+
+
+def test_while_the_durable_tier_does_not_answer_and_ram_shows_nothing_restorable_every_version_stays() -> None:
+    cfg = config(keep="2")
+    catalog, _, stop = make_catalog(cfg)
+    for step in (1, 2, 3):
+        settled(catalog, ShardKey("job", step, 0), DATA, created=float(step))
+    view = [Holding("h0", ShardKey("job", s, 0), 2, True, float(s)) for s in (1, 2, 3)]  # rank 1: on the durable tier?
+    jan = Janitor(catalog, Eviction(catalog), cfg, lambda job: (view, ["durable"]), no_tickets, stop, threading.Event(), Floors())
+    jan.apply_retention()
+    assert sorted(k.step for k, _, _ in catalog.held("job")) == [1, 2, 3]
+
+
 def test_the_durable_tier_keeps_steps_due_for_spilling() -> None:
     class Durable:
         def protected_steps(self, job: str) -> set[int]:

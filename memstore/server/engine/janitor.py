@@ -11,11 +11,11 @@ from memstore.config import StoreConfig
 from memstore.core.floors import Floors
 from memstore.core.model import Holding
 from memstore.core.restorable import latest_replicated, latest_restorable, may_supersede, superseded_versions
-from memstore.core.retention import retention_victims
+from memstore.core.retention import retention_victims, steps_from
 from memstore.server.engine.catalog import Catalog
 from memstore.server.engine.eviction import Eviction
 from memstore.server.engine.parity import ParityKeeper
-from memstore.spill.port import DurableTier
+from memstore.spill.port import DURABLE_HOST, DurableTier
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,8 @@ class Janitor:
     (``memstore.core.floors``: its clients were given no process group), or a re-save may have superseded a timeline.
     ``expire_tickets``: releases the data channel's tickets nobody used in time (``DataPath.expire_tickets``).
     With a floor, retention evicts only below it and asks nobody: no message per saved step grows with the cluster.
+    Without one, when the durable tier does not answer the listing, retention keeps every version from the newest one
+    RAM shows committed (or restorable) on: what is not known durable stays in RAM.
     """
 
     def __init__(
@@ -98,12 +100,19 @@ class Janitor:
             return
         # Something would go and no floor bounds it, or a re-save may have superseded another timeline: ask the cluster.
         self.listings += 1
-        holdings, _ = self.cluster_holdings(job)
+        holdings, unreachable = self.cluster_holdings(job)
         dead = superseded_versions(holdings, job)
         latest = latest_restorable(holdings, job)
         # ... and the newest committed version (every rank on R hosts): the latest restorable one may rest on a
         # single copy whose replication failed, and the loss of that one host must not leave nothing to restore.
         committed = latest_replicated(holdings, job, self.config.replicas)
         protected = [v.step for v in (latest, committed) if v is not None] + spilling
+        if floor is None and DURABLE_HOST in unreachable:
+            # The durable tier did not answer: with its copies, a version newer than these may be restorable or
+            # committed, which a whole view would protect. Keep every version from the newest committed one RAM shows
+            # on (else from the newest restorable one; with neither, every version). Superseded ones still go: a
+            # version of a newer timeline restorable from RAM is restorable whatever the durable tier holds.
+            bound = committed or latest
+            protected += sorted(steps_from(held, None if bound is None else (bound.step, bound.timeline)))
         # Only what ``held`` saw may go: saves that settled while the cluster was listed are newer than ``protected`` knows.
         self.eviction.retire(job, held, dead, latest.step if latest else None, protected, floor.version if floor else None)

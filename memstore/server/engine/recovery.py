@@ -40,7 +40,7 @@ from memstore.server.membership import ClusterView, Membership
 from memstore.server.memory.pool import Segment
 from memstore.server.peers import PeerDirectory
 from memstore.spill.layout import SpilledManifest
-from memstore.spill.port import DurableTier
+from memstore.spill.port import DURABLE_HOST, DurableTier
 from memstore.v1.integrity import first_mismatch
 from memstore.v1.keys import job_id_problem, key_problem
 from memstore.v1.streams import receive_chunks, shard_manifest_problem
@@ -187,7 +187,7 @@ class Recovery:
         holdings, unreachable = _answers(listings)
         candidates = sources_for(holdings, key, prefer=group) + self._rebuildable(holdings, key)
         if candidates or (durable_known and self.durable is not None):
-            return candidates or ["durable"]
+            return candidates or [DURABLE_HOST]
         listings = self.peers.list_all(key.job_id, self.config.peer_timeout, hosts=[h for h in view.table.members() if h not in group])
         rest, more_unreachable = _answers(listings)
         holdings += rest
@@ -195,7 +195,7 @@ class Recovery:
         candidates = sources_for(holdings, key, prefer=tuple(view.table.members())) + self._rebuildable(holdings, key)
         durable = durable_holdings(self.durable, key.job_id, unreachable)
         if any(h.key == key for h in durable):
-            candidates.append("durable")  # the most expensive tier comes last
+            candidates.append(DURABLE_HOST)  # the most expensive tier comes last
         holdings += durable
         if not candidates:
             if not any(h.key.job_id == key.job_id for h in holdings) and not unreachable:
@@ -215,7 +215,7 @@ class Recovery:
     def pull_ahead(self, key: ShardKey) -> str:
         """Pull ``key`` from a peer into spare room as a cached copy (``memstore.server.engine.assembler``): never from the durable
         tier, never evicting anything for it. Returns the peer's id; ShardNotFound while no peer holds it yet."""
-        candidates = [host for host in self._sources(key, durable_known=False) if host not in ("durable", REBUILD)]
+        candidates = [host for host in self._sources(key, durable_known=False) if host not in (DURABLE_HOST, REBUILD)]
         if not candidates:
             raise ShardNotFound(f"no peer holds a verified copy of {key} yet")
         return self._pull(key, origin_note="assemble", candidates=candidates, cached=True, evict=False)
@@ -245,7 +245,7 @@ class Recovery:
         errors: list[StoreError] = []
         for host in candidates:
             try:
-                if host == "durable":
+                if host == DURABLE_HOST:
                     self._pull_from_durable(key, cached)
                 elif host == REBUILD and self.rebuilder is not None:
                     self.rebuilder.rebuild(key)
@@ -326,7 +326,7 @@ class Recovery:
             sm.created_unix,
             stripe=sm.stripe,
         )
-        self._register_pulled(key, segments[0], manifest, "durable", cached=cached)
+        self._register_pulled(key, segments[0], manifest, DURABLE_HOST, cached=cached)
 
     def _register_pulled(self, key: ShardKey, segment: Segment, m: Manifest, source: str, cached: bool = False) -> None:
         self.events.pulled(pull_source(source), m.nbytes)
@@ -519,7 +519,7 @@ def durable_holdings(durable: DurableTier | None, job_id: str, unreachable: list
         return durable.holdings(job_id)
     except (SpillStorageError, LayoutError) as exc:
         log.warning("durable tier unreadable for %s: %s", job_id, exc)
-        unreachable.append("durable")
+        unreachable.append(DURABLE_HOST)
         return []
 
 

@@ -165,7 +165,7 @@ def test_protected_steps_stay(why: str) -> None:
     ring_save(catalog, room, 1)
     ring_save(catalog, room, 2)
     if why == "newest restorable":
-        room.eviction.retire(JOB, set(), 1, [])  # retention learnt step 1 is the newest restorable across the cluster
+        room.eviction.retire(JOB, catalog.held(JOB), set(), 1, [])  # retention learnt step 1 is the newest restorable across the cluster
     else:
         recycler.durable = Spilling()  # type: ignore[assignment]
     assert recycler.take_oldest(k(3), 16 * KiB) is None and catalog.get(k(1)) is not None

@@ -47,6 +47,7 @@ def test_the_hook_deselects_gpu_tests_only_without_cuda(cuda: bool, monkeypatch:
         assert [i.name for i in config.deselected] == ["gpu_a", "gpu_b"]
 
 
+@pytest.mark.slow  # a pytest of its own collecting tests/gpu (~8 s of a core); the hook's test above stays in the default suite
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine runs the GPU tests")
 def test_the_gpu_suite_is_reported_deselected_here() -> None:
     proc = subprocess.run(

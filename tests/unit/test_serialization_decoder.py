@@ -96,6 +96,24 @@ def test_gc_state_is_restored_after_success_and_failure() -> None:
         gc.enable()
 
 
+def test_a_decoded_state_is_freed_with_its_last_reference_not_at_the_next_collection() -> None:
+    import gc
+    import weakref
+
+    data = ser.encode({"w": torch.randn(70_000), "small": torch.ones(3), "list": [torch.zeros(2)]})
+    mm = mmap.mmap(-1, len(data))
+    mm[:] = bytes(data)
+    gc.disable()  # only reference counting frees it
+    try:
+        for zero_copy in (True, False):
+            out = ser.decode(mm, zero_copy=zero_copy)
+            refs = [weakref.ref(out["w"]), weakref.ref(out["small"]), weakref.ref(out["list"][0])]
+            del out
+            assert all(ref() is None for ref in refs)  # no cycle (the decoder's) keeps the tensors, or the mapping, alive
+    finally:
+        gc.enable()
+
+
 def test_zero_copy_views_keep_every_dtype_and_shape() -> None:
     # The view path takes shortcuts (a byte string's slice is the tensor; a 1-D tensor is not reshaped): every
     # combination must still come back with its own dtype, shape and flags, aliasing the buffer.

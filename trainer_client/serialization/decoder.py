@@ -68,26 +68,6 @@ class _Decoder:
         self.base: torch.Tensor | None = None
         self.base_addr = 0
         self.np_base: np.ndarray[Any, Any] | None = None
-        self.handlers: dict[str, Callable[[list[Any], int], Any]] = {
-            "f": self.dec_float,
-            "i": self.dec_bigint,
-            "l": self.dec_list,
-            "t": self.dec_tuple,
-            "d": self.dec_dict,
-            "o": self.dec_odict,
-            "om": self.dec_odict,
-            "s": self.dec_set,
-            "F": self.dec_set,
-            "S": self.dec_size,
-            "y": self.dec_dtype,
-            "v": self.dec_device,
-            "nd": self.dec_np_dtype,
-            "n": self.dec_np_scalar,
-            "T": self.dec_blob,
-            "N": self.dec_blob,
-            "b": self.dec_blob,
-            "B": self.dec_blob,
-        }
 
     def close(self) -> None:
         # Drop every alias of the shard buffer so the caller can release/close it.
@@ -104,10 +84,10 @@ class _Decoder:
             corrupt(f"malformed tree node {node!r:.80}")
         if depth > MAX_DEPTH + 2:
             corrupt(f"tree nests deeper than {MAX_DEPTH} levels")
-        handler = self.handlers.get(node[0])
+        handler = _HANDLERS.get(node[0])
         if handler is None:
             corrupt(f"unknown tag {node[0]!r:.40} in tree")
-        return handler(node, depth)
+        return handler(self, node, depth)
 
     def dec_key(self, node: Any, depth: int) -> Any:
         t = type(node)
@@ -358,6 +338,30 @@ class _Decoder:
         finally:
             data.release()
 
+
+# A tree node's tag -> its decoding method. Held by the class, not by each decoder as bound methods: those would make
+# every decoder a reference cycle, which kept the tensors it made (and the mappings they view) alive until the next
+# cyclic collection, not just as long as the state.
+_HANDLERS: Final[dict[str, Callable[[_Decoder, list[Any], int], Any]]] = {
+    "f": _Decoder.dec_float,
+    "i": _Decoder.dec_bigint,
+    "l": _Decoder.dec_list,
+    "t": _Decoder.dec_tuple,
+    "d": _Decoder.dec_dict,
+    "o": _Decoder.dec_odict,
+    "om": _Decoder.dec_odict,
+    "s": _Decoder.dec_set,
+    "F": _Decoder.dec_set,
+    "S": _Decoder.dec_size,
+    "y": _Decoder.dec_dtype,
+    "v": _Decoder.dec_device,
+    "nd": _Decoder.dec_np_dtype,
+    "n": _Decoder.dec_np_scalar,
+    "T": _Decoder.dec_blob,
+    "N": _Decoder.dec_blob,
+    "b": _Decoder.dec_blob,
+    "B": _Decoder.dec_blob,
+}
 
 Parsed = tuple[dict[str, Any], list[int], list[BlobSpec]]  # what read_header returns
 

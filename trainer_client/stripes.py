@@ -151,8 +151,7 @@ def decode_stripe(buf: Any) -> Any:
     state = serialization.decode(buf, zero_copy=True, spans=made)
     if made:
         pieces = state.get("pieces") if is_stripe(state) else None  # type: ignore[attr-defined]
-        slices = {id(p) for p in pieces} if isinstance(pieces, list) else set()
-        if not all(id(span) in slices for span in made):
+        if not isinstance(pieces, list) or not set(map(id, pieces)).issuperset(map(id, made)):
             return serialization.decode(buf, zero_copy=True)
     return state
 

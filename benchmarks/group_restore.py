@@ -13,6 +13,7 @@ the stores' defaults otherwise.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -46,7 +47,8 @@ def one_run(cluster: LocalCluster, hosts: list[str], expected: dict[str, torch.T
                 times[job].append(time.perf_counter() - start)
                 if not all(torch.equal(out[k], v) for k, v in expected.items()):
                     raise SystemExit(f"job {job}: a restore differs from the state saved")
-                del out  # freed here (unmapped), not inside the next load's timing
+                del out
+                gc.collect()  # freed here, with any reference cycle, not inside the next load's timing
     medians = {job: statistics.median(t) for job, t in times.items()}
     return {"plain_ms": medians["plain"] * 1e3, "group_ms": medians["group"] * 1e3, "ratio": medians["group"] / medians["plain"]}
 

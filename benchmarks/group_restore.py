@@ -5,13 +5,15 @@
 Starts 2 stores on 127.0.0.1 (R = 2), saves one step of the same state (64 float32 tensors, 9.3 MiB by default) as two
 jobs of 2 ranks: ``plain`` (each rank its whole state) and ``group`` (``replica_group=[0, 1]``: each rank a stripe of
 it). Then, ``--loads`` times per run, a new client of rank 0 of each job calls ``latest_step()`` and ``load(1)`` (the
-two jobs interleaved, which goes first alternating); ``load()`` is timed, every restore compared with the state. Each
-run reports the median load of each job and their ratio; the stores' defaults otherwise.
+two jobs interleaved, which goes first alternating); ``load()`` is timed, every restore compared with the state, then
+freed outside the timing (not inside the next load's). Each run reports the median load of each job and their ratio;
+the stores' defaults otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -45,6 +47,8 @@ def one_run(cluster: LocalCluster, hosts: list[str], expected: dict[str, torch.T
                 times[job].append(time.perf_counter() - start)
                 if not all(torch.equal(out[k], v) for k, v in expected.items()):
                     raise SystemExit(f"job {job}: a restore differs from the state saved")
+                del out
+                gc.collect()  # freed here, with any reference cycle, not inside the next load's timing
     medians = {job: statistics.median(t) for job, t in times.items()}
     return {"plain_ms": medians["plain"] * 1e3, "group_ms": medians["group"] * 1e3, "ratio": medians["group"] / medians["plain"]}
 

@@ -27,6 +27,7 @@ from trainer_client.capture.device_restore import HostToDevice, decode_onto, dec
 from trainer_client.capture.ring import CaptureRing
 from trainer_client.chunk_check import ChunkCheck
 from trainer_client.errors import CorruptShardError, NotFoundError
+from trainer_client.stripes import decode_stripe
 from trainer_client.transport.link import StoreLink
 from trainer_client.transport.remote import VERIFY_THREADS, byte_view
 
@@ -56,7 +57,7 @@ class ShardReader:
         """Another member's stripe: opened straight from the local store when it holds one (assembled ahead), else fetched."""
         if self.shared_memory:
             with contextlib.suppress(NotFoundError, CorruptShardError):  # a copy that fails verification: fetched anew below
-                return self.read_shared(key, True, None)
+                return self.read_shared(key, True, None, stripe=True)
         return self.fetch_and_read(key, True, None)
 
     def fetch_and_read(
@@ -66,7 +67,7 @@ class ShardReader:
         """One rank's shard of one version, made local by its store (pulled from a peer if need be) and decoded; a copy
         that fails verification is discarded and fetched once more. A stripe is decoded in host memory. ``on_source``: told
         where it came from (the client's ``last_load_source``); None for another member's stripe, which a store pulls as
-        a cached copy.
+        a cached copy. A stripe's slices stay spans of its memory until assembled (:func:`~trainer_client.stripes.decode_stripe`).
 
         A stripe through shared memory, with ``stripes`` given: its group's other stripes that the store holds (it
         assembles them ahead) are opened in the same call (:meth:`read_stripes`) and put in ``stripes`` by rank;
@@ -84,8 +85,9 @@ class ShardReader:
             if on_source is not None:
                 on_source(fetched.source_host or self.host_id)
             group = list(fetched.manifest.stripe.group) if fetched.manifest.HasField("stripe") else None
-            batched = group is not None and self.shared_memory and stripes is not None  # the others opened with it
-            if group is not None:  # read as it is: its slices are views until assembled
+            stripe = group is not None
+            batched = stripe and self.shared_memory and stripes is not None  # the others opened with it
+            if group is not None:  # read as it is: its slices are spans until assembled
                 zero_copy, device = True, None
                 if on_stripe is not None and not batched:
                     on_stripe(group)
@@ -95,7 +97,9 @@ class ShardReader:
                     own, found = self.read_stripes(key, [_with_rank(key, r) for r in group if r != key.rank])
                     stripes.update(found)
                     return own
-                return self.read_shared(key, zero_copy, device) if self.shared_memory else self.read_remote(key, zero_copy, device)
+                if self.shared_memory:
+                    return self.read_shared(key, zero_copy, device, stripe=stripe)
+                return self.read_remote(key, zero_copy, device, stripe=stripe)
             except CorruptShardError as exc:
                 log.warning("rank %d: copy of step %d failed verification (%s); asking the store for another", self.rank, step, exc)
                 if attempt == 1:
@@ -105,15 +109,16 @@ class ShardReader:
     def read_stripes(self, key: pb.ShardKey, others: list[pb.ShardKey]) -> tuple[Any, dict[int, Any]]:
         """This rank's stripe and, opened in the same call (``OpenRequest.also``) and released in one, those of
         ``others`` this store holds; all decoded as views of their segments. The others by rank: one the store does
-        not hold, or whose copy fails its check here, is left out (the caller fetches it)."""
+        not hold, or whose copy fails its check here, is left out (the caller fetches it). Their slices stay spans of
+        the segments (:func:`~trainer_client.stripes.decode_stripe`)."""
         opened = self._link.control("Open", pb.OpenRequest(key=key, also=others), f"open step {key.step}", retries=3)
         found: dict[int, Any] = {}
         try:
-            own = self._decode_on_host(opened, key, zero_copy=True)
+            own = self._decode_on_host(opened, key, zero_copy=True, stripe=True)
             for other, answer in zip(others, opened.also, strict=False):  # an older store answers none of them
                 if answer.lease_id:
                     try:
-                        found[other.rank] = self._decode_on_host(answer, other, zero_copy=True)
+                        found[other.rank] = self._decode_on_host(answer, other, zero_copy=True, stripe=True)
                     except CorruptShardError as exc:
                         log.warning("rank %d: the stripe of rank %d failed verification (%s); fetching it", self.rank, other.rank, exc)
             return own, found
@@ -121,14 +126,14 @@ class ShardReader:
             leases = [a.lease_id for a in opened.also if a.lease_id]
             self._link.control("Release", pb.ReleaseRequest(lease_id=opened.lease_id, also=leases), f"release step {key.step}")
 
-    def read_shared(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
+    def read_shared(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None, stripe: bool = False) -> Any:
         # Onto a device the bytes are copied out before Release, so the segment stays recyclable (in its ring), and they
         # are verified here beside the copies (chunk_check), not by the store before them.
         request = pb.OpenRequest(key=key, transient=device is not None, reader_verifies=device is not None)
         opened = self._link.control("Open", request, f"open step {key.step}", retries=3)
         try:
             if device is None:
-                return self._decode_on_host(opened, key, zero_copy)
+                return self._decode_on_host(opened, key, zero_copy, stripe)
             m = _manifest(opened, key)
             assert self._ring is not None  # shared memory: the client has its ring
             with self._ring.registered_view(opened.segment_path, m.nbytes) as ring_mm:
@@ -144,8 +149,9 @@ class ShardReader:
             self._link.control("Release", pb.ReleaseRequest(lease_id=opened.lease_id), f"release step {key.step}")
 
     @staticmethod
-    def _decode_on_host(opened: pb.OpenResponse, key: pb.ShardKey, zero_copy: bool) -> Any:
-        """The shard an ``Open`` lent, decoded in host memory from a private mapping of its segment (its lease held)."""
+    def _decode_on_host(opened: pb.OpenResponse, key: pb.ShardKey, zero_copy: bool, stripe: bool = False) -> Any:
+        """The shard an ``Open`` lent, decoded in host memory from a private mapping of its segment (its lease held);
+        a ``stripe`` with its slices as spans of the mapping (``zero_copy``)."""
         m = _manifest(opened, key)
         mm = _map_private(opened.segment_path, m.nbytes)
         if not opened.verified:  # an older store: verify here (the store verifies for this Open otherwise)
@@ -158,6 +164,8 @@ class ShardReader:
             if bad is not None:
                 mm.close()
                 raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
+        if stripe:
+            return decode_stripe(mm)  # its slices' spans keep the mapping alive
         if zero_copy:
             return serialization.decode(mm, zero_copy=True)  # tensors keep the mapping alive
         try:
@@ -186,10 +194,13 @@ class ShardReader:
             if check is not None:
                 check.close()
 
-    def read_remote(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None) -> Any:
+    def read_remote(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None, stripe: bool = False) -> Any:
         """Without shared memory: the shard over the store's data channel (gRPC streams if it has none), every
-        chunk verified as it lands; with ``zero_copy`` large tensors are views of the received buffer."""
+        chunk verified as it lands; with ``zero_copy`` large tensors are views of the received buffer (a ``stripe``'s
+        slices spans of it)."""
         m, buf = self._link.data.get(key, f"read step {key.step}")
+        if stripe:
+            return decode_stripe(byte_view(buf, m.nbytes))
         if device is not None:
             return decode_onto(byte_view(buf, m.nbytes), device, zero_copy)
         return serialization.decode(byte_view(buf, m.nbytes), zero_copy=zero_copy)

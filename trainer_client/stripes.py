@@ -8,9 +8,10 @@ CUDA tensor's slice is copied straight off the device like any tensor, and each 
 and the rank's own unreplicated part. Nothing in the store changes: a stripe is replicated, spilled, drained and
 repaired like any shard, and a step is restorable once every rank's shard (so every stripe) is.
 
-A restore (:func:`assemble`) reads the D stripes and decodes the logical shard in place: a large tensor that one
-slice holds whole becomes a view of that slice (of its stripe's memory); the header, small blobs and the few blobs
-split between stripes are copied to their offsets in an N-byte buffer whose other pages are never touched. The
+A restore reads the D stripes (:func:`decode_stripe`: their slices left as spans of their memory, no tensor made) and
+decodes the logical shard in place (:func:`assemble`): a large tensor that one slice holds whole is made once, as a
+view of that slice (of its stripe's memory); the header, small blobs and the few blobs split between stripes are
+copied to their offsets in an N-byte buffer whose other pages are never touched. The
 bytes decoded are exactly the logical shard's (bit-exact by construction; a unit test compares them with
 :func:`serialization.encode`). Cuts move to blob starts where that costs little evenness (:func:`bounds`), so
 split blobs are rare.
@@ -27,15 +28,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from memstore.v1.pagefaults import address_of
 from trainer_client import serialization
 from trainer_client.capture.device_restore import move_tree, onto_device
 from trainer_client.errors import CorruptShardError, InvalidArgumentError
+from trainer_client.serialization import Span
 from trainer_client.serialization.dtypes import needs_raw_copy, raw_byte_view
 from trainer_client.serialization.header import BlobSpec, read_header
 from trainer_client.serialization.memory import parallel_memmove
 from trainer_client.serialization.spec import BLOB_TENSOR, SMALL_COPY
 
-__all__ = ["MARK", "StripePlan", "assemble", "bounds", "is_stripe", "merge", "split_state", "stripe_members", "stripe_state", "whole_state"]
+__all__ = [
+    "MARK", "StripePlan", "assemble", "bounds", "decode_stripe", "is_stripe", "merge", "split_state", "stripe_members", "stripe_state",
+    "whole_state",
+]  # fmt: skip
 
 MARK = "memstore.stripe"  # the top-level key (and its value, the layout's version) that makes a saved dict a stripe
 VERSION = 1
@@ -137,6 +143,19 @@ def _byte_slice(src: Any, lo: int, hi: int) -> Any:
     return bytes(memoryview(src)[lo:hi])
 
 
+def decode_stripe(buf: Any) -> Any:
+    """A stripe's shard (``buf``: writable, unchanging) decoded zero-copy with its slices left as
+    :class:`~trainer_client.serialization.Span` s of ``buf``, so that :func:`assemble` makes each tensor of the state
+    once. Where the rank's own part holds a large byte tensor too (a span that is not a slice), it is decoded as usual."""
+    made: list[Span] = []
+    state = serialization.decode(buf, zero_copy=True, spans=made)
+    if made:
+        pieces = state.get("pieces") if is_stripe(state) else None  # type: ignore[attr-defined]
+        if not isinstance(pieces, list) or not set(map(id, pieces)).issuperset(map(id, made)):
+            return serialization.decode(buf, zero_copy=True)
+    return state
+
+
 def is_stripe(obj: Any) -> bool:
     """Whether a decoded shard is a stripe (see :func:`stripe_state`)."""
     return isinstance(obj, dict) and obj.get(MARK) == VERSION and "pieces" in obj
@@ -174,37 +193,29 @@ def assemble(stripes: Sequence[dict[str, Any]], device: torch.device | None, zer
 
 
 def _decode(stripes: Sequence[dict[str, Any]], n: int, device: torch.device | None, zero_copy: bool) -> Any:
-    """Decode the logical shard without copying it whole: a large tensor that one slice holds is a view of that slice
-    (of its stripe's memory); the rest (the header, small and split blobs) is copied into an N-byte buffer whose
-    other pages are never touched."""
+    """Decode the logical shard without copying it whole: a large tensor that one slice holds is made over that slice
+    (its stripe's memory); the rest (the header, small and split blobs) is copied into an N-byte buffer whose other
+    pages are never touched."""
     pieces = _pieces_of(stripes)
     buf = mmap.mmap(-1, max(1, n), flags=mmap.MAP_PRIVATE)  # zero pages until written: the padding stays zero
-    target = torch.frombuffer(buf, dtype=torch.uint8)
-    try:
-        _copy_into(target, [(o, t) for o, t, whole in pieces if not whole])  # the header's slices, and every other kind
-        parsed = read_header(memoryview(buf))
-        spec_at = dict(zip(parsed[1], parsed[2], strict=False))  # blob offset -> its spec (one per distinct record)
-        viewable: dict[int, bool] = {}  # by spec: a table's blobs of one record share it
-        served: dict[int, torch.Tensor] = {}
-        copied: list[tuple[int, torch.Tensor]] = []
-        for o, t, whole in pieces:
-            if whole:
-                spec = spec_at.get(o)
-                ok = None if spec is None else viewable.get(id(spec))
-                if spec is not None and ok is None:
-                    ok = viewable[id(spec)] = _viewable(spec)
-                if ok and t.numel() == spec.nbytes:  # type: ignore[union-attr]
-                    served[o] = t
-                else:
-                    copied.append((o, t))
-        _copy_into(target, copied)
-    finally:
-        del target
-
-    def views(start: int, end: int) -> torch.Tensor | None:
-        piece = served.get(start)
-        return piece if piece is not None and piece.numel() == end - start else None
-
+    base = address_of(buf)
+    _copy_into(base, [(o, span) for o, span, whole in pieces if not whole])  # the header's slices, and every other kind
+    parsed = read_header(memoryview(buf))
+    spec_at = dict(zip(parsed[1], parsed[2], strict=False))  # blob offset -> its spec (one per distinct record)
+    viewable: dict[int, bool] = {}  # by spec: a table's blobs of one record share it
+    views: dict[int, Span] = {}
+    copied: list[tuple[int, Span]] = []
+    for o, span, whole in pieces:
+        if whole:
+            spec = spec_at.get(o)
+            ok = None if spec is None else viewable.get(id(spec))
+            if spec is not None and ok is None:
+                ok = viewable[id(spec)] = _viewable(spec)
+            if ok and span.nbytes == spec.nbytes:  # type: ignore[union-attr]
+                views[o] = span
+            else:
+                copied.append((o, span))
+    _copy_into(base, copied)
     state = serialization.decode(buf, zero_copy=True, views=views, parsed=parsed)  # its tensors keep buf and the stripes alive
     if device is not None:
         return onto_device(state, device)
@@ -218,38 +229,44 @@ def _viewable(spec: BlobSpec) -> bool:
     return spec.kind == BLOB_TENSOR and spec.nbytes > SMALL_COPY and not needs_raw_copy(spec.dtype)
 
 
-def _pieces_of(stripes: Sequence[dict[str, Any]]) -> list[tuple[int, torch.Tensor, bool]]:
-    """Every stripe's slices: (offset in the logical shard, bytes, whether it is a tensor's), each checked to lie in its
-    stripe's range."""
-    out: list[tuple[int, torch.Tensor, bool]] = []
+def _pieces_of(stripes: Sequence[dict[str, Any]]) -> list[tuple[int, Span, bool]]:
+    """Every stripe's slices: (offset in the logical shard, where its bytes lie, whether it is a tensor's), each checked
+    to lie in its stripe's range."""
+    out: list[tuple[int, Span, bool]] = []
     for i, s in enumerate(stripes):
         offsets, pieces = s.get("offsets"), s.get("pieces")
         if not isinstance(offsets, list) or not isinstance(pieces, list) or len(offsets) != len(pieces):
             raise CorruptShardError(f"stripe {i} of replica group {s.get('group')!r} has mismatched offsets and pieces")
         for offset, piece in zip(offsets, pieces, strict=True):
-            view = _byte_tensor(piece, i)
-            if not isinstance(offset, int) or offset < s["start"] or offset + view.numel() > s["end"]:
+            span = piece if type(piece) is Span else _span_of(piece, i)
+            if not isinstance(offset, int) or offset < s["start"] or offset + span.nbytes > s["end"]:
                 raise CorruptShardError(f"stripe {i} of replica group {s.get('group')!r} holds a slice outside its range")
-            out.append((offset, view, isinstance(piece, torch.Tensor)))
+            out.append((offset, span, type(piece) is Span or isinstance(piece, torch.Tensor)))
     return out
 
 
-def _copy_into(target: torch.Tensor, pieces: list[tuple[int, torch.Tensor]]) -> None:
-    """Copy each (offset, bytes) into ``target`` (large ones in parallel)."""
-    base = target.data_ptr()
-    parallel_memmove([(base + offset, piece.data_ptr(), piece.numel()) for offset, piece in pieces if piece.numel()])
+def _copy_into(base: int, pieces: list[tuple[int, Span]]) -> None:
+    """Copy each (offset, bytes) to ``base + offset`` (large ones in parallel)."""
+    addresses: dict[int, int] = {}  # by buffer: a stripe's slices share one
+    moves = []
+    for offset, span in pieces:
+        if span.nbytes:
+            at = addresses.get(id(span.buffer))
+            if at is None:
+                at = addresses[id(span.buffer)] = address_of(span.buffer)
+            moves.append((base + offset, at + span.offset, span.nbytes))
+    parallel_memmove(moves)
 
 
-def _byte_tensor(piece: Any, index: int) -> torch.Tensor:
-    """A decoded slice as a contiguous 1-D uint8 CPU tensor."""
-    if type(piece) is torch.Tensor and piece.dtype is torch.uint8 and piece.dim() == 1 and piece.is_cpu and piece.is_contiguous():
-        return piece  # what a stripe decoded from shared memory holds: checked in one line, restores make hundreds
+def _span_of(piece: Any, index: int) -> Span:
+    """A slice that a stripe decoded as an object (bytes, a tensor, an array) as a span of a writable CPU buffer."""
     if isinstance(piece, (bytes, bytearray)):
-        return torch.frombuffer(bytearray(piece), dtype=torch.uint8) if piece else torch.empty(0, dtype=torch.uint8)
+        return Span(bytearray(piece), 0, len(piece))
     if isinstance(piece, np.ndarray) and piece.dtype == np.uint8 and piece.ndim == 1:
-        return torch.from_numpy(np.ascontiguousarray(piece))
+        return Span(np.ascontiguousarray(piece), 0, piece.nbytes)
     if isinstance(piece, torch.Tensor) and piece.dtype == torch.uint8 and piece.dim() == 1:
-        return piece.cpu().contiguous()  # on a device only where a store without stripes in its manifests served it
+        array = piece.detach().cpu().contiguous().numpy()  # on a device only where a store without stripes in its manifests served it
+        return Span(array, 0, array.nbytes)
     raise CorruptShardError(f"stripe {index} holds a slice that is not bytes: {type(piece).__name__}")
 
 

@@ -96,6 +96,24 @@ def test_gc_state_is_restored_after_success_and_failure() -> None:
         gc.enable()
 
 
+def test_a_decoded_state_is_freed_with_its_last_reference_not_at_the_next_collection() -> None:
+    import gc
+    import weakref
+
+    data = ser.encode({"w": torch.randn(70_000), "small": torch.ones(3), "list": [torch.zeros(2)]})
+    mm = mmap.mmap(-1, len(data))
+    mm[:] = bytes(data)
+    gc.disable()  # only reference counting frees it
+    try:
+        for zero_copy in (True, False):
+            out = ser.decode(mm, zero_copy=zero_copy)
+            refs = [weakref.ref(out["w"]), weakref.ref(out["small"]), weakref.ref(out["list"][0])]
+            del out
+            assert all(ref() is None for ref in refs)  # no cycle (the decoder's) keeps the tensors, or the mapping, alive
+    finally:
+        gc.enable()
+
+
 def test_zero_copy_views_keep_every_dtype_and_shape() -> None:
     # The view path takes shortcuts (a byte string's slice is the tensor; a 1-D tensor is not reshaped): every
     # combination must still come back with its own dtype, shape and flags, aliasing the buffer.
@@ -133,3 +151,32 @@ def test_zero_copy_decode_views_the_buffer() -> None:
     assert again["w"][0].item() == 42.0 and again["a"][1] == 7 and again["small"][0].item() == 1.0
     with pytest.raises(TypeError, match="writable"):
         ser.decode(bytes(data), zero_copy=True)
+
+
+def test_spans_leave_large_plain_byte_tensors_where_they_lie_and_views_read_tensors_elsewhere() -> None:
+    n = 70_000  # over SMALL_COPY
+    state = {
+        "bytes1d": torch.arange(n, dtype=torch.int64).to(torch.uint8),
+        "bytes2d": torch.arange(n, dtype=torch.int64).to(torch.uint8).reshape(2, n // 2),
+        "param": torch.nn.Parameter(torch.ones(n, dtype=torch.uint8), requires_grad=False),
+        "f32": torch.randn(n),
+        "small": torch.arange(100, dtype=torch.uint8),
+    }
+    data = ser.encode(state)
+    mm = mmap.mmap(-1, len(data))
+    mm[:] = bytes(data)
+    made: list[ser.Span] = []
+    out = ser.decode(mm, zero_copy=True, spans=made)
+    span = out["bytes1d"]
+    assert made == [span] and span.buffer is mm and span.nbytes == n  # only the 1-D byte tensor is left as bytes
+    assert mm[span.offset : span.offset + n] == state["bytes1d"].numpy().tobytes()
+    assert all(isinstance(out[k], torch.Tensor) and torch.equal(out[k], state[k]) for k in state if k != "bytes1d")
+    assert isinstance(out["param"], torch.nn.Parameter)
+
+    base = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+    at = ser.decode(mm, zero_copy=True)["f32"].data_ptr() - base  # where the tensor lies in the shard
+    elsewhere = bytearray(8) + bytearray(state["f32"].numpy().tobytes())
+    mm[at : at + 4 * n] = bytes(4 * n)  # the shard's own bytes there are never read
+    out = ser.decode(mm, zero_copy=True, views={at: ser.Span(elsewhere, 8, 4 * n)})
+    assert torch.equal(out["f32"], state["f32"]) and out["f32"].data_ptr() == torch.frombuffer(elsewhere, dtype=torch.uint8).data_ptr() + 8
+    assert torch.equal(out["bytes1d"], state["bytes1d"])

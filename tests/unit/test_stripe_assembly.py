@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import mmap
 
 import numpy as np
 import pytest
@@ -10,7 +11,9 @@ import torch
 
 from trainer_client import serialization
 from trainer_client.errors import CorruptShardError, InvalidArgumentError
-from trainer_client.stripes import assemble, bounds, is_stripe, merge, split_state, stripe_state
+from trainer_client.serialization import Span
+from trainer_client.serialization.spec import SMALL_COPY
+from trainer_client.stripes import assemble, bounds, decode_stripe, is_stripe, merge, split_state, stripe_state, whole_state
 
 
 def mixed_state() -> dict:
@@ -33,6 +36,14 @@ def roundtrip(plan_state: dict) -> dict:
     decoded = serialization.decode(serialization.encode(plan_state))
     assert is_stripe(decoded)
     return decoded  # type: ignore[return-value]
+
+
+def mapped(plan_state: dict) -> mmap.mmap:
+    """A stripe's shard in a private mapping, as a restore through shared memory maps its segment."""
+    data = serialization.encode(plan_state)
+    mm = mmap.mmap(-1, len(data), flags=mmap.MAP_PRIVATE)
+    mm[:] = bytes(data)
+    return mm
 
 
 def assembled_bytes(stripes: list[dict]) -> bytes:
@@ -138,3 +149,31 @@ def test_stripe_cuts_move_to_blob_starts_so_no_tensor_is_split() -> None:
     assert max(p.stripe_nbytes for p in plans) < 1.2 * plans[0].logical_nbytes / 4  # still about even
     cuts = bounds(100_000, 4, starts=[0, 20_000, 26_000, 49_000, 90_000])
     assert cuts == [0, 26_000, 49_000, 73_728, 100_000]  # within 1/16 of a share (1,562 bytes) of a start, else a page
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_stripes_read_as_spans_assemble_each_tensor_once_over_their_mappings(count: int) -> None:
+    state = {**mixed_state(), **{f"big{i}": torch.randn(30_000 + 7 * i) for i in range(6)}}  # large ones: views
+    expected = bytes(serialization.encode(state))
+    maps = [mapped(stripe_state(state, None, None, list(range(count)), i).state) for i in range(count)]
+    stripes = [decode_stripe(mm) for mm in maps]
+    pieces = [p for s in stripes for p in s["pieces"]]
+    spans = [p for p in pieces if isinstance(p, Span)]
+    assert not any(isinstance(p, torch.Tensor) and p.numel() > SMALL_COPY for p in pieces)  # no tensor made for a large slice
+    assert len(spans) >= 5 and all(any(p.buffer is mm for mm in maps) for p in spans)
+    restored = assemble(stripes, None, zero_copy=True)
+    assert bytes(serialization.encode(restored)) == expected
+    ranges = [(a, a + len(mm)) for mm in maps for a in [torch.frombuffer(mm, dtype=torch.uint8).data_ptr()]]
+    viewed = [k for k in state if k.startswith("big") and any(lo <= restored[k].data_ptr() < hi for lo, hi in ranges)]
+    assert len(viewed) >= 6 - (count - 1)  # each a view of its stripe's mapping, but a tensor split between two stripes
+    assert bytes(serialization.encode(assemble(stripes, None, zero_copy=False))) == expected
+
+
+def test_a_stripe_whose_own_part_holds_a_large_byte_tensor_gets_it_back_as_a_tensor() -> None:
+    state = {"model": {"w": torch.randn(40_000)}, "buffer": torch.arange(100_000, dtype=torch.int64).to(torch.uint8)}
+    shared, own, order = split_state(state, ["model"])
+    stripes = [decode_stripe(mapped(stripe_state(shared, own, order, [0, 1], i).state)) for i in range(2)]
+    assert isinstance(stripes[0]["own"]["buffer"], torch.Tensor)
+    whole = whole_state(0, 1, stripes[0], {1: stripes[1]}, None, zero_copy=True)
+    assert list(whole) == ["model", "buffer"] and torch.equal(whole["buffer"], state["buffer"])
+    assert torch.equal(whole["model"]["w"], state["model"]["w"])

@@ -11,12 +11,12 @@ Public surface (what ``__all__`` lists): :func:`plan` a state into a :class:`Sha
 ``header``          the header: rendered for the encoder, parsed and validated for the decoder
 ``encoder``         :func:`plan`, :class:`ShardLayout` (``write_into``), :func:`encode`
 ``blob_writer``     the copies of blobs into a shard buffer
-``decoder``         :func:`decode`, :func:`peek_header`
+``decoder``         :func:`decode` (:class:`Span`: where a blob's bytes lie), :func:`peek_header`
 ``memory``          byte views, parallel memmove (hashing chunks as it copies), the GC pause
 ==================  ================================================================
 """
 
-from trainer_client.serialization.decoder import decode, peek_header
+from trainer_client.serialization.decoder import Span, decode, peek_header
 from trainer_client.serialization.encoder import ShardLayout, encode, plan
 from trainer_client.serialization.memory import ChunkSums
 from trainer_client.serialization.spec import ALIGNMENT, FORMAT_VERSION, MAGIC, MAX_DEPTH, READABLE_VERSIONS
@@ -29,6 +29,7 @@ __all__ = [
     "READABLE_VERSIONS",
     "ChunkSums",
     "ShardLayout",
+    "Span",
     "decode",
     "encode",
     "peek_header",

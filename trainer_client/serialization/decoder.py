@@ -7,10 +7,10 @@ import ctypes
 import operator
 import struct
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from itertools import compress, repeat
 from operator import attrgetter
-from typing import Any, Final, cast
+from typing import Any, Final, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from trainer_client.serialization.spec import (
     Buffer,
 )
 
-__all__ = ["decode", "peek_header"]
+__all__ = ["Span", "decode", "peek_header"]
 
 _TEMPLATE: Final = attrgetter("template")
 _KIND: Final = attrgetter("kind")
@@ -40,15 +40,24 @@ _NBYTES: Final = attrgetter("nbytes")
 _DATA_PTR: Final = torch.Tensor.data_ptr
 
 
-Views = Callable[[int, int], "torch.Tensor | None"]  # see decode()
+class Span(NamedTuple):
+    """Where a blob's bytes lie: ``nbytes`` bytes at ``offset`` of ``buffer`` (see :func:`decode`'s ``spans``, ``views``)."""
+
+    buffer: Any
+    offset: int
+    nbytes: int
 
 
 class _Decoder:
     """Rebuilds the state tree, copying each referenced blob out of the shard once."""
 
-    def __init__(self, mv: memoryview, offsets: list[int], specs: list[BlobSpec], share: object = None, views: Views | None = None) -> None:
+    def __init__(
+        self, mv: memoryview, offsets: list[int], specs: list[BlobSpec], share: object = None, views: Mapping[int, Span] | None = None,
+        spans: list[Span] | None = None,
+    ) -> None:  # fmt: skip
         self.mv = mv
-        self.views = views  # zero-copy decode: where a large tensor's bytes lie outside ``mv`` (stripes), else None
+        self.views = views  # zero-copy decode: large tensors whose bytes lie outside ``mv`` (stripes), by offset; else None
+        self.spans = spans  # zero-copy decode: large byte tensors are left as Spans of ``share`` and listed here; else None
         self.offsets = offsets
         self.specs = specs
         # zero-copy decode: large tensors and arrays become views of this writable buffer object
@@ -59,26 +68,6 @@ class _Decoder:
         self.base: torch.Tensor | None = None
         self.base_addr = 0
         self.np_base: np.ndarray[Any, Any] | None = None
-        self.handlers: dict[str, Callable[[list[Any], int], Any]] = {
-            "f": self.dec_float,
-            "i": self.dec_bigint,
-            "l": self.dec_list,
-            "t": self.dec_tuple,
-            "d": self.dec_dict,
-            "o": self.dec_odict,
-            "om": self.dec_odict,
-            "s": self.dec_set,
-            "F": self.dec_set,
-            "S": self.dec_size,
-            "y": self.dec_dtype,
-            "v": self.dec_device,
-            "nd": self.dec_np_dtype,
-            "n": self.dec_np_scalar,
-            "T": self.dec_blob,
-            "N": self.dec_blob,
-            "b": self.dec_blob,
-            "B": self.dec_blob,
-        }
 
     def close(self) -> None:
         # Drop every alias of the shard buffer so the caller can release/close it.
@@ -95,10 +84,10 @@ class _Decoder:
             corrupt(f"malformed tree node {node!r:.80}")
         if depth > MAX_DEPTH + 2:
             corrupt(f"tree nests deeper than {MAX_DEPTH} levels")
-        handler = self.handlers.get(node[0])
+        handler = _HANDLERS.get(node[0])
         if handler is None:
             corrupt(f"unknown tag {node[0]!r:.40} in tree")
-        return handler(node, depth)
+        return handler(self, node, depth)
 
     def dec_key(self, node: Any, depth: int) -> Any:
         t = type(node)
@@ -255,7 +244,8 @@ class _Decoder:
             self.objects = tensors
             return
         made = iter(tensors)
-        share, materialize, share_or_copy = self.share, self.materialize, self.share_or_copy
+        share, materialize = self.share, self.materialize
+        share_or_copy = self.share_or_copy if self.spans is None else self.span_or_share
         self.objects = [
             next(made)
             if template is not None
@@ -284,21 +274,30 @@ class _Decoder:
                 return shared
         return self.materialize(offset, spec)
 
+    def span_or_share(self, offset: int, spec: BlobSpec) -> Any:
+        """zero_copy with ``spans``: a large 1-D byte tensor (not a Parameter, no grad) as a :class:`Span` of the
+        shared buffer; anything else as :meth:`share_or_copy` makes it."""
+        plain_bytes = spec.dtype is torch.uint8 and len(spec.shape) == 1 and not spec.parameter and not spec.requires_grad
+        if spec.kind == BLOB_TENSOR and plain_bytes:
+            span = Span(self.share, offset, spec.nbytes)
+            self.spans.append(span)  # type: ignore[union-attr]
+            return span
+        return self.share_or_copy(offset, spec)
+
     def shared_view(self, offset: int, spec: BlobSpec) -> Any:
         """A tensor/array aliasing the shared buffer, or None where a copy is needed (odd dtypes)."""
-        start, end = offset, offset + spec.nbytes
         if spec.kind == BLOB_NDARRAY:
-            return np.frombuffer(self.share, dtype=spec.dtype, count=spec.nbytes // spec.dtype.itemsize, offset=start).reshape(spec.shape)  # type: ignore[call-overload]
+            return np.frombuffer(self.share, dtype=spec.dtype, count=spec.nbytes // spec.dtype.itemsize, offset=offset).reshape(spec.shape)  # type: ignore[call-overload]
         if needs_raw_copy(spec.dtype):
             return None
-        raw = None if self.views is None else self.views(start, end)
+        buffer = self.share
+        at = None if self.views is None else self.views.get(offset)
+        if at is not None:  # its bytes lie elsewhere
+            buffer, offset = at.buffer, at.offset
         # One call per step a tensor needs (each costs microseconds, and a restore makes hundreds): the tensor is made
         # of its dtype straight over the buffer (2.5x faster than a slice of a byte alias, then a view), and a 1-D
         # tensor needs no reshape. Each tensor owns a storage of exactly its bytes, so saving one saves only those.
-        if raw is None:
-            tensor = torch.frombuffer(self.share, dtype=spec.dtype, count=spec.nbytes // spec.dtype.itemsize, offset=start)  # type: ignore[call-overload]
-        else:
-            tensor = raw if spec.dtype is torch.uint8 else raw.view(spec.dtype)
+        tensor = torch.frombuffer(buffer, dtype=spec.dtype, count=spec.nbytes // spec.dtype.itemsize, offset=offset)  # type: ignore[call-overload]
         if len(spec.shape) != 1:
             tensor = tensor.view(spec.shape)
         if spec.parameter:
@@ -340,10 +339,37 @@ class _Decoder:
             data.release()
 
 
+# A tree node's tag -> its decoding method. Held by the class, not by each decoder as bound methods: those would make
+# every decoder a reference cycle, which kept the tensors it made (and the mappings they view) alive until the next
+# cyclic collection, not just as long as the state.
+_HANDLERS: Final[dict[str, Callable[[_Decoder, list[Any], int], Any]]] = {
+    "f": _Decoder.dec_float,
+    "i": _Decoder.dec_bigint,
+    "l": _Decoder.dec_list,
+    "t": _Decoder.dec_tuple,
+    "d": _Decoder.dec_dict,
+    "o": _Decoder.dec_odict,
+    "om": _Decoder.dec_odict,
+    "s": _Decoder.dec_set,
+    "F": _Decoder.dec_set,
+    "S": _Decoder.dec_size,
+    "y": _Decoder.dec_dtype,
+    "v": _Decoder.dec_device,
+    "nd": _Decoder.dec_np_dtype,
+    "n": _Decoder.dec_np_scalar,
+    "T": _Decoder.dec_blob,
+    "N": _Decoder.dec_blob,
+    "b": _Decoder.dec_blob,
+    "B": _Decoder.dec_blob,
+}
+
 Parsed = tuple[dict[str, Any], list[int], list[BlobSpec]]  # what read_header returns
 
 
-def decode(buf: Buffer, *, zero_copy: bool = False, views: Views | None = None, parsed: Parsed | None = None) -> object:
+def decode(
+    buf: Buffer, *, zero_copy: bool = False, views: Mapping[int, Span] | None = None, parsed: Parsed | None = None,
+    spans: list[Span] | None = None,
+) -> object:  # fmt: skip
     """Rebuild the state from shard bytes without executing anything from them.
 
     ``buf`` may be bytes, bytearray, memoryview or mmap, read-only included, and may be
@@ -355,9 +381,13 @@ def decode(buf: Buffer, *, zero_copy: bool = False, views: Views | None = None, 
     instead: no copy and no page faults for fresh memory. The views keep ``buf`` alive.
     Any inconsistency raises :class:`CorruptShardError`; a non-buffer argument raises TypeError.
 
-    ``views(start, end)`` (with ``zero_copy``): a contiguous uint8 tensor holding the shard's bytes ``[start, end)``
-    somewhere else, or None; a large tensor then views that instead of ``buf``, whose bytes there are never read
-    (a replica group's stripes: :mod:`trainer_client.stripes`).
+    ``views`` (with ``zero_copy``): large tensors whose bytes lie somewhere else, by their offset in the shard: each
+    a :class:`Span` of exactly the tensor's bytes. Such a tensor views its span's buffer instead of ``buf``, whose
+    bytes there are never read (a replica group's stripes: :mod:`trainer_client.stripes`).
+
+    ``spans`` (with ``zero_copy``): each large 1-D uint8 tensor that is no Parameter and needs no grad comes back as
+    a :class:`Span` of ``buf`` instead (no tensor is made), also appended to this list: a stripe's slices, which are
+    read back only as bytes (:func:`trainer_client.stripes.decode_stripe`).
 
     ``parsed``: what :func:`~trainer_client.serialization.header.read_header` returned for ``buf``, when the caller
     parsed it already (it is not parsed twice).
@@ -371,7 +401,10 @@ def decode(buf: Buffer, *, zero_copy: bool = False, views: Views | None = None, 
         try:
             with GcPaused():
                 header, offsets, specs = parsed if parsed is not None else read_header(mv)
-                decoder = _Decoder(mv, offsets, specs, share=buf if zero_copy else None, views=views if zero_copy else None)
+                decoder = _Decoder(
+                    mv, offsets, specs, share=buf if zero_copy else None, views=views if zero_copy else None,
+                    spans=spans if zero_copy else None,
+                )  # fmt: skip
                 decoder.materialize_all()
                 return decoder.dec(header["root"], 0)
         except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, RuntimeError, struct.error) as exc:

@@ -6,18 +6,16 @@ had already spilled its own ranks of, protecting them from retention until spill
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from memstore.core.model import Manifest, ShardKey
+from memstore.core.model import ShardKey
 from memstore.core.slots import SlotTable, next_table
 from memstore.core.spill_policy import RetentionPolicy, spill_duty
 from memstore.spill.spiller import Spiller
 from memstore.spill.storage import Durable
-from memstore.v1.integrity import compute_checksums
+from tests.harness.spill_source import FakeSource
 
 pytestmark = pytest.mark.unit
 
@@ -74,38 +72,6 @@ def test_exactly_one_live_store_spills_each_owner_as_hosts_come_and_go() -> None
                 assert spiller == "" or spiller in members, (members, strategy, owner, spiller)
                 if owner in members:
                     assert spiller == owner  # a live owner always spills its own shards
-
-
-class FakeSource:
-    """A ShardSource over shards held in memory; ``duty`` names the owners this store spills for now."""
-
-    host_id = "h1"
-
-    def __init__(self) -> None:
-        self.shards: dict[ShardKey, tuple[Manifest, bytes]] = {}
-        self.duty = {"h1"}
-
-    def hold(self, step: int, rank: int, owner: str) -> None:
-        data = bytes([rank + 1]) * 4096 + bytes([step % 256]) * 100
-        key = ShardKey("job", step, rank, "t1")
-        sums = tuple(compute_checksums(memoryview(data), len(data), 1024))
-        self.shards[key] = (Manifest(key, 4, len(data), 1024, sums, owner, created_unix=float(step)), data)
-
-    def spill_shards(self) -> list[Manifest]:
-        return [m for m, _ in self.shards.values() if m.owner_host in self.duty]
-
-    def spills_for(self, owner_host: str) -> bool:
-        return owner_host in self.duty
-
-    @contextlib.contextmanager
-    def pinned_bytes(self, key: ShardKey) -> Iterator[memoryview | None]:
-        yield memoryview(self.shards[key][1]) if key in self.shards else None
-
-    def foreground_busy(self) -> bool:
-        return False
-
-    def spilled(self) -> None:
-        pass
 
 
 def published(root: Path) -> dict[int, set[int]]:

@@ -6,21 +6,19 @@ Over a local directory (``file://``) with failures injected per call (``FlakyDur
 
 from __future__ import annotations
 
-import contextlib
 import errno
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from memstore.core.model import Manifest, ShardKey
 from memstore.core.spill_policy import RetentionPolicy
 from memstore.errors import SpillStorageError, SpillUnreachable
 from memstore.spill import layout
 from memstore.spill import spiller as spiller_module
 from memstore.spill.spiller import Spiller
 from memstore.spill.storage import Durable
-from memstore.v1.integrity import compute_checksums
+from tests.harness.spill_source import FakeSource
 
 pytestmark = pytest.mark.unit
 JOB = "job"
@@ -52,35 +50,9 @@ class FlakyDurable(Durable):
         return super().write_stream(path, pieces)  # type: ignore[arg-type]
 
 
-class Source:
-    """A ShardSource holding whole steps of one rank each (world size 1), every one this store's to spill."""
-
-    host_id = "h0"
-
-    def __init__(self) -> None:
-        self.shards: dict[ShardKey, tuple[Manifest, bytes]] = {}
-
-    def hold(self, step: int) -> None:
-        data = bytes([step % 256]) * 2048
-        key = ShardKey(JOB, step, 0, "t1")
-        sums = tuple(compute_checksums(memoryview(data), len(data), 1024))
-        self.shards[key] = (Manifest(key, 1, len(data), 1024, sums, "h0", created_unix=float(step)), data)
-
-    def spill_shards(self) -> list[Manifest]:
-        return [m for m, _ in self.shards.values()]
-
-    def spills_for(self, owner_host: str) -> bool:
-        return True
-
-    @contextlib.contextmanager
-    def pinned_bytes(self, key: ShardKey) -> Iterator[memoryview | None]:
-        yield memoryview(self.shards[key][1]) if key in self.shards else None
-
-    def foreground_busy(self) -> bool:
-        return False
-
-    def spilled(self) -> None:
-        pass
+def Source() -> FakeSource:
+    """Whole steps of one rank each (world size 1), every one this store's (h0) to spill."""
+    return FakeSource("h0", duty={"h0"}, world_size=1, job=JOB)
 
 
 def spiller_over(durable: Durable, source: Source | None = None, every_steps: int = 2, keep_last: int = 5) -> Spiller:
@@ -94,7 +66,7 @@ def spilled(tmp_path: Path, steps: tuple[int, ...]) -> FlakyDurable:
     durable = FlakyDurable(tmp_path)
     source = Source()
     for step in steps:
-        source.hold(step)
+        source.hold(step, data=bytes([step % 256]) * 2048)
     spiller_over(durable, source).run_once()
     assert {h.key.step for h in spiller_over(durable).holdings(JOB)} == set(steps)
     return durable
@@ -121,7 +93,7 @@ def test_a_spill_pass_with_an_unreadable_step_completes(tmp_path: Path) -> None:
     durable = spilled(tmp_path, (2, 4))
     manifest(tmp_path, 2).write_bytes(b"{not json")
     source = Source()
-    source.hold(6)
+    source.hold(6, data=bytes([6]) * 2048)
     pass_ = spiller_over(durable, source, keep_last=1)
     pass_.run_once()
     assert pass_.status[JOB].consecutive_failures == 0 and pass_.status[JOB].last_spilled_step == 6
@@ -157,7 +129,7 @@ def test_the_view_is_whole_again_once_the_storage_answers(tmp_path: Path, monkey
 def test_an_outage_only_the_manifests_reads_meet_fails_the_spill_pass_in_status(tmp_path: Path) -> None:
     durable = spilled(tmp_path, (2, 4))
     source = Source()
-    source.hold(5)  # not due (every 2 steps): this pass spills nothing and collects garbage over the listing
+    source.hold(5, data=bytes([5]) * 2048)  # not due (every 2 steps): this pass spills nothing and collects garbage over the listing
     pass_ = spiller_over(durable, source, keep_last=1)
     durable.down = lambda op, path: op == "read"  # the listing answers, the manifests' reads do not
     pass_.run_once()
@@ -170,7 +142,7 @@ def test_a_step_marked_for_spilling_stays_protected_while_the_storage_does_not_a
     durable = FlakyDurable(tmp_path)
     source = Source()
     for step in (3, 5):
-        source.hold(step)
+        source.hold(step, data=bytes([step % 256]) * 2048)
         durable.write_small(layout.intent_path(durable.root, JOB, step), b"")  # other stores' timers marked them
     pass_ = spiller_over(durable, source, every_steps=0)
     durable.down = lambda op, path: op == "write" and "step-000000000003" in path  # the outage starts after step 5

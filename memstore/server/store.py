@@ -109,7 +109,8 @@ class Store:
             config.capacity,
             adopt_leftovers=True,
             reserve=ReservePolicy(config.prefault, config.prefault_unit, config.keep),
-            ring_limit=ring_limit(config.keep, saves_recycle(config.keep, config.redundancy.erasure_coded)),
+            ring_limit=ring_limit(config.keep, recycling := saves_recycle(config.keep, config.redundancy.erasure_coded)),
+            pool_past_limit=not recycling,  # a recycling ring keeps no spare: what it grew by goes back to the kernel
         )
         self.peers = PeerDirectory(self.host_id, credentials=credentials)
         # Who holds which slot: fed by the discovery watcher and gossip (memstore.server.app); moves the peer directory along.

@@ -167,6 +167,21 @@ def test_released_segments_of_a_ring_over_its_limit_go_to_the_job(limited: Segme
     assert limited.acquire(2 * PAGE, JOB, ring=0) in tagged
 
 
+def test_a_recycling_ring_frees_what_it_grew_by(tmp_path: Path) -> None:
+    """ec:K+M rings (pool_past_limit=False) keep no spare: a segment released while the ring is over its limit goes back
+    to the kernel, and the ring keeps its limit's segments pooled."""
+    pool = SegmentPool(str(tmp_path / "h0-3"), 256 * PAGE, ring_limit=2, pool_past_limit=False)
+    try:
+        segs = [pool.acquire(2 * PAGE, JOB, ring=0) for _ in range(3)]  # a save came before the oldest kept step could go
+        pool.release(segs[0])  # retention drops the oldest kept step: the ring is over its limit without it
+        assert segs[0].ring == NO_RING and pool.segment_count == 2 and pool.pooled_bytes == 0
+        pool.release(segs[1])  # back within its limit: pooled for the ring's next save
+        assert segs[1].ring == 0 and pool.pooled_bytes == segs[1].size
+        assert pool.ring_paths(JOB, 0) == paths(segs[1:])
+    finally:
+        pool.close()
+
+
 def test_ring_full_at_its_limit_with_nothing_free_and_growth_past_the_slack_counted(limited: SegmentPool) -> None:
     ring = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT - 1)]
     assert limited.ring_full(JOB, 0) == 0  # short of its limit

@@ -90,11 +90,15 @@ class SegmentPool:
         adopt_leftovers: bool = False,
         reserve: ReservePolicy | None = None,
         ring_limit: int = ring_limit(2),
+        pool_past_limit: bool = True,
     ) -> None:
         """Claim ``directory`` (None: anonymous memory). What a previous store of the directory left there
         is deleted now, or with ``adopt_leftovers`` kept for ``adopt()``, which must then come next (if it
         does not, the first ``acquire`` deletes the leftovers). ``reserve``: how much fresh memory to keep
-        faulted in ahead of need (``memstore.core.reserve_policy``), once ``start_reserve`` runs; None: none."""
+        faulted in ahead of need (``memstore.core.reserve_policy``), once ``start_reserve`` runs; None: none.
+        ``pool_past_limit``: a segment released while its ring is over its limit (saves outran retention) leaves the ring
+        and stays pooled for the job's other saves; False (rings that recycle their oldest kept step, under ec:K+M): it
+        goes back to the kernel, so the ring's memory returns to its limit once its saves settle."""
         self.capacity = capacity
         self.max_pooled_bytes = capacity if max_pooled_bytes is None else max_pooled_bytes
         # close() with keep_files=None reads this: set by the server from --shm-keep-on-exit before it closes the engine.
@@ -102,6 +106,7 @@ class SegmentPool:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # the reserve gave back or added bytes
         self.ring_limit = ring_limit  # segments a client fills its capture ring to (``ring_limit()``); at most RING_SLACK more
+        self.pool_past_limit = pool_past_limit  # a segment leaving an over-limit ring stays pooled (else it is freed)
         self.ring_overflows = 0  # saves that found their ring full with nothing to reuse, and grew it past its bound
         self._saving: collections.Counter[tuple[str, int]] = collections.Counter()  # rings a save is allocating in
         self._free: list[Segment] = []  # the jobs' pooled segments (the reserve holds its fresh ones)
@@ -641,9 +646,10 @@ class SegmentPool:
                 seg.described = False
             if seg.sparse and _allocated(seg):
                 seg.sparse = False  # its client faulted every page in (a ring's fill, a reservation given back)
+            if seg.ring != NO_RING and self._ring_size(seg.owner, seg.ring) >= self.ring_limit:  # (seg is out of it now)
+                seg.ring = NO_RING  # the ring grew past its limit (saves outran retention): this one leaves it
+                reuse = reuse and self.pool_past_limit  # a recycling ring (ec:K+M) keeps no spare beside its kept steps
             if reuse and not seg.exported and not seg.sparse and self.pooled_bytes + seg.size <= self.max_pooled_bytes:
-                if seg.ring != NO_RING and self._ring_size(seg.owner, seg.ring) >= self.ring_limit:  # (seg is out of it now)
-                    seg.ring = NO_RING  # the ring grew past its limit (saves outran retention): this one leaves it
                 self._free.append(seg)
                 self._pooled_bytes += seg.size
                 if seg.ring != NO_RING:

@@ -18,7 +18,8 @@ client closing never waits on a reservation the store holds). When saves outrun 
 every segment of its ring still holds a kept step or a save in flight), the ring grows for it (no kept step is
 dropped early: retention alone knows which step is the newest restorable across the cluster), by ``RING_SLACK``
 segments before it counts an overflow (``SegmentPool.ring_overflows``, in ``memstore status``), and it shrinks back
-to its limit as segments come back.
+to its limit as segments come back: what it grew by stays pooled for the job, or, in a ring that recycles, goes back
+to the kernel (``SegmentPool(pool_past_limit=False)``).
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ from memstore.errors import DemoFailure
 from memstore.testing import LocalCluster, free_ports
 
 #: What the trainer ranks' forkserver imports once (each rank then forks from it: no import of torch per rank and launch).
-WORKER_PRELOAD = ["torch", "torch.distributed", "trainer_client", "memstore.demo.worker"]
+#: ``torch._dynamo``: torch imports it when a process makes its first optimizer (1.5-2.5 s of a core per rank otherwise).
+WORKER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "trainer_client", "memstore.demo.worker"]
 
 
 def _say(msg: str) -> None:

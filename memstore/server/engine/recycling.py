@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 
+from memstore.core.floors import Floors
 from memstore.core.model import ShardKey
 from memstore.core.retention import recycled_copy
 from memstore.server.engine.catalog import Catalog
@@ -37,10 +38,11 @@ log = logging.getLogger(__name__)
 class Recycler:
     """Retires a rank's oldest kept step early for its next save's segment (ec:K+M, keep >= 2)."""
 
-    def __init__(self, catalog: Catalog, eviction: Eviction, pool: SegmentPool) -> None:
+    def __init__(self, catalog: Catalog, eviction: Eviction, pool: SegmentPool, floors: Floors) -> None:
         self.catalog = catalog
-        self.eviction = eviction  # what retention protects (the newest restorable step it learnt)
+        self.eviction = eviction  # the newest version every rank's settled copy makes restorable, as the Janitor learnt it
         self.pool = pool
+        self.floors = floors  # the restorable floors the job's clients sent (a save's Allocate carries its own)
         self.durable: DurableTier | None = None  # set by the store with --spill: steps due for spilling stay
         self.recycled = 0  # steps retired early for a save
         self.refused = 0  # full rings whose oldest kept step was read, or could not go, when a save came
@@ -50,12 +52,14 @@ class Recycler:
         of its segment, pooled in the ring now, or None when it may not go (see the module)."""
         job, rank = key.job_id, key.rank
         spilling = sorted(self.durable.protected_steps(job)) if self.durable is not None else []
+        floor = self.floors.get(job)
         with self.catalog.cond:
             mine = [
                 e for e in self.catalog.entries_locked()
                 if e.key.job_id == job and e.key.rank == rank and e.owner_host == self.catalog.host_id and not e.cached
             ]  # fmt: skip
-            victim = recycled_copy([(e.key, e.state, e.created_unix) for e in mine], [*spilling, *self.eviction.protected_locked(job)])
+            known = [floor.version if floor is not None else None, self.eviction.restorable(job)]
+            victim = recycled_copy([(e.key, e.state, e.created_unix) for e in mine], known, spilling)
             entry = next((e for e in mine if e.key == victim), None)
             if entry is None:
                 return None

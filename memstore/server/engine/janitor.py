@@ -124,9 +124,13 @@ class Janitor:
             self._learnt(job, holdings)
         dead = superseded_versions(holdings, job)
         latest = latest_restorable(holdings, job)
-        # ... and the newest committed version (every rank on R hosts): the latest restorable one may rest on a
-        # single copy whose replication failed, and the loss of that one host must not leave nothing to restore.
-        committed = latest_replicated(holdings, job, self.config.replicas)
+        # ... and the newest committed version (every rank on R hosts; under ec:K+M every rank's copy settled, its parity
+        # done): the latest restorable one may rest on a single copy whose replication failed, or on a shard whose parity
+        # is still being computed, and the loss of that one host must not leave nothing to restore.
+        if self.config.redundancy.erasure_coded:
+            committed = latest_settled(holdings, job)
+        else:
+            committed = latest_replicated(holdings, job, self.config.replicas)
         protected = [v.step for v in (latest, committed) if v is not None] + spilling
         if floor is None and DURABLE_HOST in unreachable:
             # The durable tier did not answer: with its copies, a version newer than these may be restorable or

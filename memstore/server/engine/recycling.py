@@ -9,12 +9,16 @@ them), and hands its segment to the save, one its client has mapped and register
 flight the rank holds ``keep - 1`` committed steps and the one being written; the trade is documented in
 docs/erasure.md ("RAM").
 
-It does so only when ``memstore.core.retention.recycled_copy`` allows it (the newest kept step committed and newer,
-the oldest not protected: the newest step restorable across the cluster as retention last learnt it, a step due for
-spilling) and nothing reads the segment: no pin (a restore's lease, a spill, a rebuild's ``ReadRange``, a pull, a
-scrub, a contribution being sent) and no reader's own mapping (``Segment.exported``). Otherwise nothing is retired and
-the save gets a segment as it would without recycling (its ring grows: ``Room.acquire``): it never waits on a reader
-and never overwrites bytes anybody reads.
+It does so only when ``memstore.core.retention.recycled_copy`` allows it: a newer step is known restorable by every
+rank and held ``COMMITTED`` here (the job's restorable floor from ``Floors``, which a save's ``Allocate`` carries when
+its client has a process group, or the newest step every rank's settled copy makes restorable, which the ``Janitor``
+learns by listing the cluster for a job without one: ``Eviction.restorable``), and the oldest is not due for spilling.
+This rank's newest step committing is not enough: another rank's save of it may still be encoding, and a store lost
+before it commits would leave the older step as the only one every rank can restore. Nor when anything reads the
+segment: no pin (a restore's lease, a spill, a rebuild's ``ReadRange``, a pull, a scrub, a contribution being sent)
+and no reader's own mapping (``Segment.exported``). Otherwise nothing is retired and the save gets a segment as it
+would without recycling (its ring grows: ``Room.acquire``): it never waits on a reader and never overwrites bytes
+anybody reads.
 
 Lock: the catalog's; under it the pool's (the engine's order). The segment goes back to the ring's pool when its entry
 is dropped, and ``Room`` asks the pool for it (by path) outside the lock, within ``SegmentPool.saving_into``.
@@ -45,7 +49,7 @@ class Recycler:
         self.floors = floors  # the restorable floors the job's clients sent (a save's Allocate carries its own)
         self.durable: DurableTier | None = None  # set by the store with --spill: steps due for spilling stay
         self.recycled = 0  # steps retired early for a save
-        self.refused = 0  # full rings whose oldest kept step was read, or could not go, when a save came
+        self.refused = 0  # full rings whose oldest kept step, allowed to go, was read or did not fit, when a save came
 
     def take_oldest(self, key: ShardKey, nbytes: int) -> str | None:
         """Retire the oldest kept step of ``key``'s rank for its save of ``nbytes`` (its capture ring is full); the path

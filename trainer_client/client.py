@@ -42,7 +42,7 @@ from trainer_client.capture.device_save import CAPTURE_MODES, Captures
 from trainer_client.capture.ring import CaptureRing, CaptureStats
 from trainer_client.connection import Connection, connection_from_kwargs
 from trainer_client.errors import CapacityExceededError, InvalidArgumentError
-from trainer_client.floor import FloorAgreement
+from trainer_client.floor import ALLOCATE_WAIT_SECONDS, FloorAgreement
 from trainer_client.handles import ClientStats, RestorePoint, SaveHandle, SaveResult
 from trainer_client.job_group import default_job_group, resolve_group
 from trainer_client.reading import ShardReader
@@ -247,6 +247,7 @@ class CheckpointClient:
             key, layout, _cuda.device_part(layout), {str(k): float(v) for k, v in (metrics or {}).items()}, stripe,
             enqueued=capture == "enqueued", started=t0,
             floor=self._floor_reading(key, restorable_floor),
+            allocate_floor=self._floor_reading(key, restorable_floor, wait=ALLOCATE_WAIT_SECONDS),
             on_success=None if timeline is not None else functools.partial(self._timeline.saved, step, epoch),
             skip_capacity=self.on_capacity == "skip",
         )  # fmt: skip
@@ -264,9 +265,12 @@ class CheckpointClient:
         handle.stall_seconds = time.perf_counter() - t0
         return handle
 
-    def _floor_reading(self, key: pb.ShardKey, given: tuple[int, str] | None) -> Callable[[], tuple[int, str] | None] | None:
+    def _floor_reading(
+        self, key: pb.ShardKey, given: tuple[int, str] | None, wait: float = 0.0
+    ) -> Callable[[], tuple[int, str] | None] | None:
         """What the save of ``key`` reads as its floor when it hands the shard over (``PlannedShard.floor``): ``given``,
-        else the newest floor this client's agreement has for the save's timeline; None: no floor."""
+        else the newest floor this client's agreement has for the save's timeline; None: no floor. ``wait``: first wait
+        that long at most for this save's all-reduce (``PlannedShard.allocate_floor``)."""
         if given is not None:
             step, timeline = given
             if not isinstance(step, int) or step < 0 or timeline_problem(timeline) or (timeline == key.timeline and step > key.step):
@@ -278,7 +282,7 @@ class CheckpointClient:
             return None
 
         def agreed() -> tuple[int, str] | None:
-            step = agreement.floor(key.timeline, key.step)
+            step = agreement.agreed(key.timeline, key.step, wait) if wait else agreement.floor(key.timeline, key.step)
             return None if step is None else (step, "")
 
         return agreed

@@ -8,6 +8,10 @@ commit of the save carries the newest floor already agreed (the trainer never wa
 watcher, which asks the store when each save has settled (``WaitCommitted``, what tells the next agreement that
 the save is committed), sends this save's floor as soon as its all-reduce is back. Retention then never lists the
 cluster, and the floor trails the newest save by one: with ``--keep`` 2 a store holds the same two steps as before.
+When the store takes each save's segment as the save comes (``AllocateResponse.reserve_at_save``: ``--redundancy
+ec:K+M`` with ``--keep`` 2 or more), the save's ``Allocate`` carries this save's floor (:meth:`FloorAgreement.agreed`,
+waiting at most ``ALLOCATE_WAIT_SECONDS`` for its all-reduce): the store retires the rank's oldest kept step for the
+save's segment only below a step every rank saved (``memstore.server.engine.recycling``).
 
 Encoding: a vector of ``2 * WINDOW`` int64, this rank's ``WINDOW`` newest committed steps (newest first, -1 where it has
 fewer), then their negations. One MIN all-reduce gives at position i the least of the ranks' i-th newest steps and
@@ -43,6 +47,10 @@ WINDOW = 8  # committed steps per rank in one agreement
 STATUS_WAIT_SECONDS = 60.0  # one WaitCommitted of the watcher
 AGREEMENT_WAIT_SECONDS = 10.0  # how long the watcher waits for a save's all-reduce (every rank must reach the save)
 AGREEMENT_POLL_SECONDS = 0.002
+# How long a save whose store takes its segment when it comes (``AllocateResponse.reserve_at_save``) waits for its own
+# all-reduce before its Allocate, which carries the floor agreed: the ranks of a data-parallel job reach the save
+# together, so it is back in about one collective's latency. Not back in time: the Allocate carries the floor known.
+ALLOCATE_WAIT_SECONDS = 1.0
 CLOSE_WAIT_SECONDS = 5.0  # close() lets the last save's watch tell the store its floor, for at most this long
 NOT_FOUND_RETRIES = 50  # a remote save sent in the background may not have reached its store yet: ask again
 
@@ -132,6 +140,12 @@ class FloorAgreement:
             floor = self._floors.get(timeline)
         return floor if floor is not None and floor <= step else None
 
+    def agreed(self, timeline: str, step: int, wait: float) -> int | None:
+        """:meth:`floor`, once this save's all-reduce (of ``step``, started by :meth:`start`) is back, waiting at most
+        ``wait`` seconds for it (the floor known then, if it is not)."""
+        self._await_agreement(step, timeline, wait)
+        return self.floor(timeline, step)
+
     def close(self) -> None:
         """Stop watching; the last save's watch gets a few seconds to tell the store its floor (else the store keeps one
         step more until the job's next save)."""
@@ -172,9 +186,10 @@ class FloorAgreement:
             values = p.values.to("cpu")
         return [int(v) for v in values.tolist()]
 
-    def _await_agreement(self, step: int, timeline: str) -> None:
-        """Wait (bounded) for the all-reduce this save started: once every rank reached the save it is back."""
-        deadline = time.monotonic() + AGREEMENT_WAIT_SECONDS
+    def _await_agreement(self, step: int, timeline: str, wait: float = AGREEMENT_WAIT_SECONDS) -> None:
+        """Wait (at most ``wait`` seconds) for the all-reduce this save started: once every rank reached the save it is
+        back."""
+        deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             with self._lock:
                 mine = [p for p in self._pending if p.step == step and p.timeline == timeline]

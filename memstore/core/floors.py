@@ -5,7 +5,8 @@ each save on the newest step of their timeline that every rank has saved (one al
 ``trainer_client.floor``). That step is restorable, so the newest restorable step is at or above it: a *floor*,
 never newer than the truth. The ranks send it with the Commit they send anyway, and each store passes it on with
 the replicas it pushes (``PutHeader.restorable_floor``): every store holding a copy of the job's newest save learns
-it with no message of its own.
+it with no message of its own. Under ec:K+M with ``--keep`` 2 or more a save's ``Allocate`` carries this save's floor
+too, so that the store may retire the rank's oldest kept step for it (``memstore.server.engine.recycling``).
 
 Retention (``memstore.core.retention``) then keeps every version at or above the floor, whatever ``--keep`` says,
 and evicts below it without listing the cluster: a version below the floor is never the newest restorable one.

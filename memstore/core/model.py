@@ -115,6 +115,7 @@ class Holding:
     verified: bool
     created_unix: float = 0.0  # when the owner captured it; orders versions of different timelines
     parity: ParityCover | None = None  # no copy: ``host`` holds parity that covers ``key`` (ec:K+M); never verified
+    settled: bool = True  # no longer in flight (ec: its parity complete, or failed for good); False: still being protected
 
 
 class PutOrigin(enum.Enum):

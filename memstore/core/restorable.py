@@ -133,6 +133,13 @@ def latest_restorable(holdings: Iterable[Holding], job_id: str, step: int | None
     return latest_among(restorable_versions(holdings, job_id), step)
 
 
+def latest_settled(holdings: Iterable[Holding], job_id: str) -> Version | None:
+    """The newest live version restorable from settled copies alone (no parity rebuild counted): every rank's save of it
+    went through, its protection done (ec:K+M: its parity complete, or failed for good). What a restorable floor means
+    (``memstore.core.floors``), learnt by listing; None if there is none."""
+    return latest_restorable([h for h in holdings if h.settled and h.parity is None], job_id)
+
+
 def latest_replicated(holdings: Iterable[Holding], job_id: str, copies: int) -> Version | None:
     """The newest live restorable version every rank of which has verified copies on at least ``copies`` hosts: with
     ``copies`` = R, the newest committed version, the one that survives the loss of any R-1 hosts.

@@ -117,20 +117,29 @@ def retention_victims(
     return sorted(victims)
 
 
-def recycled_copy(held: Iterable[Held], protected_steps: Iterable[int] = ()) -> ShardKey | None:
+def recycled_copy(
+    held: Iterable[Held], restorable: Iterable[tuple[int, str] | None] = (), protected_steps: Iterable[int] = ()
+) -> ShardKey | None:
     """The copy whose segment one rank's next save takes when its capture ring is full (ec:K+M with keep >= 2,
     ``memstore.server.engine.recycling``); None when there is none.
 
-    ``held``: that rank's own copies on this store, one per version. It is the copy of the oldest version, settled, when
-    the newest version is ``COMMITTED`` (its parity complete: it stays restorable while the save is in flight) and
-    another than the oldest, and the oldest's step is not protected (the newest step restorable across the cluster,
-    steps due for spilling)."""
+    ``held``: that rank's own copies on this store, one per version. ``restorable``: versions (step, timeline) known
+    restorable job-wide, every rank's save of them settled (the job's restorable floor, the newest such version retention
+    learnt by listing the cluster; None: not known). It is the copy of the oldest version, settled, when a version of
+    ``restorable`` is newer than it and held here ``COMMITTED`` (its parity complete): the job then keeps a version every
+    rank can restore, this rank's copy of which survives a lost store, while the save is in flight. Not when the oldest's
+    step is protected (due for spilling), nor when nothing newer is known restorable: a store that knows only that its
+    own rank's newer step committed cannot tell whether another rank's save of it is still in flight, and the older step
+    may be the newest every rank can restore after a loss (the ring grows instead)."""
     by_version, order = _versions(list(held))
     ranked = sorted(by_version, key=order.__getitem__)
     if len(ranked) < 2 or ranked[0][0] in set(protected_steps):
         return None
-    oldest, newest = by_version[ranked[0]], by_version[ranked[-1]]
-    if len(oldest) != 1 or not oldest[0][1].settled or any(state is not ShardState.COMMITTED for _, state, _ in newest):
+    oldest = by_version[ranked[0]]
+    if len(oldest) != 1 or not oldest[0][1].settled:
+        return None
+    known = [by_version[v] for v in {v for v in restorable if v is not None} if v in by_version and order[v] > order[ranked[0]]]
+    if not any(all(state is ShardState.COMMITTED for _, state, _ in copies) for copies in known):
         return None
     return oldest[0][0]
 

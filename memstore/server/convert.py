@@ -133,7 +133,7 @@ def sidecar_info(meta: bytes) -> ShardInfo:
 
 
 # -- restorable floors ------------------------------------------------------------------
-def floor_from_pb(message: pb.CommitRequest | pb.WaitCommittedRequest | pb.PutHeader) -> tuple[int | None, str]:
+def floor_from_pb(message: pb.CommitRequest | pb.WaitCommittedRequest | pb.PutHeader | pb.AllocateRequest) -> tuple[int | None, str]:
     """The restorable floor ``message`` carries: (its step, its timeline; "" = the shard's), (None, "") if none
     (``memstore.core.floors``). InvalidArgument when it sets both forms or names an invalid timeline."""
     if not message.HasField("restorable_floor_version"):

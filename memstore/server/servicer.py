@@ -129,10 +129,12 @@ class StoreServicer(pb_grpc.StoreServicer):
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         self._allow(context, Need.JOB, request.key.job_id)
         key = key_from_pb(request.key)
+        floor, floor_timeline = floor_from_pb(request)
         try:
             lease_id, segment = self.store.allocate(
-                key, request.world_size, request.nbytes, request.preferred_segment, request.ahead, grow=request.grow
-            )
+                key, request.world_size, request.nbytes, request.preferred_segment, request.ahead, grow=request.grow,
+                restorable_floor=floor, floor_timeline=floor_timeline,
+            )  # fmt: skip
         except RingBusy:
             if not request.ahead or request.grow:
                 raise

@@ -130,9 +130,9 @@ class Store:
         self.arrivals = Arrivals(self.catalog, self._stop)  # under the catalog's lock: what is on its way in
         self.eviction = Eviction(self.catalog)  # under the catalog's lock: what retention, pressure and deletes drop
         self.adoption = Adoption(self.host_id, self.catalog, self.pool)
+        self.floors = Floors()  # per job, the restorable floor its clients and peers sent: retention's bound without listing
         self.room = Room(self.eviction, self.pool, config, self._recycling())
         self.admission = Admission(self.host_id, config.max_streams_per_peer)
-        self.floors = Floors()  # per job, the restorable floor its clients and peers sent: retention's bound without listing
         self.replicator = Replicator(self.catalog, config, self.membership, self.peers, self.events, self._retention_due, self.floors)
         self.saver = Saver(
             self.catalog, self.arrivals, self.room, self.admission, self._protection(), config, self.pool, self.events, self.draining,
@@ -196,7 +196,7 @@ class Store:
         """What gives a save into its rank's full capture ring the segment of the rank's oldest kept step, under ec:K+M
         with keep >= 2 (``memstore.server.engine.recycling``); None otherwise (the ring grows)."""
         recycle = saves_recycle(self.config.keep, self.config.redundancy.erasure_coded)
-        self.recycler = Recycler(self.catalog, self.eviction, self.pool) if recycle else None
+        self.recycler = Recycler(self.catalog, self.eviction, self.pool, self.floors) if recycle else None
         return self.recycler
 
     @property

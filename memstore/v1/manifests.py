@@ -83,7 +83,9 @@ def manifest_from_pb(m: pb.Manifest) -> Manifest:
     )
 
 
-def set_floor(message: pb.CommitRequest | pb.WaitCommittedRequest | pb.PutHeader, floor: int | None, timeline: str) -> None:
+def set_floor(
+    message: pb.CommitRequest | pb.WaitCommittedRequest | pb.PutHeader | pb.AllocateRequest, floor: int | None, timeline: str
+) -> None:
     """Put the floor (``floor`` of ``timeline``; "" = the shard's) in ``message``: the form a store that predates
     ``restorable_floor_version`` ignores when it is of another timeline (it lists then, as without a floor)."""
     if floor is None:

@@ -329,20 +329,24 @@ class SpillStatus(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., last_spilled_step: _Optional[int] = ..., last_spill_unix: _Optional[float] = ..., consecutive_failures: _Optional[int] = ..., last_error: _Optional[str] = ..., bytes_written: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("key", "world_size", "nbytes", "preferred_segment", "ahead", "grow")
+    __slots__ = ("key", "world_size", "nbytes", "preferred_segment", "ahead", "grow", "restorable_floor", "restorable_floor_version")
     KEY_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     GROW_FIELD_NUMBER: _ClassVar[int]
+    RESTORABLE_FLOOR_FIELD_NUMBER: _ClassVar[int]
+    RESTORABLE_FLOOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     world_size: int
     nbytes: int
     preferred_segment: str
     ahead: bool
     grow: bool
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., ahead: _Optional[bool] = ..., grow: _Optional[bool] = ...) -> None: ...
+    restorable_floor: int
+    restorable_floor_version: FloorVersion
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., ahead: _Optional[bool] = ..., grow: _Optional[bool] = ..., restorable_floor: _Optional[int] = ..., restorable_floor_version: _Optional[_Union[FloorVersion, _Mapping]] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("lease_id", "segment_path", "segment_bytes", "next_segment_path", "ring_paths", "lease_seconds", "ring_limit", "ring_busy", "reserve_at_save")

@@ -7,6 +7,8 @@ one group are reported unrestorable from RAM instead of restoring a wrong or par
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from memstore import survey
@@ -16,6 +18,7 @@ from memstore.v1.integrity import first_mismatch
 from tests.harness import erasure
 from tests.harness.erasure import shm_bytes
 from tests.states import assert_same, rank_state
+from tools.thread_ranks import on_every_rank
 from trainer_client import CheckpointClient, Connection
 from trainer_client.errors import NoCheckpointError, NotFoundError
 from trainer_client.serialization import decode
@@ -95,6 +98,7 @@ def test_a_restore_of_the_oldest_kept_step_keeps_its_segment_while_the_next_save
     def save(step: int) -> None:
         for h in [c.save(step, rank_state(c.rank, step, scale=SCALE)) for c in cs]:
             assert h.wait(timeout=30).state == "committed"
+        erasure.learnt(cluster, JOB, step)  # the next save may take step - 1's segment (no process group: listed)
 
     store = cluster.servers["h0"].store
     assert store.recycler is not None
@@ -118,6 +122,80 @@ def test_a_restore_of_the_oldest_kept_step_keeps_its_segment_while_the_next_save
             store.release(lease)
         # The other ranks' step 3 took their step 1's segment.
         assert [cluster.servers[f"h{r}"].store.recycler.recycled for r in range(1, WORLD)] == [1] * (WORLD - 1)  # type: ignore[union-attr]
+    finally:
+        for c in cs:
+            c.close()
+
+
+def test_with_a_process_group_each_saves_allocate_carries_its_own_agreement_and_recycles(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    # Ranks that share a process group (the default under torchrun) agree at each save on the newest step all of them
+    # committed, and the save waits (briefly) for that agreement before its Allocate: step 3's Allocate says that every
+    # rank committed step 2, so step 3 takes step 1's segment at once, with no wait between saves and no listing.
+    cluster = make_inprocess_cluster(hosts=HOSTS, redundancy="ec:4+1", capacity="256MiB", keep=KEEP)
+    floors: dict[str, list[tuple[int, int | None]]] = {h: [] for h in cluster.stores}
+    for host in cluster.stores:
+        store = cluster.servers[host].store
+        allocate = store.allocate
+
+        def spy(key, *args, allocate=allocate, seen=floors[host], **kwargs):  # type: ignore[no-untyped-def]
+            seen.append((key.step, kwargs.get("restorable_floor")))  # (a reservation ahead names step 0)
+            return allocate(key, *args, **kwargs)
+
+        store.allocate = spy
+
+    def saves(rank: int, group: object) -> None:
+        connection = Connection(cluster.address(f"h{rank}"), timeout=20.0)
+        with CheckpointClient(JOB, rank, WORLD, connection=connection, group=group) as c:
+            for step in (1, 2, 3):
+                assert c.save(step, rank_state(rank, step, scale=SCALE)).wait(timeout=30).state == "committed"
+
+    results, _ = on_every_rank(WORLD, saves, timeout=60)
+    assert [r for r in results if isinstance(r, BaseException)] == []
+    assert all((3, 2) in floors[h] for h in cluster.stores), floors  # this save's agreement, not the one before
+    assert [cluster.servers[h].store.recycler.recycled for h in cluster.stores] == [1] * WORLD  # type: ignore[union-attr]
+
+
+def test_a_save_keeps_the_oldest_kept_step_while_another_ranks_save_of_the_newest_is_in_flight(make_inprocess_cluster, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Rank 0 committed step 3 and saves step 4 while rank 1's save of step 3 is still being encoded: step 2 is then the
+    # newest step every rank can restore after a loss, so rank 0's step 4 must not take step 2's segment. Rank 1's store
+    # is lost before its step 3 commits: every rank restores step 2 from RAM (rank 1's rebuilt from the survivors).
+    cluster = make_inprocess_cluster(hosts=HOSTS, redundancy="ec:4+1", capacity="256MiB", keep=KEEP)
+    save_steps(cluster, range(1, 3))
+    erasure.learnt(cluster, JOB, 2)  # (without a process group) the next save may take step 1's segment
+    release = threading.Event()
+    encoder = cluster.servers["h1"].store.encoder
+    send = encoder._send_one
+
+    def held_back(s):  # type: ignore[no-untyped-def]
+        if s.manifest.key.step == 3:
+            release.wait(30)  # rank 1's contributions to step 3's parity wait (a slow or busy store)
+        return send(s)
+
+    monkeypatch.setattr(encoder, "_send_one", held_back)
+    h0 = cluster.servers["h0"].store
+    cs = clients(cluster)
+    try:
+        handles = [c.save(3, rank_state(c.rank, 3, scale=SCALE)) for c in cs]
+        for rank, h in enumerate(handles):
+            if rank != 1:
+                assert h.wait(timeout=30).state == "committed"
+        assert h0.recycler is not None and h0.recycler.recycled == 1  # step 3 took step 1's segment: step 2 restorable
+        assert cs[0].save(4, rank_state(0, 4, scale=SCALE)).wait(timeout=30).state == "committed"
+        assert h0.recycler.recycled == 1  # rank 0's step 3 is committed, rank 1's is not: step 2 stayed
+        listed = h0.janitor.listings
+        wait_for(lambda: h0.janitor.listings >= listed + 2, timeout=10, what="h0's retention to list the cluster since")
+        assert {k.step for k, _, _ in h0.catalog.held(JOB)} == {2, 3, 4}  # nor did retention drop it
+    finally:
+        for c in cs:
+            c.close()
+    cluster.kill("h1")  # lost before its step 3 committed
+    release.set()
+    cluster.restart("h1")  # the replacement: same id and address, empty RAM
+    cs = clients(cluster)
+    try:
+        assert {c.latest_step() for c in cs} == {2}
+        for c in cs:
+            assert_same(c.load(2), rank_state(c.rank, 2, scale=SCALE))  # rank 1's shard rebuilt from the other four stores
     finally:
         for c in cs:
             c.close()

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from memstore.config import StoreConfig
 from memstore.core.floors import Floor, Floors
 from memstore.core.model import Holding, ShardKey
 from memstore.server.engine import janitor as janitor_module
@@ -241,3 +242,53 @@ def test_a_pass_expires_the_data_channels_tickets_too() -> None:
     before = time.monotonic()
     Janitor(catalog, Eviction(catalog), cfg, lambda job: ([], []), asked.append, stop, threading.Event(), Floors()).pass_once()
     assert len(asked) == 1 and asked[0] >= before  # DataPath.expire_tickets, with the pass's clock
+
+
+@pytest.mark.parametrize("redundancy", ["ec:4+1", "replicas:1"])
+def test_a_recycling_job_without_a_floor_lists_until_its_newest_step_is_settled_everywhere(redundancy: str) -> None:
+    """ec:K+M, keep 2: a rank's next save takes its oldest kept step's segment only below a step every rank's settled
+    copy makes restorable, which the janitor learns by listing after the newest step here settles, again until the
+    other ranks' saves of it settled (memstore.server.engine.recycling). Not with a floor, and never under replicas."""
+    peers = ",".join(f"h{i}=127.0.0.1:{7070 + i}" for i in range(5))
+    cli = {
+        "host_id": "h0",
+        "capacity": "64KiB",
+        "chunk_bytes": "4KiB",
+        "keep": "2",
+        "shm_dir": "",
+        "peers": peers,
+        "redundancy": redundancy,
+    }
+    cfg = StoreConfig.load(cli, env={})
+    catalog, _, stop = make_catalog(cfg)
+    view: list[Holding] = []
+    asked: list[str] = []
+
+    def listing(job: str) -> tuple[list[Holding], list[str]]:
+        asked.append(job)
+        return list(view), []
+
+    eviction = Eviction(catalog)
+    floors = Floors()
+    jan = Janitor(catalog, eviction, cfg, listing, no_tickets, stop, threading.Event(), floors)
+    for step in (1, 2):
+        settled(catalog, ShardKey("job", step, 0), DATA, created=float(step))
+    view[:] = [Holding("h0", ShardKey("job", s, 0), 2, True, float(s)) for s in (1, 2)]
+    view += [Holding("h1", ShardKey("job", 1, 1), 2, True, 1.0), Holding("h1", ShardKey("job", 2, 1), 2, True, 2.0, settled=False)]
+    jan.apply_retention()
+    if redundancy != "ec:4+1":
+        assert asked == [] and eviction.restorable("job") is None  # two steps, keep 2: nothing to decide
+        return
+    assert asked == ["job"] and eviction.restorable("job") == (1, "")  # rank 1's step 2 is still being encoded
+    jan.apply_retention()
+    assert asked == ["job"] * 2  # again, until it settles
+    view[-1] = Holding("h1", ShardKey("job", 2, 1), 2, True, 2.0)
+    jan.apply_retention()
+    assert eviction.restorable("job") == (2, "")
+    jan.apply_retention()
+    assert len(asked) == 3 and sorted(k.step for k, _, _ in catalog.held("job")) == [1, 2]  # learnt: no more listing
+    settled(catalog, ShardKey("job", 3, 0), DATA, created=3.0)  # (the ring grew for it, or took step 1's segment)
+    floors.note("job", Floor(2, ""))  # with a floor the janitor lists for nothing
+    catalog.drop(catalog.get(ShardKey("job", 1, 0)), reason="test")  # type: ignore[arg-type]
+    jan.apply_retention()
+    assert len(asked) == 3

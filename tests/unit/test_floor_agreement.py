@@ -70,6 +70,37 @@ def test_a_failed_all_reduce_gives_no_floor() -> None:
     assert agreement._floors == {"t": 5}
 
 
+def test_a_saves_allocate_waits_briefly_for_its_own_agreement() -> None:
+    """``agreed`` (the floor a save's Allocate sends when its store takes segments at save time) waits for this save's
+    all-reduce, at most as long as it is told, then reads the floor known: the older one when it is not back."""
+    import threading
+    import time
+
+    import torch
+
+    from trainer_client.floor import FloorAgreement, _Pending
+
+    class Work:
+        def __init__(self) -> None:
+            self.done = threading.Event()
+
+        def is_completed(self) -> bool:
+            return self.done.is_set()
+
+        def wait(self) -> None:
+            self.done.wait()
+
+    agreement = FloorAgreement.__new__(FloorAgreement)
+    agreement.__dict__.update(_lock=threading.Lock(), _floors={"t": 4}, _stream=None)
+    work = Work()
+    agreement._pending = [_Pending(6, "t", work, torch.tensor(reduce_min(encode([4, 5]), encode([5])), dtype=torch.int64), None)]
+    started = time.monotonic()
+    assert agreement.agreed("t", 6, wait=0.05) == 4  # not back in time: the floor known (the ring grows for this save)
+    assert time.monotonic() - started < 5
+    threading.Timer(0.05, work.done.set).start()
+    assert agreement.agreed("t", 6, wait=10.0) == 5  # back: every rank committed step 5
+
+
 def test_a_closed_agreement_lets_go_of_the_process_group() -> None:
     """A client can sit in a reference cycle until the garbage collector runs: once closed, its floor agreement must
     not keep the job's process group (a connection to every rank) open until then. 32 ranks in one test process

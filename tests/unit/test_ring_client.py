@@ -276,3 +276,35 @@ def test_when_the_store_takes_segments_at_save_time_nothing_is_reserved_ahead_an
     assert fake_cuda.registrations == 2  # and registered once: no mapping nor registration in a save's path once warm
     ring.close()
     assert fake_cuda.live == {}
+
+
+def test_a_save_whose_store_takes_its_segment_at_save_time_sends_its_floor_with_the_allocate(tmp_path: Path) -> None:
+    # The store may retire the rank's oldest kept step for this save only below a step every rank saved: the Allocate
+    # carries the floor this save's agreement found (PlannedShard.allocate_floor), read only in that mode.
+    from trainer_client.capture.ring import Handover
+
+    store = RecyclingStore(tmp_path)
+    ring = CaptureRing(store.allocate, store.release, commit=store.commit)
+    read: list[int] = []
+
+    def floor(step: int) -> tuple[int, str] | None:
+        read.append(step)
+        return (step - 1, "") if step > 1 else None
+
+    for step in range(1, 5):
+        key = pb.ShardKey(job_id="j", step=step, rank=0)
+        slot = ring.take(key, 1, PAGE, floor=lambda step=step: floor(step))  # type: ignore[misc]
+        ring.commit(slot, Handover(key, 1, pb.CommitRequest(), time.perf_counter()))
+    ring.wait_ahead(timeout=10)
+    saves = [r for r in store.requests if not r.ahead]
+    # The first save learnt the mode from its answer: it read nothing; the later ones sent the step before theirs.
+    assert read == [2, 3, 4] and [r.restorable_floor if r.HasField("restorable_floor") else None for r in saves] == [None, 1, 2, 3]
+    ring.close()
+
+
+def test_a_ring_that_reserves_ahead_never_reads_the_floor(store: FakeStore) -> None:
+    ring = make_ring(store)
+    read: list[int] = []
+    slot = ring.slot(KEY, 1, PAGE, floor=lambda: read.append(1) or (0, ""))  # type: ignore[func-returns-value]
+    assert not slot.ahead and read == [] and not store.requests[0].HasField("restorable_floor")  # replicas: no wait
+    ring.close()

@@ -1,6 +1,7 @@
 """ec:K+M with keep >= 2: a save into its rank's full capture ring takes the segment of the rank's oldest kept step
-(``memstore.core.retention.recycled_copy``, ``memstore.server.engine.recycling``), only when the newest kept step is
-committed and nothing reads the oldest; never at keep 1 nor under replicas."""
+(``memstore.core.retention.recycled_copy``, ``memstore.server.engine.recycling``), only below a newer step known
+restorable by every rank (a floor, one sent with the save's Allocate included, or the newest the janitor learnt) and
+committed here, and when nothing reads the oldest; never at keep 1 nor under replicas."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 import pytest
 
 from memstore.config import StoreConfig
+from memstore.core.floors import Floor, Floors
 from memstore.core.model import ShardKey, ShardState
 from memstore.core.retention import recycled_copy
+from memstore.errors import InvalidArgument
 from memstore.server.engine.catalog import Catalog
 from memstore.server.engine.entries import Entry
 from memstore.server.engine.eviction import Eviction
@@ -37,26 +40,44 @@ def k(step: int, timeline: str = "") -> ShardKey:
 # ---- the rule (memstore.core.retention.recycled_copy)
 
 
-def test_the_oldest_kept_step_goes_once_the_newest_is_committed() -> None:
-    assert recycled_copy([(k(1), C, 1.0), (k(2), C, 2.0)]) == k(1)
-    assert recycled_copy([(k(1), C, 1.0), (k(2), U, 2.0), (k(3), C, 3.0)]) == k(1)  # the oldest, whatever the middle
+def v(step: int, timeline: str = "") -> tuple[int, str]:
+    return step, timeline
 
 
-@pytest.mark.parametrize("newest", [R, U, ShardState.CAPTURED])
-def test_nothing_goes_while_the_newest_is_not_committed(newest: ShardState) -> None:
-    assert recycled_copy([(k(1), C, 1.0), (k(2), newest, 2.0)]) is None  # in flight, or its parity incomplete
+def test_the_oldest_kept_step_goes_below_a_newer_step_every_rank_can_restore_held_committed() -> None:
+    assert recycled_copy([(k(1), C, 1.0), (k(2), C, 2.0)], [v(2)]) == k(1)
+    assert recycled_copy([(k(1), C, 1.0), (k(2), U, 2.0), (k(3), C, 3.0)], [v(3)]) == k(1)  # the oldest, whatever the middle
+    assert recycled_copy([(k(1), C, 1.0), (k(2), C, 2.0), (k(3), R, 3.0)], [v(2), None]) == k(1)  # the newest in flight
+    assert recycled_copy([(k(1), C, 1.0), (k(2), C, 2.0)], [v(1), v(2)]) == k(1)  # either known version newer will do
 
 
-def test_nothing_goes_with_one_step_an_oldest_in_flight_or_protected() -> None:
-    assert recycled_copy([(k(1), C, 1.0)]) is None  # the newest is the oldest
-    assert recycled_copy([(k(1), R, 1.0), (k(2), C, 2.0)]) is None  # the oldest still in flight
-    assert recycled_copy([(k(1), C, 1.0), (k(2), C, 2.0)], protected_steps=[1]) is None  # newest restorable, or due for spilling
+def test_nothing_goes_while_nothing_newer_is_known_restorable_everywhere() -> None:
+    # This rank's newest step committed tells nothing of another rank's save of it, which may still be in flight: the
+    # oldest kept step may be the newest every rank can restore after a loss.
+    assert recycled_copy([(k(1), C, 1.0), (k(2), C, 2.0)]) is None  # unknown: no floor, nothing learnt
+    assert recycled_copy([(k(1), C, 1.0), (k(2), C, 2.0)], [None, None]) is None
+    assert recycled_copy([(k(1), C, 1.0), (k(2), C, 2.0)], [v(1)]) is None  # the oldest is the newest restorable
+    assert recycled_copy([(k(2), C, 2.0), (k(3), C, 3.0)], [v(1)]) is None  # a stale value: step 2 looks retirable otherwise
+    assert recycled_copy([(k(1), C, 1.0), (k(2), C, 2.0)], [v(5)]) is None  # not held here (a floor of steps gone)
+
+
+@pytest.mark.parametrize("known", [R, U, ShardState.CAPTURED])
+def test_nothing_goes_while_the_known_restorable_step_is_not_committed_here(known: ShardState) -> None:
+    assert recycled_copy([(k(1), C, 1.0), (k(2), known, 2.0)], [v(2)]) is None  # in flight, or its parity incomplete
+
+
+def test_nothing_goes_with_one_step_an_oldest_in_flight_or_due_for_spilling() -> None:
+    assert recycled_copy([(k(1), C, 1.0)], [v(1)]) is None  # the newest is the oldest
+    assert recycled_copy([(k(1), R, 1.0), (k(2), C, 2.0)], [v(2)]) is None  # the oldest still in flight
+    assert recycled_copy([(k(1), C, 1.0), (k(2), C, 2.0)], [v(2)], protected_steps=[1]) is None  # due for spilling
 
 
 def test_a_newer_timeline_is_newer_whatever_its_step() -> None:
     # The job went back: step 5 of the new timeline "b" is the newest, step 7 of the abandoned one the oldest.
-    assert recycled_copy([(k(7, "a"), C, 1.0), (k(5, "b"), C, 2.0)]) == k(7, "a")
-    assert recycled_copy([(k(7, "a"), C, 1.0), (k(5, "b"), R, 2.0)]) is None
+    assert recycled_copy([(k(7, "a"), C, 1.0), (k(5, "b"), C, 2.0)], [v(5, "b")]) == k(7, "a")
+    assert recycled_copy([(k(7, "a"), C, 1.0), (k(5, "b"), R, 2.0)], [v(5, "b")]) is None
+    assert recycled_copy([(k(7, "a"), C, 1.0), (k(5, "b"), C, 2.0)], [v(7, "a")]) is None  # the abandoned run's: not newer
+    assert recycled_copy([(k(7, "a"), C, 1.0), (k(5, "b"), C, 2.0)], [v(5, "a")]) is None  # a version nobody holds here
 
 
 # ---- the engine (Recycler, Room) over the fake pool
@@ -115,7 +136,7 @@ def engine() -> tuple[Catalog, RingPool, Recycler, Room]:
     pool = RingPool()
     catalog, _, _ = make_catalog(config(), pool)  # (the store builds a Recycler only under ec: see the last test)
     eviction = Eviction(catalog)
-    recycler = Recycler(catalog, eviction, pool)  # type: ignore[arg-type]
+    recycler = Recycler(catalog, eviction, pool, Floors())  # type: ignore[arg-type]
     return catalog, pool, recycler, Room(eviction, pool, catalog.config, recycler)  # type: ignore[arg-type]
 
 
@@ -124,13 +145,16 @@ def test_a_save_into_a_full_ring_takes_the_oldest_kept_steps_segment() -> None:
     pool.full = False
     one, two = ring_save(catalog, room, 1), ring_save(catalog, room, 2)
     pool.full = True
+    assert recycler.take_oldest(k(3), 16 * KiB) is None and catalog.get(k(1)) is one  # step 2 not known restorable everywhere
+    recycler.floors.note(JOB, Floor(2, ""))  # every rank saved step 2 (its clients' agreement)
     three = ring_save(catalog, room, 3, state=R)
     assert three.segment is one.segment and pool.preferred[-1] == one.segment.path  # the segment its client has mapped
     assert catalog.get(k(1)) is None and one.dropped and catalog.get(k(2)) is two  # step 1 retired, step 2 kept
     info, done = catalog.wait_settled(k(1), 0.0)
     assert done and info.state is C  # a wait() on it still learns it committed
     assert (recycler.recycled, pool.grown) == (1, [])
-    # Step 3 is not committed yet: the next save finds nothing it may take, and the ring grows for it.
+    # Step 3 is not committed here yet: the next save finds nothing it may take, and the ring grows for it.
+    recycler.floors.note(JOB, Floor(3, ""))
     four = ring_save(catalog, room, 4)
     assert four.segment not in (two.segment, three.segment) and catalog.get(k(2)) is two
     assert (recycler.recycled, pool.grown) == (1, [2])
@@ -141,6 +165,7 @@ def test_a_read_oldest_step_stays_and_the_save_gets_another_segment() -> None:
     pool.full = False
     one, _ = ring_save(catalog, room, 1), ring_save(catalog, room, 2)
     pool.full = True
+    recycler.floors.note(JOB, Floor(2, ""))
     assert catalog.pin(one)  # a restore's lease, a spill, a rebuild's ReadRange, a pull, a scrub
     three = ring_save(catalog, room, 3, fill=0x33)
     assert three.segment is not one.segment and catalog.get(k(1)) is one and not one.dropped
@@ -158,17 +183,46 @@ class Spilling:
         return {1}
 
 
-@pytest.mark.parametrize("why", ["newest restorable", "due for spilling"])
-def test_protected_steps_stay(why: str) -> None:
+@pytest.mark.parametrize("why", ["the newest restorable as learnt", "a floor that lags", "due for spilling"])
+def test_the_newest_step_every_rank_can_restore_and_steps_due_for_spilling_stay(why: str) -> None:
     catalog, pool, recycler, room = engine()
     pool.full = False
     ring_save(catalog, room, 1)
     ring_save(catalog, room, 2)
-    if why == "newest restorable":
-        room.eviction.retire(JOB, catalog.held(JOB), set(), 1, [])  # retention learnt step 1 is the newest restorable across the cluster
+    if why == "the newest restorable as learnt":
+        room.eviction.learnt_restorable(JOB, (1, ""))  # the janitor's listing: step 1 is the newest every rank settled
+    elif why == "a floor that lags":
+        recycler.floors.note(JOB, Floor(1, ""))
     else:
+        recycler.floors.note(JOB, Floor(2, ""))
         recycler.durable = Spilling()  # type: ignore[assignment]
     assert recycler.take_oldest(k(3), 16 * KiB) is None and catalog.get(k(1)) is not None
+    room.eviction.learnt_restorable(JOB, (2, ""))  # learnt by listing, newer than the floor: either will do
+    assert (recycler.take_oldest(k(3), 16 * KiB) is None) is (why == "due for spilling")
+
+
+@pytest.mark.parametrize(("floor", "recycles"), [(2, True), (1, False), (None, False)])
+def test_a_floor_in_the_saves_allocate_is_known_before_its_segment_is_chosen(tmp_path, floor: int | None, recycles: bool) -> None:  # type: ignore[no-untyped-def]
+    # The client sends this save's agreement with its Allocate (AllocateRequest.restorable_floor): with it the store knows
+    # that every rank saved step 2, and the save takes step 1's segment; a floor that lags (or none) leaves step 1 be.
+    cli = {"host_id": "h0", "peers": FIVE, "redundancy": "ec:4+1", "keep": "2", "shm_dir": str(tmp_path), "capacity": "8MiB"}
+    store = Store(StoreConfig.load(cli, env={}))
+    try:
+        paths = []
+        for step in (1, 2):
+            lease, seg = store.allocate(k(step), 8, 16 * KiB)
+            store.catalog.commit_lease(lease, None, 0, {}, 1, "")
+            with store.catalog.cond:
+                store.catalog.get_locked(k(step)).state = C  # type: ignore[union-attr]
+            paths.append(seg.path)
+        _, seg = store.allocate(k(3), 8, 16 * KiB, restorable_floor=floor)
+        assert store.recycler is not None and store.recycler.recycled == int(recycles)
+        assert (seg.path == paths[0], store.catalog.get(k(1)) is None) == (recycles, recycles)
+        assert store.floors.get(JOB) == (None if floor is None else Floor(floor, ""))
+        with pytest.raises(InvalidArgument):  # a floor names a step the save's ranks saved: at most the saved step
+            store.allocate(k(4), 8, 16 * KiB, restorable_floor=5)
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize(

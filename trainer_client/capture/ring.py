@@ -262,14 +262,21 @@ class CaptureRing:
             return sorted(self._maps)
 
     # -- slots ---------------------------------------------------------------------------
-    def slot(self, key: pb.ShardKey, world_size: int, nbytes: int) -> Slot:
+    def slot(self, key: pb.ShardKey, world_size: int, nbytes: int, floor: Callable[[], tuple[int, str] | None] | None = None) -> Slot:
         """Where the save of ``key`` writes its ``nbytes``: the lease reserved ahead when it fits (no call), else a
         fresh allocation of ``key`` now. Pinned when ``pinning`` (a fallback is counted, or raised when strict). A save
-        then holds its mapping (:meth:`hold`)."""
+        then holds its mapping (:meth:`hold`). ``floor``: reads the job's restorable floor for the ``Allocate`` when the
+        store takes this rank's segments at save time (``reserve_at_save``): it may retire the rank's oldest kept step
+        for this save only below a step every rank saved (``PlannedShard.allocate_floor``: this save's agreement)."""
         slot = self._take_ahead(nbytes)
         if slot is None:
             self._await_fill()
             request = pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes)
+            with self._lock:
+                at_save = self._at_save
+            agreed = floor() if at_save and floor is not None else None  # may wait (bounded) for this save's agreement
+            if agreed is not None:
+                set_floor(request, *agreed)
             seq = self._next_seq()
             slot = self._adopt(self._allocate(request), nbytes, ahead=False, seq=seq)
         if self.pinning and not slot.pinned:
@@ -280,13 +287,17 @@ class CaptureRing:
                 self._fell_back(slot)
         return slot
 
-    def take(self, key: pb.ShardKey, world_size: int, nbytes: int, pin: bool = False) -> Slot:
+    def take(
+        self, key: pb.ShardKey, world_size: int, nbytes: int, pin: bool = False,
+        floor: Callable[[], tuple[int, str] | None] | None = None,
+    ) -> Slot:  # fmt: skip
         """:meth:`slot`, then :meth:`hold` of it (``slot.hold.view``: the save's target): where a save writes, held for it
         until :meth:`commit`, :meth:`abort` (or :meth:`committed`, :meth:`give_back`). ``pin``: the save needs memory
-        registered for DMA: from now on every ring segment is registered (this one now, the rest as used)."""
+        registered for DMA: from now on every ring segment is registered (this one now, the rest as used). ``floor``: see
+        :meth:`slot`."""
         if pin:
             self.pinning = True
-        slot = self.slot(key, world_size, nbytes)
+        slot = self.slot(key, world_size, nbytes, floor)
         try:
             self.hold(slot)
         except BaseException:

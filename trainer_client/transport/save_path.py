@@ -59,6 +59,8 @@ class PlannedShard:
         started: ``time.perf_counter()`` when ``save()`` was called (the capture's seconds, reported with the commit).
         floor: reads the job's restorable floor when the shard is handed over: (step, its timeline; "" = the shard's);
             None when there is no agreement.
+        allocate_floor: the same, read for the save's ``Allocate`` when the store takes its segment as it comes
+            (``AllocateResponse.reserve_at_save``): it first waits (bounded) for this save's agreement.
         on_success: called once the store took the shard (the client's timeline moves on).
         skip_capacity: enqueued, a full store skips the save (``on_capacity="skip"``) instead of failing it.
     """
@@ -71,6 +73,7 @@ class PlannedShard:
     enqueued: bool
     started: float
     floor: Callable[[], tuple[int, str] | None] | None = None
+    allocate_floor: Callable[[], tuple[int, str] | None] | None = None
     on_success: Callable[[], None] | None = None
     skip_capacity: bool = False
 

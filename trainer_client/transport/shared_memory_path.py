@@ -87,7 +87,7 @@ class SharedMemoryPath:
         Marks for a large CPU state on a store that replicates; else, with trainer hashing, checksums as it copies (CUDA
         bytes land after the host's copy: then the store hashes)."""
         layout, device, ring = shard.layout, shard.device, self.ring
-        slot = ring.take(shard.key, self._world_size, layout.nbytes, pin=device.pin)
+        slot = ring.take(shard.key, self._world_size, layout.nbytes, pin=device.pin, floor=shard.allocate_floor)
         assert slot.hold is not None  # CaptureRing.take: held until committed or given back
         try:
             marking = self._marking and not device.blobs and not shard.enqueued and layout.nbytes >= MARKED_FROM

@@ -101,8 +101,9 @@ def ensure(problem: str | None) -> None:
 def holdings_of(host: str, shards: Iterable[ShardInfo]) -> list[Holding]:
     """What ``host`` listed, as the core's holdings: its copies, and the shards its parity covers (ec:K+M)."""
     return [
-        Holding(host, i.manifest.key, i.manifest.world_size, i.verified and i.parity is None, i.manifest.created_unix, i.parity)
+        Holding(host, i.manifest.key, i.manifest.world_size, i.verified and i.parity is None, i.manifest.created_unix, i.parity, settled)
         for i in shards
+        for settled in [i.state is not None and i.state.settled]  # a state a newer store knows: not known settled
     ]
 
 

@@ -40,6 +40,7 @@ class Eviction:
         self._cond = catalog.cond
         self._protected: dict[str, int] = {}  # job -> newest restorable step, protected from eviction
         self._floor: dict[str, tuple[int, str]] = {}  # job -> its restorable floor: nothing at or above it is evicted
+        self._restorable: dict[str, tuple[int, str]] = {}  # job -> newest version every rank's settled copy makes restorable
         self._deleted: dict[tuple[str, int, int], float] = {}  # (job, step, rank) deleted (-1: every) -> when
 
     # ---- memory pressure (memstore.server.engine.room asks)
@@ -71,10 +72,17 @@ class Eviction:
                 self.catalog.drop_locked(victim, reason=f"dropped under pressure on {what} for step {key.step}")
             return bool(victims)
 
-    def protected_locked(self, job_id: str) -> list[int]:
-        """``job_id``'s newest restorable step as retention last learnt it (empty: unknown); the caller holds the catalog's
-        lock (``memstore.server.engine.recycling``)."""
-        return [self._protected[job_id]] if job_id in self._protected else []
+    def learnt_restorable(self, job_id: str, version: tuple[int, str]) -> None:
+        """The Janitor listed the cluster: ``version`` (step, timeline) is the newest of ``job_id`` every rank's settled
+        copy makes restorable (``memstore.core.restorable.latest_settled``), the recycler's bound without a floor."""
+        with self._cond:
+            self._restorable[job_id] = version
+
+    def restorable(self, job_id: str) -> tuple[int, str] | None:
+        """``job_id``'s newest version every rank's settled copy makes restorable, as the Janitor last learnt it (None:
+        unknown): what lets ``memstore.server.engine.recycling`` retire an older one without a floor."""
+        with self._cond:
+            return self._restorable.get(job_id)
 
     # ---- retention (the Janitor)
 

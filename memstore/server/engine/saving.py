@@ -95,8 +95,9 @@ class Saver:
         return self._capture
 
     def allocate(
-        self, key: ShardKey, world_size: int, nbytes: int, preferred: str = "", ahead: bool = False, grow: bool = False
-    ) -> tuple[str, Segment]:
+        self, key: ShardKey, world_size: int, nbytes: int, preferred: str = "", ahead: bool = False, grow: bool = False,
+        restorable_floor: int | None = None, floor_timeline: str = "",
+    ) -> tuple[str, Segment]:  # fmt: skip
         """A lease on a segment of this rank's capture ring for ``key``'s ``nbytes``: ``preferred`` (a segment of the
         ring the client has mapped) if still free.
 
@@ -107,6 +108,10 @@ class Saver:
         ring, never one of the ring's own (the client fills its ring so during warm-up). A segment made for it is
         faulted in here, not made sparse (``SegmentMaker.create``): pages a trainer faults in are charged to the
         trainer's memory cgroup (its pod's limit), not the store's.
+
+        ``restorable_floor`` (of ``floor_timeline``, "": of ``key``'s; not with ``ahead``): the job's floor as this save's
+        agreement found it, as with a commit; recorded before the save's segment is chosen, so that a save into its full
+        ring may take its oldest kept step's (``memstore.server.engine.recycling``: only below a step every rank saved).
         """
         if ahead:
             key = ShardKey(key.job_id, 0, key.rank)
@@ -126,6 +131,11 @@ class Saver:
             self.catalog.refuse_resave(key)
         if grow and not ahead:
             raise InvalidArgument("grow needs ahead: only a reservation for a later save may add a segment to the ring")
+        if restorable_floor is not None:
+            if ahead:
+                raise InvalidArgument("restorable_floor comes with a save's Allocate, not with a reservation ahead (its step is not known)")
+            ensure(floor_problem(restorable_floor, key.step, floor_timeline))
+            self._note_floor(key, restorable_floor, floor_timeline)
         segment = self.room.acquire(key, nbytes, preferred, ring=key.rank, evict=not ahead, grow=grow)
         if ahead:  # a reservation before the rank's first save (prepare): its peers fault in what its replicas need
             self.replicator.announce(key.job_id, key.rank, nbytes)

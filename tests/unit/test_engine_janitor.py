@@ -12,7 +12,7 @@ from memstore.core.floors import Floor, Floors
 from memstore.core.model import Holding, ShardKey
 from memstore.server.engine import janitor as janitor_module
 from memstore.server.engine.eviction import Eviction
-from memstore.server.engine.janitor import Janitor
+from memstore.server.engine.janitor import LEARN_POLL_SECONDS, LEARN_SECONDS, Janitor
 from tests.unit.engine_fakes import captured, config, make_catalog, settled
 
 pytestmark = pytest.mark.unit
@@ -280,6 +280,13 @@ def test_a_recycling_job_without_a_floor_lists_until_its_newest_step_is_settled_
         assert asked == [] and eviction.restorable("job") is None  # two steps, keep 2: nothing to decide
         return
     assert asked == ["job"] and eviction.restorable("job") == (1, "")  # rank 1's step 2 is still being encoded
+    assert jan._poll_seconds() == LEARN_POLL_SECONDS  # it looks again soon ...
+    version, since = jan._learning["job"]
+    jan._learning["job"] = (version, since - 2.0)
+    assert jan._poll_seconds() == pytest.approx(0.5, abs=0.05)  # ... then less often the longer it waits
+    jan._learning["job"] = (version, since - LEARN_SECONDS - 1)
+    assert jan._poll_seconds() == 1.0  # and gives up (a rank that never saves the step)
+    jan._learning["job"] = (version, since)
     jan.apply_retention()
     assert asked == ["job"] * 2  # again, until it settles
     view[-1] = Holding("h1", ShardKey("job", 2, 1), 2, True, 2.0)

@@ -154,10 +154,10 @@ def _export(*args: str) -> int:
     return cli.main(["export", *args])
 
 
-def test_spilled_dcp_step_loads_with_plain_dcp_and_exports(make_cluster, forkserver, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_spilled_dcp_step_loads_with_plain_dcp_and_exports(make_inprocess_cluster, forkserver, tmp_path) -> None:  # type: ignore[no-untyped-def]
     root = tmp_path / "spill"
     args = ["--spill", f"file://{root}", "--spill-every-steps", "1", "--spill-keep-last", "1"]
-    cluster: LocalCluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=args)
+    cluster: LocalCluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=args)
     job = "interop-dcp"
     run_ranks(_save_worker, 2, [cluster.address("h0"), cluster.address("h1")], job, [1, 2], free_ports(1)[0], str(tmp_path), str(root))
 

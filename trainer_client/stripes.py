@@ -429,12 +429,13 @@ def whole_state(
     for r, stripe in zip(members, stripes, strict=True):
         if not is_stripe(stripe):
             raise CorruptShardError(f"rank {r}'s shard of step {step} is not a stripe of replica group {members}")
-    mine: Any = None  # this rank's stripe decoded: None where its manifest says it holds only its slices
-    if not (isinstance(own, StripeCopy) and own.stripe.slices_only):
+    copies = all(isinstance(s, StripeCopy) for s in stripes)
+    mine: Any = None  # this rank's stripe decoded: None where every stripe is a copy and its manifest says it holds only slices
+    if not (copies and own.stripe.slices_only):  # type: ignore[union-attr]
         mine = decode_stripe(own.buffer) if isinstance(own, StripeCopy) else own
         if not is_stripe(mine) or mine.get("group") != members or mine.get("index") != index:
             raise CorruptShardError(f"rank {rank}'s shard of step {step} is a stripe of replica group {members} but not its own")
-    if all(isinstance(s, StripeCopy) for s in stripes):
+    if copies:
         replicated, held = assemble_copies(stripes, device, zero_copy)
         wrong = [] if mine is None else [k for k, v in held[index].items() if mine.get(k) != v]
         if wrong:

@@ -65,7 +65,7 @@ class ShardReader:
         on_source: Callable[[str], None] | None = None, stripes: dict[int, Any] | None = None,
     ) -> Any:  # fmt: skip
         """One rank's shard of one version, made local by its store (pulled from a peer if need be) and decoded; a copy
-        that fails verification is discarded and fetched once more. A stripe is decoded in host memory. ``on_source``: told
+        that fails verification is discarded and fetched once more. A stripe is read into host memory. ``on_source``: told
         where it came from (the client's ``last_load_source``); None for another member's stripe, which a store pulls as
         a cached copy. A stripe comes back undecoded, as a :class:`~trainer_client.stripes.StripeCopy` (decoded, its slices
         spans of its memory, where its manifest does not name its group: an older store).

@@ -303,7 +303,9 @@ class CheckpointClient:
         if group.size == 1 or (replicated is not None and not replicated):
             return serialization.plan(state), None  # nothing to share
         plan = stripe_state(shared, own, order, group.members, group.index)
-        return serialization.plan(plan.state), messages.stripe(group.members, group.index, plan.logical_nbytes, plan.stripe_nbytes)
+        return serialization.plan(plan.state), messages.stripe(
+            group.members, group.index, plan.logical_nbytes, plan.stripe_nbytes, plan.slices_only
+        )
 
     def gate(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
         """Hold each ``optimizer.step()`` until the latest ``capture="enqueued"`` save no longer needs the state.

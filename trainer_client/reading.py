@@ -27,7 +27,7 @@ from trainer_client.capture.device_restore import HostToDevice, decode_onto, dec
 from trainer_client.capture.ring import CaptureRing
 from trainer_client.chunk_check import ChunkCheck
 from trainer_client.errors import CorruptShardError, NotFoundError
-from trainer_client.stripes import decode_stripe
+from trainer_client.stripes import StripeCopy, decode_stripe
 from trainer_client.transport.link import StoreLink
 from trainer_client.transport.remote import VERIFY_THREADS, byte_view
 
@@ -65,9 +65,10 @@ class ShardReader:
         on_source: Callable[[str], None] | None = None, stripes: dict[int, Any] | None = None,
     ) -> Any:  # fmt: skip
         """One rank's shard of one version, made local by its store (pulled from a peer if need be) and decoded; a copy
-        that fails verification is discarded and fetched once more. A stripe is decoded in host memory. ``on_source``: told
+        that fails verification is discarded and fetched once more. A stripe is read into host memory. ``on_source``: told
         where it came from (the client's ``last_load_source``); None for another member's stripe, which a store pulls as
-        a cached copy. A stripe's slices stay spans of its memory until assembled (:func:`~trainer_client.stripes.decode_stripe`).
+        a cached copy. A stripe comes back undecoded, as a :class:`~trainer_client.stripes.StripeCopy` (decoded, its slices
+        spans of its memory, where its manifest does not name its group: an older store).
 
         A stripe through shared memory, with ``stripes`` given: its group's other stripes that the store holds (it
         assembles them ahead) are opened in the same call (:meth:`read_stripes`) and put in ``stripes`` by rank;
@@ -108,9 +109,9 @@ class ShardReader:
 
     def read_stripes(self, key: pb.ShardKey, others: list[pb.ShardKey]) -> tuple[Any, dict[int, Any]]:
         """This rank's stripe and, opened in the same call (``OpenRequest.also``) and released in one, those of
-        ``others`` this store holds; all decoded as views of their segments. The others by rank: one the store does
-        not hold, or whose copy fails its check here, is left out (the caller fetches it). Their slices stay spans of
-        the segments (:func:`~trainer_client.stripes.decode_stripe`)."""
+        ``others`` this store holds; each a :class:`~trainer_client.stripes.StripeCopy` of its segment, mapped
+        privately. The others by rank: one the store does not hold, or whose copy fails its check here, is left out
+        (the caller fetches it)."""
         opened = self._link.control("Open", pb.OpenRequest(key=key, also=others), f"open step {key.step}", retries=3)
         found: dict[int, Any] = {}
         try:
@@ -151,7 +152,7 @@ class ShardReader:
     @staticmethod
     def _decode_on_host(opened: pb.OpenResponse, key: pb.ShardKey, zero_copy: bool, stripe: bool = False) -> Any:
         """The shard an ``Open`` lent, decoded in host memory from a private mapping of its segment (its lease held);
-        a ``stripe`` with its slices as spans of the mapping (``zero_copy``)."""
+        a ``stripe`` left undecoded (:func:`_stripe_copy`)."""
         m = _manifest(opened, key)
         mm = _map_private(opened.segment_path, m.nbytes)
         if not opened.verified:  # an older store: verify here (the store verifies for this Open otherwise)
@@ -165,7 +166,7 @@ class ShardReader:
                 mm.close()
                 raise CorruptShardError(f"chunk {bad} of step {key.step} rank {key.rank} failed its checksum")
         if stripe:
-            return decode_stripe(mm)  # its slices' spans keep the mapping alive
+            return _stripe_copy(mm, m)
         if zero_copy:
             return serialization.decode(mm, zero_copy=True)  # tensors keep the mapping alive
         try:
@@ -196,11 +197,11 @@ class ShardReader:
 
     def read_remote(self, key: pb.ShardKey, zero_copy: bool, device: torch.device | None = None, stripe: bool = False) -> Any:
         """Without shared memory: the shard over the store's data channel (gRPC streams if it has none), every
-        chunk verified as it lands; with ``zero_copy`` large tensors are views of the received buffer (a ``stripe``'s
-        slices spans of it)."""
+        chunk verified as it lands; with ``zero_copy`` large tensors are views of the received buffer (a ``stripe``
+        left undecoded: :func:`_stripe_copy`)."""
         m, buf = self._link.data.get(key, f"read step {key.step}")
         if stripe:
-            return decode_stripe(byte_view(buf, m.nbytes))
+            return _stripe_copy(byte_view(buf, m.nbytes), m)
         if device is not None:
             return decode_onto(byte_view(buf, m.nbytes), device, zero_copy)
         return serialization.decode(byte_view(buf, m.nbytes), zero_copy=zero_copy)
@@ -212,6 +213,14 @@ def _manifest(opened: pb.OpenResponse, key: pb.ShardKey) -> Manifest:
     if problem:
         raise CorruptShardError(f"store sent a bad manifest for step {key.step} rank {key.rank}: {problem}")
     return m
+
+
+def _stripe_copy(buf: Any, m: Manifest) -> Any:
+    """A stripe's verified bytes as a :class:`StripeCopy` of the stripe its manifest names; decoded, its slices spans of
+    ``buf`` (:func:`~trainer_client.stripes.decode_stripe`), where the manifest names none (an older store)."""
+    if m.stripe is None:
+        return decode_stripe(buf)
+    return StripeCopy(buf, m.nbytes, m.stripe)
 
 
 def _map_private(path: str, nbytes: int) -> mmap.mmap:

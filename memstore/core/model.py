@@ -43,6 +43,7 @@ class Stripe:
     index: int  # this shard's position in ``group``
     logical_nbytes: int  # encoded size of the group's replicated state: every stripe of it together
     stripe_nbytes: int  # of those, the bytes this stripe holds (the rest of the shard: the rank's own part and framing)
+    slices_only: bool = False  # the shard holds only its slices (no own part); False: it has one, or its client did not say
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,8 @@ class SpilledManifest:
         doc = asdict(self)
         if self.stripe is None:
             del doc["stripe"]  # an ordinary shard's manifest stays as before stripes (readable by older stores)
+        else:
+            del doc["stripe"]["slices_only"]  # not kept here (readable by older stores): a restore then decodes the stripe
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod

@@ -26,7 +26,9 @@ def key_from_pb(key: pb.ShardKey) -> ShardKey:
 def stripe_to_pb(s: Stripe | None) -> pb.Stripe | None:
     if s is None:
         return None
-    return pb.Stripe(group=list(s.group), index=s.index, logical_nbytes=s.logical_nbytes, stripe_nbytes=s.stripe_nbytes)
+    return pb.Stripe(
+        group=list(s.group), index=s.index, logical_nbytes=s.logical_nbytes, stripe_nbytes=s.stripe_nbytes, slices_only=s.slices_only
+    )
 
 
 def stripe_from_pb(s: pb.Stripe, job_id: str = "") -> Stripe:
@@ -36,7 +38,7 @@ def stripe_from_pb(s: pb.Stripe, job_id: str = "") -> Stripe:
         raise ManifestTooLarge(
             f"stripe of {job_id!r:.140} names a replica group of {len(s.group)} ranks: at most {MAX_WORLD_SIZE} (MAX_WORLD_SIZE)"
         )
-    return Stripe(tuple(s.group), s.index, s.logical_nbytes, s.stripe_nbytes)
+    return Stripe(tuple(s.group), s.index, s.logical_nbytes, s.stripe_nbytes, s.slices_only)
 
 
 def manifest_to_pb(m: Manifest) -> pb.Manifest:

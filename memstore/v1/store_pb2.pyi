@@ -83,16 +83,18 @@ class Manifest(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[int]] = ..., checksum_algo: _Optional[str] = ..., owner_host: _Optional[str] = ..., format_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., created_unix: _Optional[float] = ..., spill_codec: _Optional[str] = ..., stripe: _Optional[_Union[Stripe, _Mapping]] = ...) -> None: ...
 
 class Stripe(_message.Message):
-    __slots__ = ("group", "index", "logical_nbytes", "stripe_nbytes")
+    __slots__ = ("group", "index", "logical_nbytes", "stripe_nbytes", "slices_only")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGICAL_NBYTES_FIELD_NUMBER: _ClassVar[int]
     STRIPE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SLICES_ONLY_FIELD_NUMBER: _ClassVar[int]
     group: _containers.RepeatedScalarFieldContainer[int]
     index: int
     logical_nbytes: int
     stripe_nbytes: int
-    def __init__(self, group: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logical_nbytes: _Optional[int] = ..., stripe_nbytes: _Optional[int] = ...) -> None: ...
+    slices_only: bool
+    def __init__(self, group: _Optional[_Iterable[int]] = ..., index: _Optional[int] = ..., logical_nbytes: _Optional[int] = ..., stripe_nbytes: _Optional[int] = ..., slices_only: _Optional[bool] = ...) -> None: ...
 
 class ErasurePlace(_message.Message):
     __slots__ = ("group", "m", "offset", "column")

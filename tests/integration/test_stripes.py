@@ -32,6 +32,7 @@ SHARD = STRIPE + OWN
 
 def stripe_of(rank: int, group: list[int] = GROUP, **changes: int) -> pb.Stripe:
     fields = {"group": group, "index": group.index(rank) if rank in group else 0, "logical_nbytes": LOGICAL, "stripe_nbytes": STRIPE}
+    fields["slices_only"] = rank % 2 == 0  # said by some members (no own part), not by others: kept as each said it
     return pb.Stripe(**{**fields, **changes})  # type: ignore[arg-type]
 
 

@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import mmap
 
 import numpy as np
 import pytest
 import torch
 
-from trainer_client import serialization
+from memstore.core.model import Stripe
+from trainer_client import serialization, stripes
 from trainer_client.errors import CorruptShardError, InvalidArgumentError
 from trainer_client.serialization import Span
 from trainer_client.serialization.spec import SMALL_COPY
-from trainer_client.stripes import assemble, bounds, decode_stripe, is_stripe, merge, split_state, stripe_state, whole_state
+from trainer_client.stripes import (
+    StripeCopy,
+    assemble,
+    assemble_copies,
+    bounds,
+    decode_stripe,
+    is_stripe,
+    merge,
+    split_state,
+    stripe_state,
+    whole_state,
+)
 
 
 def mixed_state() -> dict:
@@ -177,3 +190,120 @@ def test_a_stripe_whose_own_part_holds_a_large_byte_tensor_gets_it_back_as_a_ten
     whole = whole_state(0, 1, stripes[0], {1: stripes[1]}, None, zero_copy=True)
     assert list(whole) == ["model", "buffer"] and torch.equal(whole["buffer"], state["buffer"])
     assert torch.equal(whole["model"]["w"], state["model"]["w"])
+
+
+def copies_of(state: dict, count: int, replicated: list[str] | None = None) -> list[StripeCopy]:
+    """The ``count`` stripes of ``state`` as a restore reads them: each a mapped shard with the stripe its manifest names."""
+    shared, own, order = split_state(state, replicated)
+    plans = [stripe_state(shared, own, order, list(range(count)), i) for i in range(count)]
+    out = []
+    for i, p in enumerate(plans):
+        mm = mapped(p.state)
+        out.append(StripeCopy(mm, len(mm), Stripe(tuple(range(count)), i, p.logical_nbytes, p.stripe_nbytes, p.slices_only)))
+    return out
+
+
+def with_stripe(copy: StripeCopy, **changes: object) -> StripeCopy:
+    return StripeCopy(copy.buffer, copy.nbytes, dataclasses.replace(copy.stripe, **changes))
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 7])
+def test_stripes_assembled_from_their_manifests_give_the_logical_shards_exact_bytes(count: int) -> None:
+    state = {**mixed_state(), **{f"big{i}": torch.randn(30_000 + 7 * i) for i in range(6)}}  # large ones: views
+    expected = bytes(serialization.encode(state))
+    copies = copies_of(state, count)
+    assert all(c.stripe.slices_only for c in copies)
+    for zero_copy in (True, False):
+        restored, held = assemble_copies(copies, None, zero_copy)
+        assert bytes(serialization.encode(restored)) == expected
+        # The table the assembly read (each stripe's range and slices) is the one each stripe records.
+        decoded = [decode_stripe(c.buffer) for c in copies]
+        assert held == [{"start": d["start"], "end": d["end"], "offsets": d["offsets"]} for d in decoded]
+    restored, _ = assemble_copies(copies, None, zero_copy=True)
+    ranges = [(a, a + c.nbytes) for c in copies for a in [torch.frombuffer(c.buffer, dtype=torch.uint8).data_ptr()]]
+    viewed = [k for k in state if k.startswith("big") and any(lo <= restored[k].data_ptr() < hi for lo, hi in ranges)]
+    assert len(viewed) >= 6 - (count - 1)  # each a view of its stripe's mapping, but a tensor split between two stripes
+
+
+def test_a_restore_of_stripes_that_hold_only_their_slices_decodes_none_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {f"t{i}": torch.randn(40_000 + i) for i in range(5)}
+    copies = copies_of(state, 2)
+
+    def refused(buf: object) -> None:
+        raise AssertionError("a stripe was decoded")
+
+    monkeypatch.setattr(stripes, "decode_stripe", refused)
+    whole = whole_state(1, 7, copies[1], {0: copies[0]}, None, zero_copy=True)
+    assert list(whole) == list(state) and all(torch.equal(whole[k], v) for k, v in state.items())
+
+
+def test_a_mixed_state_from_copies_keeps_its_own_part_and_its_key_order() -> None:
+    state = {"step": 3, "model": {"w": torch.randn(50_000)}, "optim": {"m": torch.full((4,), 2.0)}}
+    copies = copies_of(state, 2, replicated=["model"])
+    assert not any(c.stripe.slices_only for c in copies)  # each holds its own part too: its own stripe is decoded
+    whole = whole_state(0, 1, copies[0], {1: copies[1]}, None, zero_copy=False)
+    assert list(whole) == ["step", "model", "optim"] and whole["step"] == 3
+    assert torch.equal(whole["model"]["w"], state["model"]["w"]) and torch.equal(whole["optim"]["m"], state["optim"]["m"])
+
+
+def test_copies_and_stripes_decoded_by_an_older_stores_path_assemble_together() -> None:
+    state = {f"t{i}": torch.randn(30_000) for i in range(4)}
+    copies = copies_of(state, 2)
+    decoded = decode_stripe(copies[1].buffer)  # a store that named no stripe in its manifest: read as a decoded stripe
+    whole = whole_state(0, 1, copies[0], {1: decoded}, None, zero_copy=True)
+    assert all(torch.equal(whole[k], v) for k, v in state.items())
+
+
+def moved_cut(copies: list[StripeCopy], by: int) -> list[StripeCopy]:
+    """The same stripes with manifests that put the cut between the first two ``by`` bytes later (still tiling N)."""
+    a, b = copies[0].stripe, copies[1].stripe
+    return [with_stripe(copies[0], stripe_nbytes=a.stripe_nbytes + by), with_stripe(copies[1], stripe_nbytes=b.stripe_nbytes - by)]
+
+
+@pytest.mark.parametrize(
+    ("state", "by"),
+    [
+        *[({f"t{i}": torch.randn(40_000 + 3 * i) for i in range(8)}, by) for by in (4, 64, 4096, 160_000, -4096)],  # cut at a start
+        *[({"embedding": torch.randn(1 << 18)}, by) for by in (4, -4, 64, -64, 4096)],  # cut inside the one tensor
+    ],
+)
+def test_manifests_whose_ranges_are_not_the_stripes_cuts_are_refused_not_read(state: dict, by: int) -> None:
+    copies = copies_of(state, 2)
+    with pytest.raises(CorruptShardError, match="its manifest does not describe it"):
+        assemble_copies(moved_cut(copies, by), None, zero_copy=True)
+    unsaid = [with_stripe(c, slices_only=False) for c in moved_cut(copies, by)]  # as an older client's: its own stripe decoded
+    for rank in (0, 1):
+        with pytest.raises(CorruptShardError, match=r"holds other slices than its replica group's manifests say|does not describe it"):
+            whole_state(rank, 1, unsaid[rank], {1 - rank: unsaid[1 - rank]}, None, zero_copy=True)
+
+
+def test_a_range_that_moves_a_cut_only_across_padding_reads_the_same_slices() -> None:
+    state = {f"t{i}": torch.randn(40_000 + 3 * i) for i in range(8)}  # 52 bytes of padding after each but the last
+    restored, _ = assemble_copies(moved_cut(copies_of(state, 2), -4), None, zero_copy=True)
+    assert bytes(serialization.encode(restored)) == bytes(serialization.encode(state))
+
+
+def test_manifests_that_do_not_fit_together_or_their_shards_are_refused() -> None:
+    state = {f"t{i}": torch.randn(40_000) for i in range(6)}
+    copies = copies_of(state, 3)
+    with pytest.raises(CorruptShardError, match="does not fit the others"):
+        assemble_copies([copies[0], copies[2], copies[1]], None, zero_copy=True)
+    with pytest.raises(CorruptShardError, match=r"hold \d+ bytes of a logical shard of"):
+        assemble_copies([copies[0], with_stripe(copies[1], stripe_nbytes=copies[1].stripe.stripe_nbytes + 64), copies[2]], None, True)
+    n = copies[0].stripe.logical_nbytes + 64  # every manifest agreeing on another logical size
+    grown = [with_stripe(c, logical_nbytes=n, stripe_nbytes=c.stripe.stripe_nbytes + 64 * (i == 2)) for i, c in enumerate(copies)]
+    with pytest.raises(CorruptShardError, match=r"does not describe it|manifests say"):
+        assemble_copies(grown, None, zero_copy=True)
+    short = StripeCopy(copies[1].buffer, copies[1].nbytes - 100, copies[1].stripe)  # a shard shorter than its slices
+    with pytest.raises(CorruptShardError, match="its manifest does not describe it"):
+        assemble_copies([copies[0], short, copies[2]], None, zero_copy=True)
+    other = copies_of({"x": torch.zeros(5000)}, 3)
+    with pytest.raises(CorruptShardError):
+        assemble_copies([copies[0], other[1], copies[2]], None, zero_copy=True)
+
+
+def test_a_stripe_with_an_own_part_that_its_manifest_says_holds_only_slices_is_refused() -> None:
+    state = {"model": {"w": torch.randn(40_000)}, "buffer": torch.randn(10_000)}
+    copies = [with_stripe(c, slices_only=True) for c in copies_of(state, 2, replicated=["model"])]
+    with pytest.raises(CorruptShardError, match="its manifest does not describe it"):
+        whole_state(0, 1, copies[0], {1: copies[1]}, None, zero_copy=True)

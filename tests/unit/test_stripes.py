@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import pytest
 
@@ -21,7 +21,8 @@ from tests.unit.engine_fakes import adoption_of, captured, make_catalog, manifes
 
 pytestmark = pytest.mark.unit
 DATA = bytes(range(256)) * 32  # 8 KiB: two chunks
-GOOD = Stripe((0, 1, 2, 3), 2, 4 * 4096, 4096)  # rank 2's stripe of a group of 4
+GOOD = Stripe((0, 1, 2, 3), 2, 4 * 4096, 4096, slices_only=True)  # rank 2's stripe of a group of 4, no own part
+SPILLED = {"group": [0, 1, 2, 3], "index": 2, "logical_nbytes": 4 * 4096, "stripe_nbytes": 4096}  # GOOD in a spilled manifest
 
 
 @pytest.mark.parametrize(
@@ -52,7 +53,7 @@ def test_good_stripes_pass() -> None:
 def test_the_wire_carries_a_stripe_and_an_unset_one_is_an_ordinary_shard() -> None:
     m = replace(manifest_of(ShardKey("job", 1, 2), DATA, world_size=4), stripe=GOOD)
     wire = manifest_to_pb(m)
-    assert list(wire.stripe.group) == [0, 1, 2, 3] and wire.stripe.index == 2
+    assert list(wire.stripe.group) == [0, 1, 2, 3] and wire.stripe.index == 2 and wire.stripe.slices_only
     assert manifest_from_pb(pb.Manifest.FromString(wire.SerializeToString())) == m
     ordinary = manifest_to_pb(replace(m, stripe=None))
     assert not ordinary.HasField("stripe") and manifest_from_pb(ordinary).stripe is None
@@ -118,8 +119,8 @@ def _spilled(stripe: Stripe | None) -> SpilledManifest:
 def test_a_spilled_manifest_keeps_the_stripe_and_older_ones_still_load() -> None:
     m = _spilled(GOOD)
     doc = json.loads(m.encode())
-    assert doc["stripe"] == {"group": [0, 1, 2, 3], "index": 2, "logical_nbytes": 4 * 4096, "stripe_nbytes": 4096}
-    assert SpilledManifest.decode(m.encode()) == m
+    assert doc["stripe"] == SPILLED  # as before slices_only (which older stores refuse): a restore decodes the stripe
+    assert SpilledManifest.decode(m.encode()) == replace(m, stripe=replace(GOOD, slices_only=False))
     plain = _spilled(None).encode()
     assert "stripe" not in json.loads(plain)  # an ordinary shard's manifest is as it was before stripes
     assert SpilledManifest.decode(plain).stripe is None
@@ -129,9 +130,9 @@ def test_a_spilled_manifest_keeps_the_stripe_and_older_ones_still_load() -> None
     ("stripe", "message"),
     [
         ({"group": [0, 1, 2, 3], "index": 2}, "stripe must be an object of group, index, logical_nbytes, stripe_nbytes"),
-        ({**asdict(GOOD), "group": "0123"}, "stripe.group must be a list"),
-        ({**asdict(GOOD), "index": -1}, "must be non-negative ints"),
-        ({**asdict(GOOD), "index": 1}, "stripe.group[1] (stripe.index) is rank 1, but the shard is rank 2"),
+        ({**SPILLED, "group": "0123"}, "stripe.group must be a list"),
+        ({**SPILLED, "index": -1}, "must be non-negative ints"),
+        ({**SPILLED, "index": 1}, "stripe.group[1] (stripe.index) is rank 1, but the shard is rank 2"),
     ],
 )
 def test_a_spilled_manifest_with_a_bad_stripe_is_refused(stripe: object, message: str) -> None:

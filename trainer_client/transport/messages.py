@@ -24,6 +24,7 @@ def shard_key(job_id: str, step: int, rank: int, world_size: int, timeline: str 
     return pb.ShardKey(job_id=job_id, step=step, rank=rank, timeline=timeline)
 
 
-def stripe(members: Sequence[int], index: int, logical_nbytes: int, stripe_nbytes: int) -> pb.Stripe:
-    """A replica group's stripe as the store records it: the group's ranks, this member's index, the sizes."""
-    return pb.Stripe(group=members, index=index, logical_nbytes=logical_nbytes, stripe_nbytes=stripe_nbytes)
+def stripe(members: Sequence[int], index: int, logical_nbytes: int, stripe_nbytes: int, slices_only: bool) -> pb.Stripe:
+    """A replica group's stripe as the store records it: the group's ranks, this member's index, the sizes, and whether
+    the shard holds only the stripe's slices (no own part)."""
+    return pb.Stripe(group=members, index=index, logical_nbytes=logical_nbytes, stripe_nbytes=stripe_nbytes, slices_only=slices_only)

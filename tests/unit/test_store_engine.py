@@ -16,14 +16,26 @@ pytestmark = pytest.mark.unit
 MiB = 1 << 20
 
 
-@pytest.fixture
-def store(tmp_path) -> Iterator[Store]:  # type: ignore[no-untyped-def]
+def solo_store(tmp_path, keep: int) -> Store:  # type: ignore[no-untyped-def]
     config = StoreConfig.load(
-        {"host_id": "solo", "replicas": "1", "capacity": "10MiB", "keep": "2", "shm_dir": str(tmp_path / "shm"), "chunk_bytes": "1MiB"},
+        {"host_id": "solo", "replicas": "1", "capacity": "10MiB", "keep": str(keep), "shm_dir": str(tmp_path / "shm"), "chunk_bytes": "1MiB"},
         env={},
     )
     s = Store(config)
     s.start()
+    return s
+
+
+@pytest.fixture
+def store(tmp_path) -> Iterator[Store]:  # type: ignore[no-untyped-def]
+    s = solo_store(tmp_path, keep=2)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def store_keep3(tmp_path) -> Iterator[Store]:  # type: ignore[no-untyped-def]
+    s = solo_store(tmp_path, keep=3)
     yield s
     s.close()
 
@@ -142,7 +154,9 @@ def versions_held(store: Store) -> list[tuple[int, str]]:
     return sorted({(s.manifest.key.step, s.manifest.key.timeline) for s in store.list_shards("job")})
 
 
-def test_going_back_to_an_older_step_drops_the_abandoned_later_steps(store: Store) -> None:
+def test_going_back_to_an_older_step_drops_the_abandoned_later_steps(store_keep3: Store) -> None:
+    # keep 3, so that retention holds A.0@1 whenever it runs: what goes is only what the rollback superseded
+    store = store_keep3
     for step in (1, 2, 3):
         save(store, step, nbytes=MiB, timeline="A.0")
     new = save(store, 2, nbytes=MiB, fill=9, timeline="B.0")  # the job restarted from step 1 and saved step 2 again

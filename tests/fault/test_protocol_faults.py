@@ -44,6 +44,9 @@ def check_restorable(cluster: LocalCluster, host: str, step: int, scale: int = 8
     assert time.monotonic() - t0 < 30  # within deadline, no hang
 
 
+# Four of these kills run in the slow stage (12-21 s each beside the default suite); the default suite keeps a
+# kill after a peer's ack, before a commit's ack, during a repair and during a restore.
+@pytest.mark.slow
 def test_owner_killed_mid_replication_keeps_previous_committed_step(make_cluster) -> None:
     cluster = start(make_cluster)
     save_all(cluster, 1)
@@ -80,6 +83,7 @@ def test_owner_killed_before_commit_ack(make_cluster) -> None:
         assert c.latest_step() is None  # nothing half-saved is visible
 
 
+@pytest.mark.slow
 def test_peer_killed_mid_receive_reports_and_repairs(make_cluster) -> None:
     cluster = start(make_cluster, faults={"h1": "receive.after_chunk:2=kill"})
     with CheckpointClient(JOB, 0, WORLD, store=cluster.address("h0"), timeout=10) as c:
@@ -140,6 +144,7 @@ def _has(cluster: LocalCluster, host: str, step: int, rank: int | None = None) -
     return any(s.verified and s.manifest.key.step == step and (rank is None or s.manifest.key.rank == rank) for s in resp.shards)
 
 
+@pytest.mark.slow
 def test_restart_with_wrong_host_id_or_changed_peer_list_is_refused(make_cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import subprocess
     import sys
@@ -164,6 +169,7 @@ def test_restart_with_wrong_host_id_or_changed_peer_list_is_refused(make_cluster
     check_restorable(cluster, "h1", 1)
 
 
+@pytest.mark.slow
 def test_kill_between_spilled_shard_and_its_manifest(make_cluster, tmp_path) -> None:
     root = tmp_path / "spill"
     cluster = start(make_cluster, extra_args=["--spill", f"file://{root}", "--spill-every-steps", "1", "--spill-orphan-seconds", "1"])

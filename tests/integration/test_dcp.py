@@ -619,6 +619,9 @@ def test_async_save_thread_mode(make_inprocess_cluster) -> None:  # type: ignore
     assert_same(state, loaded)
 
 
+# Process-mode async saves: test_dcp_conformance's async test runs them on two ranks, the daemon reused; this one-rank
+# case (the writer pickled to the daemon, never connected here) runs in the slow stage.
+@pytest.mark.slow
 def test_async_save_process_mode(make_inprocess_cluster, forkserver) -> None:  # type: ignore[no-untyped-def]
     cluster = make_inprocess_cluster(hosts=2, replicas=2)
     addr, job = cluster.address("h0"), "dcp-async-process"

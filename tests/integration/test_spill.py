@@ -71,9 +71,12 @@ def test_full_cluster_restart_from_file_spill(make_inprocess_cluster, tmp_path) 
     restart_everything_and_check(cluster, "fs-job", 4)
 
 
-def test_full_cluster_restart_from_s3(make_cluster, moto) -> None:
+def test_full_cluster_restart_from_s3(moto, make_inprocess_cluster, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # moto first: it stops after the stores, so no spill is cut off mid-request (a store then waits 5 s for its spiller)
+    for name, value in moto.env.items():  # in-process stores (s3fs, botocore) read the test's environment
+        monkeypatch.setenv(name, value)
     args = ["--spill", "s3://ckpt/runs", "--spill-every-steps", "1", "--spill-compression", "zstd-shuffle4"]
-    cluster = make_cluster(hosts=2, replicas=2, capacity="128MiB", env=moto.env, extra_args=args)
+    cluster = make_inprocess_cluster(hosts=2, replicas=2, capacity="128MiB", extra_args=args)
     save_steps(cluster, "s3-job", range(1, 4))
 
     def spilled_3() -> bool:

@@ -300,17 +300,23 @@ def test_a_token_file_of_the_user_s_still_works(ray_cluster: RayCluster, tmp_pat
         mray.stop_stores(namespace)
 
 
+# the scenario past its start (a node killed, replaced, drained; ~80 s of the default suite's
+# 2 cores): the slow stage. The default suite keeps its start (stores found from tasks, tokens) and the settings checks.
+@pytest.mark.slow
 def test_a_lost_node_restores_bit_exact_on_the_survivors(scenario: Scenario) -> None:
     scenario.reach("lost")
 
 
+@pytest.mark.slow
 def test_a_new_node_takes_the_lost_slot_and_repairs(scenario: Scenario) -> None:
     scenario.reach("replaced")
 
 
+@pytest.mark.slow
 def test_a_drained_node_leaves_and_loses_nothing(scenario: Scenario) -> None:
     scenario.reach("drained")
 
 
+@pytest.mark.slow
 def test_stop_stores_stops_every_actor(scenario: Scenario) -> None:
     scenario.reach("stopped")

@@ -18,7 +18,14 @@ MiB = 1 << 20
 
 def solo_store(tmp_path, keep: int) -> Store:  # type: ignore[no-untyped-def]
     config = StoreConfig.load(
-        {"host_id": "solo", "replicas": "1", "capacity": "10MiB", "keep": str(keep), "shm_dir": str(tmp_path / "shm"), "chunk_bytes": "1MiB"},
+        {
+            "host_id": "solo",
+            "replicas": "1",
+            "capacity": "10MiB",
+            "keep": str(keep),
+            "shm_dir": str(tmp_path / "shm"),
+            "chunk_bytes": "1MiB",
+        },
         env={},
     )
     s = Store(config)

@@ -1,8 +1,8 @@
 """replicas:2 against ec:4+1 side by side (issue 42): the same job on 5 stores, one rank per store.
 
-    python benchmarks/redundancy.py [--size 256MiB] [--saves 3] [--restores 1] [--idle-wait 45] [--json PATH]
+    python benchmarks/redundancy.py [--size 256MiB] [--saves 3] [--restores 1] [--idle-wait 45] [--keep 2] [--json PATH]
 
-For each scheme, on 5 freshly started local stores (``memstore.bench.rig.start_cluster``, keep 2, ``--redundancy`` the
+For each scheme, on 5 freshly started local stores (``memstore.bench.rig.start_cluster``, ``--keep``, ``--redundancy`` the
 scheme), 5 rank processes (``memstore.bench.ranks``), rank r on store hr, each with its own state of ``--size`` bytes
 (the bench's layout, seeded per rank), save 1 + keep + 1 + ``--saves`` steps together; each round:
 
@@ -16,7 +16,7 @@ Meanwhile the stores' shared memory is sampled as the bench counts it (``RamSamp
 over one rank's state: at the peak, right after the saves (``settled``: the ranks still connected, their next saves'
 memory reserved ahead under replicas; under ec:4+1 a save takes its rank's oldest kept step's memory when it comes,
 docs/erasure.md "RAM"), and once the job went idle (spares given back, ``--idle-wait``); ``settled_max_store``: the
-store holding the most then. The issue's bound for ec:4+1 is 1.25 x keep + 0.75 per store.
+store holding the most then. The issue's bound for ec:4+1 is 1.25 x keep + 0.75 per store (2.0 at ``--keep 1``).
 
 Then the ranks exit and the restores run, each in a new process as rank 0 of the job (``memstore.bench.measure``): local
 (a trainer restarted after a crash, from h0's RAM) and after a host loss (SIGKILL h0, start its replacement with empty
@@ -44,18 +44,18 @@ from memstore.core.sizes import parse_size
 
 SCHEMES = ("replicas:2", "ec:4+1")
 HOSTS = 5
-KEEP = 2
+KEEP = 2  # the default of --keep
 RUN_ID = "redundancy-bench"
 
 
-def measure_scheme(scheme: str, size: int, saves: int, restores: int, idle_wait: float, seed: int) -> dict[str, Any]:
+def measure_scheme(scheme: str, size: int, saves: int, restores: int, idle_wait: float, seed: int, keep: int = KEEP) -> dict[str, Any]:
     """One scheme's document: the rounds, the RAM, the restores."""
     os.environ["MEMSTORE_RUN_ID"] = RUN_ID  # the ranks and the restore processes share no process group: one run id
     ranks = [Rank(r) for r in range(HOSTS)]
     load_before = os.getloadavg()
     try:
         # room per store for its rank's cycle and a peer's (replicas) with the reserve beside them: the same for both
-        cluster = start_cluster(HOSTS, 2, KEEP, 2 * size, None, {}, redundancy=scheme)
+        cluster = start_cluster(HOSTS, 2, keep, 2 * size, None, {}, redundancy=scheme)
         with running(cluster):
             wait_idle(cluster)
             for r in ranks:
@@ -64,7 +64,7 @@ def measure_scheme(scheme: str, size: int, saves: int, restores: int, idle_wait:
             ram = RamSampler(cluster)
             try:
                 with PairedTcp(state_bytes[0]) as tcp:
-                    rounds = save_rounds(cluster, ranks, tcp, 1 + KEEP + 1 + saves, ram)
+                    rounds = save_rounds(cluster, ranks, tcp, 1 + keep + 1 + saves, ram, keep)
                 settled = ram.used()
                 per_store = [stored(cluster, h) for h in cluster.stores]
                 idle = idle_ram(ram, idle_wait) if idle_wait > 0 else None
@@ -77,12 +77,12 @@ def measure_scheme(scheme: str, size: int, saves: int, restores: int, idle_wait:
             timeout = 120.0 + state_bytes[0] / (20 * MiB)
             local = restore_local(cluster, JOB, expected, restores, timeout, world_size=HOSTS)
             with PairedTcp(state_bytes[0]) as tcp:
-                peer = restore_after_host_loss(cluster, JOB, expected, restores, KEEP, timeout, tcp, world_size=HOSTS)
+                peer = restore_after_host_loss(cluster, JOB, expected, restores, keep, timeout, tcp, world_size=HOSTS)
     finally:
         for r in ranks:
             if r.child.proc.returncode is None:  # not closed above: the run failed
                 r.child.close()
-    doc = summary(scheme, rounds, state_bytes, local, peer)
+    doc = summary(scheme, rounds, state_bytes, local, peer, keep)
     doc.update(ram_fields(ram.peak, settled, idle, sum(state_bytes)))
     doc["settled_per_store"] = [None if b is None else b / s for b, s in zip(per_store, state_bytes, strict=True)]
     doc["settled_max_store"] = max((x for x in doc["settled_per_store"] if x is not None), default=None)
@@ -96,7 +96,7 @@ def stored(cluster: Any, host: str) -> int | None:
     return None if h is None else int(h.used_bytes)
 
 
-def save_rounds(cluster: Any, ranks: list[Rank], tcp: PairedTcp, count: int, ram: RamSampler) -> list[dict[str, Any]]:
+def save_rounds(cluster: Any, ranks: list[Rank], tcp: PairedTcp, count: int, ram: RamSampler, keep: int = KEEP) -> list[dict[str, Any]]:
     """``count`` rounds: raw TCP of one rank's bytes, then every rank's memcpy, then every rank's save at once."""
     rounds = []
     for i in range(count):
@@ -105,17 +105,17 @@ def save_rounds(cluster: Any, ranks: list[Rank], tcp: PairedTcp, count: int, ram
             memcpy = everyone(ranks, {"op": "memcpy"})
             saved = everyone(ranks, {"op": "save", "step": i + 1})
         rounds.append({
-            "step": i + 1, "phase": phase_of(i, KEEP), "tcp_seconds": tcp_seconds,
+            "step": i + 1, "phase": phase_of(i, keep), "tcp_seconds": tcp_seconds,
             "ranks": [{"rank": r.rank, "memcpy_seconds": m["memcpy_seconds"], **s,
                        "stall_over_memcpy": ratio(s["stall_seconds"], m["memcpy_seconds"])}
                       for r, m, s in zip(ranks, memcpy, saved, strict=True)],
         })  # fmt: skip
-        wait_settled(cluster, JOB, KEEP)
+        wait_settled(cluster, JOB, keep)
     return rounds
 
 
 def summary(
-    scheme: str, rounds: list[dict[str, Any]], state_bytes: list[int], local: dict[str, Any], peer: dict[str, Any]
+    scheme: str, rounds: list[dict[str, Any]], state_bytes: list[int], local: dict[str, Any], peer: dict[str, Any], keep: int = KEEP
 ) -> dict[str, Any]:
     """The figures the table shows, over the steady rounds (after save 1 and the early saves), and every raw number."""
     steady = [r for r in rounds if r["phase"] == "steady"]
@@ -124,7 +124,7 @@ def summary(
     everything = [x for r in rounds for x in r["ranks"]]
     peer_tcp = [float(x["tcp_seconds"]) for x in peer["runs"] if x.get("tcp_seconds")]
     return {
-        "scheme": scheme, "hosts": HOSTS, "keep": KEEP, "rank_state_bytes": state_bytes,
+        "scheme": scheme, "hosts": HOSTS, "keep": keep, "rank_state_bytes": state_bytes,
         "stall_over_memcpy_p50": p50(stalls), "stall_over_memcpy_max": max(stalls, default=None),
         "committed_p50": p50(committed), "tcp_p50": p50([r["tcp_seconds"] for r in steady]),
         "committed_over_tcp_p50": p50([max(x["committed_seconds"] for x in r["ranks"]) / r["tcp_seconds"] for r in steady]),
@@ -158,7 +158,7 @@ def table(docs: list[dict[str, Any]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
     size = docs[0]["rank_state_bytes"][0] / MiB
-    title = f"{HOSTS} stores, one rank each, {size:.0f} MiB per rank, keep {KEEP}; RAM per store over one rank's state"
+    title = f"{HOSTS} stores, one rank each, {size:.0f} MiB per rank, keep {docs[0]['keep']}; RAM per store over one rank's state"
     return "\n".join([title, lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
@@ -169,6 +169,7 @@ def main() -> None:
     p.add_argument("--restores", type=int, default=1, help="repetitions of each restore (default 1)")
     p.add_argument("--idle-wait", type=float, default=45.0, help="seconds to wait for the job's spares to go back (default 45; 0: skip)")
     p.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated (default {','.join(SCHEMES)})")
+    p.add_argument("--keep", type=int, default=KEEP, help=f"the stores' --keep (default {KEEP})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="also write every raw number here")
     args = p.parse_args()
@@ -178,7 +179,7 @@ def main() -> None:
         p.error(f"--size {args.size!r} is invalid: {exc}")
     if size < MiB:
         p.error(f"--size must be at least 1MiB, got {args.size}")
-    for name in ("saves", "restores"):
+    for name in ("saves", "restores", "keep"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.idle_wait < 0:
@@ -188,14 +189,14 @@ def main() -> None:
     if unknown or not schemes:
         p.error(f"--schemes must name some of {', '.join(SCHEMES)}, got {args.schemes!r}")
     started = time.time()
-    docs = [measure_scheme(s, size, args.saves, args.restores, args.idle_wait, args.seed) for s in schemes]
+    docs = [measure_scheme(s, size, args.saves, args.restores, args.idle_wait, args.seed, args.keep) for s in schemes]
     print(table(docs))
     for d in docs:
         print(f"{d['scheme']}: load average {d['load_average']['before'][0]:.2f} before, {d['load_average']['after'][0]:.2f} after; "
               f"min copies {d['copies_min']}, errors {len(d['errors'])}")  # fmt: skip
     if args.json:
-        result = {"size": size, "saves": args.saves, "restores": args.restores, "idle_wait": args.idle_wait, "cpus": os.cpu_count(),
-                  "started_unix": started, "schemes": docs}  # fmt: skip
+        result = {"size": size, "saves": args.saves, "restores": args.restores, "idle_wait": args.idle_wait, "keep": args.keep,
+                  "cpus": os.cpu_count(), "started_unix": started, "schemes": docs}  # fmt: skip
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if any(d["errors"] or not (d["restore_after_host_loss"]["verified_equal"] and d["restore_local"]["verified_equal"]) for d in docs):
         raise SystemExit(1)

@@ -140,7 +140,7 @@ class StoreServicer(pb_grpc.StoreServicer):
                 raise
             # A reservation ahead found the ring full for now: an answer, not an error (the client asks again).
             return pb.AllocateResponse(ring_busy=True, ring_paths=self.store.ring_paths(key.job_id, key.rank),
-                                       ring_limit=self.store.pool.ring_limit, reserve_at_save=self.store.rings_recycle)  # fmt: skip
+                                       ring_limit=self.store.pool.ring_limit, reserve_at_save=self.store.reserve_at_save)  # fmt: skip
         return pb.AllocateResponse(
             lease_id=lease_id,
             segment_path=segment.path or "",
@@ -148,7 +148,7 @@ class StoreServicer(pb_grpc.StoreServicer):
             ring_paths=self.store.ring_paths(key.job_id, key.rank),
             lease_seconds=ALLOCATE_LEASE_SECONDS,
             ring_limit=self.store.pool.ring_limit,
-            reserve_at_save=self.store.rings_recycle,
+            reserve_at_save=self.store.reserve_at_save,
         )
 
     @rpc

@@ -69,7 +69,7 @@ from memstore.server.events import StoreEvents
 from memstore.server.membership import ClusterView, Membership
 from memstore.server.memory.leftovers import Adoption, Sidecars
 from memstore.server.memory.pool import SegmentPool
-from memstore.server.memory.rings import ring_limit, saves_recycle
+from memstore.server.memory.rings import reserves_at_save, ring_limit, saves_recycle
 from memstore.server.memory.shm_dirs import segment_dir
 from memstore.server.memory.shm_pages import shm_pages
 from memstore.server.memory.shm_sweep import ShmSweeper
@@ -109,8 +109,8 @@ class Store:
             config.capacity,
             adopt_leftovers=True,
             reserve=ReservePolicy(config.prefault, config.prefault_unit, config.keep),
-            ring_limit=ring_limit(config.keep, recycling := saves_recycle(config.keep, config.redundancy.erasure_coded)),
-            pool_past_limit=not recycling,  # a recycling ring keeps no spare: what it grew by goes back to the kernel
+            ring_limit=ring_limit(config.keep, at_save := reserves_at_save(config.redundancy.erasure_coded)),
+            pool_past_limit=not at_save,  # an ec:K+M ring keeps no spare: what it grew by goes back to the kernel
         )
         self.peers = PeerDirectory(self.host_id, credentials=credentials)
         # Who holds which slot: fed by the discovery watcher and gossip (memstore.server.app); moves the peer directory along.
@@ -201,9 +201,15 @@ class Store:
 
     @property
     def rings_recycle(self) -> bool:
-        """ec:K+M with keep >= 2: a save into its rank's full capture ring takes its oldest kept step's segment, and its
-        client reserves nothing ahead (``AllocateResponse.reserve_at_save``; ``memstore.server.engine.recycling``)."""
+        """ec:K+M with keep >= 2: a save into its rank's full capture ring takes its oldest kept step's segment
+        (``memstore.server.engine.recycling``)."""
         return self.recycler is not None
+
+    @property
+    def reserve_at_save(self) -> bool:
+        """ec:K+M (every keep): a rank's capture ring keeps no spare, and its client reserves nothing ahead; each save
+        takes its segment when it comes (``AllocateResponse.reserve_at_save``; ``memstore.server.memory.rings``)."""
+        return reserves_at_save(self.config.redundancy.erasure_coded)
 
     def _protection(self) -> Protection:
         """What protects this store's own shards: the replicator, or under --redundancy ec:K+M the encoder (its parity

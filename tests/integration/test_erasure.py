@@ -201,6 +201,58 @@ def test_a_save_keeps_the_oldest_kept_step_while_another_ranks_save_of_the_newes
             c.close()
 
 
+def test_at_keep_1_a_store_settles_within_2x_and_every_rank_restores_the_newest_step_after_a_loss(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
+    # --keep 1: the ring keeps no spare (docs/erasure.md, "RAM"). Each save takes a fresh segment beside the kept step,
+    # which stays held until retention drops it (the new step committed); its segment then goes back to the kernel.
+    # Settled: the kept step and its parity (about 1.27x here), within the issue's 1.25 x keep + 0.75 = 2.0x, which a
+    # spare segment (2.27x) breaks.
+    cluster = make_inprocess_cluster(hosts=HOSTS, redundancy="ec:4+1", capacity="256MiB", keep=1)
+    h0 = cluster.servers["h0"].store
+    held_at_allocate: list[set[int]] = []
+    allocate = h0.allocate
+
+    def spy(key, *args, **kwargs):  # type: ignore[no-untyped-def]
+        got = allocate(key, *args, **kwargs)
+        held_at_allocate.append({k.step for k, _, _ in h0.catalog.held(JOB) if k.rank == 0 and k.step != key.step})
+        return got
+
+    h0.allocate = spy  # type: ignore[method-assign]
+    cs = clients(cluster)  # connected throughout, as a trainer's: each maps its ring between saves
+    try:
+        sizes = []
+        for step in (1, 2, 3):
+            for h in [c.save(step, rank_state(c.rank, step, scale=SCALE)) for c in cs]:
+                info = h.wait(timeout=30)
+                assert (info.state, info.copies) == ("committed", 1)
+                sizes.append(info.nbytes)
+            for host in cluster.stores:  # retention drops the step before (a trainer's next save comes a training step later)
+                store = cluster.servers[host].store
+                wait_for(lambda store=store, step=step: {k.step for k, _, _ in store.catalog.held(JOB)} == {step}, timeout=10,
+                         what=f"{host} to keep step {step} only")  # fmt: skip
+        assert held_at_allocate == [set(), {1}, {2}]  # each save's segment came while the newest committed step was held
+        state = max(sizes)
+        bound = 2.0 * state
+        for host in cluster.stores:
+            wait_for(lambda host=host: shm_bytes(cluster, host) <= bound, timeout=10, what=f"{host} to settle within 2.0x")
+        for host in cluster.stores:
+            store = cluster.servers[host].store
+            assert (store.recycler, store.pool.ring_limit, store.pool.ring_overflows) == (None, 1, 0)
+    finally:
+        for c in cs:
+            c.close()
+
+    cluster.kill("h2")
+    cluster.restart("h2")  # the replacement: same id and address, empty RAM
+    cs = clients(cluster)
+    try:
+        assert {c.latest_step() for c in cs} == {3}
+        for c in cs:
+            assert_same(c.load(), rank_state(c.rank, 3, scale=SCALE))  # rank 2's shard rebuilt from the other four
+    finally:
+        for c in cs:
+            c.close()
+
+
 def test_two_losses_in_one_group_are_unrestorable_from_ram(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = make_inprocess_cluster(hosts=HOSTS, redundancy="ec:4+1", capacity="256MiB", keep=KEEP)
     save_steps(cluster, range(1, 2))

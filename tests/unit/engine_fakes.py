@@ -77,7 +77,7 @@ class FakePool:
     def count_growth(self, owner: str, ring: int, size: int) -> None:
         raise AssertionError("the fake pool's rings never fill")
 
-    def release(self, seg: Segment, reuse: bool = True) -> None:
+    def release(self, seg: Segment, reuse: bool = True, written: bool = False) -> None:
         assert seg not in self.released, "a segment released twice"
         self.released.append(seg)
         if not reuse:

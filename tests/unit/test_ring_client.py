@@ -4,6 +4,7 @@ ring's threads."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -299,6 +300,59 @@ def test_a_save_whose_store_takes_its_segment_at_save_time_sends_its_floor_with_
     saves = [r for r in store.requests if not r.ahead]
     # The first save learnt the mode from its answer: it read nothing; the later ones sent the step before theirs.
     assert read == [2, 3, 4] and [r.restorable_floor if r.HasField("restorable_floor") else None for r in saves] == [None, 1, 2, 3]
+    ring.close()
+
+
+class KeepOneStore:
+    """A store under ec:K+M with keep 1 (``reserve_at_save``, ``ring_limit`` 1): every save gets a fresh segment beside
+    the kept step's, which leaves the ring (the store frees it) once the newer save commits (retention drops its step)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.ring: list[str] = []
+        self.leases: dict[str, str] = {}
+        self.requests: list[pb.AllocateRequest] = []
+
+    def allocate(self, request: pb.AllocateRequest) -> pb.AllocateResponse:
+        self.requests.append(request)
+        if request.grow and self.ring:
+            raise RuntimeError("the ring is full")  # (RingBusy)
+        path = str(self.directory / f"seg-{len(self.requests)}")
+        Path(path).write_bytes(b"\0" * PAGE)
+        self.ring.append(path)
+        self.leases[lease := f"lease-{len(self.requests)}"] = path
+        return pb.AllocateResponse(
+            lease_id=lease, segment_path=path, segment_bytes=PAGE, ring_paths=self.ring, lease_seconds=600, ring_limit=1,
+            reserve_at_save=True,
+        )  # fmt: skip
+
+    def release(self, lease_id: str) -> None:
+        self.leases.pop(lease_id)
+
+    def commit(self, request: pb.CommitRequest, what: str) -> None:
+        kept = self.leases.pop(request.lease_id)
+        for path in [p for p in self.ring if p != kept]:  # retention drops the step before: its segment leaves the ring
+            self.ring.remove(path)
+            os.unlink(path)
+
+
+def test_at_keep_1_under_ec_each_save_maps_a_fresh_segment_reads_no_floor_and_drops_the_old_mapping(tmp_path: Path) -> None:
+    # No kept step is retired for a save from a ring of one: the save does not wait for its floor agreement; nothing is
+    # reserved ahead (a spare would cost a whole shard); the kept step's mapping goes at the next Allocate.
+    from trainer_client.capture.ring import Handover
+
+    store = KeepOneStore(tmp_path)
+    ring = CaptureRing(store.allocate, store.release, commit=store.commit)
+    read: list[int] = []
+    for step in range(1, 5):
+        key = pb.ShardKey(job_id="j", step=step, rank=0)
+        slot = ring.take(key, 1, PAGE, floor=lambda step=step: read.append(step) or (step - 1, ""))  # type: ignore[misc]
+        # mapped: the kept step's and this save's fresh segment; the one before them (gone with its step) was dropped
+        assert ring.mapped_paths == sorted(store.ring) and slot.path == store.ring[-1] and len(store.ring) <= 2
+        ring.commit(slot, Handover(key, 1, pb.CommitRequest(), time.perf_counter()))
+    ring.wait_ahead(timeout=10)
+    assert read == [] and not any(r.HasField("restorable_floor") for r in store.requests)
+    assert [r.ahead for r in store.requests] == [False] * 4 and ring.ahead_path() == ""
     ring.close()
 
 

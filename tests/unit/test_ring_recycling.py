@@ -21,7 +21,7 @@ from memstore.server.engine.eviction import Eviction
 from memstore.server.engine.recycling import Recycler
 from memstore.server.engine.room import Room
 from memstore.server.memory.pool import Segment
-from memstore.server.memory.rings import ring_limit, saves_recycle
+from memstore.server.memory.rings import reserves_at_save, ring_limit, saves_recycle
 from memstore.server.store import Store
 from tests.unit.engine_fakes import FakePool, KiB, config, make_catalog
 
@@ -103,7 +103,7 @@ class RingPool(FakePool):
     def recyclable(self, seg: Segment, nbytes: int) -> bool:
         return not seg.exported and nbytes <= seg.size
 
-    def release(self, seg: Segment, reuse: bool = True) -> None:
+    def release(self, seg: Segment, reuse: bool = True, written: bool = False) -> None:
         super().release(seg, reuse)
         if reuse and seg.path and not seg.exported:
             self.pooled[seg.path] = seg
@@ -227,16 +227,19 @@ def test_a_floor_in_the_saves_allocate_is_known_before_its_segment_is_chosen(tmp
 
 @pytest.mark.parametrize(
     ("redundancy", "keep", "recycles", "limit"),
-    [("ec:4+1", 2, True, 2), ("ec:4+1", 3, True, 3), ("ec:4+1", 1, False, 2), ("replicas:2", 2, False, 3)],
+    [("ec:4+1", 2, True, 2), ("ec:4+1", 3, True, 3), ("ec:4+1", 1, False, 1), ("replicas:2", 2, False, 3), ("replicas:2", 1, False, 2)],
 )
 def test_only_ec_with_keep_2_or_more_recycles(tmp_path, redundancy: str, keep: int, recycles: bool, limit: int) -> None:  # type: ignore[no-untyped-def]
-    # keep 1: recycling the only kept step would leave nothing restorable during a save (its ring keeps a spare);
+    # keep 1: recycling the only kept step would leave nothing restorable during a save; under ec its ring still keeps no
+    # spare (a save takes a fresh segment, and the kept step's goes back to the kernel once retention drops it).
     # replicas: the ring keeps its spare, reserved ahead after each commit.
-    assert saves_recycle(keep, redundancy.startswith("ec:")) is recycles and ring_limit(keep, recycles) == limit
+    ec = redundancy.startswith("ec:")
+    assert saves_recycle(keep, ec) is recycles and reserves_at_save(ec) is ec and ring_limit(keep, ec) == limit
     cli = {"host_id": "h0", "peers": FIVE, "redundancy": redundancy, "keep": str(keep), "shm_dir": str(tmp_path), "capacity": "8MiB"}
     store = Store(StoreConfig.load(cli, env={}))
     try:
         assert (store.rings_recycle, store.recycler is not None, store.pool.ring_limit) == (recycles, recycles, limit)
+        assert (store.reserve_at_save, store.pool.pool_past_limit) == (ec, not ec)
         assert store.room.recycler is store.recycler
     finally:
         store.close()

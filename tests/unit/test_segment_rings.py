@@ -182,6 +182,37 @@ def test_a_recycling_ring_frees_what_it_grew_by(tmp_path: Path) -> None:
         pool.close()
 
 
+def test_at_keep_1_under_ec_the_kept_steps_segment_goes_back_to_the_kernel_though_its_client_maps_it(tmp_path: Path) -> None:
+    """ec:K+M at --keep 1 (ring_limit 1, no spare): a save takes a fresh segment beside the kept step's; once retention
+    drops the kept step its segment leaves the ring and its pages are freed at once, although the client still maps the
+    file until its next Allocate. A lease given back (or expired, or a shard dropped in flight: its client may still write)
+    is only unlinked."""
+    pool = SegmentPool(str(tmp_path / "h0-4"), 256 * PAGE, ring_limit=ring_limit(1, at_save=True), pool_past_limit=False)
+    try:
+        kept = pool.acquire(4 * PAGE, JOB, ring=0)
+        assert kept.path is not None
+        fd = os.open(kept.path, os.O_RDWR)  # the client's mapping of the kept step's segment
+        try:
+            newer = pool.acquire(4 * PAGE, JOB, ring=0)  # the next save: nothing free in the ring, which grows beside it
+            assert newer is not kept and pool.used_bytes == kept.size + newer.size
+            pool.release(kept, written=True)  # retention drops the kept step (settled) once the newer one committed
+            assert (kept.ring, newer.ring, pool.used_bytes, pool.pooled_bytes) == (NO_RING, 0, newer.size, 0)
+            assert os.fstat(fd).st_size == 0 and os.fstat(fd).st_blocks == 0  # its pages are the kernel's again
+            assert pool.ring_paths(JOB, 0) == paths([newer])
+        finally:
+            os.close(fd)
+        lease = pool.acquire(4 * PAGE, JOB, ring=0)  # a save's lease beside the kept step, given back
+        assert lease.path is not None
+        fd = os.open(lease.path, os.O_RDWR)
+        try:
+            pool.release(lease)  # (not written: its client might still be writing into it)
+            assert os.fstat(fd).st_size == lease.size and pool.used_bytes == newer.size  # unlinked, not emptied
+        finally:
+            os.close(fd)
+    finally:
+        pool.close()
+
+
 def test_ring_full_at_its_limit_with_nothing_free_and_growth_past_the_slack_counted(limited: SegmentPool) -> None:
     ring = [limited.acquire(2 * PAGE, JOB, ring=0) for _ in range(LIMIT - 1)]
     assert limited.ring_full(JOB, 0) == 0  # short of its limit

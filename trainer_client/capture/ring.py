@@ -16,10 +16,13 @@ copy are final: the store starts pushing them) or :meth:`CaptureRing.abort` (the
 callables. After each commit the ring reserves the next save's segment ahead (``AllocateRequest.ahead``) on its own
 thread, maps and registers it there: ``save()`` then makes no call to the store at all. ``prepare`` does the
 same before the first save. Unless the store says that this rank's saves take their segment when they come
-(``AllocateResponse.reserve_at_save``: ``--redundancy ec:K+M`` with ``--keep`` 2 or more, where a save takes the
-segment of its rank's oldest kept step, which must stay restorable until then): the ring then only fills itself to
-its size after a commit, and each save costs one ``Allocate`` round trip, answered with a segment of the ring, which
-is mapped (and registered) already.
+(``AllocateResponse.reserve_at_save``: ``--redundancy ec:K+M``, whose rings keep no spare: with ``--keep`` 2 or more
+a save takes the segment of its rank's oldest kept step, which must stay restorable until then): the ring then only
+fills itself to its size after a commit, and each save costs one ``Allocate`` round trip, answered with a segment of
+the ring, which is mapped (and registered) already. At ``--keep 1`` under ec:K+M the ring is one segment, the kept
+step's: a save's ``Allocate`` is answered with a fresh segment, mapped (and registered) then, in the save's path, and
+the kept step's segment leaves the ring (the store frees its pages once retention drops that step; this client unmaps
+it at its next ``Allocate``).
 
 A registration that fails is retried once after re-mapping the segment; if it fails again the save copies
 through pageable memory (synchronously) and the failure is counted (``CaptureStats``, sent with the next
@@ -267,14 +270,17 @@ class CaptureRing:
         fresh allocation of ``key`` now. Pinned when ``pinning`` (a fallback is counted, or raised when strict). A save
         then holds its mapping (:meth:`hold`). ``floor``: reads the job's restorable floor for the ``Allocate`` when the
         store takes this rank's segments at save time (``reserve_at_save``): it may retire the rank's oldest kept step
-        for this save only below a step every rank saved (``PlannedShard.allocate_floor``: this save's agreement)."""
+        for this save only below a step every rank saved (``PlannedShard.allocate_floor``: this save's agreement). Not
+        read for a ring of one segment (``--keep 1`` under ec:K+M: no kept step is retired for a save, it takes a fresh
+        segment)."""
         slot = self._take_ahead(nbytes)
         if slot is None:
             self._await_fill()
             request = pb.AllocateRequest(key=key, world_size=world_size, nbytes=nbytes)
             with self._lock:
-                at_save = self._at_save
-            agreed = floor() if at_save and floor is not None else None  # may wait (bounded) for this save's agreement
+                # the store may retire the oldest kept step for this save: not from a ring of one (--keep 1 under ec:K+M)
+                recycles = self._at_save and self._limit >= 2
+            agreed = floor() if recycles and floor is not None else None  # may wait (bounded) for this save's agreement
             if agreed is not None:
                 set_floor(request, *agreed)
             seq = self._next_seq()

@@ -207,7 +207,7 @@ class Catalog:
             entry.error = reason
         entry.dropped = True
         if entry.pins == 0:
-            self.pool.release(entry.segment)
+            self.pool.release(entry.segment, written=entry.state.settled)
         self.cond.notify_all()
 
     def pin(self, entry: Entry) -> bool:
@@ -222,7 +222,7 @@ class Catalog:
         with self.cond:
             entry.pins -= 1
             if entry.pins == 0 and entry.dropped:
-                self.pool.release(entry.segment)
+                self.pool.release(entry.segment, written=entry.state.settled)
 
     def readable(self, key: ShardKey, wait: float = 30.0) -> Entry:
         """The verified local copy of ``key`` (waits briefly while its checksums are computed)."""
@@ -355,7 +355,7 @@ class Catalog:
         if lease is not None:
             self.unpin(lease.entry)
         elif alloc is not None:
-            self.pool.release(alloc.entry.segment)
+            self.pool.release(alloc.entry.segment)  # (not written: expired, its client may still be writing into it)
 
     def stale_leases(self, now: float) -> list[str]:
         """The ids of the allocation leases, then the read leases, that expired before ``now``."""

@@ -97,8 +97,9 @@ class SegmentPool:
         does not, the first ``acquire`` deletes the leftovers). ``reserve``: how much fresh memory to keep
         faulted in ahead of need (``memstore.core.reserve_policy``), once ``start_reserve`` runs; None: none.
         ``pool_past_limit``: a segment released while its ring is over its limit (saves outran retention) leaves the ring
-        and stays pooled for the job's other saves; False (rings that recycle their oldest kept step, under ec:K+M): it
-        goes back to the kernel, so the ring's memory returns to its limit once its saves settle."""
+        and stays pooled for the job's other saves; False (rings without a spare, under ec:K+M): it goes back to the
+        kernel (a settled shard's pages freed at once, although its client still maps it: ``release``), so the ring's
+        memory returns to its limit once its saves settle."""
         self.capacity = capacity
         self.max_pooled_bytes = capacity if max_pooled_bytes is None else max_pooled_bytes
         # close() with keep_files=None reads this: set by the server from --shm-keep-on-exit before it closes the engine.
@@ -624,14 +625,21 @@ class SegmentPool:
             except OSError as exc:
                 log.warning("cannot write the sidecar of %s (the shard will not be adopted after a crash): %s", seg.path, exc)
 
-    def release(self, seg: Segment, reuse: bool = True) -> None:
+    def release(self, seg: Segment, reuse: bool = True, written: bool = False) -> None:
         """Return a segment to the pool (kept mapped and faulted for the next save) or free it.
 
         Its sidecar goes first: a pooled segment is never adoptable. A sparse segment whose pages are not all
         allocated (its client died before faulting them in, or could not) is freed, never pooled; so is one released
         with ``reuse=False`` (nothing is expected to need it soon). Releasing a segment that is not in use (twice, or
         after ``close``) is logged and ignored.
+
+        A segment that leaves its capture ring for the kernel (``pool_past_limit=False``) with ``written`` (it held a
+        settled shard: its client's final commit came, so the client writes into it no more) has its pages freed at once,
+        although its client may still map it (``Segment.destroy(free_pages=True)``). Without ``written`` (a lease given
+        back or expired, a shard dropped in flight) it is only unlinked: its client might still be writing into it, and
+        must never meet a SIGBUS for it.
         """
+        leaves = False  # it leaves its ring for the kernel: its client may still map it (``Segment.destroy(free_pages)``)
         with self._lock:
             if seg not in self._in_use:
                 if not self._closed:
@@ -647,15 +655,16 @@ class SegmentPool:
             if seg.sparse and _allocated(seg):
                 seg.sparse = False  # its client faulted every page in (a ring's fill, a reservation given back)
             if seg.ring != NO_RING and self._ring_size(seg.owner, seg.ring) >= self.ring_limit:  # (seg is out of it now)
-                seg.ring = NO_RING  # the ring grew past its limit (saves outran retention): this one leaves it
-                reuse = reuse and self.pool_past_limit  # a recycling ring (ec:K+M) keeps no spare beside its kept steps
+                seg.ring = NO_RING  # the ring grew past its limit (saves outran retention, or keep 1 under ec): it leaves it
+                leaves = not self.pool_past_limit and written
+                reuse = reuse and self.pool_past_limit  # an ec:K+M ring keeps no spare beside its kept steps
             if reuse and not seg.exported and not seg.sparse and self.pooled_bytes + seg.size <= self.max_pooled_bytes:
                 self._free.append(seg)
                 self._pooled_bytes += seg.size
                 if seg.ring != NO_RING:
                     self._changed.notify_all()  # an ahead allocation may wait for its ring
                 return
-        seg.destroy()
+        seg.destroy(free_pages=leaves)
 
     def trim(self, keep_bytes: int = 0) -> None:
         """Free pooled segments (the reserve's too) until at most ``keep_bytes`` stay pooled."""

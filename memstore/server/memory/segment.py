@@ -96,20 +96,34 @@ class Segment:
         except (OSError, ValueError) as exc:
             log.debug("cannot trim segment %s to %d bytes: %s", self.path, size, exc)
 
-    def unmap(self) -> None:
-        """Unmap, keeping the file (and sidecar) on the tmpfs."""
+    def unmap(self) -> bool:
+        """Unmap, keeping the file (and sidecar) on the tmpfs. Whether it is unmapped now (False: a view of this
+        store's still references the map, which goes when that view does)."""
         if self._closed:
-            return
+            return True
         self._closed = True
         try:
             self.mm.close()
         except BufferError:
             # A memoryview still references the map (an in-flight reader); the pages go when it does.
             log.debug("segment %s still exported; unmapped when its last view is released", self.path)
+            return False
+        return True
 
-    def destroy(self) -> None:
-        """Unmap and unlink the file and its sidecar."""
-        self.unmap()
+    def destroy(self, free_pages: bool = False) -> None:
+        """Unmap and unlink the file and its sidecar.
+
+        ``free_pages``: empty the file first (truncate it to 0), so its pages go back to the kernel now even while a
+        client still maps it: a capture ring's segment leaving the ring (its client drops the mapping only at its next
+        ``Allocate``). Only for a segment nobody reads or writes any more: never an exported one (a reader's mapping),
+        nor while a view of this store's still references it. Pages a client registered for DMA stay pinned until it
+        unregisters them."""
+        unmapped = self.unmap()
+        if free_pages and unmapped and self.path and not self.exported:
+            try:
+                os.truncate(self.path, 0)
+            except OSError as exc:
+                log.debug("cannot empty segment %s before unlinking it: %s", self.path, exc)
         if self.path:
             for path in (self.path, sidecar_path(self.path)):
                 with contextlib.suppress(FileNotFoundError):

@@ -491,6 +491,8 @@ def _reshard_load4_worker(rank: int, backend: Backend, port: int) -> None:
         dist.destroy_process_group()
 
 
+# In the slow stage: ~10 s of a core. The default suite keeps test_dcp's resharding (2 -> 1 and 2 -> 4, DTensor).
+@pytest.mark.slow
 def test_dtensor_resharding_across_world_sizes(backend: Backend, forkserver: None) -> None:
     """test_dtensor_resharding (placement and 1-D/2-D mesh changes) with the world size changing 4 -> 2, 4 -> 1, 2 -> 4."""
     run_ranks(_reshard_save4_worker, 4, backend, free_ports(1)[0])

@@ -166,7 +166,13 @@ def test_a_restore_after_replacement_goes_before_repair(make_cluster) -> None:
     with CheckpointClient("first", 0, 1, store=cluster.address("h0"), run_id="r", timeout=20) as c:
         assert_same(c.load(1), rank_state(0, 1, scale=8))
         wait_for(lambda: c.latest_step() == 2 and (2, 0) in held_keys_of(cluster, "h0", "first"), timeout=30, what="repair of step 2")
-    log = cluster.log_tail("h0", 400)
+
+    # the copy is listed before its pull is logged (the store registers it, then logs it): wait for the line too
+    def logged_repair() -> str:
+        tail = cluster.log_tail("h0", 400)
+        return tail if "repair: pulled" in tail else ""
+
+    log = wait_for(logged_repair, timeout=10, what="the repair's log line")
     fetched = log.find("fetch: pulled")
     repaired = log.find("repair: pulled")
     assert fetched != -1 and repaired != -1, log

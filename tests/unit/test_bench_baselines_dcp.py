@@ -45,6 +45,8 @@ def _raising_async_save(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+# In the slow stage: the bench smoke (tests/integration/test_bench_smoke.py) measures the same floor on this torch.
+@pytest.mark.slow
 def test_the_floor_measures_both_stagings_on_this_torch(tmp_path: Path) -> None:
     baseline = baseline_dcp(_state(), str(tmp_path), reps=2)
     assert baseline["default"]["unavailable"] is None and len(baseline["default"]["blocking_seconds"]) == 2

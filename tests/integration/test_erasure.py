@@ -35,6 +35,21 @@ def clients(cluster: LocalCluster, ranks: range | list[int] = range(WORLD)) -> l
     return erasure.clients(cluster, JOB, WORLD, ranks)
 
 
+def lose_h2_then_restore(cluster, step: int) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL-like loss of h2 and its replacement (same id and address, empty RAM); every rank restores ``step``
+    bit-exactly, rank 2's shard rebuilt from the other four stores."""
+    cluster.kill("h2")
+    cluster.restart("h2")
+    cs = clients(cluster)
+    try:
+        assert {c.latest_step() for c in cs} == {step}
+        for c in cs:
+            assert_same(c.load(), rank_state(c.rank, step, scale=SCALE))
+    finally:
+        for c in cs:
+            c.close()
+
+
 def save_steps(cluster: LocalCluster, steps: range) -> list[int]:
     return erasure.save_steps(cluster, JOB, WORLD, SCALE, steps)
 
@@ -66,16 +81,7 @@ def test_ec_saves_commit_hold_a_quarter_more_and_a_replacement_rebuilds(make_inp
         (2, 1, "ec:4+1", True),
     ]
 
-    cluster.kill("h2")
-    cluster.restart("h2")  # the replacement: same id and address, empty RAM
-    cs = clients(cluster)
-    try:
-        assert {c.latest_step() for c in cs} == {3}
-        for c in cs:
-            assert_same(c.load(), rank_state(c.rank, 3, scale=SCALE))  # rank 2's shard rebuilt from the other four stores
-    finally:
-        for c in cs:
-            c.close()
+    lose_h2_then_restore(cluster, 3)
     store = cluster.servers["h2"].store
     assert store.rebuilder is not None and store.rebuilder.rebuilt >= 1  # nobody held a copy of rank 2's shard: rebuilt
     # Repair rebuilds the replacement's other kept step and refills the parity fragments it keeps, without a client.
@@ -241,16 +247,7 @@ def test_at_keep_1_a_store_settles_within_2x_and_every_rank_restores_the_newest_
         for c in cs:
             c.close()
 
-    cluster.kill("h2")
-    cluster.restart("h2")  # the replacement: same id and address, empty RAM
-    cs = clients(cluster)
-    try:
-        assert {c.latest_step() for c in cs} == {3}
-        for c in cs:
-            assert_same(c.load(), rank_state(c.rank, 3, scale=SCALE))  # rank 2's shard rebuilt from the other four
-    finally:
-        for c in cs:
-            c.close()
+    lose_h2_then_restore(cluster, 3)
 
 
 def test_two_losses_in_one_group_are_unrestorable_from_ram(make_inprocess_cluster) -> None:  # type: ignore[no-untyped-def]

@@ -3,6 +3,7 @@ each capturing 1/D of it, and every rank (or its replacement) restores the whole
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -179,12 +180,21 @@ def test_spilled_stripes_restore_after_every_store_restarted(make_inprocess_clus
         for c in clients:
             assert c.latest_step() == 2
             assert encoded(c.load()) == encoded(states[4])
-        save_all(clients, 3, [states[3]] * 2)
+        timeline = save_all(clients, 3, [states[3]] * 2)[0].timeline
     finally:
         close_all(clients)
-    spilled = lambda: {int(p.parent.name[5:]) for p in root.glob("spilled/step-*/rank-*.json")}  # noqa: E731
     step3 = root / "spilled" / "step-000000000003"
-    wait_for(lambda: 3 in spilled() and len(list(step3.glob("rank-*.json"))) == 2, timeout=60, what="step 3 spilled")
+
+    def spilled_3() -> bool:  # both ranks of the new timeline's step 3 (the old timeline's step 3 may be spilled already)
+        names = []
+        for p in step3.glob("rank-*.json"):
+            try:
+                names.append(json.loads(p.read_text())["timeline"])
+            except (FileNotFoundError, ValueError):  # replaced as we read it: look again
+                return False
+        return names == [timeline] * 2
+
+    wait_for(spilled_3, timeout=60, what="the new timeline's step 3 spilled")
     for h in cluster.stores:
         cluster.kill(h)
     for h in cluster.stores:

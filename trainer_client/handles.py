@@ -31,8 +31,10 @@ class SaveResult:
         step: the step saved.
         rank: the rank that saved it.
         timeline: the save's timeline (``<run id>.<epoch>``, or the one passed to ``save``).
-        state: ``"committed"`` (R verified copies) once ``wait()`` returns; on the way: ``"captured"``,
-            ``"replicating"``; after a failed replication ``"under_replicated"``.
+        state: ``"committed"`` (R verified copies; under ``--redundancy ec:K+M``, one verified copy whose contributions
+            every parity host of its rows acknowledged, so a lost store rebuilds it) once ``wait()`` returns; on the way:
+            ``"captured"``, ``"replicating"``; after a failed replication ``"under_replicated"``. Whether every rank's
+            save of the step committed is what ``latest_step()`` answers.
         copies: verified copies acknowledged, the owner's own included.
         superseded: a newer save of this rank was captured before this one replicated (it holds no copy).
         host: the store that owns the shard (the trainer's local store).

@@ -21,6 +21,10 @@ pytestmark = pytest.mark.integration
 ARGV = ["--size", "4MiB", "--saves", "1", "--restores", "1", "--small-saves", "2", "--dp-size", "2MiB", "--idle-wait", "0"]
 
 
+# The slow stage and the torch stage (CI runs both): ~35 s of the machine's CPU, four fresh processes importing torch
+# among it. The default suite keeps the bench's parts (tests/unit/test_bench_*.py, test_redundancy_bench.py).
+@pytest.mark.slow
+@pytest.mark.torch_stage
 @pytest.mark.timeout(240)
 def test_a_tiny_run_writes_the_table_and_every_ratio(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

@@ -28,6 +28,7 @@ def torchrun(script: str, store: str, steps: int) -> str:
                 "--master-port", str(port), str(EXAMPLES / script), "--store", store, "--steps", str(steps)])  # fmt: skip
 
 
+@pytest.mark.slow  # two fresh processes that train and resume (~13 s of CPU); the client paths it uses are all in the default suite
 def test_plain_loop(make_inprocess_cluster) -> None:
     store = make_inprocess_cluster(hosts=2, replicas=2, capacity="64MiB").address("h0")
     assert "done at step 6" in run([sys.executable, str(EXAMPLES / "plain_loop.py"), "--store", store, "--steps", "6"])
@@ -35,7 +36,7 @@ def test_plain_loop(make_inprocess_cluster) -> None:
     assert "resumed from step 6" in out and "done at step 10" in out
 
 
-@pytest.mark.slow  # two torchrun launches of two ranks each (~35 s on 2 cores); plain_loop stays in the default suite
+@pytest.mark.slow  # two torchrun launches of two ranks each (~35 s on 2 cores)
 def test_ddp_torchrun(make_cluster) -> None:
     store = make_cluster(hosts=2, replicas=2, capacity="64MiB").address("h1")
     assert torchrun("ddp_torchrun.py", store, 4).count("done at step 4") == 2
